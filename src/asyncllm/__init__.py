@@ -1,0 +1,42 @@
+"""asyncllm: an asyncio-native LLM inference engine.
+
+Importing the package never imports torch: the public surface resolves lazily, and the engine loads the
+runner (torch) only when it is built.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from asyncllm.errors import EngineDeadError, InvalidRequestError, UnsupportedModelError
+from asyncllm.outputs import RequestMetrics, RequestOutput, StreamOutput
+from asyncllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from asyncllm.async_engine.engine import AsyncLLMEngine
+    from asyncllm.llm import LLM
+
+__all__ = [
+    "LLM",
+    "AsyncLLMEngine",
+    "EngineDeadError",
+    "InvalidRequestError",
+    "RequestMetrics",
+    "RequestOutput",
+    "SamplingParams",
+    "StreamOutput",
+    "UnsupportedModelError",
+]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name == "AsyncLLMEngine":
+        from asyncllm.async_engine.engine import AsyncLLMEngine
+
+        return AsyncLLMEngine
+    if name == "LLM":
+        from asyncllm.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'asyncllm' has no attribute {name!r}")

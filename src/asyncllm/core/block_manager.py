@@ -1,0 +1,146 @@
+"""KV block accounting with reference counts and a prefix cache.
+
+Owns which physical block holds which request's tokens, and the index from prefix hash to block. Knows
+nothing of tensors: the runner receives block ids and writes KV where it is told.
+
+Life of a block: free (maybe still cached) -> held by one or more requests (ref_count > 0) -> free again,
+appended to the LRU end. A free block keeps its hash so a later request with the same prefix can take it
+back; when it is taken for other content it leaves the hash index first, so the index never points at KV
+that is not what the hash says.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from asyncllm.core.block_hash import extend_block_hashes
+from asyncllm.core.request import Request
+
+
+class KVBlock:
+    __slots__ = ("block_hash", "block_id", "ref_count")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.block_hash: int | None = None
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # Free blocks in eviction order: the first is the least recently freed.
+        self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._cached: dict[int, KVBlock] = {}  # block hash -> block holding exactly that prefix
+        self._num_registered: dict[str, int] = {}  # request id -> leading blocks already offered to the cache
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no request holds, cached ones included."""
+        return len(self._free)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def find_cached_prefix(self, request: Request) -> list[KVBlock]:
+        """The longest run of leading full blocks of `request` already in the cache (no references taken).
+
+        At most `(num_tokens - 1) // block_size` blocks: the last token is always computed, since its
+        logits are what the next sample needs.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, max_blocks)
+        hits: list[KVBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self._cached.get(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admission's lookup for the hit rate (only admissions that succeed are counted)."""
+        self.num_queried_tokens += num_tokens
+        self.num_hit_tokens += num_hit_tokens
+
+    # ------------------------------------------------------------------ changes
+    def allocate(self, request: Request, num_new_tokens: int, cached: list[KVBlock] | None = None) -> bool:
+        """Give `request` blocks for `num_new_tokens` more tokens after its computed (and cached) ones.
+
+        `cached` are prefix hits from `find_cached_prefix`, taken only if everything fits. Returns False and
+        changes nothing when memory is short.
+        """
+        cached = cached or []
+        num_tokens = request.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
+        num_new_blocks = self.blocks_needed(num_tokens) - len(request.block_ids) - len(cached)
+        num_cached_free = sum(1 for b in cached if b.ref_count == 0)
+        if max(num_new_blocks, 0) + num_cached_free > len(self._free):
+            return False
+        for block in cached:
+            if block.ref_count == 0:
+                del self._free[block.block_id]
+            block.ref_count += 1
+            request.block_ids.append(block.block_id)
+        for _ in range(max(num_new_blocks, 0)):
+            request.block_ids.append(self._take_free_block().block_id)
+        if self.enable_prefix_caching:
+            self._register_full_blocks(request, num_tokens)
+        return True
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first, so a shared head outlives its private tail in the LRU."""
+        for block_id in reversed(request.block_ids):
+            block = self.blocks[block_id]
+            assert block.ref_count > 0, f"block {block_id} freed twice"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = block
+        request.block_ids.clear()
+        self._num_registered.pop(request.request_id, None)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (blocks stay where they are)."""
+        for block in self._cached.values():
+            block.block_hash = None
+        self._cached.clear()
+
+    # ------------------------------------------------------------------ internals
+    def _take_free_block(self) -> KVBlock:
+        _, block = self._free.popitem(last=False)
+        if block.block_hash is not None:
+            # Reused for other content: it must leave the index before anything is written into it.
+            if self._cached.get(block.block_hash) is block:
+                del self._cached[block.block_hash]
+            block.block_hash = None
+        assert block.ref_count == 0
+        block.ref_count = 1
+        return block
+
+    def _register_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Offer to the cache every block that is full once this step's tokens are written."""
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        start = self._num_registered.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, num_full)
+        for i in range(start, num_full):
+            block = self.blocks[request.block_ids[i]]
+            block_hash = request.block_hashes[i]
+            if block.block_hash is None and block_hash not in self._cached:
+                block.block_hash = block_hash
+                self._cached[block_hash] = block
+        self._num_registered[request.request_id] = num_full

@@ -1,0 +1,37 @@
+"""Incremental detokenization: constant work per token, correct across multi-byte characters.
+
+Built on `tokenizers.decoders.DecodeStream`, primed with the prompt's tail so the first output token is
+decoded in context (leading spaces, byte-fallback pieces). Emitted text only ever grows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+_PROMPT_CONTEXT = 8  # prompt tokens primed into the stream; enough for any merge or byte sequence
+
+
+def backend_tokenizer(tokenizer: Any) -> Tokenizer:
+    """The Rust `tokenizers.Tokenizer` behind a transformers fast tokenizer (or the tokenizer itself)."""
+    if isinstance(tokenizer, Tokenizer):
+        return tokenizer
+    backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
+    if not isinstance(backend, Tokenizer):
+        raise TypeError(
+            f"{type(tokenizer).__name__} has no fast (Rust) tokenizer; asyncllm needs a tokenizer.json"
+        )
+    return backend
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer
+        context = prompt_token_ids[-_PROMPT_CONTEXT:]
+        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+
+    def push(self, token_id: int) -> str:
+        """Decode one more token; returns the new text ("" while a multi-byte character is incomplete)."""
+        return self._stream.step(self._tokenizer, token_id) or ""

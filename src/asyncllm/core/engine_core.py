@@ -1,0 +1,127 @@
+"""`EngineCore`: one synchronous step of continuous batching, driven by whoever owns the device.
+
+Owns the scheduler, block manager and output processing; drives a `ModelExecutor` it is given. The async
+layer calls it from its step thread, `LLM` from the caller's thread. No torch, no asyncio; time comes from
+the injected clock.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tokenizers import Tokenizer
+
+from asyncllm.core.block_manager import BlockManager
+from asyncllm.core.executor import ModelExecutor
+from asyncllm.core.output_processor import OutputProcessor, RequestDelta, request_metrics
+from asyncllm.core.request import Request
+from asyncllm.core.scheduler import Scheduler, SchedulerLimits
+from asyncllm.outputs import FinishReason
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+
+    def as_dict(self) -> dict[str, float | int]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class StepCounts:
+    """Tokens one step computed, for progress bars and throughput figures."""
+
+    num_prefill_tokens: int
+    num_decode_tokens: int
+
+
+class EngineCore:
+    def __init__(
+        self,
+        executor: ModelExecutor,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_prefix_caching: bool,
+        seed: int,
+        tokenizer: Tokenizer | None,
+        clock: Callable[[], float],
+    ) -> None:
+        self.executor = executor
+        rt = executor.runtime
+        self.block_manager = BlockManager(rt.num_kv_blocks, rt.block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerLimits(max_num_seqs, max_num_batched_tokens), self.block_manager)
+        self.output_processor = OutputProcessor(tokenizer)
+        self._clock = clock
+        self._seed_rng = random.Random(seed)
+        self.last_step = StepCounts(0, 0)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request: Request) -> None:
+        params = request.params
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        self.scheduler.add_request(request, seed)
+        self.output_processor.add_request(request)
+
+    def abort_request(self, request_id: str) -> RequestDelta | None:
+        """End a live request with "abort" and free its blocks; None if it is unknown or already finished."""
+        return self._finish(request_id, "abort", flush=True)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_free_blocks=bm.num_free_blocks,
+            num_total_blocks=bm.num_blocks,
+            prefix_cache_hit_rate=bm.prefix_cache_hit_rate,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestDelta]:
+        """Schedule, run the model, and turn sampled tokens into per-request deltas."""
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            self.last_step = StepCounts(0, 0)
+            return []
+        result = self.executor.execute_model(scheduled)
+        now = self._clock()
+        decode = sum(1 for s in scheduled.seqs if s.num_tokens == 1 and s.start_pos >= 1)
+        self.last_step = StepCounts(scheduled.num_batched_tokens - decode, decode)
+        deltas: list[RequestDelta] = []
+        for request, token_id in self.scheduler.update_from_output(scheduled, result.sampled_token_ids):
+            if request.first_token_time is None:
+                request.first_token_time = now
+            text, reason = self.output_processor.process_token(request, token_id)
+            if reason is not None:
+                self._finish(request.request_id, reason, flush=False)
+                deltas.append(
+                    RequestDelta(request.request_id, [token_id], text, reason, request_metrics(request, now))
+                )
+            else:
+                deltas.append(RequestDelta(request.request_id, [token_id], text))
+        return deltas
+
+    def _finish(self, request_id: str, reason: FinishReason, *, flush: bool) -> RequestDelta | None:
+        request = self.scheduler.finish_request(request_id, reason)
+        if request is None:
+            return None
+        request.finish_time = self._clock()
+        text = self.output_processor.flush(request_id)
+        if not flush:
+            return None
+        return RequestDelta(request_id, [], text, reason, request_metrics(request, request.finish_time))
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,112 @@
+"""Turns sampled tokens into what callers see: stop decisions, text with stop-string hold-back, deltas.
+
+Runs in the engine core (the step thread), so a stop string frees the request's blocks in the same step
+and the event loops only merge finished deltas. Time is passed in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenizers import Tokenizer
+
+from asyncllm.core.detokenizer import IncrementalDetokenizer
+from asyncllm.core.request import Request
+from asyncllm.outputs import FinishReason, RequestMetrics
+
+
+@dataclass
+class RequestDelta:
+    """What is new for one request after one step; the async layer merges these per consumer."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finish_reason: FinishReason | None = None
+    metrics: RequestMetrics | None = None
+
+
+class _TextState:
+    __slots__ = ("detok", "emitted", "hold_back", "text")
+
+    def __init__(self, detok: IncrementalDetokenizer | None, hold_back: int) -> None:
+        self.detok = detok
+        self.text = ""
+        self.emitted = 0  # characters of `text` already handed out
+        self.hold_back = hold_back
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self._tokenizer = tokenizer  # None: token ids only, no text (stop strings then unsupported)
+        self._states: dict[str, _TextState] = {}
+
+    def add_request(self, request: Request) -> None:
+        detok = None
+        if self._tokenizer is not None:
+            detok = IncrementalDetokenizer(self._tokenizer, request.prompt_token_ids)
+        stops = request.params.stop_strings
+        hold_back = max((len(s) for s in stops), default=1) - 1
+        self._states[request.request_id] = _TextState(detok, hold_back)
+
+    def process_token(self, request: Request, token_id: int) -> tuple[str, FinishReason | None]:
+        """Account for one appended token: returns (text to emit now, finish reason or None)."""
+        state = self._states[request.request_id]
+        params = request.params
+        reason: FinishReason | None = None
+        n_out = request.num_output_tokens
+        past_min = n_out >= params.min_tokens
+        if past_min and (
+            (token_id in request.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_set
+        ):
+            reason = "stop"
+        new_text = state.detok.push(token_id) if state.detok is not None else ""
+        if reason is None and new_text:
+            search_from = max(state.emitted, len(state.text) - state.hold_back)
+            state.text += new_text
+            if past_min and params.stop_strings:
+                cut = self._find_stop(
+                    state.text, search_from, params.stop_strings, params.include_stop_str_in_output
+                )
+                if cut is not None:
+                    state.text = state.text[:cut]
+                    reason = "stop"
+        if reason is None and (n_out >= request.max_tokens):
+            reason = "length"
+        end = len(state.text) if reason is not None else max(state.emitted, len(state.text) - state.hold_back)
+        out = state.text[state.emitted : end]
+        state.emitted = end
+        return out, reason
+
+    def text_of(self, request_id: str) -> str:
+        state = self._states.get(request_id)
+        return state.text if state is not None else ""
+
+    def flush(self, request_id: str) -> str:
+        """Release held-back text of a request ending for another reason (e.g. abort) and forget it."""
+        state = self._states.pop(request_id, None)
+        if state is None:
+            return ""
+        return state.text[state.emitted :]
+
+    @staticmethod
+    def _find_stop(text: str, start: int, stops: tuple[str, ...], include: bool) -> int | None:
+        """Index where the text should end if a stop string occurs at or after `start`, else None."""
+        first = min(
+            ((text.find(stop, start), stop) for stop in stops if text.find(stop, start) != -1), default=None
+        )
+        if first is None:
+            return None
+        index, stop = first
+        return index + len(stop) if include else index
+
+
+def request_metrics(request: Request, now: float) -> RequestMetrics:
+    ttft = None if request.first_token_time is None else request.first_token_time - request.arrival_time
+    return RequestMetrics(
+        time_to_first_token=ttft,
+        e2e_latency=now - request.arrival_time,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_generated_tokens=request.num_output_tokens,
+        num_cached_tokens=request.num_cached_tokens,
+    )

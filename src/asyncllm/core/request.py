@@ -1,0 +1,70 @@
+"""`Request`: one generation request as the engine core tracks it.
+
+Owns the token sequence and the progress counters the scheduler works from; knows nothing of tensors,
+event loops or clocks (timestamps are passed in).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from asyncllm.outputs import FinishReason
+from asyncllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()  # waiting again; its KV was dropped and is recomputed on resume
+    FINISHED = enum.auto()
+
+
+@dataclass(eq=False)
+class Request:
+    """A request's token state. The scheduler's one rule: `num_computed_tokens` catches up with
+    `num_tokens`; a step that reaches it samples the next token."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    max_tokens: int  # resolved: params.max_tokens capped by max_model_len - prompt length
+    eos_token_ids: frozenset[int] = frozenset()
+
+    all_token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks, computed lazily
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)

@@ -1,0 +1,162 @@
+"""Continuous batching with no prefill/decode modes.
+
+One rule: every running request's computed tokens catch up with its known tokens, within a per-step
+token budget and a cap on sequences. Prefill chunks, prefix-cache hits, decodes and resumed preemptions
+all fall out of it. When blocks run out, the most recently admitted request is preempted (its KV is
+dropped and recomputed later) so the oldest always progress: nothing starves.
+Plain Python, deterministic: the same calls give the same schedule.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from asyncllm.core.block_manager import BlockManager
+from asyncllm.core.request import Request, RequestStatus
+from asyncllm.core.scheduler_output import NewRequestData, ScheduledSeq, SchedulerOutput
+from asyncllm.outputs import FinishReason
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+class Scheduler:
+    def __init__(self, limits: SchedulerLimits, block_manager: BlockManager) -> None:
+        self.limits = limits
+        self.block_manager = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._seeds: dict[str, int] = {}
+        self._sent_to_runner: set[str] = set()
+        self._finished_since_last_step: list[str] = []
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ membership
+    def add_request(self, request: Request, seed: int) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already live")
+        self.requests[request.request_id] = request
+        self._seeds[request.request_id] = seed
+        self.waiting.append(request)
+
+    def finish_request(self, request_id: str, reason: FinishReason) -> Request | None:
+        """End a live request and free its blocks exactly once. Unknown or finished ids are a no-op."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.block_manager.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self._seeds.pop(request_id, None)
+        if request_id in self._sent_to_runner:
+            self._sent_to_runner.discard(request_id)
+            self._finished_since_last_step.append(request_id)
+        return request
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ------------------------------------------------------------------ the step
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_request_ids=self._finished_since_last_step)
+        self._finished_since_last_step = []
+        budget = self.limits.max_num_batched_tokens
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            assert num_new > 0, "a running request always has a token to compute"
+            while not self.block_manager.allocate(request, num_new):
+                victim = self.running.pop()  # the most recently admitted
+                self._preempt(victim, out)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                self._schedule(request, num_new, out)
+                budget -= num_new
+                i += 1
+                continue
+            break  # the request itself was preempted: everyone after it is gone too
+
+        # Admit waiting requests in arrival order, unless memory was just too short for the running ones.
+        while self.waiting and not preempted and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+            request = self.waiting[0]
+            cached = []
+            if request.num_computed_tokens == 0:
+                cached = self.block_manager.find_cached_prefix(request)
+            num_cached_tokens = len(cached) * self.block_manager.block_size
+            num_new = min(request.num_tokens - num_cached_tokens, budget)
+            if not self.block_manager.allocate(request, num_new, cached):
+                break  # first come, first served: the head waits for memory
+            self.waiting.popleft()
+            if self.block_manager.enable_prefix_caching:
+                self.block_manager.record_prefix_query(request.num_tokens, num_cached_tokens)
+            request.num_computed_tokens = num_cached_tokens
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_cached_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._schedule(request, num_new, out)
+            budget -= num_new
+        return out
+
+    def _schedule(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
+        start = request.num_computed_tokens
+        if request.request_id not in self._sent_to_runner:
+            self._sent_to_runner.add(request.request_id)
+            out.new_requests.append(
+                NewRequestData(
+                    request.request_id,
+                    request.prompt_token_ids,
+                    request.params,
+                    self._seeds[request.request_id],
+                )
+            )
+        out.seqs.append(
+            ScheduledSeq(
+                request_id=request.request_id,
+                input_token_ids=request.all_token_ids[start : start + num_new],
+                start_pos=start,
+                block_ids=list(request.block_ids),
+                sample=start + num_new == request.num_tokens,
+            )
+        )
+        # Advanced now, not when outputs return, so a later step can be planned before this one finishes.
+        request.num_computed_tokens = start + num_new
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+        out.preempted_request_ids.append(request.request_id)
+
+    def update_from_output(self, out: SchedulerOutput, sampled: list[int]) -> list[tuple[Request, int]]:
+        """Append each sampled token to its request; returns (request, token) for live requests.
+
+        Requests finished (aborted) after `out` was planned are skipped: their token is dropped.
+        """
+        results: list[tuple[Request, int]] = []
+        sampling = [s for s in out.seqs if s.sample]
+        assert len(sampling) == len(sampled), "one sampled token per sampling sequence"
+        for seq, token_id in zip(sampling, sampled):
+            request = self.requests.get(seq.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue
+            request.append_token(token_id)
+            results.append((request, token_id))
+        return results

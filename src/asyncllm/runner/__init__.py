@@ -1,0 +1,1 @@
+"""The runner layer (torch): model execution, input preparation, KV cache, sampling."""

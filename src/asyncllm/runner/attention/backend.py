@@ -1,0 +1,54 @@
+"""The attention backend interface: every implementation (torch reference, Triton, flash-attn) fits it.
+
+A backend writes this step's keys and values into the paged cache, then attends each query token to its
+sequence's cached keys causally. Inputs come per step in `AttentionMetadata`; nothing is global.
+
+KV cache layout, per layer: key and value tensors of shape [num_blocks, block_size, num_kv_heads, head_dim].
+Token `t` of a sequence lives in block `block_table[t // block_size]`, row `t % block_size`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's batch layout. Sequences are packed: sequence i owns query rows
+    `query_start_loc[i]:query_start_loc[i+1]`, which are its last query_len tokens of `seq_lens[i]`."""
+
+    query_start_loc: torch.Tensor  # [B + 1] int32, device
+    seq_lens: torch.Tensor  # [B] int32, device: cached + new tokens of each sequence after this step
+    block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32, device; unused entries are 0
+    slot_mapping: torch.Tensor  # [T] int64, device: cache slot (block * block_size + row) of each new token
+    # Host copies, so the reference path and launch heuristics never sync on the device.
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+class AttentionBackend(ABC):
+    """Stateless implementation of paged attention; one instance is shared by every layer."""
+
+    name: str
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        """Store k/v at `meta.slot_mapping`, then return causal attention of q over each sequence's cache."""

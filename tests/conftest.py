@@ -1,0 +1,34 @@
+"""Shared fixtures: tiny checkpoints are built once per session and reused (read-only) by every test."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures.tiny_models import FAMILIES, build_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """family name -> checkpoint directory, built lazily the first time each is asked for."""
+    root = tmp_path_factory.mktemp("ckpt")
+
+    class _Lazy(dict):
+        def __missing__(self, family: str) -> Path:
+            path = build_checkpoint(root / family, family)
+            self[family] = path
+            return path
+
+    return _Lazy()
+
+
+@pytest.fixture(scope="session", params=sorted(FAMILIES))
+def family(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_checkpoints: dict[str, Path]) -> Path:
+    """The default tiny model (Qwen3 family) for engine and async tests."""
+    return tiny_checkpoints["qwen3"]
