@@ -27,6 +27,11 @@ class DType(str, enum.Enum):
     FLOAT32 = "float32"
 
 
+class LoadFormat(str, enum.Enum):
+    AUTO = "auto"  # read the checkpoint's weights
+    DUMMY = "dummy"  # random weights of the checkpoint's shape (benchmarks; needs config.json only)
+
+
 class AttentionBackendName(str, enum.Enum):
     AUTO = "auto"  # the fastest available for the device
     TORCH = "torch"  # the pure-PyTorch reference every kernel is checked against
@@ -93,6 +98,8 @@ class EngineConfig:
     """Which attention implementation runs; "torch" is the reference."""
     tokenizer: str | None = None
     """Tokenizer directory when it differs from `model`."""
+    load_format: LoadFormat | str = LoadFormat.AUTO
+    """"dummy" skips reading weights and fills them randomly: throughput benchmarks of real shapes."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, Path)) or str(self.model) == "":
@@ -105,6 +112,7 @@ class EngineConfig:
             "attention_backend",
             _enum(AttentionBackendName, "attention_backend", self.attention_backend),
         )
+        object.__setattr__(self, "load_format", _enum(LoadFormat, "load_format", self.load_format))
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         if self.tensor_parallel_size != 1:
             raise _bad(
@@ -121,7 +129,8 @@ class EngineConfig:
         ):
             raise _bad("gpu_memory_utilization", self.gpu_memory_utilization, "use a fraction in (0, 1]")
         _positive("num_kv_blocks", self.num_kv_blocks, optional=True)
-        if not isinstance(self.cpu_kv_cache_gib, (int, float)) or self.cpu_kv_cache_gib <= 0:
+        gib = self.cpu_kv_cache_gib
+        if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not 0 < gib < float("inf"):
             raise _bad("cpu_kv_cache_gib", self.cpu_kv_cache_gib, "use a positive number of GiB")
         for name in ("enable_prefix_caching", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):

@@ -14,7 +14,9 @@ ROOT_HASH = 0
 
 
 def hash_block(parent_hash: int, token_ids: list[int]) -> int:
-    buf = array("q", [parent_hash])
+    # Unsigned: xxh3 digests use all 64 bits (a signed array overflowed on about half of all parents).
+    # Token ids are validated non-negative, so they pack as unsigned too.
+    buf = array("Q", [parent_hash])
     buf.extend(token_ids)
     return xxhash.xxh3_64_intdigest(buf.tobytes())
 

@@ -29,9 +29,25 @@ def backend_tokenizer(tokenizer: Any) -> Tokenizer:
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
         self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
         context = prompt_token_ids[-_PROMPT_CONTEXT:]
         self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+        self._pending: list[int] = []  # tokens pushed since the stream last produced text
 
     def push(self, token_id: int) -> str:
         """Decode one more token; returns the new text ("" while a multi-byte character is incomplete)."""
-        return self._stream.step(self._tokenizer, token_id) or ""
+        text = self._stream.step(self._tokenizer, token_id)
+        if text:
+            self._pending.clear()
+            return text
+        self._pending.append(token_id)
+        return ""
+
+    def flush(self) -> str:
+        """Text of tokens still held for an incomplete character, as a full decode renders them (U+FFFD),
+        so a finished request's text equals `tokenizer.decode` of its ids."""
+        if not self._pending:
+            return ""
+        text = self._tokenizer.decode(self._pending, skip_special_tokens=self._skip_special)
+        self._pending.clear()
+        return text

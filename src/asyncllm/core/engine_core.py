@@ -95,9 +95,16 @@ class EngineCore:
         if scheduled.is_empty:
             self.last_step = StepCounts(0, 0)
             return []
+        # A decode extends past the prompt; a one-token prefill chunk (the recomputed last token after a
+        # full prefix hit) is still prefill. Counted before the model runs, while every request is live.
+        reqs = self.scheduler.requests
+        decode = sum(
+            1
+            for s in scheduled.seqs
+            if s.num_tokens == 1 and s.start_pos >= reqs[s.request_id].num_prompt_tokens
+        )
         result = self.executor.execute_model(scheduled)
         now = self._clock()
-        decode = sum(1 for s in scheduled.seqs if s.num_tokens == 1 and s.start_pos >= 1)
         self.last_step = StepCounts(scheduled.num_batched_tokens - decode, decode)
         deltas: list[RequestDelta] = []
         for request, token_id in self.scheduler.update_from_output(scheduled, result.sampled_token_ids):

@@ -67,10 +67,15 @@ class InputProcessor:
             )
         limit = rt.max_seq_len
         if n + max(1, params.min_tokens) > limit:
+            # Name the limit that binds: a small KV cache caps sequences below max_model_len.
+            which = (
+                f"max_model_len ({limit})"
+                if limit == rt.max_model_len
+                else f"the KV cache capacity ({limit} tokens; max_model_len is {rt.max_model_len})"
+            )
             raise InvalidRequestError(
                 f"prompt ({n} tokens) + min_tokens ({params.min_tokens}, at least 1 token to generate) "
-                "exceeds "
-                f"max_model_len ({limit}); shorten the prompt or lower min_tokens"
+                f"exceeds {which}; shorten the prompt or lower min_tokens"
             )
         room = limit - n
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)

@@ -62,17 +62,19 @@ class OutputProcessor:
             reason = "stop"
         new_text = state.detok.push(token_id) if state.detok is not None else ""
         if reason is None and new_text:
-            search_from = max(state.emitted, len(state.text) - state.hold_back)
+            old_len = len(state.text)
             state.text += new_text
             if past_min and params.stop_strings:
                 cut = self._find_stop(
-                    state.text, search_from, params.stop_strings, params.include_stop_str_in_output
+                    state.text, old_len, params.stop_strings, params.include_stop_str_in_output
                 )
                 if cut is not None:
                     state.text = state.text[:cut]
                     reason = "stop"
         if reason is None and (n_out >= request.max_tokens):
             reason = "length"
+        if reason is not None and state.detok is not None:
+            state.text += state.detok.flush()  # an incomplete character at the end renders as U+FFFD
         end = len(state.text) if reason is not None else max(state.emitted, len(state.text) - state.hold_back)
         out = state.text[state.emitted : end]
         state.emitted = end
@@ -87,17 +89,25 @@ class OutputProcessor:
         state = self._states.pop(request_id, None)
         if state is None:
             return ""
-        return state.text[state.emitted :]
+        tail = state.detok.flush() if state.detok is not None else ""
+        return state.text[state.emitted :] + tail
 
     @staticmethod
-    def _find_stop(text: str, start: int, stops: tuple[str, ...], include: bool) -> int | None:
-        """Index where the text should end if a stop string occurs at or after `start`, else None."""
-        first = min(
-            ((text.find(stop, start), stop) for stop in stops if text.find(stop, start) != -1), default=None
-        )
-        if first is None:
+    def _find_stop(text: str, old_len: int, stops: tuple[str, ...], include: bool) -> int | None:
+        """Index where the text should end if a stop string ends past `old_len` (in the new text), else None.
+
+        Each stop is searched from `old_len - len(stop) + 1`: one lying wholly in older text was either seen
+        already or generated before `min_tokens`, when stops do not count (a shared start for all stops
+        found such a short stop late, inside the tail held back for a longer one).
+        """
+        found: list[tuple[int, str]] = []
+        for stop in stops:
+            index = text.find(stop, max(0, old_len - len(stop) + 1))
+            if index != -1:
+                found.append((index, stop))
+        if not found:
             return None
-        index, stop = first
+        index, stop = min(found)
         return index + len(stop) if include else index
 
 

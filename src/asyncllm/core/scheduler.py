@@ -110,6 +110,11 @@ class Scheduler:
             self.running.append(request)
             self._schedule(request, num_new, out)
             budget -= num_new
+        if out.is_empty:
+            # An empty step is never executed: keep the finished ids for the next real step, or the runner
+            # never learns of them and keeps their per-request state forever.
+            self._finished_since_last_step = out.finished_request_ids
+            out.finished_request_ids = []
         return out
 
     def _schedule(self, request: Request, num_new: int, out: SchedulerOutput) -> None:

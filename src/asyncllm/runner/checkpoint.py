@@ -55,7 +55,7 @@ def open_checkpoint(model: str, dtype: torch.dtype, tokenizer_path: str | None =
 
 
 def iter_safetensors(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of a one-file or sharded safetensors checkpoint, cast to `dtype`."""
+    """Every tensor of a one-file or sharded safetensors checkpoint, floating ones cast to `dtype`."""
     from safetensors import safe_open
 
     files = sorted(path.glob("*.safetensors"))

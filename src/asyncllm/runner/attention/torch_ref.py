@@ -91,5 +91,7 @@ class TorchAttentionBackend(AttentionBackend):
         scores = torch.einsum("bkgd,blkd->bkgl", qg, kk) * scale  # [B, Hkv, G, L]
         valid = torch.arange(max_len, device=device)[None, :] < torch.tensor(lens, device=device)[:, None]
         scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        # Padded rows may hold garbage (even NaN in never-written cache memory) and 0 * NaN is NaN.
+        vv = vv.masked_fill(~valid[:, :, None, None], 0.0)
         out = torch.einsum("bkgl,blkd->bkgd", torch.softmax(scores, dim=-1), vv)
         return out.reshape(qq.shape).to(q.dtype)

@@ -1,0 +1,68 @@
+"""Real model shapes for benchmarks: a config.json (random weights via load_format="dummy") plus the real
+tokenizer, so detokenization costs what it costs in production. Numbers from ../shared/PERF.md."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+SHAPES: dict[str, dict] = {
+    "qwen3-0.6b": dict(
+        architectures=["Qwen3ForCausalLM"],
+        model_type="qwen3",
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+        torch_dtype="bfloat16",
+        eos_token_id=151645,
+        bos_token_id=151643,
+        hidden_act="silu",
+    ),
+    "qwen3-8b": dict(
+        architectures=["Qwen3ForCausalLM"],
+        model_type="qwen3",
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+        eos_token_id=151645,
+        bos_token_id=151643,
+        hidden_act="silu",
+    ),
+}
+# Physical limits on one H200 for W1 (output tok/s), from ../shared/PERF.md.
+W1_LIMIT = {"qwen3-0.6b": 36_400, "qwen3-8b": 13_000}
+
+
+def find_qwen3_tokenizer() -> Path:
+    here = Path(__file__).resolve().parents[1]
+    for cand in (here / ".cache" / "qwen3-tokenizer", here.parent / "shared" / "models" / "qwen3-tokenizer"):
+        if (cand / "tokenizer.json").is_file():
+            return cand
+    raise FileNotFoundError("Qwen3 tokenizer not found in .cache/qwen3-tokenizer or ../shared/models/")
+
+
+def write_shape_dir(shape: str, out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(SHAPES[shape], indent=1))
+    for f in find_qwen3_tokenizer().iterdir():
+        if f.is_file():
+            shutil.copy(f, out / f.name)
+    return out

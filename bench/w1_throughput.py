@@ -1,0 +1,73 @@
+"""W1 (../shared/PERF.md): offline throughput, nano-vllm's benchmark. 256 requests, seed 0, prompt lengths
+U[100, 1024] of ids < 10000, output lengths U[100, 1024], temperature 0.6, ignore_eos. Random weights of the
+real shape. Prints one JSON line with output tok/s and its percent of the H200 limit."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+
+from shapes import W1_LIMIT, write_shape_dir
+
+from asyncllm import LLM, SamplingParams
+
+
+def w1_requests(num_seqs: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    rng = random.Random(0)  # the same draws, in the same order, as nano-vllm's bench.py
+    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(num_seqs)]
+    params = [
+        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(100, 1024))
+        for _ in range(num_seqs)
+    ]
+    return prompts, params
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="qwen3-0.6b")
+    ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    model_dir = write_shape_dir(args.shape, Path(tempfile.mkdtemp()) / args.shape)
+    llm = LLM(
+        str(model_dir),
+        device=args.device,
+        load_format="dummy",
+        max_model_len=args.max_model_len,
+        attention_backend=args.attention_backend,
+    )
+    prompts, params = w1_requests(args.num_seqs)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    n_out = sum(len(o.token_ids) for o in outs)
+    tps = n_out / seconds
+    limit = W1_LIMIT.get(args.shape)
+    print(
+        json.dumps(
+            {
+                "workload": "W1",
+                "shape": args.shape,
+                "attention_backend": args.attention_backend,
+                "requests": len(outs),
+                "output_tokens": n_out,
+                "seconds": round(seconds, 2),
+                "output_tok_per_s": round(tps, 1),
+                "limit_tok_per_s": limit,
+                "percent_of_limit": round(100 * tps / limit, 1) if limit else None,
+                "kv_blocks": llm.runtime.num_kv_blocks,
+                "preemptions": llm.stats()["num_preemptions"],
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

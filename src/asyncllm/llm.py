@@ -1,0 +1,149 @@
+"""`LLM`: offline batch generation on the same engine core as the async engine, in the caller's thread."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from asyncllm.config import EngineConfig
+from asyncllm.core.output_processor import RequestDelta
+from asyncllm.errors import InvalidRequestError
+from asyncllm.outputs import RequestOutput
+from asyncllm.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """`LLM(model, **engine_args).generate(prompts, params)`: results in prompt order."""
+
+    def __init__(self, model: str, **engine_args: Any) -> None:
+        from asyncllm.runner.build import build_engine  # the runner (torch) loads only now
+
+        self.config = EngineConfig.from_kwargs(model, **engine_args)
+        self._engine = build_engine(self.config, time.monotonic)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Any | None:
+        return self._engine.tokenizer
+
+    @property
+    def runtime(self) -> Any:
+        return self._engine.runtime
+
+    def stats(self) -> dict[str, float | int]:
+        return self._engine.core.stats().as_dict()
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        from asyncllm.chat import apply_chat_template
+
+        return apply_chat_template(
+            self._engine.tokenizer, messages, add_generation_prompt=add_generation_prompt
+        )
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        prompt_list = self._as_prompt_list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            param_list = [params or SamplingParams()] * len(prompt_list)
+        else:
+            param_list = list(params)
+            if len(param_list) != len(prompt_list):
+                raise InvalidRequestError(
+                    f"got {len(prompt_list)} prompts but {len(param_list)} SamplingParams; give one or one each"
+                )
+        # Validate everything before queuing anything, so one bad prompt leaves the engine untouched.
+        now = time.monotonic()
+        requests = [
+            self._engine.input_processor.make_request(f"llm-{next(self._ids)}", p, sp, now)
+            for p, sp in zip(prompt_list, param_list)
+        ]
+        core = self._engine.core
+        for request in requests:
+            core.add_request(request)
+        order = {r.request_id: i for i, r in enumerate(requests)}
+        texts: list[list[str]] = [[] for _ in requests]
+        tokens: list[list[int]] = [[] for _ in requests]
+        finals: dict[int, RequestDelta] = {}
+        bar = _progress(len(requests)) if use_tqdm else None
+        try:
+            while len(finals) < len(requests):
+                t0 = time.perf_counter()
+                deltas = core.step()
+                if bar is not None:
+                    bar.update_step(core.last_step, time.perf_counter() - t0)
+                for d in deltas:
+                    i = order[d.request_id]
+                    texts[i].append(d.new_text)
+                    tokens[i].extend(d.new_token_ids)
+                    if d.finish_reason is not None:
+                        finals[i] = d
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for request in requests:  # never leave half a batch in the engine
+                core.abort_request(request.request_id)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [
+            RequestOutput(
+                request_id=r.request_id,
+                prompt_token_ids=list(r.prompt_token_ids),
+                text="".join(texts[i]),
+                token_ids=tokens[i],
+                finish_reason=finals[i].finish_reason,
+                metrics=finals[i].metrics,
+            )
+            for i, r in enumerate(requests)
+        ]
+
+    def shutdown(self) -> None:
+        self._engine.core.shutdown()
+
+    @staticmethod
+    def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+        if isinstance(prompts, str):
+            return [prompts]
+        if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+            return [prompts]  # a single prompt given as token ids
+        if not isinstance(prompts, (list, tuple)):
+            raise InvalidRequestError(
+                f"prompts must be a str, a list of token ids, or a list of those, not {type(prompts).__name__}"
+            )
+        return list(prompts)
+
+
+class _progress:
+    """A tqdm bar over finished requests, showing prefill and decode tokens per second."""
+
+    def __init__(self, total: int) -> None:
+        from tqdm.auto import tqdm
+
+        self._bar = tqdm(total=total, desc="Generating", unit="req", dynamic_ncols=True)
+        self._prefill = self._decode = 0
+        self._elapsed = 0.0
+
+    def update_step(self, counts: Any, seconds: float) -> None:
+        self._prefill += counts.num_prefill_tokens
+        self._decode += counts.num_decode_tokens
+        self._elapsed += seconds
+        if self._elapsed > 0:
+            self._bar.set_postfix_str(
+                f"prefill {self._prefill / self._elapsed:,.0f} tok/s, decode {self._decode / self._elapsed:,.0f} tok/s",
+                refresh=False,
+            )
+
+    def update(self, n: int) -> None:
+        self._bar.update(n)
+
+    def close(self) -> None:
+        self._bar.close()

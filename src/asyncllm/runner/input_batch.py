@@ -1,0 +1,115 @@
+"""Preparing one step's model inputs into persistent buffers.
+
+Host staging tensors (pinned on CUDA) are allocated once at their maximum size and filled through numpy
+views; device tensors are filled by one non-blocking copy each. Fixed addresses are what CUDA graphs need,
+and no step allocates. In serial scheduling the step's final `.tolist()` orders the next fill after the
+previous copy; overlapped scheduling (wave two) double-buffers the host side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from asyncllm.core.scheduler_output import SchedulerOutput
+from asyncllm.runner.attention.backend import AttentionMetadata
+
+
+@dataclass
+class ModelInputs:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [S] int64: the row of each sampling sequence's last token
+    num_tokens: int
+
+
+class _Pair:
+    """A host staging tensor and its device twin of the same shape."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, pin: bool) -> None:
+        self.cpu = torch.zeros(shape, dtype=dtype, pin_memory=pin)
+        self.np = self.cpu.numpy()
+        self.dev = torch.zeros(shape, dtype=dtype, device=device) if device.type != "cpu" else self.cpu
+
+    def upload(self, n: int) -> torch.Tensor:
+        """Device view of the first n rows, copied without blocking the host."""
+        if self.dev is self.cpu:
+            return self.cpu[:n]
+        dst = self.dev[:n]
+        dst.copy_(self.cpu[:n], non_blocking=True)
+        return dst
+
+
+class InputBuffers:
+    def __init__(
+        self,
+        max_num_tokens: int,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        pin = device.type == "cuda"
+        self.block_size = block_size
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.input_ids = _Pair((max_num_tokens,), torch.int64, device, pin)
+        self.positions = _Pair((max_num_tokens,), torch.int64, device, pin)
+        self.slot_mapping = _Pair((max_num_tokens,), torch.int64, device, pin)
+        self.query_start_loc = _Pair((max_num_seqs + 1,), torch.int32, device, pin)
+        self.seq_lens = _Pair((max_num_seqs,), torch.int32, device, pin)
+        self.block_tables = _Pair((max_num_seqs, max_blocks_per_seq), torch.int32, device, pin)
+        self.logits_indices = _Pair((max_num_seqs,), torch.int64, device, pin)
+
+    def prepare(self, scheduled: SchedulerOutput) -> ModelInputs:
+        bs = self.block_size
+        ids, pos, slots = self.input_ids.np, self.positions.np, self.slot_mapping.np
+        qsl, lens, tables, logit_rows = (
+            self.query_start_loc.np,
+            self.seq_lens.np,
+            self.block_tables.np,
+            self.logits_indices.np,
+        )
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        t = 0
+        num_sampling = 0
+        qsl[0] = 0
+        for i, seq in enumerate(scheduled.seqs):
+            n = seq.num_tokens
+            ids[t : t + n] = seq.input_token_ids
+            p = np.arange(seq.start_pos, seq.start_pos + n, dtype=np.int64)
+            pos[t : t + n] = p
+            block_ids = np.asarray(seq.block_ids, dtype=np.int64)
+            assert len(block_ids) <= self.max_blocks_per_seq, "block table wider than max_model_len allows"
+            slots[t : t + n] = block_ids[p // bs] * bs + p % bs
+            tables[i, : len(block_ids)] = block_ids
+            tables[i, len(block_ids) :] = 0
+            t += n
+            qsl[i + 1] = t
+            lens[i] = seq.seq_len
+            query_lens.append(n)
+            seq_lens.append(seq.seq_len)
+            if seq.sample:
+                logit_rows[num_sampling] = t - 1
+                num_sampling += 1
+        b = len(scheduled.seqs)
+        meta = AttentionMetadata(
+            query_start_loc=self.query_start_loc.upload(b + 1),
+            seq_lens=self.seq_lens.upload(b),
+            block_tables=self.block_tables.upload(b),
+            slot_mapping=self.slot_mapping.upload(t),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+        )
+        return ModelInputs(
+            input_ids=self.input_ids.upload(t),
+            positions=self.positions.upload(t),
+            meta=meta,
+            logits_indices=self.logits_indices.upload(num_sampling),
+            num_tokens=t,
+        )

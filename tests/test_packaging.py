@@ -1,0 +1,57 @@
+"""The built wheel carries every subpackage, top-level kernels/ included as `asyncllm.kernels`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import venv
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _source_packages() -> set[str]:
+    pkgs = {"asyncllm.kernels"} if (ROOT / "kernels" / "__init__.py").exists() else set()
+    for init in (ROOT / "src").rglob("__init__.py"):
+        pkgs.add(".".join(init.parent.relative_to(ROOT / "src").parts))
+    return pkgs
+
+
+def test_wheel_installs_in_fresh_venv_with_kernels(tmp_path: Path) -> None:
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        check=True,
+    )
+    (wheel,) = tmp_path.glob("asyncllm-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    shipped = {str(Path(n).parent).replace("/", ".") for n in names if n.endswith("__init__.py")}
+    assert _source_packages() <= shipped, f"missing from the wheel: {_source_packages() - shipped}"
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=True)
+    py = env_dir / "bin" / "python"
+    subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)], check=True)
+    out = subprocess.run(
+        [
+            str(py),
+            "-c",
+            "import asyncllm, asyncllm.kernels, sys; print(asyncllm.kernels.__file__, 'torch' in sys.modules)",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    ).stdout.split()
+    assert "site-packages/asyncllm/kernels/__init__.py" in out[0]
+    assert out[1] == "False", "importing asyncllm must not import torch"
