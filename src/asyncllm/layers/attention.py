@@ -1,0 +1,43 @@
+"""The attention op of a decoder layer: hands q/k/v and this layer's paged cache to the backend.
+
+Owns head bookkeeping and the softmax scale only. Which kernel runs, and how the cache is laid out, belong
+to the `AttentionBackend` given at construction; the per-step batch layout arrives as an argument.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from asyncllm.runner.attention.backend import AttentionBackend, AttentionMetadata
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.backend = backend  # stateless and shared by every layer; not a submodule
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim], rotary already applied
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim], rotary already applied
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, num_heads * head_dim]
+        k_cache, v_cache = kv_cache
+        out = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+    def extra_repr(self) -> str:
+        return (
+            f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"backend={self.backend.name}"
+        )

@@ -1,0 +1,69 @@
+"""Rotary position embeddings (rotate-half convention) with optional Llama 3.1 frequency scaling.
+
+Cos/sin tables are computed once in float32 the way transformers computes them per call, so indexing the
+table gives bit-identical values; they are non-persistent buffers (never in a checkpoint) that follow
+`model.to(...)`. Knows nothing about attention or caches: positions come in, rotated q/k go out.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:  # layers never import models at run time
+    from asyncllm.models.config import Llama3RopeScaling
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: Llama3RopeScaling | None) -> torch.Tensor:
+    """[head_dim / 2] float32 inverse frequencies theta^(-2i/d), rescaled for llama3 when asked."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    return inv_freq if scaling is None else _llama3_scale(inv_freq, scaling)
+
+
+def _llama3_scale(inv_freq: torch.Tensor, s: Llama3RopeScaling) -> torch.Tensor:
+    """Long wavelengths are divided by `factor`, short ones kept, the band between blended smoothly."""
+    old_len = s.original_max_position_embeddings
+    low_freq_wavelen = old_len / s.low_freq_factor
+    high_freq_wavelen = old_len / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds cos/sin tables for positions [0, max_positions); forward looks up a batch of positions."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: Llama3RopeScaling | None) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        # Explicit float32 whatever the default dtype: the tables must not be built in bf16.
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]  # [P, D/2]
+        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
+        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+
+    @property
+    def max_positions(self) -> int:
+        return self.cos_cache.shape[0]
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T] int64 positions -> (cos, sin), each [T, head_dim / 2] in the tables' dtype."""
+        return self.cos_cache[positions], self.sin_cache[positions]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated by cos/sin [T, D/2], computed in x's dtype.
+
+    Equals transformers' `x * cat(cos, cos) + rotate_half(x) * cat(sin, sin)` exactly: per half that is
+    x1*c - x2*s and x2*c + x1*s, and IEEE negation and subtraction make the two forms bit-identical.
+    """
+    cos = cos.to(x.dtype)[:, None, :]  # [T, 1, D/2]
+    sin = sin.to(x.dtype)[:, None, :]
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

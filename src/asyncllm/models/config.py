@@ -1,0 +1,166 @@
+"""The architecture facts a model needs, read once from a Hugging Face config and validated.
+
+Owns the translation from the many spellings transformers configs use (rope_parameters vs rope_theta +
+rope_scaling, optional head_dim, sliding-window flags) into one frozen `ModelArchConfig`. Knows nothing
+about devices, dtypes, KV caches or the engine; plain Python, no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from asyncllm.errors import UnsupportedModelError
+
+_DEFAULT_ROPE_THETA = 10000.0
+
+
+@dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1 frequency-dependent RoPE rescaling (transformers' rope_type "llama3")."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def __post_init__(self) -> None:
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise UnsupportedModelError(
+                f"llama3 rope scaling needs high_freq_factor > low_freq_factor, got "
+                f"{self.high_freq_factor} <= {self.low_freq_factor}: the checkpoint's config is malformed"
+            )
+
+
+@dataclass(frozen=True)
+class ModelArchConfig:
+    """One decoder-only architecture's shape and numerics; `max_model_len` bounds the positions served."""
+
+    architecture: str  # hf_config.architectures[0], e.g. "Qwen3ForCausalLM"
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int  # config.head_dim when given (it may differ from hidden_size / num_heads)
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Llama3RopeScaling | None  # None: plain RoPE
+    tie_word_embeddings: bool
+    attention_bias: bool  # bias on q/k/v/o projections (Qwen2 forces q/k/v bias in its model class)
+    mlp_bias: bool
+    max_position_embeddings: int
+    max_model_len: int  # the longest sequence the engine will run; the RoPE tables cover it
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+            "max_position_embeddings",
+            "max_model_len",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UnsupportedModelError(f"model config {name}={value!r} is invalid: expected an int >= 1")
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedModelError(
+                f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads="
+                f"{self.num_kv_heads}: grouped-query attention needs whole groups"
+            )
+        if self.head_dim % 2:
+            raise UnsupportedModelError(f"head_dim={self.head_dim} is odd: rotary embeddings need it even")
+        if not self.rms_norm_eps > 0:
+            raise UnsupportedModelError(f"rms_norm_eps={self.rms_norm_eps!r} is invalid: expected > 0")
+
+    @property
+    def num_kv_groups(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @classmethod
+    def from_hf(cls, hf_config: Any, max_model_len: int | None) -> ModelArchConfig:
+        """Read a transformers config; `max_model_len=None` means the model's max_position_embeddings."""
+        architectures = getattr(hf_config, "architectures", None) or []
+        if not architectures:
+            raise UnsupportedModelError("the checkpoint's config.json names no `architectures`")
+        if getattr(hf_config, "quantization_config", None):
+            raise UnsupportedModelError(
+                "quantized checkpoints (config.json has quantization_config) are not supported yet; "
+                "use an unquantized bfloat16/float16/float32 checkpoint"
+            )
+        hidden_act = getattr(hf_config, "hidden_act", "silu")
+        if hidden_act != "silu":
+            raise UnsupportedModelError(f"hidden_act={hidden_act!r} is not supported; only 'silu' is")
+        hidden = hf_config.hidden_size
+        heads = hf_config.num_attention_heads
+        max_pos = hf_config.max_position_embeddings
+        model_len = max_pos if max_model_len is None else max_model_len
+        _check_sliding_window(hf_config, model_len)
+        theta, scaling = _read_rope(hf_config, max_pos)
+        return cls(
+            architecture=architectures[0],
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hidden,
+            num_layers=hf_config.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(hf_config, "head_dim", None) or hidden // heads,
+            intermediate_size=hf_config.intermediate_size,
+            rms_norm_eps=float(hf_config.rms_norm_eps),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            attention_bias=bool(getattr(hf_config, "attention_bias", False)),
+            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+            max_position_embeddings=max_pos,
+            max_model_len=model_len,
+        )
+
+
+def _read_rope(hf_config: Any, max_position_embeddings: int) -> tuple[float, Llama3RopeScaling | None]:
+    """(theta, scaling) from `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (older)."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    if any(isinstance(v, dict) for v in params.values()):
+        raise UnsupportedModelError(f"per-layer-type rope parameters are not supported: {params!r}")
+    theta = params.get("rope_theta") or getattr(hf_config, "rope_theta", None) or _DEFAULT_ROPE_THETA
+    partial = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None))
+    if partial not in (None, 1, 1.0):
+        raise UnsupportedModelError(f"partial_rotary_factor={partial!r} is not supported; only full rotary is")
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type == "llama3":
+        try:
+            scaling = Llama3RopeScaling(
+                factor=float(params["factor"]),
+                low_freq_factor=float(params["low_freq_factor"]),
+                high_freq_factor=float(params["high_freq_factor"]),
+                original_max_position_embeddings=int(
+                    params.get("original_max_position_embeddings") or max_position_embeddings
+                ),
+            )
+        except KeyError as missing:
+            raise UnsupportedModelError(f"llama3 rope parameters lack {missing}: got {params!r}") from None
+        return float(theta), scaling
+    raise UnsupportedModelError(f"rope type {rope_type!r} is not supported; supported rope types: 'default', 'llama3'")
+
+
+def _check_sliding_window(hf_config: Any, max_model_len: int) -> None:
+    """Sliding-window attention is accepted only where it cannot change the result."""
+    window = getattr(hf_config, "sliding_window", None)
+    if getattr(hf_config, "use_sliding_window", True) is False:  # Qwen2/3 keep a window they do not use
+        window = None
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        window = None
+    if window is None or window >= max_model_len:
+        return
+    raise UnsupportedModelError(
+        f"sliding-window attention is not supported yet: the model's sliding_window={window} is shorter "
+        f"than max_model_len={max_model_len}; pass max_model_len <= {window} so the window has no effect"
+    )

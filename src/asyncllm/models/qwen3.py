@@ -1,0 +1,27 @@
+"""Qwen3: Llama's maths plus a per-head RMSNorm on queries and keys before rotary embeddings.
+
+Only maths; everything else (loading, forward signature, logits) is inherited from the Llama family.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from asyncllm.layers.norm import RMSNorm
+from asyncllm.models.config import ModelArchConfig
+from asyncllm.models.llama import LlamaAttention, LlamaForCausalLM
+from asyncllm.runner.attention.backend import AttentionBackend
+
+
+class Qwen3Attention(LlamaAttention):
+    def __init__(self, arch: ModelArchConfig, backend: AttentionBackend, qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__(arch, backend, qkv_bias, o_bias)
+        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
+        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
+
+    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.q_norm(q), self.k_norm(k)  # over head_dim of [T, H, D] / [T, Hkv, D]
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    attention_cls = Qwen3Attention

@@ -1,0 +1,108 @@
+"""ModelArchConfig.from_hf: every config spelling read the same way, unsupported features refused clearly."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import transformers
+
+from asyncllm.errors import UnsupportedModelError
+from asyncllm.models.config import Llama3RopeScaling, ModelArchConfig
+
+_SHAPE: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    vocab_size=100,
+)
+_LLAMA3 = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64)
+
+
+def _llama(**kw: Any) -> transformers.LlamaConfig:
+    return transformers.LlamaConfig(architectures=["LlamaForCausalLM"], **{**_SHAPE, **kw})
+
+
+def test_shape_fields_and_head_dim_default() -> None:
+    arch = ModelArchConfig.from_hf(_llama(rms_norm_eps=1e-5), max_model_len=None)
+    assert (arch.hidden_size, arch.num_layers, arch.num_heads, arch.num_kv_heads) == (64, 2, 4, 2)
+    assert arch.head_dim == 16 and arch.num_kv_groups == 2
+    assert arch.max_model_len == arch.max_position_embeddings == 512
+    assert arch.rms_norm_eps == 1e-5 and arch.rope_theta == 10000.0 and arch.rope_scaling is None
+    assert ModelArchConfig.from_hf(_llama(head_dim=24), 100).head_dim == 24
+    assert ModelArchConfig.from_hf(_llama(), 100).max_model_len == 100
+
+
+def test_rope_parameters_transformers5_spelling() -> None:
+    cfg = _llama(rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, **_LLAMA3))
+    arch = ModelArchConfig.from_hf(cfg, None)
+    assert arch.rope_theta == 500000.0
+    assert arch.rope_scaling == Llama3RopeScaling(8.0, 1.0, 4.0, 64)
+
+
+def test_rope_theta_and_rope_scaling_older_spelling() -> None:
+    """A config object (e.g. built by a GGUF reader) with only top-level rope_theta + rope_scaling."""
+    cfg = SimpleNamespace(
+        architectures=["LlamaForCausalLM"],
+        rms_norm_eps=1e-6,
+        rope_theta=123.0,
+        rope_scaling=dict(type="llama3", factor=4.0, low_freq_factor=1.0, high_freq_factor=2.0),
+        **_SHAPE,
+    )
+    arch = ModelArchConfig.from_hf(cfg, None)
+    assert arch.rope_theta == 123.0
+    # original_max_position_embeddings falls back to max_position_embeddings, as in transformers
+    assert arch.rope_scaling == Llama3RopeScaling(4.0, 1.0, 2.0, 512)
+
+
+@pytest.mark.parametrize("rope_type", ["yarn", "linear", "dynamic"])
+def test_unsupported_rope_type_is_named(rope_type: str) -> None:
+    cfg = SimpleNamespace(
+        architectures=["LlamaForCausalLM"],
+        rms_norm_eps=1e-6,
+        rope_parameters=dict(rope_type=rope_type, rope_theta=1e4, factor=2.0),
+        **_SHAPE,
+    )
+    with pytest.raises(UnsupportedModelError, match=f"rope type '{rope_type}'.*'llama3'"):
+        ModelArchConfig.from_hf(cfg, None)
+
+
+def test_mistral_sliding_window_rule() -> None:
+    cfg = transformers.MistralConfig(architectures=["MistralForCausalLM"], sliding_window=256, **_SHAPE)
+    assert ModelArchConfig.from_hf(cfg, max_model_len=256).max_model_len == 256  # window >= len: no effect
+    with pytest.raises(UnsupportedModelError, match=r"sliding-window.*max_model_len <= 256"):
+        ModelArchConfig.from_hf(cfg, max_model_len=257)
+    with pytest.raises(UnsupportedModelError, match="sliding-window"):
+        ModelArchConfig.from_hf(cfg, max_model_len=None)  # 512 positions > window
+    none = transformers.MistralConfig(architectures=["MistralForCausalLM"], sliding_window=None, **_SHAPE)
+    assert ModelArchConfig.from_hf(none, None).max_model_len == 512
+
+
+@pytest.mark.parametrize("config_cls", ["Qwen2Config", "Qwen3Config"])
+def test_qwen_sliding_window_only_when_used(config_cls: str) -> None:
+    cls = getattr(transformers, config_cls)
+    arch_name = config_cls.replace("Config", "ForCausalLM")
+    unused = cls(architectures=[arch_name], sliding_window=64, use_sliding_window=False, **_SHAPE)
+    assert ModelArchConfig.from_hf(unused, None).max_model_len == 512
+    used = cls(architectures=[arch_name], sliding_window=64, use_sliding_window=True, max_window_layers=0, **_SHAPE)
+    with pytest.raises(UnsupportedModelError, match="sliding-window"):
+        ModelArchConfig.from_hf(used, None)
+    assert ModelArchConfig.from_hf(used, 64).max_model_len == 64
+    # every layer below max_window_layers uses full attention: the window never applies
+    full = cls(architectures=[arch_name], sliding_window=64, use_sliding_window=True, max_window_layers=2, **_SHAPE)
+    assert ModelArchConfig.from_hf(full, None).max_model_len == 512
+
+
+def test_malformed_and_unsupported_configs() -> None:
+    with pytest.raises(UnsupportedModelError, match="multiple of num_key_value_heads"):
+        ModelArchConfig.from_hf(_llama(num_key_value_heads=3), None)
+    with pytest.raises(UnsupportedModelError, match="hidden_act"):
+        ModelArchConfig.from_hf(_llama(hidden_act="gelu"), None)
+    with pytest.raises(UnsupportedModelError, match="architectures"):
+        ModelArchConfig.from_hf(transformers.LlamaConfig(**_SHAPE), None)
+    with pytest.raises(UnsupportedModelError, match="max_model_len=0"):
+        ModelArchConfig.from_hf(_llama(), 0)
