@@ -1,0 +1,189 @@
+"""The sampler end to end: greedy, temperature, seeded reproducibility in any batch, dtypes, logprobs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from asyncllm.runner.sampler import Sampler
+from asyncllm.runner.sampling_state import SamplingState
+from asyncllm.sampling_params import SamplingParams
+
+VOCAB = 300
+
+
+def _logits(rows: int, seed: int, vocab: int = VOCAB) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+def _states(params: list[SamplingParams], seeds: list[int]) -> list[SamplingState]:
+    rng = random.Random(sum(seeds))
+    return [
+        SamplingState.create(p, seed, [rng.randrange(VOCAB) for _ in range(8)], "cpu") for p, seed in zip(params, seeds)
+    ]
+
+
+def test_greedy_is_argmax_and_draws_no_noise() -> None:
+    logits = _logits(6, seed=1)
+    states = _states([SamplingParams(temperature=0.0)] * 6, list(range(6)))
+    rng_before = [s.generator.get_state() for s in states]
+    out = Sampler()(logits, states)
+    assert out.token_ids.dtype == torch.int64
+    assert torch.equal(out.token_ids, logits.argmax(dim=-1))
+    assert out.logprobs is None
+    assert all(torch.equal(s.generator.get_state(), b) for s, b in zip(states, rng_before))
+
+
+def test_tiny_temperature_samples_greedily() -> None:
+    logits = _logits(3, seed=2)
+    states = _states([SamplingParams(temperature=1e-7)] * 3, [5, 6, 7])
+    assert torch.equal(Sampler()(logits, states).token_ids, logits.argmax(dim=-1))
+
+
+def test_mixed_batch_greedy_rows_are_argmax_and_random_rows_match_solo_runs() -> None:
+    logits = _logits(4, seed=3)
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(top_k=20),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.5, top_p=0.8),
+    ]
+    tokens = Sampler()(logits, _states(params, [10, 11, 12, 13])).token_ids.tolist()
+    assert tokens[0] == int(logits[0].argmax()) and tokens[2] == int(logits[2].argmax())
+    for row in (1, 3):
+        solo = Sampler()(logits[row : row + 1], _states([params[row]], [10 + row])).token_ids.tolist()
+        assert solo == [tokens[row]]
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_temperature_sampling_frequencies_match_softmax(temperature: float) -> None:
+    vocab, draws = 12, 4000
+    row = _logits(1, seed=4, vocab=vocab)[0]
+    states = [SamplingState.create(SamplingParams(temperature=temperature), s, [0], "cpu") for s in range(draws)]
+    tokens = Sampler()(row.expand(draws, -1), states).token_ids
+    counts = torch.bincount(tokens, minlength=vocab).double()
+    expected = (row.double() / temperature).softmax(dim=0) * draws
+    chi_square = float(((counts - expected) ** 2 / expected).sum())
+    assert chi_square < 3 * (vocab - 1) + 25  # loose: mean 11, sd ~4.7 for the right distribution
+
+
+PARAMS_UNDER_TEST = [
+    SamplingParams(temperature=0.8),
+    SamplingParams(temperature=1.1, top_k=40, top_p=0.9, min_p=0.02),
+    SamplingParams(temperature=0.9, top_p=0.95, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2),
+]
+
+
+@pytest.mark.parametrize("params", PARAMS_UNDER_TEST, ids=["plain", "filters", "penalties"])
+def test_seeded_output_is_independent_of_batch_composition_and_order(params: SamplingParams) -> None:
+    """Request A (seed 1234) must produce the same tokens alone, first, last or in the middle of a batch."""
+    steps = 6
+    others = {
+        "B": SamplingParams(temperature=0.0),
+        "C": SamplingParams(top_k=5, repetition_penalty=1.5),
+        "D": SamplingParams(temperature=1.4, min_p=0.1),
+        "E": SamplingParams(top_p=0.5, frequency_penalty=1.0),
+    }
+    all_params = {"A": params, **others}
+    seeds = {name: 1234 if name == "A" else 77 + i for i, name in enumerate(all_params)}
+    # Each request's logits at each step are fixed, wherever its row lands in the batch.
+    step_logits = [
+        {name: _logits(1, seed=100 * step + i)[0] for i, name in enumerate(all_params)} for step in range(steps)
+    ]
+    compositions = [["A"], ["B", "A"], ["C", "D", "A", "B", "E"], ["A", "E", "C"], ["E", "A", "D"]]
+    runs = []
+    for names in compositions:
+        states = dict(zip(names, _states([all_params[n] for n in names], [seeds[n] for n in names])))
+        states["A"].prompt_token_ids = list(range(0, 40, 3))  # the same prompt in every run
+        sampled = []
+        for step in range(steps):
+            logits = torch.stack([step_logits[step][n] for n in names])
+            tokens = Sampler()(logits, [states[n] for n in names]).token_ids.tolist()
+            for name, token in zip(names, tokens):
+                states[name].record(token)
+            sampled.append(tokens[names.index("A")])
+        runs.append(sampled)
+    assert all(run == runs[0] for run in runs), runs
+
+
+def test_same_seed_same_tokens_different_seed_different_tokens() -> None:
+    vocab = 1000
+    logits = _logits(1, seed=5, vocab=vocab).expand(3, -1) * 0.1  # flat: many likely tokens
+    states = _states([SamplingParams()] * 3, [42, 42, 43])
+    sequences: list[list[int]] = [[], [], []]
+    for _ in range(8):
+        for seq, token in zip(sequences, Sampler()(logits, states).token_ids.tolist()):
+            seq.append(token)
+    assert sequences[0] == sequences[1]
+    assert sequences[0] != sequences[2]
+
+
+def test_huge_and_negative_seeds_are_accepted_and_deterministic() -> None:
+    logits = _logits(2, seed=6)
+    seeds = [2**80 + 3, -17]
+    first = Sampler()(logits, _states([SamplingParams()] * 2, seeds)).token_ids
+    again = Sampler()(logits, _states([SamplingParams()] * 2, seeds)).token_ids
+    assert torch.equal(first, again)
+
+
+def test_bf16_logits_sample_like_their_float32_values() -> None:
+    logits = _logits(5, seed=7).to(torch.bfloat16)
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(),
+        SamplingParams(top_k=10, top_p=0.9),
+        SamplingParams(min_p=0.1, repetition_penalty=1.2),
+        SamplingParams(temperature=0.0, logprobs=2),
+    ]
+    seeds = [1, 2, 3, 4, 5]
+    from_bf16 = Sampler()(logits, _states(params, seeds))
+    from_f32 = Sampler()(logits.float(), _states(params, seeds))
+    assert torch.equal(from_bf16.token_ids, from_f32.token_ids)
+    assert from_bf16.token_ids[0] == logits[0].float().argmax()
+    assert from_bf16.logprobs == from_f32.logprobs
+
+
+def test_sampler_does_not_modify_logits() -> None:
+    logits = _logits(3, seed=8)
+    before = logits.clone()
+    params = [
+        SamplingParams(top_k=3, top_p=0.5, min_p=0.2, repetition_penalty=2.0),
+        SamplingParams(temperature=0.0, presence_penalty=1.0),
+        SamplingParams(temperature=0.3),
+    ]
+    states = _states(params, [1, 2, 3])
+    for state in states:
+        state.record(int(logits[0].argmax()))
+    Sampler()(logits, states)
+    assert torch.equal(logits, before)
+
+
+def test_logprobs_match_log_softmax_of_raw_logits() -> None:
+    logits = _logits(4, seed=9)
+    params = [
+        SamplingParams(logprobs=3, temperature=0.7, repetition_penalty=1.5),
+        SamplingParams(),
+        SamplingParams(temperature=0.0, logprobs=0),
+        SamplingParams(logprobs=5, top_k=2),
+    ]
+    states = _states(params, [1, 2, 3, 4])
+    out = Sampler()(logits, states)
+    assert out.logprobs is not None and out.logprobs[1] is None
+    want = logits.log_softmax(dim=-1)
+    tokens = out.token_ids.tolist()
+    for row, n in ((0, 3), (2, 0), (3, 5)):
+        entry = out.logprobs[row]
+        assert entry is not None
+        top = want[row].topk(n).indices.tolist()
+        assert set(entry) == {tokens[row], *top}
+        assert next(iter(entry)) == tokens[row]  # the sampled token comes first
+        for token, value in entry.items():
+            assert value == pytest.approx(float(want[row, token]), abs=1e-5)
+    assert out.logprobs[2] == {tokens[2]: pytest.approx(float(want[2, tokens[2]]), abs=1e-5)}
+
+
+def test_shape_mismatch_is_rejected() -> None:
+    with pytest.raises(ValueError, match="num_states=2"):
+        Sampler()(_logits(3, seed=10), _states([SamplingParams()] * 2, [1, 2]))
