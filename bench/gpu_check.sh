@@ -12,7 +12,7 @@ nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,nohe
 mode=${1:-all}
 rows=()
 if [ "$mode" != "w1-only" ]; then
-  python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+  python3 -m pytest -q -s -p no:cacheprovider -o addopts="" tests/gpu tests/runner/test_sampler_cuda.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
   rows+=("gpu tests: $(tail -1 "$OUT/gpu_tests.log")")
 fi
 if [ "$mode" != "tests-only" ]; then

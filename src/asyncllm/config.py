@@ -115,9 +115,7 @@ class EngineConfig:
         object.__setattr__(self, "load_format", _enum(LoadFormat, "load_format", self.load_format))
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         if self.tensor_parallel_size != 1:
-            raise _bad(
-                "tensor_parallel_size", self.tensor_parallel_size, "only 1 is supported in this version"
-            )
+            raise _bad("tensor_parallel_size", self.tensor_parallel_size, "only 1 is supported in this version")
         _positive("max_model_len", self.max_model_len, optional=True)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
@@ -137,6 +135,10 @@ class EngineConfig:
                 raise _bad(name, getattr(self, name), "use True or False")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise _bad("seed", self.seed, "use an integer")
+        if self.tokenizer is not None:
+            if not isinstance(self.tokenizer, (str, Path)) or str(self.tokenizer) == "":
+                raise _bad("tokenizer", self.tokenizer, "give a tokenizer directory path, or None for `model`'s")
+            object.__setattr__(self, "tokenizer", str(self.tokenizer))
 
     @classmethod
     def from_kwargs(cls, model: str, **engine_args: Any) -> EngineConfig:
@@ -145,7 +147,6 @@ class EngineConfig:
         unknown = sorted(set(engine_args) - known)
         if unknown:
             raise TypeError(
-                f"unknown engine argument {unknown[0]!r}; "
-                f"known arguments: {', '.join(sorted(known - {'model'}))}"
+                f"unknown engine argument {unknown[0]!r}; known arguments: {', '.join(sorted(known - {'model'}))}"
             )
         return cls(model=model, **engine_args)

@@ -46,6 +46,12 @@ def _our_prompt_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama", "llama3", "mistral"])
 def test_bf16_logits_and_greedy_prefix(family: str, tiny_checkpoints) -> None:
+    """bf16 rounding differs between any two implementations, so greedy paths may part at a near-tie.
+
+    Checked: (1) prompt logits within bf16 tolerance; (2) along our own greedy continuation, each token we
+    chose is within tolerance of the reference's best logit at that position (teacher-forced), i.e. we part
+    from transformers' own greedy path only at a near-tie; (3) the agreement length is printed.
+    """
     path = tiny_checkpoints[family]
     llm = LLM(str(path), device="cuda", dtype="bfloat16", block_size=16, num_kv_blocks=256)
     hf = _hf(path, torch.bfloat16)
@@ -56,19 +62,27 @@ def test_bf16_logits_and_greedy_prefix(family: str, tiny_checkpoints) -> None:
             ref = hf(torch.tensor([ids], device="cuda")).logits[0].float()
         scale = ref.abs().max().item()
         assert (ours - ref).abs().max().item() <= 0.03 * scale + 0.05, family
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    agreements = []
     for ids, out in zip(prompts, outs):
+        seq = torch.tensor([ids + out.token_ids], device="cuda")
         with torch.inference_mode():
-            ref = hf.generate(
+            ref_logits = hf(seq).logits[0, len(ids) - 1 : -1].float()  # [new, vocab], teacher-forced
+            ref_greedy = hf.generate(
                 torch.tensor([ids], device="cuda"),
                 max_new_tokens=12,
                 do_sample=False,
                 eos_token_id=None,
                 pad_token_id=0,
             )[0, len(ids) :].tolist()
-        agree = next((i for i, (a, b) in enumerate(zip(out.token_ids, ref)) if a != b), len(ref))
-        assert agree >= 4, f"{family}: greedy diverged at token {agree}: {out.token_ids} vs {ref}"
+        chosen = ref_logits.gather(1, torch.tensor(out.token_ids, device="cuda")[:, None])[:, 0]
+        gap = ref_logits.max(dim=1).values - chosen  # 0 where we agree with the reference's argmax
+        tol = 0.03 * ref_logits.abs().max().item() + 0.05
+        print(f"{family}: gaps {[round(g, 3) for g in gap.tolist()]} tol {tol:.3f}")
+        assert gap.max().item() <= tol, f"{family}: chose a token {gap.max().item():.3f} below the best (tol {tol:.3f})"
+        agreements.append(next((i for i, (a, b) in enumerate(zip(out.token_ids, ref_greedy)) if a != b), 12))
+    print(f"{family}: greedy agreement with transformers.generate over 12 tokens per prompt: {agreements}")
+    assert max(agreements) >= 1
 
 
 @pytest.mark.parametrize(
@@ -84,9 +98,7 @@ def test_fp32_greedy_exact_on_cuda(engine_args, tiny_checkpoints) -> None:
     llm = LLM(str(path), device="cuda", dtype="float32", **engine_args)
     hf = _hf(path, torch.float32)
     prompts = _prompts(llm.runtime.vocab_size)
-    outs = llm.generate(
-        prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False
-    )
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
     for ids, out in zip(prompts, outs):
         with torch.inference_mode():
             ref = hf.generate(

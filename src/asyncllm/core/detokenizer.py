@@ -20,9 +20,7 @@ def backend_tokenizer(tokenizer: Any) -> Tokenizer:
         return tokenizer
     backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
     if not isinstance(backend, Tokenizer):
-        raise TypeError(
-            f"{type(tokenizer).__name__} has no fast (Rust) tokenizer; asyncllm needs a tokenizer.json"
-        )
+        raise TypeError(f"{type(tokenizer).__name__} has no fast (Rust) tokenizer; asyncllm needs a tokenizer.json")
     return backend
 
 

@@ -99,9 +99,7 @@ class EngineCore:
         # full prefix hit) is still prefill. Counted before the model runs, while every request is live.
         reqs = self.scheduler.requests
         decode = sum(
-            1
-            for s in scheduled.seqs
-            if s.num_tokens == 1 and s.start_pos >= reqs[s.request_id].num_prompt_tokens
+            1 for s in scheduled.seqs if s.num_tokens == 1 and s.start_pos >= reqs[s.request_id].num_prompt_tokens
         )
         result = self.executor.execute_model(scheduled)
         now = self._clock()
@@ -113,9 +111,7 @@ class EngineCore:
             text, reason = self.output_processor.process_token(request, token_id)
             if reason is not None:
                 self._finish(request.request_id, reason, flush=False)
-                deltas.append(
-                    RequestDelta(request.request_id, [token_id], text, reason, request_metrics(request, now))
-                )
+                deltas.append(RequestDelta(request.request_id, [token_id], text, reason, request_metrics(request, now)))
             else:
                 deltas.append(RequestDelta(request.request_id, [token_id], text))
         return deltas

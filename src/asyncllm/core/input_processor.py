@@ -34,9 +34,7 @@ class InputProcessor:
             if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
                 raise InvalidRequestError("prompt token ids must all be integers")
         else:
-            raise InvalidRequestError(
-                f"prompt must be a str or a list of token ids, not {type(prompt).__name__}"
-            )
+            raise InvalidRequestError(f"prompt must be a str or a list of token ids, not {type(prompt).__name__}")
         if not ids:
             raise InvalidRequestError("prompt is empty (no tokens): give at least one token")
         vocab = self.runtime.vocab_size
@@ -56,6 +54,9 @@ class InputProcessor:
             params = SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be a SamplingParams, not {type(params).__name__}")
+        if params.stop_strings and self._encode is None:
+            # Stop strings are matched on detokenized text; without a tokenizer they would be ignored silently.
+            raise InvalidRequestError("stop strings need a tokenizer and this engine has none: use stop_token_ids")
         ids = self.tokenize(prompt)
         rt = self.runtime
         n = len(ids)

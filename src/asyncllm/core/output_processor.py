@@ -65,9 +65,7 @@ class OutputProcessor:
             old_len = len(state.text)
             state.text += new_text
             if past_min and params.stop_strings:
-                cut = self._find_stop(
-                    state.text, old_len, params.stop_strings, params.include_stop_str_in_output
-                )
+                cut = self._find_stop(state.text, old_len, params.stop_strings, params.include_stop_str_in_output)
                 if cut is not None:
                     state.text = state.text[:cut]
                     reason = "stop"

@@ -1,0 +1,84 @@
+"""EngineConfig: defaults, enum coercion, unknown names (TypeError) and bad values (ValueError naming them)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from asyncllm.config import AttentionBackendName, Device, DType, EngineConfig
+
+
+def test_defaults_and_coercion(tmp_path: Path) -> None:
+    cfg = EngineConfig.from_kwargs(str(tmp_path))
+    assert cfg.model == str(tmp_path)
+    assert (cfg.device, cfg.dtype, cfg.attention_backend) == (Device.AUTO, DType.AUTO, AttentionBackendName.AUTO)
+    assert (cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.block_size) == (256, 8192, 16)
+    assert cfg.enable_prefix_caching and cfg.num_kv_blocks is None and cfg.max_model_len is None
+    cfg = EngineConfig.from_kwargs(tmp_path, device="cpu", dtype="float32", attention_backend="torch")  # type: ignore[arg-type]
+    assert cfg.model == str(tmp_path) and isinstance(cfg.model, str)
+    assert (cfg.device, cfg.dtype, cfg.attention_backend) == (Device.CPU, DType.FLOAT32, AttentionBackendName.TORCH)
+    cfg = EngineConfig(model="m", tokenizer=tmp_path)  # type: ignore[arg-type]
+    assert cfg.tokenizer == str(tmp_path)
+
+
+def test_unknown_argument_is_a_type_error_naming_it() -> None:
+    with pytest.raises(TypeError, match=r"unknown engine argument 'max_batch_size'.*known arguments: .*max_num_seqs"):
+        EngineConfig.from_kwargs("m", max_batch_size=8, max_num_seqs=4)
+    with pytest.raises(TypeError, match="'aaa'"):
+        EngineConfig.from_kwargs("m", zzz=1, aaa=2)  # the first, alphabetically
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("device", "tpu"),
+        ("dtype", "int8"),
+        ("dtype", None),
+        ("attention_backend", "flashinfer"),
+        ("tensor_parallel_size", 0),
+        ("tensor_parallel_size", 2),
+        ("max_model_len", 0),
+        ("max_model_len", 1.5),
+        ("max_num_seqs", 0),
+        ("max_num_seqs", True),
+        ("max_num_batched_tokens", -1),
+        ("block_size", 0),
+        ("block_size", 12),
+        ("block_size", "16"),
+        ("gpu_memory_utilization", 0.0),
+        ("gpu_memory_utilization", 1.01),
+        ("gpu_memory_utilization", math.nan),
+        ("gpu_memory_utilization", True),
+        ("num_kv_blocks", 0),
+        ("num_kv_blocks", 2.0),
+        ("cpu_kv_cache_gib", 0),
+        ("cpu_kv_cache_gib", -1.0),
+        ("cpu_kv_cache_gib", math.nan),
+        ("cpu_kv_cache_gib", math.inf),
+        ("cpu_kv_cache_gib", True),
+        ("enable_prefix_caching", 1),
+        ("enforce_eager", "no"),
+        ("seed", 1.0),
+        ("seed", None),
+        ("tokenizer", 5),
+        ("tokenizer", ""),
+    ],
+)
+def test_bad_value_is_a_value_error_naming_the_field(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=rf"^{field}=") as info:
+        EngineConfig.from_kwargs("m", **{field: value})
+    assert repr(value) in str(info.value)
+
+
+@pytest.mark.parametrize("model", ["", None, 3])
+def test_bad_model(model: object) -> None:
+    with pytest.raises(ValueError, match=r"^model="):
+        EngineConfig(model=model)  # type: ignore[arg-type]
+
+
+def test_frozen() -> None:
+    cfg = EngineConfig(model="m")
+    with pytest.raises(AttributeError):
+        cfg.max_num_seqs = 3  # type: ignore[misc]

@@ -1,0 +1,110 @@
+"""SamplingParams: defaults as documented, every invalid field refused with a ValueError naming it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from asyncllm.errors import InvalidRequestError
+from asyncllm.sampling_params import SamplingParams
+
+
+def test_defaults_match_the_api() -> None:
+    p = SamplingParams()
+    assert (p.temperature, p.top_p, p.top_k, p.min_p) == (1.0, 1.0, 0, 0.0)
+    assert (p.max_tokens, p.min_tokens, p.stop, p.stop_token_ids) == (None, 0, None, None)
+    assert (p.include_stop_str_in_output, p.ignore_eos, p.seed, p.logprobs) == (False, False, None, None)
+    assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.0, 0.0, 0.0)
+    assert p.stop_strings == () and p.stop_token_set == frozenset()
+    assert not p.greedy and not p.has_penalties
+
+
+def test_normalised_forms() -> None:
+    assert SamplingParams(stop="###").stop_strings == ("###",)
+    assert SamplingParams(stop=["a", "bc"]).stop_strings == ("a", "bc")
+    assert SamplingParams(stop_token_ids=[3, 3, 5]).stop_token_set == frozenset({3, 5})
+    assert SamplingParams(temperature=0).greedy
+    assert SamplingParams(presence_penalty=0.5).has_penalties
+    assert SamplingParams(repetition_penalty=1.2).has_penalties
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", -0.1),
+        ("temperature", math.nan),
+        ("temperature", math.inf),
+        ("temperature", "0.7"),
+        ("temperature", None),
+        ("temperature", True),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_p", -1.0),
+        ("top_p", math.nan),
+        ("top_k", -2),
+        ("top_k", 2.0),
+        ("top_k", True),
+        ("min_p", -0.01),
+        ("min_p", 1.01),
+        ("max_tokens", 0),
+        ("max_tokens", -5),
+        ("max_tokens", 3.0),
+        ("min_tokens", -1),
+        ("min_tokens", 1.5),
+        ("stop", ""),
+        ("stop", ["ok", ""]),
+        ("stop", 5),
+        ("stop", ["ok", 5]),
+        ("stop", b"x"),
+        ("stop_token_ids", [-1]),
+        ("stop_token_ids", [1.0]),
+        ("stop_token_ids", [True]),
+        ("stop_token_ids", 5),
+        ("include_stop_str_in_output", 1),
+        ("ignore_eos", "yes"),
+        ("seed", 1.5),
+        ("seed", "42"),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", -1.0),
+        ("presence_penalty", 2.5),
+        ("presence_penalty", -2.5),
+        ("frequency_penalty", 3.0),
+        ("frequency_penalty", math.inf),
+        ("logprobs", -1),
+        ("logprobs", 21),
+        ("logprobs", 2.0),
+    ],
+)
+def test_invalid_field_is_named(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field}=") as info:
+        SamplingParams(**{field: value})
+    assert isinstance(info.value, InvalidRequestError)
+
+
+def test_min_tokens_over_max_tokens() -> None:
+    with pytest.raises(InvalidRequestError, match=r"min_tokens=6 .*at most max_tokens \(5\)"):
+        SamplingParams(min_tokens=6, max_tokens=5)
+    assert SamplingParams(min_tokens=5, max_tokens=5).min_tokens == 5
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(temperature=0.0, top_k=-1, top_p=1.0),
+        dict(temperature=2, top_k=1, top_p=0.01, min_p=1.0),
+        dict(max_tokens=1, min_tokens=0, stop=[], stop_token_ids=[]),
+        dict(seed=-3, logprobs=0, presence_penalty=-2.0, frequency_penalty=2.0, repetition_penalty=0.5),
+        dict(stop=("a", "b"), stop_token_ids=(1, 2)),
+    ],
+)
+def test_valid_edges_are_accepted(kwargs: dict) -> None:
+    p = SamplingParams(**kwargs)
+    for key, value in kwargs.items():
+        assert getattr(p, key) == value
+
+
+def test_frozen() -> None:
+    p = SamplingParams()
+    with pytest.raises(AttributeError):
+        p.temperature = 0.5  # type: ignore[misc]
