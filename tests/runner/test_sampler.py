@@ -187,3 +187,24 @@ def test_logprobs_match_log_softmax_of_raw_logits() -> None:
 def test_shape_mismatch_is_rejected() -> None:
     with pytest.raises(ValueError, match="num_states=2"):
         Sampler()(_logits(3, seed=10), _states([SamplingParams()] * 2, [1, 2]))
+
+
+def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:
+    """Regression: EOS sampled before min_tokens used to land in the output mid-answer."""
+    vocab = 16
+    logits = torch.full((1, vocab), -5.0)
+    logits[0, 3] = 10.0  # EOS would win
+    logits[0, 7] = 9.0  # a stop id is next best
+    logits[0, 11] = 1.0
+    params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[7])
+    state = SamplingState.create(params, 0, [1, 2], "cpu", eos_token_ids=frozenset({3}))
+    sampler = Sampler()
+    assert sampler(logits, [state]).token_ids.tolist() == [11]
+    state.record(11)
+    assert sampler(logits, [state]).token_ids.tolist() == [11]
+    state.record(11)
+    assert sampler(logits, [state]).token_ids.tolist() == [3]  # min_tokens reached: EOS allowed again
+    ignoring = SamplingState.create(
+        SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True), 0, [1], "cpu", eos_token_ids=frozenset({3})
+    )
+    assert sampler(logits, [ignoring]).token_ids.tolist() == [3]  # ignore_eos: EOS is just a token

@@ -41,7 +41,7 @@ class Sampler:
                 f"got {tuple(logits.shape)} {logits.dtype}"
             )
         # float() is a no-op on float32 input; nothing below writes into `x` in place.
-        x = apply_penalties(logits.float(), states)  # [N, vocab] float32
+        x = apply_penalties(_suppress_stops_before_min_tokens(logits.float(), states), states)  # [N, vocab]
         random_rows = [i for i, s in enumerate(states) if not _is_greedy(s.params)]
         if len(random_rows) == len(states):
             token_ids = _sample_random(x, states)
@@ -55,6 +55,27 @@ class Sampler:
         if any(s.params.logprobs is not None for s in states):
             logprobs = _gather_logprobs(logits, token_ids, states)
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+
+def _suppress_stops_before_min_tokens(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+    """Until a request has `min_tokens` outputs its EOS and stop ids cannot be sampled (vLLM's rule), so a
+    short answer is never padded with an end-of-text token it was not allowed to stop on."""
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, state in enumerate(states):
+        if len(state.output_token_ids) < state.params.min_tokens and state.min_tokens_stop_ids:
+            rows.extend([i] * len(state.min_tokens_stop_ids))
+            cols.extend(state.min_tokens_stop_ids)
+    if not rows:
+        return logits
+    vocab = logits.shape[1]
+    keep = [(r, c) for r, c in zip(rows, cols) if c < vocab]
+    out = logits.clone()
+    if keep:
+        r_idx = to_device([r for r, _ in keep], torch.int64, logits.device)
+        c_idx = to_device([c for _, c in keep], torch.int64, logits.device)
+        out[r_idx, c_idx] = float("-inf")
+    return out
 
 
 def _is_greedy(params: SamplingParams) -> bool:

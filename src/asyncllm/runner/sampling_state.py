@@ -53,6 +53,8 @@ class SamplingState:
     generator: torch.Generator  # on the logits' device; only this request's noise is drawn from it
     prompt_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
+    # EOS (unless ignore_eos) and stop_token_ids: masked while fewer than params.min_tokens outputs exist.
+    min_tokens_stop_ids: tuple[int, ...] = ()
     _prompt_host: HostTokens = field(default_factory=HostTokens, init=False, repr=False, compare=False)
     _output_host: HostTokens = field(default_factory=HostTokens, init=False, repr=False, compare=False)
 
@@ -63,10 +65,16 @@ class SamplingState:
         seed: int,
         prompt_token_ids: Sequence[int],
         device: torch.device | str,
+        eos_token_ids: frozenset[int] = frozenset(),
     ) -> SamplingState:
         generator = torch.Generator(device=device)
         generator.manual_seed(seed & _SEED_MASK)
-        return cls(params=params, generator=generator, prompt_token_ids=list(prompt_token_ids))
+        stops: tuple[int, ...] = ()
+        if params.min_tokens > 0:
+            stops = tuple(sorted(params.stop_token_set | (frozenset() if params.ignore_eos else eos_token_ids)))
+        return cls(
+            params=params, generator=generator, prompt_token_ids=list(prompt_token_ids), min_tokens_stop_ids=stops
+        )
 
     def record(self, token_id: int) -> None:
         """Add one sampled token to the history that presence/frequency/repetition penalties see."""
