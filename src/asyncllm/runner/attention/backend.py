@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -29,6 +30,8 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     max_query_len: int
     max_seq_len: int
+    # Whatever the backend derives once per step and every layer reuses (set by `AttentionBackend.prepare`).
+    plan: Any = None
 
     @property
     def num_seqs(self) -> int:
@@ -39,6 +42,14 @@ class AttentionBackend(ABC):
     """Stateless implementation of paged attention; one instance is shared by every layer."""
 
     name: str
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Per-step work shared by every layer (index tensors, split plans), stored in `meta.plan`.
+
+        Called once per step before the forward pass, so no layer repeats it and nothing inside the layers
+        needs a host-to-device copy that could stall the host. The default plans nothing.
+        """
+        meta.plan = None
 
     @abstractmethod
     def forward(

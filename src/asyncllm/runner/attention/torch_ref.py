@@ -7,6 +7,8 @@ Decode-only sequences are batched with padding so the reference stays usable as 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from asyncllm.runner.attention.backend import AttentionBackend, AttentionMetadata
@@ -17,12 +19,8 @@ def store_kv(
 ) -> None:
     """Write each new token's key/value into its cache slot."""
     num_blocks, block_size = k_cache.shape[:2]
-    k_cache.view(num_blocks * block_size, *k_cache.shape[2:]).index_copy_(
-        0, slot_mapping, k.to(k_cache.dtype)
-    )
-    v_cache.view(num_blocks * block_size, *v_cache.shape[2:]).index_copy_(
-        0, slot_mapping, v.to(v_cache.dtype)
-    )
+    k_cache.view(num_blocks * block_size, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(num_blocks * block_size, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -32,9 +30,7 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
     return cache[block_table[:num_blocks].long()].flatten(0, 1)[:seq_len]
 
 
-def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int
-) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int) -> torch.Tensor:
     """q [Q, H, D], k/v [K, Hkv, D] -> [Q, H, D]; query j may see keys 0..causal_offset + j. float32 maths."""
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     group = num_heads // num_kv_heads
@@ -49,47 +45,75 @@ def attend(
     return out.transpose(0, 1).to(q.dtype)
 
 
+@dataclass
+class _Plan:
+    starts: list[int]  # query row offsets, host side
+    prefill_seqs: list[int]  # sequences with more than one query token: attended one by one
+    decode_seqs: list[int]  # single-token sequences: batched with padding
+    decode_rows: torch.Tensor | None  # [B] int64 query row of each decode sequence (device)
+    decode_seq_idx: torch.Tensor | None  # [B] int64 their index in the batch (device)
+    decode_lens: torch.Tensor | None  # [B] int64 their key lengths (device)
+    decode_max_len: int
+
+
+def _upload(values: list[int], device: torch.device) -> torch.Tensor:
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type == "cuda":  # pinned + non_blocking: queued behind the forward pass, the host never waits
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
-        starts = [0]  # host-side offsets: no device sync
+    def prepare(self, meta: AttentionMetadata) -> None:
+        starts = [0]
         for n in meta.query_lens_cpu:
             starts.append(starts[-1] + n)
-        decode_rows: list[int] = []
-        decode_seqs: list[int] = []
-        for i, (qlen, slen) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-            if qlen == 1:
-                decode_rows.append(starts[i])
-                decode_seqs.append(i)
-                continue
+        decode = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
+        prefill = [i for i, n in enumerate(meta.query_lens_cpu) if n != 1]
+        device = meta.seq_lens.device
+        lens = [meta.seq_lens_cpu[i] for i in decode]
+        meta.plan = _Plan(
+            starts=starts,
+            prefill_seqs=prefill,
+            decode_seqs=decode,
+            decode_rows=_upload([starts[i] for i in decode], device) if decode else None,
+            decode_seq_idx=_upload(decode, device) if decode else None,
+            decode_lens=_upload(lens, device) if decode else None,
+            decode_max_len=max(lens, default=0),
+        )
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if not isinstance(meta.plan, _Plan):
+            self.prepare(meta)
+        plan: _Plan = meta.plan
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        starts = plan.starts
+        for i in plan.prefill_seqs:
+            qlen, slen = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
             kk = gather_kv(k_cache, meta.block_tables[i], slen)
             vv = gather_kv(v_cache, meta.block_tables[i], slen)
             out[starts[i] : starts[i + 1]] = attend(q[starts[i] : starts[i + 1]], kk, vv, scale, slen - qlen)
-        if decode_seqs:
-            rows = torch.tensor(decode_rows, device=q.device)
-            out[rows] = self._decode(q, k_cache, v_cache, meta, decode_rows, decode_seqs, scale)
+        if plan.decode_seqs:
+            out[plan.decode_rows] = self._decode(q, k_cache, v_cache, meta, plan, scale)
         return out
 
     @staticmethod
-    def _decode(q, k_cache, v_cache, meta, rows: list[int], seqs: list[int], scale: float) -> torch.Tensor:
+    def _decode(q, k_cache, v_cache, meta: AttentionMetadata, plan: _Plan, scale: float) -> torch.Tensor:
         """Single-token queries, batched: pad every sequence's keys to the longest and mask the rest."""
-        device = q.device
         block_size = k_cache.shape[1]
-        lens = [meta.seq_lens_cpu[i] for i in seqs]
-        max_len = max(lens)
+        max_len = plan.decode_max_len
         nb = -(-max_len // block_size)
-        idx = torch.tensor(seqs, device=device)
-        tables = meta.block_tables[idx, :nb].long()  # [B, nb]
+        tables = meta.block_tables[plan.decode_seq_idx, :nb].long()  # [B, nb]
         kk = k_cache[tables].flatten(1, 2)[:, :max_len].float()  # [B, L, Hkv, D]
         vv = v_cache[tables].flatten(1, 2)[:, :max_len].float()
-        qq = q[torch.tensor(rows, device=device)].float()  # [B, H, D]
+        qq = q[plan.decode_rows].float()  # [B, H, D]
         group = qq.shape[1] // kk.shape[2]
         qg = qq.view(qq.shape[0], kk.shape[2], group, qq.shape[2])  # [B, Hkv, G, D]
         scores = torch.einsum("bkgd,blkd->bkgl", qg, kk) * scale  # [B, Hkv, G, L]
-        valid = torch.arange(max_len, device=device)[None, :] < torch.tensor(lens, device=device)[:, None]
+        valid = torch.arange(max_len, device=q.device)[None, :] < plan.decode_lens[:, None]  # [B, L]
         scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
         # Padded rows may hold garbage (even NaN in never-written cache memory) and 0 * NaN is NaN.
         vv = vv.masked_fill(~valid[:, :, None, None], 0.0)
