@@ -7,9 +7,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from asyncllm.attention.torch_ref import TorchAttentionBackend
 from asyncllm.models.config import ModelArchConfig
 from asyncllm.models.registry import resolve_model_class
-from asyncllm.runner.attention.torch_ref import TorchAttentionBackend
 from asyncllm.runner.checkpoint import open_checkpoint
 from tests.fixtures.paged import PagedBatcher
 

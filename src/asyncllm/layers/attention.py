@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from asyncllm.runner.attention.backend import AttentionBackend, AttentionMetadata
+from asyncllm.attention.backend import AttentionBackend, AttentionMetadata
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]
 

@@ -13,6 +13,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from asyncllm.attention.backend import AttentionBackend, AttentionMetadata
 from asyncllm.layers.activation import SiluAndMul
 from asyncllm.layers.attention import Attention, KVCache
 from asyncllm.layers.embedding import LMHead, VocabEmbedding
@@ -21,7 +22,6 @@ from asyncllm.layers.norm import RMSNorm
 from asyncllm.layers.rotary import RotaryEmbedding, apply_rotary
 from asyncllm.models.config import ModelArchConfig
 from asyncllm.models.weights import LLAMA_PACKED, load_packed_weights
-from asyncllm.runner.attention.backend import AttentionBackend, AttentionMetadata
 
 
 class LlamaMLP(nn.Module):

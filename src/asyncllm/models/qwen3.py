@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 
+from asyncllm.attention.backend import AttentionBackend
 from asyncllm.layers.norm import RMSNorm
 from asyncllm.models.config import ModelArchConfig
 from asyncllm.models.llama import LlamaAttention, LlamaForCausalLM
-from asyncllm.runner.attention.backend import AttentionBackend
 
 
 class Qwen3Attention(LlamaAttention):

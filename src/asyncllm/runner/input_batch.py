@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from asyncllm.attention.backend import AttentionMetadata
 from asyncllm.core.scheduler_output import SchedulerOutput
-from asyncllm.runner.attention.backend import AttentionMetadata
 
 
 @dataclass

@@ -11,12 +11,12 @@ import logging
 
 import torch
 
+from asyncllm.attention.backend import AttentionBackend
 from asyncllm.config import AttentionBackendName, EngineConfig, LoadFormat
 from asyncllm.core.runtime import RuntimeInfo
 from asyncllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from asyncllm.models.config import ModelArchConfig
 from asyncllm.models.registry import resolve_model_class
-from asyncllm.runner.attention.backend import AttentionBackend
 from asyncllm.runner.checkpoint import Checkpoint
 from asyncllm.runner.device import resolve_device, resolve_dtype
 from asyncllm.runner.input_batch import InputBuffers
@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 def make_attention_backend(choice: AttentionBackendName, device: torch.device) -> AttentionBackend:
     if choice in (AttentionBackendName.AUTO, AttentionBackendName.TORCH):
-        from asyncllm.runner.attention.torch_ref import TorchAttentionBackend
+        from asyncllm.attention.torch_ref import TorchAttentionBackend
 
         return TorchAttentionBackend()
     raise ValueError(f"attention_backend={choice.value!r} is not available in this version; use 'torch'")

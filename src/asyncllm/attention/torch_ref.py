@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncllm.runner.attention.backend import AttentionBackend, AttentionMetadata
+from asyncllm.attention.backend import AttentionBackend, AttentionMetadata
 
 
 def store_kv(

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from asyncllm.runner.attention.torch_ref import TorchAttentionBackend, store_kv
+from asyncllm.attention.torch_ref import TorchAttentionBackend, store_kv
 from tests.fixtures.paged import PagedBatcher
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}  # max abs error; outputs are O(1)

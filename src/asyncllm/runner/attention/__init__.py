@@ -1,1 +1,0 @@
-"""Attention over the paged KV cache, behind one small backend interface."""
