@@ -1,0 +1,78 @@
+"""Opening a single `.gguf` file as a `Checkpoint`: config, tokenizer, EOS ids and dequantized weights.
+
+Composes the metadata reader (gguf_config), the tensor reader (gguf_weights) and transformers' GGUF
+tokenizer support. Everything is checked at open time (architecture, tensor names and types), so a bad
+file fails before any weight is loaded. Nothing here touches the network.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncllm.errors import UnsupportedModelError
+from asyncllm.runner.checkpoint import Checkpoint
+from asyncllm.runner.gguf_config import architecture_of, build_hf_config, eos_token_ids, read_field
+from asyncllm.runner.gguf_weights import check_tensor_types, hf_name, iter_gguf_weights
+
+# Turn-end markers of common chat templates: a chat answer ends with one even when the GGUF's
+# eos_token_id names another token (e.g. <|endoftext|>), so they stop generation too.
+_TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
+
+
+def open_gguf_checkpoint(path: Path, dtype: torch.dtype) -> Checkpoint:
+    """Validate the whole file, then return its config, tokenizer and a weight iterator yielding `dtype`."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)  # memory-mapped: tensors are read only when iterated
+    _, arch = architecture_of(reader)
+    tensor_names = {t.name for t in reader.tensors}
+    hf_config = build_hf_config(reader, tensor_names)
+    for name in sorted(tensor_names):
+        hf_name(name)  # raises on a tensor we would not know where to put
+    check_tensor_types(list(reader.tensors))
+    tokenizer = _load_tokenizer(path, reader)
+    eos = eos_token_ids(reader) | _turn_end_ids(tokenizer)
+
+    def iter_weights() -> Iterator[tuple[str, torch.Tensor]]:
+        return iter_gguf_weights(
+            reader,
+            dtype,
+            num_heads=hf_config.num_attention_heads,
+            num_kv_heads=hf_config.num_key_value_heads,
+            permuted_qk=arch.permuted_qk,
+        )
+
+    return Checkpoint(
+        path=path,
+        hf_config=hf_config,
+        tokenizer=tokenizer,
+        eos_token_ids=frozenset(eos),
+        iter_weights=iter_weights,
+    )
+
+
+def _load_tokenizer(path: Path, reader: Any) -> Any | None:
+    """transformers' tokenizer rebuilt from the GGUF's vocabulary, merges and chat template."""
+    if read_field(reader, "tokenizer.ggml.model") is None:
+        return None  # no tokenizer in the file: prompts must then be token ids
+    from transformers import PreTrainedTokenizerFast
+
+    # transformers rebuilds the backend tokenizer (BPE or sentencepiece) from the file's type and vocabulary
+    # whichever class wraps it; AutoTokenizer would also re-derive a model config from the whole file first
+    # (seconds on a 49k-token vocabulary), which we already have.
+    try:
+        return PreTrainedTokenizerFast.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+    except (ValueError, KeyError, NotImplementedError) as exc:
+        raise UnsupportedModelError(f"cannot build a tokenizer from the GGUF metadata of {path}: {exc}") from exc
+
+
+def _turn_end_ids(tokenizer: Any | None) -> set[int]:
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str):
+        return set()
+    vocab = tokenizer.get_vocab()
+    return {vocab[t] for t in _TURN_END_TOKENS if t in template and t in vocab}

@@ -1,0 +1,140 @@
+"""A GGUF file's metadata turned into a transformers config for the architectures asyncllm serves.
+
+Owns which GGUF architectures are supported and how their `{arch}.*` keys map onto Hugging Face config
+fields. Knows nothing about tensors' contents, tokenizers or the engine; reads metadata through a
+`gguf.GGUFReader` that the caller opened.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from asyncllm.errors import UnsupportedModelError
+
+
+@dataclass(frozen=True)
+class GGUFArch:
+    """How one GGUF architecture becomes a transformers config and model class."""
+
+    config_class: str  # a class name in `transformers`
+    hf_architecture: str  # what `hf_config.architectures[0]` must name
+    permuted_qk: bool  # llama.cpp reorders Q/K rows of llama-family weights for its rotary layout
+
+
+SUPPORTED_ARCHS: dict[str, GGUFArch] = {
+    "llama": GGUFArch("LlamaConfig", "LlamaForCausalLM", permuted_qk=True),
+    "qwen2": GGUFArch("Qwen2Config", "Qwen2ForCausalLM", permuted_qk=False),
+    "qwen3": GGUFArch("Qwen3Config", "Qwen3ForCausalLM", permuted_qk=False),
+}
+
+
+def read_field(reader: Any, key: str) -> Any:
+    """A metadata value as plain Python (str, int, float, bool, or list of those); None when absent."""
+    from gguf import GGUFValueType
+
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    is_str = field.types[-1] == GGUFValueType.STRING  # a string, or an array of strings
+    values = [bytes(field.parts[i]).decode("utf-8") if is_str else field.parts[i][0].item() for i in field.data]
+    if field.types[0] == GGUFValueType.ARRAY:
+        return values
+    assert len(values) == 1, key
+    return values[0]
+
+
+def architecture_of(reader: Any) -> tuple[str, GGUFArch]:
+    name = read_field(reader, "general.architecture")
+    if name not in SUPPORTED_ARCHS:
+        raise UnsupportedModelError(
+            f"GGUF architecture {name!r} is not supported; supported architectures: "
+            f"{', '.join(sorted(SUPPORTED_ARCHS))}"
+        )
+    return name, SUPPORTED_ARCHS[name]
+
+
+def build_hf_config(reader: Any, tensor_names: set[str]) -> Any:
+    """A transformers config equivalent to the GGUF metadata (`architectures` set, tying inferred)."""
+    import transformers
+
+    name, arch = architecture_of(reader)
+
+    def required(suffix: str) -> Any:
+        value = read_field(reader, f"{name}.{suffix}")
+        if value is None:
+            raise UnsupportedModelError(f"GGUF metadata lacks {name}.{suffix}: the file is incomplete")
+        if isinstance(value, list):
+            raise UnsupportedModelError(
+                f"GGUF metadata {name}.{suffix} is per-layer ({value[:4]}...); only uniform layers are supported"
+            )
+        return value
+
+    hidden = int(required("embedding_length"))
+    heads = int(required("attention.head_count"))
+    kv_heads = read_field(reader, f"{name}.attention.head_count_kv")
+    if isinstance(kv_heads, list):
+        raise UnsupportedModelError(f"GGUF {name}.attention.head_count_kv is per-layer; not supported")
+    head_dim = read_field(reader, f"{name}.attention.key_length") or hidden // heads
+    value_dim = read_field(reader, f"{name}.attention.value_length")
+    if value_dim is not None and value_dim != head_dim:
+        raise UnsupportedModelError(f"GGUF key_length {head_dim} != value_length {value_dim}: not supported")
+    kwargs: dict[str, Any] = dict(
+        architectures=[arch.hf_architecture],
+        vocab_size=vocab_size(reader, name),
+        hidden_size=hidden,
+        intermediate_size=int(required("feed_forward_length")),
+        num_hidden_layers=int(required("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(kv_heads or heads),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(required("attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=int(required("context_length")),
+        # `rope_theta` is accepted by every supported transformers version (5.x folds it into rope_parameters)
+        rope_theta=float(read_field(reader, f"{name}.rope.freq_base") or 10000.0),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        hidden_act="silu",
+    )
+    rope_dims = read_field(reader, f"{name}.rope.dimension_count")
+    if rope_dims is not None and rope_dims != head_dim:
+        raise UnsupportedModelError(
+            f"GGUF rope.dimension_count={rope_dims} != head_dim={head_dim}: partial rotary is not supported"
+        )
+    scaling = read_field(reader, f"{name}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise UnsupportedModelError(f"GGUF rope scaling type {scaling!r} is not supported")
+    if "rope_freqs.weight" in tensor_names:
+        # llama.cpp bakes llama3-style frequency scaling into a tensor whose parameters are not in metadata;
+        # loading it as plain RoPE would silently change every answer.
+        raise UnsupportedModelError(
+            "this GGUF has per-frequency RoPE scaling (rope_freqs, e.g. Llama 3.1+), which asyncllm cannot "
+            "read from GGUF yet; load the model's Hugging Face checkpoint directory instead"
+        )
+    if name == "llama":
+        kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+    for key in ("bos", "eos", "padding"):
+        token_id = read_field(reader, f"tokenizer.ggml.{key}_token_id")
+        if token_id is not None:
+            kwargs["pad_token_id" if key == "padding" else f"{key}_token_id"] = int(token_id)
+    return getattr(transformers, arch.config_class)(**kwargs)
+
+
+def vocab_size(reader: Any, arch_name: str) -> int:
+    """Rows of the embedding: `{arch}.vocab_size` when given, else the tokenizer's token count."""
+    explicit = read_field(reader, f"{arch_name}.vocab_size")
+    if explicit is not None:
+        return int(explicit)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        raise UnsupportedModelError("GGUF metadata has neither a vocab_size nor a token list")
+    return len(tokens.data)  # one entry per token; counting them avoids decoding ~10^5 strings
+
+
+def eos_token_ids(reader: Any) -> set[int]:
+    """EOS, end-of-turn and end-of-message ids that llama.cpp stops on, from metadata."""
+    ids = set()
+    for key in ("eos", "eot", "eom"):
+        token_id = read_field(reader, f"tokenizer.ggml.{key}_token_id")
+        if token_id is not None:
+            ids.add(int(token_id))
+    return ids
