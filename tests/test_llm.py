@@ -77,3 +77,10 @@ def test_min_tokens_and_stop_token_ids(llm: LLM) -> None:
         [[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6, min_tokens=3, stop_token_ids=[first]), use_tqdm=False
     )[0]
     assert first not in held.token_ids[:3] and len(held.token_ids) >= 3
+
+
+def test_chat_template_gives_ids_the_engine_accepts(llm: LLM) -> None:
+    ids = llm.apply_chat_template([{"role": "user", "content": "Hello"}])
+    assert ids == llm.tokenizer("<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n").input_ids
+    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert out[0].prompt_token_ids == ids

@@ -37,11 +37,13 @@ class LLM:
     def stats(self) -> dict[str, float | int]:
         return self._engine.core.stats().as_dict()
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """The conversation as prompt token ids through the model's chat template (ids, not text: encoding the
+        text again would add a second BOS for templates that write their own)."""
         from asyncllm.chat import apply_chat_template
 
         return apply_chat_template(
-            self._engine.tokenizer, messages, add_generation_prompt=add_generation_prompt
+            self._engine.tokenizer, messages, add_generation_prompt=add_generation_prompt, tokenize=True
         )
 
     def generate(
