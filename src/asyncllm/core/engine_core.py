@@ -89,8 +89,13 @@ class EngineCore:
         )
 
     # ------------------------------------------------------------------ the step
-    def step(self) -> list[RequestDelta]:
-        """Schedule, run the model, and turn sampled tokens into per-request deltas."""
+    def step(self, after_execute: Callable[[], None] | None = None) -> list[RequestDelta]:
+        """Schedule, run the model, and turn sampled tokens into per-request deltas.
+
+        `after_execute` runs between the forward pass and output processing: the step thread applies aborts
+        that arrived meanwhile there, so an aborted request gets no token from this step (the scheduler drops
+        tokens of requests finished after planning) and its blocks are freed exactly once.
+        """
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             self.last_step = StepCounts(0, 0)
@@ -102,6 +107,8 @@ class EngineCore:
             1 for s in scheduled.seqs if s.num_tokens == 1 and s.start_pos >= reqs[s.request_id].num_prompt_tokens
         )
         result = self.executor.execute_model(scheduled)
+        if after_execute is not None:
+            after_execute()
         now = self._clock()
         self.last_step = StepCounts(scheduled.num_batched_tokens - decode, decode)
         deltas: list[RequestDelta] = []

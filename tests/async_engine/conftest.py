@@ -1,0 +1,65 @@
+"""Fixtures for async-engine tests: engines around a fake core, and every async test run on both the
+default asyncio loop and uvloop."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import uvloop
+
+from asyncllm import AsyncLLMEngine
+from asyncllm.core.detokenizer import backend_tokenizer
+from tests.fixtures.fake_core import FakeBuilt, fake_built
+from tests.fixtures.tiny_models import build_tokenizer
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Callable[[], Any]]:
+    return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+
+
+@pytest.fixture(scope="session")
+def bpe_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The tiny checkpoints' byte-level BPE tokenizer (CJK and emoji merges), as a Rust Tokenizer."""
+    return backend_tokenizer(build_tokenizer(tmp_path_factory.mktemp("tok")))
+
+
+EngineFactory = Callable[..., tuple[AsyncLLMEngine, FakeBuilt]]
+
+
+@pytest.fixture
+def make_engine(bpe_tokenizer: Any) -> Iterator[EngineFactory]:
+    """`make_engine(**fake_built_kwargs) -> (engine, built)`; every engine is shut down after the test."""
+    engines: list[AsyncLLMEngine] = []
+
+    def make(*, text: bool = True, **kwargs: Any) -> tuple[AsyncLLMEngine, FakeBuilt]:
+        built = fake_built(bpe_tokenizer if text else None, **kwargs)
+        engine = AsyncLLMEngine.from_builder(lambda: built)
+        engines.append(engine)
+        return engine, built
+
+    yield make
+    for engine in engines:
+        engine.shutdown()
+        assert not engine.is_running
+
+
+async def wait_drained(engine: AsyncLLMEngine, timeout: float = 5.0) -> dict[str, float | int]:
+    """Wait until no request is live and every block is free (as the published stats say); return them."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = engine.stats()
+        drained = (
+            engine.num_live_requests == 0
+            and stats["num_running"] == 0
+            and stats["num_waiting"] == 0
+            and stats["num_free_blocks"] == stats["num_total_blocks"]
+        )
+        if drained:
+            return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"engine not drained after {timeout} s: {stats}, live={engine.num_live_requests}")
+        await asyncio.sleep(0.005)
