@@ -20,8 +20,7 @@ def w1_requests(num_seqs: int) -> tuple[list[list[int]], list[SamplingParams]]:
     rng = random.Random(0)  # the same draws, in the same order, as nano-vllm's bench.py
     prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(num_seqs)]
     params = [
-        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(100, 1024))
-        for _ in range(num_seqs)
+        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(100, 1024)) for _ in range(num_seqs)
     ]
     return prompts, params
 

@@ -84,3 +84,45 @@ def test_chat_template_gives_ids_the_engine_accepts(llm: LLM) -> None:
     assert ids == llm.tokenizer("<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n").input_ids
     out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert out[0].prompt_token_ids == ids
+
+
+def test_logprobs_reach_the_output(llm: LLM) -> None:
+    import torch
+
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True)
+    out = llm.generate([[5, 6, 7], [8, 9]], [params, SamplingParams(temperature=0, max_tokens=2)], use_tqdm=False)
+    assert out[1].logprobs is None
+    lps = out[0].logprobs
+    assert lps is not None and len(lps) == len(out[0].token_ids) == 4
+    for token, lp in zip(out[0].token_ids, lps):
+        assert token in lp and 1 <= len(lp) <= 4
+        assert lp[token] == max(lp.values()), "greedy picks the most likely token"
+        assert all(v <= 0.0 for v in lp.values())
+    # the first token's logprob is log_softmax of the prompt's last logits
+    runner = llm._engine.core.executor
+    model = runner.model
+    from asyncllm.core.scheduler_output import ScheduledSeq, SchedulerOutput
+
+    x = runner.inputs.prepare(SchedulerOutput(seqs=[ScheduledSeq("probe", [5, 6, 7], 0, [60], True)]))
+    runner.backend.prepare(x.meta)
+    with torch.inference_mode():
+        logits = model.compute_logits(model(x.input_ids, x.positions, runner.kv_caches, x.meta)[-1:]).float()
+    ref = torch.log_softmax(logits[0], dim=-1)
+    first = out[0].token_ids[0]
+    assert abs(lps[0][first] - ref[first].item()) < 1e-5
+
+
+def test_min_tokens_keeps_eos_out_of_the_output(tiny_checkpoints) -> None:
+    """Regression: the runner built sampling states without the model's EOS ids, so EOS was sampled inside
+    the output before min_tokens and generation ran on past it."""
+    llm = LLM(str(tiny_checkpoints["qwen3"]), device="cpu", num_kv_blocks=64)
+    eos = next(iter(llm.runtime.eos_token_ids))
+    # A prompt after which greedy decoding says EOS at once: find one among a few candidates.
+    prompt = next(
+        p
+        for p in ([i, j] for i in range(3, 60) for j in range(3, 8))
+        if llm.generate([p], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0].token_ids == [eos]
+    )
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, min_tokens=4), use_tqdm=False)[0]
+    assert eos not in out.token_ids[:4]
+    assert len(out.token_ids) >= 4

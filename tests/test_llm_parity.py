@@ -32,9 +32,7 @@ def _prompts(seed: int, vocab: int, shared_prefix: bool = False) -> list[list[in
 def _hf_greedy(path: Path, prompts: list[list[int]], max_new: int) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
     model.generation_config.eos_token_id = None  # compare whole continuations, as with ignore_eos
     outs = []
     with torch.inference_mode():

@@ -73,6 +73,7 @@ class LLM:
         order = {r.request_id: i for i, r in enumerate(requests)}
         texts: list[list[str]] = [[] for _ in requests]
         tokens: list[list[int]] = [[] for _ in requests]
+        logprobs: list[list[dict[int, float]] | None] = [None for _ in requests]
         finals: dict[int, RequestDelta] = {}
         bar = _progress(len(requests)) if use_tqdm else None
         try:
@@ -85,6 +86,9 @@ class LLM:
                     i = order[d.request_id]
                     texts[i].append(d.new_text)
                     tokens[i].extend(d.new_token_ids)
+                    if d.logprobs is not None:
+                        logprobs[i] = logprobs[i] or []
+                        logprobs[i].extend(d.logprobs)
                     if d.finish_reason is not None:
                         finals[i] = d
                         if bar is not None:
@@ -104,6 +108,7 @@ class LLM:
                 token_ids=tokens[i],
                 finish_reason=finals[i].finish_reason,
                 metrics=finals[i].metrics,
+                logprobs=logprobs[i],
             )
             for i, r in enumerate(requests)
         ]

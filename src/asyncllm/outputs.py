@@ -6,6 +6,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort"]
+# Per generated token, when SamplingParams.logprobs is set: {token id: log-probability} holding the sampled
+# token and the `logprobs` most likely alternatives, over the model's raw (unprocessed) distribution.
+TokenLogprobs = dict[int, float]
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,7 @@ class StreamOutput:
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None = None
     metrics: RequestMetrics | None = None  # set on the final chunk only
+    logprobs: tuple[TokenLogprobs, ...] | None = None  # one per token in `token_ids`, if asked for
 
     @property
     def finished(self) -> bool:
@@ -48,3 +52,4 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: FinishReason | None
     metrics: RequestMetrics | None
+    logprobs: list[TokenLogprobs] | None = None  # one per token in `token_ids`, if asked for

@@ -114,11 +114,15 @@ class AsyncLLMEngine:
         stream = self.add_request(prompt, params, request_id)
         texts: list[str] = []
         token_ids: list[int] = []
+        logprobs: list[dict[int, float]] | None = None
         last = None
         try:
             async for chunk in stream:
                 texts.append(chunk.text)
                 token_ids.extend(chunk.token_ids)
+                if chunk.logprobs is not None:
+                    logprobs = logprobs or []
+                    logprobs.extend(chunk.logprobs)
                 last = chunk
         finally:
             stream.close()  # a no-op once finished; otherwise (an error) the request must not run on
@@ -130,6 +134,7 @@ class AsyncLLMEngine:
             token_ids=token_ids,
             finish_reason=last.finish_reason,
             metrics=last.metrics,
+            logprobs=logprobs,
         )
 
     async def abort(self, request_id: str) -> None:

@@ -27,6 +27,7 @@ class OutputSlot:
     """Output owed to one consumer and not yet read. Every method but `wake` runs under `mailbox.lock`."""
 
     __slots__ = (
+        "_logprobs",
         "_texts",
         "_token_ids",
         "error",
@@ -43,6 +44,7 @@ class OutputSlot:
         self.mailbox = mailbox
         self._token_ids: list[int] = []
         self._texts: list[str] = []
+        self._logprobs: list[dict[int, float]] | None = None  # only for requests that asked for them
         self.finish_reason: FinishReason | None = None
         self.metrics: RequestMetrics | None = None
         self.final_put = False  # the final delta (or an error) has been put: nothing more will come
@@ -54,6 +56,10 @@ class OutputSlot:
         if self.final_put:
             return  # e.g. an abort raced a finish: the first final output wins
         self._token_ids.extend(delta.new_token_ids)
+        if delta.logprobs is not None:
+            if self._logprobs is None:
+                self._logprobs = []
+            self._logprobs.extend(delta.logprobs)
         if delta.new_text:
             self._texts.append(delta.new_text)
         if delta.finish_reason is not None:
@@ -76,9 +82,11 @@ class OutputSlot:
                 token_ids=tuple(self._token_ids),
                 finish_reason=self.finish_reason,
                 metrics=self.metrics,
+                logprobs=tuple(self._logprobs) if self._logprobs is not None else None,
             )
             self._token_ids = []
             self._texts = []
+            self._logprobs = None
             return out
         if self.error is not None:
             message, cause = self.error

@@ -112,15 +112,19 @@ class EngineCore:
         now = self._clock()
         self.last_step = StepCounts(scheduled.num_batched_tokens - decode, decode)
         deltas: list[RequestDelta] = []
-        for request, token_id in self.scheduler.update_from_output(scheduled, result.sampled_token_ids):
+        all_logprobs = result.logprobs
+        for request, token_id, index in self.scheduler.update_from_output(scheduled, result.sampled_token_ids):
             if request.first_token_time is None:
                 request.first_token_time = now
             text, reason = self.output_processor.process_token(request, token_id)
+            delta = RequestDelta(request.request_id, [token_id], text)
+            if all_logprobs is not None and all_logprobs[index] is not None:
+                delta.logprobs = [all_logprobs[index]]
             if reason is not None:
                 self._finish(request.request_id, reason, flush=False)
-                deltas.append(RequestDelta(request.request_id, [token_id], text, reason, request_metrics(request, now)))
-            else:
-                deltas.append(RequestDelta(request.request_id, [token_id], text))
+                delta.finish_reason = reason
+                delta.metrics = request_metrics(request, now)
+            deltas.append(delta)
         return deltas
 
     def _finish(self, request_id: str, reason: FinishReason, *, flush: bool) -> RequestDelta | None:

@@ -24,6 +24,7 @@ class RequestDelta:
     new_text: str
     finish_reason: FinishReason | None = None
     metrics: RequestMetrics | None = None
+    logprobs: list[dict[int, float]] | None = None  # one per new token, when the request asked for them
 
 
 class _TextState:

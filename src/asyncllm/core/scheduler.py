@@ -150,18 +150,18 @@ class Scheduler:
         self.num_preemptions += 1
         out.preempted_request_ids.append(request.request_id)
 
-    def update_from_output(self, out: SchedulerOutput, sampled: list[int]) -> list[tuple[Request, int]]:
-        """Append each sampled token to its request; returns (request, token) for live requests.
+    def update_from_output(self, out: SchedulerOutput, sampled: list[int]) -> list[tuple[Request, int, int]]:
+        """Append each sampled token to its request; returns (request, token, sample index) for live ones.
 
         Requests finished (aborted) after `out` was planned are skipped: their token is dropped.
         """
-        results: list[tuple[Request, int]] = []
+        results: list[tuple[Request, int, int]] = []
         sampling = [s for s in out.seqs if s.sample]
         assert len(sampling) == len(sampled), "one sampled token per sampling sequence"
-        for seq, token_id in zip(sampling, sampled):
+        for index, (seq, token_id) in enumerate(zip(sampling, sampled)):
             request = self.requests.get(seq.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue
             request.append_token(token_id)
-            results.append((request, token_id))
+            results.append((request, token_id, index))
         return results

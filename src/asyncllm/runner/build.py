@@ -21,9 +21,7 @@ from asyncllm.core.runtime import RuntimeInfo
 class BuiltEngine:
     core: EngineCore
     input_processor: InputProcessor
-    tokenizer: (
-        Any | None
-    )  # the Hugging Face tokenizer (chat template, encode), None if the checkpoint has none
+    tokenizer: Any | None  # the Hugging Face tokenizer (chat template, encode), None if the checkpoint has none
     runtime: RuntimeInfo
 
 

@@ -37,8 +37,7 @@ def open_checkpoint(model: str, dtype: torch.dtype, tokenizer_path: str | None =
         return open_gguf_checkpoint(path, dtype)
     if not path.is_dir():
         raise FileNotFoundError(
-            f"model {model!r} is neither a checkpoint directory nor a .gguf file "
-            "(no network access is attempted)"
+            f"model {model!r} is neither a checkpoint directory nor a .gguf file (no network access is attempted)"
         )
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face checkpoint directory")

@@ -96,7 +96,9 @@ class ModelRunner:
         for request_id in scheduled.finished_request_ids:
             self.states.pop(request_id, None)
         for new in scheduled.new_requests:
-            self.states[new.request_id] = SamplingState.create(new.params, new.seed, new.prompt_token_ids, self.device)
+            self.states[new.request_id] = SamplingState.create(
+                new.params, new.seed, new.prompt_token_ids, self.device, self._runtime.eos_token_ids
+            )
         x = self.inputs.prepare(scheduled)
         self.backend.prepare(x.meta)
         hidden = self.model(x.input_ids, x.positions, self.kv_caches, x.meta)  # [T, hidden]
