@@ -126,3 +126,25 @@ def test_min_tokens_keeps_eos_out_of_the_output(tiny_checkpoints) -> None:
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, min_tokens=4), use_tqdm=False)[0]
     assert eos not in out.token_ids[:4]
     assert len(out.token_ids) >= 4
+
+
+def test_interrupted_step_leaves_no_stale_prefix(tiny_checkpoints, monkeypatch) -> None:
+    """Regression: a step interrupted before its forward pass (Ctrl-C) left prefix hashes pointing at blocks
+    whose KV was never written; the same prompt then hit the cache and came out wrong, silently."""
+    llm = LLM(str(tiny_checkpoints["qwen3"]), device="cpu", block_size=4, num_kv_blocks=64)
+    prompt = list(range(5, 41))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    runner = llm._engine.core.executor
+    real = runner.execute_model
+
+    def interrupted(scheduled):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "execute_model", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([prompt], params, use_tqdm=False)
+    monkeypatch.setattr(runner, "execute_model", real)
+    again = llm.generate([prompt], params, use_tqdm=False)[0]
+    fresh = LLM(str(tiny_checkpoints["qwen3"]), device="cpu", block_size=4, num_kv_blocks=64)
+    assert again.token_ids == fresh.generate([prompt], params, use_tqdm=False)[0].token_ids
+    assert llm.stats()["num_free_blocks"] == llm.stats()["num_total_blocks"]

@@ -26,6 +26,7 @@ def _admit(bm: BlockManager, request: Request) -> int:
     assert bm.allocate(request, request.num_tokens - num_cached, cached)
     bm.record_prefix_query(request.num_tokens, num_cached)
     request.num_computed_tokens = request.num_tokens
+    bm.cache_full_blocks(request)  # the step that computed its KV has run
     return num_cached
 
 
@@ -176,22 +177,34 @@ def test_reset_prefix_cache_forgets_every_prefix() -> None:
     check_block_invariants(bm, [a])
 
 
-def test_incremental_allocation_registers_blocks_as_they_fill() -> None:
+def test_blocks_enter_the_cache_only_once_their_kv_is_computed() -> None:
+    """Regression: hashes were registered at allocation, before the step ran; a step that failed or was
+    interrupted left hashes pointing at blocks whose KV was never written, and a later request with the same
+    prefix silently read garbage."""
     rng = random.Random(11)
     bm = BlockManager(16, BS, True)
     a = _request("a", _prompt(rng, 6))
-    assert bm.allocate(a, 3)  # chunk 1: no full block yet
-    a.num_computed_tokens = 3
+    assert bm.allocate(a, 6)  # planned: both chunks' blocks allocated, nothing computed yet
+    assert not bm._cached, "an allocated but uncomputed block must not be in the cache"
+    bm.free(a)  # the step never ran (interrupted): the blocks return uncached
+    b = _request("b", list(a.prompt_token_ids))
+    assert bm.find_cached_prefix(b) == []
+    c = _request("c", _prompt(rng, 6))
+    assert bm.allocate(c, 3)  # chunk 1: no full block yet
+    c.num_computed_tokens = 3
+    bm.cache_full_blocks(c)
     assert not bm._cached
-    assert bm.allocate(a, 3)  # chunk 2: block 0 full
-    a.num_computed_tokens = 6
-    assert len(a.block_ids) == 2 and len(bm._cached) == 1
+    assert bm.allocate(c, 3)  # chunk 2: block 0 full once computed
+    c.num_computed_tokens = 6
+    bm.cache_full_blocks(c)
+    assert len(c.block_ids) == 2 and len(bm._cached) == 1
     for token in _prompt(rng, 2):  # decode two tokens: block 1 fills
-        a.append_token(token)
-        assert bm.allocate(a, 1)
-        a.num_computed_tokens += 1
+        c.append_token(token)
+        assert bm.allocate(c, 1)
+        c.num_computed_tokens += 1
+        bm.cache_full_blocks(c)
     assert len(bm._cached) == 2
-    check_block_invariants(bm, [a])
+    check_block_invariants(bm, [c])
 
 
 def test_block_hashes_cover_full_64_bit_digests() -> None:

@@ -97,9 +97,16 @@ class BlockManager:
             request.block_ids.append(block.block_id)
         for _ in range(max(num_new_blocks, 0)):
             request.block_ids.append(self._take_free_block().block_id)
-        if self.enable_prefix_caching:
-            self._register_full_blocks(request, num_tokens)
         return True
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Offer to the prefix cache every block now full of computed KV.
+
+        Called after the step that computed it has run, never at allocation: a step that fails or is
+        interrupted must not leave hashes pointing at blocks whose KV was never written.
+        """
+        if self.enable_prefix_caching:
+            self._register_full_blocks(request, request.num_computed_tokens)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so a shared head outlives its private tail in the LRU."""
@@ -131,7 +138,7 @@ class BlockManager:
         return block
 
     def _register_full_blocks(self, request: Request, num_tokens: int) -> None:
-        """Offer to the cache every block that is full once this step's tokens are written."""
+        """Register the blocks holding the first `num_tokens` tokens' KV that are full."""
         num_full = min(num_tokens, request.num_tokens) // self.block_size
         start = self._num_registered.get(request.request_id, 0)
         if num_full <= start:
