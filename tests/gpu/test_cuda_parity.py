@@ -111,3 +111,16 @@ def test_fp32_greedy_exact_on_cuda(engine_args, tiny_checkpoints) -> None:
         assert out.token_ids == ref
     stats = llm.stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_long_prompt_in_many_chunks_equals_one_chunk(tiny_checkpoints) -> None:
+    """Regression: steps that sample nothing end without a host sync; refilling the pinned input buffers
+    before their previous copy to the GPU ran would feed a chunk another chunk's ids, positions and slots."""
+    path = tiny_checkpoints["qwen3"]
+    rng = random.Random(3)
+    prompt = [rng.randrange(3, 300) for _ in range(400)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    whole = LLM(str(path), device="cuda", dtype="float32", max_num_batched_tokens=512, num_kv_blocks=64)
+    chunked = LLM(str(path), device="cuda", dtype="float32", max_num_batched_tokens=8, num_kv_blocks=64)
+    ref = whole.generate([prompt], params, use_tqdm=False)[0].token_ids
+    assert chunked.generate([prompt], params, use_tqdm=False)[0].token_ids == ref

@@ -2,8 +2,9 @@
 
 Host staging tensors (pinned on CUDA) are allocated once at their maximum size and filled through numpy
 views; device tensors are filled by one non-blocking copy each. Fixed addresses are what CUDA graphs need,
-and no step allocates. In serial scheduling the step's final `.tolist()` orders the next fill after the
-previous copy; overlapped scheduling (wave two) double-buffers the host side.
+and no step allocates. A step that samples nothing (a long prompt's middle chunks) ends without any host
+sync, so before refilling the host side we wait on an event recorded after the previous step's copies:
+only for those copies, never for the forward pass. Overlapped scheduling (wave two) double-buffers instead.
 """
 
 from __future__ import annotations
@@ -62,8 +63,11 @@ class InputBuffers:
         self.seq_lens = _Pair((max_num_seqs,), torch.int32, device, pin)
         self.block_tables = _Pair((max_num_seqs, max_blocks_per_seq), torch.int32, device, pin)
         self.logits_indices = _Pair((max_num_seqs,), torch.int64, device, pin)
+        self._copies_done: torch.cuda.Event | None = None  # recorded after the last step's uploads (CUDA)
 
     def prepare(self, scheduled: SchedulerOutput) -> ModelInputs:
+        if self._copies_done is not None:
+            self._copies_done.synchronize()  # the host buffers are free to overwrite only once copied out
         bs = self.block_size
         ids, pos, slots = self.input_ids.np, self.positions.np, self.slot_mapping.np
         qsl, lens, tables, logit_rows = (
@@ -106,10 +110,14 @@ class InputBuffers:
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
         )
-        return ModelInputs(
+        inputs = ModelInputs(
             input_ids=self.input_ids.upload(t),
             positions=self.positions.upload(t),
             meta=meta,
             logits_indices=self.logits_indices.upload(num_sampling),
             num_tokens=t,
         )
+        if self.input_ids.dev is not self.input_ids.cpu:
+            self._copies_done = torch.cuda.Event()
+            self._copies_done.record()
+        return inputs
