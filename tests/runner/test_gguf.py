@@ -120,6 +120,17 @@ def test_unsupported_architecture_lists_supported(tmp_path: Path) -> None:
         open_checkpoint(str(path), torch.float32)
 
 
+@pytest.mark.parametrize("cut", ["tail", "header", "junk"])
+def test_truncated_or_corrupt_file_is_a_clear_error(tmp_path: Path, cut: str) -> None:
+    """Regression: a truncated or corrupt file surfaced as a bare numpy ValueError with no path in it."""
+    good = write_gguf(tmp_path / "good.gguf", "llama", build_hf_model("llama")).read_bytes()
+    blob = {"tail": good[: len(good) - 512], "header": good[:200], "junk": b"not a gguf" * 50}[cut]
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(blob)
+    with pytest.raises(UnsupportedModelError, match=r"bad\.gguf"):
+        open_checkpoint(str(bad), torch.float32)
+
+
 def test_unsupported_tensor_type_is_named(tmp_path: Path) -> None:
     """Q8_1 has no dequantizer in gguf.quants: opening fails before any weight is read, naming it."""
     hf_model = build_hf_model("llama")

@@ -16,7 +16,7 @@ import torch
 from asyncllm.errors import UnsupportedModelError
 from asyncllm.runner.checkpoint import Checkpoint
 from asyncllm.runner.gguf_config import architecture_of, build_hf_config, eos_token_ids, read_field
-from asyncllm.runner.gguf_weights import check_tensor_types, hf_name, iter_gguf_weights
+from asyncllm.runner.gguf_weights import check_tensor_sizes, check_tensor_types, hf_name, iter_gguf_weights
 
 # Turn-end markers of common chat templates: a chat answer ends with one even when the GGUF's
 # eos_token_id names another token (e.g. <|endoftext|>), so they stop generation too.
@@ -27,13 +27,17 @@ def open_gguf_checkpoint(path: Path, dtype: torch.dtype) -> Checkpoint:
     """Validate the whole file, then return its config, tokenizer and a weight iterator yielding `dtype`."""
     from gguf import GGUFReader
 
-    reader = GGUFReader(path)  # memory-mapped: tensors are read only when iterated
+    try:
+        reader = GGUFReader(path)  # memory-mapped: tensors are read only when iterated
+    except (ValueError, OSError, IndexError) as exc:  # gguf reports truncation and bad magic as these
+        raise UnsupportedModelError(f"{path} is not a readable GGUF file (truncated or corrupt?): {exc}") from exc
     _, arch = architecture_of(reader)
     tensor_names = {t.name for t in reader.tensors}
     hf_config = build_hf_config(reader, tensor_names)
     for name in sorted(tensor_names):
         hf_name(name)  # raises on a tensor we would not know where to put
     check_tensor_types(list(reader.tensors))
+    check_tensor_sizes(path, list(reader.tensors))
     tokenizer = _load_tokenizer(path, reader)
     eos = eos_token_ids(reader) | _turn_end_ids(tokenizer)
 

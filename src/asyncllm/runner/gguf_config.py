@@ -40,7 +40,8 @@ def read_field(reader: Any, key: str) -> Any:
     values = [bytes(field.parts[i]).decode("utf-8") if is_str else field.parts[i][0].item() for i in field.data]
     if field.types[0] == GGUFValueType.ARRAY:
         return values
-    assert len(values) == 1, key
+    if len(values) != 1:
+        raise UnsupportedModelError(f"GGUF metadata {key!r} holds {len(values)} values where one was expected")
     return values[0]
 
 

@@ -72,6 +72,21 @@ def check_tensor_types(tensors: list[Any]) -> None:
             )
 
 
+def check_tensor_sizes(path: Any, tensors: list[Any]) -> None:
+    """Every tensor's stored bytes must match its shape and type: a truncated file fails here, clearly,
+    rather than as a numpy reshape error halfway through loading."""
+    from gguf import GGML_QUANT_SIZES
+
+    for tensor in tensors:
+        block, type_size = GGML_QUANT_SIZES[tensor.tensor_type]
+        expected = int(tensor.n_elements) // block * type_size
+        if int(tensor.data.nbytes) != expected:
+            raise UnsupportedModelError(
+                f"{path}: tensor {tensor.name!r} holds {int(tensor.data.nbytes)} bytes, but its shape and type "
+                f"({tensor.tensor_type.name}) need {expected}: the file is truncated or corrupt"
+            )
+
+
 def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Undo llama.cpp's Q/K row order: per head it interleaves the two rotary halves, row by row.
 
@@ -79,7 +94,11 @@ def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     pairs; Hugging Face's rotate_half wants (0, 1, ..., d-1). `weight`: [num_heads * head_dim, ...].
     """
     rows = weight.shape[0]
-    assert rows % (2 * num_heads) == 0, (rows, num_heads)
+    if rows % (2 * num_heads):
+        raise UnsupportedModelError(
+            f"a Q/K projection has {rows} rows, not a multiple of 2 x {num_heads} heads: the GGUF's head "
+            "counts do not match its weights"
+        )
     half = rows // num_heads // 2
     # [heads, half, 2, ...] -> [heads, 2, half, ...]: pairs back into two contiguous halves
     grouped = weight.reshape(num_heads, half, 2, *weight.shape[1:])
