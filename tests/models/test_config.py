@@ -106,3 +106,10 @@ def test_malformed_and_unsupported_configs() -> None:
         ModelArchConfig.from_hf(transformers.LlamaConfig(**_SHAPE), None)
     with pytest.raises(UnsupportedModelError, match="max_model_len=0"):
         ModelArchConfig.from_hf(_llama(), 0)
+
+
+def test_max_model_len_beyond_trained_positions_is_refused() -> None:
+    config = _llama(max_position_embeddings=512)
+    assert ModelArchConfig.from_hf(config, 512).max_model_len == 512
+    with pytest.raises(ValueError, match=r"max_model_len=4096 exceeds .*max_position_embeddings \(512\)"):
+        ModelArchConfig.from_hf(config, 4096)

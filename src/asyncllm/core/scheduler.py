@@ -101,7 +101,8 @@ class Scheduler:
             if not self.block_manager.allocate(request, num_new, cached):
                 break  # first come, first served: the head waits for memory
             self.waiting.popleft()
-            if self.block_manager.enable_prefix_caching:
+            if self.block_manager.enable_prefix_caching and request.num_preemptions == 0:
+                # First admissions only: a resumed request re-finding its own blocks is not a prefix hit.
                 self.block_manager.record_prefix_query(request.num_tokens, num_cached_tokens)
             request.num_computed_tokens = num_cached_tokens
             if request.num_preemptions == 0:

@@ -100,6 +100,12 @@ class ModelArchConfig:
         heads = hf_config.num_attention_heads
         max_pos = hf_config.max_position_embeddings
         model_len = max_pos if max_model_len is None else max_model_len
+        if model_len > max_pos:
+            # RoPE past the trained length gives silently degraded output, unless a scaling was trained in.
+            raise ValueError(
+                f"max_model_len={model_len} exceeds the model's max_position_embeddings ({max_pos}); "
+                f"use max_model_len <= {max_pos}"
+            )
         _check_sliding_window(hf_config, model_len)
         theta, scaling = _read_rope(hf_config, max_pos)
         return cls(

@@ -59,6 +59,13 @@ class ModelRunner:
             dtype=self.dtype,
         )
         num_blocks = self._decide_num_blocks(max_model_len)
+        if num_blocks * config.block_size < max_model_len:
+            logger.warning(
+                "the KV cache holds %d tokens, fewer than max_model_len=%d: longer requests are refused and "
+                "outputs stop ('length') when a sequence fills it; raise num_kv_blocks (or GPU memory) to avoid it",
+                num_blocks * config.block_size,
+                max_model_len,
+            )
         self.kv_caches = allocate_kv_cache(self.kv_spec, num_blocks, self.device)
         self._runtime = RuntimeInfo(
             vocab_size=self.arch.vocab_size,
@@ -155,8 +162,11 @@ class ModelRunner:
         saved = self.inputs if hasattr(self, "inputs") else None
         self.inputs = InputBuffers(n, 1, blocks, self.config.block_size, self.device)
         x = self.inputs.prepare(probe)
+        self.backend.prepare(x.meta)
         hidden = self.model(x.input_ids, x.positions, scratch, x.meta)
-        self.model.compute_logits(hidden[x.logits_indices]).float()
+        # The sampler's peak: float32 logits (and a softmax-sized temporary) for a full batch of sequences.
+        rows = hidden[: min(self.config.max_num_seqs, n)]
+        torch.softmax(self.model.compute_logits(rows).float(), dim=-1)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         del scratch, hidden, x
