@@ -26,7 +26,7 @@ def model_path() -> str:
 
 
 async def main() -> None:
-    async with AsyncLLMEngine(model_path(), max_model_len=4096) as engine:
+    async with AsyncLLMEngine(model_path()) as engine:
         received = 0
         try:  # 1. a deadline around a stream: leaving the `async for` aborts the request
             async with asyncio.timeout(0.2):

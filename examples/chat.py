@@ -14,7 +14,7 @@ from asyncllm.default_model import default_model_path
 
 
 async def main(model: str, question: str) -> None:
-    async with AsyncLLMEngine(model, device="auto", max_model_len=2048) as engine:
+    async with AsyncLLMEngine(model, device="auto") as engine:
         prompt = engine.apply_chat_template([{"role": "user", "content": question}])  # token ids
         async for chunk in engine.stream(prompt, SamplingParams(temperature=0.0, max_tokens=64)):
             print(chunk.text, end="", flush=True)

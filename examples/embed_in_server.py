@@ -24,7 +24,7 @@ from asyncllm import AsyncLLMEngine, SamplingParams
 
 @contextlib.asynccontextmanager
 async def lifespan(app: Starlette) -> AsyncIterator[None]:
-    async with AsyncLLMEngine(os.environ["ASYNCLLM_MODEL"], max_model_len=1024) as engine:
+    async with AsyncLLMEngine(os.environ["ASYNCLLM_MODEL"]) as engine:
         app.state.engine = engine
         yield
 

@@ -36,7 +36,7 @@ async def answer(engine: AsyncLLMEngine, question: str) -> str:
 
 
 async def main() -> None:
-    async with AsyncLLMEngine(model_path(), max_model_len=1024) as engine:
+    async with AsyncLLMEngine(model_path()) as engine:
         prompt = engine.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
         async for chunk in engine.stream(prompt, PARAMS):
             print(chunk.text, end="", flush=True)
