@@ -4,4 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 .venv/bin/ruff check src tests kernels examples bench
+.venv/bin/ruff format --check src tests kernels examples bench
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
