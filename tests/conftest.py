@@ -7,6 +7,10 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures.tiny_models import FAMILIES, build_checkpoint
+from tests.fixtures.triton_kernels import use_interpreter_without_cuda
+
+# Before anything imports triton (transformers does, during collection): see tests/fixtures/triton_kernels.py.
+use_interpreter_without_cuda()
 
 
 @pytest.fixture(scope="session")

@@ -95,7 +95,8 @@ class EngineConfig:
     seed: int = 0
     """Seed for weight-free randomness: requests without their own seed draw from it."""
     attention_backend: AttentionBackendName | str = AttentionBackendName.AUTO
-    """Which attention implementation runs; "torch" is the reference."""
+    """Which attention runs: "torch" (the pure-PyTorch reference), "triton" (paged Triton kernels), or "auto"
+    (Triton on CUDA when installed, else torch)."""
     tokenizer: str | None = None
     """Tokenizer directory when it differs from `model`."""
     load_format: LoadFormat | str = LoadFormat.AUTO

@@ -7,6 +7,7 @@ request id; the step's only host sync is reading the sampled ids back.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 
 import torch
@@ -26,12 +27,28 @@ from asyncllm.runner.sampler import Sampler, SamplingState
 logger = logging.getLogger(__name__)
 
 
-def make_attention_backend(choice: AttentionBackendName, device: torch.device) -> AttentionBackend:
-    if choice in (AttentionBackendName.AUTO, AttentionBackendName.TORCH):
+def make_attention_backend(
+    choice: AttentionBackendName, device: torch.device, dtype: torch.dtype, num_kv_heads: int
+) -> AttentionBackend:
+    """The backend for `choice`: "torch" is the reference, "triton" the paged Triton kernels (on CUDA, or on
+    CPU in Triton's interpreter when TRITON_INTERPRET=1 was set before the first import of triton).
+
+    "auto": Triton on CUDA when triton is installed (its kernels, backend and engine-level greedy parity passed
+    on the H200: bench/RESULTS.md), else the torch reference (CPU, where the reference is fast enough and exact).
+    """
+    if choice is AttentionBackendName.AUTO:
+        choice = AttentionBackendName.TORCH
+        if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+            choice = AttentionBackendName.TRITON
+    if choice is AttentionBackendName.TORCH:
         from asyncllm.attention.torch_ref import TorchAttentionBackend
 
         return TorchAttentionBackend()
-    raise ValueError(f"attention_backend={choice.value!r} is not available in this version; use 'torch'")
+    if choice is AttentionBackendName.TRITON:
+        from asyncllm.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend(device, dtype, num_kv_heads)
+    raise ValueError(f"attention_backend={choice.value!r} is not available in this version; use 'torch' or 'triton'")
 
 
 class ModelRunner:
@@ -42,7 +59,7 @@ class ModelRunner:
         model_cls = resolve_model_class(checkpoint.hf_config)
         self.arch = ModelArchConfig.from_hf(checkpoint.hf_config, config.max_model_len)
         max_model_len = self.arch.max_model_len
-        self.backend = make_attention_backend(config.attention_backend, self.device)
+        self.backend = make_attention_backend(config.attention_backend, self.device, self.dtype, self.arch.num_kv_heads)
         with torch.device(self.device):
             model = model_cls(self.arch, self.backend)
         # Cast before loading: weights are copied (and cast) into place, never held twice on the device.

@@ -1,0 +1,377 @@
+"""Paged attention in Triton: split-KV decode ("flash-decoding") and a varlen causal prefill forward.
+
+Both read keys/values through each sequence's block table, token by token, so any power-of-two block size
+works. `paged_attention_ref` is the specification (pure PyTorch). Knows nothing of the engine: the caller
+hands in packed queries, the cache, and the per-step plans (`plan_prefill_tiles`, `choose_num_splits`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# A split of a decode sequence covers at least this many keys: shorter splits cost more in the reduction
+# than they win in parallelism.
+MIN_TOKENS_PER_SPLIT = 128
+MAX_SPLITS = 32  # a power of two: the reduction kernel's fixed width
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _dim_mask(offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Masks the padded head dims; a constant-true mask when there are none, so loads stay unmasked/vectorized."""
+    if BLOCK_D == HEAD_DIM:
+        return tl.full([BLOCK_D], 1, tl.int1)
+    else:
+        return offs_d < HEAD_DIM
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, seqs_ptr,
+    acc_ptr, m_ptr, l_ptr,  # partials: acc [B, H, S, D] fp32, m/l [B, H, S] fp32
+    qk_scale, tokens_per_split, num_splits,
+    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid_b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq = tl.load(seqs_ptr + pid_b)
+    row = tl.load(qsl_ptr + seq)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, seq_len)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    g_mask = offs_g < GROUP
+    d_mask = _dim_mask(offs_d, HEAD_DIM, BLOCK_D)
+    heads = kv_head * GROUP + offs_g  # the query heads sharing this KV head: K/V are loaded once for all
+    q = tl.load(
+        q_ptr + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )  # [G, D]
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    table = bt_ptr + seq.to(tl.int64) * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + offs_n
+        valid = pos < end
+        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        slot = pos % BLOCK_SIZE
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(
+            k_ptr + block[:, None] * stride_kb + slot[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )  # [N, D]
+        v = tl.load(
+            v_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [G, N], log2 domain
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile has a valid key
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    part = (pid_b * tl.num_programs(1) * GROUP + heads) * num_splits + split  # [G] rows of [B, H, S]
+    tl.store(m_ptr + part, m_i, mask=g_mask)
+    tl.store(l_ptr + part, l_i, mask=g_mask)
+    tl.store(acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    out_ptr, acc_ptr, m_ptr, l_ptr, qsl_ptr, seqs_ptr, num_splits, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    pid_b, head = tl.program_id(0), tl.program_id(1)
+    row = tl.load(qsl_ptr + tl.load(seqs_ptr + pid_b))
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < num_splits
+    d_mask = _dim_mask(offs_d, HEAD_DIM, BLOCK_D)
+    part = (pid_b * tl.num_programs(1) + head) * num_splits + offs_s
+    m = tl.load(m_ptr + part, mask=s_mask, other=float("-inf"))  # empty splits hold -inf
+    l_s = tl.load(l_ptr + part, mask=s_mask, other=0.0)
+    acc = tl.load(
+        acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0
+    )
+    weight = tl.exp2(m - tl.max(m, axis=0))  # split 0 always holds keys, so the max is finite
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(l_s * weight, axis=0)
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+@triton.jit
+def _prefill_tile(
+    q, m_i, l_i, acc, pos, offs_m, context, kv_hi, table, k_base, v_base, qk_scale,
+    stride_kb, stride_kt, stride_vb, stride_vt, d_mask,
+    BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One step of the online softmax over the keys at `pos` [N]; MASKED applies causality and the end."""
+    if MASKED:
+        in_seq = pos < kv_hi  # never read past the sequence: unwritten slots may hold NaN
+        block = tl.load(table + pos // BLOCK_SIZE, mask=in_seq, other=0).to(tl.int64)
+        kv_mask = in_seq[:, None] & d_mask[None, :]
+    else:
+        block = tl.load(table + pos // BLOCK_SIZE).to(tl.int64)
+        kv_mask = d_mask[None, :]
+    slot = (pos % BLOCK_SIZE)[:, None]
+    k = tl.load(k_base + block[:, None] * stride_kb + slot * stride_kt, mask=kv_mask, other=0.0)  # [N, D]
+    v = tl.load(v_base + block[:, None] * stride_vb + slot * stride_vt, mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, N], log2 domain
+    if MASKED:
+        s = tl.where((pos[None, :] <= context + offs_m[:, None]) & in_seq[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: key 0 is visible to every row, in the first tile
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, tiles_ptr, qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    head, tile = tl.program_id(0), tl.program_id(1)  # heads vary fastest: a GQA group shares K/V in L2
+    seq = tl.load(tiles_ptr + 2 * tile)
+    q_start = tl.load(tiles_ptr + 2 * tile + 1)  # first query row of the tile, within the sequence
+    row0 = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - row0
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - q_len  # query j sits at position context + j
+    kv_head = head // GROUP
+    offs_m = q_start + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    m_mask = offs_m < q_len
+    d_mask = _dim_mask(offs_d, HEAD_DIM, BLOCK_D)
+    q = tl.load(
+        q_ptr + (row0 + offs_m[:, None]) * stride_qt + head * stride_qh + offs_d[None, :],
+        mask=m_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )  # [M, D]
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    table = bt_ptr + seq.to(tl.int64) * stride_bt
+    k_base = k_ptr + kv_head * stride_kh + offs_d[None, :]
+    v_base = v_ptr + kv_head * stride_vh + offs_d[None, :]
+    # Keys before context + q_start are visible to every row of the tile: no causal mask there.
+    full_hi = ((context + q_start) // BLOCK_N) * BLOCK_N
+    kv_hi = tl.minimum(seq_len, context + q_start + BLOCK_M)
+    for n0 in range(0, full_hi, BLOCK_N):
+        m_i, l_i, acc = _prefill_tile(
+            q, m_i, l_i, acc, n0 + offs_n, offs_m, context, kv_hi, table, k_base, v_base, qk_scale,
+            stride_kb, stride_kt, stride_vb, stride_vt, d_mask, BLOCK_SIZE, False, DOT_PRECISION,
+        )  # fmt: skip
+    for n0 in range(full_hi, kv_hi, BLOCK_N):
+        m_i, l_i, acc = _prefill_tile(
+            q, m_i, l_i, acc, n0 + offs_n, offs_m, context, kv_hi, table, k_base, v_base, qk_scale,
+            stride_kb, stride_kt, stride_vb, stride_vt, d_mask, BLOCK_SIZE, True, DOT_PRECISION,
+        )  # fmt: skip
+    out = acc / l_i[:, None]
+    tl.store(
+        out_ptr + (row0 + offs_m[:, None]) * stride_ot + head * stride_oh + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=m_mask[:, None] & d_mask[None, :],
+    )
+
+
+# ---------------------------------------------------------------------------------------------- planning
+def choose_num_splits(max_seq_len: int, num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
+    """Splits per decode sequence: enough programs to fill the GPU twice, but never under
+    MIN_TOKENS_PER_SPLIT keys per split of the longest sequence (it sets how much each split walks)."""
+    by_length = -(-max_seq_len // MIN_TOKENS_PER_SPLIT)
+    to_fill = -(-2 * num_sms // max(1, num_seqs * num_kv_heads))
+    return max(1, min(by_length, to_fill, MAX_SPLITS))
+
+
+def plan_prefill_tiles(query_lens: list[int], seq_lens: list[int], block_m: int) -> list[tuple[int, int]]:
+    """(sequence index, first query row in it) of every BLOCK_M query tile of the multi-token sequences,
+    heaviest (most keys) first so the longest programs do not start last."""
+    tiles = [
+        (i, start)
+        for i, (q_len, seq_len) in enumerate(zip(query_lens, seq_lens))
+        if q_len > 1
+        for start in range(0, q_len, block_m)
+    ]
+    keys_seen = {(i, s): min(seq_lens[i], seq_lens[i] - query_lens[i] + s + block_m) for i, s in tiles}
+    return sorted(tiles, key=lambda t: -keys_seen[t])
+
+
+def prefill_block_m(dtype: torch.dtype, device: torch.device) -> int:
+    """Query rows per prefill program; the backend plans tiles with it (small under the CPU interpreter)."""
+    if device.type != "cuda":
+        return 16
+    return 64 if dtype == torch.float32 else 128
+
+
+def runs_in_interpreter() -> bool:
+    """True when this module's kernels were built for Triton's CPU interpreter (TRITON_INTERPRET=1 at import)."""
+    return type(_prefill_kernel).__name__ == "InterpretedFunction"
+
+
+# ---------------------------------------------------------------------------------------------- launchers
+def _check(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    out: torch.Tensor,
+) -> tuple[int, int, int]:
+    """Validates the shared inputs; returns (group, head_dim, block_size)."""
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"expected q [T, H, D] and k/v caches [num_blocks, block_size, Hkv, D] of one shape; got q "
+            f"{tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
+        )
+    num_heads, head_dim = q.shape[1:]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if k_cache.shape[3] != head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"q heads/dim {num_heads}/{head_dim} do not fit the cache's {num_kv_heads}/{k_cache.shape[3]}")
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size={block_size} must be a power of two (e.g. 16)")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype == out.dtype):
+        raise TypeError(f"q, caches and out must share one dtype; got {q.dtype}, {k_cache.dtype}, {out.dtype}")
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"dtype {q.dtype} is not supported; use float32, float16 or bfloat16")
+    if out.shape != q.shape:
+        raise ValueError(f"out shape {tuple(out.shape)} must equal q shape {tuple(q.shape)}")
+    for name, t in (("q", q), ("out", out), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in head_dim (stride(-1) == 1); got strides {t.stride()}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}: all inputs must share one device")
+    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
+        if t.dtype != torch.int32 or t.device != q.device:
+            raise TypeError(f"{name} must be int32 on {q.device}; got {t.dtype} on {t.device}")
+    if block_tables.dim() != 2 or block_tables.stride(1) != 1:
+        raise ValueError(f"block_tables must be [B, max_blocks] with unit column stride; got {block_tables.stride()}")
+    return num_heads // num_kv_heads, head_dim, block_size
+
+
+def _pow2(n: int, floor: int = 16) -> int:
+    return max(floor, triton.next_power_of_2(n))
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # no TF32 rounding for float32 inputs
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    query_start_loc: torch.Tensor,  # [B + 1] int32
+    decode_seqs: torch.Tensor,  # [Bd] int32: the batch index of each single-query sequence
+    out: torch.Tensor,  # [T, H, D]: only the rows of decode_seqs are written
+    scale: float,
+    max_seq_len: int,  # host-side bound on the decode sequences' lengths (sets the split length)
+    num_splits: int,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> None:
+    group, head_dim, block_size = _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
+    if decode_seqs.dtype != torch.int32 or decode_seqs.dim() != 1:
+        raise TypeError(f"decode_seqs must be 1-D int32; got {decode_seqs.dtype} {tuple(decode_seqs.shape)}")
+    if not 1 <= num_splits <= MAX_SPLITS or max_seq_len < 1:
+        raise ValueError(f"num_splits={num_splits} must be in [1, {MAX_SPLITS}] and max_seq_len={max_seq_len} >= 1")
+    num_decode, num_heads, num_kv_heads = decode_seqs.shape[0], q.shape[1], k_cache.shape[2]
+    if num_decode == 0:
+        return
+    tokens_per_split = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n  # whole tiles
+    acc = torch.empty(num_decode, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    m = torch.empty(num_decode, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    l_sum = torch.empty_like(m)
+    _decode_split_kernel[(num_decode, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, decode_seqs, acc, m, l_sum,
+        scale * _LOG2E, tokens_per_split, num_splits,
+        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=_pow2(group),
+        BLOCK_D=_pow2(head_dim), BLOCK_N=block_n, DOT_PRECISION=_precision(q.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    _decode_reduce_kernel[(num_decode, num_heads)](
+        out, acc, m, l_sum, query_start_loc, decode_seqs, num_splits, out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_S=MAX_SPLITS, BLOCK_D=_pow2(head_dim),  # one compiled variant for any split count
+        num_warps=4,
+    )  # fmt: skip
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    query_start_loc: torch.Tensor,  # [B + 1] int32
+    tiles: torch.Tensor,  # [num_tiles, 2] int32 from plan_prefill_tiles(..., block_m)
+    out: torch.Tensor,  # [T, H, D]: only the rows of the tiled sequences are written
+    scale: float,
+    block_m: int,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> None:
+    group, head_dim, block_size = _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
+    if tiles.dtype != torch.int32 or tiles.dim() != 2 or tiles.shape[1] != 2 or not tiles.is_contiguous():
+        raise TypeError(f"tiles must be contiguous int32 [num_tiles, 2]; got {tiles.dtype} {tuple(tiles.shape)}")
+    if tiles.shape[0] == 0:
+        return
+    big = q.element_size() * _pow2(head_dim) > 256  # float32 or head_dim > 128: keep K/V stages in shared memory
+    block_n = block_n or (32 if big else 64)
+    num_warps = num_warps or (4 if block_m <= 64 else 8)
+    num_stages = num_stages or (2 if big else 3)
+    _prefill_kernel[(q.shape[1], tiles.shape[0])](
+        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, tiles, scale * _LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+        block_tables.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_D=_pow2(head_dim),
+        BLOCK_N=block_n, DOT_PRECISION=_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------- reference
+def paged_attention_ref(
+    q: torch.Tensor,  # [T, H, D], sequences packed by query_lens
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks]
+    query_lens: list[int],
+    seq_lens: list[int],
+    scale: float,
+) -> torch.Tensor:  # [T, H, D]
+    """The specification of both kernels: query j of a sequence with query_len Q and seq_len L sits at
+    position L - Q + j and attends keys 0..L - Q + j of its own blocks; softmax in float32."""
+    block_size, group = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
+    out = torch.empty_like(q)
+    row = 0
+    for i, (q_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
+        blocks = block_tables[i, : -(-seq_len // block_size)].long()
+        k = k_cache[blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(group, dim=1)  # [L, H, D]
+        v = v_cache[blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(group, dim=1)
+        qs = q[row : row + q_len].float()  # [Q, H, D]
+        scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
+        visible = torch.arange(seq_len)[None, :] <= torch.arange(q_len)[:, None] + (seq_len - q_len)  # [Q, L]
+        scores = scores.masked_fill(~visible.to(q.device), float("-inf"))
+        out[row : row + q_len] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v).to(q.dtype)
+        row += q_len
+    return out

@@ -1,0 +1,98 @@
+"""The Triton attention backend: stores k/v with torch, then runs the paged Triton kernels of
+asyncllm.kernels.paged_attention (split-KV decode for single-token sequences, a varlen causal prefill for
+the rest). `prepare` turns the step's host-side lengths into the kernels' launch plans once per step.
+
+Knows the kernels' launch contracts, not their insides; the torch backend stays the reference it is tested against.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from asyncllm.attention.backend import AttentionBackend, AttentionMetadata
+from asyncllm.attention.torch_ref import store_kv
+
+_FIX = "use attention_backend='torch' (or 'auto')"
+
+
+def load_paged_attention() -> ModuleType:
+    """The kernel module (imports triton). Raises ValueError naming the fix when triton is missing."""
+    try:
+        return importlib.import_module("asyncllm.kernels.paged_attention")
+    except ModuleNotFoundError as err:
+        if err.name == "triton":
+            raise ValueError(
+                f"attention_backend='triton' needs triton: pip install 'asyncllm[triton]', or {_FIX}"
+            ) from err
+        raise
+
+
+@dataclass
+class TritonPlan:
+    decode_seqs: torch.Tensor | None  # [Bd] int32: batch index of each single-query sequence
+    decode_max_len: int  # longest decode sequence (keys), host side
+    num_splits: int  # KV splits per decode sequence and KV head
+    prefill_tiles: torch.Tensor | None  # [num_tiles, 2] int32: (sequence, first query row) per tile
+
+
+def _upload(rows: list, device: torch.device) -> torch.Tensor:
+    host = torch.tensor(rows, dtype=torch.int32)
+    if device.type == "cuda":  # pinned + non_blocking: queued behind the running step, the host never waits
+        return host.pin_memory().to(device, non_blocking=True)
+    return host
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Paged attention in Triton on CUDA. On CPU it runs only in Triton's interpreter, i.e. when
+    TRITON_INTERPRET=1 was set before triton was imported (slow: for tests); otherwise construction raises."""
+
+    name = "triton"
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, num_kv_heads: int) -> None:
+        self._kernels = load_paged_attention()
+        if device.type != "cuda" and not self._kernels.runs_in_interpreter():
+            hint = "" if os.environ.get("TRITON_INTERPRET") != "1" else " (TRITON_INTERPRET=1 came after the import)"
+            raise ValueError(
+                f"attention_backend='triton' needs a CUDA device, got device={device.type!r}{hint}: {_FIX}, or set "
+                "TRITON_INTERPRET=1 before starting Python to run the kernels in Triton's CPU interpreter (slow)"
+            )
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"attention_backend='triton' supports float32/float16/bfloat16, not dtype={dtype}: {_FIX}")
+        self.device = device
+        self.num_kv_heads = num_kv_heads
+        self.block_m = self._kernels.prefill_block_m(dtype, device)
+        props = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
+        self.num_sms = props.multi_processor_count if props is not None else 1
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        kernels, qlens, slens = self._kernels, meta.query_lens_cpu, meta.seq_lens_cpu
+        device = meta.seq_lens.device
+        decode = [i for i, n in enumerate(qlens) if n == 1]
+        max_len = max((slens[i] for i in decode), default=0)
+        tiles = kernels.plan_prefill_tiles(qlens, slens, self.block_m)
+        meta.plan = TritonPlan(
+            decode_seqs=_upload(decode, device) if decode else None,
+            decode_max_len=max_len,
+            num_splits=kernels.choose_num_splits(max_len, len(decode), self.num_kv_heads, self.num_sms),
+            prefill_tiles=_upload(tiles, device) if tiles else None,
+        )
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if not isinstance(meta.plan, TritonPlan):
+            self.prepare(meta)
+        plan: TritonPlan = meta.plan
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        args = (q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc)
+        if plan.decode_seqs is not None:
+            self._kernels.paged_decode_attention(
+                *args, plan.decode_seqs, out, scale, max_seq_len=plan.decode_max_len, num_splits=plan.num_splits
+            )
+        if plan.prefill_tiles is not None:
+            self._kernels.paged_prefill_attention(*args, plan.prefill_tiles, out, scale, block_m=self.block_m)
+        return out
