@@ -6,6 +6,7 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 .venv/bin/asyncllm fetch-model
 if [ $# -gt 0 ]; then
-  exec .venv/bin/asyncllm chat --prompt "$*"
+  # Greedy for the one-shot demo: the same answer on every machine (the REPL samples at temperature 0.2).
+  exec .venv/bin/asyncllm chat --temperature 0 --prompt "$*"
 fi
 exec .venv/bin/asyncllm chat
