@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import asyncllm.default_model as default_model
+from asyncllm import SamplingParams
 from asyncllm.cli import build_parser, main
 from tests.fixtures.default_model import smollm2_path
 
@@ -50,3 +51,18 @@ def test_one_shot_chat_end_to_end() -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Paris" in proc.stdout
+
+
+async def test_repl_survives_a_message_over_max_model_len(tiny_model: Path, monkeypatch, capsys) -> None:
+    """A conversation that outgrows max_model_len must not end the session: the turn is refused, the REPL
+    goes on (regression: the InvalidRequestError escaped the REPL and exited the program)."""
+    from asyncllm import AsyncLLMEngine
+    from asyncllm.cli import _repl
+
+    lines = iter(["word " * 600, "hello", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    async with AsyncLLMEngine(str(tiny_model), device="cpu", num_kv_blocks=256) as engine:
+        await _repl(engine, [], SamplingParams(temperature=0, max_tokens=4))
+    out, err = capsys.readouterr()
+    assert "max_model_len" in err and "/reset" in err
+    assert out.count("bot> ") == 2

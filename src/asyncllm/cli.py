@@ -20,6 +20,7 @@ from asyncllm.default_model import (
     default_model_path,
     fetch_default_model,
 )
+from asyncllm.errors import InvalidRequestError
 from asyncllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -106,7 +107,12 @@ async def _repl(engine: AsyncLLMEngine, system: list[Message], params: SamplingP
             continue
         history.append({"role": "user", "content": text})
         sys.stdout.write("bot> ")
-        answer = await stream_answer(engine, history, params, sys.stdout)
+        try:
+            answer = await stream_answer(engine, history, params, sys.stdout)
+        except InvalidRequestError as exc:  # e.g. the conversation outgrew max_model_len: keep the session
+            history.pop()
+            print(f"\nasyncllm: {exc} (type /reset to start over)", file=sys.stderr)
+            continue
         history.append({"role": "assistant", "content": answer})
 
 
