@@ -102,11 +102,13 @@ def test_logprobs_reach_the_output(llm: LLM) -> None:
     runner = llm._engine.core.executor
     model = runner.model
     from asyncllm.core.scheduler_output import ScheduledSeq, SchedulerOutput
+    from asyncllm.runner.kv_cache import allocate_kv_cache
 
-    x = runner.inputs.prepare(SchedulerOutput(seqs=[ScheduledSeq("probe", [5, 6, 7], 0, [60], True)]))
+    scratch = allocate_kv_cache(runner.kv_spec, 2, runner.device)  # never touch the engine's own cache
+    x = runner.inputs.prepare(SchedulerOutput(seqs=[ScheduledSeq("probe", [5, 6, 7], 0, [1], True)]))
     runner.backend.prepare(x.meta)
     with torch.inference_mode():
-        logits = model.compute_logits(model(x.input_ids, x.positions, runner.kv_caches, x.meta)[-1:]).float()
+        logits = model.compute_logits(model(x.input_ids, x.positions, scratch, x.meta)[-1:]).float()
     ref = torch.log_softmax(logits[0], dim=-1)
     first = out[0].token_ids[0]
     assert abs(lps[0][first] - ref[first].item()) < 1e-5
@@ -117,15 +119,20 @@ def test_min_tokens_keeps_eos_out_of_the_output(tiny_checkpoints) -> None:
     the output before min_tokens and generation ran on past it."""
     llm = LLM(str(tiny_checkpoints["qwen3"]), device="cpu", num_kv_blocks=64)
     eos = next(iter(llm.runtime.eos_token_ids))
-    # A prompt after which greedy decoding says EOS at once: find one among a few candidates.
-    prompt = next(
-        p
-        for p in ([i, j] for i in range(3, 60) for j in range(3, 8))
-        if llm.generate([p], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0].token_ids == [eos]
-    )
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, min_tokens=4), use_tqdm=False)[0]
-    assert eos not in out.token_ids[:4]
-    assert len(out.token_ids) >= 4
+    model = llm._engine.core.executor.model
+    real = model.compute_logits
+
+    def eos_first(hidden):  # make EOS the model's favourite at every step
+        logits = real(hidden).clone()
+        logits[:, eos] += 100.0
+        return logits
+
+    model.compute_logits = eos_first
+    free = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+    assert free.token_ids == [eos] and free.finish_reason == "stop"
+    held = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8, min_tokens=4), use_tqdm=False)[0]
+    assert eos not in held.token_ids[:4]
+    assert held.token_ids[4:] == [eos] and held.finish_reason == "stop"
 
 
 def test_interrupted_step_leaves_no_stale_prefix(tiny_checkpoints, monkeypatch) -> None:
@@ -148,3 +155,18 @@ def test_interrupted_step_leaves_no_stale_prefix(tiny_checkpoints, monkeypatch) 
     fresh = LLM(str(tiny_checkpoints["qwen3"]), device="cpu", block_size=4, num_kv_blocks=64)
     assert again.token_ids == fresh.generate([prompt], params, use_tqdm=False)[0].token_ids
     assert llm.stats()["num_free_blocks"] == llm.stats()["num_total_blocks"]
+
+
+def test_prompts_in_one_batch_share_their_prefix(tiny_checkpoints) -> None:
+    """Regression: with registration deferred to after the step, prompts admitted together recomputed their
+    common prefix; they must hit it within the same step, and still give the uncached outputs."""
+    shared = list(range(10, 46))
+    prompts = [shared + [50 + i, 60 + i, 70 + i] for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    cached = LLM(str(tiny_checkpoints["qwen3"]), device="cpu", block_size=4, num_kv_blocks=128)
+    outs = cached.generate(prompts, params, use_tqdm=False)
+    assert cached.stats()["prefix_cache_hit_rate"] > 0.5
+    plain = LLM(
+        str(tiny_checkpoints["qwen3"]), device="cpu", block_size=4, num_kv_blocks=128, enable_prefix_caching=False
+    )
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]

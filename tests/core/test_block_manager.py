@@ -26,7 +26,7 @@ def _admit(bm: BlockManager, request: Request) -> int:
     assert bm.allocate(request, request.num_tokens - num_cached, cached)
     bm.record_prefix_query(request.num_tokens, num_cached)
     request.num_computed_tokens = request.num_tokens
-    bm.cache_full_blocks(request)  # the step that computed its KV has run
+    bm.commit_pending()  # the step that computed its KV has run
     return num_cached
 
 
@@ -177,32 +177,55 @@ def test_reset_prefix_cache_forgets_every_prefix() -> None:
     check_block_invariants(bm, [a])
 
 
-def test_blocks_enter_the_cache_only_once_their_kv_is_computed() -> None:
-    """Regression: hashes were registered at allocation, before the step ran; a step that failed or was
-    interrupted left hashes pointing at blocks whose KV was never written, and a later request with the same
-    prefix silently read garbage."""
+def test_blocks_of_a_failed_step_leave_the_cache() -> None:
+    """Regression: hashes registered while planning a step that then failed or was interrupted stayed in the
+    index, pointing at blocks whose KV was never written; a later request with the same prefix read garbage."""
     rng = random.Random(11)
     bm = BlockManager(16, BS, True)
-    a = _request("a", _prompt(rng, 6))
-    assert bm.allocate(a, 6)  # planned: both chunks' blocks allocated, nothing computed yet
-    assert not bm._cached, "an allocated but uncomputed block must not be in the cache"
-    bm.free(a)  # the step never ran (interrupted): the blocks return uncached
+    a = _request("a", _prompt(rng, 9))
+    assert bm.allocate(a, 9)  # planned: two full blocks registered, pending
+    assert len(bm._cached) == 2
+    bm.discard_pending()  # the step never ran
+    assert not bm._cached and all(bm.blocks[i].block_hash is None for i in a.block_ids)
+    bm.free(a)
     b = _request("b", list(a.prompt_token_ids))
     assert bm.find_cached_prefix(b) == []
+    check_block_invariants(bm, [])
+
+
+def test_same_step_admissions_share_a_prefix() -> None:
+    """Blocks registered while planning are visible to requests admitted later in the same step (each layer
+    stores the step's KV before attending), so a burst of prompts with one system prompt computes it once."""
+    rng = random.Random(13)
+    bm = BlockManager(32, BS, True)
+    shared = _prompt(rng, 12)
+    a = _request("a", [*shared, *_prompt(rng, 3)])
+    b = _request("b", [*shared, *_prompt(rng, 5)])
+    assert bm.allocate(a, a.num_tokens)
+    hits = bm.find_cached_prefix(b)  # same step, before commit
+    assert len(hits) == 3 and [h.block_id for h in hits] == a.block_ids[:3]
+    assert bm.allocate(b, b.num_tokens - 12, hits)
+    bm.commit_pending()
+    check_block_invariants(bm, [a, b])
+
+
+def test_registration_follows_chunks_and_decodes() -> None:
+    rng = random.Random(12)
+    bm = BlockManager(16, BS, True)
     c = _request("c", _prompt(rng, 6))
     assert bm.allocate(c, 3)  # chunk 1: no full block yet
     c.num_computed_tokens = 3
-    bm.cache_full_blocks(c)
+    bm.commit_pending()
     assert not bm._cached
-    assert bm.allocate(c, 3)  # chunk 2: block 0 full once computed
+    assert bm.allocate(c, 3)  # chunk 2: block 0 full
     c.num_computed_tokens = 6
-    bm.cache_full_blocks(c)
+    bm.commit_pending()
     assert len(c.block_ids) == 2 and len(bm._cached) == 1
     for token in _prompt(rng, 2):  # decode two tokens: block 1 fills
         c.append_token(token)
         assert bm.allocate(c, 1)
         c.num_computed_tokens += 1
-        bm.cache_full_blocks(c)
+        bm.commit_pending()
     assert len(bm._cached) == 2
     check_block_invariants(bm, [c])
 

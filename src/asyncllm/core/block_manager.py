@@ -38,6 +38,10 @@ class BlockManager:
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[int, KVBlock] = {}  # block hash -> block holding exactly that prefix
         self._num_registered: dict[str, int] = {}  # request id -> leading blocks already offered to the cache
+        # Registered while planning the step in flight, whose KV is not written yet: committed when the step
+        # has run, withdrawn if it fails (block, and the request's registered count before this step).
+        self._pending: list[KVBlock] = []
+        self._pending_counts: dict[str, int] = {}
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
 
@@ -97,16 +101,28 @@ class BlockManager:
             request.block_ids.append(block.block_id)
         for _ in range(max(num_new_blocks, 0)):
             request.block_ids.append(self._take_free_block().block_id)
+        if self.enable_prefix_caching:
+            # Registered now so a request admitted later in the same step shares these blocks: every layer
+            # stores the step's keys and values before its attention reads any. Pending until the step runs.
+            self._register_full_blocks(request, num_tokens)
         return True
 
-    def cache_full_blocks(self, request: Request) -> None:
-        """Offer to the prefix cache every block now full of computed KV.
+    def commit_pending(self) -> None:
+        """The planned step has run: its registered blocks now hold the KV their hashes promise."""
+        self._pending.clear()
+        self._pending_counts.clear()
 
-        Called after the step that computed it has run, never at allocation: a step that fails or is
-        interrupted must not leave hashes pointing at blocks whose KV was never written.
-        """
-        if self.enable_prefix_caching:
-            self._register_full_blocks(request, request.num_computed_tokens)
+    def discard_pending(self) -> None:
+        """The planned step failed or was interrupted: withdraw the hashes of blocks it never wrote, so no
+        later request is served KV that does not exist."""
+        for block in self._pending:
+            if block.block_hash is not None and self._cached.get(block.block_hash) is block:
+                del self._cached[block.block_hash]
+            block.block_hash = None
+        for request_id, count in self._pending_counts.items():
+            if request_id in self._num_registered:
+                self._num_registered[request_id] = count
+        self.commit_pending()
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so a shared head outlives its private tail in the LRU."""
@@ -144,10 +160,12 @@ class BlockManager:
         if num_full <= start:
             return
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, num_full)
+        self._pending_counts.setdefault(request.request_id, start)
         for i in range(start, num_full):
             block = self.blocks[request.block_ids[i]]
             block_hash = request.block_hashes[i]
             if block.block_hash is None and block_hash not in self._cached:
                 block.block_hash = block_hash
                 self._cached[block_hash] = block
+                self._pending.append(block)
         self._num_registered[request.request_id] = num_full

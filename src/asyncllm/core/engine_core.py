@@ -106,7 +106,13 @@ class EngineCore:
         decode = sum(
             1 for s in scheduled.seqs if s.num_tokens == 1 and s.start_pos >= reqs[s.request_id].num_prompt_tokens
         )
-        result = self.executor.execute_model(scheduled)
+        try:
+            result = self.executor.execute_model(scheduled)
+        except BaseException:
+            # Blocks registered for this step never received their KV: no later request may hit them.
+            self.block_manager.discard_pending()
+            raise
+        self.block_manager.commit_pending()
         if after_execute is not None:
             after_execute()
         now = self._clock()

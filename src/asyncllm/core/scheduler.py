@@ -157,10 +157,6 @@ class Scheduler:
         Requests finished (aborted) after `out` was planned are skipped: their token is dropped.
         """
         results: list[tuple[Request, int, int]] = []
-        for seq in out.seqs:  # this step's KV now exists: its full blocks may serve later prefixes
-            request = self.requests.get(seq.request_id)
-            if request is not None and request.status is RequestStatus.RUNNING:
-                self.block_manager.cache_full_blocks(request)
         sampling = [s for s in out.seqs if s.sample]
         assert len(sampling) == len(sampled), "one sampled token per sampling sequence"
         for index, (seq, token_id) in enumerate(zip(sampling, sampled)):

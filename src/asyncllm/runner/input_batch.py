@@ -63,10 +63,12 @@ class InputBuffers:
         self.seq_lens = _Pair((max_num_seqs,), torch.int32, device, pin)
         self.block_tables = _Pair((max_num_seqs, max_blocks_per_seq), torch.int32, device, pin)
         self.logits_indices = _Pair((max_num_seqs,), torch.int64, device, pin)
-        self._copies_done: torch.cuda.Event | None = None  # recorded after the last step's uploads (CUDA)
+        # Recorded after each step's uploads (CUDA only; one event, re-recorded every step).
+        self._copies_done = torch.cuda.Event() if self.input_ids.dev is not self.input_ids.cpu else None
+        self._copies_pending = False
 
     def prepare(self, scheduled: SchedulerOutput) -> ModelInputs:
-        if self._copies_done is not None:
+        if self._copies_done is not None and self._copies_pending:
             self._copies_done.synchronize()  # the host buffers are free to overwrite only once copied out
         bs = self.block_size
         ids, pos, slots = self.input_ids.np, self.positions.np, self.slot_mapping.np
@@ -117,7 +119,7 @@ class InputBuffers:
             logits_indices=self.logits_indices.upload(num_sampling),
             num_tokens=t,
         )
-        if self.input_ids.dev is not self.input_ids.cpu:
-            self._copies_done = torch.cuda.Event()
+        if self._copies_done is not None:
             self._copies_done.record()
+            self._copies_pending = True
         return inputs
