@@ -161,7 +161,7 @@ def test_prompts_in_one_batch_share_their_prefix(tiny_checkpoints) -> None:
     """Regression: with registration deferred to after the step, prompts admitted together recomputed their
     common prefix; they must hit it within the same step, and still give the uncached outputs."""
     shared = list(range(10, 46))
-    prompts = [shared + [50 + i, 60 + i, 70 + i] for i in range(4)]
+    prompts = [[*shared, 50 + i, 60 + i, 70 + i] for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     cached = LLM(str(tiny_checkpoints["qwen3"]), device="cpu", block_size=4, num_kv_blocks=128)
     outs = cached.generate(prompts, params, use_tqdm=False)
