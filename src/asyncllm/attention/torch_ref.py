@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from asyncllm.attention.backend import AttentionBackend, AttentionMetadata
+from asyncllm.layers.host_copy import to_device
 
 
 def store_kv(
@@ -56,13 +57,6 @@ class _Plan:
     decode_max_len: int
 
 
-def _upload(values: list[int], device: torch.device) -> torch.Tensor:
-    host = torch.tensor(values, dtype=torch.int64)
-    if device.type == "cuda":  # pinned + non_blocking: queued behind the forward pass, the host never waits
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
-
-
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
@@ -78,9 +72,9 @@ class TorchAttentionBackend(AttentionBackend):
             starts=starts,
             prefill_seqs=prefill,
             decode_seqs=decode,
-            decode_rows=_upload([starts[i] for i in decode], device) if decode else None,
-            decode_seq_idx=_upload(decode, device) if decode else None,
-            decode_lens=_upload(lens, device) if decode else None,
+            decode_rows=to_device([starts[i] for i in decode], torch.int64, device) if decode else None,
+            decode_seq_idx=to_device(decode, torch.int64, device) if decode else None,
+            decode_lens=to_device(lens, torch.int64, device) if decode else None,
             decode_max_len=max(lens, default=0),
         )
 

@@ -16,6 +16,7 @@ import torch
 
 from asyncllm.attention.backend import AttentionBackend, AttentionMetadata
 from asyncllm.attention.torch_ref import store_kv
+from asyncllm.layers.host_copy import to_device
 
 _FIX = "use attention_backend='torch' (or 'auto')"
 
@@ -38,13 +39,6 @@ class TritonPlan:
     decode_max_len: int  # longest decode sequence (keys), host side
     num_splits: int  # KV splits per decode sequence and KV head
     prefill_tiles: torch.Tensor | None  # [num_tiles, 2] int32: (sequence, first query row) per tile
-
-
-def _upload(rows: list, device: torch.device) -> torch.Tensor:
-    host = torch.tensor(rows, dtype=torch.int32)
-    if device.type == "cuda":  # pinned + non_blocking: queued behind the running step, the host never waits
-        return host.pin_memory().to(device, non_blocking=True)
-    return host
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -76,10 +70,10 @@ class TritonAttentionBackend(AttentionBackend):
         max_len = max((slens[i] for i in decode), default=0)
         tiles = kernels.plan_prefill_tiles(qlens, slens, self.block_m)
         meta.plan = TritonPlan(
-            decode_seqs=_upload(decode, device) if decode else None,
+            decode_seqs=to_device(decode, torch.int32, device) if decode else None,
             decode_max_len=max_len,
             num_splits=kernels.choose_num_splits(max_len, len(decode), self.num_kv_heads, self.num_sms),
-            prefill_tiles=_upload(tiles, device) if tiles else None,
+            prefill_tiles=to_device(tiles, torch.int32, device) if tiles else None,
         )
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
-from asyncllm.runner.sampling_state import SamplingState, to_device
+from asyncllm.layers.host_copy import to_device
+from asyncllm.runner.sampling_state import SamplingState
 
 
 def apply_penalties(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:

@@ -87,17 +87,3 @@ class SamplingState:
     def output_tensor(self) -> torch.Tensor:
         """[len(output)] int64 on the host; each call converts only the tokens recorded since the last."""
         return self._output_host.sync(self.output_token_ids)
-
-
-def to_device(
-    values: Sequence[int] | Sequence[float] | torch.Tensor, dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """Host values (a sequence or a CPU tensor) on `device`, without making the host wait for the device.
-
-    A plain pageable copy to CUDA would block until the stream drains; staging through pinned memory
-    lets the copy queue behind the forward pass instead.
-    """
-    host = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
