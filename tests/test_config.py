@@ -1,4 +1,5 @@
-"""EngineConfig: defaults, enum coercion, unknown names (TypeError) and bad values (ValueError naming them)."""
+"""EngineConfig: flat keyword arguments routed to its five parts, defaults, enum coercion, unknown names
+(TypeError) and bad values (ValueError naming them), every error an AsyncLLMError."""
 
 from __future__ import annotations
 
@@ -7,27 +8,60 @@ from pathlib import Path
 
 import pytest
 
-from asyncllm.config import AttentionBackendName, Device, DType, EngineConfig
+from asyncllm.config import (
+    AttentionBackendName,
+    Device,
+    DType,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    engine_arguments,
+)
+from asyncllm.errors import AsyncLLMError
 
 
 def test_defaults_and_coercion(tmp_path: Path) -> None:
     cfg = EngineConfig.from_kwargs(str(tmp_path))
-    assert cfg.model == str(tmp_path)
-    assert (cfg.device, cfg.dtype, cfg.attention_backend) == (Device.AUTO, DType.AUTO, AttentionBackendName.AUTO)
-    assert (cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.block_size) == (256, 8192, 16)
-    assert cfg.enable_prefix_caching and cfg.num_kv_blocks is None and cfg.max_model_len is None
-    cfg = EngineConfig.from_kwargs(tmp_path, device="cpu", dtype="float32", attention_backend="torch")  # type: ignore[arg-type]
+    model, device, cache, sched = cfg.model_config, cfg.device_config, cfg.cache_config, cfg.scheduler_config
+    assert cfg.model == model.model == str(tmp_path)
+    assert (device.device, model.dtype, device.attention_backend) == (
+        Device.AUTO,
+        DType.AUTO,
+        AttentionBackendName.AUTO,
+    )
+    assert (sched.max_num_seqs, sched.max_num_batched_tokens, cache.block_size) == (256, 8192, 16)
+    assert cache.enable_prefix_caching and cache.num_kv_blocks is None and model.max_model_len is None
+    cfg = EngineConfig.from_kwargs(tmp_path, device="cpu", dtype="float32", attention_backend="torch")
     assert cfg.model == str(tmp_path) and isinstance(cfg.model, str)
-    assert (cfg.device, cfg.dtype, cfg.attention_backend) == (Device.CPU, DType.FLOAT32, AttentionBackendName.TORCH)
-    cfg = EngineConfig(model="m", tokenizer=tmp_path)  # type: ignore[arg-type]
-    assert cfg.tokenizer == str(tmp_path)
+    assert (cfg.device_config.device, cfg.model_config.dtype, cfg.device_config.attention_backend) == (
+        Device.CPU,
+        DType.FLOAT32,
+        AttentionBackendName.TORCH,
+    )
+    cfg = EngineConfig(ModelConfig(model="m", tokenizer=tmp_path))  # type: ignore[arg-type]
+    assert cfg.model_config.tokenizer == str(tmp_path)
+    assert EngineConfig.from_kwargs("m", max_num_seqs=3).scheduler_config == SchedulerConfig(max_num_seqs=3)
+
+
+def test_every_argument_is_documented_and_routed() -> None:
+    """Each engine argument has one owner part, a doc line, and the default that part declares."""
+    args = engine_arguments()
+    names = [a.name for a in args]
+    assert len(names) == len(set(names))
+    assert {"model", "device", "dtype", "tensor_parallel_size", "max_model_len", "max_num_seqs"} <= set(names)
+    for a in args:
+        assert a.doc, f"{a.name} has no documentation"
+        if a.name != "model":
+            part = getattr(EngineConfig.from_kwargs("m"), a.part)
+            assert getattr(getattr(part, a.name), "value", getattr(part, a.name)) == a.default
 
 
 def test_unknown_argument_is_a_type_error_naming_it() -> None:
     with pytest.raises(TypeError, match=r"unknown engine argument 'max_batch_size'.*known arguments: .*max_num_seqs"):
         EngineConfig.from_kwargs("m", max_batch_size=8, max_num_seqs=4)
-    with pytest.raises(TypeError, match="'aaa'"):
+    with pytest.raises(TypeError, match="'aaa'") as info:
         EngineConfig.from_kwargs("m", zzz=1, aaa=2)  # the first, alphabetically
+    assert isinstance(info.value, AsyncLLMError)
 
 
 @pytest.mark.parametrize(
@@ -70,15 +104,18 @@ def test_bad_value_is_a_value_error_naming_the_field(field: str, value: object) 
     with pytest.raises(ValueError, match=rf"^{field}=") as info:
         EngineConfig.from_kwargs("m", **{field: value})
     assert repr(value) in str(info.value)
+    assert isinstance(info.value, AsyncLLMError)
 
 
 @pytest.mark.parametrize("model", ["", None, 3])
 def test_bad_model(model: object) -> None:
     with pytest.raises(ValueError, match=r"^model="):
-        EngineConfig(model=model)  # type: ignore[arg-type]
+        EngineConfig.from_kwargs(model)  # type: ignore[arg-type]
 
 
 def test_frozen() -> None:
-    cfg = EngineConfig(model="m")
+    cfg = EngineConfig.from_kwargs("m")
     with pytest.raises(AttributeError):
-        cfg.max_num_seqs = 3  # type: ignore[misc]
+        cfg.scheduler_config.max_num_seqs = 3  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        cfg.scheduler_config = SchedulerConfig()  # type: ignore[misc]

@@ -86,7 +86,7 @@ def test_chat_template_gives_ids_the_engine_accepts(llm: LLM) -> None:
     assert out[0].prompt_token_ids == ids
 
 
-def test_logprobs_reach_the_output(llm: LLM) -> None:
+def test_logprobs_reach_the_output(llm: LLM, tiny_checkpoints) -> None:
     import torch
 
     params = SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True)
@@ -98,63 +98,44 @@ def test_logprobs_reach_the_output(llm: LLM) -> None:
         assert token in lp and 1 <= len(lp) <= 4
         assert lp[token] == max(lp.values()), "greedy picks the most likely token"
         assert all(v <= 0.0 for v in lp.values())
-    # the first token's logprob is log_softmax of the prompt's last logits
-    runner = llm._engine.core.executor
-    model = runner.model
-    from asyncllm.core.scheduler_output import ScheduledSeq, SchedulerOutput
-    from asyncllm.runner.kv_cache import allocate_kv_cache
+    # every logprob is transformers' log_softmax at that position (teacher-forced along our greedy path)
+    from tests.models.helpers import load_reference, reference_logits
 
-    scratch = allocate_kv_cache(runner.kv_spec, 2, runner.device)  # never touch the engine's own cache
-    x = runner.inputs.prepare(SchedulerOutput(seqs=[ScheduledSeq("probe", [5, 6, 7], 0, [1], True)]))
-    runner.backend.prepare(x.meta)
-    with torch.inference_mode():
-        logits = model.compute_logits(model(x.input_ids, x.positions, scratch, x.meta)[-1:]).float()
-    ref = torch.log_softmax(logits[0], dim=-1)
-    first = out[0].token_ids[0]
-    assert abs(lps[0][first] - ref[first].item()) < 1e-5
+    hf = load_reference(tiny_checkpoints["qwen3"])
+    seq = torch.tensor([5, 6, 7, *out[0].token_ids])
+    ref = torch.log_softmax(reference_logits(hf, seq)[2:-1].float(), dim=-1)  # positions predicting each output
+    for row, lp in zip(ref, lps):
+        for token, value in lp.items():
+            assert abs(value - row[token].item()) < 1e-5
 
 
-def test_min_tokens_keeps_eos_out_of_the_output(tiny_checkpoints) -> None:
+def test_min_tokens_keeps_eos_out_of_the_output(tmp_path) -> None:
     """Regression: the runner built sampling states without the model's EOS ids, so EOS was sampled inside
-    the output before min_tokens and generation ran on past it."""
-    llm = LLM(str(tiny_checkpoints["qwen3"]), device="cpu", num_kv_blocks=64)
-    eos = next(iter(llm.runtime.eos_token_ids))
-    model = llm._engine.core.executor.model
-    real = model.compute_logits
+    the output before min_tokens and generation ran on past it.
 
-    def eos_first(hidden):  # make EOS the model's favourite at every step
-        logits = real(hidden).clone()
-        logits[:, eos] += 100.0
-        return logits
+    The checkpoint makes EOS the greedy choice at every step: every LM-head row is the same random vector, so
+    all logits tie and greedy takes the lowest id, which the checkpoint names as its EOS."""
+    import json
 
-    model.compute_logits = eos_first
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from tests.fixtures.tiny_models import build_checkpoint
+
+    path = build_checkpoint(tmp_path / "eos_first", "qwen3", tie_word_embeddings=False)
+    weights = load_file(path / "model.safetensors")
+    row = torch.randn(weights["lm_head.weight"].shape[1])
+    weights["lm_head.weight"] = row.expand_as(weights["lm_head.weight"]).contiguous()
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0]}))
+    llm = LLM(str(path), device="cpu", num_kv_blocks=64)
+    eos = 0
+    assert llm.runtime.eos_token_ids == {eos}
     free = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
     assert free.token_ids == [eos] and free.finish_reason == "stop"
     held = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8, min_tokens=4), use_tqdm=False)[0]
     assert eos not in held.token_ids[:4]
     assert held.token_ids[4:] == [eos] and held.finish_reason == "stop"
-
-
-def test_interrupted_step_leaves_no_stale_prefix(tiny_checkpoints, monkeypatch) -> None:
-    """Regression: a step interrupted before its forward pass (Ctrl-C) left prefix hashes pointing at blocks
-    whose KV was never written; the same prompt then hit the cache and came out wrong, silently."""
-    llm = LLM(str(tiny_checkpoints["qwen3"]), device="cpu", block_size=4, num_kv_blocks=64)
-    prompt = list(range(5, 41))
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    runner = llm._engine.core.executor
-    real = runner.execute_model
-
-    def interrupted(scheduled):
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(runner, "execute_model", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        llm.generate([prompt], params, use_tqdm=False)
-    monkeypatch.setattr(runner, "execute_model", real)
-    again = llm.generate([prompt], params, use_tqdm=False)[0]
-    fresh = LLM(str(tiny_checkpoints["qwen3"]), device="cpu", block_size=4, num_kv_blocks=64)
-    assert again.token_ids == fresh.generate([prompt], params, use_tqdm=False)[0].token_ids
-    assert llm.stats()["num_free_blocks"] == llm.stats()["num_total_blocks"]
 
 
 def test_prompts_in_one_batch_share_their_prefix(tiny_checkpoints) -> None:

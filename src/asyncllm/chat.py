@@ -8,16 +8,26 @@ tokenizer is passed in; neither torch nor transformers is imported here.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal, overload
+from typing import Any, Literal, Protocol, overload
 
 from asyncllm.errors import InvalidRequestError, UnsupportedModelError
 
 Message = Mapping[str, Any]  # {"role": "system" | "user" | "assistant", "content": str}
 
 
+class ChatTokenizer(Protocol):
+    """What chat templating needs of a tokenizer (a transformers fast tokenizer provides it)."""
+
+    chat_template: str | None
+
+    def apply_chat_template(self, conversation: list[dict[str, Any]], **kwargs: Any) -> Any: ...
+
+    def encode(self, text: str, **kwargs: Any) -> list[int]: ...
+
+
 @overload
 def apply_chat_template(
-    tokenizer: Any,
+    tokenizer: ChatTokenizer | None,
     messages: Sequence[Message],
     add_generation_prompt: bool = True,
     tokenize: Literal[False] = False,
@@ -26,7 +36,7 @@ def apply_chat_template(
 
 @overload
 def apply_chat_template(
-    tokenizer: Any,
+    tokenizer: ChatTokenizer | None,
     messages: Sequence[Message],
     add_generation_prompt: bool = True,
     *,
@@ -35,7 +45,7 @@ def apply_chat_template(
 
 
 def apply_chat_template(
-    tokenizer: Any,
+    tokenizer: ChatTokenizer | None,
     messages: Sequence[Message],
     add_generation_prompt: bool = True,
     tokenize: bool = False,

@@ -80,7 +80,7 @@ async def _chat(model: str, args: argparse.Namespace, params: SamplingParams) ->
 
     engine_args: dict[str, Any] = dict(device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
     async with AsyncLLMEngine(model, **engine_args) as engine:
-        system = [{"role": "system", "content": args.system}] if args.system else []
+        system: list[Message] = [{"role": "system", "content": args.system}] if args.system else []
         if args.prompt is not None:
             await stream_answer(engine, [*system, {"role": "user", "content": args.prompt}], params, sys.stdout)
             return 0

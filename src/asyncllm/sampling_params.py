@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from asyncllm.errors import InvalidRequestError
+from asyncllm.validation import check_bool, check_float, check_int, check_optional_int, is_int
 
 _MAX_LOGPROBS = 20
 
@@ -45,44 +46,32 @@ class SamplingParams:
     stop_token_set: frozenset[int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        self._check_number("temperature", self.temperature, lo=0.0, allowed="a number >= 0 (0 is greedy)")
-        self._check_number("top_p", self.top_p, lo=0.0, allowed="a number in (0, 1]")
-        if not 0.0 < self.top_p <= 1.0:
-            raise _fail("top_p", self.top_p, "a number in (0, 1]")
-        self._check_int("top_k", self.top_k, "an integer >= 1, or 0 / -1 to disable")
-        if self.top_k < -1:
-            raise _fail("top_k", self.top_k, "an integer >= 1, or 0 / -1 to disable")
-        self._check_number("min_p", self.min_p, lo=0.0, allowed="a number in [0, 1]")
-        if self.min_p > 1.0:
-            raise _fail("min_p", self.min_p, "a number in [0, 1]")
-        if self.max_tokens is not None:
-            self._check_int("max_tokens", self.max_tokens, "an integer >= 1, or None")
-            if self.max_tokens < 1:
-                raise _fail("max_tokens", self.max_tokens, "an integer >= 1, or None")
-        self._check_int("min_tokens", self.min_tokens, "an integer >= 0")
-        if self.min_tokens < 0:
-            raise _fail("min_tokens", self.min_tokens, "an integer >= 0")
+        number = self._number
+        number("temperature", lo=0.0, allowed="a number >= 0 (0 is greedy)")
+        number("top_p", lo=0.0, lo_open=True, hi=1.0, allowed="a number in (0, 1]")
+        check_int(_fail, "top_k", self.top_k, "an integer >= 1, or 0 / -1 to disable", lo=-1)
+        number("min_p", lo=0.0, hi=1.0, allowed="a number in [0, 1]")
+        check_optional_int(_fail, "max_tokens", self.max_tokens, "an integer >= 1, or None", lo=1)
+        check_int(_fail, "min_tokens", self.min_tokens, "an integer >= 0", lo=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise _fail("min_tokens", self.min_tokens, f"at most max_tokens ({self.max_tokens})")
         object.__setattr__(self, "stop_strings", self._normalise_stop(self.stop))
         object.__setattr__(self, "stop_token_set", self._normalise_stop_ids(self.stop_token_ids))
-        for name in ("include_stop_str_in_output", "ignore_eos"):
-            if not isinstance(getattr(self, name), bool):
-                raise _fail(name, getattr(self, name), "True or False")
-        if self.seed is not None:
-            self._check_int("seed", self.seed, "an integer, or None")
-        self._check_number("repetition_penalty", self.repetition_penalty, lo=0.0, allowed="a number > 0")
-        if self.repetition_penalty <= 0.0:
-            raise _fail("repetition_penalty", self.repetition_penalty, "a number > 0 (1 disables it)")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            self._check_number(name, value, lo=-2.0, allowed="a number in [-2, 2]")
-            if value > 2.0:
-                raise _fail(name, value, "a number in [-2, 2]")
-        if self.logprobs is not None:
-            self._check_int("logprobs", self.logprobs, f"an integer in [0, {_MAX_LOGPROBS}], or None")
-            if not 0 <= self.logprobs <= _MAX_LOGPROBS:
-                raise _fail("logprobs", self.logprobs, f"an integer in [0, {_MAX_LOGPROBS}], or None")
+        check_bool(_fail, "include_stop_str_in_output", self.include_stop_str_in_output)
+        check_bool(_fail, "ignore_eos", self.ignore_eos)
+        check_optional_int(_fail, "seed", self.seed, "an integer, or None")
+        number("repetition_penalty", lo=0.0, lo_open=True, allowed="a number > 0 (1 disables it)")
+        number("presence_penalty", lo=-2.0, hi=2.0, allowed="a number in [-2, 2]")
+        number("frequency_penalty", lo=-2.0, hi=2.0, allowed="a number in [-2, 2]")
+        allowed = f"an integer in [0, {_MAX_LOGPROBS}], or None"
+        check_optional_int(_fail, "logprobs", self.logprobs, allowed, lo=0)
+        if self.logprobs is not None and self.logprobs > _MAX_LOGPROBS:
+            raise _fail("logprobs", self.logprobs, allowed)
+
+    def _number(self, name: str, *, allowed: str, lo: float, hi: float | None = None, lo_open: bool = False) -> None:
+        """Validate a real-valued field and store it as a finite float (the device casts it to float32)."""
+        value = check_float(_fail, name, getattr(self, name), allowed, lo=lo, hi=hi, lo_open=lo_open)
+        object.__setattr__(self, name, value)
 
     @property
     def greedy(self) -> bool:
@@ -91,18 +80,6 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-
-    @staticmethod
-    def _check_number(name: str, value: object, lo: float, allowed: str) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise _fail(name, value, allowed)
-        if value != value or value in (float("inf"), float("-inf")) or value < lo:  # NaN, inf, too small
-            raise _fail(name, value, allowed)
-
-    @staticmethod
-    def _check_int(name: str, value: object, allowed: str) -> None:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise _fail(name, value, allowed)
 
     @staticmethod
     def _normalise_stop(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -119,8 +96,6 @@ class SamplingParams:
     def _normalise_stop_ids(ids: list[int] | None) -> frozenset[int]:
         if ids is None:
             return frozenset()
-        if not isinstance(ids, (list, tuple, set, frozenset)) or not all(
-            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids
-        ):
+        if not isinstance(ids, (list, tuple, set, frozenset)) or not all(is_int(i) and i >= 0 for i in ids):
             raise _fail("stop_token_ids", ids, "a list of non-negative integer token ids, or None")
         return frozenset(ids)

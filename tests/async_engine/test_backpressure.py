@@ -67,4 +67,4 @@ async def test_one_wakeup_per_loop_per_step(make_engine: EngineFactory) -> None:
         del loop.call_soon_threadsafe
     num_tokens = sum(len(c.token_ids) for cs, _ in chunks for c in cs)
     assert num_tokens == 50 * 30
-    assert 0 < step_thread_calls <= engine._step_loop.num_steps < num_tokens / 10
+    assert 0 < step_thread_calls <= engine.stats()["num_steps"] < num_tokens / 10

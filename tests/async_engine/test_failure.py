@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import threading
 import time
 
 import pytest
@@ -25,7 +26,7 @@ async def _drain(stream: RequestStream) -> int:
 
 async def _join(engine: AsyncLLMEngine, timeout: float = 1.0) -> None:
     deadline = time.monotonic() + timeout
-    while engine._step_loop.is_alive:
+    while engine.step_thread_alive:
         assert time.monotonic() < deadline, "step thread still alive"
         await asyncio.sleep(0.005)
 
@@ -65,7 +66,7 @@ async def test_shutdown_ends_pending_streams(make_engine: EngineFactory) -> None
     for reader in done:
         error = reader.exception()
         assert isinstance(error, EngineDeadError) and "shut down" in str(error)
-    assert not engine._step_loop.is_alive and built.executor.is_shut_down
+    assert not engine.step_thread_alive and built.executor.is_shut_down
     with pytest.raises(EngineDeadError, match="shut down"):
         engine.add_request([1])
     await engine.abort(streams[0].request_id)  # aborting after shutdown is a harmless no-op
@@ -91,8 +92,9 @@ def test_public_constructor_validates_before_loading(tmp_path: object) -> None:
 
 def test_dropped_engine_stops_its_thread(bpe_tokenizer: object) -> None:
     built = fake_built(bpe_tokenizer)
+    before = set(threading.enumerate())
     engine = AsyncLLMEngine.from_builder(lambda: built)
-    step_loop = engine._step_loop
+    (step_thread,) = set(threading.enumerate()) - before
     del engine
     gc.collect()
-    assert not step_loop.is_alive and built.executor.is_shut_down
+    assert not step_thread.is_alive() and built.executor.is_shut_down

@@ -50,7 +50,7 @@ async def test_loops_in_two_threads_share_one_engine(make_engine: EngineFactory,
         await asyncio.to_thread(thread.join, 20)
     assert results["asyncio"] + results["uvloop"] + here == expected
     await wait_drained(engine)
-    assert engine._fanout.num_loops == 0  # each loop's mailbox went with its last request
+    assert engine.num_event_loops == 0  # each loop's mailbox went with its last request
 
 
 async def test_parametrized_loop_is_the_one_running(request: Any) -> None:

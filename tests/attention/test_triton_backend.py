@@ -88,7 +88,7 @@ def test_gpu_mixed_steps_match_torch_backend(kernels, dtype: torch.dtype, block_
 
 def _greedy(path: Path, backend: str, device: str, **engine_args) -> list[list[int]]:
     llm = LLM(str(path), device=device, dtype="float32", attention_backend=backend, **engine_args)
-    assert llm._engine.core.executor.backend.name == backend
+    assert llm.runtime.attention_backend == backend
     rng = random.Random(5)
     prompts = [[rng.randrange(3, llm.runtime.vocab_size) for _ in range(n)] for n in (3, 21, 40)]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
@@ -116,7 +116,7 @@ def test_engine_greedy_equals_torch_backend_on_cuda(kernels, tiny_checkpoints, f
 
 
 def test_cpu_without_interpreter_is_refused_with_the_fix(kernels, monkeypatch: pytest.MonkeyPatch) -> None:
-    from asyncllm.runner.model_runner import make_attention_backend
+    from asyncllm.attention.registry import make_attention_backend
 
     monkeypatch.setattr(kernels, "runs_in_interpreter", lambda: False)
     with pytest.raises(ValueError, match=r"needs a CUDA device.*attention_backend='torch'.*TRITON_INTERPRET=1"):

@@ -15,15 +15,16 @@ def check_block_invariants(bm: BlockManager, live: Iterable[Request]) -> None:
     for request in live:
         assert len(set(request.block_ids)) == len(request.block_ids), f"{request.request_id} holds a block twice"
         holders.update(request.block_ids)
-    free = set(bm._free)
+    free = set(bm.free_block_ids())
+    cached = bm.cached_blocks()
     assert len(free) == bm.num_free_blocks
     assert not free & set(holders), f"blocks both free and held: {sorted(free & set(holders))}"
     for block in bm.blocks:
         assert block.ref_count == holders[block.block_id], (
             f"block {block.block_id}: ref_count {block.ref_count}, held by {holders[block.block_id]}"
         )
-    for block_hash, block in bm._cached.items():
+    for block_hash, block in cached.items():
         assert block.block_hash == block_hash, f"index maps a hash to block {block.block_id} holding another"
     hashed = [b for b in bm.blocks if b.block_hash is not None]
-    assert len(hashed) == len(bm._cached), "a hashed block is missing from the index"
+    assert len(hashed) == len(cached), "a hashed block is missing from the index"
     assert bm.num_free_blocks + len(holders) == bm.num_blocks, "a block is neither free nor held"

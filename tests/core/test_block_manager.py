@@ -78,7 +78,7 @@ def test_hit_on_repeated_prefix_shares_blocks() -> None:
     assert bm.prefix_cache_hit_rate == pytest.approx(8 / (11 + 13))
     check_block_invariants(bm, [a, b])
     bm.free(a)  # the shared head stays held by b
-    assert bm.blocks[b.block_ids[0]].ref_count == 1 and b.block_ids[0] not in bm._free
+    assert bm.blocks[b.block_ids[0]].ref_count == 1 and b.block_ids[0] not in bm.free_block_ids()
     check_block_invariants(bm, [b])
 
 
@@ -103,11 +103,11 @@ def test_cached_free_blocks_count_as_free() -> None:
     a = _request("a", _prompt(rng, 17))
     _admit(bm, a)
     bm.free(a)
-    assert bm.num_free_blocks == 6 and len(bm._cached) == 4  # four full blocks stay findable
+    assert bm.num_free_blocks == 6 and len(bm.cached_blocks()) == 4  # four full blocks stay findable
     b = _request("b", _prompt(rng, 24))  # needs all six: evicts the cached ones
     assert bm.allocate(b, 24)
     assert bm.num_free_blocks == 0
-    assert not any(h in bm._cached for h in a.block_hashes)  # evicted blocks left the index
+    assert not any(h in bm.cached_blocks() for h in a.block_hashes)  # evicted blocks left the index
     check_block_invariants(bm, [b])
 
 
@@ -122,7 +122,7 @@ def test_reused_block_leaves_the_index() -> None:
     bm.free(a)
     other = _request("other", _prompt(rng, 12))
     assert bm.allocate(other, 12)  # takes all three blocks, the two cached ones included
-    assert not any(h in bm._cached for h in a.block_hashes)
+    assert not any(h in bm.cached_blocks() for h in a.block_hashes)
     assert bm.find_cached_prefix(_request("again", list(old))) == []
     bm.free(other)
     check_block_invariants(bm, [])
@@ -161,7 +161,7 @@ def test_prefix_caching_disabled() -> None:
     prompt = _prompt(rng, 10)
     a = _request("a", prompt)
     _admit(bm, a)
-    assert not bm._cached
+    assert not bm.cached_blocks()
     assert bm.find_cached_prefix(_request("b", list(prompt))) == []
     assert bm.prefix_cache_hit_rate == 0.0
 
@@ -184,9 +184,9 @@ def test_blocks_of_a_failed_step_leave_the_cache() -> None:
     bm = BlockManager(16, BS, True)
     a = _request("a", _prompt(rng, 9))
     assert bm.allocate(a, 9)  # planned: two full blocks registered, pending
-    assert len(bm._cached) == 2
+    assert len(bm.cached_blocks()) == 2
     bm.discard_pending()  # the step never ran
-    assert not bm._cached and all(bm.blocks[i].block_hash is None for i in a.block_ids)
+    assert not bm.cached_blocks() and all(bm.blocks[i].block_hash is None for i in a.block_ids)
     bm.free(a)
     b = _request("b", list(a.prompt_token_ids))
     assert bm.find_cached_prefix(b) == []
@@ -216,17 +216,17 @@ def test_registration_follows_chunks_and_decodes() -> None:
     assert bm.allocate(c, 3)  # chunk 1: no full block yet
     c.num_computed_tokens = 3
     bm.commit_pending()
-    assert not bm._cached
+    assert not bm.cached_blocks()
     assert bm.allocate(c, 3)  # chunk 2: block 0 full
     c.num_computed_tokens = 6
     bm.commit_pending()
-    assert len(c.block_ids) == 2 and len(bm._cached) == 1
+    assert len(c.block_ids) == 2 and len(bm.cached_blocks()) == 1
     for token in _prompt(rng, 2):  # decode two tokens: block 1 fills
         c.append_token(token)
         assert bm.allocate(c, 1)
         c.num_computed_tokens += 1
         bm.commit_pending()
-    assert len(bm._cached) == 2
+    assert len(bm.cached_blocks()) == 2
     check_block_invariants(bm, [c])
 
 

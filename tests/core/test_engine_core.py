@@ -211,3 +211,33 @@ def test_abort_during_the_forward_pass() -> None:
     assert tokens == reference_tokens(inner.next_token, _prompt(3, 6), 5, frozenset())
     assert core.stats().num_free_blocks == 64
     assert set(inner.steps[3].finished_request_ids) == {"a", "b"}  # the runner hears of it the next step
+
+
+def test_interrupted_step_leaves_no_stale_prefix() -> None:
+    """Regression: a step interrupted before its forward pass (Ctrl-C) left prefix hashes pointing at blocks
+    whose KV was never written; the same prompt then hit the cache and came out wrong, silently. The fake
+    executor samples from the token ids its "cache" holds, so stale KV changes the tokens (or trips its check
+    on never-written slots)."""
+
+    class InterruptOnce(FakeExecutor):
+        interrupt = True
+
+        def execute_model(self, scheduled):  # type: ignore[no-untyped-def]
+            if self.interrupt:
+                self.interrupt = False
+                raise KeyboardInterrupt
+            return super().execute_model(scheduled)
+
+    executor = InterruptOnce(make_runtime(block_size=4, num_kv_blocks=64))
+    ip = InputProcessor(executor.runtime, None)
+    core = make_engine_core(executor)
+    prompt = list(range(5, 41))
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    core.add_request(ip.make_request("first", prompt, params, 0.0))
+    with pytest.raises(KeyboardInterrupt):
+        core.step()
+    core.abort_request("first")  # what LLM.generate does on the way out
+    core.add_request(ip.make_request("again", prompt, params, 0.0))
+    tokens = [t for d in _run(core)["again"] for t in d.new_token_ids]
+    assert tokens == reference_tokens(executor.next_token, prompt, 6, frozenset())
+    assert core.stats().num_free_blocks == core.stats().num_total_blocks

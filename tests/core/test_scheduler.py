@@ -304,4 +304,4 @@ def test_random_workloads_keep_invariants_and_outputs(
             assert h.tokens[rid] == expected
             assert h.reasons[rid] == ("stop" if expected[-1] in EOS else "length")
     # The runner dropped every finished request except those it hears of with the next executed step.
-    assert h.executor.known_requests <= set(h.core.scheduler._finished_since_last_step)
+    assert h.executor.known_requests <= set(h.core.scheduler.pending_finished_ids)

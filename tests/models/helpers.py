@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from asyncllm.attention.torch_ref import TorchAttentionBackend
+from asyncllm.model_loader.checkpoint import open_checkpoint
 from asyncllm.models.config import ModelArchConfig
 from asyncllm.models.registry import resolve_model_class
-from asyncllm.runner.checkpoint import open_checkpoint
 from tests.fixtures.paged import PagedBatcher
 
 Schedule = list[list[tuple[int, int]]]  # steps, each a list of (seq_id, new tokens)

@@ -9,9 +9,9 @@ import torch
 
 from asyncllm.attention.torch_ref import TorchAttentionBackend
 from asyncllm.errors import UnsupportedModelError
+from asyncllm.model_loader.checkpoint import open_checkpoint
 from asyncllm.models.config import ModelArchConfig
 from asyncllm.models.registry import resolve_model_class
-from asyncllm.runner.checkpoint import open_checkpoint
 from tests.models.helpers import assert_logits_close, load_ours, load_reference, run_schedule
 
 

@@ -15,8 +15,9 @@ from typing import Any
 
 from asyncllm.async_engine.ids import LiveRequests, check_request_id, new_request_id
 from asyncllm.async_engine.loop_fanout import LoopFanout
+from asyncllm.async_engine.mailbox import OutputSlot
 from asyncllm.async_engine.step_loop import Built, StepLoop
-from asyncllm.async_engine.stream import OutputSlot, RequestStream
+from asyncllm.async_engine.stream import RequestStream
 from asyncllm.config import EngineConfig
 from asyncllm.errors import EngineDeadError
 from asyncllm.outputs import RequestOutput
@@ -43,7 +44,7 @@ class AsyncLLMEngine:
         config = EngineConfig.from_kwargs(model, **engine_args)  # bad arguments raise here, before any thread
 
         def build() -> Built:
-            from asyncllm.runner.build import build_engine  # torch loads only now, in the step thread
+            from asyncllm.build import build_engine  # torch loads only now, in the step thread
 
             return build_engine(config, time.monotonic)
 
@@ -165,8 +166,19 @@ class AsyncLLMEngine:
         return len(self._live)
 
     @property
+    def num_event_loops(self) -> int:
+        """Event loops with live requests (a loop's mailbox goes with its last request)."""
+        return self._fanout.num_loops
+
+    @property
     def is_running(self) -> bool:
+        """The step thread is alive and new requests are accepted."""
         return self._step_loop.is_alive and not self._live.closed
+
+    @property
+    def step_thread_alive(self) -> bool:
+        """The step thread has not exited yet (it may still be finishing a step after shutdown began)."""
+        return self._step_loop.is_alive
 
     @property
     def dead_error(self) -> EngineDeadError | None:

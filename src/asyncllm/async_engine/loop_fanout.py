@@ -1,70 +1,21 @@
 """Handing a step's outputs to the event loops that asked for them: at most one wake-up per loop per step.
 
-Each loop has a mailbox: one lock over all its requests' output slots, the set of slots with unread
-output, and a flag saying a wake-up callback is already queued on that loop. The step thread merges a
-whole step's deltas under one lock acquisition per loop and calls `call_soon_threadsafe` only if no
-wake-up is pending, so a loop that lags never accumulates callbacks, only merged unread output.
-Knows nothing of the engine core; never blocks on a consumer.
+Each loop has a `LoopMailbox` (mailbox.py); the fanout keeps one per loop with live requests, groups a
+step's deltas by loop and posts each group under one lock acquisition, so a loop that lags never
+accumulates callbacks, only merged unread output. Knows nothing of the engine core; never blocks on a
+consumer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from asyncllm.async_engine.mailbox import LoopMailbox, OutputSlot
+
 if TYPE_CHECKING:
-    from asyncllm.async_engine.stream import OutputSlot
     from asyncllm.core.output_processor import RequestDelta
-
-
-class LoopMailbox:
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.lock = threading.Lock()  # guards this mailbox and every slot bound to it
-        self._ready: dict[OutputSlot, None] = {}  # slots with output since the last wake-up, in order
-        self._wake_pending = False
-        self.num_slots = 0  # live slots bound here; guarded by the fanout's lock
-
-    def post(self, items: Iterable[tuple[OutputSlot, RequestDelta]]) -> bool:
-        """Step thread: merge deltas into their slots and make sure the loop wakes once.
-
-        Returns False when the loop is closed: nobody will ever read these slots.
-        """
-        with self.lock:
-            for slot, delta in items:
-                slot.merge(delta)
-                self._ready[slot] = None
-            return self._schedule_wake_locked()
-
-    def fail(self, slots: Iterable[OutputSlot], message: str, cause: BaseException | None) -> None:
-        with self.lock:
-            for slot in slots:
-                slot.fail(message, cause)
-                self._ready[slot] = None
-            self._schedule_wake_locked()
-
-    def _schedule_wake_locked(self) -> bool:
-        if self._wake_pending:
-            return True
-        try:
-            # Called under the lock so a concurrent `_flush` cannot clear the flag between check and call;
-            # call_soon_threadsafe only appends to the loop's queue and writes its self-pipe: it never waits.
-            self.loop.call_soon_threadsafe(self._flush)
-        except RuntimeError:  # the loop is closed
-            return False
-        self._wake_pending = True
-        return True
-
-    def _flush(self) -> None:
-        """The loop's thread: wake every consumer with unread output."""
-        with self.lock:
-            ready = self._ready
-            self._ready = {}
-            self._wake_pending = False
-        for slot in ready:
-            slot.wake()
 
 
 class LoopFanout:

@@ -13,17 +13,20 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from asyncllm.async_engine.ids import LiveRequests
 from asyncllm.async_engine.loop_fanout import LoopFanout
-from asyncllm.async_engine.stream import OutputSlot
+from asyncllm.async_engine.mailbox import OutputSlot
 from asyncllm.errors import EngineDeadError
 
 if TYPE_CHECKING:
+    from asyncllm.chat import ChatTokenizer
     from asyncllm.core.engine_core import EngineCore
+    from asyncllm.core.input_processor import InputProcessor
     from asyncllm.core.output_processor import RequestDelta
     from asyncllm.core.request import Request
+    from asyncllm.executor.interface import RuntimeInfo
 
 logger = logging.getLogger(__name__)
 
@@ -31,12 +34,16 @@ _IDLE_RECHECK_S = 0.001  # pause when the core has requests yet scheduled nothin
 
 
 class Built(Protocol):
-    """What the step thread needs from `asyncllm.runner.build.BuiltEngine`."""
+    """What the step thread needs from `asyncllm.build.BuiltEngine` (or a test's stand-in)."""
 
-    core: EngineCore
-    input_processor: Any
-    tokenizer: Any
-    runtime: Any
+    @property
+    def core(self) -> EngineCore: ...
+    @property
+    def input_processor(self) -> InputProcessor: ...
+    @property
+    def tokenizer(self) -> ChatTokenizer | None: ...
+    @property
+    def runtime(self) -> RuntimeInfo: ...
 
 
 class _Add(NamedTuple):
@@ -62,7 +69,6 @@ class StepLoop:
         self._outputs: list[RequestDelta] = []  # the current step's outputs (step thread only)
         self.built: Built | None = None
         self.stats: dict[str, float | int] = {}  # replaced (never mutated) after every step
-        self.num_steps = 0
         self._thread = threading.Thread(target=self._run, name="asyncllm-step", daemon=True)
 
     # ------------------------------------------------------------------ any thread
@@ -158,7 +164,6 @@ class StepLoop:
             self._drain(core)
             if core.has_unfinished():
                 self._outputs.extend(core.step(after_execute=self._drain_mid_step))  # mid-step aborts first
-                self.num_steps += 1
                 idle = core.last_step.num_prefill_tokens + core.last_step.num_decode_tokens == 0
             else:
                 idle = False

@@ -1,10 +1,9 @@
-"""One request's stream: the output slot the step thread merges into, and the async iterator over it.
+"""One request's stream: the async iterator over the output slot the step thread merges into.
 
-The slot is shared state guarded by its event loop's mailbox lock: the step thread merges deltas into it
-(merge-on-put, so a lagging consumer costs memory only for unread tokens and the engine never waits), the
-consumer takes the merged chunk. The iterator is a class, not an async generator, so every way of leaving
-it aborts the request synchronously: task cancellation, `aclose()`, and garbage collection (`__del__`,
-which is also what a `break` out of `async for` leads to). Knows nothing of the engine core.
+The iterator is a class, not an async generator, so every way of leaving it aborts the request
+synchronously: task cancellation, `aclose()`, and garbage collection (`__del__`, which is also what a
+`break` out of `async for` leads to). The slot and its lock belong to mailbox.py. Knows nothing of the
+engine core.
 """
 
 from __future__ import annotations
@@ -13,91 +12,10 @@ import asyncio
 import contextlib
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
+from asyncllm.async_engine.mailbox import OutputSlot
 from asyncllm.errors import EngineDeadError
-from asyncllm.outputs import FinishReason, RequestMetrics, StreamOutput
-
-if TYPE_CHECKING:
-    from asyncllm.async_engine.loop_fanout import LoopMailbox
-    from asyncllm.core.output_processor import RequestDelta
-
-
-class OutputSlot:
-    """Output owed to one consumer and not yet read. Every method but `wake` runs under `mailbox.lock`."""
-
-    __slots__ = (
-        "_logprobs",
-        "_texts",
-        "_token_ids",
-        "error",
-        "final_put",
-        "finish_reason",
-        "mailbox",
-        "metrics",
-        "request_id",
-        "waiter",
-    )
-
-    def __init__(self, request_id: str, mailbox: LoopMailbox) -> None:
-        self.request_id = request_id
-        self.mailbox = mailbox
-        self._token_ids: list[int] = []
-        self._texts: list[str] = []
-        self._logprobs: list[dict[int, float]] | None = None  # only for requests that asked for them
-        self.finish_reason: FinishReason | None = None
-        self.metrics: RequestMetrics | None = None
-        self.final_put = False  # the final delta (or an error) has been put: nothing more will come
-        self.error: tuple[str, BaseException | None] | None = None  # (message, cause) of EngineDeadError
-        self.waiter: asyncio.Future[None] | None = None  # touched only on the mailbox's loop
-
-    def merge(self, delta: RequestDelta) -> None:
-        """Step thread: join one step's delta onto whatever the consumer has not read yet."""
-        if self.final_put:
-            return  # e.g. an abort raced a finish: the first final output wins
-        self._token_ids.extend(delta.new_token_ids)
-        if delta.logprobs is not None:
-            if self._logprobs is None:
-                self._logprobs = []
-            self._logprobs.extend(delta.logprobs)
-        if delta.new_text:
-            self._texts.append(delta.new_text)
-        if delta.finish_reason is not None:
-            self.finish_reason = delta.finish_reason
-            self.metrics = delta.metrics
-            self.final_put = True
-
-    def fail(self, message: str, cause: BaseException | None) -> None:
-        if self.final_put:
-            return
-        self.error = (message, cause)
-        self.final_put = True
-
-    def take(self) -> StreamOutput | None:
-        """Consumer: the merged unread chunk, None if there is nothing yet; raises once only an error is left."""
-        if self._token_ids or self._texts or self.finish_reason is not None:
-            out = StreamOutput(
-                request_id=self.request_id,
-                text="".join(self._texts),
-                token_ids=tuple(self._token_ids),
-                finish_reason=self.finish_reason,
-                metrics=self.metrics,
-                logprobs=tuple(self._logprobs) if self._logprobs is not None else None,
-            )
-            self._token_ids = []
-            self._texts = []
-            self._logprobs = None
-            return out
-        if self.error is not None:
-            message, cause = self.error
-            raise EngineDeadError(message) from cause  # a fresh instance per stream: tracebacks stay apart
-        return None
-
-    def wake(self) -> None:
-        """Consumer's loop: resume the coroutine waiting on this slot, if any."""
-        waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+from asyncllm.outputs import StreamOutput
 
 
 class RequestStream:
@@ -144,18 +62,16 @@ class RequestStream:
         while True:
             if self._done:
                 raise StopAsyncIteration
-            with mailbox.lock:
-                try:
-                    out = slot.take()
-                except EngineDeadError:
-                    self._end()
-                    raise
-                if out is None:
-                    waiter = slot.waiter = mailbox.loop.create_future()
-            if out is not None:
+            try:
+                out = slot.take_or_wait()
+            except EngineDeadError:
+                self._end()
+                raise
+            if isinstance(out, StreamOutput):
                 if out.finish_reason is not None:
                     self._end()
                 return out
+            waiter = out
             try:
                 await waiter
             except asyncio.CancelledError:

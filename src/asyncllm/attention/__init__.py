@@ -1,1 +1,2 @@
-"""Attention over the paged KV cache, behind one small backend interface (the layer models call; kernels sit below)."""
+"""Attention over the paged KV cache: the layer models call, the backend interface behind it, the backends
+(pure-PyTorch reference, Triton kernels) and the registry that picks one. Kernels sit below."""

@@ -1,7 +1,9 @@
 """The attention backend interface: every implementation (torch reference, Triton, flash-attn) fits it.
 
-A backend writes this step's keys and values into the paged cache, then attends each query token to its
-sequence's cached keys causally. Inputs come per step in `AttentionMetadata`; nothing is global.
+A backend does two things per layer: `write_kv` stores this step's keys and values into the paged cache,
+`attend` attends each query token to its sequence's cached keys causally. They are separate so a fused
+kernel (rotary + KV write) can replace the first. Inputs come per step in `AttentionMetadata`; nothing is
+global.
 
 KV cache layout, per layer: key and value tensors of shape [num_blocks, block_size, num_kv_heads, head_dim].
 Token `t` of a sequence lives in block `block_table[t // block_size]`, row `t % block_size`.
@@ -11,9 +13,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
 
 import torch
+
+
+class AttentionPlan:
+    """Base of whatever a backend derives once per step and every layer reuses (index tensors, splits)."""
 
 
 @dataclass
@@ -30,12 +35,20 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     max_query_len: int
     max_seq_len: int
-    # Whatever the backend derives once per step and every layer reuses (set by `AttentionBackend.prepare`).
-    plan: Any = None
+    plan: AttentionPlan | None = None  # set by `AttentionBackend.prepare`
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write each new token's key/value ([T, Hkv, D]) into its cache slot."""
+    num_blocks, block_size = k_cache.shape[:2]
+    k_cache.view(num_blocks * block_size, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(num_blocks * block_size, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 class AttentionBackend(ABC):
@@ -51,15 +64,38 @@ class AttentionBackend(ABC):
         """
         meta.plan = None
 
-    @abstractmethod
-    def forward(
+    def write_kv(
         self,
-        q: torch.Tensor,  # [T, num_heads, head_dim]
         k: torch.Tensor,  # [T, num_kv_heads, head_dim]
         v: torch.Tensor,  # [T, num_kv_heads, head_dim]
         k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+    ) -> None:
+        """Store this step's keys and values at `meta.slot_mapping`."""
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+
+    @abstractmethod
+    def attend(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], this step's KV written
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        """Store k/v at `meta.slot_mapping`, then return causal attention of q over each sequence's cache."""
+        """Causal attention of each query over its sequence's cached keys (this step's included)."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """`write_kv` then `attend`: the whole op for callers that hold k and v."""
+        self.write_kv(k, v, k_cache, v_cache, meta)
+        return self.attend(q, k_cache, v_cache, meta, scale)

@@ -11,17 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncllm.attention.backend import AttentionBackend, AttentionMetadata
+from asyncllm.attention.backend import AttentionBackend, AttentionMetadata, AttentionPlan, store_kv
 from asyncllm.layers.host_copy import to_device
 
-
-def store_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Write each new token's key/value into its cache slot."""
-    num_blocks, block_size = k_cache.shape[:2]
-    k_cache.view(num_blocks * block_size, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(num_blocks * block_size, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+__all__ = ["TorchAttentionBackend", "attend", "gather_kv", "store_kv"]
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -47,7 +40,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, caus
 
 
 @dataclass
-class _Plan:
+class _Plan(AttentionPlan):
     starts: list[int]  # query row offsets, host side
     prefill_seqs: list[int]  # sequences with more than one query token: attended one by one
     decode_seqs: list[int]  # single-token sequences: batched with padding
@@ -78,11 +71,13 @@ class TorchAttentionBackend(AttentionBackend):
             decode_max_len=max(lens, default=0),
         )
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
         if not isinstance(meta.plan, _Plan):
             self.prepare(meta)
-        plan: _Plan = meta.plan
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        plan = meta.plan
+        assert isinstance(plan, _Plan)
         out = torch.empty_like(q)
         starts = plan.starts
         for i in plan.prefill_seqs:
@@ -95,7 +90,14 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     @staticmethod
-    def _decode(q, k_cache, v_cache, meta: AttentionMetadata, plan: _Plan, scale: float) -> torch.Tensor:
+    def _decode(
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        plan: _Plan,
+        scale: float,
+    ) -> torch.Tensor:
         """Single-token queries, batched: pad every sequence's keys to the longest and mask the rest."""
         block_size = k_cache.shape[1]
         max_len = plan.decode_max_len

@@ -14,27 +14,27 @@ from types import ModuleType
 
 import torch
 
-from asyncllm.attention.backend import AttentionBackend, AttentionMetadata
-from asyncllm.attention.torch_ref import store_kv
+from asyncllm.attention.backend import AttentionBackend, AttentionMetadata, AttentionPlan
+from asyncllm.errors import InvalidConfigError
 from asyncllm.layers.host_copy import to_device
 
 _FIX = "use attention_backend='torch' (or 'auto')"
 
 
 def load_paged_attention() -> ModuleType:
-    """The kernel module (imports triton). Raises ValueError naming the fix when triton is missing."""
+    """The kernel module (imports triton). Raises InvalidConfigError naming the fix when triton is missing."""
     try:
         return importlib.import_module("asyncllm.kernels.paged_attention")
     except ModuleNotFoundError as err:
         if err.name == "triton":
-            raise ValueError(
+            raise InvalidConfigError(
                 f"attention_backend='triton' needs triton: pip install 'asyncllm[triton]', or {_FIX}"
             ) from err
         raise
 
 
 @dataclass
-class TritonPlan:
+class TritonPlan(AttentionPlan):
     decode_seqs: torch.Tensor | None  # [Bd] int32: batch index of each single-query sequence
     decode_max_len: int  # longest decode sequence (keys), host side
     num_splits: int  # KV splits per decode sequence and KV head
@@ -51,12 +51,14 @@ class TritonAttentionBackend(AttentionBackend):
         self._kernels = load_paged_attention()
         if device.type != "cuda" and not self._kernels.runs_in_interpreter():
             hint = "" if os.environ.get("TRITON_INTERPRET") != "1" else " (TRITON_INTERPRET=1 came after the import)"
-            raise ValueError(
+            raise InvalidConfigError(
                 f"attention_backend='triton' needs a CUDA device, got device={device.type!r}{hint}: {_FIX}, or set "
                 "TRITON_INTERPRET=1 before starting Python to run the kernels in Triton's CPU interpreter (slow)"
             )
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise ValueError(f"attention_backend='triton' supports float32/float16/bfloat16, not dtype={dtype}: {_FIX}")
+            raise InvalidConfigError(
+                f"attention_backend='triton' supports float32/float16/bfloat16, not dtype={dtype}: {_FIX}"
+            )
         self.device = device
         self.num_kv_heads = num_kv_heads
         self.block_m = self._kernels.prefill_block_m(dtype, device)
@@ -76,11 +78,13 @@ class TritonAttentionBackend(AttentionBackend):
             prefill_tiles=to_device(tiles, torch.int32, device) if tiles else None,
         )
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
         if not isinstance(meta.plan, TritonPlan):
             self.prepare(meta)
-        plan: TritonPlan = meta.plan
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        plan = meta.plan
+        assert isinstance(plan, TritonPlan)
         out = torch.empty_like(q)
         args = (q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc)
         if plan.decode_seqs is not None:

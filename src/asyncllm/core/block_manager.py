@@ -55,6 +55,14 @@ class BlockManager:
     def prefix_cache_hit_rate(self) -> float:
         return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
 
+    def free_block_ids(self) -> list[int]:
+        """Blocks no request holds, in eviction order (the first is taken next)."""
+        return list(self._free)
+
+    def cached_blocks(self) -> dict[int, KVBlock]:
+        """A copy of the prefix index: block hash -> the block holding exactly that prefix."""
+        return dict(self._cached)
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

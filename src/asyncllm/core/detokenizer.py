@@ -11,6 +11,8 @@ from typing import Any
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
+from asyncllm.errors import UnsupportedModelError
+
 _PROMPT_CONTEXT = 8  # prompt tokens primed into the stream; enough for any merge or byte sequence
 
 
@@ -20,7 +22,9 @@ def backend_tokenizer(tokenizer: Any) -> Tokenizer:
         return tokenizer
     backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
     if not isinstance(backend, Tokenizer):
-        raise TypeError(f"{type(tokenizer).__name__} has no fast (Rust) tokenizer; asyncllm needs a tokenizer.json")
+        raise UnsupportedModelError(
+            f"{type(tokenizer).__name__} has no fast (Rust) tokenizer; asyncllm needs a tokenizer.json"
+        )
     return backend
 
 

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from tokenizers import Tokenizer
 
 from asyncllm.core.block_manager import BlockManager
-from asyncllm.core.executor import ModelExecutor
 from asyncllm.core.output_processor import OutputProcessor, RequestDelta, request_metrics
 from asyncllm.core.request import Request
 from asyncllm.core.scheduler import Scheduler, SchedulerLimits
+from asyncllm.executor.interface import ModelExecutor
 from asyncllm.outputs import FinishReason
 
 
@@ -29,6 +29,7 @@ class EngineStats:
     num_total_blocks: int
     prefix_cache_hit_rate: float
     num_preemptions: int
+    num_steps: int  # steps that ran the model
 
     def as_dict(self) -> dict[str, float | int]:
         return dict(self.__dict__)
@@ -62,6 +63,7 @@ class EngineCore:
         self._clock = clock
         self._seed_rng = random.Random(seed)
         self.last_step = StepCounts(0, 0)
+        self.num_steps = 0
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -86,6 +88,7 @@ class EngineCore:
             num_total_blocks=bm.num_blocks,
             prefix_cache_hit_rate=bm.prefix_cache_hit_rate,
             num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self.num_steps,
         )
 
     # ------------------------------------------------------------------ the step
@@ -113,6 +116,7 @@ class EngineCore:
             self.block_manager.discard_pending()
             raise
         self.block_manager.commit_pending()
+        self.num_steps += 1
         if after_execute is not None:
             after_execute()
         now = self._clock()
@@ -124,8 +128,9 @@ class EngineCore:
                 request.first_token_time = now
             text, reason = self.output_processor.process_token(request, token_id)
             delta = RequestDelta(request.request_id, [token_id], text)
-            if all_logprobs is not None and all_logprobs[index] is not None:
-                delta.logprobs = [all_logprobs[index]]
+            token_logprobs = all_logprobs[index] if all_logprobs is not None else None
+            if token_logprobs is not None:
+                delta.logprobs = [token_logprobs]
             if reason is not None:
                 self._finish(request.request_id, reason, flush=False)
                 delta.finish_reason = reason

@@ -10,8 +10,8 @@ from collections.abc import Callable
 from typing import Any
 
 from asyncllm.core.request import Request
-from asyncllm.core.runtime import RuntimeInfo
 from asyncllm.errors import InvalidRequestError
+from asyncllm.executor.interface import RuntimeInfo
 from asyncllm.sampling_params import SamplingParams
 
 Encode = Callable[[str], list[int]]

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from asyncllm.core.block_manager import BlockManager
 from asyncllm.core.request import Request, RequestStatus
-from asyncllm.core.scheduler_output import NewRequestData, ScheduledSeq, SchedulerOutput
+from asyncllm.errors import InvalidRequestError
+from asyncllm.executor.interface import NewRequestData, ScheduledSeq, SchedulerOutput
 from asyncllm.outputs import FinishReason
 
 
@@ -39,7 +40,7 @@ class Scheduler:
     # ------------------------------------------------------------------ membership
     def add_request(self, request: Request, seed: int) -> None:
         if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already live")
+            raise InvalidRequestError(f"request_id={request.request_id!r} is already live: give another id")
         self.requests[request.request_id] = request
         self._seeds[request.request_id] = seed
         self.waiting.append(request)
@@ -64,6 +65,11 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    @property
+    def pending_finished_ids(self) -> list[str]:
+        """Finished requests the runner still holds state for: it hears of them with the next executed step."""
+        return list(self._finished_since_last_step)
 
     # ------------------------------------------------------------------ the step
     def schedule(self) -> SchedulerOutput:

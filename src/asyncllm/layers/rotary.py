@@ -8,13 +8,24 @@ table gives bit-identical values; they are non-persistent buffers (never in a ch
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:  # layers never import models at run time
-    from asyncllm.models.config import Llama3RopeScaling
+
+class Llama3RopeScaling(Protocol):
+    """What llama3 frequency scaling needs (models.config.Llama3RopeScaling provides it; layers never import
+    models)."""
+
+    @property
+    def factor(self) -> float: ...
+    @property
+    def low_freq_factor(self) -> float: ...
+    @property
+    def high_freq_factor(self) -> float: ...
+    @property
+    def original_max_position_embeddings(self) -> int: ...
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: Llama3RopeScaling | None) -> torch.Tensor:

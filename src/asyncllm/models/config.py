@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from asyncllm.errors import UnsupportedModelError
+from asyncllm.errors import InvalidConfigError, UnsupportedModelError
 
 _DEFAULT_ROPE_THETA = 10000.0
 
@@ -102,7 +102,7 @@ class ModelArchConfig:
         model_len = max_pos if max_model_len is None else max_model_len
         if model_len > max_pos:
             # RoPE past the trained length gives silently degraded output, unless a scaling was trained in.
-            raise ValueError(
+            raise InvalidConfigError(
                 f"max_model_len={model_len} exceeds the model's max_position_embeddings ({max_pos}); "
                 f"use max_model_len <= {max_pos}"
             )

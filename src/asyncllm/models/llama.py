@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from asyncllm.attention.backend import AttentionBackend, AttentionMetadata
+from asyncllm.attention.layer import Attention, KVCache
 from asyncllm.layers.activation import SiluAndMul
-from asyncllm.layers.attention import Attention, KVCache
 from asyncllm.layers.embedding import LMHead, VocabEmbedding
 from asyncllm.layers.linear import Linear, PackedLinear, gate_up_shards, qkv_shards
 from asyncllm.layers.norm import RMSNorm

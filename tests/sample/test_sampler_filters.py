@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from asyncllm.runner.sampler import Sampler, apply_min_p, apply_top_k_top_p
-from asyncllm.runner.sampling_state import SamplingState
+from asyncllm.sample.sampler import Sampler, apply_min_p, apply_top_k_top_p
+from asyncllm.sample.state import SamplingState
 from asyncllm.sampling_params import SamplingParams
 
 VOCAB = 200

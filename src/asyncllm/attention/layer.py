@@ -33,7 +33,13 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, num_heads * head_dim]
         k_cache, v_cache = kv_cache
-        out = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        self.backend.write_kv(k, v, k_cache, v_cache, meta)
+        return self.attend_cached(q, kv_cache, meta)
+
+    def attend_cached(self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention alone, for callers whose fused kernel already wrote this step's KV into the cache."""
+        k_cache, v_cache = kv_cache
+        out = self.backend.attend(q, k_cache, v_cache, meta, self.scale)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:

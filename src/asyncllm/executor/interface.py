@@ -1,8 +1,14 @@
-"""What one step asks the model runner to do: plain data, so it can later cross a process boundary."""
+"""The contract between the engine core and whatever executes the model: plain data and one protocol.
+
+The core schedules a `SchedulerOutput`, an executor (in-process now, tensor-parallel workers later) runs it
+and returns a `ModelRunnerOutput`; `RuntimeInfo` carries the facts the executor learned when it loaded the
+model and sized the KV cache. Plain Python, no torch: this is what may cross a process boundary.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from asyncllm.sampling_params import SamplingParams
 
@@ -64,3 +70,42 @@ class ModelRunnerOutput:
     sampled_token_ids: list[int]
     # Per sampled token: {token id: logprob} with the sampled token and the top `logprobs` alternatives.
     logprobs: list[dict[int, float] | None] | None = None
+
+
+@dataclass(frozen=True)
+class RuntimeInfo:
+    """Facts learned when the model is loaded and the KV cache sized: runtime state, never config."""
+
+    vocab_size: int  # rows of the embedding: valid token ids are [0, vocab_size)
+    max_model_len: int  # the configured (or model's) limit on prompt + output tokens
+    num_kv_blocks: int
+    block_size: int
+    eos_token_ids: frozenset[int]
+    device: str  # "cpu" or "cuda:N"
+    dtype: str  # "float32", "bfloat16", ...
+    attention_backend: str = "torch"  # the backend that runs ("torch", "triton", ...), after "auto" resolved
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_kv_blocks * self.block_size
+
+    @property
+    def max_seq_len(self) -> int:
+        """The longest sequence that can actually run: the model limit or the whole KV cache, if smaller."""
+        return min(self.max_model_len, self.kv_capacity_tokens)
+
+
+class ModelExecutor(Protocol):
+    """What the engine core drives: implemented in-process (`executor.uniproc`), by test doubles, and later
+    by tensor-parallel workers. The core sees only the plain data above."""
+
+    @property
+    def runtime(self) -> RuntimeInfo: ...
+
+    def execute_model(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step: write KV for every scheduled token, sample where `sample` is set."""
+        ...
+
+    def shutdown(self) -> None:
+        """Release device memory. Idempotent."""
+        ...

@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from asyncllm.runner.sampler import Sampler
-from asyncllm.runner.sampling_state import SamplingState
+from asyncllm.sample.sampler import Sampler
+from asyncllm.sample.state import SamplingState
 from asyncllm.sampling_params import SamplingParams
 
 VOCAB = 300

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from asyncllm.attention.backend import AttentionMetadata
-from asyncllm.core.scheduler_output import SchedulerOutput
+from asyncllm.executor.interface import SchedulerOutput
 
 
 @dataclass

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from asyncllm.layers.host_copy import to_device
-from asyncllm.runner.sampling_state import SamplingState
+from asyncllm.sample.state import SamplingState
 
 
 def apply_penalties(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:

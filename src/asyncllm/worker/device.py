@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from asyncllm.config import Device, DType
+from asyncllm.errors import DeviceError
 
 _DTYPES = {DType.BFLOAT16: torch.bfloat16, DType.FLOAT16: torch.float16, DType.FLOAT32: torch.float32}
 
@@ -15,7 +16,7 @@ def resolve_device(choice: Device) -> torch.device:
     if choice is Device.CPU:
         return torch.device("cpu")
     if choice is Device.CUDA and not torch.cuda.is_available():
-        raise RuntimeError("device='cuda' was asked for but torch sees no CUDA device; use device='cpu'")
+        raise DeviceError("device='cuda' was asked for but torch sees no CUDA device; use device='cpu'")
     if choice is Device.CUDA or torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

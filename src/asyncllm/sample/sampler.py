@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from asyncllm.layers.host_copy import to_device
-from asyncllm.runner.penalties import apply_penalties
-from asyncllm.runner.sampling_state import SamplingState
+from asyncllm.sample.penalties import apply_penalties
+from asyncllm.sample.state import SamplingState
 from asyncllm.sampling_params import SamplingParams
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingState", "apply_min_p", "apply_top_k_top_p"]

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 
 from asyncllm.errors import UnsupportedModelError
-from asyncllm.runner.checkpoint import Checkpoint
-from asyncllm.runner.gguf_config import architecture_of, build_hf_config, eos_token_ids, read_field
-from asyncllm.runner.gguf_weights import check_tensor_sizes, check_tensor_types, hf_name, iter_gguf_weights
+from asyncllm.model_loader.base import Checkpoint
+from asyncllm.model_loader.gguf.config import architecture_of, build_hf_config, eos_token_ids, read_field
+from asyncllm.model_loader.gguf.weights import check_tensor_sizes, check_tensor_types, hf_name, iter_gguf_weights
 
 # Turn-end markers of common chat templates: a chat answer ends with one even when the GGUF's
 # eos_token_id names another token (e.g. <|endoftext|>), so they stop generation too.

@@ -13,10 +13,10 @@ import torch
 
 from asyncllm.attention.torch_ref import TorchAttentionBackend
 from asyncllm.errors import UnsupportedModelError
+from asyncllm.model_loader.checkpoint import Checkpoint, open_checkpoint
+from asyncllm.model_loader.gguf.weights import unpermute_qk
 from asyncllm.models.config import ModelArchConfig
 from asyncllm.models.registry import resolve_model_class
-from asyncllm.runner.checkpoint import Checkpoint, open_checkpoint
-from asyncllm.runner.gguf_weights import unpermute_qk
 from tests.fixtures.default_model import smollm2_path
 from tests.fixtures.tiny_gguf import build_hf_model, llama_cpp_permute, write_gguf
 from tests.models.helpers import assert_logits_close, load_ours, reference_logits, run_schedule

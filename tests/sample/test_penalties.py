@@ -8,9 +8,9 @@ from collections import Counter
 import pytest
 import torch
 
-from asyncllm.runner.penalties import apply_penalties, token_counts
-from asyncllm.runner.sampler import Sampler
-from asyncllm.runner.sampling_state import SamplingState
+from asyncllm.sample.penalties import apply_penalties, token_counts
+from asyncllm.sample.sampler import Sampler
+from asyncllm.sample.state import SamplingState
 from asyncllm.sampling_params import SamplingParams
 
 VOCAB = 64

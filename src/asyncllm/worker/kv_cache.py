@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from asyncllm.errors import DeviceError
+
 
 @dataclass(frozen=True)
 class KVCacheSpec:
@@ -28,7 +30,7 @@ class KVCacheSpec:
 def blocks_for_budget(spec: KVCacheSpec, budget_bytes: int, max_useful_blocks: int) -> int:
     num = min(budget_bytes // spec.bytes_per_block, max_useful_blocks)
     if num < 1:
-        raise RuntimeError(
+        raise DeviceError(
             f"no memory left for the KV cache (one block needs {spec.bytes_per_block} bytes, "
             f"{budget_bytes} available): raise gpu_memory_utilization or cpu_kv_cache_gib, or set num_kv_blocks"
         )

@@ -1,0 +1,59 @@
+"""Which attention backend serves an `attention_backend` choice on a device.
+
+"torch" is the pure-PyTorch reference; "triton" the paged Triton kernels (on CUDA, or on CPU in Triton's
+interpreter when TRITON_INTERPRET=1 was set before triton was first imported). "auto" takes Triton on
+CUDA when triton is installed (its kernels, backend and engine-level greedy parity passed on the H200:
+bench/RESULTS.md), else the reference (on CPU it is fast enough and exact).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+
+import torch
+
+from asyncllm.attention.backend import AttentionBackend
+from asyncllm.config import AttentionBackendName
+from asyncllm.errors import InvalidConfigError
+
+Factory = Callable[[torch.device, torch.dtype, int], AttentionBackend]  # (device, dtype, num_kv_heads)
+
+
+def _torch(device: torch.device, dtype: torch.dtype, num_kv_heads: int) -> AttentionBackend:
+    from asyncllm.attention.torch_ref import TorchAttentionBackend
+
+    return TorchAttentionBackend()
+
+
+def _triton(device: torch.device, dtype: torch.dtype, num_kv_heads: int) -> AttentionBackend:
+    from asyncllm.attention.triton_backend import TritonAttentionBackend
+
+    return TritonAttentionBackend(device, dtype, num_kv_heads)
+
+
+BACKENDS: dict[AttentionBackendName, Factory] = {
+    AttentionBackendName.TORCH: _torch,
+    AttentionBackendName.TRITON: _triton,
+}
+
+
+def resolve_backend_name(choice: AttentionBackendName, device: torch.device) -> AttentionBackendName:
+    if choice is not AttentionBackendName.AUTO:
+        return choice
+    if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+        return AttentionBackendName.TRITON
+    return AttentionBackendName.TORCH
+
+
+def make_attention_backend(
+    choice: AttentionBackendName, device: torch.device, dtype: torch.dtype, num_kv_heads: int
+) -> AttentionBackend:
+    name = resolve_backend_name(choice, device)
+    factory = BACKENDS.get(name)
+    if factory is None:
+        available = ", ".join(repr(n.value) for n in BACKENDS)
+        raise InvalidConfigError(
+            f"attention_backend={name.value!r} is not available in this version; use one of {available} or 'auto'"
+        )
+    return factory(device, dtype, num_kv_heads)

@@ -1,0 +1,58 @@
+"""The composition root: an `EngineConfig` in, a ready engine core out.
+
+Opens the checkpoint, picks the executor (in-process now; tensor-parallel workers later) which loads the
+model and sizes the KV cache, and wires the core and the input processor around it. The async layer calls
+`build_engine` inside its step thread (which then owns the device); `LLM` calls it directly. This is the
+one place the torch-free layers meet the torch ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from asyncllm.config import EngineConfig
+from asyncllm.core.detokenizer import backend_tokenizer
+from asyncllm.core.engine_core import EngineCore
+from asyncllm.core.input_processor import InputProcessor
+from asyncllm.executor.interface import ModelExecutor, RuntimeInfo
+
+
+@dataclass
+class BuiltEngine:
+    core: EngineCore
+    input_processor: InputProcessor
+    tokenizer: Any | None  # the Hugging Face tokenizer (chat template, encode), None if the checkpoint has none
+    runtime: RuntimeInfo
+
+
+def build_engine(config: EngineConfig, clock: Callable[[], float]) -> BuiltEngine:
+    import torch
+
+    from asyncllm.model_loader.checkpoint import open_checkpoint
+
+    mc = config.model_config
+    # Host-side weights in float32 (lossless for 16-bit checkpoints); the worker casts as it copies them in.
+    checkpoint = open_checkpoint(mc.model, torch.float32, mc.tokenizer)
+    executor = make_executor(config, checkpoint)
+    tokenizer = checkpoint.tokenizer
+    sched = config.scheduler_config
+    core = EngineCore(
+        executor,
+        max_num_seqs=sched.max_num_seqs,
+        max_num_batched_tokens=sched.max_num_batched_tokens,
+        enable_prefix_caching=config.cache_config.enable_prefix_caching,
+        seed=mc.seed,
+        tokenizer=backend_tokenizer(tokenizer) if tokenizer is not None else None,
+        clock=clock,
+    )
+    encode = None if tokenizer is None else (lambda text: list(tokenizer(text).input_ids))
+    return BuiltEngine(core, InputProcessor(executor.runtime, encode), tokenizer, executor.runtime)
+
+
+def make_executor(config: EngineConfig, checkpoint: Any) -> ModelExecutor:
+    """The executor for the parallel configuration (one process now; worker processes for TP > 1 later)."""
+    from asyncllm.executor.uniproc import UniProcExecutor
+
+    return UniProcExecutor(config, checkpoint)

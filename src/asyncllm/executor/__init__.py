@@ -1,0 +1,1 @@
+"""ModelExecutor implementations: the in-process executor now, tensor-parallel workers later."""

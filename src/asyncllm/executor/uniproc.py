@@ -1,0 +1,29 @@
+"""`UniProcExecutor`: the `ModelExecutor` that runs one `Worker` in the calling thread.
+
+Owns the worker's set-up order (load, size the cache, allocate); the engine core drives it through the
+`ModelExecutor` protocol. A tensor-parallel executor will drive several workers the same way.
+"""
+
+from __future__ import annotations
+
+from asyncllm.config import EngineConfig
+from asyncllm.executor.interface import ModelRunnerOutput, RuntimeInfo, SchedulerOutput
+from asyncllm.model_loader.base import Checkpoint
+from asyncllm.worker.worker import Worker
+
+
+class UniProcExecutor:
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint) -> None:
+        self.worker = Worker(config, checkpoint)
+        self.worker.load_model()
+        self._runtime = self.worker.init_kv_cache(self.worker.determine_num_blocks())
+
+    @property
+    def runtime(self) -> RuntimeInfo:
+        return self._runtime
+
+    def execute_model(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(scheduled)
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()

@@ -1,0 +1,29 @@
+"""`open_checkpoint`: a model path, whatever its format, as a `Checkpoint`.
+
+A Hugging Face directory (config.json + safetensors, one file or sharded) or a single `.gguf` file.
+Nothing here touches the network.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from asyncllm.errors import ModelNotFoundError
+from asyncllm.model_loader.base import Checkpoint
+from asyncllm.model_loader.gguf.checkpoint import open_gguf_checkpoint
+from asyncllm.model_loader.hf import open_hf_checkpoint
+
+__all__ = ["Checkpoint", "open_checkpoint"]
+
+
+def open_checkpoint(model: str, dtype: torch.dtype, tokenizer_path: str | None = None) -> Checkpoint:
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return open_gguf_checkpoint(path, dtype)
+    if not path.is_dir():
+        raise ModelNotFoundError(
+            f"model {model!r} is neither a checkpoint directory nor a .gguf file (no network access is attempted)"
+        )
+    return open_hf_checkpoint(path, dtype, Path(tokenizer_path).expanduser() if tokenizer_path else None)

@@ -1,0 +1,1 @@
+"""Single-file GGUF checkpoints: metadata as a transformers config, tensors dequantized to torch."""

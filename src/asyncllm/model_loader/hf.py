@@ -1,0 +1,56 @@
+"""Opening a Hugging Face checkpoint directory: config.json, tokenizer files, EOS ids, safetensors weights.
+
+Nothing here touches the network: transformers is asked for local files only.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncllm.errors import ModelNotFoundError, UnsupportedModelError
+from asyncllm.model_loader.base import Checkpoint
+from asyncllm.model_loader.safetensors import iter_safetensors
+
+
+def open_hf_checkpoint(path: Path, dtype: torch.dtype, tokenizer_path: Path | None) -> Checkpoint:
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+    return Checkpoint(
+        path=path,
+        hf_config=hf_config,
+        tokenizer=load_tokenizer(tokenizer_path or path),
+        eos_token_ids=eos_ids(path, hf_config),
+        iter_weights=lambda: iter_safetensors(path, dtype),
+    )
+
+
+def load_tokenizer(path: Path) -> Any | None:
+    """The fast tokenizer saved in `path`, None when the directory has no tokenizer files."""
+    if not ((path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def eos_ids(path: Path, hf_config: Any) -> frozenset[int]:
+    """EOS ids from generation_config.json (an int or a list), else from config.json."""
+    gen = path / "generation_config.json"
+    value: Any = None
+    if gen.is_file():
+        value = json.loads(gen.read_text()).get("eos_token_id")
+    if value is None:
+        value = getattr(hf_config, "eos_token_id", None)
+    if value is None:
+        return frozenset()
+    ids = value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) for i in ids):
+        raise UnsupportedModelError(f"eos_token_id {value!r} in {path} is not an int or list of ints")
+    return frozenset(ids)

@@ -1,1 +1,0 @@
-"""The runner layer (torch): model execution, input preparation, KV cache, sampling."""

@@ -1,0 +1,1 @@
+"""The worker (torch): device set-up, KV cache, input buffers, the one-step model runner; later CUDA graphs."""

@@ -1,0 +1,53 @@
+"""How much device memory the KV cache may take: measured by running the largest step the engine can
+schedule (with a throwaway cache) and keeping what `gpu_memory_utilization` leaves after that peak.
+
+Knows the model only as something that runs one forward pass; nothing here outlives the measurement.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from asyncllm.attention.backend import AttentionBackend
+from asyncllm.executor.interface import ScheduledSeq, SchedulerOutput
+from asyncllm.worker.input_batch import InputBuffers
+from asyncllm.worker.kv_cache import KVCacheSpec, allocate_kv_cache
+
+
+@torch.inference_mode()
+def profile_kv_budget_bytes(
+    model: nn.Module,
+    backend: AttentionBackend,
+    spec: KVCacheSpec,
+    device: torch.device,
+    *,
+    vocab_size: int,
+    max_num_tokens: int,
+    max_num_seqs: int,
+    gpu_memory_utilization: float,
+) -> int:
+    """Bytes left for the KV cache after the peak of a `max_num_tokens`-token prefill (and its sampler)."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    n = max_num_tokens
+    blocks = -(-n // spec.block_size)
+    scratch = allocate_kv_cache(spec, blocks, device)
+    ids = torch.randint(0, vocab_size, (n,)).tolist()
+    probe = SchedulerOutput(seqs=[ScheduledSeq("profile", ids, 0, list(range(blocks)), True)])
+    buffers = InputBuffers(n, 1, blocks, spec.block_size, device)
+    x = buffers.prepare(probe)
+    backend.prepare(x.meta)
+    hidden = model(x.input_ids, x.positions, scratch, x.meta)
+    # The sampler's peak: float32 logits (and a softmax-sized temporary) for a full batch of sequences.
+    rows = hidden[: min(max_num_seqs, n)]
+    torch.softmax(model.compute_logits(rows).float(), dim=-1)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    del scratch, hidden, x, buffers
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(device).total_memory
+    free_now, _ = torch.cuda.mem_get_info(device)
+    others = total - free_now - torch.cuda.memory_reserved(device)  # other processes on the GPU
+    budget = int(total * gpu_memory_utilization) - peak - max(others, 0)
+    return max(budget, 0)

@@ -1,0 +1,185 @@
+"""The layer rules, read from the source (ast), so an arrow running the wrong way fails CI.
+
+Layers, top to bottom (README's layout table): the public surface; the async layer; the composition root;
+the engine core; executors; the worker; sampling and model loading; models; attention; layers; kernels.
+A module imports its own layer or lower ones, plus the foundation modules every layer shares (errors,
+validation, config, outputs, sampling_params, chat templating and the plain-data executor interface), which import only
+each other. The core and the foundation never import torch (or numpy, triton, transformers), not even
+lazily; the public surface and the async layer do so only inside functions. No import cycle among
+module-level imports.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src" / "asyncllm"
+KERNELS = ROOT / "kernels"
+
+LAYERS: list[tuple[str, ...]] = [  # top to bottom; each entry: module prefixes of one layer
+    ("asyncllm", "asyncllm.llm", "asyncllm.cli", "asyncllm.default_model", "asyncllm.server"),
+    ("asyncllm.async_engine",),
+    ("asyncllm.build",),
+    ("asyncllm.core",),
+    ("asyncllm.executor", "asyncllm.distributed"),
+    ("asyncllm.worker",),
+    ("asyncllm.sample", "asyncllm.model_loader"),
+    ("asyncllm.models",),
+    ("asyncllm.attention",),
+    ("asyncllm.layers",),
+    ("asyncllm.kernels",),
+]
+FOUNDATION = {
+    "asyncllm.chat",
+    "asyncllm.errors",
+    "asyncllm.validation",
+    "asyncllm.config",
+    "asyncllm.outputs",
+    "asyncllm.sampling_params",
+    "asyncllm.executor.interface",
+}
+HEAVY = ("torch", "numpy", "triton", "transformers")
+TORCH_FREE = ("asyncllm.core",)  # besides the foundation: never import HEAVY, not even inside a function
+LAZY_ONLY = ("asyncllm.async_engine", *LAYERS[0])  # may import torch layers only inside functions
+
+
+def _module_name(path: Path) -> str:
+    if path.is_relative_to(KERNELS):
+        parts = ["asyncllm", "kernels", *path.relative_to(KERNELS).with_suffix("").parts]
+    else:
+        parts = ["asyncllm", *path.relative_to(SRC).with_suffix("").parts]
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _sources() -> dict[str, Path]:
+    files = [*SRC.rglob("*.py"), *KERNELS.rglob("*.py")]
+    return {_module_name(p): p for p in files}
+
+
+def _within(module: str, prefixes: tuple[str, ...]) -> bool:
+    """`module` is one of `prefixes` or inside one (the bare package name "asyncllm" means only itself)."""
+    return any(module == p or (p != "asyncllm" and module.startswith(p + ".")) for p in prefixes)
+
+
+def _rank(module: str) -> int | None:
+    """Index of the module's layer (0 = top); None for the foundation."""
+    if module in FOUNDATION:
+        return None
+    best, best_len = -1, -1
+    for rank, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if _within(module, (prefix,)) and len(prefix) > best_len:
+                best, best_len = rank, len(prefix)
+    assert best >= 0, f"{module} belongs to no layer: add it to LAYERS in this test and to README's table"
+    return best
+
+
+class _Imports(ast.NodeVisitor):
+    """(imported module, at module level and outside `if TYPE_CHECKING`) for every import in a file."""
+
+    def __init__(self, module: str, is_package: bool) -> None:
+        self.package = module if is_package else module.rpartition(".")[0]
+        self.found: list[tuple[str, bool, int]] = []
+        self._depth = 0  # inside a function
+        self._type_checking = 0
+
+    def visit_FunctionDef(self, node: ast.FunctionDef) -> None:
+        self._depth += 1
+        self.generic_visit(node)
+        self._depth -= 1
+
+    visit_AsyncFunctionDef = visit_FunctionDef  # type: ignore[assignment]
+
+    def visit_If(self, node: ast.If) -> None:
+        guard = ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+        self._type_checking += guard
+        for child in node.body:
+            self.visit(child)
+        self._type_checking -= guard
+        for child in node.orelse:
+            self.visit(child)
+
+    def _add(self, name: str, node: ast.AST) -> None:
+        eager = self._depth == 0 and self._type_checking == 0
+        self.found.append((name, eager, getattr(node, "lineno", 0)))
+
+    def visit_Import(self, node: ast.Import) -> None:
+        for alias in node.names:
+            self._add(alias.name, node)
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        base = node.module or ""
+        if node.level:
+            parts = self.package.split(".")
+            base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+        for alias in node.names:  # `from asyncllm.x import y` may name a submodule y
+            self._add(f"{base}.{alias.name}", node)
+
+
+def _imports(module: str, path: Path) -> list[tuple[str, bool, int]]:
+    visitor = _Imports(module, path.name == "__init__.py")
+    visitor.visit(ast.parse(path.read_text(), str(path)))
+    return visitor.found
+
+
+def _resolve(name: str, modules: dict[str, Path]) -> str | None:
+    """The asyncllm module an import refers to (an imported name resolves to its module), else None."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+SOURCES = _sources()
+
+
+@pytest.mark.parametrize("module", sorted(SOURCES))
+def test_imports_run_down_the_layers(module: str) -> None:
+    rank = _rank(module)
+    for name, eager, line in _imports(module, SOURCES[module]):
+        where = f"{SOURCES[module].relative_to(ROOT)}:{line}"
+        top = name.split(".")[0]
+        if top in HEAVY:
+            if module in FOUNDATION or _within(module, TORCH_FREE):
+                raise AssertionError(f"{where}: {module} imports {name}; it must stay free of torch")
+            if eager and _within(module, LAZY_ONLY):
+                raise AssertionError(f"{where}: {module} imports {name} at import time; import it in a function")
+            continue
+        target = _resolve(name, SOURCES) if top == "asyncllm" else None
+        if target is None or target == module:
+            continue
+        target_rank = _rank(target)
+        if rank is None:
+            assert target_rank is None, f"{where}: foundation module {module} imports {target} (a layer)"
+        elif target_rank is not None:
+            assert target_rank >= rank, f"{where}: {module} imports {target}, a layer above it"
+        if eager and _within(module, LAZY_ONLY) and target_rank is not None and target_rank > _rank("asyncllm.core"):
+            raise AssertionError(f"{where}: {module} imports the torch layer {target} at import time")
+
+
+def test_no_import_cycles() -> None:
+    """Among module-level imports (what runs when a module is first imported) there is no cycle."""
+    graph = {
+        m: {t for name, eager, _ in _imports(m, p) if eager and (t := _resolve(name, SOURCES)) and t != m}
+        for m, p in SOURCES.items()
+    }
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycle = [*path[path.index(nxt) :], nxt] if nxt in path else [node, nxt]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
