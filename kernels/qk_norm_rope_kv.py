@@ -16,15 +16,14 @@ from .rms_norm import DTYPES, rms_norm_ref
 
 
 @triton.jit
-def _norm_halves(x1, x2, w_ptr, offs_d, d_mask, eps, HEAD_DIM: tl.constexpr):
-    """Per-row RMSNorm of rows split in halves x1, x2 [R, BLOCK_HALF] (padding holds 0), rounded like torch."""
+def _norm_halves(x1, x2, w1, w2, eps, HEAD_DIM: tl.constexpr):
+    """RMSNorm of each row of a tile split in halves x1, x2 [R, BH] (padding holds 0), weights w1, w2 [R, BH]
+    float32; rounded like transformers: normalise in float32, cast to x's dtype, multiply by the weight."""
     dtype = x1.dtype
     f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
     var = (tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / HEAD_DIM  # [R]
     rstd = tl.math.rsqrt(var + eps)[:, None]
-    w1 = tl.load(w_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    w2 = tl.load(w_ptr + HEAD_DIM // 2 + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    n1 = (w1 * (f1 * rstd).to(dtype).to(tl.float32)).to(dtype)  # cast before the weight, as transformers does
+    n1 = (w1 * (f1 * rstd).to(dtype).to(tl.float32)).to(dtype)
     n2 = (w2 * (f2 * rstd).to(dtype).to(tl.float32)).to(dtype)
     return n1, n2
 
@@ -47,56 +46,51 @@ def _qk_norm_rope_kv_kernel(
     stride_qkv, stride_cos, stride_sin, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_qo_t, stride_qo_h,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr,
 ):  # fmt: skip
-    # One program per (token, KV head): its GQA group of query heads, its key head and its value head.
+    # One program per (token, KV head). Its GQA group's query heads and its key head form one tile of GROUP + 1
+    # rows (queries first, the key last), normed and rotated together; the value head is copied alongside.
     token, kv_head = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, BLOCK_HALF)  # rotate-half pairs column j with j + D/2: load the halves apart
-    g_mask = offs_g < GROUP
-    d_mask = offs_d < HEAD_DIM // 2
-    row = qkv_ptr + token * stride_qkv
-    dtype = qkv_ptr.dtype.element_ty
+    HALF = HEAD_DIM // 2
+    rows = tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, BLOCK_HALF)[None, :]  # [1, BH]; rotate-half pairs column j with j + D/2
+    is_q = (rows < GROUP)[:, None]  # [R, 1]
+    is_k = (rows == GROUP)[:, None]
+    d_mask = offs_d < HALF
+    src_head = tl.where(rows < GROUP, kv_head * GROUP + rows, NUM_HEADS + kv_head)[:, None]  # [R, 1] in qkv
+    src = qkv_ptr + token * stride_qkv + src_head * HEAD_DIM + offs_d  # [R, BH]
+    mask = (is_q | is_k) & d_mask
+    x1 = tl.load(src, mask=mask, other=0.0)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0)
+    dtype = x1.dtype
+    if HAS_NORM:
+        q_w1 = tl.load(q_w_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)  # [1, BH]
+        q_w2 = tl.load(q_w_ptr + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+        k_w1 = tl.load(k_w_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+        k_w2 = tl.load(k_w_ptr + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+        x1, x2 = _norm_halves(x1, x2, tl.where(is_q, q_w1, k_w1), tl.where(is_q, q_w2, k_w2), eps, HEAD_DIM)
     pos = tl.load(pos_ptr + token)
-    cos = tl.load(cos_ptr + pos * stride_cos + offs_d, mask=d_mask, other=0.0)  # [BH] float32
+    cos = tl.load(cos_ptr + pos * stride_cos + offs_d, mask=d_mask, other=0.0)  # [1, BH] float32
     sin = tl.load(sin_ptr + pos * stride_sin + offs_d, mask=d_mask, other=0.0)
-    cos = cos.to(dtype).to(tl.float32)[None, :]  # the model casts the tables to x's dtype first
-    sin = sin.to(dtype).to(tl.float32)[None, :]
+    # The model casts the tables to the activations' dtype before rotating.
+    x1, x2 = _rotate(x1, x2, cos.to(dtype).to(tl.float32), sin.to(dtype).to(tl.float32))
 
-    heads = kv_head * GROUP + offs_g  # [G]
-    q_mask = g_mask[:, None] & d_mask[None, :]
-    q_ptrs = row + heads[:, None] * HEAD_DIM + offs_d[None, :]  # [G, BH]
-    q1 = tl.load(q_ptrs, mask=q_mask, other=0.0)
-    q2 = tl.load(q_ptrs + HEAD_DIM // 2, mask=q_mask, other=0.0)
-    if HAS_NORM:
-        q1, q2 = _norm_halves(q1, q2, q_w_ptr, offs_d, d_mask, eps, HEAD_DIM)
-    q1, q2 = _rotate(q1, q2, cos, sin)
-    out_ptrs = q_out_ptr + token * stride_qo_t + heads[:, None] * stride_qo_h + offs_d[None, :]
-    tl.store(out_ptrs, q1.to(q_out_ptr.dtype.element_ty), mask=q_mask)
-    tl.store(out_ptrs + HEAD_DIM // 2, q2.to(q_out_ptr.dtype.element_ty), mask=q_mask)
-
-    kv_offs = offs_d[None, :]  # [1, BH]: k and v as one-row tiles, so the q helpers apply unchanged
-    k_ptrs = row + (NUM_HEADS + kv_head) * HEAD_DIM + kv_offs
-    v_ptrs = row + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM + kv_offs
-    kv_mask = d_mask[None, :]
-    k1 = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-    k2 = tl.load(k_ptrs + HEAD_DIM // 2, mask=kv_mask, other=0.0)
-    v1 = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-    v2 = tl.load(v_ptrs + HEAD_DIM // 2, mask=kv_mask, other=0.0)
-    if HAS_NORM:
-        k1, k2 = _norm_halves(k1, k2, k_w_ptr, offs_d, d_mask, eps, HEAD_DIM)
-    k1, k2 = _rotate(k1, k2, cos, sin)
+    q_dst = q_out_ptr + token * stride_qo_t + (kv_head * GROUP + rows)[:, None] * stride_qo_h + offs_d
+    tl.store(q_dst, x1, mask=is_q & d_mask)
+    tl.store(q_dst + HALF, x2, mask=is_q & d_mask)
 
     slot = tl.load(slot_ptr + token)  # int64; -1 marks a padding token (CUDA graphs): no cache write
     block, block_row = slot // BLOCK_SIZE, slot % BLOCK_SIZE
     # Broadcast the scalar test to a tile before combining (the interpreter cannot `&` a scalar with a tile).
-    store_mask = kv_mask & ((kv_offs * 0 + slot) >= 0)
-    k_dst = k_cache_ptr + block * stride_kb + block_row * stride_kt + kv_head * stride_kh + kv_offs
-    v_dst = v_cache_ptr + block * stride_vb + block_row * stride_vt + kv_head * stride_vh + kv_offs
-    tl.store(k_dst, k1, mask=store_mask)
-    tl.store(k_dst + HEAD_DIM // 2, k2, mask=store_mask)
-    tl.store(v_dst, v1, mask=store_mask)
-    tl.store(v_dst + HEAD_DIM // 2, v2, mask=store_mask)
+    keep = (offs_d * 0 + slot) >= 0  # [1, BH]
+    k_dst = k_cache_ptr + block * stride_kb + block_row * stride_kt + kv_head * stride_kh + offs_d  # [1, BH]
+    k_dst = tl.broadcast_to(k_dst, (BLOCK_R, BLOCK_HALF))  # a pointer per tile element; only the key row stores
+    tl.store(k_dst, x1, mask=is_k & d_mask & keep)
+    tl.store(k_dst + HALF, x2, mask=is_k & d_mask & keep)
+    v_src = qkv_ptr + token * stride_qkv + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM + offs_d
+    v_dst = v_cache_ptr + block * stride_vb + block_row * stride_vt + kv_head * stride_vh + offs_d
+    tl.store(v_dst, tl.load(v_src, mask=d_mask), mask=d_mask & keep)
+    tl.store(v_dst + HALF, tl.load(v_src + HALF, mask=d_mask), mask=d_mask & keep)
 
 
 def _check(qkv, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping, q_norm_weight, k_norm_weight, eps):
@@ -185,7 +179,7 @@ def qk_norm_rope_kv(
     if num_tokens == 0:
         return q_out
     has_norm = q_norm_weight is not None
-    block_g = triton.next_power_of_2(num_heads // num_kv_heads)
+    block_r = triton.next_power_of_2(num_heads // num_kv_heads + 1)  # the query heads of a group and its key
     block_half = triton.next_power_of_2(head_dim // 2)
     _qk_norm_rope_kv_kernel[(num_tokens, num_kv_heads)](
         qkv, positions, cos_cache, sin_cache, q_norm_weight if has_norm else qkv, k_norm_weight if has_norm else qkv,
@@ -193,8 +187,8 @@ def qk_norm_rope_kv(
         qkv.stride(0), cos_cache.stride(0), sin_cache.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3],
         q_out.stride(0), q_out.stride(1),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_SIZE=k_cache.shape[1], BLOCK_G=block_g, BLOCK_HALF=block_half, HAS_NORM=has_norm,
-        num_warps=1 if block_g * block_half <= 128 else 2 if block_g * block_half <= 256 else 4,
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_R=block_r, BLOCK_HALF=block_half, HAS_NORM=has_norm,
+        num_warps=1 if block_r * block_half <= 128 else 2 if block_r * block_half <= 512 else 4,
         enable_fp_fusion=False,  # no fused multiply-add: x1*cos - x2*sin rounds each product, as torch does
     )  # fmt: skip
     return q_out
