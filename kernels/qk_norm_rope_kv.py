@@ -1,0 +1,233 @@
+"""Everything between the qkv projection and attention, in one Triton pass: split the packed qkv, per-head
+RMSNorm of q and k (Qwen3; skipped without weights), rotate-half rotary embeddings, and the paged KV store.
+
+`qk_norm_rope_kv_ref` is the specification, the model code op for op (RMSNorm as transformers orders it,
+rotary with cos/sin cast to the activations' dtype, every elementwise op rounded to it, then store_kv).
+Knows the KV cache layout [num_blocks, block_size, Hkv, D] and slot = block * block_size + row; nothing else.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .rms_norm import DTYPES, rms_norm_ref
+
+
+@triton.jit
+def _norm_halves(x1, x2, w1, w2, eps, HEAD_DIM: tl.constexpr):
+    """RMSNorm of each row of a tile split in halves x1, x2 [R, BH] (padding holds 0), weights w1, w2 [R, BH]
+    float32; rounded like transformers: normalise in float32, cast to x's dtype, multiply by the weight."""
+    dtype = x1.dtype
+    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    var = (tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / HEAD_DIM  # [R]
+    rstd = tl.math.rsqrt(var + eps)[:, None]
+    n1 = (w1 * (f1 * rstd).to(dtype).to(tl.float32)).to(dtype)
+    n2 = (w2 * (f2 * rstd).to(dtype).to(tl.float32)).to(dtype)
+    return n1, n2
+
+
+@triton.jit
+def _rotate(x1, x2, cos, sin):
+    """(x1*cos - x2*sin, x2*cos + x1*sin) with each product and sum rounded to x's dtype, as torch does."""
+    dtype = x1.dtype
+    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    a = (f1 * cos).to(dtype).to(tl.float32)
+    b = (f2 * sin).to(dtype).to(tl.float32)
+    c = (f2 * cos).to(dtype).to(tl.float32)
+    d = (f1 * sin).to(dtype).to(tl.float32)
+    return (a - b).to(dtype), (c + d).to(dtype)
+
+
+@triton.jit
+def _qk_norm_rope_kv_kernel(
+    qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_w_ptr, k_w_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, q_out_ptr, eps,
+    stride_qkv, stride_cos, stride_sin, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_qo_t, stride_qo_h,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr,
+):  # fmt: skip
+    # One program per (token, KV head). Its GQA group's query heads and its key head form one tile of GROUP + 1
+    # rows (queries first, the key last), normed and rotated together; the value head is copied alongside.
+    token, kv_head = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    HALF = HEAD_DIM // 2
+    rows = tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, BLOCK_HALF)[None, :]  # [1, BH]; rotate-half pairs column j with j + D/2
+    is_q = (rows < GROUP)[:, None]  # [R, 1]
+    is_k = (rows == GROUP)[:, None]
+    d_mask = offs_d < HALF
+    src_head = tl.where(rows < GROUP, kv_head * GROUP + rows, NUM_HEADS + kv_head)[:, None]  # [R, 1] in qkv
+    src = qkv_ptr + token * stride_qkv + src_head * HEAD_DIM + offs_d  # [R, BH]
+    mask = (is_q | is_k) & d_mask
+    x1 = tl.load(src, mask=mask, other=0.0)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0)
+    dtype = x1.dtype
+    if HAS_NORM:
+        q_w1 = tl.load(q_w_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)  # [1, BH]
+        q_w2 = tl.load(q_w_ptr + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+        k_w1 = tl.load(k_w_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+        k_w2 = tl.load(k_w_ptr + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+        x1, x2 = _norm_halves(x1, x2, tl.where(is_q, q_w1, k_w1), tl.where(is_q, q_w2, k_w2), eps, HEAD_DIM)
+    pos = tl.load(pos_ptr + token)
+    cos = tl.load(cos_ptr + pos * stride_cos + offs_d, mask=d_mask, other=0.0)  # [1, BH] float32
+    sin = tl.load(sin_ptr + pos * stride_sin + offs_d, mask=d_mask, other=0.0)
+    # The model casts the tables to the activations' dtype before rotating.
+    x1, x2 = _rotate(x1, x2, cos.to(dtype).to(tl.float32), sin.to(dtype).to(tl.float32))
+
+    q_dst = q_out_ptr + token * stride_qo_t + (kv_head * GROUP + rows)[:, None] * stride_qo_h + offs_d
+    tl.store(q_dst, x1, mask=is_q & d_mask)
+    tl.store(q_dst + HALF, x2, mask=is_q & d_mask)
+
+    slot = tl.load(slot_ptr + token)  # int64; -1 marks a padding token (CUDA graphs): no cache write
+    block, block_row = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+    # Broadcast the scalar test to a tile before combining (the interpreter cannot `&` a scalar with a tile).
+    keep = (offs_d * 0 + slot) >= 0  # [1, BH]
+    k_dst = k_cache_ptr + block * stride_kb + block_row * stride_kt + kv_head * stride_kh + offs_d  # [1, BH]
+    k_dst = tl.broadcast_to(k_dst, (BLOCK_R, BLOCK_HALF))  # a pointer per tile element; only the key row stores
+    tl.store(k_dst, x1, mask=is_k & d_mask & keep)
+    tl.store(k_dst + HALF, x2, mask=is_k & d_mask & keep)
+    v_src = qkv_ptr + token * stride_qkv + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM + offs_d
+    v_dst = v_cache_ptr + block * stride_vb + block_row * stride_vt + kv_head * stride_vh + offs_d
+    tl.store(v_dst, tl.load(v_src, mask=d_mask), mask=d_mask & keep)
+    tl.store(v_dst + HALF, tl.load(v_src + HALF, mask=d_mask), mask=d_mask & keep)
+
+
+def _check(qkv, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping, q_norm_weight, k_norm_weight, eps):
+    """Validates the inputs; returns (num_heads, num_kv_heads, head_dim)."""
+    if qkv.dim() != 2:
+        raise ValueError(f"qkv must be 2-D [T, (H + 2 * Hkv) * D]; got shape {tuple(qkv.shape)}")
+    if qkv.dtype not in DTYPES:
+        raise TypeError(f"qkv has dtype {qkv.dtype}; expected one of float32, float16, bfloat16")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"k_cache and v_cache must be [num_blocks, block_size, Hkv, D] of one shape; got "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    num_tokens = qkv.shape[0]
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    if head_dim % 2 or qkv.shape[1] % head_dim or qkv.shape[1] // head_dim <= 2 * num_kv_heads:
+        raise ValueError(
+            f"qkv width {qkv.shape[1]} must be (H + 2 * Hkv) * D with the cache's Hkv={num_kv_heads}, "
+            f"D={head_dim} (even) and H >= 1"
+        )
+    num_heads = qkv.shape[1] // head_dim - 2 * num_kv_heads
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of the cache's {num_kv_heads} KV heads")
+    for name, table in (("cos_cache", cos_cache), ("sin_cache", sin_cache)):
+        if table.dim() != 2 or table.shape[1] != head_dim // 2 or table.dtype != torch.float32:
+            raise ValueError(
+                f"{name} must be float32 [P, D/2] = [P, {head_dim // 2}]; got {table.dtype} {tuple(table.shape)}"
+            )
+    for name, index in (("positions", positions), ("slot_mapping", slot_mapping)):
+        if index.dtype != torch.int64:
+            raise TypeError(f"{name} has dtype {index.dtype}; expected int64")
+        if index.shape != (num_tokens,):
+            raise ValueError(f"{name} shape {tuple(index.shape)} must be [T] = ({num_tokens},) to match qkv")
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError("q_norm_weight and k_norm_weight go together: pass both (Qwen3) or neither")
+    if q_norm_weight is not None and eps is None:
+        raise ValueError("eps is required with the norm weights (the model's rms_norm_eps)")
+    tensors = {"qkv": qkv, "positions": positions, "cos_cache": cos_cache, "sin_cache": sin_cache}
+    tensors |= {"k_cache": k_cache, "v_cache": v_cache, "slot_mapping": slot_mapping}
+    for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+        if w is not None:
+            if w.shape != (head_dim,):
+                raise ValueError(f"{name} shape {tuple(w.shape)} must be [D] = ({head_dim},)")
+            if w.dtype != qkv.dtype:
+                raise TypeError(f"{name} has dtype {w.dtype}; expected qkv's dtype {qkv.dtype}")
+            tensors[name] = w
+    for name, t in tensors.items():
+        if t.device != qkv.device:
+            raise ValueError(f"{name} is on {t.device}, qkv on {qkv.device}: all inputs must share one device")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim (stride(-1) == 1); got strides {t.stride()}")
+    if k_cache.dtype != qkv.dtype or v_cache.dtype != qkv.dtype:
+        raise TypeError(f"caches have dtypes {k_cache.dtype}/{v_cache.dtype}; expected qkv's dtype {qkv.dtype}")
+    return num_heads, num_kv_heads, head_dim
+
+
+def qk_norm_rope_kv(
+    qkv: torch.Tensor,  # [T, (H + 2 * Hkv) * D]: the packed projection output, rows may be strided
+    positions: torch.Tensor,  # [T] int64, each in [0, P), padding tokens included
+    cos_cache: torch.Tensor,  # [P, D/2] float32
+    sin_cache: torch.Tensor,  # [P, D/2] float32
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64; -1: padding, not stored
+    q_norm_weight: torch.Tensor | None = None,  # [D] (Qwen3) or None: no q/k norm
+    k_norm_weight: torch.Tensor | None = None,  # [D]
+    eps: float | None = None,  # the norm's epsilon; required with the weights
+    q_out: torch.Tensor | None = None,  # [T, H, D]
+) -> torch.Tensor:
+    """Normed (when weights are given) and rotated queries into `q_out` (allocated when None, the only
+    allocation), returned; normed and rotated keys and the raw values stored at slot_mapping. Every token gets
+    its q row; tokens with slot -1 store nothing. Grid and constants depend on shapes only (CUDA-graph safe);
+    positions and slots are not range-checked (that would need a host sync)."""
+    args = (qkv, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping, q_norm_weight, k_norm_weight, eps)
+    num_heads, num_kv_heads, head_dim = _check(*args)
+    num_tokens = qkv.shape[0]
+    if q_out is None:
+        q_out = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    elif q_out.shape != (num_tokens, num_heads, head_dim) or q_out.dtype != qkv.dtype or q_out.stride(-1) != 1:
+        raise ValueError(
+            f"q_out must be [T, H, D] = {(num_tokens, num_heads, head_dim)} in {qkv.dtype} with stride(-1) == 1; "
+            f"got {q_out.dtype} {tuple(q_out.shape)} strides {q_out.stride()}"
+        )
+    elif q_out.device != qkv.device:
+        raise ValueError(f"q_out is on {q_out.device}, qkv on {qkv.device}: all inputs must share one device")
+    if num_tokens == 0:
+        return q_out
+    has_norm = q_norm_weight is not None
+    block_r = triton.next_power_of_2(num_heads // num_kv_heads + 1)  # the query heads of a group and its key
+    block_half = triton.next_power_of_2(head_dim // 2)
+    _qk_norm_rope_kv_kernel[(num_tokens, num_kv_heads)](
+        qkv, positions, cos_cache, sin_cache, q_norm_weight if has_norm else qkv, k_norm_weight if has_norm else qkv,
+        k_cache, v_cache, slot_mapping, q_out, eps if has_norm else 0.0,
+        qkv.stride(0), cos_cache.stride(0), sin_cache.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3],
+        q_out.stride(0), q_out.stride(1),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_R=block_r, BLOCK_HALF=block_half, HAS_NORM=has_norm,
+        num_warps=1 if block_r * block_half <= 128 else 2 if block_r * block_half <= 512 else 4,
+        enable_fp_fusion=False,  # no fused multiply-add: x1*cos - x2*sin rounds each product, as torch does
+    )  # fmt: skip
+    return q_out
+
+
+def qk_norm_rope_kv_ref(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float | None = None,
+) -> torch.Tensor:
+    """The specification, same contract as `qk_norm_rope_kv`: the model's split, per-head RMSNorm (Qwen3),
+    apply_rotary and store_kv. Skipping padding slots needs a boolean index, i.e. a host sync: not for graphs."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    num_tokens, num_heads = qkv.shape[0], qkv.shape[1] // head_dim - 2 * num_kv_heads
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q = q.view(num_tokens, num_heads, head_dim)
+    k = k.view(num_tokens, num_kv_heads, head_dim)
+    v = v.view(num_tokens, num_kv_heads, head_dim)
+    if q_norm_weight is not None:
+        q, k = rms_norm_ref(q, q_norm_weight, eps), rms_norm_ref(k, k_norm_weight, eps)  # over D
+    cos, sin = cos_cache[positions], sin_cache[positions]  # [T, D/2] float32
+    q, k = _apply_rotary(q, cos, sin), _apply_rotary(k, cos, sin)
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    for cache, new in ((k_cache, k), (v_cache, v)):
+        cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, new[keep].to(cache.dtype))
+    return q
+
+
+def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated by cos/sin [T, D/2] in x's dtype (the model's apply_rotary, rotate-half)."""
+    cos = cos.to(x.dtype)[:, None, :]  # [T, 1, D/2]
+    sin = sin.to(x.dtype)[:, None, :]
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

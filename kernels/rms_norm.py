@@ -1,0 +1,112 @@
+"""RMSNorm in Triton, optionally fused with the residual add before it (vLLM's fused_add_rms_norm).
+
+`rms_norm_ref` is the specification: transformers' RMSNorm op order (normalise in float32, cast to the input
+dtype, then scale by the weight), after `x + residual` in the input dtype. The kernel reproduces every one of
+those roundings; only the order of the sum of squares differs. Knows nothing of models or layers.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, num_rows, eps, stride_x, stride_res, stride_out,
+    HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [R]: small hidden sizes take several rows
+    cols = tl.arange(0, BLOCK_H)
+    col_mask = cols < HIDDEN
+    mask = (rows < num_rows)[:, None] & col_mask[None, :]  # [R, BH]
+    rows = rows.to(tl.int64)[:, None]  # row * stride can pass 2**31 for long prompts with large rows
+    x = tl.load(x_ptr + rows * stride_x + cols[None, :], mask=mask, other=0.0)
+    dtype = x.dtype
+    if HAS_RESIDUAL:
+        res = tl.load(res_ptr + rows * stride_res + cols[None, :], mask=mask, other=0.0)
+        x = (x.to(tl.float32) + res.to(tl.float32)).to(dtype)  # torch's `x + residual`: one rounding to dtype
+        tl.store(res_ptr + rows * stride_res + cols[None, :], x, mask=mask)  # the new residual stream
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=1) / HIDDEN  # [R]; padded columns hold 0
+    normed = (xf * tl.math.rsqrt(var + eps)[:, None]).to(dtype)  # transformers casts before the weight
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    out = (w[None, :] * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)  # weight * x in dtype: one rounding
+    tl.store(out_ptr + rows * stride_out + cols[None, :], out, mask=mask)
+
+
+def launch_config(hidden: int) -> tuple[int, int, int]:
+    """(BLOCK_H, ROWS, num_warps) for a hidden size: a whole row per program, several rows when rows are short,
+    and enough warps that each thread holds a few 16-byte vectors. Depends on the shape only (CUDA graphs)."""
+    block_h = triton.next_power_of_2(hidden)
+    rows = max(1, min(16, 1024 // block_h))
+    elems = rows * block_h
+    num_warps = 4 if elems <= 1024 else 8 if elems <= 4096 else 16
+    return block_h, rows, num_warps
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor | None) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [T, H]; got shape {tuple(x.shape)}")
+    if x.dtype not in DTYPES:
+        raise TypeError(f"x has dtype {x.dtype}; expected one of float32, float16, bfloat16")
+    if weight.shape != (x.shape[1],):
+        raise ValueError(f"weight shape {tuple(weight.shape)} must be [H] = ({x.shape[1]},) to match x")
+    tensors = {"x": x, "weight": weight, "residual": residual, "out": out}
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if t.dtype != x.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype}; expected x's dtype {x.dtype}")
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device}, x on {x.device}: all inputs must share one device")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim (stride(-1) == 1); got strides {t.stride()}")
+        if name in ("residual", "out") and t.shape != x.shape:
+            raise ValueError(f"{name} shape {tuple(t.shape)} must equal x's shape {tuple(x.shape)}")
+    if residual is not None and out is not None and out.data_ptr() == residual.data_ptr():
+        raise ValueError("out must not alias residual: residual receives x + residual, out the normed rows")
+
+
+def rms_norm(
+    x: torch.Tensor,  # [T, H], rows may be strided
+    weight: torch.Tensor,  # [H]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [T, H]: becomes x + residual, in place
+    out: torch.Tensor | None = None,  # [T, H]; may be x itself
+) -> torch.Tensor:
+    """RMSNorm(x), or with `residual`: residual <- x + residual (in place), then RMSNorm(residual).
+
+    Same dtype everywhere (float32, float16 or bfloat16). Returns `out` (allocated when None, the only
+    allocation). Grid and constants depend on shapes only, so the launch is CUDA-graph safe.
+    """
+    _check(x, weight, residual, out)
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    num_rows, hidden = x.shape
+    if num_rows == 0:
+        return out
+    block_h, rows, num_warps = launch_config(hidden)
+    res = residual if residual is not None else x  # unused without HAS_RESIDUAL; any valid pointer
+    _rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
+        x, res, weight, out, num_rows, eps, x.stride(0), res.stride(0), out.stride(0),
+        HIDDEN=hidden, BLOCK_H=block_h, ROWS=rows, HAS_RESIDUAL=residual is not None, num_warps=num_warps,
+    )  # fmt: skip
+    return out
+
+
+def rms_norm_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The specification (same contract as `rms_norm`, residual updated in place): transformers' RMSNorm
+    (LlamaRMSNorm / Qwen3RMSNorm) after the residual add, op for op. Works over the last dim of any shape."""
+    if residual is not None:
+        x = x + residual  # rounded to x's dtype, like the un-fused decoder layer
+        residual.copy_(x)
+    xf = x.float()
+    variance = xf.pow(2).mean(-1, keepdim=True)
+    xf = xf * torch.rsqrt(variance + eps)
+    return weight * xf.to(x.dtype)
