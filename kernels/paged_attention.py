@@ -27,11 +27,13 @@ def _dim_mask(offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
         return offs_d < HEAD_DIM
 
 
-@triton.jit
+# num_splits is a plain argument, not specialised (1 / multiple of 16 / other would be three compilations), so
+# warm-up compiles one variant and a CUDA graph may bake in any split count.
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, seqs_ptr,
     acc_ptr, m_ptr, l_ptr,  # partials: acc [B, H, S, D] fp32, m/l [B, H, S] fp32
-    qk_scale, tokens_per_split, num_splits,
+    qk_scale, num_splits,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -40,6 +42,9 @@ def _decode_split_kernel(
     seq = tl.load(seqs_ptr + pid_b)
     row = tl.load(qsl_ptr + seq)
     seq_len = tl.load(seq_lens_ptr + seq)
+    # Each sequence splits its own length (read on the device, so a CUDA graph replays any lengths); splits
+    # past the end stay empty (m = -inf, l = 0) and weigh nothing in the reduction.
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
     offs_g = tl.arange(0, BLOCK_G)
@@ -87,7 +92,7 @@ def _decode_split_kernel(
     tl.store(acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     out_ptr, acc_ptr, m_ptr, l_ptr, qsl_ptr, seqs_ptr, num_splits, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -283,8 +288,7 @@ def paged_decode_attention(
     decode_seqs: torch.Tensor,  # [Bd] int32: the batch index of each single-query sequence
     out: torch.Tensor,  # [T, H, D]: only the rows of decode_seqs are written
     scale: float,
-    max_seq_len: int,  # host-side bound on the decode sequences' lengths (sets the split length)
-    num_splits: int,
+    num_splits: int,  # KV splits per sequence; each sequence divides its own length (read on the device)
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -292,18 +296,17 @@ def paged_decode_attention(
     group, head_dim, block_size = _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
     if decode_seqs.dtype != torch.int32 or decode_seqs.dim() != 1:
         raise TypeError(f"decode_seqs must be 1-D int32; got {decode_seqs.dtype} {tuple(decode_seqs.shape)}")
-    if not 1 <= num_splits <= MAX_SPLITS or max_seq_len < 1:
-        raise ValueError(f"num_splits={num_splits} must be in [1, {MAX_SPLITS}] and max_seq_len={max_seq_len} >= 1")
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits={num_splits} must be in [1, {MAX_SPLITS}]")
     num_decode, num_heads, num_kv_heads = decode_seqs.shape[0], q.shape[1], k_cache.shape[2]
     if num_decode == 0:
         return
-    tokens_per_split = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n  # whole tiles
     acc = torch.empty(num_decode, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     m = torch.empty(num_decode, num_heads, num_splits, dtype=torch.float32, device=q.device)
     l_sum = torch.empty_like(m)
     _decode_split_kernel[(num_decode, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, decode_seqs, acc, m, l_sum,
-        scale * _LOG2E, tokens_per_split, num_splits,
+        scale * _LOG2E, num_splits,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=_pow2(group),
         BLOCK_D=_pow2(head_dim), BLOCK_N=block_n, DOT_PRECISION=_precision(q.dtype),

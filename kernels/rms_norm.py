@@ -14,7 +14,9 @@ import triton.language as tl
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-@triton.jit
+# The row count is not specialised (1 / multiple of 16 / other would compile three variants per shape), so
+# warm-up covers every token count a step can have.
+@triton.jit(do_not_specialize=["num_rows"])
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, num_rows, eps, stride_x, stride_res, stride_out,
     HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,

@@ -77,9 +77,9 @@ def bench_decode(pa, batch: int, context: int) -> None:
     results = {}
     for name, cfg in variants.items():
         out.fill_(float("nan"))
-        pa.paged_decode_attention(*args, max_seq_len=context, **cfg)
+        pa.paged_decode_attention(*args, **cfg)
         err = (out.float() - ref.float()).abs().max().item()
-        ms = time_ms(lambda cfg=cfg: pa.paged_decode_attention(*args, max_seq_len=context, **cfg))
+        ms = time_ms(lambda cfg=cfg: pa.paged_decode_attention(*args, **cfg))
         results[name] = dict(ms=round(ms, 4), tb_s=round(kv_bytes / ms / 1e9, 3), max_err=round(err, 4))
     best = min(results, key=lambda k: results[k]["ms"])
     from asyncllm.attention.torch_ref import TorchAttentionBackend  # the reference's batched decode path

@@ -47,9 +47,8 @@ def run_decode(pa, q, k_cache, v_cache, meta, scale: float, num_splits: int, **c
     decode = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
     out = torch.full_like(q, float("nan"))
     seqs = torch.tensor(decode, dtype=torch.int32, device=q.device)
-    max_len = max(meta.seq_lens_cpu[i] for i in decode)
     args = (q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, seqs, out, scale)
-    pa.paged_decode_attention(*args, max_seq_len=max_len, num_splits=num_splits, **config)
+    pa.paged_decode_attention(*args, num_splits=num_splits, **config)
     return out
 
 
@@ -120,7 +119,7 @@ def test_launcher_rejects_bad_inputs(pa) -> None:
 
     def decode(q, k_cache=k_cache, v_cache=v_cache, tables=meta.block_tables, out=None) -> None:
         out = torch.empty_like(q) if out is None else out
-        pa.paged_decode_attention(q, k_cache, v_cache, tables, *tail, out, 1.0, max_seq_len=4, num_splits=1)
+        pa.paged_decode_attention(q, k_cache, v_cache, tables, *tail, out, 1.0, num_splits=1)
 
     with pytest.raises(ValueError, match="heads"):
         decode(q[:, :3])  # 3 query heads over 2 KV heads

@@ -55,6 +55,13 @@ class AttentionBackend(ABC):
     """Stateless implementation of paged attention; one instance is shared by every layer."""
 
     name: str
+    supports_cuda_graphs: bool = False  # whether `plan_graph_decode` is implemented
+
+    def plan_graph_decode(self, meta: AttentionMetadata, num_seqs: int, max_seq_len: int) -> None:
+        """Plan a decode-only step of exactly `num_seqs` single-token sequences (padding included) for CUDA
+        graph capture: nothing in the plan may depend on host values that vary per step, and the plan's
+        tensors must outlive the graph (the backend keeps them). `max_seq_len` is a static bound."""
+        raise NotImplementedError(f"the {self.name!r} attention backend cannot run inside CUDA graphs")
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Per-step work shared by every layer (index tensors, split plans), stored in `meta.plan`.

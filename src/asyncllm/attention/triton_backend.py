@@ -36,7 +36,7 @@ def load_paged_attention() -> ModuleType:
 @dataclass
 class TritonPlan(AttentionPlan):
     decode_seqs: torch.Tensor | None  # [Bd] int32: batch index of each single-query sequence
-    decode_max_len: int  # longest decode sequence (keys), host side
+    decode_max_len: int  # bound on the decode sequences' lengths (keys), host side: sets the split count
     num_splits: int  # KV splits per decode sequence and KV head
     prefill_tiles: torch.Tensor | None  # [num_tiles, 2] int32: (sequence, first query row) per tile
 
@@ -46,6 +46,7 @@ class TritonAttentionBackend(AttentionBackend):
     TRITON_INTERPRET=1 was set before triton was imported (slow: for tests); otherwise construction raises."""
 
     name = "triton"
+    supports_cuda_graphs = True
 
     def __init__(self, device: torch.device, dtype: torch.dtype, num_kv_heads: int) -> None:
         self._kernels = load_paged_attention()
@@ -64,6 +65,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.block_m = self._kernels.prefill_block_m(dtype, device)
         props = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
         self.num_sms = props.multi_processor_count if props is not None else 1
+        self._graph_seqs: dict[int, torch.Tensor] = {}  # num_seqs -> arange, alive as long as the graphs
 
     def prepare(self, meta: AttentionMetadata) -> None:
         kernels, qlens, slens = self._kernels, meta.query_lens_cpu, meta.seq_lens_cpu
@@ -78,6 +80,19 @@ class TritonAttentionBackend(AttentionBackend):
             prefill_tiles=to_device(tiles, torch.int32, device) if tiles else None,
         )
 
+    def plan_graph_decode(self, meta: AttentionMetadata, num_seqs: int, max_seq_len: int) -> None:
+        seqs = self._graph_seqs.get(num_seqs)
+        if seqs is None:
+            seqs = self._graph_seqs[num_seqs] = torch.arange(num_seqs, dtype=torch.int32, device=self.device)
+        # The split count is fixed per captured size (from the static bound); each sequence then divides its
+        # own length, read on the device, so one graph serves every length up to the bound.
+        meta.plan = TritonPlan(
+            decode_seqs=seqs,
+            decode_max_len=max_seq_len,
+            num_splits=self._kernels.choose_num_splits(max_seq_len, num_seqs, self.num_kv_heads, self.num_sms),
+            prefill_tiles=None,
+        )
+
     def attend(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
@@ -88,9 +103,7 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         args = (q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc)
         if plan.decode_seqs is not None:
-            self._kernels.paged_decode_attention(
-                *args, plan.decode_seqs, out, scale, max_seq_len=plan.decode_max_len, num_splits=plan.num_splits
-            )
+            self._kernels.paged_decode_attention(*args, plan.decode_seqs, out, scale, num_splits=plan.num_splits)
         if plan.prefill_tiles is not None:
             self._kernels.paged_prefill_attention(*args, plan.prefill_tiles, out, scale, block_m=self.block_m)
         return out

@@ -84,6 +84,8 @@ class RuntimeInfo:
     device: str  # "cpu" or "cuda:N"
     dtype: str  # "float32", "bfloat16", ...
     attention_backend: str = "torch"  # the backend that runs ("torch", "triton", ...), after "auto" resolved
+    cuda_graph_sizes: tuple[int, ...] = ()  # decode batch sizes replayed from CUDA graphs; () when eager
+    startup_seconds: tuple[tuple[str, float], ...] = ()  # (step, seconds): load, profile, warm_up, capture
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -14,9 +14,12 @@ from asyncllm.worker.worker import Worker
 
 class UniProcExecutor:
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint) -> None:
-        self.worker = Worker(config, checkpoint)
-        self.worker.load_model()
-        self._runtime = self.worker.init_kv_cache(self.worker.determine_num_blocks())
+        worker = self.worker = Worker(config, checkpoint)
+        worker.load_model()
+        worker.init_kv_cache(worker.determine_num_blocks())
+        worker.warm_up()
+        worker.capture_cuda_graphs()
+        self._runtime = worker.runtime_info()
 
     @property
     def runtime(self) -> RuntimeInfo:

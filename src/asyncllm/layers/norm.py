@@ -1,12 +1,26 @@
-"""RMSNorm with the exact op order of transformers' Llama/Qwen norms, so fp32 outputs match bit for bit.
+"""RMSNorm with the exact op order of transformers' Llama/Qwen norms, so fp32 outputs match bit for bit;
+optionally with the residual add folded in (`x, residual = norm(x, residual)`), and optionally through the
+fused Triton kernel (`asyncllm.kernels.rms_norm`) whose pure-PyTorch twin is `rms_norm_ref` below.
 
 Knows nothing about where it sits in a model; the weight is loaded from a checkpoint, never initialised here.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, overload
+
 import torch
 from torch import nn
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalise over the last dim in float32, cast back to x's dtype, then scale by the weight."""
+    in_dtype = x.dtype
+    xf = x.float()
+    variance = xf.pow(2).mean(-1, keepdim=True)
+    xf = xf * torch.rsqrt(variance + eps)
+    return weight * xf.to(in_dtype)
 
 
 class RMSNorm(nn.Module):
@@ -14,14 +28,33 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim))
         self.eps = eps
+        self._kernel: Callable[..., Any] | None = None  # the fused kernel, once enable_fused_kernels ran
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Normalise over the last dim in float32, cast back to x's dtype, then scale by the weight."""
-        in_dtype = x.dtype
-        xf = x.float()
-        variance = xf.pow(2).mean(-1, keepdim=True)
-        xf = xf * torch.rsqrt(variance + self.eps)
-        return self.weight * xf.to(in_dtype)
+    def enable_fused_kernels(self) -> None:
+        from asyncllm.kernels.rms_norm import rms_norm
+
+        self._kernel = rms_norm
+
+    @overload
+    def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
+    @overload
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); with `residual`: h = x + residual (rounded to x's dtype), returns (norm(h), h).
+
+        The fused kernel writes h into `residual` in place; the twin returns a new tensor. Either way the
+        caller continues with the returned pair.
+        """
+        if self._kernel is not None and x.dim() == 2:
+            out = self._kernel(x, self.weight, self.eps, residual=residual)
+            return out if residual is None else (out, residual)
+        if residual is None:
+            return rms_norm_ref(x, self.weight, self.eps)
+        h = x + residual  # IEEE addition commutes: the same bits as transformers' `residual + x`
+        return rms_norm_ref(h, self.weight, self.eps), h
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}"
+        return f"{self.weight.shape[0]}, eps={self.eps}, fused={self._kernel is not None}"

@@ -68,6 +68,26 @@ class RotaryEmbedding(nn.Module):
         return self.cos_cache[positions], self.sin_cache[positions]
 
 
+class RotaryInputs:
+    """One forward pass's positions and the rotary tables, with the cos/sin lookup done at most once.
+
+    Fused kernels read the tables at the positions themselves; the torch path asks for `lookup()`.
+    """
+
+    def __init__(self, positions: torch.Tensor, rotary: RotaryEmbedding) -> None:
+        self.positions = positions  # [T] int64
+        self.cos_cache: torch.Tensor = rotary.cos_cache  # [P, D/2] float32
+        self.sin_cache: torch.Tensor = rotary.sin_cache
+        self._rotary = rotary
+        self._looked_up: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def lookup(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each [T, D/2], for the torch path; computed on first use and shared by every layer."""
+        if self._looked_up is None:
+            self._looked_up = self._rotary(self.positions)
+        return self._looked_up
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, H, D] rotated by cos/sin [T, D/2], computed in x's dtype.
 

@@ -7,7 +7,7 @@ names except the packed `qkv_proj` and `gate_up_proj`, so loading is a short, st
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import ClassVar
 
 import torch
@@ -19,7 +19,7 @@ from asyncllm.layers.activation import SiluAndMul
 from asyncllm.layers.embedding import LMHead, VocabEmbedding
 from asyncllm.layers.linear import Linear, PackedLinear, gate_up_shards, qkv_shards
 from asyncllm.layers.norm import RMSNorm
-from asyncllm.layers.rotary import RotaryEmbedding, apply_rotary
+from asyncllm.layers.rotary import RotaryEmbedding, RotaryInputs, apply_rotary
 from asyncllm.models.config import ModelArchConfig
 from asyncllm.models.weights import LLAMA_PACKED, load_packed_weights
 
@@ -33,7 +33,7 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))  # [T, hidden] -> [T, 2I] -> [T, I] -> [T, hidden]
+        return self.down_proj(self.act(self.gate_up_proj(x)))  # type: ignore[no-any-return]  # [T, hidden] -> [T, 2I] -> [T, I] -> [T, hidden]
 
 
 class LlamaAttention(nn.Module):
@@ -44,26 +44,58 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = PackedLinear(arch.hidden_size, shards, bias=qkv_bias)
         self.o_proj = Linear(arch.num_heads * arch.head_dim, arch.hidden_size, bias=o_bias)
         self.attn = Attention(arch.num_heads, arch.num_kv_heads, arch.head_dim, backend)
+        self.rms_norm_eps = arch.rms_norm_eps
+        self._fused_qkv: Callable[..., torch.Tensor] | None = None  # q/k norm + rotary + KV write, one kernel
+
+    @property
+    def fused(self) -> bool:
+        return self._fused_qkv is not None
+
+    def enable_fused_kernels(self) -> None:
+        from asyncllm.kernels.qk_norm_rope_kv import qk_norm_rope_kv
+
+        self._fused_qkv = qk_norm_rope_kv
 
     def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Hook for families that normalise q/k per head before rotary (Qwen3); identity here."""
         return q, k
 
+    def qk_norm_weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The per-head q/k RMSNorm weights the fused kernel applies (Qwen3); none here."""
+        return None, None
+
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        cos: torch.Tensor,  # [T, head_dim / 2]
-        sin: torch.Tensor,
+        rope: RotaryInputs,
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) * D]
+        if self._fused_qkv is not None:
+            k_cache, v_cache = kv_cache
+            q_norm, k_norm = self.qk_norm_weights()
+            q = self._fused_qkv(
+                qkv,
+                rope.positions,
+                rope.cos_cache,
+                rope.sin_cache,
+                k_cache,
+                v_cache,
+                meta.slot_mapping,
+                q_norm,
+                k_norm,
+                eps=self.rms_norm_eps,
+            )  # [T, H, D]; this step's k/v are in the cache now
+            return self.o_proj(self.attn.attend_cached(q, kv_cache, meta))
         num_tokens = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self.normalize_qk(q, k)
+        cos, sin = rope.lookup()
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         return self.o_proj(self.attn(q, k, v, kv_cache, meta))
 
@@ -77,11 +109,22 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(arch)
 
     def forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        # Un-fused residual adds, in transformers' order, keep fp32 results identical to it.
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        self,
+        x: torch.Tensor,  # [T, hidden]: the previous layer's output (the embedding for layer 0)
+        residual: torch.Tensor | None,  # [T, hidden]: the residual stream before it; None for layer 0
+        rope: RotaryInputs,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, the residual stream before adding it). Each residual add happens
+        inside the next norm (fused in one kernel when enabled); the sums are transformers' exactly."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, rope, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -123,11 +166,14 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden], final-normed
         assert len(kv_caches) == len(self.model.layers), (len(kv_caches), len(self.model.layers))
-        h = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(positions)  # looked up once, shared by every layer
+        x = self.model.embed_tokens(input_ids)
+        rope = RotaryInputs(positions, self.rotary_emb)  # looked up at most once, shared by every layer
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            h = layer(h, cos, sin, kv_cache, meta)
-        return self.model.norm(h)
+            x, residual = layer(x, residual, rope, kv_cache, meta)
+        assert residual is not None
+        out, _ = self.model.norm(x, residual)
+        return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] through the LM head or, when tied, the embedding matrix."""

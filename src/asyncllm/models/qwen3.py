@@ -22,6 +22,9 @@ class Qwen3Attention(LlamaAttention):
     def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.q_norm(q), self.k_norm(k)  # over head_dim of [T, H, D] / [T, Hkv, D]
 
+    def qk_norm_weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return self.q_norm.weight, self.k_norm.weight
+
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     attention_cls = Qwen3Attention

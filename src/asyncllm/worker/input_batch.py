@@ -1,10 +1,12 @@
 """Preparing one step's model inputs into persistent buffers.
 
 Host staging tensors (pinned on CUDA) are allocated once at their maximum size and filled through numpy
-views; device tensors are filled by one non-blocking copy each. Fixed addresses are what CUDA graphs need,
-and no step allocates. A step that samples nothing (a long prompt's middle chunks) ends without any host
-sync, so before refilling the host side we wait on an event recorded after the previous step's copies:
-only for those copies, never for the forward pass. Overlapped scheduling (wave two) double-buffers instead.
+views; device tensors are filled by one non-blocking copy each. Fixed addresses are what CUDA graphs need
+(a captured graph reads these very tensors), and no step allocates. A decode step replayed by a graph is
+padded to the captured size: padded rows write no KV (slot -1) and attend to one key. A step that samples
+nothing (a long prompt's middle chunks) ends without any host sync, so before refilling the host side we
+wait on an event recorded after the previous step's copies: only for those copies, never for the forward
+pass. Overlapped scheduling (wave two) double-buffers instead.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class InputBuffers:
         device: torch.device,
     ) -> None:
         pin = device.type == "cuda"
+        self.max_num_seqs = max_num_seqs
         self.block_size = block_size
         self.max_blocks_per_seq = max_blocks_per_seq
         self.input_ids = _Pair((max_num_tokens,), torch.int64, device, pin)
@@ -67,7 +70,9 @@ class InputBuffers:
         self._copies_done = torch.cuda.Event() if self.input_ids.dev is not self.input_ids.cpu else None
         self._copies_pending = False
 
-    def prepare(self, scheduled: SchedulerOutput) -> ModelInputs:
+    def prepare(self, scheduled: SchedulerOutput, pad_to: int | None = None) -> ModelInputs:
+        """Fill and upload the step's inputs. `pad_to`: a decode-only step padded with dummy sequences to
+        that many rows (a captured CUDA graph's size)."""
         if self._copies_done is not None and self._copies_pending:
             self._copies_done.synchronize()  # the host buffers are free to overwrite only once copied out
         bs = self.block_size
@@ -102,6 +107,17 @@ class InputBuffers:
                 logit_rows[num_sampling] = t - 1
                 num_sampling += 1
         b = len(scheduled.seqs)
+        if pad_to is not None and pad_to > b:
+            assert t == b, "only decode-only steps are padded"
+            ids[b:pad_to] = 0
+            pos[b:pad_to] = 0
+            slots[b:pad_to] = -1  # write no KV
+            tables[b:pad_to] = 0
+            lens[b:pad_to] = 1  # attend to one key: finite garbage in rows nobody reads
+            qsl[b + 1 : pad_to + 1] = np.arange(b + 1, pad_to + 1)
+            query_lens += [1] * (pad_to - b)
+            seq_lens += [1] * (pad_to - b)
+            b = t = pad_to
         meta = AttentionMetadata(
             query_start_loc=self.query_start_loc.upload(b + 1),
             seq_lens=self.seq_lens.upload(b),

@@ -1,5 +1,6 @@
 """`ModelRunner`: one step on one device. Turns a `SchedulerOutput` into inputs in persistent buffers, one
-forward pass, and one sample per sequence that reached the end of its known tokens.
+forward pass (a CUDA graph replay for decode-only steps when graphs were captured, eager otherwise), and
+one sample per sequence that reached the end of its known tokens.
 
 Knows nothing of requests beyond the plain data the scheduler sends and the sampling state it keeps per
 request id; nothing of how the model was loaded or the cache sized. The step's only host sync is reading
@@ -16,6 +17,7 @@ from asyncllm.attention.layer import KVCache
 from asyncllm.executor.interface import ModelRunnerOutput, SchedulerOutput
 from asyncllm.sample.sampler import Sampler
 from asyncllm.sample.state import SamplingState
+from asyncllm.worker.cuda_graph import CudaGraphRunner
 from asyncllm.worker.input_batch import InputBuffers
 
 
@@ -37,6 +39,7 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler()
         self.states: dict[str, SamplingState] = {}
+        self.graphs: CudaGraphRunner | None = None  # set once captured (CUDA, enforce_eager=False)
 
     @torch.inference_mode()
     def execute_model(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
@@ -46,13 +49,19 @@ class ModelRunner:
             self.states[new.request_id] = SamplingState.create(
                 new.params, new.seed, new.prompt_token_ids, self.device, self.eos_token_ids
             )
-        x = self.inputs.prepare(scheduled)
-        self.backend.prepare(x.meta)
-        hidden = self.model(x.input_ids, x.positions, self.kv_caches, x.meta)  # [T, hidden]
         sampling = [s.request_id for s in scheduled.seqs if s.sample]
-        if not sampling:
-            return ModelRunnerOutput(sampled_token_ids=[])
-        logits = self.model.compute_logits(hidden[x.logits_indices])  # [S, vocab]
+        size = self.graphs.padded_size(scheduled) if self.graphs is not None else None
+        if size is not None and self.graphs is not None:
+            self.inputs.prepare(scheduled, pad_to=size)
+            last_hidden = self.graphs.replay(size, len(scheduled.seqs))  # [S, hidden]: every row samples
+        else:
+            x = self.inputs.prepare(scheduled)
+            self.backend.prepare(x.meta)
+            hidden = self.model(x.input_ids, x.positions, self.kv_caches, x.meta)  # [T, hidden]
+            if not sampling:
+                return ModelRunnerOutput(sampled_token_ids=[])
+            last_hidden = hidden[x.logits_indices]
+        logits = self.model.compute_logits(last_hidden)  # [S, vocab]
         states = [self.states[r] for r in sampling]
         out = self.sampler(logits, states)
         token_ids: list[int] = out.token_ids.tolist()  # the step's one host sync
@@ -60,6 +69,14 @@ class ModelRunner:
             state.record(token)
         return ModelRunnerOutput(sampled_token_ids=token_ids, logprobs=out.logprobs)
 
+    def forget(self, request_ids: list[str]) -> None:
+        """Drop per-request state the scheduler will never mention again (warm-up's throwaway requests)."""
+        for request_id in request_ids:
+            self.states.pop(request_id, None)
+
     def shutdown(self) -> None:
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
         self.kv_caches = []
         self.states.clear()

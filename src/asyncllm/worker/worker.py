@@ -1,6 +1,8 @@
-"""`Worker`: owns one device. Its set-up runs in steps, each one method: resolve the device and dtype, load
-the model, size the KV cache (profiling memory on CUDA), allocate it with the input buffers, then run
-steps through its `ModelRunner`. Later: capture CUDA graphs, and run as a tensor-parallel rank.
+"""`Worker`: owns one device. Its set-up runs in steps, each one method, called in this order by the
+executor: `load_model` (device, dtype, attention backend, weights, fused kernels), `determine_num_blocks`
+(profiling memory on CUDA, CUDA graphs' share included), `init_kv_cache` (cache, input buffers, the
+`ModelRunner`), `warm_up` (compiles every kernel), `capture_cuda_graphs`. Then it runs steps. Later it
+also runs as a tensor-parallel rank.
 
 Knows nothing of requests or scheduling; the executor drives it.
 """
@@ -8,20 +10,27 @@ Knows nothing of requests or scheduling; the executor drives it.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
 from asyncllm.attention.registry import make_attention_backend
 from asyncllm.config import EngineConfig
 from asyncllm.executor.interface import ModelRunnerOutput, RuntimeInfo, SchedulerOutput
+from asyncllm.layers.fusion import use_fused_kernels
 from asyncllm.model_loader.base import Checkpoint
 from asyncllm.model_loader.loader import load_model
 from asyncllm.models.config import ModelArchConfig
+from asyncllm.worker.cuda_graph import CudaGraphRunner, capture_sizes, measure_graph_memory
 from asyncllm.worker.device import resolve_device, resolve_dtype
 from asyncllm.worker.input_batch import InputBuffers
 from asyncllm.worker.kv_cache import KVCacheSpec, allocate_kv_cache, blocks_for_budget
 from asyncllm.worker.memory import profile_kv_budget_bytes
 from asyncllm.worker.model_runner import ModelRunner
+from asyncllm.worker.warmup import warm_up
+
+# The graphs' pool is measured for the largest size only; the others share it but may fragment it a little.
+_GRAPH_MEMORY_MARGIN = 1.25
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +50,21 @@ class Worker:
             dtype=self.dtype,
         )
         self.runner: ModelRunner | None = None
+        self.num_blocks = 0
+        self.timings: dict[str, float] = {}  # start-up seconds per step, reported in RuntimeInfo
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        """Graphs on CUDA unless enforce_eager, with a backend that can be captured (Triton, not the torch
+        reference, whose decode path plans on the host)."""
+        return (
+            self.device.type == "cuda"
+            and not self.config.device_config.enforce_eager
+            and self.backend.supports_cuda_graphs
+        )
 
     def load_model(self) -> None:
+        start = time.perf_counter()
         self.backend = make_attention_backend(
             self.config.device_config.attention_backend, self.device, self.dtype, self.arch.num_kv_heads
         )
@@ -50,6 +72,11 @@ class Worker:
         self.model = load_model(
             self.checkpoint, self.arch, self.backend, self.device, self.dtype, mc.load_format, mc.seed
         )
+        # Our Triton backend brings the fused kernels with it (norm + residual, q/k norm + rotary + KV write,
+        # SiLU-and-mul); the torch backend keeps every layer in its pure-PyTorch form, the reference.
+        if self.backend.name == "triton":
+            use_fused_kernels(self.model)
+        self.timings["load"] = time.perf_counter() - start
 
     def determine_num_blocks(self) -> int:
         """The KV block count: the explicit `num_kv_blocks`, else what memory allows, capped at what
@@ -61,6 +88,7 @@ class Worker:
         max_useful = sched.max_num_seqs * -(-max_model_len // cache.block_size)
         if self.device.type == "cpu":
             return blocks_for_budget(self.kv_spec, int(cache.cpu_kv_cache_gib * 2**30), max_useful)
+        start = time.perf_counter()
         budget = profile_kv_budget_bytes(
             self.model,
             self.backend,
@@ -71,10 +99,24 @@ class Worker:
             max_num_seqs=sched.max_num_seqs,
             gpu_memory_utilization=cache.gpu_memory_utilization,
         )
-        return blocks_for_budget(self.kv_spec, budget, max_useful)
+        if self.use_cuda_graphs:
+            graph_bytes = measure_graph_memory(
+                self.model,
+                self.backend,
+                self.kv_spec,
+                sched.max_num_seqs,
+                max_model_len,
+                self.arch.hidden_size,
+                self.dtype,
+                self.device,
+            )
+            budget -= int(graph_bytes * _GRAPH_MEMORY_MARGIN)
+            logger.info("CUDA graphs will hold about %.1f MiB", graph_bytes / 2**20)
+        self.timings["profile"] = time.perf_counter() - start
+        return blocks_for_budget(self.kv_spec, max(budget, 0), max_useful)
 
-    def init_kv_cache(self, num_blocks: int) -> RuntimeInfo:
-        """Allocate the cache and the step's input buffers; returns what the engine core needs to know."""
+    def init_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the cache and the step's input buffers, and the runner that uses them."""
         cache, sched = self.config.cache_config, self.config.scheduler_config
         max_model_len = self.arch.max_model_len
         if num_blocks * cache.block_size < max_model_len:
@@ -91,16 +133,59 @@ class Worker:
         )
         eos = self.checkpoint.eos_token_ids
         self.runner = ModelRunner(self.model, self.backend, kv_caches, buffers, self.device, eos)
+        self.num_blocks = num_blocks
         logger.info("KV cache: %d blocks of %d tokens (%s, %s)", num_blocks, cache.block_size, self.device, self.dtype)
+
+    def warm_up(self) -> None:
+        """Compile every Triton kernel eager steps launch (CUDA only: on CPU nothing compiles)."""
+        if self.device.type != "cuda":
+            return
+        assert self.runner is not None
+        self.timings["warm_up"] = warm_up(
+            self.runner,
+            block_size=self.config.cache_config.block_size,
+            num_blocks=self.num_blocks,
+            max_model_len=self.arch.max_model_len,
+        )
+
+    def capture_cuda_graphs(self) -> None:
+        if not self.use_cuda_graphs:
+            return
+        runner = self.runner
+        assert runner is not None
+        graphs = CudaGraphRunner(
+            self.model,
+            self.backend,
+            runner.kv_caches,
+            runner.inputs,
+            min(self.arch.max_model_len, self.num_blocks * self.config.cache_config.block_size),
+            self.arch.hidden_size,
+            self.dtype,
+            self.device,
+        )
+        self.timings["capture"] = graphs.capture(capture_sizes(self.config.scheduler_config.max_num_seqs))
+        runner.graphs = graphs
+        logger.info(
+            "captured %d CUDA graphs in %.2f s: batch sizes %s",
+            len(graphs.sizes),
+            self.timings["capture"],
+            graphs.sizes,
+        )
+
+    def runtime_info(self) -> RuntimeInfo:
+        """What the engine core needs to know, once set-up is done."""
+        cache = self.config.cache_config
         return RuntimeInfo(
             vocab_size=self.arch.vocab_size,
-            max_model_len=max_model_len,
-            num_kv_blocks=num_blocks,
+            max_model_len=self.arch.max_model_len,
+            num_kv_blocks=self.num_blocks,
             block_size=cache.block_size,
-            eos_token_ids=eos,
+            eos_token_ids=self.checkpoint.eos_token_ids,
             device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."),
             attention_backend=self.backend.name,
+            cuda_graph_sizes=tuple(self.runner.graphs.sizes) if self.runner and self.runner.graphs else (),
+            startup_seconds=tuple(self.timings.items()),
         )
 
     def execute_model(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
