@@ -1,36 +1,43 @@
 #!/usr/bin/env bash
-# Everything the device machine checks, in one call: GPU tests, then benchmarks; ends with a short table.
-# Usage (on the device machine, repo root): bash bench/gpu_check.sh [w1-only|tests-only|kernels-only]
-# Needs the Qwen3 tokenizer in .cache/qwen3-tokenizer (copied from ../shared/models/ and carried).
+# Everything the device machine checks, in one call: GPU tests, kernel benchmarks, start-up, then the
+# side-by-side with nano-vllm (../shared/peers, copied to .peers and carried); ends with a short table.
+# Usage (device machine, repo root): bash bench/gpu_check.sh [STEPS]   STEPS: comma list of
+#   tests, kernels, startup, compare (default: all four); COMPARE_STEPS overrides compare.sh's steps.
+# Set-up here first: rm -rf .peers && cp -r ../shared/peers .peers && cp -r ../shared/models/qwen3-tokenizer .peers/
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
+mkdir -p .cache && [ -d .peers/qwen3-tokenizer ] && [ ! -d .cache/qwen3-tokenizer ] && cp -r .peers/qwen3-tokenizer .cache/
 # The installed layout without installing: src/asyncllm with top-level kernels/ as asyncllm.kernels.
 overlay=$(mktemp -d); cp -r src/asyncllm "$overlay/asyncllm"; cp -r kernels "$overlay/asyncllm/kernels"
 export PYTHONPATH="$overlay:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
-mode=${1:-all}
+steps=${1:-tests,kernels,startup,compare}
 rows=()
-if [ "$mode" = "all" ] || [ "$mode" = "tests-only" ]; then
-  python3 -m pytest -q -s -p no:cacheprovider -o addopts="" tests/gpu tests/runner/test_sampler_cuda.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+has() { [[ ",$steps," == *",$1,"* ]]; }
+if has tests; then
+  python3 -m pytest -q -s -p no:cacheprovider -o addopts="" tests/gpu tests/sample/test_sampler_cuda.py \
+    tests/kernels tests/attention/test_triton_backend.py 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error|error" | tail -25
   rows+=("gpu tests: $(tail -1 "$OUT/gpu_tests.log")")
-  # Triton attention: kernels vs their refs (bf16/fp16/fp32) and the backend vs the torch backend, compiled.
-  python3 -m pytest -q -s -p no:cacheprovider -o addopts="" tests/kernels tests/attention/test_triton_backend.py 2>&1 \
-    | tee "$OUT/triton_tests.log" | tail -15
-  rows+=("triton attention tests: $(tail -1 "$OUT/triton_tests.log")")
 fi
-if [ "$mode" = "all" ] || [ "$mode" = "w1-only" ]; then
-  (cd bench && python3 w1_throughput.py --shape qwen3-0.6b --attention-backend torch) 2>&1 | tee "$OUT/w1.log" | tail -3
-  rows+=("W1 qwen3-0.6b torch-ref: $(grep '^{' "$OUT/w1.log" | tail -1)")
-  (cd bench && python3 w1_throughput.py --shape qwen3-0.6b --attention-backend triton) 2>&1 | tee "$OUT/w1_triton.log" | tail -3
-  rows+=("W1 qwen3-0.6b triton: $(grep '^{' "$OUT/w1_triton.log" | tail -1)")
-fi
-if [ "$mode" = "all" ] || [ "$mode" = "kernels-only" ]; then
-  python3 bench/kernels/bench_paged_attention.py 2>&1 | tee "$OUT/bench_paged_attention.log" | tail -4
+if has kernels; then
+  timeout 240 python3 bench/kernels/bench_fused.py --models qwen3-0.6b --tokens 1 64 2048 2>&1 | tee "$OUT/bench_fused.log" | tail -12
+  while read -r line; do rows+=("fused: $line"); done < <(grep '^{' "$OUT/bench_fused.log" | python3 -c '
+import json, sys
+for l in sys.stdin:
+    d = json.loads(l); print({k: d[k] for k in d if k in ("kernel", "tokens", "eager_us", "compiled_us", "triton_us", "winner", "triton_pct_of_copy_bw")})')
+  timeout 120 python3 bench/kernels/bench_paged_attention.py 2>&1 | tee "$OUT/bench_paged_attention.log" | tail -4
   rows+=("kernel decode: $(grep '"kernel": "decode"' "$OUT/bench_paged_attention.log" | tail -1)")
-  while read -r line; do rows+=("kernel prefill: $line"); done < <(grep '"kernel": "prefill"' "$OUT/bench_paged_attention.log")
+fi
+if has startup; then
+  (cd bench && timeout 200 python3 startup.py --shape qwen3-0.6b) 2>&1 | tee "$OUT/startup.log" | tail -2
+  rows+=("startup: $(grep '^{' "$OUT/startup.log" | tail -1)")
+fi
+if has compare; then
+  PROJ=. timeout 420 bash .peers/compare.sh 0.6b "${COMPARE_STEPS:-nv,al,w2s,prof}" 2>&1 | tee "$OUT/compare.log" | grep -E "RESULT|Error|B=|Self CUDA|Self CPU" | tail -20
+  while read -r line; do rows+=("compare: $line"); done < <(grep RESULT "$OUT/compare.log")
 fi
 echo "================ summary ================"
 git log -1 --format='commit %h %cd' 2>/dev/null || true

@@ -70,7 +70,7 @@ def _qk_norm_rope_kv_kernel(
         k_w2 = tl.load(k_w_ptr + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)
         x1, x2 = _norm_halves(x1, x2, tl.where(is_q, q_w1, k_w1), tl.where(is_q, q_w2, k_w2), eps, HEAD_DIM)
     pos = tl.load(pos_ptr + token)
-    cos = tl.load(cos_ptr + pos * stride_cos + offs_d, mask=d_mask, other=0.0)  # [1, BH] float32
+    cos = tl.load(cos_ptr + pos * stride_cos + offs_d, mask=d_mask, other=0.0)  # [1, BH] float32 or dtype
     sin = tl.load(sin_ptr + pos * stride_sin + offs_d, mask=d_mask, other=0.0)
     # The model casts the tables to the activations' dtype before rotating.
     x1, x2 = _rotate(x1, x2, cos.to(dtype).to(tl.float32), sin.to(dtype).to(tl.float32))
@@ -114,10 +114,13 @@ def _check(qkv, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping,
     num_heads = qkv.shape[1] // head_dim - 2 * num_kv_heads
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of the cache's {num_kv_heads} KV heads")
+    # The tables may already be in qkv's dtype (a model cast with `.to(dtype)` casts its buffers): the kernel
+    # casts float32 tables to that dtype first, so both give the same rotation.
     for name, table in (("cos_cache", cos_cache), ("sin_cache", sin_cache)):
-        if table.dim() != 2 or table.shape[1] != head_dim // 2 or table.dtype != torch.float32:
+        if table.dim() != 2 or table.shape[1] != head_dim // 2 or table.dtype not in (torch.float32, qkv.dtype):
             raise ValueError(
-                f"{name} must be float32 [P, D/2] = [P, {head_dim // 2}]; got {table.dtype} {tuple(table.shape)}"
+                f"{name} must be float32 or {qkv.dtype} [P, D/2] = [P, {head_dim // 2}]; got {table.dtype} "
+                f"{tuple(table.shape)}"
             )
     for name, index in (("positions", positions), ("slot_mapping", slot_mapping)):
         if index.dtype != torch.int64:

@@ -1,0 +1,64 @@
+"""Start-up cost and the first request: load, memory profile, warm-up and CUDA-graph capture times, then
+the time to first token of the first request in this process against a warm one (target: within 2x).
+Random weights of a real shape (load_format="dummy"). Prints one JSON line.
+Usage (device machine, from bench/): python3 startup.py [--shape qwen3-0.6b] [--enforce-eager]"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from shapes import write_shape_dir
+
+from asyncllm import LLM, SamplingParams
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="qwen3-0.6b")
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--enforce-eager", action="store_true")
+    args = ap.parse_args()
+    model_dir = write_shape_dir(args.shape, Path(tempfile.mkdtemp()) / args.shape)
+    t0 = time.perf_counter()
+    llm = LLM(
+        str(model_dir),
+        device="cuda",
+        load_format="dummy",
+        max_model_len=args.max_model_len,
+        enforce_eager=args.enforce_eager,
+    )
+    built = time.perf_counter() - t0
+    params = SamplingParams(temperature=0.6, max_tokens=1, ignore_eos=True)
+    prompt = list(range(1000, 1128))
+
+    def ttft() -> float:
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        assert out.metrics is not None and out.metrics.time_to_first_token is not None
+        return out.metrics.time_to_first_token
+
+    first = ttft()
+    warm = statistics.median(ttft() for _ in range(5))
+    print(
+        json.dumps(
+            {
+                "workload": "startup",
+                "shape": args.shape,
+                "enforce_eager": args.enforce_eager,
+                "construct_s": round(built, 2),
+                "steps_s": {k: round(v, 2) for k, v in llm.runtime.startup_seconds},
+                "cuda_graph_sizes": len(llm.runtime.cuda_graph_sizes),
+                "first_ttft_ms": round(first * 1e3, 2),
+                "warm_ttft_ms": round(warm * 1e3, 2),
+                "first_over_warm": round(first / warm, 2),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
