@@ -7,16 +7,19 @@ and never registers it with Python's resource tracker. Knows nothing of what the
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
 from asyncllm.distributed.shm_ring import (
     DEFAULT_RECHECK_S,
     DEFAULT_SPIN_S,
+    DETACHED,
     RingAttachError,
     RingClosedError,
     RingHandle,
     RingTimeoutError,
+    describe_process,
     process_alive,
 )
 from asyncllm.distributed.shm_segment import U64, ReaderSegment, RingView
@@ -42,7 +45,9 @@ class ShmRingReader:
         cls, handle: RingHandle, *, spin_s: float = DEFAULT_SPIN_S, recheck_s: float = DEFAULT_RECHECK_S
     ) -> ShmRingReader:
         """Attach reader `handle.rank` (in any process on this host). Raises `RingClosedError` if the writer
-        already closed the ring, `RingAttachError` if that rank is attached elsewhere or the handle is stale."""
+        already closed the ring, `RingAttachError` if that rank was attached before or the handle is stale."""
+        if not 0 <= handle.rank < handle.n_readers:
+            raise RingAttachError(f"rank={handle.rank!r} is invalid: use 0..{handle.n_readers - 1}")
         if not spin_s >= 0:
             raise ValueError(f"spin_s={spin_s!r} is invalid: use seconds >= 0 (0: sleep at once)")
         if not recheck_s > 0:
@@ -57,18 +62,22 @@ class ShmRingReader:
         except ValueError as exc:
             raise RingAttachError(str(exc)) from None
         ring = RingView(segment.layout, segment.buf)
+        wake: WakeReceiver | None = None
         try:
             if ring.closed():
                 raise RingClosedError(f"ring {handle.name} was closed before reader {handle.rank} attached")
-            try:
+            with contextlib.suppress(AddressInUseError):  # in use: that rank is attached right now
                 wake = WakeReceiver(wake_address(handle.name, handle.rank))
-            except AddressInUseError:
-                pid = ring.reader_pids()[handle.rank]
+            earlier = ring.reader_pids()[handle.rank]
+            if wake is None or earlier != 0:
+                # A second reader of a rank would start at message 1 while the writer has moved on.
                 raise RingAttachError(
-                    f"reader {handle.rank} of ring {handle.name} is already attached (pid {pid}): give every "
-                    f"reader its own rank, writer.reader_handle(rank)"
-                ) from None
+                    f"reader {handle.rank} of ring {handle.name} was attached before ({describe_process(earlier)}): "
+                    f"a rank attaches once; give every reader its own rank, or a restarted worker a new ring"
+                )
         except BaseException:
+            if wake is not None:
+                wake.close()
             ring.release()
             segment.close()
             raise
@@ -167,7 +176,7 @@ class ShmRingReader:
         if self._segment is None:
             return
         self._ring.set_sleeping(self.rank, False)
-        self._ring.set_reader_pid(self.rank, 0)
+        self._ring.set_reader_pid(self.rank, DETACHED)
         self._wake.close()
         self._ring.release()
         self._segment.close()

@@ -20,6 +20,7 @@ DEFAULT_SLOT_BYTES = 256 * 1024  # a decode step's inputs take a few KB; a long 
 DEFAULT_N_SLOTS = 16
 DEFAULT_SPIN_S = 50e-6  # a reader polls this long before it sleeps: fast hand-off, no core burnt while idle
 DEFAULT_RECHECK_S = 0.05  # a sleeping reader re-checks this often: the most a lost wake-up can cost
+DETACHED = 2**64 - 1  # a reader's pid field once it closed (0: not attached yet)
 
 # The protocol. Chunks are numbered 1, 2, 3, ...: a message takes one chunk per slot it fills, and chunk s lives
 # in slot s % n_slots. A slot's "written flag" is a stamp, the number of the chunk it holds; a reader's "read
@@ -101,5 +102,7 @@ def process_alive(pid: int) -> bool:
 
 def describe_process(pid: int) -> str:
     if pid == 0:
-        return "not attached"
+        return "never attached"
+    if pid == DETACHED:
+        return "closed by its owner"
     return f"pid {pid}, {'alive' if process_alive(pid) else 'exited'}"

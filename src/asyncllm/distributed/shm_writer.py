@@ -131,9 +131,22 @@ class ShmRingWriter:
             for view in views:
                 view.release()  # so the caller may resize its bytearray again
 
+    def wait_until_read(self, timeout: float | None = None) -> None:
+        """Block until every reader has read every message written so far (e.g. before a clean shutdown)."""
+        self._check_open()
+        last = self._seq - 1
+        if last:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            self._wait_read(last, last % self._ring.layout.n_slots, deadline, "for every message to be read")
+
     def _wait_free(self, seq: int, slot: int, deadline: float | None) -> None:
         need = seq - self._ring.layout.n_slots  # the chunk this slot held one lap ago
-        if need <= 0 or self._ring.min_read_stamp(slot) >= need:
+        if need > 0:
+            self._wait_read(need, slot, deadline, f"for a free slot to write message {self._messages + 1}")
+
+    def _wait_read(self, need: int, slot: int, deadline: float | None, purpose: str) -> None:
+        """Wait until every reader has read chunk `need` (which lives in `slot`)."""
+        if self._ring.min_read_stamp(slot) >= need:
             return
         start = time.monotonic()
         nap, warned = 10e-6, False
@@ -143,22 +156,19 @@ class ShmRingWriter:
                 os.sched_yield()  # the readers we wait for may need this core
                 continue
             if deadline is not None and now >= deadline:
-                raise RingTimeoutError(f"{self._late(need, slot, now - start)}; pass a larger timeout if just slow")
+                raise RingTimeoutError(f"{self._late(need, slot, now - start, purpose)}; pass a larger timeout")
             if not warned and now - start >= self._warn_after_s:
-                logger.warning("%s; still waiting", self._late(need, slot, now - start))
+                logger.warning("%s; still waiting", self._late(need, slot, now - start, purpose))
                 warned = True
             time.sleep(nap)
             nap = min(2 * nap, _MAX_NAP_S)
 
-    def _late(self, need: int, slot: int, waited: float) -> str:
+    def _late(self, need: int, slot: int, waited: float, purpose: str) -> str:
         ring = self._ring
         stamps = ring.stamps.unpack_from(ring.buf, ring.read_stamps[slot])
         pids = ring.reader_pids()
         late = ", ".join(f"reader {r} ({describe_process(pids[r])})" for r, s in enumerate(stamps) if s < need)
-        return (
-            f"ring {self.name}: the writer waited {waited:.2f} s for a free slot to write message "
-            f"{self._messages + 1}; not yet read chunk {need}: {late}"
-        )
+        return f"ring {self.name}: the writer waited {waited:.2f} s {purpose}; not yet read chunk {need}: {late}"
 
     def _check_open(self) -> None:
         if self._segment is None:
