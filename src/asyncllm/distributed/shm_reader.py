@@ -23,18 +23,19 @@ from asyncllm.distributed.shm_ring import (
     process_alive,
 )
 from asyncllm.distributed.shm_segment import U64, ReaderSegment, RingView
-from asyncllm.distributed.shm_wakeup import AddressInUseError, WakeReceiver, wake_address
+from asyncllm.distributed.shm_wakeup import AddressInUseError, WakeSocket, reader_address, writer_address
 
 
 class ShmRingReader:
     """Reads, in order, every message the writer broadcasts. Use from one thread; build with `attach`."""
 
-    def __init__(self, handle: RingHandle, segment: ReaderSegment, wake: WakeReceiver, spin_s: float, recheck_s: float):
+    def __init__(self, handle: RingHandle, segment: ReaderSegment, wake: WakeSocket, spin_s: float, recheck_s: float):
         self.rank = handle.rank
         self.name = handle.name
         self._segment: ReaderSegment | None = segment
         self._ring = RingView(segment.layout, segment.buf)
         self._wake = wake
+        self._writer = writer_address(handle.name)
         self._spin_s = spin_s
         self._recheck_s = recheck_s
         self._seq = 1  # the next chunk to read
@@ -62,12 +63,12 @@ class ShmRingReader:
         except ValueError as exc:
             raise RingAttachError(str(exc)) from None
         ring = RingView(segment.layout, segment.buf)
-        wake: WakeReceiver | None = None
+        wake: WakeSocket | None = None
         try:
             if ring.closed():
                 raise RingClosedError(f"ring {handle.name} was closed before reader {handle.rank} attached")
             with contextlib.suppress(AddressInUseError):  # in use: that rank is attached right now
-                wake = WakeReceiver(wake_address(handle.name, handle.rank))
+                wake = WakeSocket(reader_address(handle.name, handle.rank))
             earlier = ring.reader_pids()[handle.rank]
             if wake is None or earlier != 0:
                 # A second reader of a rank would start at message 1 while the writer has moved on.
@@ -101,9 +102,7 @@ class ShmRingReader:
         if total <= cap:
             at = ring.payload[slot]
             data = ring.buf[at : at + total].tobytes()
-            ring.fence()
-            ring.set_read_stamp(slot, self.rank, seq)
-            self._seq = seq + 1
+            self._release(slot, seq)
             return data
         out = bytearray(total)  # continued over the following slots: assemble, then one more copy to bytes
         for start in range(0, total, cap):
@@ -121,11 +120,19 @@ class ShmRingReader:
             take = min(cap, total - start)
             at = ring.payload[slot]
             out[start : start + take] = ring.buf[at : at + take]
-            ring.fence()
-            ring.set_read_stamp(slot, self.rank, seq)
+            self._release(slot, seq)
             seq += 1
-            self._seq = seq
         return bytes(out)
+
+    def _release(self, slot: int, seq: int) -> None:
+        """Hand chunk `seq`'s slot back to the writer, and wake the writer if it sleeps waiting for one."""
+        ring = self._ring
+        ring.fence()  # our copy is done before the stamp says so
+        ring.set_read_stamp(slot, self.rank, seq)
+        self._seq = seq + 1
+        ring.fence()  # the stamp is visible before we look at the writer's flag (see shm_ring: Sleeping)
+        if ring.writer_waiting():
+            self._wake.wake(self._writer)
 
     def _wait(self, seq: int, slot: int, deadline: float | None) -> None:
         """Return once chunk `seq` is written: poll for `spin_s`, then sleep until woken."""
@@ -134,6 +141,7 @@ class ShmRingReader:
             return
         spin_end = time.monotonic() + self._spin_s
         while time.monotonic() < spin_end:
+            os.sched_yield()  # on a shared core, lets the writer run; on an idle one, returns at once
             if U64.unpack_from(buf, at)[0] == seq:
                 return
         self._ring.set_sleeping(self.rank, True)

@@ -29,7 +29,8 @@ DETACHED = 2**64 - 1  # a reader's pid field once it closed (0: not attached yet
 #
 #   writer, chunk s:  wait until every read stamp of the slot >= s - n_slots (the previous lap was read)
 #                     FENCE; payload and length; FENCE; written stamp := s; FENCE; wake readers flagged asleep
-#   reader, chunk s:  wait until the written stamp == s; FENCE; copy the payload out; FENCE; read stamp := s
+#   reader, chunk s:  wait until the written stamp == s; FENCE; copy the payload out; FENCE; read stamp := s;
+#                     FENCE; wake the writer if it is flagged waiting
 #
 # Why no reader sees half a message: the written stamp is stored after a fence that follows the payload, and
 # loaded before a fence that precedes the copy; the writer reuses the slot only after every reader's read stamp,
@@ -48,8 +49,8 @@ DETACHED = 2**64 - 1  # a reader's pid field once it closed (0: not attached yet
 # Sleeping: a reader sets its sleeping flag, FENCEs, then re-checks the written stamp before it blocks; the
 # writer stores the stamp, FENCEs, then reads the sleeping flags. Each side stores, fences, then loads what the
 # other stores, so at least one sees the other (Dekker): the reader finds the chunk or the writer wakes it.
-# Were a CPU to break that, a sleeping reader still re-checks every `recheck_s`: a lost wake-up costs latency,
-# never a message.
+# A writer blocked on a full ring sleeps the same way, with its own flag and the roles swapped. Were a CPU to
+# break that handshake, a sleeper still re-checks every `recheck_s`: a lost wake-up costs latency, never a message.
 #
 # Closing: the writer sets the closed flag after a fence that follows its last stamp, so a reader that sees the
 # flag, fences and re-checks its next stamp never misses a message written before the close.

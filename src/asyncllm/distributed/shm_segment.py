@@ -22,8 +22,8 @@ _LINE = 64  # cache line: fields written by different processes never share one
 
 # magic, layout version, n_readers, n_slots, (pad), slot_bytes, writer pid
 HEADER = struct.Struct("<8sIIIIQQ")
-CLOSED_OFFSET = 40  # u32, after HEADER; set last, by the writer only
-U32 = struct.Struct("<I")
+CLOSED_OFFSET = 40  # u8, after HEADER; set last, by the writer only
+WRITER_WAITING_OFFSET = 41  # u8: the writer sleeps until a reader frees a slot
 U64 = struct.Struct("<Q")
 
 
@@ -35,7 +35,8 @@ def _align(n: int) -> int:
 class RingLayout:
     """Byte offsets of one ring. Segment:
 
-    | header (64) | sleeping flags: n_readers x u8 | reader pids: n_readers x u64 | slot 0 | slot 1 | ...
+    | header: HEADER, closed, writer waiting (64) | sleeping flags: n_readers x u8 | reader pids: n_readers x u64 |
+    | slot 0 | slot 1 | ...
 
     and each slot (every part 64-aligned):
 
@@ -172,10 +173,16 @@ class RingView:
         self._fence_lock.release()
 
     def closed(self) -> bool:
-        return bool(U32.unpack_from(self.buf, CLOSED_OFFSET)[0])
+        return self.buf[CLOSED_OFFSET] != 0
 
     def set_closed(self) -> None:
-        U32.pack_into(self.buf, CLOSED_OFFSET, 1)
+        self.buf[CLOSED_OFFSET] = 1
+
+    def writer_waiting(self) -> bool:
+        return self.buf[WRITER_WAITING_OFFSET] != 0
+
+    def set_writer_waiting(self, waiting: bool) -> None:
+        self.buf[WRITER_WAITING_OFFSET] = int(waiting)
 
     def writer_pid(self) -> int:
         return int(HEADER.unpack_from(self.buf, 0)[6])

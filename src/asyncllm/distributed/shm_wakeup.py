@@ -1,8 +1,9 @@
-"""Wake-ups for ring readers that sleep: one datagram socket per reader in Linux's abstract namespace.
+"""Wake-ups for a ring end that sleeps: one datagram socket per end in Linux's abstract socket namespace.
 
-A reader binds `\\0<ring name>-r<rank>` and blocks in poll() on it; the writer sends it one byte. Addresses derive
-from the ring's name, so nothing has to be passed at spawn time and nothing is left to clean up (an abstract
-socket disappears with its last descriptor, even when its process is killed). Knows nothing of the ring itself.
+Each end binds its own address (`\\0<ring name>-r<rank>` for a reader, `\\0<ring name>-w` for the writer), blocks
+in poll() on it when it has nothing to do, and pokes another end by sending it one byte. Addresses derive from
+the ring's name, so nothing is passed at spawn time and nothing is left to clean up (an abstract socket vanishes
+with its last descriptor, even when its process is killed). Knows nothing of the ring itself.
 """
 
 from __future__ import annotations
@@ -14,33 +15,20 @@ import select
 import socket
 
 
-def wake_address(ring_name: str, rank: int) -> str:
+def reader_address(ring_name: str, rank: int) -> str:
     return f"\0{ring_name}-r{rank}"
 
 
-class WakeSender:
-    """The writer's side: one unbound, non-blocking socket that can poke any reader."""
-
-    def __init__(self, addresses: list[str]) -> None:
-        self._addresses = addresses
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._sock.setblocking(False)
-
-    def wake(self, rank: int) -> None:
-        # Refused: nobody bound there (not attached yet, or gone); would block: a wake-up is already queued.
-        with contextlib.suppress(ConnectionRefusedError, BlockingIOError):
-            self._sock.sendto(b"\1", self._addresses[rank])
-
-    def close(self) -> None:
-        self._sock.close()
+def writer_address(ring_name: str) -> str:
+    return f"\0{ring_name}-w"
 
 
 class AddressInUseError(OSError):
-    """Another live socket holds this reader's address: its rank is already attached."""
+    """Another live socket holds this address: that end of the ring is already open."""
 
 
-class WakeReceiver:
-    """A reader's side: bound to its address; `wait` blocks until poked or until the timeout."""
+class WakeSocket:
+    """One end's socket: bound to its own address (so it can be woken) and able to wake any other end."""
 
     def __init__(self, address: str) -> None:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -49,24 +37,26 @@ class WakeReceiver:
         except OSError as exc:
             self._sock.close()
             if exc.errno == errno.EADDRINUSE:
-                raise AddressInUseError(exc.errno, exc.strerror) from exc
+                raise AddressInUseError(exc.errno, f"{exc.strerror}: {address[1:]}") from exc
             raise
         self._sock.setblocking(False)
         self._poll = select.poll()
         self._poll.register(self._sock, select.POLLIN)
 
+    def wake(self, address: str) -> None:
+        # Refused: nobody bound there (not attached yet, or gone); would block: a wake-up is already queued.
+        with contextlib.suppress(ConnectionRefusedError, BlockingIOError):
+            self._sock.sendto(b"\1", address)
+
     def wait(self, timeout_s: float) -> None:
         """Block until a wake-up arrives or `timeout_s` passes, then discard every queued wake-up: the caller
         re-checks the ring after this returns, so pokes that arrived meanwhile carry no news."""
         if self._poll.poll(max(1, math.ceil(timeout_s * 1000))):
-            self.drain()
-
-    def drain(self) -> None:
-        while True:
-            try:
-                self._sock.recv(64)
-            except BlockingIOError:
-                return
+            while True:
+                try:
+                    self._sock.recv(64)
+                except BlockingIOError:
+                    return
 
     def close(self) -> None:
         self._sock.close()

@@ -1,8 +1,8 @@
 """The ring's one writer: creates the segment, copies messages into slots, wakes sleeping readers, and closes.
 
-Follows the protocol described in `shm_ring`; blocks (spin, then short naps) while the slowest reader lags a
-full ring behind, warns once per stall past `warn_after_s` naming the late readers, and raises on `timeout`.
-Knows nothing of what the messages mean.
+Follows the protocol described in `shm_ring`; while the slowest reader lags a full ring behind it spins
+briefly, then sleeps until a reader frees a slot, warns once per stall past `warn_after_s` naming the late
+readers, and raises on `timeout`. Knows nothing of what the messages mean.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from asyncllm.distributed.shm_ring import (
     DEFAULT_N_SLOTS,
+    DEFAULT_RECHECK_S,
     DEFAULT_SLOT_BYTES,
     BytesLike,
     RingClosedError,
@@ -23,12 +24,11 @@ from asyncllm.distributed.shm_ring import (
     describe_process,
 )
 from asyncllm.distributed.shm_segment import U64, RingLayout, RingView, WriterSegment
-from asyncllm.distributed.shm_wakeup import WakeSender, wake_address
+from asyncllm.distributed.shm_wakeup import WakeSocket, reader_address, writer_address
 
 logger = logging.getLogger(__name__)
 
 _SPIN_S = 50e-6
-_MAX_NAP_S = 1e-3  # a blocked writer naps up to this long between checks (the ring is full: readers have work)
 
 
 class ShmRingWriter:
@@ -55,7 +55,12 @@ class ShmRingWriter:
         self.name = f"asyncllm-ring-{uuid.uuid4().hex[:16]}"  # unique: engines on one host never collide
         self._segment: WriterSegment | None = WriterSegment(self.name, layout)
         self._ring = RingView(layout, self._segment.buf)
-        self._wake = WakeSender([wake_address(self.name, rank) for rank in range(n_readers)])
+        try:
+            self._wake = WakeSocket(writer_address(self.name))
+        except BaseException:
+            self._segment.close_and_unlink()
+            raise
+        self._readers = [reader_address(self.name, rank) for rank in range(n_readers)]
         self._warn_after_s = warn_after_s
         self._seq = 1  # the next chunk's number
         self._messages = 0  # written in full
@@ -125,7 +130,7 @@ class ShmRingWriter:
                 if any(sleeping):
                     for rank, asleep in enumerate(sleeping):
                         if asleep:
-                            self._wake.wake(rank)
+                            self._wake.wake(self._readers[rank])
             self._messages += 1
         finally:
             for view in views:
@@ -145,23 +150,33 @@ class ShmRingWriter:
             self._wait_read(need, slot, deadline, f"for a free slot to write message {self._messages + 1}")
 
     def _wait_read(self, need: int, slot: int, deadline: float | None, purpose: str) -> None:
-        """Wait until every reader has read chunk `need` (which lives in `slot`)."""
-        if self._ring.min_read_stamp(slot) >= need:
+        """Wait until every reader has read chunk `need` (which lives in `slot`): spin, then sleep until a
+        reader pokes us (see shm_ring: the same handshake as a sleeping reader's, roles swapped)."""
+        ring = self._ring
+        if ring.min_read_stamp(slot) >= need:
             return
         start = time.monotonic()
-        nap, warned = 10e-6, False
-        while self._ring.min_read_stamp(slot) < need:
-            now = time.monotonic()
-            if now - start < _SPIN_S:
-                os.sched_yield()  # the readers we wait for may need this core
-                continue
-            if deadline is not None and now >= deadline:
-                raise RingTimeoutError(f"{self._late(need, slot, now - start, purpose)}; pass a larger timeout")
-            if not warned and now - start >= self._warn_after_s:
-                logger.warning("%s; still waiting", self._late(need, slot, now - start, purpose))
-                warned = True
-            time.sleep(nap)
-            nap = min(2 * nap, _MAX_NAP_S)
+        while time.monotonic() - start < _SPIN_S:
+            if ring.min_read_stamp(slot) >= need:
+                return
+            os.sched_yield()  # the readers we wait for may need this core
+        warn_at: float | None = start + self._warn_after_s
+        ring.set_writer_waiting(True)
+        try:
+            while True:
+                ring.fence()  # our waiting flag is visible before we re-check the stamps
+                if ring.min_read_stamp(slot) >= need:
+                    return
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    raise RingTimeoutError(f"{self._late(need, slot, now - start, purpose)}; pass a larger timeout")
+                if warn_at is not None and now >= warn_at:
+                    logger.warning("%s; still waiting", self._late(need, slot, now - start, purpose))
+                    warn_at = None
+                wake_by = min(t for t in (now + DEFAULT_RECHECK_S, deadline, warn_at) if t is not None)
+                self._wake.wait(wake_by - now)
+        finally:
+            ring.set_writer_waiting(False)
 
     def _late(self, need: int, slot: int, waited: float, purpose: str) -> str:
         ring = self._ring
@@ -180,8 +195,8 @@ class ShmRingWriter:
         self._ring.fence()  # every published stamp is visible before the closed flag
         self._ring.set_closed()
         self._ring.fence()
-        for rank in range(self._ring.layout.n_readers):
-            self._wake.wake(rank)
+        for address in self._readers:
+            self._wake.wake(address)
 
     def close(self) -> None:
         """Mark the ring closed, wake every reader, unlink the segment. Idempotent."""
