@@ -172,6 +172,29 @@ def test_write_timeout_names_late_readers_and_warns_once(caplog: pytest.LogCaptu
         fast.close(), slow.close()
 
 
+def test_blocked_writer_is_woken_by_the_reader_that_frees_a_slot() -> None:
+    """A writer asleep on a full ring (its re-check set to 10 s) resumes as soon as the lagging reader reads:
+    the reader's poke wakes it, not the re-check."""
+    with ShmRingWriter(1, slot_bytes=8, n_slots=1, recheck_s=10.0) as writer:
+        reader = ShmRingReader.attach(writer.reader_handle(0))
+        writer.write(b"first")
+        read_at: list[float] = []
+
+        def read_later() -> None:
+            time.sleep(0.3)
+            read_at.append(time.monotonic())
+            reader.read()
+
+        thread = threading.Thread(target=read_later)
+        thread.start()
+        writer.write(b"second", timeout=20)  # blocks until `first` is read
+        resumed = time.monotonic() - read_at[0]
+        thread.join()
+        assert resumed < 2.0, f"the writer resumed {resumed:.2f} s after the read: it was not woken"
+        assert reader.read(timeout=5) == b"second"
+        reader.close()
+
+
 def test_timeout_mid_message_closes_the_ring() -> None:
     """A write that times out after sending part of a multi-slot message closes the ring: a reader inside that
     message gets RingClosedError instead of half a message, and later writes are refused until close()."""
@@ -226,7 +249,8 @@ def test_attach_after_close_and_use_after_close() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [({"n_readers": 0}, "n_readers"), ({"n_readers": 1, "slot_bytes": 0}, "slot_bytes"),
-     ({"n_readers": 1, "n_slots": 1.5}, "n_slots"), ({"n_readers": 1, "warn_after_s": 0}, "warn_after_s")],
+     ({"n_readers": 1, "n_slots": 1.5}, "n_slots"), ({"n_readers": 1, "warn_after_s": 0}, "warn_after_s"),
+     ({"n_readers": 1, "recheck_s": -1.0}, "recheck_s")],
 )  # fmt: skip
 def test_writer_validates_its_arguments(kwargs: dict[str, float], field: str) -> None:
     """A bad constructor argument raises ValueError naming it, before any segment is created."""

@@ -20,7 +20,6 @@ from asyncllm.distributed.shm_ring import (
     RingHandle,
     RingTimeoutError,
     describe_process,
-    process_alive,
 )
 from asyncllm.distributed.shm_segment import U64, ReaderSegment, RingView
 from asyncllm.distributed.shm_wakeup import AddressInUseError, WakeSocket, reader_address, writer_address
@@ -29,7 +28,9 @@ from asyncllm.distributed.shm_wakeup import AddressInUseError, WakeSocket, reade
 class ShmRingReader:
     """Reads, in order, every message the writer broadcasts. Use from one thread; build with `attach`."""
 
-    def __init__(self, handle: RingHandle, segment: ReaderSegment, wake: WakeSocket, spin_s: float, recheck_s: float):
+    def __init__(
+        self, handle: RingHandle, segment: ReaderSegment, wake: WakeSocket, spin_s: float, recheck_s: float
+    ) -> None:
         self.rank = handle.rank
         self.name = handle.name
         self._segment: ReaderSegment | None = segment
@@ -173,11 +174,15 @@ class ShmRingReader:
 
     def _raise_if_writer_gone(self) -> None:
         ring = self._ring
+        # The writer's wake-up socket is bound until its close() (which sets the closed flag first) or its death.
+        if not ring.closed() and not self._wake.wake(self._writer):
+            ring.fence()
+            if not ring.closed():
+                raise RingClosedError(
+                    f"the writer of ring {self.name} (pid {ring.writer_pid()}) exited without closing the ring"
+                )
         if ring.closed():
             raise RingClosedError(f"ring {self.name} was closed by its writer; every message before was read")
-        pid = ring.writer_pid()
-        if not process_alive(pid):
-            raise RingClosedError(f"the writer of ring {self.name} (pid {pid}) exited without closing the ring")
 
     def close(self) -> None:
         """Detach (the segment stays for the writer and the other readers). Idempotent."""

@@ -8,7 +8,6 @@ with its last descriptor, even when its process is killed). Knows nothing of the
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import math
 import select
@@ -43,10 +42,16 @@ class WakeSocket:
         self._poll = select.poll()
         self._poll.register(self._sock, select.POLLIN)
 
-    def wake(self, address: str) -> None:
-        # Refused: nobody bound there (not attached yet, or gone); would block: a wake-up is already queued.
-        with contextlib.suppress(ConnectionRefusedError, BlockingIOError):
+    def wake(self, address: str) -> bool:
+        """Poke the end bound at `address`; False if nobody is bound there (not attached yet, closed, or its
+        process is gone: the kernel closes a dead process's sockets), whatever namespace its pid lives in."""
+        try:
             self._sock.sendto(b"\1", address)
+        except ConnectionRefusedError:
+            return False
+        except BlockingIOError:
+            pass  # its queue is full of earlier pokes: it is there, and will wake anyway
+        return True
 
     def wait(self, timeout_s: float) -> None:
         """Block until a wake-up arrives or `timeout_s` passes, then discard every queued wake-up: the caller

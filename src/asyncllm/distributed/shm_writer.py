@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 import uuid
 from collections.abc import Sequence
@@ -45,12 +46,19 @@ class ShmRingWriter:
         slot_bytes: int = DEFAULT_SLOT_BYTES,
         n_slots: int = DEFAULT_N_SLOTS,
         warn_after_s: float = 10.0,
+        recheck_s: float = DEFAULT_RECHECK_S,
     ) -> None:
         for field, value in (("n_readers", n_readers), ("slot_bytes", slot_bytes), ("n_slots", n_slots)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{field}={value!r} is invalid: use an integer >= 1")
-        if not warn_after_s > 0:
-            raise ValueError(f"warn_after_s={warn_after_s!r} is invalid: use a positive number of seconds")
+        for field, seconds in (("warn_after_s", warn_after_s), ("recheck_s", recheck_s)):
+            if not seconds > 0:
+                raise ValueError(f"{field}={seconds!r} is invalid: use a positive number of seconds")
+        if not sys.platform.startswith("linux"):
+            raise RuntimeError(
+                f"the shared-memory ring needs Linux (/dev/shm, abstract sockets), not {sys.platform}: "
+                f"run tensor-parallel workers on Linux"
+            )
         layout = RingLayout(n_readers, n_slots, slot_bytes)
         self.name = f"asyncllm-ring-{uuid.uuid4().hex[:16]}"  # unique: engines on one host never collide
         self._segment: WriterSegment | None = WriterSegment(self.name, layout)
@@ -62,6 +70,7 @@ class ShmRingWriter:
             raise
         self._readers = [reader_address(self.name, rank) for rank in range(n_readers)]
         self._warn_after_s = warn_after_s
+        self._recheck_s = recheck_s  # a blocked writer re-checks this often, should a reader's poke be lost
         self._seq = 1  # the next chunk's number
         self._messages = 0  # written in full
         self._abandoned = False
@@ -173,7 +182,7 @@ class ShmRingWriter:
                 if warn_at is not None and now >= warn_at:
                     logger.warning("%s; still waiting", self._late(need, slot, now - start, purpose))
                     warn_at = None
-                wake_by = min(t for t in (now + DEFAULT_RECHECK_S, deadline, warn_at) if t is not None)
+                wake_by = min(t for t in (now + self._recheck_s, deadline, warn_at) if t is not None)
                 self._wake.wait(wake_by - now)
         finally:
             ring.set_writer_waiting(False)
