@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import array
 import dataclasses
+import errno
 import itertools
 import logging
 import os
@@ -256,6 +257,19 @@ def test_writer_validates_its_arguments(kwargs: dict[str, float], field: str) ->
     """A bad constructor argument raises ValueError naming it, before any segment is created."""
     with pytest.raises(ValueError, match=rf"^{field}="):
         ShmRingWriter(**kwargs)  # type: ignore[arg-type]
+
+
+def test_full_dev_shm_fails_at_construction_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    """When /dev/shm cannot hold the ring (Docker's 64 MB default), the constructor raises OSError naming
+    --shm-size and leaves no segment behind, instead of a SIGBUS at the first write into a missing page."""
+
+    def no_space(fd: int, offset: int, size: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_space)
+    with pytest.raises(OSError, match=r"--shm-size") as caught:
+        ShmRingWriter(2, slot_bytes=2**20, n_slots=64)
+    assert caught.value.errno == errno.ENOSPC
 
 
 def test_write_takes_any_contiguous_buffer() -> None:
