@@ -9,6 +9,7 @@ sleeping reader (what an engine's workers see between steps). Prints one JSON li
 microseconds over every reader's messages, warm-up excluded.
 
 python bench/ring_latency.py [--messages 3000] [--sizes 4096 65536 1048576] [--readers 1 2] [--gaps-us 20 1000]
+                             [--spin-us 50] [--slot-bytes 262144]
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import time
 from typing import Any
 
 from asyncllm.distributed import RingClosedError, RingHandle, ShmRingReader, ShmRingWriter
+from asyncllm.distributed.shm_ring import DEFAULT_SLOT_BYTES
 
 _STAMP = struct.Struct("<Q")
 _WARMUP = 200
@@ -51,11 +53,13 @@ def pause(gap_ns: int) -> None:
         pass
 
 
-def run_case(size: int, n_readers: int, gap_us: float, spin_us: float, messages: int) -> dict[str, Any]:
+def run_case(
+    size: int, n_readers: int, gap_us: float, spin_us: float, messages: int, slot_bytes: int
+) -> dict[str, Any]:
     ctx = multiprocessing.get_context("spawn")
     results: Any = ctx.Queue()
     body = os.urandom(size - _STAMP.size)
-    with ShmRingWriter(n_readers) as writer:
+    with ShmRingWriter(n_readers, slot_bytes=slot_bytes) as writer:
         procs = [
             ctx.Process(target=reader_main, args=(writer.reader_handle(rank), spin_us * 1e-6, results))
             for rank in range(n_readers)
@@ -80,6 +84,7 @@ def run_case(size: int, n_readers: int, gap_us: float, spin_us: float, messages:
         "readers": n_readers,
         "gap_us": gap_us,
         "spin_us": spin_us,
+        "slot_bytes": slot_bytes,
         "messages": messages,
         "p50_us": round(q[49], 1),
         "p99_us": round(q[98], 1),
@@ -95,11 +100,13 @@ def main() -> None:
     ap.add_argument("--readers", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--gaps-us", type=float, nargs="+", default=[20.0, 1000.0], help="pause between messages")
     ap.add_argument("--spin-us", type=float, default=50.0, help="readers poll this long before sleeping")
+    ap.add_argument("--slot-bytes", type=int, default=DEFAULT_SLOT_BYTES, help="larger messages span slots")
     args = ap.parse_args()
     for gap_us in args.gaps_us:
         for size in args.sizes:
             for n_readers in args.readers:
-                print(json.dumps(run_case(size, n_readers, gap_us, args.spin_us, args.messages)), flush=True)
+                case = run_case(size, n_readers, gap_us, args.spin_us, args.messages, args.slot_bytes)
+                print(json.dumps(case), flush=True)
 
 
 if __name__ == "__main__":
