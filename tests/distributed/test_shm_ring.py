@@ -216,7 +216,7 @@ def test_slow_reader_blocks_writer_without_loss() -> None:
 
 def test_sleeping_reader_is_woken_by_write_and_by_close() -> None:
     """A reader asleep on an idle ring (its re-check set to 10 s) gets a new message and then the writer's
-    close within a fraction of a second: the wake-up reaches it, not the re-check; the close raises a clear
+    close within a second: the wake-up reaches it, not the re-check; the close raises a clear
     RingClosedError in the reader."""
     with ShmRingWriter(1) as writer:
         readers = Readers(writer, "timed", attach={"recheck_s": 10.0})
@@ -232,8 +232,8 @@ def test_sleeping_reader_is_woken_by_write_and_by_close() -> None:
         finally:
             readers.stop()
     (message, got_message), (close_error, got_close) = events
-    assert message == "message" and got_message - sent < 0.2
-    assert "closed by its writer" in close_error and got_close - closed < 0.2
+    assert message == "message" and got_message - sent < 1.0
+    assert "closed by its writer" in close_error and got_close - closed < 1.0
 
 
 def test_reader_killed_with_sigkill_makes_writer_time_out_naming_it() -> None:
@@ -251,7 +251,7 @@ def test_reader_killed_with_sigkill_makes_writer_time_out_naming_it() -> None:
             time.sleep(0.2)
             with pytest.raises(RingTimeoutError) as caught:
                 for i in range(10):
-                    writer.write(b"more %d" % i, timeout=0.3)
+                    writer.write(b"more %d" % i, timeout=1.0)
             assert i == 4, "the ring's 3 free slots and the one the dead reader had read were used first"
             message = str(caught.value)
             assert f"reader 0 (pid {pid}, exited)" in message and "reader 1" not in message

@@ -39,12 +39,14 @@ DETACHED = 2**64 - 1  # a reader's pid field once it closed (0: not attached yet
 # changed, all stored after the payload; a writer that sees a half-stored read stamp sees it only once that
 # reader's copy is done, since the store began after its fence.
 #
-# FENCE: Python has no memory fence. Acquiring then releasing a threading.Lock runs sem_wait/sem_post (or
-# pthread_mutex_lock/unlock), which POSIX requires to synchronize memory (XBD 4.12) and which are built on atomic
-# read-modify-write instructions: a full barrier on x86 (LOCK prefix), and ordering on arm64 in the glibc and
-# CPython builds we know; vLLM's shm_broadcast relies on the same. The compiler cannot move stores across these
-# calls either. On x86-TSO the order above holds even without fences (stores become visible in program order,
-# loads are not reordered with loads); the fences are for weaker CPUs such as arm64 Grace hosts.
+# FENCE: Python has no memory fence. Acquiring then releasing a threading.Lock runs sem_wait/sem_post or
+# pthread_mutex_lock/unlock (in newer CPythons, an atomic compare-exchange on the lock), which POSIX requires to
+# synchronize memory (XBD 4.12) and which are built on atomic read-modify-write instructions: a full barrier on
+# x86 (LOCK prefix), and ordering on arm64 in the glibc and CPython builds we know; vLLM's shm_broadcast relies on
+# the same. The compiler cannot move loads or stores across these opaque calls either. On x86-TSO the publication
+# order above holds even without fences (stores become visible in program order, loads are not reordered with
+# loads); there the fences matter for the sleeping handshake below (TSO lets a load pass an earlier store), and
+# everywhere for weaker CPUs such as arm64 Grace hosts.
 #
 # Sleeping: a reader sets its sleeping flag, FENCEs, then re-checks the written stamp before it blocks; the
 # writer stores the stamp, FENCEs, then reads the sleeping flags. Each side stores, fences, then loads what the
