@@ -22,7 +22,7 @@ from asyncllm.distributed.shm_ring import (
     describe_process,
 )
 from asyncllm.distributed.shm_segment import U64, ReaderSegment, RingView
-from asyncllm.distributed.shm_wakeup import AddressInUseError, WakeSocket, reader_address, writer_address
+from asyncllm.distributed.shm_wakeup import AddressInUseError, Spinner, WakeSocket, reader_address, writer_address
 
 
 class ShmRingReader:
@@ -37,7 +37,7 @@ class ShmRingReader:
         self._ring = RingView(segment.layout, segment.buf)
         self._wake = wake
         self._writer = writer_address(handle.name)
-        self._spin_s = spin_s
+        self._spinner = Spinner(spin_s)
         self._recheck_s = recheck_s
         self._seq = 1  # the next chunk to read
         self._broken: str | None = None  # why a timeout mid-message left this reader unusable
@@ -140,11 +140,8 @@ class ShmRingReader:
         buf, at = self._ring.buf, self._ring.written[slot]
         if U64.unpack_from(buf, at)[0] == seq:
             return
-        spin_end = time.monotonic() + self._spin_s
-        while time.monotonic() < spin_end:
-            os.sched_yield()  # on a shared core, lets the writer run; on an idle one, returns at once
-            if U64.unpack_from(buf, at)[0] == seq:
-                return
+        if self._spinner.spin(lambda: U64.unpack_from(buf, at)[0] == seq):
+            return
         self._ring.set_sleeping(self.rank, True)
         try:
             self._sleep(seq, slot, deadline)

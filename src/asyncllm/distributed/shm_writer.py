@@ -8,7 +8,6 @@ readers, and raises on `timeout`. Knows nothing of what the messages mean.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import time
 import uuid
@@ -25,7 +24,7 @@ from asyncllm.distributed.shm_ring import (
     describe_process,
 )
 from asyncllm.distributed.shm_segment import U64, RingLayout, RingView, WriterSegment
-from asyncllm.distributed.shm_wakeup import WakeSocket, reader_address, writer_address
+from asyncllm.distributed.shm_wakeup import Spinner, WakeSocket, reader_address, writer_address
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +70,7 @@ class ShmRingWriter:
         self._readers = [reader_address(self.name, rank) for rank in range(n_readers)]
         self._warn_after_s = warn_after_s
         self._recheck_s = recheck_s  # a blocked writer re-checks this often, should a reader's poke be lost
+        self._spinner = Spinner(_SPIN_S)
         self._seq = 1  # the next chunk's number
         self._messages = 0  # written in full
         self._abandoned = False
@@ -164,11 +164,9 @@ class ShmRingWriter:
         ring = self._ring
         if ring.min_read_stamp(slot) >= need:
             return
+        if self._spinner.spin(lambda: ring.min_read_stamp(slot) >= need):
+            return
         start = time.monotonic()
-        while time.monotonic() - start < _SPIN_S:
-            if ring.min_read_stamp(slot) >= need:
-                return
-            os.sched_yield()  # the readers we wait for may need this core
         warn_at: float | None = start + self._warn_after_s
         ring.set_writer_waiting(True)
         try:
