@@ -24,6 +24,8 @@ from hypothesis import strategies as st
 from asyncllm.distributed import (
     RingAttachError,
     RingClosedError,
+    RingConfigError,
+    RingNoSpaceError,
     RingTimeoutError,
     ShmRingReader,
     ShmRingWriter,
@@ -255,9 +257,13 @@ def test_attach_after_close_and_use_after_close() -> None:
      ({"n_readers": 1, "recheck_s": -1.0}, "recheck_s")],
 )  # fmt: skip
 def test_writer_validates_its_arguments(kwargs: dict[str, float], field: str) -> None:
-    """A bad constructor argument raises ValueError naming it, before any segment is created."""
-    with pytest.raises(ValueError, match=rf"^{field}="):
+    """A bad constructor argument raises RingConfigError (an AsyncLLMError and a ValueError) naming it, before
+    any segment is created; so does a rank outside the ring when asking for a reader's handle."""
+    with pytest.raises(RingConfigError, match=rf"^{field}=") as caught:
         ShmRingWriter(**kwargs)  # type: ignore[arg-type]
+    assert isinstance(caught.value, AsyncLLMError) and isinstance(caught.value, ValueError)
+    with ShmRingWriter(2) as writer, pytest.raises(RingConfigError, match=r"rank=2 is invalid"):
+        writer.reader_handle(2)
 
 
 def test_spinner_stops_spinning_on_a_contended_core(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -280,16 +286,17 @@ def test_spinner_stops_spinning_on_a_contended_core(monkeypatch: pytest.MonkeyPa
 
 
 def test_full_dev_shm_fails_at_construction_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
-    """When /dev/shm cannot hold the ring (Docker's 64 MB default), the constructor raises OSError naming
-    --shm-size and leaves no segment behind, instead of a SIGBUS at the first write into a missing page."""
+    """When /dev/shm cannot hold the ring (Docker's 64 MB default), the constructor raises RingNoSpaceError (an
+    OSError, errno ENOSPC) naming --shm-size and leaves no segment behind, instead of a SIGBUS at the first write
+    into a missing page."""
 
     def no_space(fd: int, offset: int, size: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "posix_fallocate", no_space)
-    with pytest.raises(OSError, match=r"--shm-size") as caught:
+    with pytest.raises(RingNoSpaceError, match=r"--shm-size") as caught:
         ShmRingWriter(2, slot_bytes=2**20, n_slots=64)
-    assert caught.value.errno == errno.ENOSPC
+    assert caught.value.errno == errno.ENOSPC and isinstance(caught.value, AsyncLLMError)
 
 
 def test_write_takes_any_contiguous_buffer() -> None:

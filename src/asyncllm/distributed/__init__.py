@@ -7,7 +7,23 @@ step thread to N worker processes. Plain standard library: importing this packag
 from __future__ import annotations
 
 from asyncllm.distributed.shm_reader import ShmRingReader
-from asyncllm.distributed.shm_ring import RingAttachError, RingClosedError, RingHandle, RingTimeoutError
+from asyncllm.distributed.shm_ring import (
+    RingAttachError,
+    RingClosedError,
+    RingConfigError,
+    RingHandle,
+    RingNoSpaceError,
+    RingTimeoutError,
+)
 from asyncllm.distributed.shm_writer import ShmRingWriter
 
-__all__ = ["RingAttachError", "RingClosedError", "RingHandle", "RingTimeoutError", "ShmRingReader", "ShmRingWriter"]
+__all__ = [
+    "RingAttachError",
+    "RingClosedError",
+    "RingConfigError",
+    "RingHandle",
+    "RingNoSpaceError",
+    "RingTimeoutError",
+    "ShmRingReader",
+    "ShmRingWriter",
+]

@@ -17,11 +17,12 @@ from asyncllm.distributed.shm_ring import (
     DETACHED,
     RingAttachError,
     RingClosedError,
+    RingConfigError,
     RingHandle,
     RingTimeoutError,
     describe_process,
 )
-from asyncllm.distributed.shm_segment import U64, ReaderSegment, RingView
+from asyncllm.distributed.shm_segment import U64, ReaderSegment, RingLayout, RingView
 from asyncllm.distributed.shm_wakeup import AddressInUseError, Spinner, WakeSocket, reader_address, writer_address
 
 
@@ -51,18 +52,16 @@ class ShmRingReader:
         if not 0 <= handle.rank < handle.n_readers:
             raise RingAttachError(f"rank={handle.rank!r} is invalid: use 0..{handle.n_readers - 1}")
         if not spin_s >= 0:
-            raise ValueError(f"spin_s={spin_s!r} is invalid: use seconds >= 0 (0: sleep at once)")
+            raise RingConfigError(f"spin_s={spin_s!r} is invalid: use seconds >= 0 (0: sleep at once)")
         if not recheck_s > 0:
-            raise ValueError(f"recheck_s={recheck_s!r} is invalid: use a positive number of seconds (e.g. 0.05)")
+            raise RingConfigError(f"recheck_s={recheck_s!r} is invalid: use a positive number of seconds (e.g. 0.05)")
         try:
-            segment = ReaderSegment(handle.name, handle.layout)
+            segment = ReaderSegment(handle.name, RingLayout(handle.n_readers, handle.n_slots, handle.slot_bytes))
         except FileNotFoundError:
             raise RingClosedError(
                 f"ring {handle.name} does not exist: its writer closed it or exited before reader {handle.rank} "
                 f"attached (or the handle comes from another host)"
             ) from None
-        except ValueError as exc:
-            raise RingAttachError(str(exc)) from None
         ring = RingView(segment.layout, segment.buf)
         wake: WakeSocket | None = None
         try:

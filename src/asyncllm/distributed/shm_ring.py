@@ -11,7 +11,6 @@ import os
 from dataclasses import dataclass
 from typing import TypeAlias
 
-from asyncllm.distributed.shm_segment import RingLayout
 from asyncllm.errors import AsyncLLMError
 
 BytesLike: TypeAlias = bytes | bytearray | memoryview
@@ -71,6 +70,14 @@ class RingAttachError(AsyncLLMError, ValueError):
     """A reader cannot attach with this handle: a rank already attached, or a handle of another ring layout."""
 
 
+class RingConfigError(AsyncLLMError, ValueError):
+    """A bad ring argument (the message names it, its value and the fix), or a platform the ring cannot run on."""
+
+
+class RingNoSpaceError(AsyncLLMError, OSError):
+    """/dev/shm cannot hold the ring (errno ENOSPC); the message says how to make room."""
+
+
 @dataclass(frozen=True)
 class RingHandle:
     """What a reader process needs to attach (picklable, a few fields): pass it to the spawned worker."""
@@ -80,10 +87,6 @@ class RingHandle:
     n_slots: int
     slot_bytes: int
     rank: int
-
-    @property
-    def layout(self) -> RingLayout:
-        return RingLayout(self.n_readers, self.n_slots, self.slot_bytes)
 
 
 def process_alive(pid: int) -> bool:

@@ -15,6 +15,8 @@ import threading
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 
+from asyncllm.distributed.shm_ring import RingAttachError, RingNoSpaceError
+
 SHM_DIR = "/dev/shm"
 MAGIC = b"ALLMRNG1"
 LAYOUT_VERSION = 1
@@ -117,7 +119,7 @@ def _reserve(name: str, size: int) -> None:
     except OSError as exc:
         if exc.errno != errno.ENOSPC:
             raise
-        raise OSError(
+        raise RingNoSpaceError(
             errno.ENOSPC,
             f"{SHM_DIR} has no room for a {size / 2**20:.1f} MiB ring: free space there, give the container a "
             f"larger one (docker run --shm-size=1g) or use smaller slot_bytes/n_slots",
@@ -137,7 +139,7 @@ class ReaderSegment:
         try:
             size = os.fstat(fd).st_size
             if size < layout.total_bytes:
-                raise ValueError(f"ring segment {name!r} has {size} bytes, its handle needs {layout.total_bytes}")
+                raise RingAttachError(f"ring segment {name!r} has {size} bytes, its handle needs {layout.total_bytes}")
             self._mmap = mmap.mmap(fd, layout.total_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)  # the mapping keeps the memory; the fd is not needed
@@ -147,7 +149,7 @@ class ReaderSegment:
         wanted = (MAGIC, LAYOUT_VERSION, layout.n_readers, layout.n_slots, layout.slot_bytes)
         if found != wanted:
             self.close()
-            raise ValueError(f"ring segment {name!r} holds {found}, its handle says {wanted}: a stale handle?")
+            raise RingAttachError(f"ring segment {name!r} holds {found}, its handle says {wanted}: a stale handle?")
 
     def close(self) -> None:
         self.buf.release()

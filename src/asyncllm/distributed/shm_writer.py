@@ -19,6 +19,7 @@ from asyncllm.distributed.shm_ring import (
     DEFAULT_SLOT_BYTES,
     BytesLike,
     RingClosedError,
+    RingConfigError,
     RingHandle,
     RingTimeoutError,
     describe_process,
@@ -49,12 +50,12 @@ class ShmRingWriter:
     ) -> None:
         for field, value in (("n_readers", n_readers), ("slot_bytes", slot_bytes), ("n_slots", n_slots)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{field}={value!r} is invalid: use an integer >= 1")
+                raise RingConfigError(f"{field}={value!r} is invalid: use an integer >= 1")
         for field, seconds in (("warn_after_s", warn_after_s), ("recheck_s", recheck_s)):
             if not seconds > 0:
-                raise ValueError(f"{field}={seconds!r} is invalid: use a positive number of seconds")
+                raise RingConfigError(f"{field}={seconds!r} is invalid: use a positive number of seconds")
         if not sys.platform.startswith("linux"):
-            raise RuntimeError(
+            raise RingConfigError(
                 f"the shared-memory ring needs Linux (/dev/shm, abstract sockets), not {sys.platform}: "
                 f"run tensor-parallel workers on Linux"
             )
@@ -78,7 +79,7 @@ class ShmRingWriter:
     def reader_handle(self, rank: int) -> RingHandle:
         layout = self._ring.layout
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < layout.n_readers:
-            raise ValueError(f"rank={rank!r} is invalid: this ring has readers 0..{layout.n_readers - 1}")
+            raise RingConfigError(f"rank={rank!r} is invalid: this ring has readers 0..{layout.n_readers - 1}")
         return RingHandle(self.name, layout.n_readers, layout.n_slots, layout.slot_bytes, rank)
 
     def wait_for_readers(self, timeout: float | None = None) -> None:
