@@ -4,12 +4,12 @@ Owns capture, padding and replay. Each graph reads the step's inputs from the pe
 (the same device tensors every step fills) and writes the final hidden states into one shared static
 buffer; all graphs share one memory pool, captured largest first so smaller ones reuse its blocks. The
 attention backend plans each captured size statically (`plan_graph_decode`). Mixed prefill/decode steps
-stay eager; the `ModelRunner` decides which path a step takes. Knows nothing of requests or sampling.
+stay eager; the `ModelRunner` decides which path a step takes and pads it. Knows nothing of requests or
+sampling.
 """
 
 from __future__ import annotations
 
-import bisect
 import time
 from collections.abc import Sequence
 
@@ -84,12 +84,8 @@ class CudaGraphRunner:
         torch.cuda.synchronize(self.device)
         return time.perf_counter() - start
 
-    def padded_size(self, scheduled: SchedulerOutput) -> int | None:
-        """The captured size that serves this step, or None when it must run eagerly."""
-        if not self.sizes or not is_decode_only(scheduled):
-            return None
-        i = bisect.bisect_left(self.sizes, len(scheduled.seqs))
-        return self.sizes[i] if i < len(self.sizes) else None
+    def has(self, size: int) -> bool:
+        return size in self._graphs
 
     def replay(self, size: int, num_seqs: int) -> torch.Tensor:
         """Run the graph of `size` over the inputs already in the buffers; [num_seqs, hidden] final hidden."""

@@ -1,6 +1,9 @@
 """`ModelRunner`: one step on one device. Turns a `SchedulerOutput` into inputs in persistent buffers, one
-forward pass (a CUDA graph replay for decode-only steps when graphs were captured, eager otherwise), and
-one sample per sequence that reached the end of its known tokens.
+forward pass, and one sample per sequence that reached the end of its known tokens.
+
+Decode-only steps are padded to a bucket size and planned statically whenever the attention backend can
+be captured, then replayed from a CUDA graph if one was captured for that size, or run eagerly the same
+way otherwise: so graphs and `enforce_eager` compute exactly the same numbers. Other steps run eagerly.
 
 Knows nothing of requests beyond the plain data the scheduler sends and the sampling state it keeps per
 request id; nothing of how the model was loaded or the cache sized. The step's only host sync is reading
@@ -8,6 +11,8 @@ the sampled ids back.
 """
 
 from __future__ import annotations
+
+import bisect
 
 import torch
 from torch import nn
@@ -17,7 +22,7 @@ from asyncllm.attention.layer import KVCache
 from asyncllm.executor.interface import ModelRunnerOutput, SchedulerOutput
 from asyncllm.sample.sampler import Sampler
 from asyncllm.sample.state import SamplingState
-from asyncllm.worker.cuda_graph import CudaGraphRunner
+from asyncllm.worker.cuda_graph import CudaGraphRunner, capture_sizes, is_decode_only
 from asyncllm.worker.input_batch import InputBuffers
 
 
@@ -30,6 +35,7 @@ class ModelRunner:
         buffers: InputBuffers,
         device: torch.device,
         eos_token_ids: frozenset[int],
+        max_seq_len: int,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -40,6 +46,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self.states: dict[str, SamplingState] = {}
         self.graphs: CudaGraphRunner | None = None  # set once captured (CUDA, enforce_eager=False)
+        self.max_seq_len = max_seq_len  # static bound on sequence lengths: decode plans depend on nothing else
+        # Padded decode sizes: the CUDA graphs' sizes, also used eagerly when the backend plans statically.
+        self.decode_sizes = capture_sizes(buffers.max_num_seqs) if backend.supports_cuda_graphs else []
 
     @torch.inference_mode()
     def execute_model(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
@@ -50,10 +59,15 @@ class ModelRunner:
                 new.params, new.seed, new.prompt_token_ids, self.device, self.eos_token_ids
             )
         sampling = [s.request_id for s in scheduled.seqs if s.sample]
-        size = self.graphs.padded_size(scheduled) if self.graphs is not None else None
-        if size is not None and self.graphs is not None:
-            self.inputs.prepare(scheduled, pad_to=size)
-            last_hidden = self.graphs.replay(size, len(scheduled.seqs))  # [S, hidden]: every row samples
+        size = self.decode_size(scheduled)
+        if size is not None:
+            num_seqs = len(scheduled.seqs)  # every row samples
+            x = self.inputs.prepare(scheduled, pad_to=size)
+            if self.graphs is not None and self.graphs.has(size):
+                last_hidden = self.graphs.replay(size, num_seqs)  # [S, hidden]
+            else:
+                self.backend.plan_graph_decode(x.meta, size, self.max_seq_len)
+                last_hidden = self.model(x.input_ids, x.positions, self.kv_caches, x.meta)[:num_seqs]
         else:
             x = self.inputs.prepare(scheduled)
             self.backend.prepare(x.meta)
@@ -68,6 +82,13 @@ class ModelRunner:
         for state, token in zip(states, token_ids):
             state.record(token)
         return ModelRunnerOutput(sampled_token_ids=token_ids, logprobs=out.logprobs)
+
+    def decode_size(self, scheduled: SchedulerOutput) -> int | None:
+        """The padded size a decode-only step runs at; None for steps that run unpadded and eagerly."""
+        if not self.decode_sizes or not is_decode_only(scheduled):
+            return None
+        i = bisect.bisect_left(self.decode_sizes, len(scheduled.seqs))
+        return self.decode_sizes[i] if i < len(self.decode_sizes) else None
 
     def forget(self, request_ids: list[str]) -> None:
         """Drop per-request state the scheduler will never mention again (warm-up's throwaway requests)."""

@@ -18,23 +18,40 @@ _GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 _RANDOM = SamplingParams(temperature=0.7, top_p=0.9, ignore_eos=True)
 
 
-def warm_up(runner: ModelRunner, *, block_size: int, num_blocks: int, max_model_len: int) -> float:
-    """Run a prefill step, a mixed prefill + decode step and a decode step; returns the seconds taken."""
+def warm_up(
+    runner: ModelRunner,
+    *,
+    block_size: int,
+    num_blocks: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+) -> float:
+    """Run a prefill step, a mixed prefill + decode step and a decode step, each within the engine's own
+    limits (sequences and tokens per step, blocks, length); returns the seconds taken."""
     start = time.perf_counter()
-    prompt_len = max(2, min(3 * block_size + 1, max_model_len - 2, (num_blocks // 3) * block_size - 1))
-    tables = [_blocks(i, prompt_len + 1, block_size, num_blocks) for i in range(3)]
-    ids = [[(7 * i + j) % 97 for j in range(prompt_len)] for i in range(3)]
-    new = [NewRequestData(f"warmup-{i}", ids[i], _GREEDY if i % 2 == 0 else _RANDOM, seed=i) for i in range(3)]
-    steps = [
-        # two prompts at once: the prefill kernels over several sequences
-        SchedulerOutput(seqs=[_seq(i, ids[i], 0, tables[i]) for i in range(2)], new_requests=new[:2]),
+    num_seqs = min(3, max_num_seqs)
+    per_step = 2 if num_seqs > 1 else 1  # prompts prefilled together in the first step
+    prompt_len = min(
+        3 * block_size + 1,  # a few blocks: block-table walks and a tile boundary
+        max_model_len - 2,  # room for the decode token
+        (num_blocks // num_seqs) * block_size - 1,  # every sequence its own blocks
+        (max_num_batched_tokens - 1) // per_step,  # the step's token budget, with a decode beside a prompt
+    )
+    if prompt_len < 2:
+        return time.perf_counter() - start  # too small to warm up within its own limits: the first request compiles
+    tables = [_blocks(i, prompt_len + 1, block_size, num_blocks) for i in range(num_seqs)]
+    ids = [[(7 * i + j) % 97 for j in range(prompt_len)] for i in range(num_seqs)]
+    new = [NewRequestData(f"warmup-{i}", ids[i], _GREEDY if i % 2 == 0 else _RANDOM, seed=i) for i in range(num_seqs)]
+    first = list(range(per_step))
+    steps = [SchedulerOutput(seqs=[_seq(i, ids[i], 0, tables[i]) for i in first], new_requests=new[:per_step])]
+    if num_seqs == 3:
         # a decode beside a prefill: both attention paths in one step
-        SchedulerOutput(
-            seqs=[_seq(0, [1], prompt_len, tables[0]), _seq(2, ids[2], 0, tables[2])], new_requests=new[2:]
-        ),
-        # decodes only (eager; graph capture compiles its own)
-        SchedulerOutput(seqs=[_seq(i, [1], prompt_len, tables[i]) for i in (1, 2)]),
-    ]
+        mixed = [_seq(0, [1], prompt_len, tables[0]), _seq(2, ids[2], 0, tables[2])]
+        steps.append(SchedulerOutput(seqs=mixed, new_requests=new[2:]))
+    # decodes only (padded and planned like a CUDA graph; capture then compiles nothing new)
+    decoding = list(range(1, num_seqs)) or [0]
+    steps.append(SchedulerOutput(seqs=[_seq(i, [1], prompt_len, tables[i]) for i in decoding]))
     for step in steps:
         runner.execute_model(step)
     runner.forget([n.request_id for n in new])

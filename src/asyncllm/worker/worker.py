@@ -21,7 +21,7 @@ from asyncllm.layers.fusion import use_fused_kernels
 from asyncllm.model_loader.base import Checkpoint
 from asyncllm.model_loader.loader import load_model
 from asyncllm.models.config import ModelArchConfig
-from asyncllm.worker.cuda_graph import CudaGraphRunner, capture_sizes, measure_graph_memory
+from asyncllm.worker.cuda_graph import CudaGraphRunner, measure_graph_memory
 from asyncllm.worker.device import resolve_device, resolve_dtype
 from asyncllm.worker.input_batch import InputBuffers
 from asyncllm.worker.kv_cache import KVCacheSpec, allocate_kv_cache, blocks_for_budget
@@ -132,7 +132,8 @@ class Worker:
             sched.max_num_batched_tokens, sched.max_num_seqs, max_blocks_per_seq, cache.block_size, self.device
         )
         eos = self.checkpoint.eos_token_ids
-        self.runner = ModelRunner(self.model, self.backend, kv_caches, buffers, self.device, eos)
+        max_seq_len = min(max_model_len, num_blocks * cache.block_size)
+        self.runner = ModelRunner(self.model, self.backend, kv_caches, buffers, self.device, eos, max_seq_len)
         self.num_blocks = num_blocks
         logger.info("KV cache: %d blocks of %d tokens (%s, %s)", num_blocks, cache.block_size, self.device, self.dtype)
 
@@ -146,6 +147,8 @@ class Worker:
             block_size=self.config.cache_config.block_size,
             num_blocks=self.num_blocks,
             max_model_len=self.arch.max_model_len,
+            max_num_seqs=self.config.scheduler_config.max_num_seqs,
+            max_num_batched_tokens=self.config.scheduler_config.max_num_batched_tokens,
         )
 
     def capture_cuda_graphs(self) -> None:
@@ -158,12 +161,12 @@ class Worker:
             self.backend,
             runner.kv_caches,
             runner.inputs,
-            min(self.arch.max_model_len, self.num_blocks * self.config.cache_config.block_size),
+            runner.max_seq_len,
             self.arch.hidden_size,
             self.dtype,
             self.device,
         )
-        self.timings["capture"] = graphs.capture(capture_sizes(self.config.scheduler_config.max_num_seqs))
+        self.timings["capture"] = graphs.capture(runner.decode_sizes)
         runner.graphs = graphs
         logger.info(
             "captured %d CUDA graphs in %.2f s: batch sizes %s",
