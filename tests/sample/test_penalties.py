@@ -1,4 +1,5 @@
-"""Repetition, presence and frequency penalties against a plain-Python reference."""
+"""Repetition, presence and frequency penalties (counts kept on the device in a PenaltyTable) against a
+plain-Python reference."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections import Counter
 import pytest
 import torch
 
-from asyncllm.sample.penalties import apply_penalties, token_counts
+from asyncllm.sample.penalties import PenaltyTable
 from asyncllm.sample.sampler import Sampler
 from asyncllm.sample.state import SamplingState
 from asyncllm.sampling_params import SamplingParams
@@ -16,11 +17,17 @@ from asyncllm.sampling_params import SamplingParams
 VOCAB = 64
 
 
-def _state(params: SamplingParams, prompt: list[int], output: list[int]) -> SamplingState:
-    state = SamplingState.create(params, seed=0, prompt_token_ids=prompt, device="cpu")
+def _state(params: SamplingParams, prompt: list[int], output: list[int], table: PenaltyTable) -> SamplingState:
+    """A state registered in `table` whose output so far is `output` (recorded one step at a time)."""
+    state = SamplingState.create(params, seed=0, prompt_token_ids=prompt)
+    table.add(state)
     for token in output:
-        state.record(token)
+        table.record([state], torch.tensor([token]))
     return state
+
+
+def apply_penalties(logits: torch.Tensor, states: list[SamplingState], table: PenaltyTable) -> torch.Tensor:
+    return table.apply(logits.clone(), states)
 
 
 def _reference(row: list[float], params: SamplingParams, prompt: list[int], output: list[int]) -> list[float]:
@@ -54,8 +61,9 @@ def test_each_penalty_matches_reference(params: SamplingParams) -> None:
     rng = random.Random(7)
     logits = torch.randn(5, VOCAB, generator=torch.Generator().manual_seed(1)) * 3
     histories = [(_random_history(rng, 9), _random_history(rng, n)) for n in (0, 1, 7, 20, 33)]
-    states = [_state(params, prompt, output) for prompt, output in histories]
-    got = apply_penalties(logits, states)
+    table = PenaltyTable(VOCAB, torch.device("cpu"), initial_rows=2)  # grows as rows are taken
+    states = [_state(params, prompt, output, table) for prompt, output in histories]
+    got = apply_penalties(logits, states, table)
     for row, (prompt, output) in enumerate(histories):
         want = _reference(logits[row].tolist(), params, prompt, output)
         torch.testing.assert_close(got[row], torch.tensor(want), rtol=1e-6, atol=1e-6)
@@ -67,8 +75,10 @@ def test_rows_without_penalties_are_untouched_and_input_is_not_modified() -> Non
     before = logits.clone()
     histories = [(_random_history(rng, 6), _random_history(rng, 10)) for _ in range(4)]
     params = [SamplingParams(), PENALTIES[4], SamplingParams(temperature=0.0), PENALTIES[0]]
-    states = [_state(p, prompt, out) for p, (prompt, out) in zip(params, histories)]
-    got = apply_penalties(logits, states)
+    table = PenaltyTable(VOCAB, torch.device("cpu"))
+    states = [_state(p, prompt, out, table) for p, (prompt, out) in zip(params, histories)]
+    assert states[0].penalty_row is None and states[2].penalty_row is None  # only rows that ask get one
+    got = table.apply(logits.clone(), states)
     assert torch.equal(logits, before)
     assert torch.equal(got[0], logits[0]) and torch.equal(got[2], logits[2])
     for row in (1, 3):
@@ -78,22 +88,28 @@ def test_rows_without_penalties_are_untouched_and_input_is_not_modified() -> Non
 
 def test_no_penalties_returns_the_same_tensor() -> None:
     logits = torch.randn(3, VOCAB)
-    states = [_state(SamplingParams(temperature=t), [1, 2], [3]) for t in (0.0, 0.5, 1.0)]
-    assert apply_penalties(logits, states) is logits
+    table = PenaltyTable(VOCAB, torch.device("cpu"))
+    states = [_state(SamplingParams(temperature=t), [1, 2], [3], table) for t in (0.0, 0.5, 1.0)]
+    assert table.apply(logits, states) is logits
 
 
 def test_presence_and_frequency_ignore_the_prompt() -> None:
     logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(4))
-    state = _state(SamplingParams(presence_penalty=2.0, frequency_penalty=2.0), [5, 5, 6], [])
-    assert torch.equal(apply_penalties(logits, [state]), logits)
+    table = PenaltyTable(VOCAB, torch.device("cpu"))
+    state = _state(SamplingParams(presence_penalty=2.0, frequency_penalty=2.0), [5, 5, 6], [], table)
+    assert torch.equal(apply_penalties(logits, [state], table), logits)
 
 
-def test_token_counts_counts_duplicates_per_row() -> None:
-    lists = [torch.tensor(t, dtype=torch.int64) for t in ([3, 3, 9], [], [0, 3])]
-    counts = token_counts(lists, vocab=10, device=torch.device("cpu"))
-    want = torch.zeros(3, 10)
-    want[0, 3], want[0, 9], want[2, 0], want[2, 3] = 2, 1, 1, 1
-    assert torch.equal(counts, want)
+def test_counts_count_duplicates_and_freed_rows_start_clean() -> None:
+    table = PenaltyTable(10, torch.device("cpu"), initial_rows=1)
+    a = _state(SamplingParams(frequency_penalty=1.0), [], [3, 3, 9], table)
+    b = _state(SamplingParams(frequency_penalty=1.0), [], [0, 3], table)
+    assert a.penalty_row is not None and b.penalty_row is not None
+    assert table.counts[a.penalty_row].tolist() == [0, 0, 0, 2, 0, 0, 0, 0, 0, 1]
+    assert table.counts[b.penalty_row].tolist() == [1, 0, 0, 1, 0, 0, 0, 0, 0, 0]
+    table.remove(a)
+    c = _state(SamplingParams(frequency_penalty=1.0), [], [], table)
+    assert c.penalty_row == 0 and table.counts[c.penalty_row].sum() == 0
 
 
 def test_greedy_picks_argmax_of_penalised_logits() -> None:
@@ -101,19 +117,10 @@ def test_greedy_picks_argmax_of_penalised_logits() -> None:
     top = int(logits.argmax())
     logits[0, top] = logits.max() + 0.5  # clear winner, so a strong penalty must move the choice
     greedy = SamplingParams(temperature=0.0, frequency_penalty=2.0)
-    plain = Sampler()(logits, [_state(SamplingParams(temperature=0.0), [], [top])])
-    penalised = Sampler()(logits, [_state(greedy, [], [top, top])])
+    sampler = Sampler(VOCAB, "cpu")
+    plain = sampler(logits, [_state(SamplingParams(temperature=0.0), [], [top], sampler.penalties)])
+    penalised = sampler(logits, [_state(greedy, [], [top, top], sampler.penalties)])
     assert plain.token_ids.tolist() == [top]
-    want = int(apply_penalties(logits, [_state(greedy, [], [top, top])]).argmax())
+    table = PenaltyTable(VOCAB, torch.device("cpu"))
+    want = int(apply_penalties(logits, [_state(greedy, [], [top, top], table)], table).argmax())
     assert penalised.token_ids.tolist() == [want] and want != top
-
-
-def test_host_token_copy_follows_the_list_as_it_grows_and_when_replaced() -> None:
-    state = SamplingState.create(SamplingParams(), seed=0, prompt_token_ids=[4, 5], device="cpu")
-    rng = random.Random(8)
-    for _ in range(40):  # crosses several buffer doublings
-        state.record(rng.randrange(VOCAB))
-        assert state.output_tensor().tolist() == state.output_token_ids
-    state.output_token_ids = [9, 8, 7]
-    assert state.output_tensor().tolist() == [9, 8, 7]
-    assert state.prompt_tensor().tolist() == [4, 5]

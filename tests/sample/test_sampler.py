@@ -1,4 +1,5 @@
-"""The sampler end to end: greedy, temperature, seeded reproducibility in any batch, dtypes, logprobs."""
+"""The sampler end to end: greedy, temperature, seeded reproducibility in any batch, dtypes, logprobs.
+On CPU the draw is the kernel's torch twin (tests/kernels/test_sampling.py compares the two)."""
 
 from __future__ import annotations
 
@@ -18,28 +19,33 @@ def _logits(rows: int, seed: int, vocab: int = VOCAB) -> torch.Tensor:
     return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 2
 
 
-def _states(params: list[SamplingParams], seeds: list[int]) -> list[SamplingState]:
+def _sampler(vocab: int = VOCAB) -> Sampler:
+    return Sampler(vocab, "cpu")
+
+
+def _states(params: list[SamplingParams], seeds: list[int], sampler: Sampler | None = None) -> list[SamplingState]:
+    """One state per (params, seed), registered with `sampler` (penalty rows) when given."""
     rng = random.Random(sum(seeds))
-    return [
-        SamplingState.create(p, seed, [rng.randrange(VOCAB) for _ in range(8)], "cpu") for p, seed in zip(params, seeds)
-    ]
+    states = [SamplingState.create(p, seed, [rng.randrange(VOCAB) for _ in range(8)]) for p, seed in zip(params, seeds)]
+    for state in states:
+        if sampler is not None:
+            sampler.add(state)
+    return states
 
 
-def test_greedy_is_argmax_and_draws_no_noise() -> None:
+def test_greedy_is_argmax_whatever_the_seed() -> None:
     logits = _logits(6, seed=1)
-    states = _states([SamplingParams(temperature=0.0)] * 6, list(range(6)))
-    rng_before = [s.generator.get_state() for s in states]
-    out = Sampler()(logits, states)
-    assert out.token_ids.dtype == torch.int64
-    assert torch.equal(out.token_ids, logits.argmax(dim=-1))
-    assert out.logprobs is None
-    assert all(torch.equal(s.generator.get_state(), b) for s, b in zip(states, rng_before))
+    for seeds in (list(range(6)), [99] * 6):
+        out = _sampler()(logits, _states([SamplingParams(temperature=0.0)] * 6, seeds))
+        assert out.token_ids.dtype == torch.int64
+        assert torch.equal(out.token_ids, logits.argmax(dim=-1))
+        assert out.logprobs is None
 
 
 def test_tiny_temperature_samples_greedily() -> None:
     logits = _logits(3, seed=2)
     states = _states([SamplingParams(temperature=1e-7)] * 3, [5, 6, 7])
-    assert torch.equal(Sampler()(logits, states).token_ids, logits.argmax(dim=-1))
+    assert torch.equal(_sampler()(logits, states).token_ids, logits.argmax(dim=-1))
 
 
 def test_mixed_batch_greedy_rows_are_argmax_and_random_rows_match_solo_runs() -> None:
@@ -50,10 +56,10 @@ def test_mixed_batch_greedy_rows_are_argmax_and_random_rows_match_solo_runs() ->
         SamplingParams(temperature=0.0),
         SamplingParams(temperature=1.5, top_p=0.8),
     ]
-    tokens = Sampler()(logits, _states(params, [10, 11, 12, 13])).token_ids.tolist()
+    tokens = _sampler()(logits, _states(params, [10, 11, 12, 13])).token_ids.tolist()
     assert tokens[0] == int(logits[0].argmax()) and tokens[2] == int(logits[2].argmax())
     for row in (1, 3):
-        solo = Sampler()(logits[row : row + 1], _states([params[row]], [10 + row])).token_ids.tolist()
+        solo = _sampler()(logits[row : row + 1], _states([params[row]], [10 + row])).token_ids.tolist()
         assert solo == [tokens[row]]
 
 
@@ -61,8 +67,8 @@ def test_mixed_batch_greedy_rows_are_argmax_and_random_rows_match_solo_runs() ->
 def test_temperature_sampling_frequencies_match_softmax(temperature: float) -> None:
     vocab, draws = 12, 4000
     row = _logits(1, seed=4, vocab=vocab)[0]
-    states = [SamplingState.create(SamplingParams(temperature=temperature), s, [0], "cpu") for s in range(draws)]
-    tokens = Sampler()(row.expand(draws, -1), states).token_ids
+    states = [SamplingState.create(SamplingParams(temperature=temperature), s, [0]) for s in range(draws)]
+    tokens = _sampler(vocab)(row.expand(draws, -1), states).token_ids
     counts = torch.bincount(tokens, minlength=vocab).double()
     expected = (row.double() / temperature).softmax(dim=0) * draws
     chi_square = float(((counts - expected) ** 2 / expected).sum())
@@ -95,14 +101,16 @@ def test_seeded_output_is_independent_of_batch_composition_and_order(params: Sam
     compositions = [["A"], ["B", "A"], ["C", "D", "A", "B", "E"], ["A", "E", "C"], ["E", "A", "D"]]
     runs = []
     for names in compositions:
-        states = dict(zip(names, _states([all_params[n] for n in names], [seeds[n] for n in names])))
-        states["A"].prompt_token_ids = list(range(0, 40, 3))  # the same prompt in every run
+        sampler = _sampler()
+        states = {}
+        for name in names:
+            prompt = list(range(0, 40, 3)) if name == "A" else [1, 2, 3]  # A's prompt is the same in every run
+            states[name] = SamplingState.create(all_params[name], seeds[name], prompt)
+            sampler.add(states[name])
         sampled = []
         for step in range(steps):
             logits = torch.stack([step_logits[step][n] for n in names])
-            tokens = Sampler()(logits, [states[n] for n in names]).token_ids.tolist()
-            for name, token in zip(names, tokens):
-                states[name].record(token)
+            tokens = sampler(logits, [states[n] for n in names]).token_ids.tolist()
             sampled.append(tokens[names.index("A")])
         runs.append(sampled)
     assert all(run == runs[0] for run in runs), runs
@@ -113,8 +121,9 @@ def test_same_seed_same_tokens_different_seed_different_tokens() -> None:
     logits = _logits(1, seed=5, vocab=vocab).expand(3, -1) * 0.1  # flat: many likely tokens
     states = _states([SamplingParams()] * 3, [42, 42, 43])
     sequences: list[list[int]] = [[], [], []]
+    sampler = _sampler(vocab)
     for _ in range(8):
-        for seq, token in zip(sequences, Sampler()(logits, states).token_ids.tolist()):
+        for seq, token in zip(sequences, sampler(logits, states).token_ids.tolist()):
             seq.append(token)
     assert sequences[0] == sequences[1]
     assert sequences[0] != sequences[2]
@@ -123,8 +132,8 @@ def test_same_seed_same_tokens_different_seed_different_tokens() -> None:
 def test_huge_and_negative_seeds_are_accepted_and_deterministic() -> None:
     logits = _logits(2, seed=6)
     seeds = [2**80 + 3, -17]
-    first = Sampler()(logits, _states([SamplingParams()] * 2, seeds)).token_ids
-    again = Sampler()(logits, _states([SamplingParams()] * 2, seeds)).token_ids
+    first = _sampler()(logits, _states([SamplingParams()] * 2, seeds)).token_ids
+    again = _sampler()(logits, _states([SamplingParams()] * 2, seeds)).token_ids
     assert torch.equal(first, again)
 
 
@@ -138,8 +147,9 @@ def test_bf16_logits_sample_like_their_float32_values() -> None:
         SamplingParams(temperature=0.0, logprobs=2),
     ]
     seeds = [1, 2, 3, 4, 5]
-    from_bf16 = Sampler()(logits, _states(params, seeds))
-    from_f32 = Sampler()(logits.float(), _states(params, seeds))
+    bf16_sampler, f32_sampler = _sampler(), _sampler()
+    from_bf16 = bf16_sampler(logits, _states(params, seeds, bf16_sampler))
+    from_f32 = f32_sampler(logits.float(), _states(params, seeds, f32_sampler))
     assert torch.equal(from_bf16.token_ids, from_f32.token_ids)
     assert from_bf16.token_ids[0] == logits[0].float().argmax()
     assert from_bf16.logprobs == from_f32.logprobs
@@ -153,10 +163,10 @@ def test_sampler_does_not_modify_logits() -> None:
         SamplingParams(temperature=0.0, presence_penalty=1.0),
         SamplingParams(temperature=0.3),
     ]
-    states = _states(params, [1, 2, 3])
-    for state in states:
-        state.record(int(logits[0].argmax()))
-    Sampler()(logits, states)
+    sampler = _sampler()
+    states = _states(params, [1, 2, 3], sampler)
+    sampler(logits, states)  # a history for the penalties
+    sampler(logits, states)
     assert torch.equal(logits, before)
 
 
@@ -168,8 +178,8 @@ def test_logprobs_match_log_softmax_of_raw_logits() -> None:
         SamplingParams(temperature=0.0, logprobs=0),
         SamplingParams(logprobs=5, top_k=2),
     ]
-    states = _states(params, [1, 2, 3, 4])
-    out = Sampler()(logits, states)
+    sampler = _sampler()
+    out = sampler(logits, _states(params, [1, 2, 3, 4], sampler))
     assert out.logprobs is not None and out.logprobs[1] is None
     want = logits.log_softmax(dim=-1)
     tokens = out.token_ids.tolist()
@@ -186,7 +196,7 @@ def test_logprobs_match_log_softmax_of_raw_logits() -> None:
 
 def test_shape_mismatch_is_rejected() -> None:
     with pytest.raises(ValueError, match="num_states=2"):
-        Sampler()(_logits(3, seed=10), _states([SamplingParams()] * 2, [1, 2]))
+        _sampler()(_logits(3, seed=10), _states([SamplingParams()] * 2, [1, 2]))
 
 
 def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:
@@ -197,14 +207,12 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:
     logits[0, 7] = 9.0  # a stop id is next best
     logits[0, 11] = 1.0
     params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[7])
-    state = SamplingState.create(params, 0, [1, 2], "cpu", eos_token_ids=frozenset({3}))
-    sampler = Sampler()
+    state = SamplingState.create(params, 0, [1, 2], eos_token_ids=frozenset({3}))
+    sampler = _sampler(vocab)
     assert sampler(logits, [state]).token_ids.tolist() == [11]
-    state.record(11)
     assert sampler(logits, [state]).token_ids.tolist() == [11]
-    state.record(11)
     assert sampler(logits, [state]).token_ids.tolist() == [3]  # min_tokens reached: EOS allowed again
     ignoring = SamplingState.create(
-        SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True), 0, [1], "cpu", eos_token_ids=frozenset({3})
+        SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True), 0, [1], eos_token_ids=frozenset({3})
     )
     assert sampler(logits, [ignoring]).token_ids.tolist() == [3]  # ignore_eos: EOS is just a token

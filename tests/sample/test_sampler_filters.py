@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from asyncllm.sample.sampler import Sampler, apply_min_p, apply_top_k_top_p
+from asyncllm.sample.filters import apply_min_p, apply_top_k_top_p
+from asyncllm.sample.sampler import Sampler
 from asyncllm.sample.state import SamplingState
 from asyncllm.sampling_params import SamplingParams
 
@@ -108,8 +109,8 @@ def test_extreme_settings_keep_at_least_the_top_token() -> None:
 
 def _sample_counts(logits_row: torch.Tensor, params: SamplingParams, draws: int) -> torch.Tensor:
     """Tokens sampled from one row repeated `draws` times, each copy with its own seed."""
-    states = [SamplingState.create(params, seed, [1], "cpu") for seed in range(draws)]
-    tokens = Sampler()(logits_row.expand(draws, -1), states).token_ids
+    states = [SamplingState.create(params, seed, [1]) for seed in range(draws)]
+    tokens = Sampler(logits_row.numel(), "cpu")(logits_row.expand(draws, -1), states).token_ids
     return torch.bincount(tokens, minlength=logits_row.numel()).double()
 
 
@@ -146,7 +147,8 @@ def test_filtered_sampling_follows_the_renormalised_distribution(params: Samplin
 @pytest.mark.parametrize("top_k", [0, -1, VOCAB, VOCAB + 7])
 def test_disabled_filters_change_nothing(top_k: int) -> None:
     logits = _distinct_logits(4, VOCAB, seed=17)
-    plain = [SamplingState.create(SamplingParams(), seed, [1], "cpu") for seed in range(4)]
+    plain = [SamplingState.create(SamplingParams(), seed, [1]) for seed in range(4)]
     off = SamplingParams(top_k=top_k, top_p=1.0, min_p=0.0)
-    filtered = [SamplingState.create(off, seed, [1], "cpu") for seed in range(4)]
-    assert torch.equal(Sampler()(logits, plain).token_ids, Sampler()(logits, filtered).token_ids)
+    filtered = [SamplingState.create(off, seed, [1]) for seed in range(4)]
+    sampler = Sampler(logits.shape[1], "cpu")
+    assert torch.equal(sampler(logits, plain).token_ids, sampler(logits, filtered).token_ids)

@@ -1,8 +1,10 @@
-"""Repetition, presence and frequency penalties on a batch of logits (vLLM / OpenAI semantics).
+"""Repetition, presence and frequency penalties (vLLM / OpenAI semantics) from counts kept on the device.
 
 Repetition divides positive logits and multiplies negative ones of every token seen in the prompt or the
-output; presence and frequency subtract per output token (once, and once per occurrence). Only rows that
-ask for a penalty are touched. Knows nothing of temperature, filtering or sampling.
+output; presence and frequency subtract per output token (once, and once per occurrence). A request that
+asks for a penalty gets a row in `PenaltyTable`: its output-token counts and its prompt's token set live on
+the device and grow by one scatter per step from the sampled ids, which never visit the host for this.
+Only rows that ask are touched. Knows nothing of temperature, filtering or noise.
 """
 
 from __future__ import annotations
@@ -15,53 +17,73 @@ from asyncllm.layers.host_copy import to_device
 from asyncllm.sample.state import SamplingState
 
 
-def apply_penalties(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
-    """[N, vocab] float32 -> penalised [N, vocab] float32. Never writes into `logits`.
+class PenaltyTable:
+    """Device rows of [vocab] output counts (float32, exact up to 2**24) and prompt-seen masks."""
 
-    Returns `logits` itself when no row has a penalty, so the common case costs nothing.
-    """
-    assert logits.dtype == torch.float32 and logits.shape[0] == len(states)
-    rows = [i for i, s in enumerate(states) if s.params.has_penalties]
-    if not rows:
-        return logits
-    device, vocab = logits.device, logits.shape[1]
-    subset = len(rows) < len(states)
-    row_index = to_device(rows, torch.int64, device) if subset else None
-    x = logits.index_select(0, row_index) if row_index is not None else logits.clone()  # [R, vocab]
-    params = [states[i].params for i in rows]
-    output_counts = token_counts([states[i].output_tensor() for i in rows], vocab, device)  # [R, vocab]
+    def __init__(self, vocab_size: int, device: torch.device, initial_rows: int = 8) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.counts = torch.zeros(initial_rows, vocab_size, dtype=torch.float32, device=device)
+        self.prompt_seen = torch.zeros(initial_rows, vocab_size, dtype=torch.bool, device=device)
+        self._free = list(range(initial_rows - 1, -1, -1))
 
-    repetition = [p.repetition_penalty for p in params]
-    if any(r != 1.0 for r in repetition):
-        prompt_seen = token_counts([states[i].prompt_tensor() for i in rows], vocab, device) > 0
-        seen = prompt_seen | (output_counts > 0)
-        penalty = to_device(repetition, torch.float32, device).unsqueeze(1)  # [R, 1]
+    def add(self, state: SamplingState) -> None:
+        """Give a request with penalties its row (no-op for one without)."""
+        if not state.params.has_penalties or state.penalty_row is not None:
+            return
+        if not self._free:
+            self._grow()
+        row = self._free.pop()
+        self.counts[row].zero_()
+        self.prompt_seen[row].zero_()
+        if state.params.repetition_penalty != 1.0 and state.prompt_token_ids:
+            ids = to_device([t for t in state.prompt_token_ids if 0 <= t < self.vocab_size], torch.int64, self.device)
+            self.prompt_seen[row, ids] = True
+        state.penalty_row = row
+
+    def remove(self, state: SamplingState) -> None:
+        if state.penalty_row is not None:
+            self._free.append(state.penalty_row)
+            state.penalty_row = None
+
+    def record(self, states: Sequence[SamplingState], token_ids: torch.Tensor) -> None:
+        """Count each state's sampled token ([len(states)] int64 on the device) for rows with penalties."""
+        picks = [(i, s.penalty_row) for i, s in enumerate(states) if s.penalty_row is not None]
+        if not picks:
+            return
+        index = to_device([v for pair in picks for v in pair], torch.int64, self.device).view(-1, 2)
+        tokens = token_ids.index_select(0, index[:, 0])
+        ones = torch.ones(len(picks), dtype=torch.float32, device=self.device)
+        self.counts.index_put_((index[:, 1], tokens), ones, accumulate=True)
+
+    def apply(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+        """[N, vocab] float32 -> penalised [N, vocab] float32, written into `logits` (rows with penalties)."""
+        assert logits.dtype == torch.float32 and logits.shape[0] == len(states)
+        rows = [i for i, s in enumerate(states) if s.penalty_row is not None]
+        if not rows:
+            return logits
+        params = [states[i].params for i in rows]
+        table_rows = [states[i].penalty_row for i in rows]
+        # One upload for every per-row number: batch row, table row, and the three penalties.
+        packed = to_device(
+            [
+                [float(r), float(t), p.repetition_penalty, p.frequency_penalty, p.presence_penalty]
+                for r, t, p in zip(rows, table_rows, params)
+            ],
+            torch.float32,
+            self.device,
+        )  # [R, 5]
+        row_index, table_index = packed[:, 0].long(), packed[:, 1].long()
+        x = logits.index_select(0, row_index)  # [R, vocab]
+        counts = self.counts.index_select(0, table_index)  # [R, vocab]
+        seen = self.prompt_seen.index_select(0, table_index) | (counts > 0)
+        penalty = packed[:, 2:3]
         x = torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
+        x = x - packed[:, 3:4] * counts - packed[:, 4:5] * (counts > 0)
+        return logits.index_copy_(0, row_index, x)
 
-    frequency = [p.frequency_penalty for p in params]
-    if any(f != 0.0 for f in frequency):
-        x -= to_device(frequency, torch.float32, device).unsqueeze(1) * output_counts
-    presence = [p.presence_penalty for p in params]
-    if any(p != 0.0 for p in presence):
-        x -= to_device(presence, torch.float32, device).unsqueeze(1) * (output_counts > 0)
-
-    if row_index is None:
-        return x
-    return logits.index_copy(0, row_index, x)
-
-
-def token_counts(token_lists: Sequence[torch.Tensor], vocab: int, device: torch.device) -> torch.Tensor:
-    """[len(token_lists), vocab] float32: how often each token occurs in each host int64 tensor.
-
-    Built from one flat (row, token) index list, so no row is padded to the longest history.
-    """
-    counts = torch.zeros(len(token_lists), vocab, dtype=torch.float32, device=device)
-    lengths = torch.tensor([t.numel() for t in token_lists], dtype=torch.int64)
-    if int(lengths.sum()) == 0:
-        return counts
-    row_ids = torch.repeat_interleave(torch.arange(len(token_lists)), lengths)  # on the host: no sync
-    pairs = to_device(torch.cat([row_ids, *token_lists]), torch.int64, device)  # one copy for both
-    rows, tokens = pairs.view(2, -1)
-    # Accumulating ones is exact in float32 whatever order the device adds them in.
-    counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.float32), accumulate=True)
-    return counts
+    def _grow(self) -> None:
+        old = self.counts.shape[0]
+        self.counts = torch.cat([self.counts, torch.zeros_like(self.counts)])
+        self.prompt_seen = torch.cat([self.prompt_seen, torch.zeros_like(self.prompt_seen)])
+        self._free.extend(range(2 * old - 1, old - 1, -1))

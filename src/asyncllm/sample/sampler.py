@@ -1,39 +1,68 @@
-"""Turns one step's logits into next tokens: penalties, greedy or seeded random sampling, logprobs.
+"""Turns one step's logits into next tokens: stop masks, penalties, filters, then one seeded Gumbel-max.
 
-Everything happens in logit space: filters set logits to -inf and sampling is an argmax over logits plus
-Gumbel noise drawn from each request's own generator, so a request's tokens depend only on its seed and
-its own logits, never on the rest of the batch. Knows nothing of scheduling, the model or the KV cache.
+Everything happens in logit space. Every row ends in one launch (`asyncllm.kernels.sampling.gumbel_argmax`,
+or its torch twin where Triton cannot run): greedy rows take the argmax, others the argmax of
+logits / temperature plus noise that is a pure function of the request's seed and draw count, so a
+request's tokens depend only on its own logits and seed, never on the rest of the batch. Rows that ask for
+penalties, filters or min_tokens masking are prepared in float32 first; the common case touches the logits
+only in that one launch. Nothing here waits for the device. Knows nothing of scheduling or the model.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import importlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from asyncllm.layers.host_copy import to_device
-from asyncllm.sample.penalties import apply_penalties
+from asyncllm.sample.filters import apply_min_p, apply_top_k_top_p
+from asyncllm.sample.logprobs import LogprobsOutput, gather_logprobs
+from asyncllm.sample.penalties import PenaltyTable
 from asyncllm.sample.state import SamplingState
-from asyncllm.sampling_params import SamplingParams
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingState", "apply_min_p", "apply_top_k_top_p"]
 
-# Below this temperature logits / temperature overflows float32; the distribution is already its limit,
-# the argmax, so such rows are sampled greedily (vLLM draws the same line).
-_GREEDY_TEMPERATURE = 1e-5
+Draw = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass
 class SamplerOutput:
     token_ids: torch.Tensor  # [N] int64, on the logits' device
-    # Per row when any row asked for params.logprobs: {token: logprob} for the sampled token and the top
-    # `logprobs` alternatives; None for rows that did not ask.
-    logprobs: list[dict[int, float] | None] | None = None
+    logprobs_output: LogprobsOutput | None = None  # rows that asked for logprobs, still on the device
+
+    @property
+    def logprobs(self) -> list[dict[int, float] | None] | None:
+        """Per row: {token: logprob} for the sampled token and the top alternatives (None for rows that did
+        not ask). Reading it waits for the device."""
+        return None if self.logprobs_output is None else self.logprobs_output.to_dicts()
+
+
+def load_draw(device: torch.device) -> Draw:
+    """The Triton kernel on CUDA; its torch twin elsewhere (on CPU the twin is the fast path, and
+    tests/kernels compares the two through Triton's interpreter)."""
+    if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+        kernels = importlib.import_module("asyncllm.kernels.sampling")
+        return kernels.gumbel_argmax  # type: ignore[no-any-return]
+    from asyncllm.kernels.sampling_ref import gumbel_argmax_ref
+
+    return gumbel_argmax_ref
 
 
 class Sampler:
-    """Stateless: every per-request input arrives in `states`, aligned with the rows of `logits`."""
+    """`Sampler(vocab_size, device)`; requests with penalties must be `add`ed (and `remove`d when done)."""
+
+    def __init__(self, vocab_size: int, device: torch.device | str, draw: Draw | None = None) -> None:
+        self.device = torch.device(device)
+        self.penalties = PenaltyTable(vocab_size, self.device)
+        self._draw = draw or load_draw(self.device)
+
+    def add(self, state: SamplingState) -> None:
+        self.penalties.add(state)
+
+    def remove(self, state: SamplingState) -> None:
+        self.penalties.remove(state)
 
     def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(states) or not logits.is_floating_point():
@@ -41,147 +70,58 @@ class Sampler:
                 f"Sampler: logits must be a float [num_states={len(states)}, vocab] tensor, "
                 f"got {tuple(logits.shape)} {logits.dtype}"
             )
-        # float() is a no-op on float32 input; nothing below writes into `x` in place.
-        x = apply_penalties(_suppress_stops_before_min_tokens(logits.float(), states), states)  # [N, vocab]
-        random_rows = [i for i, s in enumerate(states) if not _is_greedy(s.params)]
-        if len(random_rows) == len(states):
-            token_ids = _sample_random(x, states)
-        else:
+        x = self._prepare(logits, states)
+        if all(s.greedy for s in states):
             token_ids = x.argmax(dim=-1)
-            if random_rows:
-                row_index = to_device(random_rows, torch.int64, x.device)
-                sampled = _sample_random(x.index_select(0, row_index), [states[i] for i in random_rows])
-                token_ids.index_copy_(0, row_index, sampled)
-        logprobs = None
-        if any(s.params.logprobs is not None for s in states):
-            logprobs = _gather_logprobs(logits, token_ids, states)
-        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+        else:
+            temperature = [0.0 if s.greedy else (1.0 if s.filters else s.params.temperature) for s in states]
+            n = len(states)
+            draws = to_device([s.seed for s in states] + [s.num_sampled for s in states], torch.int64, self.device)
+            token_ids = self._draw(x, to_device(temperature, torch.float32, self.device), draws[:n], draws[n:])
+        for state in states:
+            state.num_sampled += 1  # the offset of its next draw: known now, with no sync
+        self.penalties.record(states, token_ids)
+        return SamplerOutput(token_ids, gather_logprobs(logits, token_ids, states))
+
+    def _prepare(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+        """The logits the draw reads: untouched unless a row needs masking, penalties or filters; then a
+        float32 copy with those rows rewritten (filtered rows already divided by their temperature)."""
+        masked = [i for i, s in enumerate(states) if s.masks_stops]
+        penalised = any(s.penalty_row is not None for s in states)
+        filtered = [i for i, s in enumerate(states) if s.filters and not s.greedy]
+        if not (masked or penalised or filtered):
+            return logits
+        x = logits.float().clone() if logits.dtype == torch.float32 else logits.float()
+        if masked:
+            _mask_stops(x, [(i, t) for i in masked for t in states[i].min_tokens_stop_ids])
+        if penalised:
+            self.penalties.apply(x, states)
+        if filtered:
+            self._filter(x, filtered, [states[i] for i in filtered])
+        return x
+
+    def _filter(self, x: torch.Tensor, rows: list[int], states: list[SamplingState]) -> None:
+        vocab = x.shape[1]
+        params = [s.params for s in states]
+        packed = to_device(
+            [[float(r), p.temperature, p.top_p, p.min_p] for r, p in zip(rows, params)], torch.float32, self.device
+        )  # [R, 4]
+        row_index = packed[:, 0].long()
+        sub = x.index_select(0, row_index) / packed[:, 1:2]  # a fresh tensor: the filters write into it
+        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]  # vocab means "off"
+        k_rows = to_device(top_k, torch.int64, self.device) if any(k < vocab for k in top_k) else None
+        p_rows = packed[:, 2] if any(p.top_p < 1.0 for p in params) else None
+        if k_rows is not None or p_rows is not None:
+            sub = apply_top_k_top_p(sub, k_rows, p_rows, max_k=max((k for k in top_k if k < vocab), default=None))
+        if any(p.min_p > 0.0 for p in params):
+            sub = apply_min_p(sub, packed[:, 3])
+        x.index_copy_(0, row_index, sub)
 
 
-def _suppress_stops_before_min_tokens(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
-    """Until a request has `min_tokens` outputs its EOS and stop ids cannot be sampled (vLLM's rule), so a
+def _mask_stops(x: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+    """Until a request has `min_tokens` outputs its EOS and stop ids cannot be drawn (vLLM's rule), so a
     short answer is never padded with an end-of-text token it was not allowed to stop on."""
-    rows: list[int] = []
-    cols: list[int] = []
-    for i, state in enumerate(states):
-        if len(state.output_token_ids) < state.params.min_tokens and state.min_tokens_stop_ids:
-            rows.extend([i] * len(state.min_tokens_stop_ids))
-            cols.extend(state.min_tokens_stop_ids)
-    if not rows:
-        return logits
-    vocab = logits.shape[1]
-    keep = [(r, c) for r, c in zip(rows, cols) if c < vocab]
-    out = logits.clone()
+    keep = [(r, c) for r, c in pairs if c < x.shape[1]]
     if keep:
-        r_idx = to_device([r for r, _ in keep], torch.int64, logits.device)
-        c_idx = to_device([c for _, c in keep], torch.int64, logits.device)
-        out[r_idx, c_idx] = float("-inf")
-    return out
-
-
-def _is_greedy(params: SamplingParams) -> bool:
-    return params.temperature < _GREEDY_TEMPERATURE
-
-
-def _sample_random(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
-    """[R, vocab] float32 (not modified) -> [R] int64 tokens: temperature, top-k, top-p, min-p, sample."""
-    device, vocab = logits.device, logits.shape[1]
-    params = [s.params for s in states]
-    temperature = to_device([p.temperature for p in params], torch.float32, device)
-    x = logits / temperature.unsqueeze(1)  # a fresh tensor: the filters below may write into it
-
-    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]  # vocab means "off"
-    top_p = [p.top_p for p in params]
-    k_rows = to_device(top_k, torch.int64, device) if any(v < vocab for v in top_k) else None
-    p_rows = to_device(top_p, torch.float32, device) if any(v < 1.0 for v in top_p) else None
-    if k_rows is not None or p_rows is not None:
-        x = apply_top_k_top_p(x, k_rows, p_rows, max_k=max((v for v in top_k if v < vocab), default=None))
-    min_p = [p.min_p for p in params]
-    if any(v > 0.0 for v in min_p):
-        x = apply_min_p(x, to_device(min_p, torch.float32, device))
-    return _gumbel_argmax(x, [s.generator for s in states])
-
-
-def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, max_k: int | None = None
-) -> torch.Tensor:
-    """Set to -inf every logit outside each row's top-k, then outside its nucleus of mass top-p.
-
-    logits: [R, vocab] float32, written into. top_k: [R] int64 in [1, vocab] (vocab: off). top_p: [R]
-    float32 in (0, 1] (1: off). `max_k`, the largest k below vocab (known on the host), lets top-k alone
-    avoid a full sort.
-    Tokens tied with the k-th largest logit are all kept. The largest logit always survives.
-    """
-    vocab = logits.shape[1]
-    if top_p is None:
-        assert top_k is not None
-        # Only each row's k-th largest value is needed: a partial top-k of the largest active k beats
-        # sorting the vocabulary. Rows with top-k off get a -inf threshold.
-        width = vocab if max_k is None else max_k
-        kth = logits.topk(width, dim=-1).values.gather(1, top_k.clamp(max=width).unsqueeze(1) - 1)  # [R, 1]
-        kth.masked_fill_(top_k.unsqueeze(1) >= vocab, float("-inf"))
-        return logits.masked_fill_(logits < kth, float("-inf"))
-
-    sorted_logits, order = logits.sort(dim=-1)  # ascending, so every filter keeps a suffix of each row
-    if top_k is not None:
-        kth = sorted_logits.gather(1, (vocab - top_k).unsqueeze(1))  # [R, 1]
-        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
-    # Drop the low tail whose total mass is <= 1 - p: what is left is the smallest set of mass >= p.
-    # Rows with p == 1 get an unreachable cut, so tokens whose float32 probability underflows survive.
-    cut = torch.where(top_p < 1.0, 1.0 - top_p, -1.0).unsqueeze(1)  # [R, 1]
-    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [R, vocab], ascending order
-    drop = cumulative <= cut
-    drop[:, -1] = False  # keep the most likely token even when rounding pushes the whole row under the cut
-    sorted_logits.masked_fill_(drop, float("-inf"))
-    return logits.scatter_(1, order, sorted_logits)
-
-
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Set to -inf every logit whose probability is below min_p times the row's largest probability.
-
-    logits: [R, vocab] float32, written into; min_p: [R] float32 in [0, 1] (0: off). In logit space
-    p_i >= min_p * p_max is x_i >= x_max + log(min_p), so no probabilities are formed.
-    """
-    threshold = logits.amax(dim=-1, keepdim=True) + min_p.log().unsqueeze(1)  # [R, 1]; log(0) = -inf: off
-    return logits.masked_fill_(logits < threshold, float("-inf"))
-
-
-def _gumbel_argmax(logits: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
-    """[R, vocab] -> [R] int64, token i drawn with probability softmax(logits)[i].
-
-    argmax(x - log E) with E ~ Exp(1) is a sample from softmax(x) (-log E is Gumbel noise). Each row's noise
-    comes from its own generator, so rows never share random state.
-    """
-    noise = torch.empty_like(logits)  # [R, vocab]
-    for row, generator in enumerate(generators):
-        noise[row].exponential_(generator=generator)
-    # Exp(1) can return exactly 0 on some backends; log(0) would turn a masked -inf into NaN.
-    noise.clamp_min_(torch.finfo(noise.dtype).tiny).log_()
-    return (logits - noise).argmax(dim=-1)
-
-
-def _gather_logprobs(
-    logits: torch.Tensor, token_ids: torch.Tensor, states: Sequence[SamplingState]
-) -> list[dict[int, float] | None]:
-    """log_softmax of the raw logits for rows that asked: the sampled token and the top-n alternatives.
-
-    This is the one place the sampler syncs with the host, and only because the caller asked for values.
-    """
-    rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
-    row_index = to_device(rows, torch.int64, logits.device)
-    logprobs = logits.index_select(0, row_index).float().log_softmax(dim=-1)  # [R, vocab]
-    sampled = token_ids.index_select(0, row_index).unsqueeze(1)  # [R, 1]
-    num_top = min(max(states[i].params.logprobs or 0 for i in rows), logprobs.shape[1])
-    top_values, top_ids = logprobs.topk(num_top, dim=-1)  # [R, num_top]
-    # One device-to-host copy: ids ride along as float64, exact for any vocabulary size.
-    parts = [sampled, logprobs.gather(1, sampled), top_ids, top_values]
-    packed = torch.cat([part.to(torch.float64) for part in parts], dim=1)  # [R, 2 + 2 * num_top]
-    result: list[dict[int, float] | None] = [None] * len(states)
-    for row, values in zip(rows, packed.tolist()):
-        n = states[row].params.logprobs or 0
-        entry = {int(values[0]): values[1]}
-        ids, lps = values[2 : 2 + num_top], values[2 + num_top :]
-        for token, lp in zip(ids[:n], lps[:n]):
-            entry.setdefault(int(token), lp)
-        result[row] = entry
-    return result
+        index = to_device([v for pair in keep for v in pair], torch.int64, x.device).view(-1, 2)
+        x[index[:, 0], index[:, 1]] = float("-inf")

@@ -1,62 +1,38 @@
-"""Per-request sampling state the model runner keeps across steps, and batch tensors built from it.
+"""Per-request sampling state the model runner keeps across steps.
 
-Owns each request's seeded generator and the token history penalties read. Knows nothing of scheduling,
-of the model, or of how logits are turned into tokens (that is `sampler.py`).
+Owns what a request's draws depend on: its seed, how many tokens it has drawn (the offset into its noise
+stream, advanced when a draw is launched, so nothing waits for the device), the ids masked until
+`min_tokens`, and its row in the sampler's penalty table. Knows nothing of scheduling, the model, or how
+logits become tokens (`sampler.py`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-
-import torch
+from dataclasses import dataclass
 
 from asyncllm.sampling_params import SamplingParams
 
-# torch.Generator.manual_seed accepts 64-bit values only; any Python int seed is folded into that range
-# so every request seed is accepted and still maps to one fixed stream.
-_SEED_MASK = (1 << 64) - 1
+# Below this temperature logits / temperature overflows float32; the distribution is already its limit,
+# the argmax, so such rows are sampled greedily (vLLM draws the same line).
+GREEDY_TEMPERATURE = 1e-5
 
 
-class HostTokens:
-    """A host int64 copy of a token list that only grows, extended by its new tail in amortised O(1).
-
-    torch.tensor(list) costs tens of ns a token; redone every step for hundreds of requests with long
-    histories it would dominate the step. The list stays the source of truth: if it is replaced or
-    shrinks, the copy is rebuilt.
-    """
-
-    def __init__(self) -> None:
-        self._source: list[int] | None = None
-        self._buffer = torch.empty(0, dtype=torch.int64)  # capacity doubles as the list grows
-        self._size = 0
-
-    def sync(self, tokens: list[int]) -> torch.Tensor:
-        """[len(tokens)] int64 view matching `tokens` now."""
-        if tokens is not self._source or len(tokens) < self._size:
-            self._source, self._size = tokens, 0
-        if len(tokens) > self._size:
-            if len(tokens) > self._buffer.numel():
-                grown = torch.empty(max(len(tokens), 2 * self._buffer.numel()), dtype=torch.int64)
-                grown[: self._size] = self._buffer[: self._size]
-                self._buffer = grown
-            self._buffer[self._size : len(tokens)] = torch.tensor(tokens[self._size :], dtype=torch.int64)
-            self._size = len(tokens)
-        return self._buffer[: self._size]
+def fold_seed(seed: int) -> int:
+    """Any Python int as a signed 64-bit value (the kernels' seed type): every seed maps to one stream."""
+    seed &= (1 << 64) - 1
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
 
 
 @dataclass
 class SamplingState:
-    """One live request's sampling inputs. The runner appends every sampled token with `record`."""
-
     params: SamplingParams
-    generator: torch.Generator  # on the logits' device; only this request's noise is drawn from it
-    prompt_token_ids: list[int]
-    output_token_ids: list[int] = field(default_factory=list)
-    # EOS (unless ignore_eos) and stop_token_ids: masked while fewer than params.min_tokens outputs exist.
+    seed: int  # signed 64-bit
+    prompt_token_ids: tuple[int, ...]
+    # EOS (unless ignore_eos) and stop_token_ids: masked while fewer than params.min_tokens were drawn.
     min_tokens_stop_ids: tuple[int, ...] = ()
-    _prompt_host: HostTokens = field(default_factory=HostTokens, init=False, repr=False, compare=False)
-    _output_host: HostTokens = field(default_factory=HostTokens, init=False, repr=False, compare=False)
+    num_sampled: int = 0  # draws so far: the noise offset of the next one
+    penalty_row: int | None = None  # set by the sampler's PenaltyTable for requests with penalties
 
     @classmethod
     def create(
@@ -64,26 +40,24 @@ class SamplingState:
         params: SamplingParams,
         seed: int,
         prompt_token_ids: Sequence[int],
-        device: torch.device | str,
         eos_token_ids: frozenset[int] = frozenset(),
     ) -> SamplingState:
-        generator = torch.Generator(device=device)
-        generator.manual_seed(seed & _SEED_MASK)
         stops: tuple[int, ...] = ()
         if params.min_tokens > 0:
             stops = tuple(sorted(params.stop_token_set | (frozenset() if params.ignore_eos else eos_token_ids)))
-        return cls(
-            params=params, generator=generator, prompt_token_ids=list(prompt_token_ids), min_tokens_stop_ids=stops
-        )
+        return cls(params, fold_seed(seed), tuple(prompt_token_ids), min_tokens_stop_ids=stops)
 
-    def record(self, token_id: int) -> None:
-        """Add one sampled token to the history that presence/frequency/repetition penalties see."""
-        self.output_token_ids.append(token_id)
+    @property
+    def greedy(self) -> bool:
+        return self.params.temperature < GREEDY_TEMPERATURE
 
-    def prompt_tensor(self) -> torch.Tensor:
-        """[len(prompt)] int64 on the host, converted once rather than every step."""
-        return self._prompt_host.sync(self.prompt_token_ids)
+    @property
+    def masks_stops(self) -> bool:
+        """EOS and stop ids are still forbidden (fewer than min_tokens drawn)."""
+        return self.num_sampled < self.params.min_tokens and bool(self.min_tokens_stop_ids)
 
-    def output_tensor(self) -> torch.Tensor:
-        """[len(output)] int64 on the host; each call converts only the tokens recorded since the last."""
-        return self._output_host.sync(self.output_token_ids)
+    @property
+    def filters(self) -> bool:
+        """top-k, top-p or min-p is asked (0 < top_k: a k that exceeds the vocabulary is handled later)."""
+        p = self.params
+        return p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0

@@ -36,6 +36,7 @@ class ModelRunner:
         device: torch.device,
         eos_token_ids: frozenset[int],
         max_seq_len: int,
+        vocab_size: int,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -43,7 +44,7 @@ class ModelRunner:
         self.inputs = buffers
         self.device = device
         self.eos_token_ids = eos_token_ids
-        self.sampler = Sampler()
+        self.sampler = Sampler(vocab_size, device)
         self.states: dict[str, SamplingState] = {}
         self.graphs: CudaGraphRunner | None = None  # set once captured (CUDA, enforce_eager=False)
         self.max_seq_len = max_seq_len  # static bound on sequence lengths: decode plans depend on nothing else
@@ -52,12 +53,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
-        for request_id in scheduled.finished_request_ids:
-            self.states.pop(request_id, None)
+        self.forget(scheduled.finished_request_ids)
         for new in scheduled.new_requests:
-            self.states[new.request_id] = SamplingState.create(
-                new.params, new.seed, new.prompt_token_ids, self.device, self.eos_token_ids
-            )
+            state = SamplingState.create(new.params, new.seed, new.prompt_token_ids, self.eos_token_ids)
+            self.sampler.add(state)
+            self.states[new.request_id] = state
         sampling = [s.request_id for s in scheduled.seqs if s.sample]
         size = self.decode_size(scheduled)
         if size is not None:
@@ -79,8 +79,6 @@ class ModelRunner:
         states = [self.states[r] for r in sampling]
         out = self.sampler(logits, states)
         token_ids: list[int] = out.token_ids.tolist()  # the step's one host sync
-        for state, token in zip(states, token_ids):
-            state.record(token)
         return ModelRunnerOutput(sampled_token_ids=token_ids, logprobs=out.logprobs)
 
     def decode_size(self, scheduled: SchedulerOutput) -> int | None:
@@ -91,9 +89,11 @@ class ModelRunner:
         return self.decode_sizes[i] if i < len(self.decode_sizes) else None
 
     def forget(self, request_ids: list[str]) -> None:
-        """Drop per-request state the scheduler will never mention again (warm-up's throwaway requests)."""
+        """Drop the state of requests the scheduler will never mention again (finished, or warm-up's)."""
         for request_id in request_ids:
-            self.states.pop(request_id, None)
+            state = self.states.pop(request_id, None)
+            if state is not None:
+                self.sampler.remove(state)
 
     def shutdown(self) -> None:
         if self.graphs is not None:

@@ -133,7 +133,9 @@ class Worker:
         )
         eos = self.checkpoint.eos_token_ids
         max_seq_len = min(max_model_len, num_blocks * cache.block_size)
-        self.runner = ModelRunner(self.model, self.backend, kv_caches, buffers, self.device, eos, max_seq_len)
+        self.runner = ModelRunner(
+            self.model, self.backend, kv_caches, buffers, self.device, eos, max_seq_len, self.arch.vocab_size
+        )
         self.num_blocks = num_blocks
         logger.info("KV cache: %d blocks of %d tokens (%s, %s)", num_blocks, cache.block_size, self.device, self.dtype)
 

@@ -1,0 +1,103 @@
+"""Seeded sampling in one launch: argmax over each row of logits / temperature plus Gumbel noise.
+
+Row r draws token i with probability softmax(logits[r] / T_r)[i]: argmax(x / T - log(-log u)) with u uniform
+is a sample from that softmax. The noise is a pure function of (seed_r, offset_r, i) through a counter-based
+hash, so a request's draws depend only on its own seed and how many it has drawn (`offset`), never on the
+batch it shares. T_r = 0 rows take the plain argmax. `gumbel_argmax_ref` is the specification in torch,
+in sampling_ref.py (identical noise bits; the kernel's log may differ from torch's by an ulp, moving only
+near-ties).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .sampling_ref import gumbel_argmax_ref, uniform_noise_ref
+
+__all__ = ["gumbel_argmax", "gumbel_argmax_ref", "uniform_noise_ref"]
+
+BLOCK_V = 1024  # vocabulary columns per tile
+
+
+@triton.jit
+def _fmix32(h):
+    """murmur3's finaliser on uint32 lanes (multiplications wrap mod 2**32)."""
+    h ^= h >> 16
+    h *= 0x85EBCA6B  # sampling_ref._M1
+    h ^= h >> 13
+    h *= 0xC2B2AE35  # sampling_ref._M2
+    h ^= h >> 16
+    return h
+
+
+@triton.jit(do_not_specialize=["vocab"])
+def _gumbel_argmax_kernel(
+    logits_ptr, temp_ptr, seed_ptr, offset_ptr, out_ptr, vocab, stride_row, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    temperature = tl.load(temp_ptr + row)
+    seed = tl.load(seed_ptr + row)  # int64 folded into two uint32 words
+    key_lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+    key_hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    counter = (tl.load(offset_ptr + row) & 0xFFFFFFFF).to(tl.uint32)
+    row_key = _fmix32(counter ^ _fmix32(key_lo ^ _fmix32(key_hi ^ 0x9E3779B9)))
+    greedy = temperature == 0.0
+    safe_t = tl.where(greedy, 1.0, temperature)  # greedy rows never divide (by zero)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_idx = tl.full([BLOCK], 0, tl.int32)
+    for start in range(0, vocab, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < vocab
+        x = tl.load(logits_ptr + row * stride_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        h = _fmix32(_fmix32(cols.to(tl.uint32) ^ row_key) + row_key)
+        u = ((h >> 8).to(tl.float32) + 0.5) * 5.9604644775390625e-08  # (0, 1): 24 random bits, never 0 or 1
+        noise = -tl.log(-tl.log(u))
+        score = tl.where(greedy, x, x / safe_t + noise)
+        score = tl.where(mask, score, float("-inf"))
+        better = score > best  # strict: the first column of a tie wins, as in torch.argmax
+        best = tl.where(better, score, best)
+        best_idx = tl.where(better, cols, best_idx)
+    top = tl.max(best, axis=0)
+    # Lowest column among the lanes holding the maximum (each lane already kept its own first).
+    winner = tl.min(tl.where(best == top, best_idx, vocab), axis=0)
+    tl.store(out_ptr + row, winner.to(tl.int64))
+
+
+def gumbel_argmax(
+    logits: torch.Tensor,  # [R, vocab] float32/bfloat16/float16, rows may be strided
+    temperature: torch.Tensor,  # [R] float32; 0 = greedy
+    seeds: torch.Tensor,  # [R] int64
+    offsets: torch.Tensor,  # [R] int64: draws this request made before (< 2**32)
+    out: torch.Tensor | None = None,  # [R] int64
+) -> torch.Tensor:
+    _check(logits, temperature, seeds, offsets)
+    rows, vocab = logits.shape
+    if out is None:
+        out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if rows:
+        _gumbel_argmax_kernel[(rows,)](
+            logits, temperature, seeds, offsets, out, vocab, logits.stride(0), BLOCK=BLOCK_V, num_warps=4
+        )
+    return out
+
+
+def _check(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor) -> None:
+    if logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(
+            f"logits must be [R, vocab] with unit column stride; got {tuple(logits.shape)} {logits.stride()}"
+        )
+    if logits.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"logits dtype {logits.dtype} is not supported; use float32, float16 or bfloat16")
+    rows = logits.shape[0]
+    for name, t, dtype in (
+        ("temperature", temperature, torch.float32),
+        ("seeds", seeds, torch.int64),
+        ("offsets", offsets, torch.int64),
+    ):
+        if t.shape != (rows,) or t.dtype != dtype or t.device != logits.device or (rows and t.stride(0) != 1):
+            raise ValueError(
+                f"{name} must be contiguous [{rows}] {dtype} on {logits.device}; got {tuple(t.shape)} {t.dtype} "
+                f"on {t.device} with stride {t.stride()}"
+            )
