@@ -1,0 +1,79 @@
+"""OpenAI's logprobs objects from the engine's per-token `{token id: logprob}` dicts.
+
+Owns token strings (each id decoded on its own by the checkpoint's tokenizer, cached: a piece of a
+multi-byte character reads as U+FFFD, as in other servers) and the two shapes: chat's `content` list
+and completions' parallel lists. Knows nothing of HTTP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from asyncllm.outputs import TokenLogprobs
+
+# JSON has no -Infinity: a token the model rules out entirely is reported at this floor instead.
+_LOGPROB_FLOOR = -9999.0
+
+
+class TokenStrings:
+    """`strings(token_id) -> str`, decoded once per id."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            if self._tokenizer is None:  # a checkpoint without a tokenizer: ids are all there is
+                text = f"<token {token_id}>"
+            else:
+                text = self._tokenizer.decode([token_id])
+            self._cache[token_id] = text
+        return text
+
+
+def _lp(value: float) -> float:
+    return max(value, _LOGPROB_FLOOR)
+
+
+def _top(logprobs: TokenLogprobs, k: int) -> list[tuple[int, float]]:
+    # The dict holds the k most likely tokens plus the sampled one when it is not among them.
+    return sorted(logprobs.items(), key=lambda item: -item[1])[:k]
+
+
+def chat_logprobs(
+    token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs], k: int, strings: TokenStrings
+) -> dict[str, Any]:
+    """`choices[].logprobs` of a chat completion (or of one streamed chunk)."""
+    content = []
+    for token_id, dist in zip(token_ids, logprobs):
+        text = strings(token_id)
+        content.append(
+            {
+                "token": text,
+                "logprob": _lp(dist[token_id]),
+                "bytes": list(text.encode()),
+                "top_logprobs": [
+                    {"token": strings(t), "logprob": _lp(lp), "bytes": list(strings(t).encode())}
+                    for t, lp in _top(dist, k)
+                ],
+            }
+        )
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(
+    token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs], k: int, strings: TokenStrings, offset: int
+) -> dict[str, Any]:
+    """`choices[].logprobs` of a completion; `offset` is where this text starts in the choice's text."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for token_id, dist in zip(token_ids, logprobs):
+        text = strings(token_id)
+        tokens.append(text)
+        token_logprobs.append(_lp(dist[token_id]))
+        top.append({strings(t): _lp(lp) for t, lp in _top(dist, k)})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
