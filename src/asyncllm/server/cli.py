@@ -7,6 +7,7 @@ FastAPI nor torch, so `asyncllm serve --help` is instant and works without the `
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from collections.abc import Sequence
@@ -68,10 +69,8 @@ def run(args: argparse.Namespace) -> int:
     # loop="auto" takes uvloop when installed; the engine is built in the app's lifespan, before binding.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, loop="auto")
     server = uvicorn.Server(config)
-    try:
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn shut down gracefully, then re-raised Ctrl-C
         server.run()
-    except KeyboardInterrupt:  # uvicorn shut down gracefully (lifespan included), then re-raised Ctrl-C
-        pass
     return 0 if server.started else 1  # a failed startup (e.g. the model failed to load) never started
 
 
