@@ -8,6 +8,7 @@ what is still running and frees its blocks. Knows nothing of OpenAI response sha
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -140,14 +141,18 @@ class ChoiceResult:
 
 async def collect(sub: Submission) -> list[ChoiceResult]:
     results = [ChoiceResult() for _ in sub.streams]
-    async for index, chunk in merged(sub):
-        result = results[index]
-        result.texts.append(chunk.text)
-        result.token_ids.extend(chunk.token_ids)
-        if chunk.logprobs is not None:
-            if result.logprobs is None:
-                result.logprobs = []
-            result.logprobs.extend(chunk.logprobs)
-        if chunk.finish_reason is not None:
-            result.finish_reason = chunk.finish_reason
+    async with contextlib.aclosing(merged(sub)) as outputs:
+        async for index, chunk in outputs:
+            _append(results[index], chunk)
     return results
+
+
+def _append(result: ChoiceResult, chunk: StreamOutput) -> None:
+    result.texts.append(chunk.text)
+    result.token_ids.extend(chunk.token_ids)
+    if chunk.logprobs is not None:
+        if result.logprobs is None:
+            result.logprobs = []
+        result.logprobs.extend(chunk.logprobs)
+    if chunk.finish_reason is not None:
+        result.finish_reason = chunk.finish_reason

@@ -12,7 +12,7 @@ from typing import Any
 
 from asyncllm.outputs import TokenLogprobs
 
-# JSON has no -Infinity: a token the model rules out entirely is reported at this floor instead.
+# JSON has no -Infinity (nor NaN): a token the model rules out entirely is reported at this floor instead.
 _LOGPROB_FLOOR = -9999.0
 
 
@@ -35,12 +35,12 @@ class TokenStrings:
 
 
 def _lp(value: float) -> float:
-    return max(value, _LOGPROB_FLOOR)
+    return value if value >= _LOGPROB_FLOOR else _LOGPROB_FLOOR  # NaN compares False: floored too
 
 
 def _top(logprobs: TokenLogprobs, k: int) -> list[tuple[int, float]]:
     # The dict holds the k most likely tokens plus the sampled one when it is not among them.
-    return sorted(logprobs.items(), key=lambda item: -item[1])[:k]
+    return sorted(logprobs.items(), key=lambda item: -_lp(item[1]))[:k]
 
 
 def chat_logprobs(

@@ -20,13 +20,20 @@ def chat_prompt(engine: AsyncLLMEngine, messages: list[ChatMessage]) -> list[int
     """The conversation as token ids, ending with the assistant's turn opener."""
     if not messages:
         raise OpenAIError("messages must hold at least one message", param="messages")
-    plain = [{"role": m.role, "content": _text_content(m, i)} for i, m in enumerate(messages)]
+    plain = [_plain(m, i) for i, m in enumerate(messages)]
     try:
         return engine.apply_chat_template(plain)
     except UnsupportedModelError as exc:  # e.g. a base model without a chat template
         raise OpenAIError(f"{exc}; use /v1/completions with a prompt instead", param="messages") from None
     except InvalidRequestError as exc:
         raise invalid_request(exc, param="messages") from None
+
+
+def _plain(message: ChatMessage, index: int) -> dict[str, str]:
+    plain = {"role": message.role, "content": _text_content(message, index)}
+    if message.name is not None:  # templates that know participants' names render it
+        plain["name"] = message.name
+    return plain
 
 
 def _text_content(message: ChatMessage, index: int) -> str:
