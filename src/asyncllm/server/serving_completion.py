@@ -41,7 +41,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     top_k = body.logprobs
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return SSEResponse(_events(sub, head, top_k, state.token_strings, include_usage))
+        return SSEResponse(_events(sub, head, top_k, state.token_strings, include_usage), on_close=sub.close)
     try:
         results = await cancel_on_disconnect(request, collect(sub))
     except ClientDisconnected:
@@ -97,8 +97,6 @@ async def _events(
         logger.exception("asyncllm server: completion stream failed")
         yield sse(OpenAIError("internal server error", status=500, type="server_error").body())
         return
-    finally:
-        sub.close()
     if include_usage:
         yield sse({**base, "choices": [], "usage": usage(sub.num_prompt_tokens, completion_tokens)})
     yield DONE

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncGenerator, Coroutine
+from collections.abc import AsyncGenerator, Callable, Coroutine
 from typing import Any, TypeVar
 
 from starlette.requests import Request
@@ -28,21 +28,27 @@ def sse(payload: dict[str, Any]) -> str:
 
 
 class SSEResponse(StreamingResponse):
-    """A text/event-stream response over an async generator of SSE strings, closed however the send ends."""
+    """A text/event-stream response over an async generator of SSE strings; however sending ends, the
+    generator is closed and `on_close` runs (synchronously)."""
 
-    def __init__(self, events: AsyncGenerator[str, None]) -> None:
+    def __init__(self, events: AsyncGenerator[str, None], on_close: Callable[[], None]) -> None:
         # no-cache and no proxy buffering: each event must reach the client as it is produced
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         super().__init__(events, media_type="text/event-stream", headers=headers)
         self._events = events
+        self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             # On a disconnect Starlette cancels the sending task, which may have been awaiting `send` with
-            # the generator suspended at a `yield`: close it here rather than whenever it is collected.
-            await self._events.aclose()
+            # the generator suspended at a `yield`: close it here rather than whenever it is collected. An
+            # unstarted generator runs no `finally` when closed, hence `on_close` (it aborts the requests).
+            try:
+                await self._events.aclose()
+            finally:
+                self._on_close()
 
 
 class ClientDisconnected(Exception):
