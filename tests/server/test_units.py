@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from asyncllm import AsyncLLMEngine
 from asyncllm.errors import InvalidRequestError
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.server.errors import _param_from_loc, invalid_request
@@ -48,3 +49,13 @@ def test_logprobs_stay_valid_json_and_ordered() -> None:
     assert token["top_logprobs"][0]["token"] == "<token 3>"  # NaN and -inf sort last
     completion = completion_logprobs([3, 7], [{3: -0.1}, {7: -1.0}], 1, strings, offset=4)
     assert completion["text_offset"] == [4, 4 + len("<token 3>")]
+
+
+def test_byte_level_tokens_carry_their_own_bytes(engine: AsyncLLMEngine) -> None:
+    """A token holding part of a character reads as U+FFFD, but its `bytes` are exact: they add up."""
+    tokenizer = engine.tokenizer  # the tiny checkpoints' byte-level BPE
+    strings = TokenStrings(tokenizer)
+    text = "日本語のテキスト 😀🎉 café"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert any("\ufffd" in strings(i) for i in ids)  # the corpus splits some characters across tokens
+    assert bytes(b for i in ids for b in strings.bytes(i)).decode() == text

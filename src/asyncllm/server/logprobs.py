@@ -1,8 +1,9 @@
 """OpenAI's logprobs objects from the engine's per-token `{token id: logprob}` dicts.
 
 Owns token strings (each id decoded on its own by the checkpoint's tokenizer, cached: a piece of a
-multi-byte character reads as U+FFFD, as in other servers) and the two shapes: chat's `content` list
-and completions' parallel lists. Knows nothing of HTTP.
+multi-byte character reads as U+FFFD, as in other servers), their exact bytes where the tokenizer is
+byte-level (so chat's `bytes` concatenate to the UTF-8 text, as OpenAI intends) and the two shapes: chat's
+`content` list and completions' parallel lists. Knows nothing of HTTP.
 """
 
 from __future__ import annotations
@@ -16,12 +17,38 @@ from asyncllm.outputs import TokenLogprobs
 _LOGPROB_FLOOR = -9999.0
 
 
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """The inverse of GPT-2's byte-level alphabet: printable bytes stand for themselves, others for 256+i."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    table = {chr(b): b for b in printable}
+    table.update({chr(256 + i): b for i, b in enumerate(others)})
+    return table
+
+
 class TokenStrings:
-    """`strings(token_id) -> str`, decoded once per id."""
+    """`strings(token_id) -> str`, decoded once per id; `strings.bytes(token_id)` its UTF-8 bytes."""
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
         self._cache: dict[int, str] = {}
+        self._bytes: dict[int, list[int]] = {}
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        byte_level = type(getattr(backend, "decoder", None)).__name__ == "ByteLevel"
+        self._byte_decoder = _gpt2_byte_decoder() if byte_level else None
+
+    def bytes(self, token_id: int) -> list[int]:
+        """The token's own bytes for byte-level tokenizers (a piece of a character included), else the
+        UTF-8 encoding of its string."""
+        raw = self._bytes.get(token_id)
+        if raw is None:
+            raw = list(self(token_id).encode())
+            if self._byte_decoder is not None:
+                piece = self._tokenizer.convert_ids_to_tokens(token_id)
+                if isinstance(piece, str) and all(ch in self._byte_decoder for ch in piece):
+                    raw = [self._byte_decoder[ch] for ch in piece]
+            self._bytes[token_id] = raw
+        return raw
 
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
@@ -54,10 +81,9 @@ def chat_logprobs(
             {
                 "token": text,
                 "logprob": _lp(dist[token_id]),
-                "bytes": list(text.encode()),
+                "bytes": strings.bytes(token_id),
                 "top_logprobs": [
-                    {"token": strings(t), "logprob": _lp(lp), "bytes": list(strings(t).encode())}
-                    for t, lp in _top(dist, k)
+                    {"token": strings(t), "logprob": _lp(lp), "bytes": strings.bytes(t)} for t, lp in _top(dist, k)
                 ],
             }
         )
