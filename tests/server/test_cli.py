@@ -47,9 +47,11 @@ def test_serve_a_checkpoint_from_the_command_line(tiny_model: Path) -> None:
     assert "Traceback" not in err, err[-3000:]
 
 
-def test_missing_checkpoint_fails_cleanly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_arguments_fail_cleanly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", str(tmp_path / "nowhere")]) == 1
     assert "nowhere" in capsys.readouterr().err
+    assert main(["serve", str(tmp_path), "--block-size", "3"]) == 1  # the engine's own check, before loading
+    assert "block_size=3 is invalid" in capsys.readouterr().err
 
 
 def test_server_import_leaves_torch_out() -> None:

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from asyncllm.default_model import DefaultModelMissingError, default_model_path
-from asyncllm.server.engine_flags import add_engine_args, engine_args_from
+from asyncllm.server.engine_flags import add_engine_args, check_engine_args, engine_arg_specs, engine_args_from
 
 API_KEY_ENV = "ASYNCLLM_API_KEY"
 
@@ -62,9 +62,12 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f"asyncllm: the server needs its extra: pip install 'asyncllm[server]' ({exc})", file=sys.stderr)
         return 1
-    from asyncllm.server.engine_flags import engine_arg_specs
-
     engine_args = engine_args_from(args, engine_arg_specs())
+    try:
+        check_engine_args(model, engine_args)
+    except (TypeError, ValueError) as exc:
+        print(f"asyncllm: {exc}", file=sys.stderr)
+        return 1
     app = create_app(model, served_model_name=args.served_model_name, api_key=args.api_key, engine_args=engine_args)
     # loop="auto" takes uvloop when installed; the engine is built in the app's lifespan, before binding.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, loop="auto")

@@ -119,3 +119,9 @@ def add_engine_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -
 def engine_args_from(namespace: argparse.Namespace, specs: list[EngineArgSpec]) -> dict[str, Any]:
     """The engine keyword arguments the user gave on the command line."""
     return {spec.name: getattr(namespace, spec.name) for spec in specs if hasattr(namespace, spec.name)}
+
+
+def check_engine_args(model: str, engine_args: dict[str, Any]) -> None:
+    """Raise the engine's own `TypeError` / `ValueError` for bad arguments now, before any loading: the
+    command line reports it in one line instead of a failed server startup."""
+    EngineConfig.from_kwargs(model, **engine_args)
