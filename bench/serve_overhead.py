@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -101,14 +102,30 @@ async def run_engine(model: str, engine_args: dict[str, Any], args: argparse.Nam
         return await timed(chunks, args)
 
 
-async def timed(chunks: Chunks, args: argparse.Namespace) -> dict[str, Any]:
-    """A warm-up round, then `--repeat` timed rounds of the same prompts; the round of median throughput."""
+async def timed(chunks: Chunks, args: argparse.Namespace, server_pid: int | None = None) -> dict[str, Any]:
+    """A warm-up round, then `--repeat` timed rounds of the same prompts; the round of median throughput,
+    with the CPU seconds this process (and the server's, if any) spent on it."""
     await drive(chunks, prompts(args.concurrency, args.vocab, 1), args.concurrency, args.max_tokens)
-    runs = [
-        await drive(chunks, prompts(args.num_requests, args.vocab, 0), args.concurrency, args.max_tokens)
-        for _ in range(args.repeat)
-    ]
+    runs = []
+    for _ in range(args.repeat):
+        cpu0, server0 = time.process_time(), _cpu_seconds(server_pid)
+        run = await drive(chunks, prompts(args.num_requests, args.vocab, 0), args.concurrency, args.max_tokens)
+        run["bench_process_cpu_s"] = round(time.process_time() - cpu0, 2)
+        if server_pid is not None:
+            run["server_process_cpu_s"] = round(_cpu_seconds(server_pid) - server0, 2)
+        runs.append(run)
     return sorted(runs, key=lambda r: r["tok_per_s"])[len(runs) // 2]
+
+
+def _cpu_seconds(pid: int | None) -> float:
+    """User + system CPU time of a process, all threads (Linux /proc; 0 elsewhere)."""
+    if pid is None:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
 def _flags(engine_args: dict[str, Any]) -> list[str]:
@@ -149,7 +166,7 @@ async def run_server(model: str, engine_args: dict[str, Any], args: argparse.Nam
                         if chunk.choices and chunk.choices[0].text:
                             yield chunk.choices[0].text
 
-                return await timed(chunks, args)
+                return await timed(chunks, args, proc.pid)
         # --client httpx: raw SSE lines and json.loads, to tell the openai client's own cost from the server's
         limits = httpx.Limits(max_connections=args.concurrency)
         async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=600) as http:
@@ -163,7 +180,7 @@ async def run_server(model: str, engine_args: dict[str, Any], args: argparse.Nam
                             if choices and choices[0]["text"]:
                                 yield choices[0]["text"]
 
-            return await timed(raw_chunks, args)
+            return await timed(raw_chunks, args, proc.pid)
     finally:
         proc.terminate()
         proc.wait(timeout=60)
