@@ -52,7 +52,7 @@ def create_app(
     if isinstance(engine_or_model, (str, os.PathLike)):
         model: str | None = os.fspath(engine_or_model)
         given: AsyncLLMEngine | None = None
-        name = served_model_name or default_served_name(model)
+        name = served_model_name or default_served_name(engine_or_model)
     else:
         model, given = None, engine_or_model
         config = getattr(given, "config", None)  # None for engines built by AsyncLLMEngine.from_builder

@@ -17,7 +17,8 @@ OPEN_PATHS = frozenset({"/health"})  # load balancers probe it without credentia
 
 def _app_path(scope: Scope) -> str:
     """The path within this app: mounted under a prefix, Starlette keeps the full path in `path`."""
-    path, root = scope["path"], scope.get("root_path", "")
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
     return path[len(root) :] if root and path.startswith(root) else path
 
 

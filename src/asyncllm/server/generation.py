@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -82,7 +82,7 @@ def _close_all(streams: Sequence[RequestStream]) -> None:
         stream.close()  # synchronous and idempotent: the abort is in the engine's inbox on return
 
 
-async def merged(sub: Submission) -> AsyncIterator[tuple[int, StreamOutput]]:
+async def merged(sub: Submission) -> AsyncGenerator[tuple[int, StreamOutput], None]:
     """(choice index, chunk) from every stream as chunks arrive, until each has ended.
 
     Leaving early in any way closes every unfinished stream; an engine failure raises `EngineDeadError`.
@@ -107,14 +107,14 @@ async def merged(sub: Submission) -> AsyncIterator[tuple[int, StreamOutput]]:
         tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
         remaining = len(streams)
         while remaining:
-            index, chunk, error = await queue.get()
+            index, out, error = await queue.get()
             if error is not None:
                 raise error
-            assert chunk is not None
-            trackers[index].observe(chunk)
-            if chunk.finish_reason is not None:
+            assert out is not None
+            trackers[index].observe(out)
+            if out.finish_reason is not None:
                 remaining -= 1
-            yield index, chunk
+            yield index, out
     except EngineDeadError:
         for tracker in trackers:
             tracker.end("error")

@@ -138,6 +138,6 @@ class _EngineStatsCollector(Collector):
                 family.add_metric([self._model_name], float(value))
                 yield family
         if stats.get("num_preemptions") is not None:
-            family = CounterMetricFamily("asyncllm_num_preemptions", "Requests preempted", labels=["model_name"])
-            family.add_metric([self._model_name], float(stats["num_preemptions"]))
-            yield family
+            counter = CounterMetricFamily("asyncllm_num_preemptions", "Requests preempted", labels=["model_name"])
+            counter.add_metric([self._model_name], float(stats["num_preemptions"]))
+            yield counter

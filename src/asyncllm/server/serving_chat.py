@@ -36,8 +36,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     engine = state.engine_for(body.model)
     params = chat_sampling_params(body)
     prompt = chat_prompt(engine, body.messages)
-    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.served_model_name}
-    sub = submit(engine, [prompt], params, head["id"], state.metrics, prompt_param="messages")
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    head = {"id": request_id, "created": int(time.time()), "model": state.served_model_name}
+    sub = submit(engine, [prompt], params, request_id, state.metrics, prompt_param="messages")
     top_k = params[0].logprobs  # None unless logprobs were asked for
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage

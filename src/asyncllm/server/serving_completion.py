@@ -36,8 +36,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     engine = state.engine_for(body.model)
     params = completion_sampling_params(body)
     prompts = completion_prompts(body)
-    head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.served_model_name}
-    sub = submit(engine, prompts, params, head["id"], state.metrics, prompt_param="prompt")
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    head = {"id": request_id, "created": int(time.time()), "model": state.served_model_name}
+    sub = submit(engine, prompts, params, request_id, state.metrics, prompt_param="prompt")
     top_k = body.logprobs
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
