@@ -5,6 +5,7 @@ composed of smaller dataclasses flattens into the same flags."""
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass
 
 import pytest
@@ -70,11 +71,36 @@ class _ComposedConfig:
     """Seed."""
 
 
+class _Mode(str, enum.Enum):
+    FAST = "fast"
+    SLOW = "slow"
+
+
+@dataclass(frozen=True, kw_only=True)
+class _DocumentedPart:
+    mode: _Mode = dataclasses.field(default=_Mode.FAST, metadata={"doc": "How to run."})
+    limit: int | None = dataclasses.field(default=None, metadata={"doc": "At most this many."})
+
+
+@dataclass(frozen=True)
+class _PartsConfig:
+    model_part: _CacheConfig
+    other_part: _DocumentedPart = dataclasses.field(default_factory=_DocumentedPart)
+
+
 def test_composed_config_flattens_into_flags() -> None:
-    """If EngineConfig becomes a composition of small configs, their fields stay flags of their own."""
+    """If EngineConfig becomes a composition of small configs, their fields stay flags of their own, with
+    their docs written as docstrings or as field metadata."""
     specs = engine_arg_specs(_ComposedConfig)
     assert [(s.name, s.type, s.help, s.optional) for s in specs] == [
         ("block_size", int, "Tokens per block.", False),
         ("enable_prefix_caching", bool, "Reuse prefixes.", False),
         ("seed", int, "Seed.", True),
+    ]
+    specs = engine_arg_specs(_PartsConfig)
+    assert [(s.name, s.type, s.help, s.choices, s.default) for s in specs] == [
+        ("block_size", int, "Tokens per block.", None, 16),
+        ("enable_prefix_caching", bool, "Reuse prefixes.", None, True),
+        ("mode", str, "How to run.", ("fast", "slow"), "fast"),
+        ("limit", int, "At most this many.", None, None),
     ]

@@ -43,7 +43,8 @@ class EngineArgSpec:
 def engine_arg_specs(config_cls: type = EngineConfig) -> list[EngineArgSpec]:
     """Every keyword argument of `AsyncLLMEngine(model, **engine_args)` but `model`, in declaration order.
 
-    Fields whose type is itself a dataclass are flattened (their fields become arguments of their own).
+    Fields whose type is itself a dataclass are flattened (their fields become arguments of their own). A
+    field's help is its `metadata["doc"]`, else the string literal written under it in the class body.
     """
     hints = typing.get_type_hints(config_cls)
     docs = _attribute_docstrings(config_cls)
@@ -59,7 +60,8 @@ def engine_arg_specs(config_cls: type = EngineConfig) -> list[EngineArgSpec]:
         default = field.default
         if isinstance(default, enum.Enum):
             default = default.value
-        specs.append(EngineArgSpec(field.name, value_type, default, docs.get(field.name, ""), choices, optional))
+        doc = field.metadata.get("doc") or docs.get(field.name, "")  # `metadata={"doc": ...}` or a docstring
+        specs.append(EngineArgSpec(field.name, value_type, default, doc, choices, optional))
     return specs
 
 
