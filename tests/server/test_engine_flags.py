@@ -18,8 +18,10 @@ from asyncllm.server.engine_flags import engine_arg_specs, engine_args_from
 
 def test_every_engine_argument_is_a_flag() -> None:
     specs = {s.name: s for s in engine_arg_specs()}
-    fields = {f.name for f in dataclasses.fields(EngineConfig) if f.init} - {"model"}
-    assert set(specs) == fields
+    with pytest.raises(TypeError) as info:  # the engine names every argument it knows when refusing one
+        EngineConfig.from_kwargs("/models/m", no_such_argument=1)
+    assert set(specs) == set(str(info.value).split("known arguments: ")[1].split(", "))
+    EngineConfig.from_kwargs("/models/m", **{s.name: s.default for s in specs.values()})  # defaults are accepted
     assert specs["num_kv_blocks"].type is int and specs["num_kv_blocks"].optional
     assert specs["enable_prefix_caching"].type is bool and specs["enable_prefix_caching"].default is True
     assert specs["gpu_memory_utilization"].type is float
