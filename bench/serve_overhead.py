@@ -7,7 +7,7 @@ model: the tests' tiny Qwen3 checkpoint, built into a temp dir (CPU).
 
 python bench/serve_overhead.py [--model DIR | --shape qwen3-0.6b] [--concurrency 64] [--num-requests 256]
                                [--max-tokens 64] [--device cpu] [--num-kv-blocks 2048] [--repeat 3]
-                               [--client openai|httpx]
+                               [--threads 1]
 """
 
 from __future__ import annotations
@@ -144,7 +144,8 @@ async def run_server(model: str, engine_args: dict[str, Any], args: argparse.Nam
 
     port = free_port()
     cmd = [sys.executable, "-m", "asyncllm.cli", "serve", model, "--port", str(port), "--served-model-name", "bench"]
-    proc = subprocess.Popen([*cmd, "--log-level", "warning", *_flags(engine_args)])
+    env = dict(os.environ) if args.threads is None else {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    proc = subprocess.Popen([*cmd, "--log-level", "warning", *_flags(engine_args)], env=env)
     try:
         async with httpx.AsyncClient() as http:
             while True:
@@ -157,30 +158,15 @@ async def run_server(model: str, engine_args: dict[str, Any], args: argparse.Nam
                     await asyncio.sleep(0.2)
         base_url = f"http://127.0.0.1:{port}/v1"
         body = dict(model="bench", max_tokens=args.max_tokens, temperature=0, stream=True)
-        if args.client == "openai":
-            async with AsyncOpenAI(base_url=base_url, api_key="bench", max_retries=0) as client:
+        async with AsyncOpenAI(base_url=base_url, api_key="bench", max_retries=0) as client:
 
-                async def chunks(prompt: list[int]) -> AsyncIterator[str]:
-                    stream = await client.completions.create(prompt=prompt, **body, extra_body={"ignore_eos": True})
-                    async for chunk in stream:
-                        if chunk.choices and chunk.choices[0].text:
-                            yield chunk.choices[0].text
+            async def chunks(prompt: list[int]) -> AsyncIterator[str]:
+                stream = await client.completions.create(prompt=prompt, **body, extra_body={"ignore_eos": True})
+                async for chunk in stream:
+                    if chunk.choices and chunk.choices[0].text:
+                        yield chunk.choices[0].text
 
-                return await timed(chunks, args, proc.pid)
-        # --client httpx: raw SSE lines and json.loads, to tell the openai client's own cost from the server's
-        limits = httpx.Limits(max_connections=args.concurrency)
-        async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=600) as http:
-
-            async def raw_chunks(prompt: list[int]) -> AsyncIterator[str]:
-                payload = {**body, "prompt": prompt, "ignore_eos": True}
-                async with http.stream("POST", "/completions", json=payload) as response:
-                    async for line in response.aiter_lines():
-                        if line.startswith("data: {"):
-                            choices = json.loads(line[6:])["choices"]
-                            if choices and choices[0]["text"]:
-                                yield choices[0]["text"]
-
-            return await timed(raw_chunks, args, proc.pid)
+            return await timed(chunks, args, proc.pid)
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -210,8 +196,16 @@ def main() -> None:
     ap.add_argument("--num-kv-blocks", type=int, default=2048)
     ap.add_argument("--vocab", type=int, default=300, help="prompt ids are drawn below this (set by --shape)")
     ap.add_argument("--repeat", type=int, default=1, help="timed rounds per mode; the median one is reported")
-    ap.add_argument("--client", choices=["openai", "httpx"], default="openai", help="what reads the server")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads of the engine in both modes (OMP_NUM_THREADS); on a small CPU box spinning OpenMP "
+        "threads fight the client for cores, 1 gives stable figures",
+    )
     args = ap.parse_args()
+    if args.threads is not None:
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before torch is imported here (checkpoint, engine)
     model, extra = resolve_model(args)
     engine_args = dict(device=args.device, num_kv_blocks=args.num_kv_blocks, block_size=16, max_model_len=512, **extra)
     results = {
@@ -220,7 +214,7 @@ def main() -> None:
     }
     texts = {mode: r.pop("_texts") for mode, r in results.items()}
     model_name = args.shape or args.model or "tiny-qwen3"
-    common = {"bench": "serve_overhead", "device": args.device, "model": model_name, "client": args.client}
+    common = {"bench": "serve_overhead", "device": args.device, "model": model_name, "threads": args.threads}
     for mode, result in results.items():
         print(json.dumps({**common, "mode": mode, "concurrency": args.concurrency, **result}))
     server, engine = results["server"], results["engine"]
