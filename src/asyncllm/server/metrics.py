@@ -1,0 +1,143 @@
+"""Prometheus metrics of one app, on its own registry (never the process-global one: two apps, two sets).
+
+Owns the metric names, the per-request tracker that feeds counters and latency histograms as chunks pass,
+and a collector that reads `engine.stats()` at scrape time for the gauges. Knows nothing of OpenAI shapes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from asyncllm.outputs import StreamOutput
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
+_E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+
+
+class ServerMetrics:
+    """`metrics.track()` per engine request; `metrics.render()` for GET /metrics."""
+
+    def __init__(self, stats: Callable[[], dict[str, float | int]], model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = {"model_name": model_name}
+        reg = self.registry
+        self.requests = Counter(
+            "asyncllm_requests",
+            "Engine requests ended, by finish reason",
+            ["model_name", "finish_reason"],
+            registry=reg,
+        )
+        self.prompt_tokens = Counter("asyncllm_prompt_tokens", "Prompt tokens", ["model_name"], registry=reg).labels(
+            **labels
+        )
+        self.generation_tokens = Counter(
+            "asyncllm_generation_tokens", "Generated tokens", ["model_name"], registry=reg
+        ).labels(**labels)
+        self.ttft = Histogram(
+            "asyncllm_time_to_first_token_seconds",
+            "Time from request arrival in the engine to its first token",
+            ["model_name"],
+            buckets=_LATENCY_BUCKETS,
+            registry=reg,
+        ).labels(**labels)
+        self.itl = Histogram(
+            "asyncllm_inter_token_latency_seconds",
+            "Time between tokens as the server receives them (a merged chunk's gap is shared by its tokens)",
+            ["model_name"],
+            buckets=_LATENCY_BUCKETS,
+            registry=reg,
+        ).labels(**labels)
+        self.e2e = Histogram(
+            "asyncllm_e2e_request_latency_seconds",
+            "Time from request arrival in the engine to its last token",
+            ["model_name"],
+            buckets=_E2E_BUCKETS,
+            registry=reg,
+        ).labels(**labels)
+        self.model_name = model_name
+        reg.register(_EngineStatsCollector(stats, model_name))
+
+    def track(self) -> RequestTracker:
+        return RequestTracker(self)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTracker:
+    """Feeds one engine request's chunks into the metrics; `end()` records how it ended, exactly once."""
+
+    __slots__ = ("_ended", "_last", "_metrics")
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._metrics = metrics
+        self._last: float | None = None  # when the previous chunk with tokens arrived
+        self._ended = False
+
+    def observe(self, chunk: StreamOutput) -> None:
+        m = self._metrics
+        n = len(chunk.token_ids)
+        if n:
+            m.generation_tokens.inc(n)
+            now = time.perf_counter()
+            if self._last is not None:
+                gap = (now - self._last) / n
+                for _ in range(n):
+                    m.itl.observe(gap)
+            self._last = now
+        if chunk.finish_reason is not None:
+            if chunk.metrics is not None:
+                m.prompt_tokens.inc(chunk.metrics.num_prompt_tokens)
+                if chunk.metrics.time_to_first_token is not None:
+                    m.ttft.observe(chunk.metrics.time_to_first_token)
+                if chunk.metrics.e2e_latency is not None:
+                    m.e2e.observe(chunk.metrics.e2e_latency)
+            self.end(chunk.finish_reason)
+
+    def end(self, reason: str) -> None:
+        """ "stop", "length", "abort" (the client left) or "error" (the engine died)."""
+        if not self._ended:
+            self._ended = True
+            self._metrics.requests.labels(model_name=self._metrics.model_name, finish_reason=reason).inc()
+
+
+class _EngineStatsCollector(Collector):
+    """Gauges read from the engine's published stats snapshot at scrape time (never waits on a step)."""
+
+    def __init__(self, stats: Callable[[], dict[str, float | int]], model_name: str) -> None:
+        self._stats = stats
+        self._model_name = model_name
+
+    def describe(self) -> list[Metric]:
+        return []  # gauges come and go with the engine: nothing to check for name clashes up front
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            stats = self._stats()
+        except Exception:  # no engine yet (before startup) or gone: no gauges rather than a failed scrape
+            return
+        total, free = stats.get("num_total_blocks"), stats.get("num_free_blocks")
+        usage = 1.0 - free / total if total and free is not None else None
+        for name, doc, value in (
+            ("asyncllm_num_requests_running", "Requests in the running batch", stats.get("num_running")),
+            ("asyncllm_num_requests_waiting", "Requests waiting to be scheduled", stats.get("num_waiting")),
+            ("asyncllm_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use", usage),
+            (
+                "asyncllm_prefix_cache_hit_rate",
+                "Share of prompt tokens served from the prefix cache",
+                stats.get("prefix_cache_hit_rate"),
+            ),
+        ):
+            if value is not None:
+                family = GaugeMetricFamily(name, doc, labels=["model_name"])
+                family.add_metric([self._model_name], float(value))
+                yield family
+        if stats.get("num_preemptions") is not None:
+            counter = CounterMetricFamily("asyncllm_num_preemptions", "Requests preempted", labels=["model_name"])
+            counter.add_metric([self._model_name], float(stats["num_preemptions"]))
+            yield counter

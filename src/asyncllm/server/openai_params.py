@@ -1,0 +1,63 @@
+"""OpenAI request parameters -> `SamplingParams`, one per sample (`n`), with errors naming the OpenAI field.
+
+Owns the mapping of names (max_completion_tokens, top_logprobs, ...) and of OpenAI's defaults onto the
+engine's. `SamplingParams` validates the values; its `InvalidRequestError` is turned into a 400 whose
+param is the OpenAI name of the field. Knows nothing of HTTP beyond `OpenAIError`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asyncllm.errors import InvalidRequestError
+from asyncllm.sampling_params import SamplingParams
+from asyncllm.server.errors import OpenAIError, invalid_request
+from asyncllm.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingRequest
+
+# Request fields passed to SamplingParams under the same name when given (None keeps the engine default,
+# which for temperature and top_p is OpenAI's default, 1.0).
+_SAME_NAME = (
+    "temperature",
+    "top_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+)
+
+
+def chat_sampling_params(request: ChatCompletionRequest) -> list[SamplingParams]:
+    if request.max_tokens is not None and request.max_completion_tokens is not None:
+        raise OpenAIError("give max_completion_tokens or max_tokens, not both", param="max_completion_tokens")
+    if request.top_logprobs is not None and not request.logprobs:
+        raise OpenAIError("top_logprobs needs logprobs set to true", param="top_logprobs")
+    max_field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+    max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+    logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    renames = {"max_tokens": max_field, "logprobs": "top_logprobs"}
+    return _per_sample(request, max_tokens, logprobs, renames)
+
+
+def completion_sampling_params(request: CompletionRequest) -> list[SamplingParams]:
+    return _per_sample(request, request.max_tokens, request.logprobs, {})
+
+
+def _per_sample(
+    request: _SamplingRequest, max_tokens: int | None, logprobs: int | None, renames: dict[str, str]
+) -> list[SamplingParams]:
+    """`n` samples of one prompt; with a seed, sample i gets seed + i: they differ and each is reproducible."""
+    if request.stream_options is not None and not request.stream:
+        raise OpenAIError("stream_options is only allowed when stream is true", param="stream_options")
+    kwargs: dict[str, Any] = {name: getattr(request, name) for name in _SAME_NAME if getattr(request, name) is not None}
+    kwargs.update(max_tokens=max_tokens, stop=request.stop, logprobs=logprobs)
+    out = []
+    for i in range(request.n):
+        seed = None if request.seed is None else request.seed + i
+        try:
+            out.append(SamplingParams(**kwargs, seed=seed))
+        except InvalidRequestError as exc:
+            raise invalid_request(exc, renames=renames) from None
+    return out

@@ -1,0 +1,52 @@
+"""What every handler of one app shares: the engine, the served model name, metrics and token strings.
+
+Owns the two checks every generation endpoint starts with: the engine is there (else 503),
+and the request names the served model (else 404 model_not_found).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from starlette.requests import Request
+
+from asyncllm import AsyncLLMEngine
+from asyncllm.errors import EngineDeadError
+from asyncllm.server.errors import OpenAIError
+from asyncllm.server.logprobs import TokenStrings
+from asyncllm.server.metrics import ServerMetrics
+
+
+@dataclass
+class ServerState:
+    served_model_name: str
+    metrics: ServerMetrics
+    engine: AsyncLLMEngine | None = None  # None until the lifespan has built it
+    token_strings: TokenStrings = field(default_factory=lambda: TokenStrings(None))
+
+    def attach(self, engine: AsyncLLMEngine) -> None:
+        self.engine = engine
+        self.token_strings = TokenStrings(engine.tokenizer)
+
+    def engine_for(self, model: str) -> AsyncLLMEngine:
+        if model != self.served_model_name:
+            raise OpenAIError(
+                f"The model `{model}` does not exist; this server serves `{self.served_model_name}`.",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
+        engine = self.engine
+        if engine is None:
+            raise OpenAIError("the engine is not started", status=503, type="service_unavailable")
+        return engine  # a dead one refuses the request itself: add_request raises EngineDeadError (503)
+
+    def stats(self) -> dict[str, float | int]:
+        if self.engine is None:
+            raise EngineDeadError("the engine is not started")
+        return self.engine.stats()
+
+
+def server_state(request: Request) -> ServerState:
+    state: ServerState = request.app.state.asyncllm
+    return state

@@ -1,0 +1,84 @@
+"""The wire: server-sent events and the client's connection.
+
+Owns SSE framing (`data: {json}\\n\\n`, a final `data: [DONE]`), a streaming response that always closes
+its event generator (so a client that leaves aborts its engine requests, whatever the ASGI server or
+Starlette version does with the half-read iterator), and cancelling non-streamed work when the client
+disconnects. Knows nothing of OpenAI's fields.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncGenerator, Callable, Coroutine
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+T = TypeVar("T")
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """A text/event-stream response over an async generator of SSE strings; however sending ends, the
+    generator is closed and `on_close` runs (synchronously)."""
+
+    def __init__(self, events: AsyncGenerator[str, None], on_close: Callable[[], None]) -> None:
+        # no-cache and no proxy buffering: each event must reach the client as it is produced
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(events, media_type="text/event-stream", headers=headers)
+        self._events = events
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            # On a disconnect Starlette cancels the sending task, which may have been awaiting `send` with
+            # the generator suspended at a `yield`: close it here rather than whenever it is collected. An
+            # unstarted generator runs no `finally` when closed, hence `on_close` (it aborts the requests).
+            try:
+                await self._events.aclose()
+            finally:
+                self._on_close()
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before the answer was ready."""
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def cancel_on_disconnect(request: Request, work: Coroutine[Any, Any, T]) -> T:
+    """Await `work`, cancelling it (which aborts its engine requests) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise ClientDisconnected()
+    finally:
+        watcher.cancel()
+        task.cancel()  # our own cancellation (server shutdown) must reach the work too
+
+
+def disconnected_response() -> Response:
+    """Nobody reads it; 499 (nginx's "client closed request") keeps access logs honest."""
+    return Response(status_code=499)

@@ -1,0 +1,82 @@
+"""Shared fixtures: one engine on the tiny Qwen3 checkpoint (CPU) behind two real uvicorn servers, one open
+and one with an API key, started once per session; tests talk to them over HTTP with the openai client."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from asyncllm import AsyncLLMEngine
+from asyncllm.server import create_app
+from tests.server.serving import RunningServer, start_server
+
+MODEL = "tiny"
+API_KEY = "test-secret-key"
+ENGINE_ARGS: dict[str, Any] = dict(device="cpu", dtype="float32", block_size=4, num_kv_blocks=1024, max_model_len=512)
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_model: Path) -> Iterator[AsyncLLMEngine]:
+    engine = AsyncLLMEngine(str(tiny_model), **ENGINE_ARGS)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def server(engine: AsyncLLMEngine) -> Iterator[RunningServer]:
+    running = start_server(create_app(engine, served_model_name=MODEL))
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="session")
+def keyed_server(engine: AsyncLLMEngine) -> Iterator[RunningServer]:
+    """The same engine behind a second app that needs an API key (plain asyncio loop this time)."""
+    running = start_server(create_app(engine, served_model_name=MODEL, api_key=API_KEY), loop="asyncio")
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def client(server: RunningServer) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture
+async def aclient(server: RunningServer) -> Any:
+    async with openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
+
+
+def metric_value(server: RunningServer, name: str, **labels: str) -> float:
+    """One sample of GET /metrics, parsed with prometheus_client's own parser (0 if absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return 0.0
+
+
+def wait_drained(engine: AsyncLLMEngine, timeout: float) -> dict[str, float | int]:
+    """Wait until nothing runs or waits and every block is free; return those stats."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = engine.stats()
+        if (
+            stats["num_running"] == 0
+            and stats["num_waiting"] == 0
+            and stats["num_free_blocks"] == stats["num_total_blocks"]
+        ):
+            return stats
+        assert time.monotonic() < deadline, f"engine not drained after {timeout} s: {stats}"
+        time.sleep(0.005)

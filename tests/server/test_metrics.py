@@ -1,0 +1,60 @@
+"""GET /metrics: Prometheus text that prometheus_client's parser reads, on a registry of the app's own, with
+counters that move as requests run and gauges read from engine.stats()."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+from prometheus_client.parser import text_string_to_metric_families
+
+from asyncllm import AsyncLLMEngine
+from asyncllm.server import create_app
+from tests.server.conftest import MODEL, metric_value
+from tests.server.serving import RunningServer
+
+
+def test_metrics_parse_and_move(server: RunningServer, client: openai.OpenAI) -> None:
+    def snapshot() -> dict[str, float]:
+        names = {
+            "asyncllm_requests_total": {"finish_reason": "length"},
+            "asyncllm_prompt_tokens_total": {},
+            "asyncllm_generation_tokens_total": {},
+            "asyncllm_time_to_first_token_seconds_count": {},
+            "asyncllm_inter_token_latency_seconds_count": {},
+            "asyncllm_e2e_request_latency_seconds_count": {},
+        }
+        return {name: metric_value(server, name, **labels) for name, labels in names.items()}
+
+    before = snapshot()
+    r = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=7, temperature=0, n=2)
+    assert r.usage is not None
+    after = snapshot()
+    moved = {name: after[name] - before[name] for name in before}
+    assert moved == {
+        "asyncllm_requests_total": 2,
+        "asyncllm_prompt_tokens_total": 2 * r.usage.prompt_tokens,  # per engine request: each sample prefills
+        "asyncllm_generation_tokens_total": 14,
+        "asyncllm_time_to_first_token_seconds_count": 2,
+        "asyncllm_inter_token_latency_seconds_count": moved["asyncllm_inter_token_latency_seconds_count"],
+        "asyncllm_e2e_request_latency_seconds_count": 2,
+    }
+    assert 0 < moved["asyncllm_inter_token_latency_seconds_count"] <= 12  # at most one per token after the first
+
+    text = httpx.get(f"{server.url}/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_ratio", "prefix_cache_hit_rate"):
+        family = families[f"asyncllm_{gauge}"]
+        assert family.type == "gauge" and family.samples[0].labels == {"model_name": MODEL}
+    assert families["asyncllm_kv_cache_usage_ratio"].samples[0].value == 0.0  # idle: every block free
+    assert 0.0 <= families["asyncllm_prefix_cache_hit_rate"].samples[0].value <= 1.0
+    assert families["asyncllm_time_to_first_token_seconds"].type == "histogram"
+
+
+def test_each_app_has_its_own_registry(engine: AsyncLLMEngine) -> None:
+    """Two apps in one process (the global registry would refuse the second set of names)."""
+    a = create_app(engine, served_model_name="a").state.asyncllm.metrics
+    b = create_app(engine, served_model_name="b").state.asyncllm.metrics
+    assert a.registry is not b.registry
+    a.track().end("stop")
+    assert b'finish_reason="stop",model_name="a"} 1.0' in a.render()
+    assert b"asyncllm_requests_total{" not in b.render()
