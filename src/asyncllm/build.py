@@ -46,6 +46,7 @@ def build_engine(config: EngineConfig, clock: Callable[[], float]) -> BuiltEngin
         seed=mc.seed,
         tokenizer=backend_tokenizer(tokenizer) if tokenizer is not None else None,
         clock=clock,
+        async_scheduling=sched.async_scheduling,
     )
     encode = None if tokenizer is None else (lambda text: list(tokenizer(text).input_ids))
     return BuiltEngine(core, InputProcessor(executor.runtime, encode), tokenizer, executor.runtime)

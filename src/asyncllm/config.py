@@ -135,10 +135,16 @@ class SchedulerConfig:
 
     max_num_seqs: int = arg(256, "Most requests in one step's batch.")
     max_num_batched_tokens: int = arg(8192, "Token budget of one step: prefill chunks and decodes share it.")
+    async_scheduling: bool = arg(
+        True,
+        "Plan step N+1 and process step N-1's outputs while the device runs step N (overlapped scheduling); "
+        "False waits for each step before planning the next (the serial twin, same tokens).",
+    )
 
     def __post_init__(self) -> None:
         check_int(_fail, "max_num_seqs", self.max_num_seqs, "an integer >= 1", lo=1)
         check_int(_fail, "max_num_batched_tokens", self.max_num_batched_tokens, "an integer >= 1", lo=1)
+        check_bool(_fail, "async_scheduling", self.async_scheduling)
 
 
 @dataclass(frozen=True, kw_only=True)

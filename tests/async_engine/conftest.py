@@ -30,12 +30,18 @@ def bpe_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
 EngineFactory = Callable[..., tuple[AsyncLLMEngine, FakeBuilt]]
 
 
-@pytest.fixture
-def make_engine(bpe_tokenizer: Any) -> Iterator[EngineFactory]:
-    """`make_engine(**fake_built_kwargs) -> (engine, built)`; every engine is shut down after the test."""
+@pytest.fixture(params=["serial", "overlap"])
+def make_engine(request: pytest.FixtureRequest, bpe_tokenizer: Any) -> Iterator[EngineFactory]:
+    """`make_engine(**fake_built_kwargs) -> (engine, built)`; every engine is shut down after the test.
+
+    Every test using it runs twice: with a synchronous fake executor, and with an asynchronous one (steps
+    run when their result is asked for), so the core overlaps planning with the step in flight, as on a GPU.
+    """
     engines: list[AsyncLLMEngine] = []
+    asynchronous = request.param == "overlap"
 
     def make(*, text: bool = True, **kwargs: Any) -> tuple[AsyncLLMEngine, FakeBuilt]:
+        kwargs.setdefault("asynchronous", asynchronous)
         built = fake_built(bpe_tokenizer if text else None, **kwargs)
         engine = AsyncLLMEngine.from_builder(lambda: built)
         engines.append(engine)

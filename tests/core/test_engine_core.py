@@ -11,6 +11,7 @@ from asyncllm.core.detokenizer import backend_tokenizer
 from asyncllm.core.input_processor import InputProcessor
 from asyncllm.core.output_processor import RequestDelta
 from asyncllm.core.request import Request
+from asyncllm.executor.interface import ReadyStep
 from asyncllm.sampling_params import SamplingParams
 from tests.fixtures.fake_executor import (
     FakeExecutor,
@@ -178,11 +179,11 @@ class _AbortMidStep:
     def runtime(self):
         return self.inner.runtime
 
-    def execute_model(self, scheduled):
+    def submit(self, scheduled):
         out = self.inner.execute_model(scheduled)
         if self.inner.num_steps == self.at:
             self.abort_deltas = [self.core.abort_request(rid) for rid in self.victims]
-        return out
+        return ReadyStep(out)
 
     def shutdown(self) -> None:
         self.inner.shutdown()
@@ -222,11 +223,11 @@ def test_interrupted_step_leaves_no_stale_prefix() -> None:
     class InterruptOnce(FakeExecutor):
         interrupt = True
 
-        def execute_model(self, scheduled):  # type: ignore[no-untyped-def]
+        def submit(self, scheduled):  # type: ignore[no-untyped-def]
             if self.interrupt:
                 self.interrupt = False
                 raise KeyboardInterrupt
-            return super().execute_model(scheduled)
+            return super().submit(scheduled)
 
     executor = InterruptOnce(make_runtime(block_size=4, num_kv_blocks=64))
     ip = InputProcessor(executor.runtime, None)

@@ -1,7 +1,9 @@
 """Scheduler (with BlockManager and a FakeExecutor under EngineCore): mixing, budgets, preemption, aborts.
 
 The property test at the end drives random adds, aborts and steps with tiny memory and budgets and checks
-the block invariants after every step and that every output equals an unbatched, unchunked run.
+the block invariants after every step and that every output equals an unbatched, unchunked run, with the
+executor synchronous (serial scheduling) and asynchronous (overlapped: each step planned while the
+previous one is in flight, its tokens fed in as placeholders).
 """
 
 from __future__ import annotations
@@ -33,9 +35,11 @@ EOS = frozenset({0})
 class Harness:
     """An EngineCore over a FakeExecutor that collects every delta and checks invariants each step."""
 
-    def __init__(self, *, num_blocks: int = 64, block_size: int = 4, next_token=None, **limits) -> None:
+    def __init__(
+        self, *, num_blocks: int = 64, block_size: int = 4, next_token=None, overlap: bool = False, **limits
+    ) -> None:
         self.runtime = make_runtime(num_kv_blocks=num_blocks, block_size=block_size, eos_token_ids=EOS)
-        self.executor = FakeExecutor(self.runtime, next_token=next_token)
+        self.executor = FakeExecutor(self.runtime, next_token=next_token, asynchronous=overlap)
         self.core: EngineCore = make_engine_core(self.executor, **limits)
         self.inputs = InputProcessor(self.runtime, None)
         self.tokens: dict[str, list[int]] = {}
@@ -259,9 +263,10 @@ _op = st.tuples(
     budget=st.integers(2, 24),
     max_seqs=st.integers(1, 5),
     prefix_caching=st.booleans(),
+    overlap=st.booleans(),
 )
 def test_random_workloads_keep_invariants_and_outputs(
-    ops: list, num_blocks: int, block_size: int, budget: int, max_seqs: int, prefix_caching: bool
+    ops: list, num_blocks: int, block_size: int, budget: int, max_seqs: int, prefix_caching: bool, overlap: bool
 ) -> None:
     h = Harness(
         num_blocks=num_blocks,
@@ -270,6 +275,7 @@ def test_random_workloads_keep_invariants_and_outputs(
         max_num_batched_tokens=budget,
         max_num_seqs=max_seqs,
         enable_prefix_caching=prefix_caching,
+        overlap=overlap,
     )
     added: list[str] = []
     aborted: set[str] = set()
@@ -295,6 +301,7 @@ def test_random_workloads_keep_invariants_and_outputs(
     event(f"prefix hits: {stats.prefix_cache_hit_rate > 0}")
     event(f"chunked: {any(not s.sample for step in h.executor.steps for s in step.seqs)}")
     event(f"aborted: {bool(aborted)}")
+    event(f"overlap: {overlap}")
     for rid in added:
         if rid in aborted:
             assert h.reasons[rid] == "abort"

@@ -72,3 +72,24 @@ def test_first_request_pays_no_compilation(tiny_checkpoints) -> None:
         llm.generate([[9, 8, 7, 6, 5] * 7], params, use_tqdm=False)[0].metrics.time_to_first_token for _ in range(3)
     )
     assert first <= 2 * warm + 0.002, f"first TTFT {first * 1e3:.1f} ms vs warm {warm * 1e3:.1f} ms"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_overlapped_scheduling_equals_serial(tiny_checkpoints, dtype: str) -> None:
+    """Planning step N+1 while N runs (tokens fed back on the device) gives the serial tokens exactly, with
+    stops, seeded sampling, prefix hits and preemption in play."""
+    path = str(tiny_checkpoints["qwen3"])
+    common = dict(
+        device="cuda", dtype=dtype, block_size=4, max_num_seqs=40, num_kv_blocks=48, max_num_batched_tokens=96
+    )
+    overlapped = LLM(path, **common)
+    serial = LLM(path, async_scheduling=False, **common)
+    prompts, greedy = _workload(overlapped.runtime.vocab_size)
+    params = [
+        SamplingParams(temperature=0.8, seed=i, max_tokens=p.max_tokens, min_tokens=2) if i % 2 else p
+        for i, p in enumerate(greedy)
+    ]
+    ours = overlapped.generate(prompts, params, use_tqdm=False)
+    ref = serial.generate(prompts, params, use_tqdm=False)
+    assert [(o.token_ids, o.finish_reason) for o in ours] == [(o.token_ids, o.finish_reason) for o in ref]
+    assert overlapped.stats()["num_free_blocks"] == overlapped.stats()["num_total_blocks"]

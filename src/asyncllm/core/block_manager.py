@@ -11,7 +11,7 @@ that is not what the hash says.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 from asyncllm.core.block_hash import extend_block_hashes
 from asyncllm.core.request import Request
@@ -38,9 +38,11 @@ class BlockManager:
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[int, KVBlock] = {}  # block hash -> block holding exactly that prefix
         self._num_registered: dict[str, int] = {}  # request id -> leading blocks already offered to the cache
-        # Registered while planning the step in flight, whose KV is not written yet: committed when the step
-        # has run, withdrawn if it fails (block, and the request's registered count before this step).
-        self._pending: list[KVBlock] = []
+        # Registered while planning steps still in flight, whose KV is not written yet: committed (in order)
+        # when each step has run, withdrawn if one fails. Entries are (registration number, block); a step's
+        # mark is the number reached when it was planned. Also each request's registered count before them.
+        self._pending: deque[tuple[int, KVBlock]] = deque()
+        self._num_registrations = 0
         self._pending_counts: dict[str, int] = {}
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
@@ -115,15 +117,22 @@ class BlockManager:
             self._register_full_blocks(request, num_tokens)
         return True
 
-    def commit_pending(self) -> None:
-        """The planned step has run: its registered blocks now hold the KV their hashes promise."""
-        self._pending.clear()
-        self._pending_counts.clear()
+    def pending_mark(self) -> int:
+        """Taken right after planning a step: `commit_pending(mark)` commits what that step registered."""
+        return self._num_registrations
+
+    def commit_pending(self, mark: int | None = None) -> None:
+        """The step planned up to `mark` (None: every planned step) has run: the blocks registered while
+        planning it now hold the KV their hashes promise."""
+        while self._pending and (mark is None or self._pending[0][0] < mark):
+            self._pending.popleft()
+        if not self._pending:
+            self._pending_counts.clear()
 
     def discard_pending(self) -> None:
-        """The planned step failed or was interrupted: withdraw the hashes of blocks it never wrote, so no
-        later request is served KV that does not exist."""
-        for block in self._pending:
+        """A planned step failed or was interrupted: withdraw the hashes of blocks no finished step wrote, so
+        no later request is served KV that does not exist."""
+        for _, block in self._pending:
             if block.block_hash is not None and self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
             block.block_hash = None
@@ -175,5 +184,6 @@ class BlockManager:
             if block.block_hash is None and block_hash not in self._cached:
                 block.block_hash = block_hash
                 self._cached[block_hash] = block
-                self._pending.append(block)
+                self._pending.append((self._num_registrations, block))
+                self._num_registrations += 1
         self._num_registered[request.request_id] = num_full

@@ -1,8 +1,11 @@
-"""`EngineCore`: one synchronous step of continuous batching, driven by whoever owns the device.
+"""`EngineCore`: one step of continuous batching at a time, driven by whoever owns the device.
 
-Owns the scheduler, block manager and output processing; drives a `ModelExecutor` it is given. The async
-layer calls it from its step thread, `LLM` from the caller's thread. No torch, no asyncio; time comes from
-the injected clock.
+Owns the scheduler, block manager and output processing; drives a `ModelExecutor` it is given. With
+`async_scheduling` (the default) a step plans and submits step N+1 before it waits for step N, so the host's
+planning and output processing overlap the device's work; step N+1 feeds step N's tokens in on the device
+(PLACEHOLDER inputs), and a request that finished at N has its token of N+1 dropped. Serial scheduling, the
+slow twin, waits for each step before planning the next. The async layer calls it from its step thread,
+`LLM` from the caller's thread. No torch, no asyncio; time comes from the injected clock.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from asyncllm.core.block_manager import BlockManager
 from asyncllm.core.output_processor import OutputProcessor, RequestDelta, request_metrics
 from asyncllm.core.request import Request
 from asyncllm.core.scheduler import Scheduler, SchedulerLimits
-from asyncllm.executor.interface import ModelExecutor
+from asyncllm.executor.interface import ModelExecutor, SchedulerOutput, StepResult
 from asyncllm.outputs import FinishReason
 
 
@@ -43,6 +46,16 @@ class StepCounts:
     num_decode_tokens: int
 
 
+@dataclass(frozen=True)
+class _Submitted:
+    """A step handed to the executor whose outputs are not processed yet."""
+
+    scheduled: SchedulerOutput
+    result: StepResult
+    mark: int  # the block manager's registration mark after planning it
+    counts: StepCounts
+
+
 class EngineCore:
     def __init__(
         self,
@@ -54,6 +67,7 @@ class EngineCore:
         seed: int,
         tokenizer: Tokenizer | None,
         clock: Callable[[], float],
+        async_scheduling: bool = True,
     ) -> None:
         self.executor = executor
         rt = executor.runtime
@@ -64,6 +78,8 @@ class EngineCore:
         self._seed_rng = random.Random(seed)
         self.last_step = StepCounts(0, 0)
         self.num_steps = 0
+        self.async_scheduling = async_scheduling
+        self._in_flight: _Submitted | None = None
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -77,7 +93,7 @@ class EngineCore:
         return self._finish(request_id, "abort", flush=True)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
@@ -93,37 +109,65 @@ class EngineCore:
 
     # ------------------------------------------------------------------ the step
     def step(self, after_execute: Callable[[], None] | None = None) -> list[RequestDelta]:
-        """Schedule, run the model, and turn sampled tokens into per-request deltas.
+        """Plan and submit the next step, then turn the oldest submitted step's tokens into deltas.
 
-        `after_execute` runs between the forward pass and output processing: the step thread applies aborts
-        that arrived meanwhile there, so an aborted request gets no token from this step (the scheduler drops
-        tokens of requests finished after planning) and its blocks are freed exactly once.
+        Serially (or with an executor that finished the step at once) that is the step just submitted; with
+        async scheduling on a device that runs steps asynchronously it is the one submitted by the previous
+        call, which ran while this one was planned. `after_execute` runs once that step's output is in and
+        before it is processed: the step thread applies aborts that arrived meanwhile there, so an aborted
+        request gets no token from that step (tokens of requests finished after planning are dropped) and
+        its blocks are freed exactly once.
         """
+        submitted = self._submit_next()
+        ready = [self._in_flight] if self._in_flight is not None else []
+        self._in_flight = None
+        if submitted is not None:
+            if self.async_scheduling and not submitted.result.done():
+                self._in_flight = submitted
+            else:
+                ready.append(submitted)
+        if not ready:
+            self.last_step = StepCounts(0, 0)
+        deltas: list[RequestDelta] = []
+        for step in ready:
+            deltas += self._complete(step, after_execute)
+        return deltas
+
+    def _submit_next(self) -> _Submitted | None:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
-            self.last_step = StepCounts(0, 0)
-            return []
+            return None
         # A decode extends past the prompt; a one-token prefill chunk (the recomputed last token after a
-        # full prefix hit) is still prefill. Counted before the model runs, while every request is live.
+        # full prefix hit) is still prefill. Counted now, while every request is live.
         reqs = self.scheduler.requests
         decode = sum(
             1 for s in scheduled.seqs if s.num_tokens == 1 and s.start_pos >= reqs[s.request_id].num_prompt_tokens
         )
         try:
-            result = self.executor.execute_model(scheduled)
+            result = self.executor.submit(scheduled)
         except BaseException:
             # Blocks registered for this step never received their KV: no later request may hit them.
             self.block_manager.discard_pending()
             raise
-        self.block_manager.commit_pending()
         self.num_steps += 1
+        counts = StepCounts(scheduled.num_batched_tokens - decode, decode)
+        return _Submitted(scheduled, result, self.block_manager.pending_mark(), counts)
+
+    def _complete(self, step: _Submitted, after_execute: Callable[[], None] | None) -> list[RequestDelta]:
+        try:
+            result = step.result.result()
+        except BaseException:
+            self.block_manager.discard_pending()
+            self._in_flight = None
+            raise
+        self.block_manager.commit_pending(step.mark)
         if after_execute is not None:
             after_execute()
         now = self._clock()
-        self.last_step = StepCounts(scheduled.num_batched_tokens - decode, decode)
+        self.last_step = step.counts
         deltas: list[RequestDelta] = []
         all_logprobs = result.logprobs
-        for request, token_id, index in self.scheduler.update_from_output(scheduled, result.sampled_token_ids):
+        for request, token_id, index in self.scheduler.update_from_output(step.scheduled, result.sampled_token_ids):
             if request.first_token_time is None:
                 request.first_token_time = now
             text, reason = self.output_processor.process_token(request, token_id)

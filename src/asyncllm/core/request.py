@@ -23,7 +23,8 @@ class RequestStatus(enum.Enum):
 @dataclass(eq=False)
 class Request:
     """A request's token state. The scheduler's one rule: `num_computed_tokens` catches up with
-    `num_tokens`; a step that reaches it samples the next token."""
+    `num_planned_tokens` (the known tokens plus those sampled by steps still in flight); a step that
+    reaches it samples the next token."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -34,6 +35,7 @@ class Request:
 
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
+    num_pending_tokens: int = 0  # sampled by submitted steps whose outputs are not processed yet
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks, computed lazily
@@ -55,6 +57,10 @@ class Request:
         return len(self.all_token_ids)
 
     @property
+    def num_planned_tokens(self) -> int:
+        return len(self.all_token_ids) + self.num_pending_tokens
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.all_token_ids) - len(self.prompt_token_ids)
 
@@ -65,6 +71,12 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def has_enough_tokens(self) -> bool:
+        """Its last token is known or on its way (max_tokens reached counting those in flight): nothing more
+        is worth computing for it."""
+        return self.num_output_tokens + self.num_pending_tokens >= self.max_tokens
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)

@@ -1,10 +1,11 @@
 """Continuous batching with no prefill/decode modes.
 
-One rule: every running request's computed tokens catch up with its known tokens, within a per-step
-token budget and a cap on sequences. Prefill chunks, prefix-cache hits, decodes and resumed preemptions
-all fall out of it. When blocks run out, the most recently admitted request is preempted (its KV is
-dropped and recomputed later) so the oldest always progress: nothing starves.
-Plain Python, deterministic: the same calls give the same schedule.
+One rule: every running request's computed tokens catch up with its planned tokens (known, plus one
+sampled by a step still in flight), within a per-step token budget and a cap on sequences. Prefill chunks,
+prefix-cache hits, decodes and resumed preemptions all fall out of it; so does overlapped scheduling: a
+step planned while the previous one runs feeds the in-flight token as a PLACEHOLDER. When blocks run out,
+the most recently admitted request is preempted (its KV is dropped and recomputed later) so the oldest
+always progress: nothing starves. Plain Python, deterministic: the same calls give the same schedule.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from asyncllm.core.block_manager import BlockManager
 from asyncllm.core.request import Request, RequestStatus
 from asyncllm.errors import InvalidRequestError
-from asyncllm.executor.interface import NewRequestData, ScheduledSeq, SchedulerOutput
+from asyncllm.executor.interface import PLACEHOLDER, NewRequestData, ScheduledSeq, SchedulerOutput
 from asyncllm.outputs import FinishReason
 
 
@@ -81,7 +82,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.has_enough_tokens:
+                i += 1  # its last token is in flight: it finishes when that step's output is processed
+                continue
+            num_new = min(request.num_planned_tokens - request.num_computed_tokens, budget)
             assert num_new > 0, "a running request always has a token to compute"
             while not self.block_manager.allocate(request, num_new):
                 victim = self.running.pop()  # the most recently admitted
@@ -99,6 +103,8 @@ class Scheduler:
         # Admit waiting requests in arrival order, unless memory was just too short for the running ones.
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             request = self.waiting[0]
+            if request.num_pending_tokens:
+                break  # preempted with a token in flight: it resumes once that token is known (in order)
             cached = []
             if request.num_computed_tokens == 0:
                 cached = self.block_manager.find_cached_prefix(request)
@@ -136,17 +142,17 @@ class Scheduler:
                     self._seeds[request.request_id],
                 )
             )
-        out.seqs.append(
-            ScheduledSeq(
-                request_id=request.request_id,
-                input_token_ids=request.all_token_ids[start : start + num_new],
-                start_pos=start,
-                block_ids=list(request.block_ids),
-                sample=start + num_new == request.num_tokens,
-            )
-        )
+        end = start + num_new
+        inputs = request.all_token_ids[start:end]
+        if end > request.num_tokens:  # the last input is the token the in-flight step samples
+            assert end == request.num_tokens + 1 == request.num_planned_tokens, "one token in flight at most"
+            inputs.append(PLACEHOLDER)
+        sample = end == request.num_planned_tokens
+        out.seqs.append(ScheduledSeq(request.request_id, inputs, start, list(request.block_ids), sample))
         # Advanced now, not when outputs return, so a later step can be planned before this one finishes.
-        request.num_computed_tokens = start + num_new
+        request.num_computed_tokens = end
+        if sample:
+            request.num_pending_tokens += 1
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.block_manager.free(request)
@@ -160,15 +166,18 @@ class Scheduler:
     def update_from_output(self, out: SchedulerOutput, sampled: list[int]) -> list[tuple[Request, int, int]]:
         """Append each sampled token to its request; returns (request, token, sample index) for live ones.
 
-        Requests finished (aborted) after `out` was planned are skipped: their token is dropped.
+        Requests finished (aborted, or stopped by the previous step's output) since `out` was planned are
+        skipped: their token is dropped. A request preempted meanwhile keeps its token, which was computed
+        from valid KV: it is streamed like any other and recomputed with the rest when the request resumes.
         """
         results: list[tuple[Request, int, int]] = []
         sampling = [s for s in out.seqs if s.sample]
         assert len(sampling) == len(sampled), "one sampled token per sampling sequence"
         for index, (seq, token_id) in enumerate(zip(sampling, sampled)):
             request = self.requests.get(seq.request_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
+            if request is None or request.status is RequestStatus.FINISHED:
                 continue
+            request.num_pending_tokens -= 1
             request.append_token(token_id)
             results.append((request, token_id, index))
         return results

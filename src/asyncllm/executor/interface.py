@@ -1,8 +1,11 @@
 """The contract between the engine core and whatever executes the model: plain data and one protocol.
 
-The core schedules a `SchedulerOutput`, an executor (in-process now, tensor-parallel workers later) runs it
-and returns a `ModelRunnerOutput`; `RuntimeInfo` carries the facts the executor learned when it loaded the
-model and sized the KV cache. Plain Python, no torch: this is what may cross a process boundary.
+The core schedules a `SchedulerOutput`, an executor (in-process now, tensor-parallel workers later) starts
+it with `submit` and hands back a `StepResult` whose `result()` is the `ModelRunnerOutput`; `RuntimeInfo`
+carries the facts the executor learned when it loaded the model and sized the KV cache. Steps run in the
+order submitted, so a step may be planned while the previous one runs: a token that previous step will
+sample is named by `PLACEHOLDER` and the executor feeds it in from that step's output. Plain Python, no
+torch: this is what may cross a process boundary.
 """
 
 from __future__ import annotations
@@ -11,6 +14,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from asyncllm.sampling_params import SamplingParams
+
+# An input token sampled by the step submitted just before this one, not yet known to the host: the executor
+# takes it from that step's output (on the device, with no round trip). Only a sequence's last input can be.
+PLACEHOLDER = -1
 
 
 @dataclass(frozen=True)
@@ -28,7 +35,8 @@ class ScheduledSeq:
     """One request's slice of a step: compute KV for `input_token_ids` at positions `start_pos`...
 
     `block_ids` is the request's whole block table after this step's allocation. `sample` is True when the
-    slice reaches the end of the known tokens, so its last logits give the next token.
+    slice reaches the end of the request's tokens (those known and the one in flight), so its last logits
+    give the next token. The last input id may be `PLACEHOLDER`.
     """
 
     request_id: str
@@ -45,6 +53,11 @@ class ScheduledSeq:
     def seq_len(self) -> int:
         """Tokens whose KV exists once this step has run."""
         return self.start_pos + len(self.input_token_ids)
+
+    @property
+    def takes_previous_token(self) -> bool:
+        """Its last input is the token the previous step samples for this request."""
+        return self.input_token_ids[-1] == PLACEHOLDER
 
 
 @dataclass
@@ -97,6 +110,29 @@ class RuntimeInfo:
         return min(self.max_model_len, self.kv_capacity_tokens)
 
 
+class StepResult(Protocol):
+    """A submitted step: `result()` waits for it (and every step submitted before it)."""
+
+    def done(self) -> bool:
+        """The output is ready: `result()` will not wait."""
+        ...
+
+    def result(self) -> ModelRunnerOutput: ...
+
+
+@dataclass(frozen=True)
+class ReadyStep:
+    """The `StepResult` of an executor that ran the step synchronously."""
+
+    output: ModelRunnerOutput
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> ModelRunnerOutput:
+        return self.output
+
+
 class ModelExecutor(Protocol):
     """What the engine core drives: implemented in-process (`executor.uniproc`), by test doubles, and later
     by tensor-parallel workers. The core sees only the plain data above."""
@@ -104,8 +140,9 @@ class ModelExecutor(Protocol):
     @property
     def runtime(self) -> RuntimeInfo: ...
 
-    def execute_model(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step: write KV for every scheduled token, sample where `sample` is set."""
+    def submit(self, scheduled: SchedulerOutput) -> StepResult:
+        """Start one step (write KV for every scheduled token, sample where `sample` is set) after every
+        step submitted before it; returns at once when the device runs it asynchronously."""
         ...
 
     def shutdown(self) -> None:

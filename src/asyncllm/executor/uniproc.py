@@ -7,7 +7,7 @@ Owns the worker's set-up order (load, size the cache, allocate); the engine core
 from __future__ import annotations
 
 from asyncllm.config import EngineConfig
-from asyncllm.executor.interface import ModelRunnerOutput, RuntimeInfo, SchedulerOutput
+from asyncllm.executor.interface import RuntimeInfo, SchedulerOutput, StepResult
 from asyncllm.model_loader.base import Checkpoint
 from asyncllm.worker.worker import Worker
 
@@ -25,8 +25,8 @@ class UniProcExecutor:
     def runtime(self) -> RuntimeInfo:
         return self._runtime
 
-    def execute_model(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
-        return self.worker.execute_model(scheduled)
+    def submit(self, scheduled: SchedulerOutput) -> StepResult:
+        return self.worker.submit(scheduled)
 
     def shutdown(self) -> None:
         self.worker.shutdown()

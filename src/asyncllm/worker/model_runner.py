@@ -1,5 +1,7 @@
 """`ModelRunner`: one step on one device. Turns a `SchedulerOutput` into inputs in persistent buffers, one
-forward pass, and one sample per sequence that reached the end of its known tokens.
+forward pass, and one sample per sequence that reached the end of its tokens; `submit` returns before the
+device is done, with the sampled ids on their way to pinned host memory behind an event. A PLACEHOLDER
+input (overlapped scheduling) is filled on the device from the previous step's sampled ids.
 
 Decode-only steps are padded to a bucket size and planned statically whenever the attention backend can
 be captured, then replayed from a CUDA graph if one was captured for that size, or run eagerly the same
@@ -19,11 +21,13 @@ from torch import nn
 
 from asyncllm.attention.backend import AttentionBackend
 from asyncllm.attention.layer import KVCache
-from asyncllm.executor.interface import ModelRunnerOutput, SchedulerOutput
+from asyncllm.executor.interface import ModelRunnerOutput, ReadyStep, SchedulerOutput, StepResult
+from asyncllm.layers.host_copy import to_device
 from asyncllm.sample.sampler import Sampler
 from asyncllm.sample.state import SamplingState
 from asyncllm.worker.cuda_graph import CudaGraphRunner, capture_sizes, is_decode_only
 from asyncllm.worker.input_batch import InputBuffers
+from asyncllm.worker.sampled_outputs import SampledOutputs
 
 
 class ModelRunner:
@@ -47,12 +51,19 @@ class ModelRunner:
         self.sampler = Sampler(vocab_size, device)
         self.states: dict[str, SamplingState] = {}
         self.graphs: CudaGraphRunner | None = None  # set once captured (CUDA, enforce_eager=False)
+        self._outputs = SampledOutputs(buffers.max_num_seqs, device)
+        # The last submitted step's sampled ids (on the device) and each request's row in them.
+        self._previous: tuple[torch.Tensor, dict[str, int]] | None = None
         self.max_seq_len = max_seq_len  # static bound on sequence lengths: decode plans depend on nothing else
         # Padded decode sizes: the CUDA graphs' sizes, also used eagerly when the backend plans statically.
         self.decode_sizes = capture_sizes(buffers.max_num_seqs) if backend.supports_cuda_graphs else []
 
-    @torch.inference_mode()
     def execute_model(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
+        """`submit`, then wait for the step."""
+        return self.submit(scheduled).result()
+
+    @torch.inference_mode()
+    def submit(self, scheduled: SchedulerOutput) -> StepResult:
         self.forget(scheduled.finished_request_ids)
         for new in scheduled.new_requests:
             state = SamplingState.create(new.params, new.seed, new.prompt_token_ids, self.eos_token_ids)
@@ -63,6 +74,7 @@ class ModelRunner:
         if size is not None:
             num_seqs = len(scheduled.seqs)  # every row samples
             x = self.inputs.prepare(scheduled, pad_to=size)
+            self._feed_previous(scheduled)
             if self.graphs is not None and self.graphs.has(size):
                 last_hidden = self.graphs.replay(size, num_seqs)  # [S, hidden]
             else:
@@ -70,16 +82,37 @@ class ModelRunner:
                 last_hidden = self.model(x.input_ids, x.positions, self.kv_caches, x.meta)[:num_seqs]
         else:
             x = self.inputs.prepare(scheduled)
+            self._feed_previous(scheduled)
             self.backend.prepare(x.meta)
             hidden = self.model(x.input_ids, x.positions, self.kv_caches, x.meta)  # [T, hidden]
             if not sampling:
-                return ModelRunnerOutput(sampled_token_ids=[])
+                self._previous = None
+                return ReadyStep(ModelRunnerOutput(sampled_token_ids=[]))
             last_hidden = hidden[x.logits_indices]
         logits = self.model.compute_logits(last_hidden)  # [S, vocab]
         states = [self.states[r] for r in sampling]
         out = self.sampler(logits, states)
-        token_ids: list[int] = out.token_ids.tolist()  # the step's one host sync
-        return ModelRunnerOutput(sampled_token_ids=token_ids, logprobs=out.logprobs)
+        self._previous = (out.token_ids, {request_id: row for row, request_id in enumerate(sampling)})
+        return self._outputs.send(out.token_ids, out.logprobs_output)
+
+    def _feed_previous(self, scheduled: SchedulerOutput) -> None:
+        """Replace each PLACEHOLDER input with the token the previous step sampled for that request, on the
+        device: the sampled ids never wait for the host before they are fed back."""
+        rows: list[int] = []
+        sources: list[int] = []
+        row = 0
+        for seq in scheduled.seqs:
+            row += seq.num_tokens
+            if seq.takes_previous_token:
+                assert self._previous is not None, "a placeholder needs the previous step's samples"
+                rows.append(row - 1)
+                sources.append(self._previous[1][seq.request_id])
+        if not rows:
+            return
+        assert self._previous is not None
+        index = to_device(rows + sources, torch.int64, self.device)
+        n = len(rows)
+        self.inputs.input_ids.dev.index_copy_(0, index[:n], self._previous[0].index_select(0, index[n:]))
 
     def decode_size(self, scheduled: SchedulerOutput) -> int | None:
         """The padded size a decode-only step runs at; None for steps that run unpadded and eagerly."""

@@ -16,7 +16,7 @@ import torch
 
 from asyncllm.attention.registry import make_attention_backend
 from asyncllm.config import EngineConfig
-from asyncllm.executor.interface import ModelRunnerOutput, RuntimeInfo, SchedulerOutput
+from asyncllm.executor.interface import RuntimeInfo, SchedulerOutput, StepResult
 from asyncllm.layers.fusion import use_fused_kernels
 from asyncllm.model_loader.base import Checkpoint
 from asyncllm.model_loader.loader import load_model
@@ -193,9 +193,9 @@ class Worker:
             startup_seconds=tuple(self.timings.items()),
         )
 
-    def execute_model(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
+    def submit(self, scheduled: SchedulerOutput) -> StepResult:
         assert self.runner is not None, "init_kv_cache comes before the first step"
-        return self.runner.execute_model(scheduled)
+        return self.runner.submit(scheduled)
 
     def shutdown(self) -> None:
         if self.runner is not None:

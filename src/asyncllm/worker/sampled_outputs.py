@@ -1,0 +1,53 @@
+"""Getting a step's sampled ids (and any logprobs) to the host without making the host wait for them.
+
+On CUDA the ids are copied into one of two pinned buffers (two: a step's copy may land while the previous
+step's output is still unread) behind an event that `result()` waits on; on CPU they are ready at once.
+Knows nothing of the model or of sampling.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from asyncllm.executor.interface import ModelRunnerOutput, ReadyStep, StepResult
+from asyncllm.sample.logprobs import LogprobsOutput
+
+
+class SampledOutputs:
+    def __init__(self, max_rows: int, device: torch.device) -> None:
+        self.device = device
+        pin = device.type == "cuda"
+        self._buffers = [torch.empty(max_rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._next = 0
+
+    def send(self, token_ids: torch.Tensor, logprobs: LogprobsOutput | None) -> StepResult:
+        """Start moving `token_ids` ([S] int64 on the device) and `logprobs` to the host."""
+        if self.device.type != "cuda":
+            dicts = logprobs.to_dicts() if logprobs is not None else None
+            return ReadyStep(ModelRunnerOutput(token_ids.tolist(), dicts))
+        host = self._buffers[self._next][: token_ids.shape[0]]
+        self._next ^= 1
+        host.copy_(token_ids, non_blocking=True)
+        if logprobs is not None:
+            logprobs.to_host()
+        event = torch.cuda.Event()
+        event.record()
+        return _DeviceStep(host, logprobs, event)
+
+
+class _DeviceStep:
+    def __init__(self, host: torch.Tensor, logprobs: LogprobsOutput | None, event: torch.cuda.Event) -> None:
+        self._host = host
+        self._logprobs = logprobs
+        self._event = event
+        self._output: ModelRunnerOutput | None = None
+
+    def done(self) -> bool:
+        return self._output is not None or bool(self._event.query())
+
+    def result(self) -> ModelRunnerOutput:
+        if self._output is None:
+            self._event.synchronize()  # the step's one wait: for its sampled ids, never a blocking copy
+            dicts = self._logprobs.to_dicts() if self._logprobs is not None else None
+            self._output = ModelRunnerOutput(self._host.tolist(), dicts)
+        return self._output
