@@ -37,3 +37,23 @@ def test_padded_rows_write_nothing_and_attend_one_key() -> None:
     assert x.logits_indices.tolist() == [0, 1]  # only real rows sample
     again = buffers.prepare(SchedulerOutput(seqs=[ScheduledSeq("a", [13], 7, [2, 3], True)]))  # no padding
     assert again.num_tokens == 1 and again.meta.slot_mapping.tolist() == [3 * 4 + 3]
+
+
+def test_block_table_rows_follow_owners_growth_and_preemption() -> None:
+    """Rows are rewritten only when they change; a preempted (or finished, id reused) request that comes back
+    in its old row with new blocks must not keep the old ones."""
+    buffers = InputBuffers(64, 4, 6, 4, torch.device("cpu"))
+
+    def table(step: SchedulerOutput) -> list[list[int]]:
+        return buffers.prepare(step).meta.block_tables.tolist()
+
+    a, b = ScheduledSeq("a", [1], 5, [3, 4], True), ScheduledSeq("b", [2], 1, [7], True)
+    assert table(SchedulerOutput(seqs=[a, b])) == [[3, 4, 0, 0, 0, 0], [7, 0, 0, 0, 0, 0]]
+    a2 = ScheduledSeq("a", [1], 8, [3, 4, 9], True)  # grew a block
+    assert table(SchedulerOutput(seqs=[a2, b])) == [[3, 4, 9, 0, 0, 0], [7, 0, 0, 0, 0, 0]]
+    assert table(SchedulerOutput(seqs=[b])) == [[7, 0, 0, 0, 0, 0]]  # rows follow the batch order
+    back = ScheduledSeq("b", [2, 2, 2], 0, [11, 12], True)  # b preempted, resumed with other blocks
+    step = SchedulerOutput(seqs=[back], preempted_request_ids=["b"])
+    assert table(step) == [[11, 12, 0, 0, 0, 0]]
+    reused = ScheduledSeq("b", [5], 0, [13], True)  # b finished; a new request reuses the id
+    assert table(SchedulerOutput(seqs=[reused], finished_request_ids=["b"])) == [[13, 0, 0, 0, 0, 0]]

@@ -98,9 +98,19 @@ class BlockManager:
         `cached` are prefix hits from `find_cached_prefix`, taken only if everything fits. Returns False and
         changes nothing when memory is short.
         """
-        cached = cached or []
-        num_tokens = request.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
-        num_new_blocks = self.blocks_needed(num_tokens) - len(request.block_ids) - len(cached)
+        block_size = self.block_size
+        if not cached:
+            num_tokens = request.num_computed_tokens + num_new_tokens
+            # The common decode step: the last block has room and no full block awaits registration.
+            if num_tokens <= len(request.block_ids) * block_size and (
+                not self.enable_prefix_caching
+                or min(num_tokens, request.num_tokens) // block_size <= self._num_registered.get(request.request_id, 0)
+            ):
+                return True
+            cached = []
+        else:
+            num_tokens = request.num_computed_tokens + len(cached) * block_size + num_new_tokens
+        num_new_blocks = -(-num_tokens // block_size) - len(request.block_ids) - len(cached)
         num_cached_free = sum(1 for b in cached if b.ref_count == 0)
         if max(num_new_blocks, 0) + num_cached_free > len(self._free):
             return False

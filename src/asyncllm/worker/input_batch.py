@@ -11,6 +11,7 @@ pass. Overlapped scheduling (wave two) double-buffers instead.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,6 +48,8 @@ class _Pair:
 
 
 class InputBuffers:
+    """Persistent host/device buffers for one step's inputs, refilled by `prepare` every step."""
+
     def __init__(
         self,
         max_num_tokens: int,
@@ -66,58 +69,76 @@ class InputBuffers:
         self.seq_lens = _Pair((max_num_seqs,), torch.int32, device, pin)
         self.block_tables = _Pair((max_num_seqs, max_blocks_per_seq), torch.int32, device, pin)
         self.logits_indices = _Pair((max_num_seqs,), torch.int64, device, pin)
+        # Which sequence each block-table row holds and how many of its blocks are written, so a row is
+        # rewritten only when that changes (a decode crosses a block boundary every block_size steps).
+        self._row_owner: list[str | None] = [None] * max_num_seqs
+        self._row_blocks = [0] * max_num_seqs
+        self._row_of: dict[str, int] = {}  # the row each owner was last written to
         # Recorded after each step's uploads (CUDA only; one event, re-recorded every step).
         self._copies_done = torch.cuda.Event() if self.input_ids.dev is not self.input_ids.cpu else None
         self._copies_pending = False
 
     def prepare(self, scheduled: SchedulerOutput, pad_to: int | None = None) -> ModelInputs:
         """Fill and upload the step's inputs. `pad_to`: a decode-only step padded with dummy sequences to
-        that many rows (a captured CUDA graph's size)."""
+        that many rows (a captured CUDA graph's size).
+
+        One light pass over the sequences gathers Python lists, then each buffer gets one bulk write; a
+        block-table row is rewritten only when its sequence or block count changed since the last step.
+        """
         if self._copies_done is not None and self._copies_pending:
             self._copies_done.synchronize()  # the host buffers are free to overwrite only once copied out
+        # A preempted request comes back with other blocks; a finished one's id may be reused: neither may
+        # inherit its old row.
+        for request_id in (*scheduled.preempted_request_ids, *scheduled.finished_request_ids):
+            row = self._row_of.pop(request_id, None)
+            if row is not None and self._row_owner[row] == request_id:
+                self._row_owner[row] = None
         bs = self.block_size
-        ids, pos, slots = self.input_ids.np, self.positions.np, self.slot_mapping.np
-        qsl, lens, tables, logit_rows = (
-            self.query_start_loc.np,
-            self.seq_lens.np,
-            self.block_tables.np,
-            self.logits_indices.np,
-        )
+        id_list: list[int] = []
+        pos_list: list[int] = []
+        slot_list: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
+        logit_rows: list[int] = []
         t = 0
-        num_sampling = 0
-        qsl[0] = 0
         for i, seq in enumerate(scheduled.seqs):
-            n = seq.num_tokens
-            ids[t : t + n] = seq.input_token_ids
-            p = np.arange(seq.start_pos, seq.start_pos + n, dtype=np.int64)
-            pos[t : t + n] = p
-            block_ids = np.asarray(seq.block_ids, dtype=np.int64)
-            assert len(block_ids) <= self.max_blocks_per_seq, "block table wider than max_model_len allows"
-            slots[t : t + n] = block_ids[p // bs] * bs + p % bs
-            tables[i, : len(block_ids)] = block_ids
-            tables[i, len(block_ids) :] = 0
+            n, start, blocks = len(seq.input_token_ids), seq.start_pos, seq.block_ids
+            if n == 1:  # a decode (or a one-token chunk): plain ints beat numpy at this size
+                id_list.append(seq.input_token_ids[0])
+                pos_list.append(start)
+                slot_list.append(blocks[start // bs] * bs + start % bs)
+            else:
+                p = np.arange(start, start + n, dtype=np.int64)
+                id_list += seq.input_token_ids
+                pos_list += p.tolist()
+                slot_list += (np.asarray(blocks, dtype=np.int64)[p // bs] * bs + p % bs).tolist()
+            self._set_table_row(i, seq.request_id, blocks)
             t += n
-            qsl[i + 1] = t
-            lens[i] = seq.seq_len
             query_lens.append(n)
-            seq_lens.append(seq.seq_len)
+            seq_lens.append(start + n)
             if seq.sample:
-                logit_rows[num_sampling] = t - 1
-                num_sampling += 1
+                logit_rows.append(t - 1)
         b = len(scheduled.seqs)
         if pad_to is not None and pad_to > b:
             assert t == b, "only decode-only steps are padded"
-            ids[b:pad_to] = 0
-            pos[b:pad_to] = 0
-            slots[b:pad_to] = -1  # write no KV
-            tables[b:pad_to] = 0
-            lens[b:pad_to] = 1  # attend to one key: finite garbage in rows nobody reads
-            qsl[b + 1 : pad_to + 1] = np.arange(b + 1, pad_to + 1)
-            query_lens += [1] * (pad_to - b)
-            seq_lens += [1] * (pad_to - b)
+            pad = pad_to - b
+            id_list += [0] * pad
+            pos_list += [0] * pad
+            slot_list += [-1] * pad  # write no KV
+            for i in range(b, pad_to):
+                self._set_table_row(i, None, ())
+            query_lens += [1] * pad
+            seq_lens += [1] * pad  # attend to one key: finite garbage in rows nobody reads
             b = t = pad_to
+        self.input_ids.np[:t] = id_list
+        self.positions.np[:t] = pos_list
+        self.slot_mapping.np[:t] = slot_list
+        qsl = self.query_start_loc.np
+        qsl[0] = 0
+        np.cumsum(query_lens, out=qsl[1 : b + 1])
+        self.seq_lens.np[:b] = seq_lens
+        self.logits_indices.np[: len(logit_rows)] = logit_rows
+        num_sampling = len(logit_rows)
         meta = AttentionMetadata(
             query_start_loc=self.query_start_loc.upload(b + 1),
             seq_lens=self.seq_lens.upload(b),
@@ -139,3 +160,20 @@ class InputBuffers:
             self._copies_done.record()
             self._copies_pending = True
         return inputs
+
+    def _set_table_row(self, row: int, owner: str | None, blocks: Sequence[int]) -> None:
+        n = len(blocks)
+        assert n <= self.max_blocks_per_seq, "block table wider than max_model_len allows"
+        written = self._row_blocks[row]
+        table = self.block_tables.np[row]
+        if self._row_owner[row] == owner and written <= n:
+            if written < n:
+                table[written:n] = blocks[written:]  # the blocks allocated since the last step
+        else:
+            table[:n] = blocks
+            if written > n:
+                table[n:written] = 0
+            self._row_owner[row] = owner
+            if owner is not None:
+                self._row_of[owner] = row
+        self._row_blocks[row] = n
