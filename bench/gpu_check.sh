@@ -22,6 +22,15 @@ if has tests; then
     tests/kernels tests/attention/test_triton_backend.py 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error|error" | tail -25
   rows+=("gpu tests: $(tail -1 "$OUT/gpu_tests.log")")
 fi
+if has quicktests; then  # what changed since the full run: engine-level GPU tests and the sampling kernel
+  python3 -m pytest -q -s -p no:cacheprovider -o addopts="" tests/gpu tests/sample/test_sampler_cuda.py \
+    tests/kernels/test_sampling.py 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error|error" | tail -25
+  rows+=("gpu tests (quick): $(tail -1 "$OUT/gpu_tests.log")")
+fi
+if has gemm; then
+  timeout 120 python3 bench/kernels/bench_gemm.py 2>&1 | tee "$OUT/bench_gemm.log" | tail -3
+  while read -r line; do rows+=("gemm: $line"); done < <(grep '^{' "$OUT/bench_gemm.log")
+fi
 if has kernels; then
   timeout 240 python3 bench/kernels/bench_fused.py --models qwen3-0.6b --tokens 1 64 2048 2>&1 | tee "$OUT/bench_fused.log" | tail -12
   while read -r line; do rows+=("fused: $line"); done < <(grep '^{' "$OUT/bench_fused.log" | python3 -c '
