@@ -48,3 +48,26 @@ def test_placeholders_equal_explicit_tokens(tiny_model) -> None:
     explicit = _decode(_runner(tiny_model), prompts, steps=6, placeholders=False)
     fed = _decode(_runner(tiny_model), prompts, steps=6, placeholders=True)
     assert fed == explicit and len(fed[0]) == 7
+
+
+def test_placeholder_after_a_skipped_step_takes_that_requests_own_latest_token(tiny_model) -> None:
+    """Regression: placeholders were filled from the previous step's output rows; a decode starved of token
+    budget for one step (another request's chunk took it) then read another request's token, or none."""
+    runner = _runner(tiny_model)
+    greedy = SamplingParams(temperature=0.0)
+    new = [NewRequestData("a", [5, 6, 7], greedy, seed=0), NewRequestData("b", [9, 8], greedy, seed=1)]
+    first = runner.execute_model(
+        SchedulerOutput(
+            seqs=[ScheduledSeq("a", [5, 6, 7], 0, [0, 1], True), ScheduledSeq("b", [9, 8], 0, [4, 5], True)],
+            new_requests=new,
+        )
+    )
+    a_token, b_token = first.sampled_token_ids
+    # b decodes alone (a starved), then a decodes with a placeholder: it must get its own token back.
+    runner.execute_model(SchedulerOutput(seqs=[ScheduledSeq("b", [PLACEHOLDER], 2, [4, 5], True)]))
+    fed = runner.execute_model(SchedulerOutput(seqs=[ScheduledSeq("a", [PLACEHOLDER], 3, [0, 1], True)]))
+    other = _runner(tiny_model)
+    other.execute_model(SchedulerOutput(seqs=[ScheduledSeq("a", [5, 6, 7], 0, [0, 1], True)], new_requests=new[:1]))
+    explicit = other.execute_model(SchedulerOutput(seqs=[ScheduledSeq("a", [a_token], 3, [0, 1], True)]))
+    assert fed.sampled_token_ids == explicit.sampled_token_ids
+    assert b_token is not None

@@ -22,11 +22,11 @@ from torch import nn
 from asyncllm.attention.backend import AttentionBackend
 from asyncllm.attention.layer import KVCache
 from asyncllm.executor.interface import ModelRunnerOutput, ReadyStep, SchedulerOutput, StepResult
-from asyncllm.layers.host_copy import to_device
 from asyncllm.sample.sampler import Sampler
 from asyncllm.sample.state import SamplingState
 from asyncllm.worker.cuda_graph import CudaGraphRunner, capture_sizes, is_decode_only
 from asyncllm.worker.input_batch import InputBuffers
+from asyncllm.worker.latest_tokens import LatestTokens
 from asyncllm.worker.sampled_outputs import SampledOutputs
 
 
@@ -52,8 +52,9 @@ class ModelRunner:
         self.states: dict[str, SamplingState] = {}
         self.graphs: CudaGraphRunner | None = None  # set once captured (CUDA, enforce_eager=False)
         self._outputs = SampledOutputs(buffers.max_num_seqs, device)
-        # The last submitted step's sampled ids (on the device) and each request's row in them.
-        self._previous: tuple[torch.Tensor, dict[str, int]] | None = None
+        # Each live request's latest sampled id, on the device, in a slot of its own: a PLACEHOLDER is filled
+        # from it whichever earlier step sampled it (a decode starved of budget skips a step).
+        self._latest = LatestTokens(device)
         self.max_seq_len = max_seq_len  # static bound on sequence lengths: decode plans depend on nothing else
         # Padded decode sizes: the CUDA graphs' sizes, also used eagerly when the backend plans statically.
         self.decode_sizes = capture_sizes(buffers.max_num_seqs) if backend.supports_cuda_graphs else []
@@ -69,6 +70,7 @@ class ModelRunner:
             state = SamplingState.create(new.params, new.seed, new.prompt_token_ids, self.eos_token_ids)
             self.sampler.add(state)
             self.states[new.request_id] = state
+            self._latest.add(new.request_id)
         sampling = [s.request_id for s in scheduled.seqs if s.sample]
         size = self.decode_size(scheduled)
         if size is not None:
@@ -86,33 +88,27 @@ class ModelRunner:
             self.backend.prepare(x.meta)
             hidden = self.model(x.input_ids, x.positions, self.kv_caches, x.meta)  # [T, hidden]
             if not sampling:
-                self._previous = None
                 return ReadyStep(ModelRunnerOutput(sampled_token_ids=[]))
             last_hidden = hidden[x.logits_indices]
         logits = self.model.compute_logits(last_hidden)  # [S, vocab]
         states = [self.states[r] for r in sampling]
         out = self.sampler(logits, states)
-        self._previous = (out.token_ids, {request_id: row for row, request_id in enumerate(sampling)})
+        self._latest.record(sampling, out.token_ids)
         return self._outputs.send(out.token_ids, out.logprobs_output)
 
     def _feed_previous(self, scheduled: SchedulerOutput) -> None:
-        """Replace each PLACEHOLDER input with the token the previous step sampled for that request, on the
-        device: the sampled ids never wait for the host before they are fed back."""
+        """Replace each PLACEHOLDER input with the token last sampled for that request, on the device: the
+        sampled ids never wait for the host before they are fed back."""
         rows: list[int] = []
-        sources: list[int] = []
+        owners: list[str] = []
         row = 0
         for seq in scheduled.seqs:
             row += seq.num_tokens
             if seq.takes_previous_token:
-                assert self._previous is not None, "a placeholder needs the previous step's samples"
                 rows.append(row - 1)
-                sources.append(self._previous[1][seq.request_id])
-        if not rows:
-            return
-        assert self._previous is not None
-        index = to_device(rows + sources, torch.int64, self.device)
-        n = len(rows)
-        self.inputs.input_ids.dev.index_copy_(0, index[:n], self._previous[0].index_select(0, index[n:]))
+                owners.append(seq.request_id)
+        if rows:
+            self._latest.feed(self.inputs.input_ids.dev, rows, owners)
 
     def decode_size(self, scheduled: SchedulerOutput) -> int | None:
         """The padded size a decode-only step runs at; None for steps that run unpadded and eagerly."""
@@ -127,6 +123,7 @@ class ModelRunner:
             state = self.states.pop(request_id, None)
             if state is not None:
                 self.sampler.remove(state)
+                self._latest.remove(request_id)
 
     def shutdown(self) -> None:
         if self.graphs is not None:

@@ -1,0 +1,46 @@
+"""Each live request's most recently sampled token id, kept on the device in a slot of its own.
+
+Overlapped scheduling plans a step before the previous one's tokens reach the host; such a step names the
+missing input PLACEHOLDER and the runner fills it from here, on the device. A slot per request (not a row of
+the last step's output) because a decode starved of token budget can skip a step. Knows nothing of models.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from asyncllm.layers.host_copy import to_device
+
+
+class LatestTokens:
+    def __init__(self, device: torch.device, capacity: int = 256) -> None:
+        self.device = device
+        self._tokens = torch.zeros(capacity, dtype=torch.int64, device=device)  # [capacity] by slot
+        self._slot: dict[str, int] = {}
+        self._free = list(range(capacity - 1, -1, -1))
+
+    def add(self, request_id: str) -> None:
+        if request_id in self._slot:
+            return
+        if not self._free:
+            old = self._tokens.shape[0]
+            self._tokens = torch.cat([self._tokens, torch.zeros_like(self._tokens)])
+            self._free = list(range(2 * old - 1, old - 1, -1))
+        self._slot[request_id] = self._free.pop()
+
+    def remove(self, request_id: str) -> None:
+        slot = self._slot.pop(request_id, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def record(self, request_ids: list[str], token_ids: torch.Tensor) -> None:
+        """Store a step's sampled ids ([len(request_ids)] int64 on the device) as their requests' latest."""
+        slots = to_device([self._slot[r] for r in request_ids], torch.int64, self.device)
+        self._tokens.index_copy_(0, slots, token_ids)
+
+    def feed(self, input_ids: torch.Tensor, rows: list[int], request_ids: list[str]) -> None:
+        """input_ids[rows[i]] = latest token of request_ids[i], on the device (stream-ordered after the step
+        that sampled it)."""
+        index = to_device(rows + [self._slot[r] for r in request_ids], torch.int64, self.device)
+        n = len(rows)
+        input_ids.index_copy_(0, index[:n], self._tokens.index_select(0, index[n:]))
