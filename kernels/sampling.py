@@ -1,4 +1,4 @@
-"""Seeded sampling in one launch: argmax over each row of logits / temperature plus Gumbel noise.
+"""Seeded sampling: argmax over each row of logits / temperature plus Gumbel noise, in two launches.
 
 Row r draws token i with probability softmax(logits[r] / T_r)[i]: argmax(x / T - log(-log u)) with u uniform
 is a sample from that softmax. The noise is a pure function of (seed_r, offset_r, i) through a counter-based
@@ -19,6 +19,7 @@ from .sampling_ref import gumbel_argmax_ref, uniform_noise_ref
 __all__ = ["gumbel_argmax", "gumbel_argmax_ref", "uniform_noise_ref"]
 
 BLOCK_V = 1024  # vocabulary columns per tile
+MAX_SPLITS = 256  # splits per row: the reduction's fixed width (one compiled variant for any count)
 
 
 @triton.jit
@@ -32,11 +33,13 @@ def _fmix32(h):
     return h
 
 
-@triton.jit(do_not_specialize=["vocab"])
-def _gumbel_argmax_kernel(
-    logits_ptr, temp_ptr, seed_ptr, offset_ptr, out_ptr, vocab, stride_row, BLOCK: tl.constexpr,
+@triton.jit(do_not_specialize=["vocab", "chunk"])
+def _gumbel_partial_kernel(
+    logits_ptr, temp_ptr, seed_ptr, offset_ptr, part_val_ptr, part_idx_ptr, vocab, stride_row, chunk,
+    MAX_SPLITS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0).to(tl.int64)
+    """Program (row, split): the best score and its first column within columns [split * chunk, ...)."""
+    row, split = tl.program_id(0).to(tl.int64), tl.program_id(1)
     temperature = tl.load(temp_ptr + row)
     seed = tl.load(seed_ptr + row)  # int64 folded into two uint32 words
     key_lo = (seed & 0xFFFFFFFF).to(tl.uint32)
@@ -47,9 +50,11 @@ def _gumbel_argmax_kernel(
     safe_t = tl.where(greedy, 1.0, temperature)  # greedy rows never divide (by zero)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_idx = tl.full([BLOCK], 0, tl.int32)
-    for start in range(0, vocab, BLOCK):
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, vocab)
+    for start in range(lo, hi, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        mask = cols < vocab
+        mask = cols < hi
         x = tl.load(logits_ptr + row * stride_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
         h = _fmix32(_fmix32(cols.to(tl.uint32) ^ row_key) + row_key)
         u = ((h >> 8).to(tl.float32) + 0.5) * 5.9604644775390625e-08  # (0, 1): 24 random bits, never 0 or 1
@@ -62,7 +67,25 @@ def _gumbel_argmax_kernel(
     top = tl.max(best, axis=0)
     # Lowest column among the lanes holding the maximum (each lane already kept its own first).
     winner = tl.min(tl.where(best == top, best_idx, vocab), axis=0)
-    tl.store(out_ptr + row, winner.to(tl.int64))
+    tl.store(part_val_ptr + row * MAX_SPLITS + split, top)
+    tl.store(part_idx_ptr + row * MAX_SPLITS + split, winner)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _argmax_reduce_kernel(part_val_ptr, part_idx_ptr, out_ptr, num_splits, MAX_SPLITS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, MAX_SPLITS)
+    mask = offs < num_splits
+    val = tl.load(part_val_ptr + row * MAX_SPLITS + offs, mask=mask, other=float("-inf"))
+    idx = tl.load(part_idx_ptr + row * MAX_SPLITS + offs, mask=mask, other=2**31 - 1)
+    top = tl.max(val, axis=0)
+    # Splits cover increasing columns: the lowest column among those holding the maximum is the first.
+    tl.store(out_ptr + row, tl.min(tl.where(val == top, idx, 2**31 - 1), axis=0).to(tl.int64))
+
+
+def num_vocab_splits(rows: int, vocab: int, num_sms: int) -> int:
+    """Enough (row, split) programs to fill the GPU about twice, each at least one tile wide."""
+    return max(1, min(MAX_SPLITS, -(-2 * num_sms // max(rows, 1)), -(-vocab // BLOCK_V)))
 
 
 def gumbel_argmax(
@@ -71,16 +94,36 @@ def gumbel_argmax(
     seeds: torch.Tensor,  # [R] int64
     offsets: torch.Tensor,  # [R] int64: draws this request made before (< 2**32)
     out: torch.Tensor | None = None,  # [R] int64
+    num_splits: int | None = None,  # vocabulary splits per row; None: enough to fill the GPU
 ) -> torch.Tensor:
+    """Each row's vocabulary is split across programs (a batch of one row still fills the GPU), each
+    keeping its best column; a second launch takes the first column of the best score."""
     _check(logits, temperature, seeds, offsets)
     rows, vocab = logits.shape
     if out is None:
         out = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    if rows:
-        _gumbel_argmax_kernel[(rows,)](
-            logits, temperature, seeds, offsets, out, vocab, logits.stride(0), BLOCK=BLOCK_V, num_warps=4
-        )
+    if not rows:
+        return out
+    if num_splits is None:
+        num_splits = num_vocab_splits(rows, vocab, _num_sms(logits.device))
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits={num_splits} must be in [1, {MAX_SPLITS}]")
+    chunk = triton.cdiv(triton.cdiv(vocab, num_splits), BLOCK_V) * BLOCK_V  # whole tiles per split
+    num_splits = triton.cdiv(vocab, chunk)  # no empty split
+    part_val = torch.empty(rows, MAX_SPLITS, dtype=torch.float32, device=logits.device)
+    part_idx = torch.empty(rows, MAX_SPLITS, dtype=torch.int32, device=logits.device)
+    _gumbel_partial_kernel[(rows, num_splits)](
+        logits, temperature, seeds, offsets, part_val, part_idx, vocab, logits.stride(0), chunk,
+        MAX_SPLITS=MAX_SPLITS, BLOCK=BLOCK_V, num_warps=4,
+    )  # fmt: skip
+    _argmax_reduce_kernel[(rows,)](part_val, part_idx, out, num_splits, MAX_SPLITS=MAX_SPLITS, num_warps=4)
     return out
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few splits, enough to exercise the reduction
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 def _check(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor) -> None:

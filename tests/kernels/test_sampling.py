@@ -98,3 +98,14 @@ def test_noise_is_uniform_in_the_open_interval() -> None:
     u = uniform_noise_ref(torch.tensor([0, -1, 2**63 - 1]), torch.tensor([0, 2**32 - 1, 5]), 100_000)
     assert u.min().item() > 0.0 and u.max().item() < 1.0
     assert abs(u.mean().item() - 0.5) < 0.01
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7])
+def test_any_split_of_the_vocabulary_gives_the_same_tokens(kernel, num_splits: int) -> None:
+    """The vocabulary split across programs (then reduced) changes nothing, ties across splits included."""
+    logits, temperature, seeds, offsets = _case(4, 5000, seed=num_splits)
+    logits[1, [1500, 4500]] = 100.0  # a greedy row's tie across splits: the first column wins
+    temperature[1] = 0.0
+    got = kernel.gumbel_argmax(logits, temperature, seeds, offsets, num_splits=num_splits)
+    _assert_same_choice(got, logits, temperature, seeds, offsets)
+    assert got[1].item() == 1500

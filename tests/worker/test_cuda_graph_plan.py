@@ -57,3 +57,22 @@ def test_block_table_rows_follow_owners_growth_and_preemption() -> None:
     assert table(step) == [[11, 12, 0, 0, 0, 0]]
     reused = ScheduledSeq("b", [5], 0, [13], True)  # b finished; a new request reuses the id
     assert table(SchedulerOutput(seqs=[reused], finished_request_ids=["b"])) == [[13, 0, 0, 0, 0, 0]]
+
+
+def test_decode_sizes_fit_the_token_budget(tiny_model) -> None:
+    """Regression: sizes up to max_num_seqs were captured even when the step's token budget was smaller, and
+    the input buffers (sized by the budget) overflowed during capture."""
+    import pytest
+
+    pytest.importorskip("triton")
+    from asyncllm.config import EngineConfig
+    from asyncllm.model_loader.checkpoint import open_checkpoint
+    from asyncllm.worker.worker import Worker
+
+    config = EngineConfig.from_kwargs(
+        str(tiny_model), device="cpu", attention_backend="triton", max_num_batched_tokens=12, num_kv_blocks=16
+    )
+    worker = Worker(config, open_checkpoint(str(tiny_model), torch.float32))
+    worker.load_model()
+    worker.init_kv_cache(worker.determine_num_blocks())
+    assert worker.runner is not None and worker.runner.decode_sizes == [1, 2, 4, 8, 12]

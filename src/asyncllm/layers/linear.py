@@ -23,6 +23,12 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
+    def store_weight_transposed(self) -> None:
+        """Keep the weight's memory [in, out] while it stays an [out, in] view: the same maths, but cuBLAS
+        then runs the transposed-layout GEMM (faster for some shapes; worker/gemm_layout.py decides)."""
+        with torch.no_grad():
+            self.weight.data = self.weight.data.t().contiguous().t()
+
 
 class PackedLinear(Linear):
     """Several projections of the same input stacked along the output dim, in `shards` order."""

@@ -59,6 +59,7 @@ class InputBuffers:
         device: torch.device,
     ) -> None:
         pin = device.type == "cuda"
+        self.max_num_tokens = max_num_tokens
         self.max_num_seqs = max_num_seqs
         self.block_size = block_size
         self.max_blocks_per_seq = max_blocks_per_seq

@@ -57,7 +57,9 @@ class ModelRunner:
         self._latest = LatestTokens(device)
         self.max_seq_len = max_seq_len  # static bound on sequence lengths: decode plans depend on nothing else
         # Padded decode sizes: the CUDA graphs' sizes, also used eagerly when the backend plans statically.
-        self.decode_sizes = capture_sizes(buffers.max_num_seqs) if backend.supports_cuda_graphs else []
+        # A decode step holds at most one token per sequence within the step's token budget.
+        max_decode = min(buffers.max_num_seqs, buffers.max_num_tokens)
+        self.decode_sizes = capture_sizes(max_decode) if backend.supports_cuda_graphs else []
 
     def execute_model(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
         """`submit`, then wait for the step."""

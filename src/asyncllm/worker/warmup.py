@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from asyncllm.executor.interface import NewRequestData, ScheduledSeq, SchedulerOutput
+from asyncllm.executor.interface import PLACEHOLDER, NewRequestData, ScheduledSeq, SchedulerOutput
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.worker.model_runner import ModelRunner
 
@@ -49,9 +49,10 @@ def warm_up(
         # a decode beside a prefill: both attention paths in one step
         mixed = [_seq(0, [1], prompt_len, tables[0]), _seq(2, ids[2], 0, tables[2])]
         steps.append(SchedulerOutput(seqs=mixed, new_requests=new[2:]))
-    # decodes only (padded and planned like a CUDA graph; capture then compiles nothing new)
+    # decodes only, fed the tokens just sampled on the device as overlapped scheduling does (PLACEHOLDER),
+    # padded and planned like a CUDA graph: capture then compiles nothing new
     decoding = list(range(1, num_seqs)) or [0]
-    steps.append(SchedulerOutput(seqs=[_seq(i, [1], prompt_len, tables[i]) for i in decoding]))
+    steps.append(SchedulerOutput(seqs=[_seq(i, [PLACEHOLDER], prompt_len, tables[i]) for i in decoding]))
     for step in steps:
         runner.execute_model(step)
     runner.forget([n.request_id for n in new])

@@ -23,6 +23,7 @@ from asyncllm.model_loader.loader import load_model
 from asyncllm.models.config import ModelArchConfig
 from asyncllm.worker.cuda_graph import CudaGraphRunner, measure_graph_memory
 from asyncllm.worker.device import resolve_device, resolve_dtype
+from asyncllm.worker.gemm_layout import tune_weight_layouts
 from asyncllm.worker.input_batch import InputBuffers
 from asyncllm.worker.kv_cache import KVCacheSpec, allocate_kv_cache, blocks_for_budget
 from asyncllm.worker.memory import profile_kv_budget_bytes
@@ -77,6 +78,11 @@ class Worker:
         if self.backend.name == "triton":
             use_fused_kernels(self.model)
         self.timings["load"] = time.perf_counter() - start
+        if self.device.type == "cuda" and not self.config.device_config.enforce_eager:
+            start = time.perf_counter()
+            transposed = tune_weight_layouts(self.model, self.device)
+            self.timings["tune_gemm"] = time.perf_counter() - start
+            logger.info("linear weights stored [in, out] for shapes %s", [s for s, t in transposed.items() if t])
 
     def determine_num_blocks(self) -> int:
         """The KV block count: the explicit `num_kv_blocks`, else what memory allows, capped at what
@@ -104,7 +110,7 @@ class Worker:
                 self.model,
                 self.backend,
                 self.kv_spec,
-                sched.max_num_seqs,
+                min(sched.max_num_seqs, sched.max_num_batched_tokens),  # the largest decode step
                 max_model_len,
                 self.arch.hidden_size,
                 self.dtype,
