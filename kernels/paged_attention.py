@@ -67,7 +67,10 @@ def _decode_split_kernel(
         valid = pos < end
         block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         slot = pos % BLOCK_SIZE
-        kv_mask = valid[:, None] & d_mask[None, :]
+        if BLOCK_D == HEAD_DIM:
+            kv_mask = valid[:, None]  # no padded dims: a row-constant mask keeps the loads vectorised
+        else:
+            kv_mask = valid[:, None] & d_mask[None, :]
         k = tl.load(
             k_ptr + block[:, None] * stride_kb + slot[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
             mask=kv_mask,
