@@ -49,5 +49,5 @@ if has compare; then
   while read -r line; do rows+=("compare: $line"); done < <(grep RESULT "$OUT/compare.log")
 fi
 echo "================ summary ================"
-git log -1 --format='commit %h %cd' 2>/dev/null || true
+git log -1 --format="commit %h %cd" 2>/dev/null || true  # the device copy may carry a stale .git: RESULTS names the commit sent
 for r in "${rows[@]}"; do echo "$r"; done
