@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Generic, TypeVar
 
 from asyncllm.errors import EngineDeadError, InvalidRequestError
+from asyncllm.validation import short_repr
 
 T = TypeVar("T")
 
@@ -22,9 +23,12 @@ def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
-def check_request_id(request_id: object) -> str:
+def check_request_id(request_id: object, *, optional: bool = True) -> str:
+    """`request_id` if it is a non-empty str; `InvalidRequestError` naming the argument otherwise (a list
+    reached a dict lookup and raised "unhashable type")."""
     if not isinstance(request_id, str) or request_id == "":
-        raise InvalidRequestError(f"request_id={request_id!r} is invalid: give a non-empty str, or None")
+        allowed = "a non-empty str, or None" if optional else "a non-empty str"
+        raise InvalidRequestError(f"request_id={short_repr(request_id)} is invalid: give {allowed}")
     return request_id
 
 
