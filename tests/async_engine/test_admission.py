@@ -118,7 +118,7 @@ async def test_what_needs_the_tokenizer_fails_from_the_stream(bpe_tokenizer: Any
         too_long = engine.add_request("word " * 100, SamplingParams(max_tokens=2))
         with pytest.raises(InvalidRequestError, match=r"exceeds max_model_len \(64\)"):
             await _collect(too_long)
-        with pytest.raises(InvalidRequestError, match="tokenizer failed on this prompt.*own complaint"):
+        with pytest.raises(InvalidRequestError, match=r"tokenizer failed on this prompt.*own complaint"):
             await engine.generate("tokenizer breaks", SamplingParams(max_tokens=2))
         assert (await engine.generate("fine", SamplingParams(max_tokens=2))).finish_reason == "length"
         await wait_drained(engine)
