@@ -39,9 +39,9 @@ async def _drained(engine: AsyncLLMEngine, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         stats = engine.stats()
-        if engine.num_live_requests == 0 and stats["num_free_blocks"] == stats["num_total_blocks"]:
-            if stats["num_running"] == 0 and stats["num_waiting"] == 0:
-                return
+        free = stats["num_free_blocks"] == stats["num_total_blocks"]
+        if engine.num_live_requests == 0 and free and stats["num_running"] + stats["num_waiting"] == 0:
+            return
         assert time.monotonic() < deadline, f"not drained: {stats}"
         await anyio.sleep(0.005)
 
