@@ -8,19 +8,21 @@ bookkeeping's and the tokenizer's; none of it is a forward pass's. torch and tra
 collection walks is realistic. Prints one JSON line per workload: ticker lag p50/p99/max, the longest full
 collection, and whether `gc.freeze()` (done by the engine after load) was undone with --no-freeze.
 
-python bench/loop_lag.py [--workload text|streams|both] [--no-freeze] [--loop asyncio|uvloop]
+python bench/loop_lag.py [--workload text|streams|both] [--no-freeze] [--no-batch-encode] [--loop asyncio|uvloop]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import json
 import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,7 @@ import transformers  # noqa: E402, F401
 from tokenizers import Tokenizer  # noqa: E402
 
 from asyncllm import AsyncLLMEngine, SamplingParams  # noqa: E402
+from asyncllm.core.input_processor import InputProcessor  # noqa: E402
 from asyncllm.executor.interface import ModelRunnerOutput, SchedulerOutput  # noqa: E402
 from tests.fixtures.fake_core import fake_built  # noqa: E402
 
@@ -47,6 +50,10 @@ def load_tokenizer(path: Path) -> tuple[Tokenizer, str]:
     from tests.fixtures.tiny_models import build_tokenizer
 
     return backend_tokenizer(build_tokenizer(Path(tempfile.mkdtemp()))), "tiny-bpe"
+
+
+def encode_batch_of(tokenizer: Tokenizer) -> Callable[[list[str]], list[list[int]]]:
+    return lambda texts: [encoding.ids for encoding in tokenizer.encode_batch(texts)]
 
 
 class DeviceLikeExecutor:
@@ -101,7 +108,7 @@ class GcWatch:
 
 
 def text_prompts(n: int, rng: random.Random) -> list[str]:
-    words = "the of engine stream token batch cache loop request model prefix block step time".split()
+    words = ["the", "of", "engine", "stream", "token", "batch", "cache", "loop", "request", "model", "prefix"]
     return [" ".join(rng.choice(words) for _ in range(170))[:1000] for _ in range(n)]
 
 
@@ -152,6 +159,7 @@ def main() -> None:
     parser.add_argument("--no-freeze", action="store_true", help="undo the engine's gc.freeze() after load")
     parser.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio")
     parser.add_argument("--step-ms", type=float, default=5.0, help="device time per step (GIL released)")
+    parser.add_argument("--no-batch-encode", action="store_true", help="tokenize text by text (GIL held)")
     parser.add_argument("--tokenizer", type=Path, default=QWEN3, help="a tokenizer.json (default: Qwen3's)")
     args = parser.parse_args()
     tokenizer, tokenizer_name = load_tokenizer(args.tokenizer)
@@ -160,6 +168,10 @@ def main() -> None:
         tokenizer, vocab_size=vocab, max_model_len=1024, num_kv_blocks=40_000, block_size=16, max_num_seqs=512
     )
     built.core.executor = DeviceLikeExecutor(built.runtime, args.step_ms / 1e3)  # type: ignore[assignment]
+    if not args.no_batch_encode:  # as build.py can wire it: the Rust batch call releases the GIL, encode does not
+        encode = lambda text: tokenizer.encode(text).ids  # noqa: E731  (what the fake core's processor does)
+        batch = InputProcessor(built.runtime, encode, encode_batch_of(tokenizer))
+        built = dataclasses.replace(built, input_processor=batch)
     engine = AsyncLLMEngine.from_builder(lambda: built)
     if args.no_freeze:
         gc.unfreeze()
@@ -173,7 +185,8 @@ def main() -> None:
     try:
         for name, n in runs:
             result = run(measure(engine, name, n))
-            result.update(tokenizer=tokenizer_name, freeze=not args.no_freeze, loop=args.loop, step_ms=args.step_ms)
+            result.update(tokenizer=tokenizer_name, freeze=not args.no_freeze, batch_encode=not args.no_batch_encode)
+            result.update(loop=args.loop, step_ms=args.step_ms)
             print(json.dumps(result), flush=True)
     finally:
         engine.shutdown()

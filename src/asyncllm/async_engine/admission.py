@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+_MAX_BATCH = 64  # texts tokenized per call: large enough to amortise, small enough to keep arrival latency
+
 
 class _Job:
     __slots__ = ("arrival_time", "cancelled", "params", "prompt", "request", "slot")
@@ -126,25 +128,39 @@ class Admission:
                 self._cond.wait_for(lambda: self._queue or self._stopping)
                 if self._stopping:
                     return
-                head = self._queue[0]
-            request, error = (head.request, None) if head.request is not None else self._tokenize(head)
+                # The text jobs at the head (they stay queued, so later requests keep their place behind).
+                batch: list[_Job] = []
+                for job in self._queue:
+                    if job.request is not None or len(batch) == _MAX_BATCH:
+                        break
+                    batch.append(job)
+            results = self._tokenize(batch)
             with self._cond:
-                self._queue.popleft()
-                self._pass_on(head, request, error)
-                while self._queue and self._queue[0].request is not None:  # built requests queued behind it
+                for job, (request, error) in zip(batch, results):
+                    self._queue.popleft()
+                    self._pass_on(job, request, error)
+                while self._queue and self._queue[0].request is not None:  # built requests queued behind
                     job = self._queue.popleft()
                     self._pass_on(job, job.request, None)
 
-    def _tokenize(self, job: _Job) -> tuple[Request | None, str | None]:
-        if job.cancelled or job.slot.final_put:  # aborted, or the engine failed: nobody wants it
-            return None, None
+    def _tokenize(self, batch: list[_Job]) -> list[tuple[Request | None, str | None]]:
+        wanted = [job for job in batch if not (job.cancelled or job.slot.final_put)]  # else aborted, or dead
+        encoded: dict[_Job, list[int]] = {}
+        if wanted:
+            try:
+                encoded = dict(zip(wanted, self._input_processor.encode_texts([job.prompt for job in wanted])))
+            except Exception:  # one text the tokenizer refuses: encode them one by one, to fail that one alone
+                encoded = {}
+        return [self._make(job, encoded.get(job)) if job in wanted else (None, None) for job in batch]
+
+    def _make(self, job: _Job, encoded: list[int] | None) -> tuple[Request | None, str | None]:
+        ip, rid = self._input_processor, job.slot.request_id
         try:
-            rid = job.slot.request_id
-            return self._input_processor.make_request(rid, job.prompt, job.params, job.arrival_time), None
+            return ip.make_request(rid, job.prompt, job.params, job.arrival_time, encoded), None
         except InvalidRequestError as exc:
             return None, str(exc)
         except Exception as exc:  # the tokenizer's own failure on this text: it fails this request alone
-            logger.warning("asyncllm: tokenizing request %r failed", job.slot.request_id, exc_info=exc)
+            logger.warning("asyncllm: tokenizing request %r failed", rid, exc_info=exc)
             return None, f"the tokenizer failed on this prompt: {exc!r}"
 
     def _pass_on(self, job: _Job, request: Request | None, error: str | None) -> None:

@@ -17,12 +17,18 @@ from asyncllm.executor.interface import RuntimeInfo
 from asyncllm.sampling_params import SamplingParams
 
 Encode = Callable[[str], list[int]]
+EncodeBatch = Callable[[list[str]], list[list[int]]]
 
 
 class InputProcessor:
-    def __init__(self, runtime: RuntimeInfo, encode: Encode | None) -> None:
+    """`encode_batch`, when given, must equal `encode` text by text; it lets a tokenizer thread encode many
+    texts in one call that releases the GIL (the Rust tokenizer's `encode_batch` does; its `encode` holds
+    the GIL throughout, and the event loop waits)."""
+
+    def __init__(self, runtime: RuntimeInfo, encode: Encode | None, encode_batch: EncodeBatch | None = None) -> None:
         self.runtime = runtime
         self._encode = encode
+        self._encode_batch = encode_batch
 
     @property
     def has_tokenizer(self) -> bool:
@@ -67,11 +73,21 @@ class InputProcessor:
                 ) from None
 
     # ------------------------------------------------------------------ the whole check
-    def tokenize(self, prompt: Any) -> list[int]:
+    def encode_texts(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of texts that passed `check_text`, in one batch call when the tokenizer has one."""
+        if self._encode_batch is not None:
+            return self._encode_batch(texts)
+        assert self._encode is not None
+        return [self._encode(text) for text in texts]
+
+    def tokenize(self, prompt: Any, encoded: list[int] | None = None) -> list[int]:
+        """The prompt's ids, checked; `encoded`: a text prompt's ids from `encode_texts`."""
         if isinstance(prompt, str):
-            self.check_text(prompt)
-            assert self._encode is not None
-            ids = self._encode(prompt)
+            if encoded is None:
+                self.check_text(prompt)
+                assert self._encode is not None
+                encoded = self._encode(prompt)
+            ids = encoded
         elif isinstance(prompt, (list, tuple)):
             ids = list(prompt)
             # Types and range at C speed (map, set, min, max): a long prompt must not hold the caller's loop.
@@ -93,11 +109,13 @@ class InputProcessor:
         prompt: Any,
         params: SamplingParams | None,
         arrival_time: float,
+        encoded: list[int] | None = None,
     ) -> Request:
+        """The checked `Request`; `encoded`: a text prompt's ids from `encode_texts`, to skip encoding it."""
         params = self.check_params(params)
         if isinstance(prompt, (list, tuple)):
             self._check_length(len(prompt), params)  # before looking at a single id: cost bounded by the limit
-        ids = self.tokenize(prompt)
+        ids = self.tokenize(prompt, encoded)
         self._check_length(len(ids), params)
         room = self.runtime.max_seq_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
