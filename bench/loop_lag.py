@@ -4,11 +4,11 @@ Two workloads on an `AsyncLLMEngine` around the real engine core with a device-l
 sleeps --step-ms with the GIL released, as a step thread waiting on a GPU does, then returns tokens): 512
 text prompts of ~1,000 characters added at once (real Qwen3 tokenizer from ../shared/models when present,
 else the tests' tiny one), and 256 streams running. The lag measured is the async layer's, the core's
-bookkeeping's and the tokenizer's; none of it is a forward pass's. torch and transformers are imported first, as in an engine process, so the heap a full garbage
-collection walks is realistic. Prints one JSON line per workload: ticker lag p50/p99/max, the longest full
-collection, and whether `gc.freeze()` (done by the engine after load) was undone with --no-freeze.
+bookkeeping's and the tokenizer's; none of it is a forward pass's. torch and transformers are imported
+first, as in an engine process, so the heap a full garbage collection walks is realistic. Prints one JSON
+line per workload: ticker lag p50/p99/max and the longest full collection.
 
-python bench/loop_lag.py [--workload text|streams|both] [--no-freeze] [--no-batch-encode] [--loop asyncio|uvloop]
+python bench/loop_lag.py [--workload text|streams|both] [--no-freeze] [--no-batch-encode] [--loop uvloop]
 """
 
 from __future__ import annotations
