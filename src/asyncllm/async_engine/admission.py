@@ -12,11 +12,11 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from asyncllm.async_engine.mailbox import OutputSlot
 from asyncllm.core.output_processor import RequestDelta
-from asyncllm.errors import InvalidRequestError
+from asyncllm.errors import AsyncLLMError, InvalidRequestError
 from asyncllm.outputs import RequestMetrics
 from asyncllm.sampling_params import SamplingParams
 
@@ -174,3 +174,16 @@ class Admission:
         elif error is not None:
             self._submit_final(job.slot, self._final(job, error))
         # else: the engine failed or shut down meanwhile; its slot already holds that error
+
+
+def max_token_chars_of(tokenizer: Any) -> int | None:
+    """The cheap bound on a text prompt's size (see `InputProcessor.check_text`), None without a tokenizer."""
+    if tokenizer is None:
+        return None
+    from asyncllm.core.detokenizer import backend_tokenizer, max_token_chars
+
+    try:
+        return max_token_chars(backend_tokenizer(tokenizer))
+    except AsyncLLMError:  # no fast tokenizer to read a vocabulary from: text is still checked, after tokenizing
+        logger.warning("asyncllm: no vocabulary to bound text prompts by; absurd texts are refused only once tokenized")
+        return None

@@ -10,37 +10,28 @@ from __future__ import annotations
 
 import atexit
 import gc
-import logging
 import time
 import weakref
 from collections.abc import Callable
 from typing import Any
 
-from asyncllm.async_engine.admission import Admission
+from asyncllm.async_engine.admission import Admission, max_token_chars_of
+from asyncllm.async_engine.health import DEFAULT_MAX_STEP_SECONDS, EngineStalledError, check_step_age, step_age
 from asyncllm.async_engine.ids import LiveRequests, check_request_id, new_request_id
 from asyncllm.async_engine.loop_fanout import LoopFanout
 from asyncllm.async_engine.loops import current_loop_key, run_in_thread
 from asyncllm.async_engine.mailbox import OutputSlot
 from asyncllm.async_engine.step_loop import Built, StepLoop
-from asyncllm.async_engine.stream import RequestStream
+from asyncllm.async_engine.stream import RequestStream, collect
 from asyncllm.config import EngineConfig
-from asyncllm.errors import AsyncLLMError, EngineDeadError
+from asyncllm.errors import EngineDeadError
 from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import SamplingParams
 
 Prompt = str | list[int]
-
-logger = logging.getLogger(__name__)
+__all__ = ["DEFAULT_MAX_STEP_SECONDS", "AsyncLLMEngine", "EngineStalledError", "Prompt"]
 
 _SHUTDOWN_JOIN_S = 60.0  # longest a shutdown waits for a step in flight before giving up on the join
-# A step running longer than this makes check_health fail: far above any real step (a GPU step takes
-# milliseconds, a long CPU prefill a few seconds), far below what a stuck device or kernel looks like.
-DEFAULT_MAX_STEP_SECONDS = 20.0
-
-
-class EngineStalledError(EngineDeadError):
-    """`check_health`: the step in flight has run past the bound (a stuck device or kernel). The engine
-    is not serving, though it may recover if the step ever returns."""
 
 
 class AsyncLLMEngine:
@@ -94,7 +85,7 @@ class AsyncLLMEngine:
         self._input_processor = built.input_processor
         self.tokenizer = built.tokenizer  # the Hugging Face tokenizer (chat templates), None if none
         self.runtime = built.runtime
-        self._max_token_chars = _max_token_chars(built.tokenizer)
+        self._max_token_chars = max_token_chars_of(built.tokenizer)
         self._admission = Admission(
             step_loop.lock,
             built.input_processor,
@@ -157,31 +148,7 @@ class AsyncLLMEngine:
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
     ) -> RequestOutput:
         """The whole result of one request. Cancelling the awaiting task aborts the request."""
-        stream = self.add_request(prompt, params, request_id)
-        texts: list[str] = []
-        token_ids: list[int] = []
-        logprobs: list[dict[int, float]] | None = None
-        last = None
-        try:
-            async for chunk in stream:
-                texts.append(chunk.text)
-                token_ids.extend(chunk.token_ids)
-                if chunk.logprobs is not None:
-                    logprobs = logprobs or []
-                    logprobs.extend(chunk.logprobs)
-                last = chunk
-        finally:
-            stream.close()  # a no-op once finished; otherwise (an error) the request must not run on
-        assert last is not None and last.finish_reason is not None, "a stream ends with a final chunk"
-        return RequestOutput(
-            request_id=stream.request_id,
-            prompt_token_ids=list(stream.prompt_token_ids or ()),  # None only if aborted before tokenized
-            text="".join(texts),
-            token_ids=token_ids,
-            finish_reason=last.finish_reason,
-            metrics=last.metrics,
-            logprobs=logprobs,
-        )
+        return await collect(self.add_request(prompt, params, request_id))
 
     async def abort(self, request_id: str) -> None:
         """End a live request; its stream then yields a final chunk with finish_reason "abort".
@@ -233,8 +200,7 @@ class AsyncLLMEngine:
     @property
     def step_seconds(self) -> float:
         """How long the step in flight has been running (0.0 between steps)."""
-        started = self._step_loop.step_started
-        return 0.0 if started is None else max(0.0, time.monotonic() - started)
+        return step_age(self._step_loop.step_started)
 
     async def check_health(self, max_step_seconds: float = DEFAULT_MAX_STEP_SECONDS) -> None:
         """Raise `EngineDeadError` (cause chained) unless the engine is serving, and `EngineStalledError`
@@ -245,12 +211,7 @@ class AsyncLLMEngine:
             raise error
         if not self._step_loop.is_alive:
             raise EngineDeadError("engine step thread is not running")
-        age = self.step_seconds
-        if age > max_step_seconds:
-            raise EngineStalledError(
-                f"engine step has been running for {age:.1f} s (bound {max_step_seconds} s): "
-                "the device or a kernel seems stuck"
-            )
+        check_step_age(self.step_seconds, max_step_seconds)
 
     # ------------------------------------------------------------------ lifetime
     def shutdown(self) -> None:
@@ -275,16 +236,3 @@ def _shutdown(step_loop: StepLoop, admission: Admission) -> None:
     step_loop.request_stop()  # streams fail first, so the tokenizer thread skips what is left in its queue
     admission.stop(_SHUTDOWN_JOIN_S)
     step_loop.shutdown(_SHUTDOWN_JOIN_S)
-
-
-def _max_token_chars(tokenizer: Any) -> int | None:
-    """The cheap bound on a text prompt's size (see `InputProcessor.check_text`), None without a tokenizer."""
-    if tokenizer is None:
-        return None
-    from asyncllm.core.detokenizer import backend_tokenizer, max_token_chars
-
-    try:
-        return max_token_chars(backend_tokenizer(tokenizer))
-    except AsyncLLMError:  # no fast tokenizer to read a vocabulary from: text is still checked, after tokenizing
-        logger.warning("asyncllm: no vocabulary to bound text prompts by; absurd texts are refused only once tokenized")
-        return None

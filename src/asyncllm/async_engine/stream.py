@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from asyncllm.async_engine.mailbox import OutputSlot
 from asyncllm.errors import AsyncLLMError, EngineDeadError, InvalidRequestError
-from asyncllm.outputs import StreamOutput
+from asyncllm.outputs import RequestOutput, StreamOutput, TokenLogprobs
 
 
 class StreamInUseError(AsyncLLMError, RuntimeError):
@@ -164,3 +164,31 @@ class _ReaderWatch:
             stream._reader = None
             if task.cancelled():
                 stream.close()
+
+
+async def collect(stream: RequestStream) -> RequestOutput:
+    """The whole result of a stream, read to its end. Leaving early (cancellation, an error) aborts it."""
+    texts: list[str] = []
+    token_ids: list[int] = []
+    logprobs: list[TokenLogprobs] | None = None
+    last = None
+    try:
+        async for chunk in stream:
+            texts.append(chunk.text)
+            token_ids.extend(chunk.token_ids)
+            if chunk.logprobs is not None:
+                logprobs = logprobs or []
+                logprobs.extend(chunk.logprobs)
+            last = chunk
+    finally:
+        stream.close()  # a no-op once finished; otherwise (an error) the request must not run on
+    assert last is not None and last.finish_reason is not None, "a stream ends with a final chunk"
+    return RequestOutput(
+        request_id=stream.request_id,
+        prompt_token_ids=list(stream.prompt_token_ids or ()),  # None only if aborted before tokenized
+        text="".join(texts),
+        token_ids=token_ids,
+        finish_reason=last.finish_reason,
+        metrics=last.metrics,
+        logprobs=logprobs,
+    )
