@@ -112,15 +112,15 @@ def text_prompts(n: int, rng: random.Random) -> list[str]:
     return [" ".join(rng.choice(words) for _ in range(170))[:1000] for _ in range(n)]
 
 
-async def workload(engine: AsyncLLMEngine, name: str, n: int) -> None:
+def make_requests(name: str, n: int) -> tuple[list[Any], SamplingParams]:
     rng = random.Random(0)
     if name == "text":
-        prompts: list[Any] = text_prompts(n, rng)
-        params = SamplingParams(max_tokens=16, ignore_eos=True)
-    else:
-        prompts = [[rng.randrange(1, 1000) for _ in range(rng.randint(8, 64))] for _ in range(n)]
-        params = SamplingParams(max_tokens=400, ignore_eos=True)
+        return text_prompts(n, rng), SamplingParams(max_tokens=16, ignore_eos=True)
+    prompts = [[rng.randrange(1, 1000) for _ in range(rng.randint(8, 64))] for _ in range(n)]
+    return prompts, SamplingParams(max_tokens=400, ignore_eos=True)
 
+
+async def workload(engine: AsyncLLMEngine, prompts: list[Any], params: SamplingParams) -> None:
     async def read(prompt: Any) -> int:
         return sum([len(c.token_ids) async for c in engine.stream(prompt, params)])
 
@@ -128,13 +128,15 @@ async def workload(engine: AsyncLLMEngine, name: str, n: int) -> None:
 
 
 async def measure(engine: AsyncLLMEngine, name: str, n: int) -> dict[str, Any]:
+    prompts, params = make_requests(name, n)  # made before the ticker runs: the load is the engine's alone
+    await workload(engine, prompts[:8], params)  # warm: a serving engine has its threads and code paths going
     ticker, watch = Ticker(), GcWatch()
     tick = asyncio.create_task(ticker.run())
     await asyncio.sleep(0.2)  # a baseline before the load arrives
     gc.callbacks.append(watch)
     t0 = time.perf_counter()
     try:
-        await workload(engine, name, n)
+        await workload(engine, prompts, params)
     finally:
         elapsed = time.perf_counter() - t0
         gc.callbacks.remove(watch)
