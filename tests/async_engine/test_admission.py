@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from asyncllm import AsyncLLMEngine, InvalidRequestError, SamplingParams
+from asyncllm import AsyncLLMEngine, EngineDeadError, InvalidRequestError, SamplingParams
 from asyncllm.async_engine.engine import EngineStalledError
 from asyncllm.core.input_processor import InputProcessor
 from tests.async_engine.conftest import wait_drained
@@ -140,6 +140,26 @@ async def test_absurd_text_is_refused_at_once_without_tokenizing(bpe_tokenizer: 
         assert time.perf_counter() - t0 < 0.5 and encode.calls == []
         assert engine.num_live_requests == 0
     finally:
+        engine.shutdown()
+
+
+async def test_shutdown_ends_streams_still_being_tokenized(bpe_tokenizer: Any) -> None:
+    """A request still in the tokenizer's queue when the engine shuts down ends with EngineDeadError at
+    once, like every live stream; nothing hangs."""
+    engine, built, encode = _gated_engine(bpe_tokenizer)
+    try:
+        held = engine.add_request("being tokenized", SamplingParams(max_tokens=3))
+        queued = engine.add_request("queued behind", SamplingParams(max_tokens=3))
+        assert await asyncio.to_thread(encode.entered.wait, 5)
+        closing = asyncio.create_task(engine.aclose())
+        for stream in (held, queued):
+            with pytest.raises(EngineDeadError, match="shut down"):
+                await asyncio.wait_for(_collect(stream), 2)
+        encode.gate.set()  # the worker finishes its call; the engine then stops its threads
+        await asyncio.wait_for(closing, 5)
+        assert not engine.step_thread_alive and _scheduled_order(built) == []
+    finally:
+        encode.gate.set()
         engine.shutdown()
 
 

@@ -50,7 +50,8 @@ class InputProcessor:
 
         `max_token_chars` (the most characters one token of the vocabulary spells) bounds how many
         characters could fit the longest sequence: a longer text is refused before the tokenizer spends
-        seconds on it.
+        seconds on it. (A tokenizer whose normalizer drops characters could fit more; such texts are
+        refused too, with this message.)
         """
         if text == "":
             raise InvalidRequestError("prompt is empty: give a non-empty string or list of token ids")
