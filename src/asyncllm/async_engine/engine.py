@@ -119,10 +119,11 @@ class AsyncLLMEngine:
             raise dead
         ip = self._input_processor
         arrival = self._clock()
+        text: tuple[str, SamplingParams] | None = None
+        request = None
         if isinstance(prompt, str):
-            params = ip.check_params(params)
+            text = (prompt, ip.check_params(params))
             ip.check_text(prompt, self._max_token_chars)
-            request = None
         else:
             request = ip.make_request(request_id, prompt, params, arrival)  # token ids: cheap, checked whole
         mailbox = self._fanout.attach(library, loop_key)
@@ -132,9 +133,10 @@ class AsyncLLMEngine:
         except BaseException:
             self._fanout.detach(mailbox)
             raise
-        if request is None:
-            self._admission.submit_text(slot, prompt, params, arrival)  # type: ignore[arg-type]
+        if text is not None:
+            self._admission.submit_text(slot, *text, arrival)
         else:
+            assert request is not None
             self._admission.submit(slot, request)
         return RequestStream(slot, self._admission.abort)
 
