@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from asyncllm import AsyncLLMEngine, InvalidRequestError, SamplingParams
@@ -70,6 +70,7 @@ def fuzz_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Asyn
 
 
 _TOKENS = st.lists(st.one_of(st.integers(-5, 400), st.integers(), st.booleans(), st.floats(), st.text(max_size=2)))
+_VALID_PROMPTS = st.one_of(st.text(min_size=1, max_size=40), st.lists(st.integers(1, 383), min_size=1, max_size=60))
 _PROMPTS = st.one_of(
     st.text(max_size=40),
     st.text(alphabet=st.characters(codec=None, categories=["Cs", "Lu", "Ll", "So"]), max_size=10),
@@ -95,13 +96,20 @@ _PARAMS = st.one_of(
     _VALUES,
 )
 _IDS = st.one_of(st.none(), st.text(max_size=6), _ATOMS, st.lists(st.text(max_size=2), max_size=2))
+_VALID_PARAMS = st.builds(SamplingParams, max_tokens=st.integers(1, 4), temperature=st.floats(0, 2), seed=st.integers())
+_VALID_IDS = st.one_of(st.none(), st.text(min_size=1, max_size=6))
+_CASES = st.one_of(  # half of them valid throughout, so the served path is fuzzed as much as the refusals
+    st.tuples(_VALID_PROMPTS, _VALID_PARAMS, _VALID_IDS),
+    st.tuples(_PROMPTS, _PARAMS, _IDS),
+)
 _NAMES = ("prompt", "params", "SamplingParams", "request_id", "min_tokens", "stop", "token")
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(prompt=_PROMPTS, params=_PARAMS, request_id=_IDS, how=st.sampled_from(["stream", "generate", "abort"]))
-def test_no_argument_kills_the_engine(fuzz_engine: Any, prompt: Any, params: Any, request_id: Any, how: str) -> None:
+@given(case=_CASES, how=st.sampled_from(["stream", "generate", "abort"]))
+def test_no_argument_kills_the_engine(fuzz_engine: Any, case: tuple[Any, Any, Any], how: str) -> None:
     engine, loop = fuzz_engine
+    prompt, params, request_id = case
 
     async def one() -> None:
         try:
@@ -113,8 +121,10 @@ def test_no_argument_kills_the_engine(fuzz_engine: Any, prompt: Any, params: Any
             else:
                 chunks = [c async for c in engine.stream(prompt, params, request_id)]
                 assert chunks[-1].finish_reason in ("stop", "length")
+            event(f"{how}: served")
         except InvalidRequestError as exc:
             assert any(name in str(exc) for name in _NAMES), str(exc)
+            event(f"{how}: refused")
 
     loop.run_until_complete(asyncio.wait_for(one(), 10))
     assert engine.is_running and engine.num_live_requests == 0
