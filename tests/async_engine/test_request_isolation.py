@@ -147,3 +147,38 @@ async def test_a_second_reader_is_refused_not_left_waiting(make_engine: Any) -> 
         await asyncio.wait_for(stream.__anext__(), 2)
     assert await asyncio.wait_for(first, 5) == 20
     await wait_drained(engine)
+
+
+class _AdmitFails:
+    """An engine core whose `add_request` takes the request and then fails for one id, as building one
+    request's state (its detokenizer, say) could: the rest of the core is untouched."""
+
+    def __init__(self, core: Any, bad: str) -> None:
+        self._core = core
+        self._bad = bad
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._core, name)
+
+    def add_request(self, request: Any) -> None:
+        self._core.add_request(request)
+        if request.request_id == self._bad:
+            raise ValueError("DecodeStream refused this prompt")
+
+
+async def test_a_request_the_core_cannot_admit_fails_alone(bpe_tokenizer: Any) -> None:
+    """Second wall, at admission: a failure while the core builds one request's state killed the engine
+    (the step loop let it escape). That request ends with InvalidRequestError, whatever part of it the core
+    took is undone (every block free), and the engine serves on."""
+    built = fake_built(bpe_tokenizer, step_delay=0.001)
+    wrapped = FakeBuilt(_AdmitFails(built.core, "bad"), *_rest(built))  # type: ignore[arg-type]
+    engine = AsyncLLMEngine.from_builder(lambda: wrapped)
+    try:
+        good = engine.add_request([1, 2, 3], SamplingParams(max_tokens=10))
+        with pytest.raises(InvalidRequestError, match="could not admit this request.*DecodeStream refused"):
+            await engine.generate([4, 5, 6], SamplingParams(max_tokens=10), request_id="bad")
+        assert [c async for c in good][-1].finish_reason == "length"
+        await wait_drained(engine)
+        assert engine.is_running
+    finally:
+        engine.shutdown()

@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 from asyncllm.async_engine.ids import LiveRequests
 from asyncllm.async_engine.loop_fanout import LoopFanout
 from asyncllm.async_engine.mailbox import OutputSlot
+from asyncllm.core.output_processor import RequestDelta
 from asyncllm.errors import EngineDeadError
 
 if TYPE_CHECKING:
     from asyncllm.chat import ChatTokenizer
     from asyncllm.core.engine_core import EngineCore
     from asyncllm.core.input_processor import InputProcessor
-    from asyncllm.core.output_processor import RequestDelta
     from asyncllm.core.request import Request
     from asyncllm.executor.interface import RuntimeInfo
 
@@ -199,7 +199,7 @@ class StepLoop:
             message = inbox.popleft()
             if isinstance(message, _Add):
                 if self._live.get(message.slot.request_id) is message.slot:  # else: failed or shut down meanwhile
-                    core.add_request(message.request)
+                    self._admit(core, message.request)
                 continue
             slot = message.slot
             if self._live.get(slot.request_id) is not slot:
@@ -210,6 +210,16 @@ class StepLoop:
             delta = core.abort_request(slot.request_id)
             if delta is not None:
                 self._outputs.append(delta)
+
+    def _admit(self, core: EngineCore, request: Request) -> None:
+        try:
+            core.add_request(request)
+        except Exception as exc:  # this request's own state could not be built: it fails alone
+            logger.warning("asyncllm: request %r could not be admitted", request.request_id, exc_info=exc)
+            undone = core.abort_request(request.request_id)  # whatever part of it the core took
+            metrics = undone.metrics if undone is not None else None
+            error = f"the engine could not admit this request: {exc!r}"
+            self._outputs.append(RequestDelta(request.request_id, [], "", "abort", metrics, error=error))
 
     def _drain_mid_step(self) -> None:
         assert self.built is not None
