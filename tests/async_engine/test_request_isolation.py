@@ -175,7 +175,7 @@ async def test_a_request_the_core_cannot_admit_fails_alone(bpe_tokenizer: Any) -
     engine = AsyncLLMEngine.from_builder(lambda: wrapped)
     try:
         good = engine.add_request([1, 2, 3], SamplingParams(max_tokens=10))
-        with pytest.raises(InvalidRequestError, match="could not admit this request.*DecodeStream refused"):
+        with pytest.raises(InvalidRequestError, match=r"could not admit this request.*DecodeStream refused"):
             await engine.generate([4, 5, 6], SamplingParams(max_tokens=10), request_id="bad")
         assert [c async for c in good][-1].finish_reason == "length"
         await wait_drained(engine)
