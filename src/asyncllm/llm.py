@@ -78,8 +78,6 @@ class LLM:
             for p, sp in zip(prompt_list, param_list)
         ]
         core = self._engine.core
-        for request in requests:
-            core.add_request(request)
         order = {r.request_id: i for i, r in enumerate(requests)}
         texts: list[list[str]] = [[] for _ in requests]
         tokens: list[list[int]] = [[] for _ in requests]
@@ -87,6 +85,8 @@ class LLM:
         finals: dict[int, RequestDelta] = {}
         bar = _progress(len(requests)) if use_tqdm else None
         try:
+            for request in requests:
+                core.add_request(request)
             while len(finals) < len(requests):
                 t0 = time.perf_counter()
                 deltas = core.step()

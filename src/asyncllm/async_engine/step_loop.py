@@ -183,7 +183,7 @@ class StepLoop:
                 self.step_started = time.monotonic()  # real time, whatever clock the core was given
                 self._outputs.extend(core.step(after_execute=self._drain_mid_step))  # mid-step aborts first
                 self.step_started = None
-                idle = core.last_step.num_prefill_tokens + core.last_step.num_decode_tokens == 0
+                idle = core.last_step_idle
             else:
                 idle = False
             self.stats = core.stats().as_dict()  # before routing: a finished stream sees its blocks freed
