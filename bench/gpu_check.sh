@@ -24,8 +24,13 @@ if has tests; then
 fi
 if has quicktests; then  # what changed since the full run: engine-level GPU tests and the sampling kernel
   python3 -m pytest -q -s -p no:cacheprovider -o addopts="" tests/gpu tests/sample/test_sampler_cuda.py \
-    tests/kernels/test_sampling.py 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error|error" | tail -25
+    tests/kernels/test_sampling.py tests/kernels/test_paged_attention.py 2>&1 | tee "$OUT/gpu_tests.log" \
+    | grep -E "passed|failed|Error|error" | tail -25
   rows+=("gpu tests (quick): $(tail -1 "$OUT/gpu_tests.log")")
+fi
+if has pa; then  # the paged-attention micro-benchmark alone (its launch variants)
+  timeout 120 python3 bench/kernels/bench_paged_attention.py 2>&1 | tee "$OUT/bench_paged_attention.log" | tail -4
+  rows+=("kernel decode: $(grep '"kernel": "decode"' "$OUT/bench_paged_attention.log" | tail -1)")
 fi
 if has gemm; then
   timeout 120 python3 bench/kernels/bench_gemm.py 2>&1 | tee "$OUT/bench_gemm.log" | tail -3
