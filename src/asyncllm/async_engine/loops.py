@@ -1,17 +1,17 @@
 """The two things the async layer needs from an event loop, for asyncio (uvloop included) and trio.
 
 A thread-safe "call this soon on that loop" (how the step thread wakes consumers) and a waiter a consumer
-awaits until woken. `current_loop()` finds the caller's loop through sniffio, the detection anyio uses.
-Knows nothing of requests or streams; trio is imported only when a trio program calls in.
+awaits until woken. `current_loop_key()` finds the caller's loop: asyncio's running loop, else trio's token
+when trio is loaded (no sniffio: newer anyio no longer brings it). Knows nothing of requests or streams;
+trio is imported only when a trio program calls in.
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Awaitable, Callable, Hashable
 from typing import Any
-
-import sniffio
 
 
 class EventLoop:
@@ -103,10 +103,7 @@ class TrioLoop(EventLoop):
 
 def current_loop_key() -> tuple[str, Hashable]:
     """(library, key) of the caller's running loop; RuntimeError when there is none."""
-    try:
-        library = sniffio.current_async_library()
-    except sniffio.AsyncLibraryNotFoundError:
-        library = None
+    library = _running_library()
     if library == "asyncio":
         return library, asyncio.get_running_loop()
     if library == "trio":
@@ -115,8 +112,25 @@ def current_loop_key() -> tuple[str, Hashable]:
         return library, trio.lowlevel.current_trio_token()
     raise RuntimeError(
         "add_request needs a running event loop (asyncio, uvloop or trio): call it from a coroutine; the "
-        f"stream is bound to that loop (found {library or 'none'})"
+        "stream is bound to that loop (found none)"
     )
+
+
+def _running_library() -> str | None:
+    """ "asyncio" (uvloop included) or "trio" for the loop running in this thread, None without one."""
+    try:
+        asyncio.get_running_loop()
+        return "asyncio"
+    except RuntimeError:
+        pass
+    trio = sys.modules.get("trio")  # a trio program has imported it; never import it just to look
+    if trio is not None:
+        try:
+            trio.lowlevel.current_trio_token()
+            return "trio"
+        except RuntimeError:
+            pass
+    return None
 
 
 def make_loop(library: str, key: Hashable) -> EventLoop:
@@ -125,7 +139,7 @@ def make_loop(library: str, key: Hashable) -> EventLoop:
 
 async def run_in_thread(fn: Callable[[], object]) -> None:
     """Run a blocking `fn` in a worker thread without blocking the caller's loop, whichever it is."""
-    if sniffio.current_async_library() == "trio":
+    if _running_library() == "trio":
         import trio
 
         await trio.to_thread.run_sync(fn)
