@@ -14,8 +14,7 @@ from typing import Any
 
 import pytest
 
-from asyncllm import AsyncLLMEngine, EngineDeadError, InvalidRequestError, SamplingParams
-from asyncllm.async_engine.engine import EngineStalledError
+from asyncllm import AsyncLLMEngine, EngineDeadError, EngineStalledError, InvalidRequestError, SamplingParams
 from asyncllm.core.input_processor import InputProcessor
 from tests.async_engine.conftest import wait_drained
 from tests.fixtures.fake_core import FakeBuilt, fake_built

@@ -11,8 +11,7 @@ from typing import Any
 
 import pytest
 
-from asyncllm import AsyncLLMEngine, InvalidRequestError, SamplingParams
-from asyncllm.async_engine.stream import RequestStream, StreamInUseError
+from asyncllm import AsyncLLMEngine, InvalidRequestError, RequestStream, SamplingParams, StreamInUseError
 from asyncllm.core.output_processor import RequestDelta
 from tests.async_engine.conftest import wait_drained
 from tests.fixtures.fake_core import FakeBuilt, fake_built, offline_run

@@ -15,12 +15,8 @@ import weakref
 from collections.abc import Callable
 
 from asyncllm.async_engine.mailbox import OutputSlot
-from asyncllm.errors import AsyncLLMError, EngineDeadError, InvalidRequestError
+from asyncllm.errors import EngineDeadError, InvalidRequestError, StreamInUseError
 from asyncllm.outputs import RequestOutput, StreamOutput, TokenLogprobs
-
-
-class StreamInUseError(AsyncLLMError, RuntimeError):
-    """A second task read a stream while another was already waiting on it (it would have waited forever)."""
 
 
 class RequestStream:
