@@ -28,6 +28,7 @@ def open_hf_checkpoint(path: Path, dtype: torch.dtype, tokenizer_path: Path | No
         tokenizer=load_tokenizer(tokenizer_path or path),
         eos_token_ids=eos_ids(path, hf_config),
         iter_weights=lambda: iter_safetensors(path, dtype),
+        iter_weight_shards=lambda select: iter_safetensors(path, dtype, select),
     )
 
 
