@@ -32,7 +32,8 @@ if has tptests; then  # tensor parallelism, 2 GPUs (kind nvidia-h200-x2): tests,
   python3 -m pytest -q -s -p no:cacheprovider -o addopts="" tests/gpu/test_tp.py 2>&1 | tee "$OUT/tp_tests.log" \
     | grep -E "passed|failed|Error|error|agreement" | tail -25
   rows+=("tp tests: $(tail -1 "$OUT/tp_tests.log")")
-  timeout 120 python3 bench/ring_step_latency.py --messages 3000 --gaps-us 20 2000 2>&1 | tee "$OUT/ring_step.log" | tail -2
+  timeout 100 python3 bench/ring_step_latency.py --messages 3000 --gaps-us 20 --spin-us 1000 2>&1 | tee "$OUT/ring_step.log" | tail -1
+  timeout 100 python3 bench/ring_step_latency.py --messages 3000 --gaps-us 2000 2>&1 | tee -a "$OUT/ring_step.log" | tail -1
   while read -r line; do rows+=("ring step: $line"); done < <(grep '^{' "$OUT/ring_step.log")
 fi
 if has tpbench; then  # Qwen3-8B shape, TP=1 vs TP=2: W5 and W1 (about 6 minutes)

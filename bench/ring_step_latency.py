@@ -5,8 +5,10 @@ in a reader process (`StepDecoder`), as `MultiProcExecutor` and its workers do.
 Each message carries two clock stamps ahead of the encoded step (before encoding, after encoding; the one
 CLOCK_MONOTONIC of the host); the reader stamps after `read()` and after `decode()`. Printed per case, p50/p99
 in microseconds: encode, broadcast (write start to bytes in the reader), decode, and all three end to end.
-The writer waits until every reader has decoded a message, then `--gap-us` more: a short gap finds the
-readers spinning, a long one asleep (as workers are between steps that take milliseconds).
+The writer waits until every reader has decoded a message (sleeping, so that on a small host it does not
+take the readers' core), then `--gap-us` more, then encodes. A reader still polling (`--spin-us` longer than
+the gap plus the encode) takes the message hot; otherwise asleep, as workers are between steps that take
+milliseconds (their default spin is 50 us), and the broadcast includes the wake-up.
 
 python bench/ring_step_latency.py [--seqs 256] [--blocks 64] [--messages 3000] [--readers 1] [--gaps-us 20 2000]
                                   [--spin-us 50]

@@ -1,15 +1,19 @@
 """Tensor parallelism across real worker processes on CPU (gloo), against the one-process engine (its slow twin):
 the same greedy tokens and `stats()` for every family under chunked prefill, preemption and prefix hits (KV
 heads split, and replicated); the same tokens when steps feed PLACEHOLDER inputs, finish, preempt and reuse
-ids; two engines side by side; a bad size refused before any process starts; and a worker killed mid-stream
-failing every stream with EngineDeadError within a second, leaving no process and no /dev/shm segment."""
+ids; two engines side by side; a bad size refused before any process starts; a worker killed mid-stream
+failing every stream with EngineDeadError within a second, leaving no process and no /dev/shm segment; and
+workers gone with their engine's process when it is killed."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import random
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -37,8 +41,9 @@ ENGINE_ARGS: dict[str, Any] = dict(
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 
-def worker_processes() -> set[int]:
-    """Live tensor-parallel worker processes started by this process."""
+def worker_processes(parent: int | None = None) -> set[int]:
+    """Live tensor-parallel worker processes started by `parent` (this process by default)."""
+    parent = os.getpid() if parent is None else parent
     found = set()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -51,7 +56,7 @@ def worker_processes() -> set[int]:
         except OSError:
             continue
         state, ppid = stat[stat.rindex(b")") + 2 :].split()[:2]
-        if int(ppid) == os.getpid() and state not in (b"Z", b"X") and b"asyncllm.executor.worker_main" in cmdline:
+        if int(ppid) == parent and state not in (b"Z", b"X") and b"asyncllm.executor.worker_main" in cmdline:
             found.add(int(entry))
     return found
 
@@ -151,7 +156,8 @@ def test_scripted_steps_match_one_process(tiny_checkpoints: dict[str, Path]) -> 
 
 
 def test_two_engines_side_by_side(tiny_checkpoints: dict[str, Path]) -> None:
-    """Two TP=2 engines in one process, generating at the same time, each give their TP=1 tokens."""
+    """Two TP=2 engines in one process, generating at the same time, each give their TP=1 tokens; one is
+    shut down, the other merely dropped (its finalizer stops the worker and removes the segment)."""
     paths = [tiny_checkpoints["qwen3"], tiny_checkpoints["llama"]]
     want = [_two_passes(p)[0][:6] for p in paths]
     engines = [LLM(str(p), tensor_parallel_size=2, **ENGINE_ARGS) for p in paths]
@@ -169,8 +175,9 @@ def test_two_engines_side_by_side(tiny_checkpoints: dict[str, Path]) -> None:
             t.join(120)
         assert got == want
     finally:
-        for engine in engines:
-            engine.shutdown()
+        engines.pop(0).shutdown()
+        engines.clear()  # the last reference to the second engine
+        gc.collect()
 
 
 def test_bad_size_is_refused_before_any_process_starts(tiny_checkpoints: dict[str, Path]) -> None:
@@ -205,3 +212,42 @@ async def test_killed_worker_kills_every_stream_within_a_second(tiny_checkpoints
     with pytest.raises(EngineDeadError):
         engine.add_request([1, 2, 3])
     await engine.aclose()
+
+
+def test_workers_exit_when_the_engine_process_is_killed(tiny_checkpoints: dict[str, Path]) -> None:
+    """SIGKILL the process that owns a TP engine (a script with no `__main__` guard): its worker exits at once
+    (it watches a pipe from it) and its ring segment is removed (the owner's resource tracker)."""
+    before = ring_segments()
+    script = (
+        "import time\nfrom asyncllm import LLM\n"
+        f"llm = LLM({str(tiny_checkpoints['qwen3'])!r}, device='cpu', num_kv_blocks=64, tensor_parallel_size=2)\n"
+        "print('ready', flush=True)\ntime.sleep(600)\n"
+    )
+    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout is not None and owner.stdout.readline().strip() == "ready"
+        workers = worker_processes(owner.pid)
+        segments = ring_segments() - before
+        assert len(workers) == 1 and len(segments) == 1
+    finally:
+        owner.kill()
+        owner.wait()
+    deadline = time.monotonic() + 5
+    while (
+        worker_processes(owner.pid) or _alive(workers) or ring_segments() & segments
+    ) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(workers), "a worker outlived its engine's process"
+    assert not ring_segments() & segments, "the ring segment outlived its engine's process"
+
+
+def _alive(pids: set[int]) -> bool:
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        if stat[stat.rindex(b")") + 2 :][:1] not in (b"Z", b"X"):
+            return True
+    return False

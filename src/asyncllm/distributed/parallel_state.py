@@ -47,6 +47,7 @@ class ParallelContext:
         self._world_size = world_size
         self.device = device
         self.backend_name = "nccl" if device.type == "cuda" else "gloo"
+        self._aborted = False
         self._pg: Any = _new_backend(store, rank, world_size, device)  # gloo or NCCL typed stubs differ
         # Every rank runs this at once: NCCL then builds its communicator now, never inside a graph capture.
         self.all_reduce(torch.zeros(1, device=device))
@@ -88,14 +89,16 @@ class ParallelContext:
 
     def abort(self) -> None:
         """Unblock this rank's collectives after a peer died. NCCL only: gloo already fails such collectives
-        (the peer's socket closes), while an NCCL kernel would wait on the GPU for ever."""
-        if self.backend_name == "nccl":
-            self._pg.abort()
+        (the peer's socket closes), while an NCCL kernel would wait on the GPU for ever. Idempotent."""
+        pg = self._pg
+        if pg is not None and self.backend_name == "nccl" and not self._aborted:
+            self._aborted = True
+            pg.abort()
 
     def close(self) -> None:
-        """Release the group's communicators. Idempotent."""
+        """Release the group's communicators (an aborted group has released them). Idempotent."""
         pg, self._pg = self._pg, None
-        if pg is not None and self.backend_name == "nccl":
+        if pg is not None and self.backend_name == "nccl" and not self._aborted:
             pg.shutdown()
 
 

@@ -9,8 +9,8 @@ the step loop turns into `EngineDeadError` for every stream. Shutdown leaves no 
 
 from __future__ import annotations
 
-import logging
 import time
+import weakref
 
 import torch
 
@@ -28,8 +28,6 @@ from asyncllm.models.config import ModelArchConfig
 from asyncllm.models.tensor_parallel import check_tensor_parallel
 from asyncllm.worker.device import resolve_device
 from asyncllm.worker.worker import Worker
-
-logger = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 600.0  # spawn, import torch, load a shard, profile, capture graphs: all ranks at once
 _RENDEZVOUS_TIMEOUT_S = 120.0  # joining the store and building the group, once every worker has attached
@@ -83,6 +81,9 @@ class MultiProcExecutor:
             self._worker = Worker(config, checkpoint, self._parallel)
             self._runtime = set_up(self._worker, self._parallel)
             self._procs.wait_for(READY, _START_TIMEOUT_S)
+            # Dropped without shutdown() (an LLM never shut down), or at interpreter exit: still stop the
+            # workers and remove the segment. Holds the ring and the processes, never the executor.
+            self._finalizer = weakref.finalize(self, _stop_workers, self._ring, self._procs)
         except BaseException as exc:
             died = self._procs.failure() if self._procs is not None else None
             self.shutdown()
@@ -130,6 +131,8 @@ class MultiProcExecutor:
         if self._closed:
             return
         self._closed = True
+        if hasattr(self, "_finalizer"):
+            self._finalizer.detach()
         procs, parallel, worker = self._procs, self._parallel, self._worker
         healthy = procs is not None and procs.dead is None
         self._ring.close()
@@ -144,6 +147,11 @@ class MultiProcExecutor:
             if parallel is not None:
                 parallel.close()
             self._worker = None
+
+
+def _stop_workers(ring: ShmRingWriter, procs: WorkerProcesses) -> None:
+    ring.close()
+    procs.stop(_JOIN_S)
 
 
 class _WatchedStep:
