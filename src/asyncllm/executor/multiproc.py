@@ -56,6 +56,7 @@ class MultiProcExecutor:
         check_tensor_parallel(ModelArchConfig.from_hf(checkpoint.hf_config, config.model_config.max_model_len), world)
         cuda_base = check_parallel_devices(device, world)
         self._closed = False
+        self._started = True
         self._ring = ShmRingWriter(world - 1)
         self._procs: WorkerProcesses | None = None
         self._parallel: ParallelContext | None = None
@@ -86,6 +87,7 @@ class MultiProcExecutor:
             self._finalizer = weakref.finalize(self, _stop_workers, self._ring, self._procs)
         except BaseException as exc:
             died = self._procs.failure() if self._procs is not None else None
+            self._started = False  # workers may wait in a set-up collective for ever: do not wait long
             self.shutdown()
             if died is not None:
                 raise died from exc
@@ -134,7 +136,7 @@ class MultiProcExecutor:
         if hasattr(self, "_finalizer"):
             self._finalizer.detach()
         procs, parallel, worker = self._procs, self._parallel, self._worker
-        healthy = procs is not None and procs.dead is None
+        healthy = self._started and procs is not None and procs.dead is None
         self._ring.close()
         if parallel is not None and not healthy:
             parallel.abort()  # before anything waits on the device: a collective may wait for the dead rank
@@ -142,11 +144,11 @@ class MultiProcExecutor:
             if worker is not None:
                 worker.shutdown()
         finally:
+            self._worker = None
+            if parallel is not None:
+                parallel.close()  # gloo: a worker left waiting in a collective with rank 0 fails at once
             if procs is not None:
                 procs.stop(_JOIN_S if healthy else 1.0)
-            if parallel is not None:
-                parallel.close()
-            self._worker = None
 
 
 def _stop_workers(ring: ShmRingWriter, procs: WorkerProcesses) -> None:
