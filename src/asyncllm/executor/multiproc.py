@@ -31,7 +31,10 @@ from asyncllm.worker.worker import Worker
 
 _START_TIMEOUT_S = 600.0  # spawn, import torch, load a shard, profile, capture graphs: all ranks at once
 _RENDEZVOUS_TIMEOUT_S = 120.0  # joining the store and building the group, once every worker has attached
-_WRITE_POLL_S = 0.25  # a write blocked on a full ring re-checks the workers this often
+# A write blocked on a full ring re-checks the workers this often. Only a message of more slots than are free
+# can block (rank 0 runs at most a step or two ahead): a live worker is then reading it as it is written, so a
+# stall this long mid-message means a dead or stuck one (the ring is then abandoned and the engine fails).
+_WRITE_POLL_S = 1.0
 _JOIN_S = 10.0  # a clean shutdown waits this long for the workers to exit before killing them
 
 
@@ -137,6 +140,8 @@ class MultiProcExecutor:
             self._finalizer.detach()
         procs, parallel, worker = self._procs, self._parallel, self._worker
         healthy = self._started and procs is not None and procs.dead is None
+        if procs is not None:
+            procs.expect_exit()
         self._ring.close()
         if parallel is not None and not healthy:
             parallel.abort()  # before anything waits on the device: a collective may wait for the dead rank
@@ -152,6 +157,7 @@ class MultiProcExecutor:
 
 
 def _stop_workers(ring: ShmRingWriter, procs: WorkerProcesses) -> None:
+    procs.expect_exit()
     ring.close()
     procs.stop(_JOIN_S)
 

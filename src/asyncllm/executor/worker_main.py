@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 import threading
 import traceback
@@ -55,6 +56,9 @@ def set_up(worker: Worker, parallel: ParallelContext) -> RuntimeInfo:
 
 def main() -> None:
     """The worker interpreter's entry: `python -c "...; main()" SPEC_FD REPORT_FD` (see worker_procs)."""
+    # Ctrl-C in a terminal reaches the whole process group: the engine's process decides when workers stop
+    # (it closes the ring, or dies and closes our pipe), so that a server can shut down gracefully.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     spec_fd, report_fd = (int(arg) for arg in sys.argv[1:3])
     from_parent = Connection(spec_fd, writable=False)
     spec = from_parent.recv()

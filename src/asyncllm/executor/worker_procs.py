@@ -98,11 +98,15 @@ class WorkerProcesses:
             self._cond.wait_for(lambda: self.dead is not None, grace_s)
         return None if self.dead is None else WorkerDiedError(self.dead)
 
+    def expect_exit(self) -> None:
+        """From now on the workers exit because they were asked to (the ring is about to close): no death."""
+        with self._cond:
+            self._stopping = True
+
     def stop(self, timeout_s: float) -> None:
         """Wait up to `timeout_s` for the workers to exit (they leave their loops once the ring closes), kill
         any left, and close every pipe. Idempotent."""
-        with self._cond:
-            self._stopping = True
+        self.expect_exit()
         if self._wake_w >= 0:
             os.write(self._wake_w, b"\0")
             if hasattr(self, "_monitor"):
