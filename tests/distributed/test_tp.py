@@ -1,7 +1,8 @@
 """Tensor parallelism across real worker processes on CPU (gloo), against the one-process engine (its slow twin):
 the same greedy tokens and `stats()` for every family under chunked prefill, preemption and prefix hits (KV
 heads split, and replicated); the same tokens when steps feed PLACEHOLDER inputs, finish, preempt and reuse
-ids; two engines side by side; a bad size refused before any process starts; a worker killed mid-stream
+ids; two engines side by side; a bad size refused before any process starts, a worker failing at start-up
+reported with its traceback; a worker killed mid-stream
 failing every stream with EngineDeadError within a second, leaving no process and no /dev/shm segment; and
 workers gone with their engine's process when it is killed."""
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import importlib.util
 import os
 import random
 import signal
@@ -183,6 +185,25 @@ def test_two_engines_side_by_side(tiny_checkpoints: dict[str, Path]) -> None:
 def test_bad_size_is_refused_before_any_process_starts(tiny_checkpoints: dict[str, Path]) -> None:
     with pytest.raises(InvalidConfigError, match="tensor_parallel_size=3 does not divide the model's 4 attention"):
         LLM(str(tiny_checkpoints["qwen3"]), tensor_parallel_size=3, device="cpu")
+
+
+def test_worker_failing_at_start_up_fails_the_constructor(tiny_checkpoints, tmp_path, monkeypatch) -> None:
+    """A worker whose set-up raises (here: load_model, made to fail in worker processes only through a
+    sitecustomize on their path) fails the engine's constructor with WorkerDiedError carrying its traceback."""
+    if importlib.util.find_spec("sitecustomize") is not None:
+        pytest.skip("a sitecustomize module is already on the path")
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys\n"
+        "if sys.argv[1:] and sys.argv[0] == '-c':  # a tensor-parallel worker: python -c ... SPEC_FD REPORT_FD\n"
+        "    import asyncllm.worker.worker as w\n"
+        "    def load_model(self):\n"
+        "        raise MemoryError('injected: no memory on this rank')\n"
+        "    w.Worker.load_model = load_model\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    with pytest.raises(WorkerDiedError, match="rank 1") as info:
+        LLM(str(tiny_checkpoints["qwen3"]), device="cpu", num_kv_blocks=64, tensor_parallel_size=2)
+    assert "MemoryError: injected: no memory on this rank" in str(info.value)
 
 
 async def test_killed_worker_kills_every_stream_within_a_second(tiny_checkpoints: dict[str, Path]) -> None:
