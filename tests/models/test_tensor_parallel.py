@@ -1,7 +1,7 @@
 """Sharding the Llama family from outside, with ranks as threads (no processes): every family's sharded
 worker samples the same greedy tokens as the whole model, with log-probabilities within float32 rounding,
-at 2 and 4 ranks and with KV heads replicated; each rank reads only its slice of a safetensors file; sizes
-that do not divide are refused naming the field."""
+at 2 and 4 ranks and with KV heads replicated; each rank reads only its slice of a safetensors file (a GGUF
+file's tensors are sliced once dequantized); sizes that do not divide are refused naming the field."""
 
 from __future__ import annotations
 
@@ -21,18 +21,21 @@ from asyncllm.models.tensor_parallel import check_tensor_parallel, weight_shard
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.worker.worker import Worker
 from tests.fixtures.thread_group import ThreadGroup, run_ranks
+from tests.fixtures.tiny_gguf import build_hf_model, write_gguf
 from tests.fixtures.tiny_models import build_checkpoint
 
 
 def _run_steps(path: Path, group: ThreadGroup | None) -> list[ModelRunnerOutput]:
     """A prefill of three prompts, then four decode steps, on one rank's worker."""
     config = EngineConfig.from_kwargs(str(path), device="cpu", dtype="float32", block_size=4, num_kv_blocks=64)
-    worker = Worker(config, open_checkpoint(str(path), torch.float32), group)
+    checkpoint = open_checkpoint(str(path), torch.float32)
+    worker = Worker(config, checkpoint, group)
     worker.load_model()
     worker.init_kv_cache(64)
     assert worker.runner is not None
     rng = random.Random(0)
-    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (5, 17, 9)]
+    vocab = checkpoint.hf_config.vocab_size
+    prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in (5, 17, 9)]
     params = SamplingParams(temperature=0, logprobs=5)
     tables = [list(range(i * 8, i * 8 + 8)) for i in range(3)]
     step = SchedulerOutput(
@@ -51,10 +54,16 @@ def _run_steps(path: Path, group: ThreadGroup | None) -> list[ModelRunnerOutput]
 def test_sharded_worker_matches_the_whole_model(
     family: str, world: int, kv_heads: int | None, tmp_path_factory: pytest.TempPathFactory, tiny_checkpoints
 ) -> None:
+    """Every rank samples the whole model's greedy tokens, log-probabilities within 1e-4: KV heads split over
+    2 and 4 ranks, or one KV head replicated on 2."""
     if kv_heads is None:
         path = tiny_checkpoints[family]
     else:  # fewer KV heads than ranks: each rank holds a replica of its group's head
         path = build_checkpoint(tmp_path_factory.mktemp("kv1") / family, family, num_key_value_heads=kv_heads)
+    _check_ranks_match(path, world)
+
+
+def _check_ranks_match(path: Path, world: int) -> None:
     ref = _run_steps(path, None)
     for rank_outs in run_ranks(world, lambda group: _run_steps(path, group)):
         for want, got in zip(ref, rank_outs):
@@ -64,6 +73,12 @@ def test_sharded_worker_matches_the_whole_model(
                 assert w is not None and g is not None
                 for token, logprob in w.items():
                     assert abs(g[token] - logprob) < 1e-4
+
+
+def test_gguf_tensors_are_sliced_after_dequantizing(tmp_path: Path) -> None:
+    """GGUF cannot read a slice from disk: whole tensors are dequantized, then each rank keeps its slice."""
+    path = write_gguf(tmp_path / "qwen2.gguf", "qwen2", build_hf_model("qwen2", seed=3))
+    _check_ranks_match(path, 2)
 
 
 def test_each_rank_reads_only_its_slices(tiny_checkpoints) -> None:

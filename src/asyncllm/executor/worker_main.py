@@ -4,8 +4,8 @@ sequence every rank runs in lock-step.
 The process attaches to the ring, joins the engine's process group, builds the same `Worker` as rank 0
 on its own device, then runs every step the ring brings and discards the output (rank 0's is the
 engine's; every rank samples the same tokens from the same gathered logits and seeds). It reports
-"attached", "ready" or its failure on a status pipe, exits when the ring closes, and exits at once when
-the pipe from its parent closes (the parent died). Knows nothing of scheduling.
+"attached", "ready" or its failure (with the traceback) on its report pipe, exits when the ring closes,
+and exits at once when the pipe from its parent closes (the parent died). Knows nothing of scheduling.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ ATTACHED, READY, FAILED = "attached", "ready", "failed"
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """Everything a worker process needs, picklable (the spawn start method sends it to the child)."""
+    """Everything a worker process needs, picklable: the parent sends it down the worker's pipe."""
 
     config: EngineConfig
     rank: int
