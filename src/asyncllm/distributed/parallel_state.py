@@ -8,6 +8,7 @@ layers call; it knows nothing of models or steps. (Unlike the ring modules, this
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -48,6 +49,7 @@ class ParallelContext:
         self.device = device
         self.backend_name = "nccl" if device.type == "cuda" else "gloo"
         self._aborted = False
+        self._abort_lock = threading.Lock()
         self._pg: Any = _new_backend(store, rank, world_size, device)  # gloo or NCCL typed stubs differ
         # Every rank runs this at once: NCCL then builds its communicator now, never inside a graph capture.
         self.all_reduce(torch.zeros(1, device=device))
@@ -90,14 +92,16 @@ class ParallelContext:
     def abort(self) -> None:
         """Unblock this rank's collectives after a peer died. NCCL only: gloo already fails such collectives
         (the peer's socket closes), while an NCCL kernel would wait on the GPU for ever. Idempotent."""
-        pg = self._pg
-        if pg is not None and self.backend_name == "nccl" and not self._aborted:
-            self._aborted = True
-            pg.abort()
+        with self._abort_lock:  # the engine's monitor thread and its step thread may both get here
+            pg = self._pg
+            if pg is not None and self.backend_name == "nccl" and not self._aborted:
+                self._aborted = True
+                pg.abort()
 
     def close(self) -> None:
         """Release the group's communicators (an aborted group has released them). Idempotent."""
-        pg, self._pg = self._pg, None
+        with self._abort_lock:
+            pg, self._pg = self._pg, None
         if pg is not None and self.backend_name == "nccl" and not self._aborted:
             pg.shutdown()
 
