@@ -3,7 +3,7 @@
 # side-by-side with nano-vllm (../shared/peers, copied to .peers and carried); ends with a short table.
 # Usage (device machine, repo root): bash bench/gpu_check.sh [STEPS]   STEPS: comma list of
 #   tests, kernels, startup, compare (default: all four); COMPARE_STEPS overrides compare.sh's steps;
-#   also quicktests, gemm, and on two GPUs tptests, tpbench (tensor parallelism).
+#   also quicktests, gemm, pa, and on two GPUs tptests, tpbench (tensor parallelism).
 # Set-up here first: rm -rf .peers && cp -r ../shared/peers .peers && cp -r ../shared/models/qwen3-tokenizer .peers/
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +25,8 @@ if has tests; then
 fi
 if has quicktests; then  # what changed since the full run: engine-level GPU tests and the sampling kernel
   python3 -m pytest -q -s -p no:cacheprovider -o addopts="" tests/gpu tests/sample/test_sampler_cuda.py \
-    tests/kernels/test_sampling.py 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error|error" | tail -25
+    tests/kernels/test_sampling.py tests/kernels/test_paged_attention.py 2>&1 | tee "$OUT/gpu_tests.log" \
+    | grep -E "passed|failed|Error|error" | tail -25
   rows+=("gpu tests (quick): $(tail -1 "$OUT/gpu_tests.log")")
 fi
 if has tptests; then  # tensor parallelism, 2 GPUs (kind nvidia-h200-x2): tests, then the ring's step latency
@@ -39,6 +40,10 @@ fi
 if has tpbench; then  # Qwen3-8B shape, TP=1 vs TP=2: W5 and W1 (about 6 minutes)
   timeout 580 python3 bench/tp_bench.py 2>&1 | tee "$OUT/tp_bench.log" | grep -E '^\{|Error'
   while read -r line; do rows+=("tp: $line"); done < <(grep '^{' "$OUT/tp_bench.log")
+fi
+if has pa; then  # the paged-attention micro-benchmark alone (its launch variants)
+  timeout 120 python3 bench/kernels/bench_paged_attention.py 2>&1 | tee "$OUT/bench_paged_attention.log" | tail -4
+  rows+=("kernel decode: $(grep '"kernel": "decode"' "$OUT/bench_paged_attention.log" | tail -1)")
 fi
 if has gemm; then
   timeout 120 python3 bench/kernels/bench_gemm.py 2>&1 | tee "$OUT/bench_gemm.log" | tail -3
@@ -62,5 +67,5 @@ if has compare; then
   while read -r line; do rows+=("compare: $line"); done < <(grep RESULT "$OUT/compare.log")
 fi
 echo "================ summary ================"
-git log -1 --format='commit %h %cd' 2>/dev/null || true
+git log -1 --format="commit %h %cd" 2>/dev/null || true  # the device copy may carry a stale .git: RESULTS names the commit sent
 for r in "${rows[@]}"; do echo "$r"; done

@@ -7,7 +7,8 @@ import math
 import pytest
 
 from asyncllm.errors import InvalidRequestError
-from asyncllm.sampling_params import SamplingParams
+from asyncllm.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
+from asyncllm.validation import short_repr
 
 
 def test_defaults_match_the_api() -> None:
@@ -108,3 +109,51 @@ def test_frozen() -> None:
     p = SamplingParams()
     with pytest.raises(AttributeError):
         p.temperature = 0.5  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", 10**400),
+        ("temperature", 1e39),
+        ("temperature", 4e38),
+        ("top_p", 1e-300),
+        ("min_p", 10**400),
+        ("repetition_penalty", 1e300),
+        ("repetition_penalty", 10**400),
+        ("repetition_penalty", 1e-300),
+        ("repetition_penalty", 1000.0),
+        ("repetition_penalty", 0.001),
+        ("presence_penalty", -(10**400)),
+        ("frequency_penalty", 10**5000),
+        ("max_tokens", -(10**5000)),
+    ],
+    ids=lambda v: short_repr(v, limit=30),
+)
+def test_values_that_overflow_float32_are_refused_at_construction(field: str, value: object) -> None:
+    """Regression (issue 10, defect 1): numbers finite in Python (huge ints, float64s beyond float32, values
+    that round to 0 in float32) passed validation and overflowed in the step thread's float32 cast, killing
+    the engine for every stream. Refused now, naming the field; a 5,000-digit int does not break the message."""
+    with pytest.raises(InvalidRequestError, match=rf"SamplingParams\.{field}="):
+        SamplingParams(**{field: value})
+
+
+def test_float32_limits_themselves_are_accepted() -> None:
+    p = SamplingParams(temperature=3.4e38, top_p=1e-30, repetition_penalty=100, presence_penalty=-2)
+    assert p.temperature == 3.4e38 and p.top_p == 1e-30 and p.repetition_penalty == 100.0
+    assert isinstance(p.repetition_penalty, float) and isinstance(p.presence_penalty, float)
+
+
+def test_stop_strings_are_bounded_in_number_and_length() -> None:
+    """Regression (issue 10, also seen): one request with 20,000 stop strings slowed every request sharing
+    its steps 2.4-3.6x (stop matching runs per token). Their number and length are bounded, and the error
+    does not echo the whole list back."""
+    assert len(SamplingParams(stop=["x"] * MAX_STOP_STRINGS).stop_strings) == MAX_STOP_STRINGS
+    assert SamplingParams(stop="y" * MAX_STOP_STRING_CHARS).stop_strings == ("y" * MAX_STOP_STRING_CHARS,)
+    with pytest.raises(InvalidRequestError, match=rf"at most {MAX_STOP_STRINGS} stop strings") as info:
+        SamplingParams(stop=[f"s{i}" for i in range(20_000)])
+    assert len(str(info.value)) < 300
+    with pytest.raises(InvalidRequestError, match=f"at most {MAX_STOP_STRING_CHARS} characters"):
+        SamplingParams(stop=["ok", "z" * (MAX_STOP_STRING_CHARS + 1)])
+    with pytest.raises(InvalidRequestError, match=rf"SamplingParams\.stop_token_ids=.*at most {MAX_STOP_TOKEN_IDS}"):
+        SamplingParams(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS + 1)))

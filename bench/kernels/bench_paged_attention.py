@@ -69,7 +69,15 @@ def bench_decode(pa, batch: int, context: int) -> None:
     args = (q, k_cache, v_cache, tables, lens, starts, seqs, out, scale)
     variants = {"default": dict(num_splits=chosen)}
     for splits in sorted({1, 2, 4}):
-        for block_n, warps, stages in ((32, 4, 2), (64, 4, 2), (64, 4, 3), (128, 8, 2), (64, 8, 3)):
+        for block_n, warps, stages in (
+            (32, 4, 2),
+            (64, 4, 2),
+            (64, 4, 3),
+            (64, 4, 4),
+            (128, 8, 2),
+            (128, 4, 3),
+            (64, 8, 3),
+        ):
             variants[f"s{splits}-n{block_n}-w{warps}-st{stages}"] = dict(
                 num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages
             )

@@ -8,22 +8,34 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from asyncllm.errors import EngineDeadError, InvalidRequestError, UnsupportedModelError
+from asyncllm.errors import (
+    AsyncLLMError,
+    EngineDeadError,
+    EngineStalledError,
+    InvalidRequestError,
+    StreamInUseError,
+    UnsupportedModelError,
+)
 from asyncllm.outputs import RequestMetrics, RequestOutput, StreamOutput
 from asyncllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from asyncllm.async_engine.engine import AsyncLLMEngine
+    from asyncllm.async_engine.stream import RequestStream
     from asyncllm.llm import LLM
 
 __all__ = [
     "LLM",
     "AsyncLLMEngine",
+    "AsyncLLMError",
     "EngineDeadError",
+    "EngineStalledError",
     "InvalidRequestError",
     "RequestMetrics",
     "RequestOutput",
+    "RequestStream",
     "SamplingParams",
+    "StreamInUseError",
     "StreamOutput",
     "UnsupportedModelError",
 ]
@@ -39,4 +51,8 @@ def __getattr__(name: str) -> Any:
         from asyncllm.llm import LLM
 
         return LLM
+    if name == "RequestStream":
+        from asyncllm.async_engine.stream import RequestStream
+
+        return RequestStream
     raise AttributeError(f"module 'asyncllm' has no attribute {name!r}")

@@ -48,8 +48,21 @@ def build_engine(config: EngineConfig, clock: Callable[[], float]) -> BuiltEngin
         clock=clock,
         async_scheduling=sched.async_scheduling,
     )
-    encode = None if tokenizer is None else (lambda text: list(tokenizer(text).input_ids))
-    return BuiltEngine(core, InputProcessor(executor.runtime, encode), tokenizer, executor.runtime)
+    encode = encode_batch = None
+    if tokenizer is not None:
+        rust = backend_tokenizer(tokenizer)
+
+        def encode(text: str) -> list[int]:
+            return list(tokenizer(text).input_ids)
+
+        def encode_batch(texts: list[str]) -> list[list[int]]:
+            # The Rust batch call releases the GIL while it encodes (one call per text holds it): the
+            # event loops keep running while a burst of text prompts is tokenized. Same ids as `encode`
+            # (same post-processor: special tokens added as the tokenizer's __call__ adds them).
+            return [e.ids for e in rust.encode_batch(texts, add_special_tokens=True)]
+
+    inputs = InputProcessor(executor.runtime, encode, encode_batch)
+    return BuiltEngine(core, inputs, tokenizer, executor.runtime)
 
 
 def make_executor(config: EngineConfig, checkpoint: Any) -> ModelExecutor:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
 from asyncllm.chat import Message
@@ -73,13 +73,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         params = SamplingParams(
             temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed
         )
-        return asyncio.run(_chat(model, args, params))
+        return _run(_chat(model, args, params))
     except KeyboardInterrupt:  # leaving the stream aborted the request; the engine closed on the way out
         print(file=sys.stderr)
         return 130
     except (ValueError, FileNotFoundError) as exc:  # bad model path, unsupported model, bad sampling value
         print(f"asyncllm: {exc}", file=sys.stderr)
         return 1
+
+
+def _run(main: Coroutine[Any, Any, int]) -> int:
+    """asyncio.run, on uvloop when it is installed (a faster loop; the engine works on either)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
 
 
 async def _chat(model: str, args: argparse.Namespace, params: SamplingParams) -> int:

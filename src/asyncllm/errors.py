@@ -38,3 +38,12 @@ class DeviceError(AsyncLLMError, RuntimeError):
 
 class EngineDeadError(AsyncLLMError, RuntimeError):
     """The step loop failed (cause chained) or the engine was shut down; no request can be served."""
+
+
+class EngineStalledError(EngineDeadError):
+    """`check_health`: the step in flight has run past the bound (a stuck device or kernel). The engine
+    is not serving, though it may recover if the step ever returns."""
+
+
+class StreamInUseError(AsyncLLMError, RuntimeError):
+    """A second task tried to read a stream another task is reading: one reader per stream."""

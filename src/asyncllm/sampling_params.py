@@ -1,7 +1,8 @@
 """`SamplingParams`: how one request is sampled and when it stops.
 
 Validated at construction: every bad value raises `InvalidRequestError` (a `ValueError`) that names the
-field, the value and what is allowed. Plain Python; no torch.
+field, the value and what is allowed. Real values are checked as the device computes them (float32), so
+no request can carry an overflow into the step thread. Plain Python; no torch.
 """
 
 from __future__ import annotations
@@ -9,13 +10,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from asyncllm.errors import InvalidRequestError
-from asyncllm.validation import check_bool, check_float, check_int, check_optional_int, is_int
+from asyncllm.validation import check_bool, check_float, check_int, check_optional_int, is_int, short_repr
 
 _MAX_LOGPROBS = 20
+# Stop strings are matched against every new piece of text: their number and length bound the per-token cost
+# one request adds to the step every request shares (20,000 of them slowed a whole batch 2.4-3.6x).
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 1024  # masked per step while min_tokens is not reached: the same shared cost
 
 
 def _fail(name: str, value: object, allowed: str) -> InvalidRequestError:
-    return InvalidRequestError(f"SamplingParams.{name}={value!r} is invalid: {allowed}")
+    # Cut short: an error must not echo 20,000 stop strings back.
+    return InvalidRequestError(f"SamplingParams.{name}={short_repr(value)} is invalid: {allowed}")
 
 
 @dataclass(frozen=True)
@@ -24,6 +31,12 @@ class SamplingParams:
 
     `temperature=0` is greedy; `top_k` 0 or -1 disables top-k; `max_tokens=None` runs to a stop or to
     `max_model_len`; a fixed `seed` makes this request reproducible whatever else shares the batch.
+
+    Ranges (ints are accepted for real fields; each real is checked after rounding to float32, so it must
+    be finite there, at most ~3.4e38): `temperature` >= 0; `top_p` in (0, 1]; `min_p` in [0, 1];
+    `repetition_penalty` in [0.01, 100] (beyond it a seen token is certain or impossible and the logits
+    overflow); `presence_penalty` and `frequency_penalty` in [-2, 2]. At most `MAX_STOP_STRINGS` stop
+    strings of at most `MAX_STOP_STRING_CHARS` characters each, and `MAX_STOP_TOKEN_IDS` stop token ids.
     """
 
     temperature: float = 1.0
@@ -47,8 +60,8 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         number = self._number
-        number("temperature", lo=0.0, allowed="a number >= 0 (0 is greedy)")
-        number("top_p", lo=0.0, lo_open=True, hi=1.0, allowed="a number in (0, 1]")
+        number("temperature", lo=0.0, allowed="a number >= 0 (0 is greedy), finite in float32 (<= 3.4e38)")
+        number("top_p", lo=0.0, lo_open=True, hi=1.0, allowed="a number in (0, 1], non-zero in float32")
         check_int(_fail, "top_k", self.top_k, "an integer >= 1, or 0 / -1 to disable", lo=-1)
         number("min_p", lo=0.0, hi=1.0, allowed="a number in [0, 1]")
         check_optional_int(_fail, "max_tokens", self.max_tokens, "an integer >= 1, or None", lo=1)
@@ -60,7 +73,7 @@ class SamplingParams:
         check_bool(_fail, "include_stop_str_in_output", self.include_stop_str_in_output)
         check_bool(_fail, "ignore_eos", self.ignore_eos)
         check_optional_int(_fail, "seed", self.seed, "an integer, or None")
-        number("repetition_penalty", lo=0.0, lo_open=True, allowed="a number > 0 (1 disables it)")
+        number("repetition_penalty", lo=0.01, hi=100.0, allowed="a number in [0.01, 100] (1 disables it)")
         number("presence_penalty", lo=-2.0, hi=2.0, allowed="a number in [-2, 2]")
         number("frequency_penalty", lo=-2.0, hi=2.0, allowed="a number in [-2, 2]")
         allowed = f"an integer in [0, {_MAX_LOGPROBS}], or None"
@@ -70,7 +83,7 @@ class SamplingParams:
 
     def _number(self, name: str, *, allowed: str, lo: float, hi: float | None = None, lo_open: bool = False) -> None:
         """Validate a real-valued field and store it as a finite float (the device casts it to float32)."""
-        value = check_float(_fail, name, getattr(self, name), allowed, lo=lo, hi=hi, lo_open=lo_open)
+        value = check_float(_fail, name, getattr(self, name), allowed, lo=lo, hi=hi, lo_open=lo_open, float32=True)
         object.__setattr__(self, name, value)
 
     @property
@@ -90,6 +103,12 @@ class SamplingParams:
             raise _fail("stop", stop, "a string, a list of strings, or None")
         if any(s == "" for s in items):
             raise _fail("stop", stop, "stop strings must be non-empty")
+        if len(items) > MAX_STOP_STRINGS:
+            raise _fail("stop", stop, f"at most {MAX_STOP_STRINGS} stop strings (got {len(items)})")
+        longest = max((len(s) for s in items), default=0)
+        if longest > MAX_STOP_STRING_CHARS:
+            allowed = f"stop strings of at most {MAX_STOP_STRING_CHARS} characters (one has {longest})"
+            raise _fail("stop", stop, allowed)
         return tuple(items)
 
     @staticmethod
@@ -98,4 +117,6 @@ class SamplingParams:
             return frozenset()
         if not isinstance(ids, (list, tuple, set, frozenset)) or not all(is_int(i) and i >= 0 for i in ids):
             raise _fail("stop_token_ids", ids, "a list of non-negative integer token ids, or None")
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise _fail("stop_token_ids", ids, f"at most {MAX_STOP_TOKEN_IDS} ids (got {len(ids)})")
         return frozenset(ids)

@@ -59,7 +59,7 @@ async def test_concurrent_streams_equal_offline_generate(engine: AsyncLLMEngine,
         assert tokens == want.token_ids
         assert text == want.text
         assert last.finish_reason == want.finish_reason
-        assert stream.prompt_token_ids == want.prompt_token_ids
+        assert stream.prompt_token_ids == tuple(want.prompt_token_ids)
         assert last.metrics.time_to_first_token <= last.metrics.e2e_latency
     await wait_drained(engine)
 

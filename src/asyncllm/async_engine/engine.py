@@ -1,29 +1,35 @@
-"""`AsyncLLMEngine`: the asyncio front of the engine. Requests in, streams out, from any loop or thread.
+"""`AsyncLLMEngine`: the async front of the engine. Requests in, streams out, from any loop or thread.
 
-Owns the public API: validating requests in the caller's thread (bad ones raise at once and leave nothing
-behind), binding each stream to the caller's running loop, and the engine's lifetime. The core lives in
-the step thread (`step_loop`); this module never imports torch, and never waits on the device from a loop.
+Owns the public API: the cheap checks in the caller's thread (bad requests raise at once and leave nothing
+behind), binding each stream to the caller's running loop (asyncio, uvloop or trio), and the engine's
+lifetime. Text prompts are tokenized off the loop (`admission`); the core lives in the step thread
+(`step_loop`). Never imports torch, and never waits on the device or the tokenizer from a loop.
 """
 
 from __future__ import annotations
 
-import asyncio
+import atexit
+import gc
 import time
 import weakref
 from collections.abc import Callable
 from typing import Any
 
+from asyncllm.async_engine.admission import Admission, max_token_chars_of
+from asyncllm.async_engine.health import DEFAULT_MAX_STEP_SECONDS, EngineStalledError, check_step_age, step_age
 from asyncllm.async_engine.ids import LiveRequests, check_request_id, new_request_id
 from asyncllm.async_engine.loop_fanout import LoopFanout
+from asyncllm.async_engine.loops import current_loop_key, run_in_thread
 from asyncllm.async_engine.mailbox import OutputSlot
 from asyncllm.async_engine.step_loop import Built, StepLoop
-from asyncllm.async_engine.stream import RequestStream
+from asyncllm.async_engine.stream import RequestStream, collect
 from asyncllm.config import EngineConfig
 from asyncllm.errors import EngineDeadError
 from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import SamplingParams
 
 Prompt = str | list[int]
+__all__ = ["DEFAULT_MAX_STEP_SECONDS", "AsyncLLMEngine", "EngineStalledError", "Prompt"]
 
 _SHUTDOWN_JOIN_S = 60.0  # longest a shutdown waits for a step in flight before giving up on the join
 
@@ -36,6 +42,16 @@ class AsyncLLMEngine:
         async for chunk in engine.stream("Hello", SamplingParams(max_tokens=16)):
             print(chunk.text, end="")
     ```
+
+    Works from asyncio, uvloop and trio (anyio's backends); a stream belongs to the loop that made it.
+    `add_request` returns at once and never runs the tokenizer on the loop: what it can check cheaply
+    (types, params, empty or absurdly long prompts, token ids, invalid Unicode) raises there; what needs
+    the tokenizer (a text prompt's length in tokens) raises `InvalidRequestError` from the stream's first
+    `__anext__` (or from `generate`). Requests reach the core in the order they were added.
+
+    After loading, the objects alive are frozen out of the garbage collector (`gc.freeze()`): a full
+    collection otherwise walks every object the model, tokenizer and libraries left, 95-151 ms with the
+    loop stalled, and they live as long as the process anyway.
     """
 
     config: EngineConfig | None
@@ -64,13 +80,27 @@ class AsyncLLMEngine:
         self._clock = clock
         self._live: LiveRequests[OutputSlot] = LiveRequests()
         self._fanout = LoopFanout()
-        self._step_loop = StepLoop(build, self._live, self._fanout)
-        built = self._step_loop.start()  # re-raises a load error here, in the constructor
+        step_loop = self._step_loop = StepLoop(build, self._live, self._fanout)
+        built = step_loop.start()  # re-raises a load error here, in the constructor
         self._input_processor = built.input_processor
         self.tokenizer = built.tokenizer  # the Hugging Face tokenizer (chat templates), None if none
         self.runtime = built.runtime
-        # An engine dropped without shutdown still stops its thread and frees the device.
-        self._finalizer = weakref.finalize(self, self._step_loop.shutdown, _SHUTDOWN_JOIN_S)
+        self._max_token_chars = max_token_chars_of(built.tokenizer)
+        self._admission = Admission(
+            step_loop.lock,
+            built.input_processor,
+            step_loop.submit_add,
+            step_loop.submit_abort,
+            step_loop.submit_final,
+            clock,
+        )
+        # An engine dropped without shutdown still stops its threads and frees the device.
+        self._finalizer = weakref.finalize(self, _shutdown, step_loop, self._admission)
+        gc.collect()  # garbage now would otherwise be frozen for good
+        gc.freeze()
+        # At exit the frozen objects must be collectable again, or extensions report them as leaked.
+        atexit.unregister(gc.unfreeze)  # one registration however many engines were made
+        atexit.register(gc.unfreeze)
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -78,29 +108,37 @@ class AsyncLLMEngine:
     ) -> RequestStream:
         """Queue a request and return its stream at once; call it from the loop that will read the stream.
 
-        Raises at once: `InvalidRequestError` for a bad prompt, bad params or a duplicate live id,
-        `EngineDeadError` when the engine has failed or was shut down.
+        Raises at once: `InvalidRequestError` for a bad prompt (except its length in tokens, for text: see
+        the class), bad params or a duplicate live id, `EngineDeadError` when the engine has failed or was
+        shut down. Never runs the tokenizer.
         """
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            raise RuntimeError(
-                "add_request needs a running event loop: call it from a coroutine (the stream is bound to it)"
-            ) from None
+        library, loop_key = current_loop_key()  # RuntimeError outside a running loop, saying so
         request_id = new_request_id() if request_id is None else check_request_id(request_id)
         dead = self._live.closed_error()
         if dead is not None:
             raise dead
-        request = self._input_processor.make_request(request_id, prompt, params, self._clock())
-        mailbox = self._fanout.attach(loop)
+        ip = self._input_processor
+        arrival = self._clock()
+        text: tuple[str, SamplingParams] | None = None
+        request = None
+        if isinstance(prompt, str):
+            text = (prompt, ip.check_params(params))
+            ip.check_text(prompt, self._max_token_chars)
+        else:
+            request = ip.make_request(request_id, prompt, params, arrival)  # token ids: cheap, checked whole
+        mailbox = self._fanout.attach(library, loop_key)
         slot = OutputSlot(request_id, mailbox)
         try:
             self._live.register(request_id, slot)
         except BaseException:
             self._fanout.detach(mailbox)
             raise
-        self._step_loop.submit_add(request, slot)
-        return RequestStream(slot, request.prompt_token_ids, self._step_loop.submit_abort)
+        if text is not None:
+            self._admission.submit_text(slot, *text, arrival)
+        else:
+            assert request is not None
+            self._admission.submit(slot, request)
+        return RequestStream(slot, self._admission.abort)
 
     def stream(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
@@ -112,38 +150,14 @@ class AsyncLLMEngine:
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
     ) -> RequestOutput:
         """The whole result of one request. Cancelling the awaiting task aborts the request."""
-        stream = self.add_request(prompt, params, request_id)
-        texts: list[str] = []
-        token_ids: list[int] = []
-        logprobs: list[dict[int, float]] | None = None
-        last = None
-        try:
-            async for chunk in stream:
-                texts.append(chunk.text)
-                token_ids.extend(chunk.token_ids)
-                if chunk.logprobs is not None:
-                    logprobs = logprobs or []
-                    logprobs.extend(chunk.logprobs)
-                last = chunk
-        finally:
-            stream.close()  # a no-op once finished; otherwise (an error) the request must not run on
-        assert last is not None and last.finish_reason is not None, "a stream ends with a final chunk"
-        return RequestOutput(
-            request_id=stream.request_id,
-            prompt_token_ids=list(stream.prompt_token_ids),
-            text="".join(texts),
-            token_ids=token_ids,
-            finish_reason=last.finish_reason,
-            metrics=last.metrics,
-            logprobs=logprobs,
-        )
+        return await collect(self.add_request(prompt, params, request_id))
 
     async def abort(self, request_id: str) -> None:
         """End a live request; its stream then yields a final chunk with finish_reason "abort".
         An unknown or finished id is a no-op."""
-        slot = self._live.get(request_id)
+        slot = self._live.get(check_request_id(request_id, optional=False))
         if slot is not None:
-            self._step_loop.submit_abort(slot)
+            self._admission.abort(slot)
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         """The conversation as prompt token ids, through the model's chat template (ids, not text: the
@@ -185,13 +199,21 @@ class AsyncLLMEngine:
         """Why the engine no longer serves (failure or shutdown), or None while it does."""
         return self._live.closed_error()
 
-    async def check_health(self) -> None:
-        """Raise `EngineDeadError` (cause chained) unless the engine is serving. Reads a flag: never waits."""
+    @property
+    def step_seconds(self) -> float:
+        """How long the step in flight has been running (0.0 between steps)."""
+        return step_age(self._step_loop.step_started)
+
+    async def check_health(self, max_step_seconds: float = DEFAULT_MAX_STEP_SECONDS) -> None:
+        """Raise `EngineDeadError` (cause chained) unless the engine is serving, and `EngineStalledError`
+        (an `EngineDeadError`) while one step has run longer than `max_step_seconds`. Reads flags: never
+        waits."""
         error = self._live.closed_error()
         if error is not None:
             raise error
         if not self._step_loop.is_alive:
             raise EngineDeadError("engine step thread is not running")
+        check_step_age(self.step_seconds, max_step_seconds)
 
     # ------------------------------------------------------------------ lifetime
     def shutdown(self) -> None:
@@ -203,10 +225,16 @@ class AsyncLLMEngine:
     async def aclose(self) -> None:
         # Streams fail and new requests are refused at once; the join (a step in flight) runs off the loop.
         self._step_loop.request_stop()
-        await asyncio.to_thread(self._finalizer)
+        await run_in_thread(self._finalizer)
 
     async def __aenter__(self) -> AsyncLLMEngine:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+
+def _shutdown(step_loop: StepLoop, admission: Admission) -> None:
+    step_loop.request_stop()  # streams fail first, so the tokenizer thread skips what is left in its queue
+    admission.stop(_SHUTDOWN_JOIN_S)
+    step_loop.shutdown(_SHUTDOWN_JOIN_S)

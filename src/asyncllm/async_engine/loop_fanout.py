@@ -8,10 +8,11 @@ consumer.
 
 from __future__ import annotations
 
-import asyncio
 import threading
+from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
+from asyncllm.async_engine.loops import make_loop
 from asyncllm.async_engine.mailbox import LoopMailbox, OutputSlot
 
 if TYPE_CHECKING:
@@ -23,22 +24,24 @@ class LoopFanout:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._mailboxes: dict[asyncio.AbstractEventLoop, LoopMailbox] = {}
+        self._mailboxes: dict[Hashable, LoopMailbox] = {}  # by loop key (asyncio loop, trio token)
 
-    def attach(self, loop: asyncio.AbstractEventLoop) -> LoopMailbox:
-        """A caller's thread, for one new request on `loop`; pair with one `detach`."""
+    def attach(self, library: str, key: Hashable) -> LoopMailbox:
+        """A caller's thread, for one new request on the loop `loops.current_loop_key()` named; pair with
+        one `detach`."""
         with self._lock:
-            mailbox = self._mailboxes.get(loop)
+            mailbox = self._mailboxes.get(key)
             if mailbox is None:
-                mailbox = self._mailboxes[loop] = LoopMailbox(loop)
+                mailbox = self._mailboxes[key] = LoopMailbox(make_loop(library, key))
             mailbox.num_slots += 1
             return mailbox
 
     def detach(self, mailbox: LoopMailbox) -> None:
         with self._lock:
             mailbox.num_slots -= 1
-            if mailbox.num_slots == 0 and self._mailboxes.get(mailbox.loop) is mailbox:
-                del self._mailboxes[mailbox.loop]
+            key = mailbox.loop.key
+            if mailbox.num_slots == 0 and self._mailboxes.get(key) is mailbox:
+                del self._mailboxes[key]
 
     def deliver(self, items: list[tuple[OutputSlot, RequestDelta]]) -> list[OutputSlot]:
         """Step thread: one step's outputs to their loops. Returns the slots whose loop is closed."""

@@ -3,17 +3,18 @@
 The step thread merges each step's deltas into slots under the mailbox lock (merge-on-put, so a lagging
 consumer costs memory only for unread tokens and the engine never waits) and queues at most one wake-up
 callback on the loop; the consumer takes the merged chunk under the same lock. The lock and every piece of
-state it guards live here, and nowhere else takes it. Knows nothing of the engine core.
+state it guards live here, and nowhere else takes it. Knows nothing of the engine core, nor which event
+loop library it serves (`loops.EventLoop` hides that).
 """
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from asyncllm.errors import EngineDeadError
+from asyncllm.async_engine.loops import EventLoop
+from asyncllm.errors import EngineDeadError, InvalidRequestError
 from asyncllm.outputs import FinishReason, RequestMetrics, StreamOutput, TokenLogprobs
 
 if TYPE_CHECKING:
@@ -32,6 +33,8 @@ class OutputSlot:
         "finish_reason",
         "mailbox",
         "metrics",
+        "prompt_token_ids",
+        "request_error",
         "request_id",
         "waiter",
     )
@@ -46,18 +49,22 @@ class OutputSlot:
         self.metrics: RequestMetrics | None = None
         self.final_put = False  # the final delta (or an error) has been put: nothing more will come
         self.error: tuple[str, BaseException | None] | None = None  # (message, cause) of EngineDeadError
-        self.waiter: asyncio.Future[None] | None = None  # touched only on the mailbox's loop
+        self.request_error: str | None = None  # why this request alone failed: raised as InvalidRequestError
+        self.waiter: Any = None  # the consumer's waiter (loops.EventLoop), touched only on the mailbox's loop
+        # Set once, before the request reaches the core (a text prompt: once tokenized). A tuple: the core's
+        # own list never leaves it, so no caller can change what the scheduler counts.
+        self.prompt_token_ids: tuple[int, ...] | None = None
 
-    def take_or_wait(self) -> StreamOutput | asyncio.Future[None]:
-        """Consumer, on the slot's loop: the merged unread chunk, or a future the next wake-up resolves.
+    def take_or_wait(self) -> StreamOutput | Any:
+        """Consumer, on the slot's loop: the merged unread chunk, or a waiter the next wake-up resolves.
 
-        Raises EngineDeadError once only an error is left.
+        Raises EngineDeadError, or InvalidRequestError, once only that error is left.
         """
         with self.mailbox.lock:
             out = self._take_locked()
             if out is not None:
                 return out
-            waiter = self.waiter = self.mailbox.loop.create_future()
+            waiter = self.waiter = self.mailbox.loop.new_waiter()
             return waiter
 
     def _merge_locked(self, delta: RequestDelta) -> None:
@@ -71,7 +78,10 @@ class OutputSlot:
             self._logprobs.extend(delta.logprobs)
         if delta.new_text:
             self._texts.append(delta.new_text)
-        if delta.finish_reason is not None:
+        if delta.error is not None:  # this request failed alone: what it had is read first, then the error
+            self.request_error = delta.error
+            self.final_put = True
+        elif delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
             self.metrics = delta.metrics
             self.final_put = True
@@ -96,6 +106,8 @@ class OutputSlot:
             self._texts = []
             self._logprobs = None
             return out
+        if self.request_error is not None:
+            raise InvalidRequestError(self.request_error)
         if self.error is not None:
             message, cause = self.error
             raise EngineDeadError(message) from cause  # a fresh instance per stream: tracebacks stay apart
@@ -104,12 +116,12 @@ class OutputSlot:
     def wake(self) -> None:
         """Consumer's loop: resume the coroutine waiting on this slot, if any."""
         waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        if waiter is not None:
+            self.mailbox.loop.wake(waiter)
 
 
 class LoopMailbox:
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: EventLoop) -> None:
         self.loop = loop
         self.lock = threading.Lock()  # guards this mailbox and every slot bound to it
         self._ready: dict[OutputSlot, None] = {}  # slots with output since the last wake-up, in order
@@ -141,7 +153,7 @@ class LoopMailbox:
             # Called under the lock so a concurrent `_flush` cannot clear the flag between check and call;
             # call_soon_threadsafe only appends to the loop's queue and writes its self-pipe: it never waits.
             self.loop.call_soon_threadsafe(self._flush)
-        except RuntimeError:  # the loop is closed
+        except RuntimeError:  # the loop is closed (asyncio), or its run is over (trio.RunFinishedError)
             return False
         self._wake_pending = True
         return True

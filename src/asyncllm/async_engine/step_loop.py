@@ -4,13 +4,15 @@ New requests and aborts enter through a thread-safe inbox, drained in order at t
 and again right after the forward pass, so a request aborted mid-step gets no token from it and its blocks
 are freed once, by the core. Outputs are routed to their streams' event loops; the thread sleeps on a
 condition when there is no work. A failure kills the engine: every live stream gets `EngineDeadError`
-with the cause chained. Knows nothing of asyncio beyond the fanout it hands outputs to.
+with the cause chained; one request's own failure (a final delta with `error`) ends that stream alone.
+Knows nothing of event loops beyond the fanout it hands outputs to.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple, Protocol
@@ -18,13 +20,13 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 from asyncllm.async_engine.ids import LiveRequests
 from asyncllm.async_engine.loop_fanout import LoopFanout
 from asyncllm.async_engine.mailbox import OutputSlot
+from asyncllm.core.output_processor import RequestDelta
 from asyncllm.errors import EngineDeadError
 
 if TYPE_CHECKING:
     from asyncllm.chat import ChatTokenizer
     from asyncllm.core.engine_core import EngineCore
     from asyncllm.core.input_processor import InputProcessor
-    from asyncllm.core.output_processor import RequestDelta
     from asyncllm.core.request import Request
     from asyncllm.executor.interface import RuntimeInfo
 
@@ -55,20 +57,28 @@ class _Abort(NamedTuple):
     slot: OutputSlot  # which incarnation of the id: a stale abort never hits a later request reusing it
 
 
+class _Final(NamedTuple):
+    slot: OutputSlot  # a request that never reached the core (aborted or refused before): its last output
+    delta: RequestDelta
+
+
 class StepLoop:
     def __init__(self, build: Callable[[], Built], live: LiveRequests[OutputSlot], fanout: LoopFanout) -> None:
         self._build = build
         self._live = live
         self._fanout = fanout
-        self._inbox: deque[_Add | _Abort] = deque()  # append/popleft are atomic: no lock to enqueue
+        self._inbox: deque[_Add | _Abort | _Final] = deque()  # append/popleft are atomic: no lock to enqueue
         # Reentrant: a stream garbage-collected inside this thread's own locked region may enqueue an abort.
-        self._cond = threading.Condition(threading.RLock())
+        # Admission shares it, for the same reason (see admission.py).
+        self.lock = threading.RLock()
+        self._cond = threading.Condition(self.lock)
         self._stopping = False
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
         self._outputs: list[RequestDelta] = []  # the current step's outputs (step thread only)
         self.built: Built | None = None
         self.stats: dict[str, float | int] = {}  # replaced (never mutated) after every step
+        self.step_started: float | None = None  # time.monotonic() when the step in flight began, else None
         self._thread = threading.Thread(target=self._run, name="asyncllm-step", daemon=True)
 
     # ------------------------------------------------------------------ any thread
@@ -91,6 +101,13 @@ class StepLoop:
         if self._stopping:
             return
         self._inbox.append(_Abort(slot))
+        self._notify()
+
+    def submit_final(self, slot: OutputSlot, delta: RequestDelta) -> None:
+        """The last output of a request that never reached the core, routed in inbox order."""
+        if self._stopping:
+            return
+        self._inbox.append(_Final(slot, delta))
         self._notify()
 
     def request_stop(self) -> None:
@@ -163,8 +180,10 @@ class StepLoop:
             self._outputs = []
             self._drain(core)
             if core.has_unfinished():
+                self.step_started = time.monotonic()  # real time, whatever clock the core was given
                 self._outputs.extend(core.step(after_execute=self._drain_mid_step))  # mid-step aborts first
-                idle = core.last_step.num_prefill_tokens + core.last_step.num_decode_tokens == 0
+                self.step_started = None
+                idle = core.last_step_idle
             else:
                 idle = False
             self.stats = core.stats().as_dict()  # before routing: a finished stream sees its blocks freed
@@ -179,14 +198,28 @@ class StepLoop:
         while inbox:
             message = inbox.popleft()
             if isinstance(message, _Add):
-                core.add_request(message.request)
+                if self._live.get(message.slot.request_id) is message.slot:  # else: failed or shut down meanwhile
+                    self._admit(core, message.request)
                 continue
             slot = message.slot
             if self._live.get(slot.request_id) is not slot:
                 continue  # already finished (or never admitted): aborting is a no-op
+            if isinstance(message, _Final):
+                self._outputs.append(message.delta)
+                continue
             delta = core.abort_request(slot.request_id)
             if delta is not None:
                 self._outputs.append(delta)
+
+    def _admit(self, core: EngineCore, request: Request) -> None:
+        try:
+            core.add_request(request)
+        except Exception as exc:  # this request's own state could not be built: it fails alone
+            logger.warning("asyncllm: request %r could not be admitted", request.request_id, exc_info=exc)
+            undone = core.abort_request(request.request_id)  # whatever part of it the core took
+            metrics = undone.metrics if undone is not None else None
+            error = f"the engine could not admit this request: {exc!r}"
+            self._outputs.append(RequestDelta(request.request_id, [], "", "abort", metrics, error=error))
 
     def _drain_mid_step(self) -> None:
         assert self.built is not None
@@ -195,7 +228,7 @@ class StepLoop:
     def _route(self, deltas: list[RequestDelta]) -> None:
         if not deltas:
             return
-        finished = [d.finish_reason is not None for d in deltas]
+        finished = [d.finish_reason is not None or d.error is not None for d in deltas]
         slots = self._live.resolve([d.request_id for d in deltas], finished)
         items = [(slot, delta) for slot, delta in zip(slots, deltas) if slot is not None]
         orphans = self._fanout.deliver(items)

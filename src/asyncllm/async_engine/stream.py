@@ -1,21 +1,22 @@
 """One request's stream: the async iterator over the output slot the step thread merges into.
 
 The iterator is a class, not an async generator, so every way of leaving it aborts the request
-synchronously: task cancellation, `aclose()`, and garbage collection (`__del__`, which is also what a
-`break` out of `async for` leads to). The slot and its lock belong to mailbox.py. Knows nothing of the
-engine core.
+synchronously: task cancellation (asyncio's CancelledError, trio's Cancelled), `aclose()`, and garbage
+collection (`__del__`, which is also what a `break` out of `async for` leads to). The slot and its lock
+belong to mailbox.py, the loop library behind the waiter to loops.py. Knows nothing of the engine core.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import weakref
 from collections.abc import Callable
 
 from asyncllm.async_engine.mailbox import OutputSlot
-from asyncllm.errors import EngineDeadError
-from asyncllm.outputs import StreamOutput
+from asyncllm.errors import EngineDeadError, InvalidRequestError, StreamInUseError
+from asyncllm.outputs import RequestOutput, StreamOutput, TokenLogprobs
 
 
 class RequestStream:
@@ -25,21 +26,31 @@ class RequestStream:
     request; the abort goes synchronously into the engine's inbox and is idempotent.
 
     A task cancelled while it runs the body of its `async for` (not awaiting the stream) keeps the stream
-    alive through the CancelledError's traceback for as long as the task object lives, so the task that
-    last read a stream is watched too: if it ends cancelled with the stream unfinished, the stream aborts.
+    alive through the CancelledError's traceback for as long as the task object lives, so on asyncio the
+    task that last read a stream is watched too: if it ends cancelled with the stream unfinished, the stream
+    aborts. trio has no such hook: a scope cancelled there aborts when the stream is dropped.
+
+    One task reads a stream at a time: a second reader raises `StreamInUseError`. A request that failed
+    alone (its prompt turned out too long once tokenized, say) raises `InvalidRequestError` after the
+    chunks it produced.
     """
 
-    def __init__(self, slot: OutputSlot, prompt_token_ids: list[int], abort: Callable[[OutputSlot], None]) -> None:
+    def __init__(self, slot: OutputSlot, abort: Callable[[OutputSlot], None]) -> None:
         self._slot = slot
         self._abort = abort
         self._done = False  # the final chunk was returned, an error raised, or the stream closed
         self._reader: asyncio.Task[object] | None = None  # the task that last read, watched while unfinished
         self._on_reader_done = _ReaderWatch(weakref.ref(self))  # weak: never delays garbage collection
-        self.prompt_token_ids = prompt_token_ids
 
     @property
     def request_id(self) -> str:
         return self._slot.request_id
+
+    @property
+    def prompt_token_ids(self) -> tuple[int, ...] | None:
+        """The prompt's token ids (a copy: the core's own list never leaves it). A text prompt's are known
+        once it is tokenized, off the loop: None before that, always set by the time a chunk arrives."""
+        return self._slot.prompt_token_ids
 
     @property
     def finished(self) -> bool:
@@ -50,31 +61,37 @@ class RequestStream:
 
     async def __anext__(self) -> StreamOutput:
         slot = self._slot
-        mailbox = slot.mailbox
-        if not self._done and asyncio.get_running_loop() is not mailbox.loop:
-            raise RuntimeError(
-                f"stream {slot.request_id!r} belongs to another event loop: iterate it in the loop "
-                "that called add_request"
-            )
-        task = asyncio.current_task()
-        if task is not self._reader and not self._done:
-            self._watch(task)
+        loop = slot.mailbox.loop
+        if not self._done:
+            if not loop.is_current():
+                raise RuntimeError(
+                    f"stream {slot.request_id!r} belongs to another event loop: iterate it in the loop "
+                    "that called add_request"
+                )
+            if slot.waiter is not None:
+                raise StreamInUseError(
+                    f"stream {slot.request_id!r} is already being read by another task: read a stream from "
+                    "one task at a time"
+                )
+            if loop.is_asyncio:
+                task = asyncio.current_task()
+                if task is not self._reader:
+                    self._watch(task)
         while True:
             if self._done:
                 raise StopAsyncIteration
             try:
                 out = slot.take_or_wait()
-            except EngineDeadError:
+            except (EngineDeadError, InvalidRequestError):
                 self._end()
                 raise
             if isinstance(out, StreamOutput):
                 if out.finish_reason is not None:
                     self._end()
                 return out
-            waiter = out
             try:
-                await waiter
-            except asyncio.CancelledError:
+                await loop.wait(out)
+            except BaseException:  # cancelled (asyncio's CancelledError, trio's Cancelled), or interrupted
                 self.close()
                 raise
             finally:
@@ -104,21 +121,18 @@ class RequestStream:
         if reader is None:
             return
         loop = self._slot.mailbox.loop
-        try:
-            on_loop = asyncio.get_running_loop() is loop
-        except RuntimeError:
-            on_loop = False
-        if on_loop:
+        if loop.is_current():
             self._watch(None)
             return
         self._reader = None
         with contextlib.suppress(RuntimeError):  # a closed loop: its tasks and callbacks are gone with it
-            loop.call_soon_threadsafe(reader.remove_done_callback, self._on_reader_done)
+            loop.call_soon_threadsafe(functools.partial(reader.remove_done_callback, self._on_reader_done))
 
     def _end(self) -> None:
         """The last chunk or the error was handed out: nothing to abort, stop watching the reader."""
         self._done = True
-        self._watch(None)
+        if self._reader is not None:
+            self._watch(None)
 
     async def aclose(self) -> None:
         self.close()
@@ -146,3 +160,31 @@ class _ReaderWatch:
             stream._reader = None
             if task.cancelled():
                 stream.close()
+
+
+async def collect(stream: RequestStream) -> RequestOutput:
+    """The whole result of a stream, read to its end. Leaving early (cancellation, an error) aborts it."""
+    texts: list[str] = []
+    token_ids: list[int] = []
+    logprobs: list[TokenLogprobs] | None = None
+    last = None
+    try:
+        async for chunk in stream:
+            texts.append(chunk.text)
+            token_ids.extend(chunk.token_ids)
+            if chunk.logprobs is not None:
+                logprobs = logprobs or []
+                logprobs.extend(chunk.logprobs)
+            last = chunk
+    finally:
+        stream.close()  # a no-op once finished; otherwise (an error) the request must not run on
+    assert last is not None and last.finish_reason is not None, "a stream ends with a final chunk"
+    return RequestOutput(
+        request_id=stream.request_id,
+        prompt_token_ids=list(stream.prompt_token_ids or ()),  # None only if aborted before tokenized
+        text="".join(texts),
+        token_ids=token_ids,
+        finish_reason=last.finish_reason,
+        metrics=last.metrics,
+        logprobs=logprobs,
+    )

@@ -28,6 +28,16 @@ def backend_tokenizer(tokenizer: Any) -> Tokenizer:
     return backend
 
 
+def max_token_chars(tokenizer: Tokenizer) -> int:
+    """An upper bound on the characters one token of `tokenizer` stands for: its longest vocabulary entry.
+
+    Entries are spelled at least as long as the text they decode to (byte-level entries spell one
+    character per byte; metaspace and byte-fallback entries no fewer), so a text of more than
+    `n * max_token_chars` characters surely has more than `n` tokens. One pass over the vocabulary: call once.
+    """
+    return max(map(len, tokenizer.get_vocab(with_added_tokens=True)), default=1)
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
         self._tokenizer = tokenizer

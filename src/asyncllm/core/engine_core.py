@@ -80,6 +80,7 @@ class EngineCore:
         self.num_steps = 0
         self.async_scheduling = async_scheduling
         self._in_flight: _Submitted | None = None
+        self.last_step_idle = False
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -128,6 +129,9 @@ class EngineCore:
                 ready.append(submitted)
         if not ready:
             self.last_step = StepCounts(0, 0)
+        # Nothing submitted and nothing completed: the caller may wait a little instead of spinning (a step
+        # submitted but not finished yet is progress: its output comes with the next call).
+        self.last_step_idle = submitted is None and not ready
         deltas: list[RequestDelta] = []
         for step in ready:
             deltas += self._complete(step, after_execute)

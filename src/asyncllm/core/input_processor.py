@@ -1,7 +1,9 @@
 """Turns a caller's (prompt, params) into a validated `Request`, or raises `InvalidRequestError`.
 
-Runs in the caller's thread before anything is queued, so a bad request never reaches the step thread and
-leaves no state behind. The tokenizer's `encode` is the only model-specific part.
+Runs before anything reaches the core, so a bad request never reaches the step thread and leaves no state
+behind: the cheap checks (`check_params`, `check_text`) in the caller's thread, tokenizing and the length
+checks (`make_request`) wherever the caller can afford them. The tokenizer's `encode` is the only
+model-specific part.
 """
 
 from __future__ import annotations
@@ -15,31 +17,90 @@ from asyncllm.executor.interface import RuntimeInfo
 from asyncllm.sampling_params import SamplingParams
 
 Encode = Callable[[str], list[int]]
+EncodeBatch = Callable[[list[str]], list[list[int]]]
 
 
 class InputProcessor:
-    def __init__(self, runtime: RuntimeInfo, encode: Encode | None) -> None:
+    """`encode_batch`, when given, must equal `encode` text by text; it lets a tokenizer thread encode many
+    texts in one call that releases the GIL (the Rust tokenizer's `encode_batch` does; its `encode` holds
+    the GIL throughout, and the event loop waits)."""
+
+    def __init__(self, runtime: RuntimeInfo, encode: Encode | None, encode_batch: EncodeBatch | None = None) -> None:
         self.runtime = runtime
         self._encode = encode
+        self._encode_batch = encode_batch
 
-    def tokenize(self, prompt: Any) -> list[int]:
+    @property
+    def has_tokenizer(self) -> bool:
+        return self._encode is not None
+
+    # ------------------------------------------------------------------ cheap checks (no tokenizer run)
+    def check_params(self, params: SamplingParams | None) -> SamplingParams:
+        if params is None:
+            return SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be a SamplingParams, not {type(params).__name__}")
+        if params.stop_strings and self._encode is None:
+            # Stop strings are matched on detokenized text; without a tokenizer they would be ignored silently.
+            raise InvalidRequestError("stop strings need a tokenizer and this engine has none: use stop_token_ids")
+        return params
+
+    def check_text(self, text: str, max_token_chars: int | None = None) -> None:
+        """What can be said of a text prompt without tokenizing it, in time linear in its length at C speed.
+
+        `max_token_chars` (the most characters one token of the vocabulary spells) bounds how many
+        characters could fit the longest sequence: a longer text is refused before the tokenizer spends
+        seconds on it. (A tokenizer whose normalizer drops characters could fit more; such texts are
+        refused too, with this message.)
+        """
+        if text == "":
+            raise InvalidRequestError("prompt is empty: give a non-empty string or list of token ids")
+        if self._encode is None:
+            raise InvalidRequestError("this engine has no tokenizer: give the prompt as token ids")
+        if max_token_chars is not None:
+            limit = self.runtime.max_seq_len
+            if len(text) > limit * max_token_chars:
+                raise InvalidRequestError(
+                    f"prompt has {len(text):,} characters, more than any {limit} tokens (the longest sequence "
+                    f"this engine holds) can spell: at most {limit * max_token_chars:,} characters here "
+                    f"({max_token_chars} per token at most in this vocabulary); shorten the prompt"
+                )
+        if not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:  # a lone surrogate: the tokenizer would raise its own TypeError
+                raise InvalidRequestError(
+                    f"prompt is not valid Unicode text: {exc.reason} {text[exc.start]!r} at index {exc.start}"
+                ) from None
+
+    # ------------------------------------------------------------------ the whole check
+    def encode_texts(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of texts that passed `check_text`, in one batch call when the tokenizer has one."""
+        if self._encode_batch is not None:
+            return self._encode_batch(texts)
+        assert self._encode is not None
+        return [self._encode(text) for text in texts]
+
+    def tokenize(self, prompt: Any, encoded: list[int] | None = None) -> list[int]:
+        """The prompt's ids, checked; `encoded`: a text prompt's ids from `encode_texts`."""
         if isinstance(prompt, str):
-            if prompt == "":
-                raise InvalidRequestError("prompt is empty: give a non-empty string or list of token ids")
-            if self._encode is None:
-                raise InvalidRequestError("this engine has no tokenizer: give the prompt as token ids")
-            ids = self._encode(prompt)
+            if encoded is None:
+                self.check_text(prompt)
+                assert self._encode is not None
+                encoded = self._encode(prompt)
+            ids = encoded
         elif isinstance(prompt, (list, tuple)):
             ids = list(prompt)
-            if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+            # Types and range at C speed (map, set, min, max): a long prompt must not hold the caller's loop.
+            if not all(issubclass(t, int) and t is not bool for t in set(map(type, ids))):
                 raise InvalidRequestError("prompt token ids must all be integers")
         else:
             raise InvalidRequestError(f"prompt must be a str or a list of token ids, not {type(prompt).__name__}")
         if not ids:
             raise InvalidRequestError("prompt is empty (no tokens): give at least one token")
         vocab = self.runtime.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
+        if min(ids) < 0 or max(ids) >= vocab:
+            bad = next(t for t in ids if not 0 <= t < vocab)
             raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
         return ids
 
@@ -49,17 +110,28 @@ class InputProcessor:
         prompt: Any,
         params: SamplingParams | None,
         arrival_time: float,
+        encoded: list[int] | None = None,
     ) -> Request:
-        if params is None:
-            params = SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"params must be a SamplingParams, not {type(params).__name__}")
-        if params.stop_strings and self._encode is None:
-            # Stop strings are matched on detokenized text; without a tokenizer they would be ignored silently.
-            raise InvalidRequestError("stop strings need a tokenizer and this engine has none: use stop_token_ids")
-        ids = self.tokenize(prompt)
+        """The checked `Request`; `encoded`: a text prompt's ids from `encode_texts`, to skip encoding it."""
+        params = self.check_params(params)
+        if isinstance(prompt, (list, tuple)):
+            self._check_length(len(prompt), params)  # before looking at a single id: cost bounded by the limit
+        ids = self.tokenize(prompt, encoded)
+        self._check_length(len(ids), params)
+        room = self.runtime.max_seq_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        eos = frozenset() if params.ignore_eos else self.runtime.eos_token_ids
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=ids,
+            params=params,
+            arrival_time=arrival_time,
+            max_tokens=max_tokens,
+            eos_token_ids=eos,
+        )
+
+    def _check_length(self, n: int, params: SamplingParams) -> None:
         rt = self.runtime
-        n = len(ids)
         if n > rt.kv_capacity_tokens:
             raise InvalidRequestError(
                 f"prompt has {n} tokens, more than the whole KV cache holds "
@@ -78,14 +150,3 @@ class InputProcessor:
                 f"prompt ({n} tokens) + min_tokens ({params.min_tokens}, at least 1 token to generate) "
                 f"exceeds {which}; shorten the prompt or lower min_tokens"
             )
-        room = limit - n
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        eos = frozenset() if params.ignore_eos else self.runtime.eos_token_ids
-        return Request(
-            request_id=request_id,
-            prompt_token_ids=ids,
-            params=params,
-            arrival_time=arrival_time,
-            max_tokens=max_tokens,
-            eos_token_ids=eos,
-        )

@@ -15,9 +15,15 @@ from asyncllm.core.request import Request
 from asyncllm.outputs import FinishReason, RequestMetrics
 
 
-@dataclass
+@dataclass(slots=True)  # one per request per step: no per-instance dict
 class RequestDelta:
-    """What is new for one request after one step; the async layer merges these per consumer."""
+    """What is new for one request after one step; the async layer merges these per consumer.
+
+    `error` set means this request failed alone (say its sampling state could not be built): the delta is
+    final (`finish_reason` is set too, "abort", and the core has freed the request), and its stream hands
+    out the text and tokens it carries, then raises `InvalidRequestError(error)`. Every other request
+    carries on. The message should say what was wrong with the request, in the caller's terms.
+    """
 
     request_id: str
     new_token_ids: list[int]
@@ -25,6 +31,7 @@ class RequestDelta:
     finish_reason: FinishReason | None = None
     metrics: RequestMetrics | None = None
     logprobs: list[dict[int, float]] | None = None  # one per new token, when the request asked for them
+    error: str | None = None
 
 
 class _TextState:

@@ -25,7 +25,7 @@ def open_hf_checkpoint(path: Path, dtype: torch.dtype, tokenizer_path: Path | No
     return Checkpoint(
         path=path,
         hf_config=hf_config,
-        tokenizer=load_tokenizer(tokenizer_path or path),
+        tokenizer=load_tokenizer(path) if tokenizer_path is None else load_given_tokenizer(tokenizer_path),
         eos_token_ids=eos_ids(path, hf_config),
         iter_weights=lambda: iter_safetensors(path, dtype),
         iter_weight_shards=lambda select: iter_safetensors(path, dtype, select),
@@ -39,6 +39,18 @@ def load_tokenizer(path: Path) -> Any | None:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def load_given_tokenizer(path: Path) -> Any:
+    """The tokenizer at a path the user named: unlike the checkpoint's own (optional), it must be there."""
+    if not path.is_dir():
+        raise ModelNotFoundError(f"tokenizer={str(path)!r} is not a directory: give a local tokenizer directory")
+    tokenizer = load_tokenizer(path)
+    if tokenizer is None:
+        raise ModelNotFoundError(
+            f"tokenizer={str(path)!r} holds no tokenizer (no tokenizer.json or tokenizer_config.json)"
+        )
+    return tokenizer
 
 
 def eos_ids(path: Path, hf_config: Any) -> frozenset[int]:

@@ -25,7 +25,8 @@ Prompt = str | list[int]
 class RequestStream(Protocol):
     """What `engine.add_request` returns, as far as the server relies on it."""
 
-    prompt_token_ids: list[int]
+    @property
+    def prompt_token_ids(self) -> tuple[int, ...] | None: ...  # None until a text prompt is tokenized
 
     def close(self) -> None: ...
 
@@ -38,7 +39,14 @@ class Submission:
 
     streams: list[RequestStream]
     trackers: list[RequestTracker]
-    num_prompt_tokens: int  # each prompt counted once, whatever n is (as OpenAI's usage does)
+    num_prompts: int
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Each prompt counted once, whatever n is (as OpenAI's usage does); read once the streams ended (a
+        text prompt is tokenized off the event loop, after `add_request` returned)."""
+        n = len(self.streams) // self.num_prompts
+        return sum(len(self.streams[i * n].prompt_token_ids or ()) for i in range(self.num_prompts))
 
     def close(self) -> None:
         """Abort every stream still running (the client left). Synchronous and idempotent."""
@@ -67,8 +75,7 @@ def submit(
     except BaseException:
         _close_all(streams)
         raise
-    prompt_tokens = sum(len(streams[i * len(params)].prompt_token_ids) for i in range(len(prompts)))
-    return Submission(streams, [metrics.track() for _ in streams], prompt_tokens)
+    return Submission(streams, [metrics.track() for _ in streams], len(prompts))
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

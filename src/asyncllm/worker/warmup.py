@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from asyncllm.executor.interface import PLACEHOLDER, NewRequestData, ScheduledSeq, SchedulerOutput
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.worker.model_runner import ModelRunner
@@ -56,7 +58,20 @@ def warm_up(
     for step in steps:
         runner.execute_model(step)
     runner.forget([n.request_id for n in new])
+    _warm_lm_head(runner)
     return time.perf_counter() - start
+
+
+@torch.inference_mode()
+def _warm_lm_head(runner: ModelRunner) -> None:
+    """The LM head runs outside the graphs on as many rows as the step samples; cuBLAS prepares a kernel for
+    each new size on first use (a first request paid ~350 ms on the H200), so every size a step can
+    sample at is run once: the decode buckets and a few small counts prefills give."""
+    sizes = sorted({1, 2, 3, 5, 6, 7, *runner.decode_sizes})
+    weight = next(runner.model.parameters())
+    hidden = torch.zeros(sizes[-1], runner.model.arch.hidden_size, dtype=weight.dtype, device=weight.device)
+    for size in sizes:
+        runner.model.compute_logits(hidden[:size])
 
 
 def _seq(i: int, tokens: list[int], start: int, blocks: list[int]) -> ScheduledSeq:

@@ -1,0 +1,189 @@
+"""Admission: requests reach the step thread in the order they were added, text prompts tokenized off the loop.
+
+A request whose prompt is token ids is built at once in the caller's thread (its checks are cheap); a text
+prompt is tokenized by one worker thread, so no event loop ever runs the tokenizer. Either way requests
+pass to the step thread in arrival order: a request added behind one still tokenizing waits for it. A
+request aborted or refused before it reached the core ends here. Knows nothing of event loops.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from asyncllm.async_engine.mailbox import OutputSlot
+from asyncllm.core.output_processor import RequestDelta
+from asyncllm.errors import AsyncLLMError, InvalidRequestError
+from asyncllm.outputs import RequestMetrics
+from asyncllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from asyncllm.core.input_processor import InputProcessor
+    from asyncllm.core.request import Request
+
+logger = logging.getLogger(__name__)
+
+_MAX_BATCH = 64  # texts tokenized per call: large enough to amortise, small enough to keep arrival latency
+
+
+class _Job:
+    __slots__ = ("arrival_time", "cancelled", "params", "prompt", "request", "slot")
+
+    def __init__(self, slot: OutputSlot, request: Request | None, prompt: str, params: SamplingParams, t: float):
+        self.slot = slot
+        self.request = request  # None until the worker has tokenized `prompt`
+        self.prompt = prompt
+        self.params = params
+        self.arrival_time = t
+        self.cancelled = False  # ended here (aborted): the worker drops it
+
+
+class Admission:
+    """`submit` and `abort` from any thread; `stop` ends the worker. `submit_add(request, slot)` and
+    `submit_final(slot, delta)` are the step thread's inbox.
+
+    `lock` must be the step loop's own (reentrant) lock: this class calls into the step loop while holding
+    it, and a stream garbage-collected inside the step loop's locked region calls `abort`, so two locks
+    could each be held waiting for the other.
+    """
+
+    def __init__(
+        self,
+        lock: threading.RLock,
+        input_processor: InputProcessor,
+        submit_add: Callable[[Request, OutputSlot], None],
+        submit_abort: Callable[[OutputSlot], None],
+        submit_final: Callable[[OutputSlot, RequestDelta], None],
+        clock: Callable[[], float],
+    ) -> None:
+        self._input_processor = input_processor
+        self._submit_add = submit_add
+        self._submit_abort = submit_abort
+        self._submit_final = submit_final
+        self._clock = clock
+        self._cond = threading.Condition(lock)
+        self._queue: deque[_Job] = deque()  # in arrival order; the head may be tokenizing
+        self._queued: dict[OutputSlot, _Job] = {}
+        self._stopping = False
+        self._thread: threading.Thread | None = None  # started with the first text prompt
+
+    def submit(self, slot: OutputSlot, request: Request) -> None:
+        """A request built in the caller's thread: to the core now, unless a text prompt ahead still tokenizes."""
+        slot.prompt_token_ids = tuple(request.prompt_token_ids)
+        with self._cond:
+            if not self._queue:
+                self._submit_add(request, slot)  # under the lock: the worker cannot pass a request ahead of it
+                return
+            self._enqueue(_Job(slot, request, "", request.params, request.arrival_time))
+
+    def submit_text(self, slot: OutputSlot, prompt: str, params: SamplingParams, arrival_time: float) -> None:
+        """A text prompt that passed the cheap checks: tokenized and checked on the worker thread."""
+        with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="asyncllm-tokenize", daemon=True)
+                self._thread.start()
+            self._enqueue(_Job(slot, None, prompt, params, arrival_time))
+
+    def abort(self, slot: OutputSlot) -> None:
+        """Any thread, idempotent. A request still here ends at once with "abort" and never reaches the core."""
+        with self._cond:
+            job = self._queued.pop(slot, None)
+            if job is None:
+                self._submit_abort(slot)  # in the core (or finished): the step thread decides
+                return
+            job.cancelled = True
+            self._submit_final(slot, self._final(job, None))
+
+    def stop(self, timeout: float | None = None) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._queued)
+
+    def _enqueue(self, job: _Job) -> None:
+        self._queue.append(job)
+        self._queued[job.slot] = job
+        self._cond.notify()
+
+    def _final(self, job: _Job, error: str | None) -> RequestDelta:
+        """The last output of a request that never reached the core: "abort", with `error` when refused."""
+        n = len(job.slot.prompt_token_ids or ())
+        now = self._clock()
+        metrics = RequestMetrics(None, now - job.arrival_time, n, 0, 0)
+        return RequestDelta(job.slot.request_id, [], "", "abort", metrics, error=error)
+
+    # ------------------------------------------------------------------ the worker thread
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue or self._stopping)
+                if self._stopping:
+                    return
+                # The text jobs at the head (they stay queued, so later requests keep their place behind).
+                batch: list[_Job] = []
+                for job in self._queue:
+                    if job.request is not None or len(batch) == _MAX_BATCH:
+                        break
+                    batch.append(job)
+            results = self._tokenize(batch)
+            with self._cond:
+                for job, (request, error) in zip(batch, results):
+                    self._queue.popleft()
+                    self._pass_on(job, request, error)
+                while self._queue and self._queue[0].request is not None:  # built requests queued behind
+                    job = self._queue.popleft()
+                    self._pass_on(job, job.request, None)
+
+    def _tokenize(self, batch: list[_Job]) -> list[tuple[Request | None, str | None]]:
+        wanted = [job for job in batch if not (job.cancelled or job.slot.final_put)]  # else aborted, or dead
+        encoded: dict[_Job, list[int]] = {}
+        if wanted:
+            try:
+                encoded = dict(zip(wanted, self._input_processor.encode_texts([job.prompt for job in wanted])))
+            except Exception:  # one text the tokenizer refuses: encode them one by one, to fail that one alone
+                encoded = {}
+        return [self._make(job, encoded.get(job)) if job in wanted else (None, None) for job in batch]
+
+    def _make(self, job: _Job, encoded: list[int] | None) -> tuple[Request | None, str | None]:
+        ip, rid = self._input_processor, job.slot.request_id
+        try:
+            return ip.make_request(rid, job.prompt, job.params, job.arrival_time, encoded), None
+        except InvalidRequestError as exc:
+            return None, str(exc)
+        except Exception as exc:  # the tokenizer's own failure on this text: it fails this request alone
+            logger.warning("asyncllm: tokenizing request %r failed", rid, exc_info=exc)
+            return None, f"the tokenizer failed on this prompt: {exc!r}"
+
+    def _pass_on(self, job: _Job, request: Request | None, error: str | None) -> None:
+        """Under the lock, in queue order: to the core, or ended here."""
+        if job.cancelled:
+            return  # `abort` already ended it
+        del self._queued[job.slot]
+        if request is not None:
+            job.slot.prompt_token_ids = tuple(request.prompt_token_ids)
+            self._submit_add(request, job.slot)
+        elif error is not None:
+            self._submit_final(job.slot, self._final(job, error))
+        # else: the engine failed or shut down meanwhile; its slot already holds that error
+
+
+def max_token_chars_of(tokenizer: Any) -> int | None:
+    """The cheap bound on a text prompt's size (see `InputProcessor.check_text`), None without a tokenizer."""
+    if tokenizer is None:
+        return None
+    from asyncllm.core.detokenizer import backend_tokenizer, max_token_chars
+
+    try:
+        return max_token_chars(backend_tokenizer(tokenizer))
+    except AsyncLLMError:  # no fast tokenizer to read a vocabulary from: text is still checked, after tokenizing
+        logger.warning("asyncllm: no vocabulary to bound text prompts by; absurd texts are refused only once tokenized")
+        return None
