@@ -2,7 +2,8 @@
 # Everything the device machine checks, in one call: GPU tests, kernel benchmarks, start-up, then the
 # side-by-side with nano-vllm (../shared/peers, copied to .peers and carried); ends with a short table.
 # Usage (device machine, repo root): bash bench/gpu_check.sh [STEPS]   STEPS: comma list of
-#   tests, kernels, startup, compare (default: all four); COMPARE_STEPS overrides compare.sh's steps.
+#   tests, kernels, startup, compare (default: all four); COMPARE_STEPS overrides compare.sh's steps;
+#   also quicktests, gemm, pa, and on two GPUs tptests, tpbench (tensor parallelism).
 # Set-up here first: rm -rf .peers && cp -r ../shared/peers .peers && cp -r ../shared/models/qwen3-tokenizer .peers/
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +28,18 @@ if has quicktests; then  # what changed since the full run: engine-level GPU tes
     tests/kernels/test_sampling.py tests/kernels/test_paged_attention.py 2>&1 | tee "$OUT/gpu_tests.log" \
     | grep -E "passed|failed|Error|error" | tail -25
   rows+=("gpu tests (quick): $(tail -1 "$OUT/gpu_tests.log")")
+fi
+if has tptests; then  # tensor parallelism, 2 GPUs (kind nvidia-h200-x2): tests, then the ring's step latency
+  python3 -m pytest -q -s -p no:cacheprovider -o addopts="" tests/gpu/test_tp.py 2>&1 | tee "$OUT/tp_tests.log" \
+    | grep -E "passed|failed|Error|error|agreement" | tail -25
+  rows+=("tp tests: $(tail -1 "$OUT/tp_tests.log")")
+  timeout 100 python3 bench/ring_step_latency.py --messages 3000 --gaps-us 20 --spin-us 1000 2>&1 | tee "$OUT/ring_step.log" | tail -1
+  timeout 100 python3 bench/ring_step_latency.py --messages 3000 --gaps-us 2000 2>&1 | tee -a "$OUT/ring_step.log" | tail -1
+  while read -r line; do rows+=("ring step: $line"); done < <(grep '^{' "$OUT/ring_step.log")
+fi
+if has tpbench; then  # Qwen3-8B shape, TP=1 vs TP=2: W5 and W1 (about 6 minutes)
+  timeout 580 python3 bench/tp_bench.py 2>&1 | tee "$OUT/tp_bench.log" | grep -E '^\{|Error'
+  while read -r line; do rows+=("tp: $line"); done < <(grep '^{' "$OUT/tp_bench.log")
 fi
 if has pa; then  # the paged-attention micro-benchmark alone (its launch variants)
   timeout 120 python3 bench/kernels/bench_paged_attention.py 2>&1 | tee "$OUT/bench_paged_attention.log" | tail -4

@@ -72,7 +72,7 @@ def test_unknown_argument_is_a_type_error_naming_it() -> None:
         ("dtype", None),
         ("attention_backend", "flashinfer"),
         ("tensor_parallel_size", 0),
-        ("tensor_parallel_size", 2),
+        ("tensor_parallel_size", 1.5),
         ("max_model_len", 0),
         ("max_model_len", 1.5),
         ("max_num_seqs", 0),

@@ -1,6 +1,6 @@
 """The composition root: an `EngineConfig` in, a ready engine core out.
 
-Opens the checkpoint, picks the executor (in-process now; tensor-parallel workers later) which loads the
+Opens the checkpoint, picks the executor (in-process, or tensor-parallel worker processes) which loads the
 model and sizes the KV cache, and wires the core and the input processor around it. The async layer calls
 `build_engine` inside its step thread (which then owns the device); `LLM` calls it directly. This is the
 one place the torch-free layers meet the torch ones.
@@ -66,7 +66,11 @@ def build_engine(config: EngineConfig, clock: Callable[[], float]) -> BuiltEngin
 
 
 def make_executor(config: EngineConfig, checkpoint: Any) -> ModelExecutor:
-    """The executor for the parallel configuration (one process now; worker processes for TP > 1 later)."""
+    """The executor for the parallel configuration: in-process for one rank, worker processes for more."""
+    if config.parallel_config.tensor_parallel_size > 1:
+        from asyncllm.executor.multiproc import MultiProcExecutor
+
+        return MultiProcExecutor(config, checkpoint)
     from asyncllm.executor.uniproc import UniProcExecutor
 
     return UniProcExecutor(config, checkpoint)

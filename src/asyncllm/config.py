@@ -151,12 +151,14 @@ class SchedulerConfig:
 class ParallelConfig:
     """How the model is split across devices."""
 
-    tensor_parallel_size: int = arg(1, "GPUs one model is split across (1 for now).")
+    tensor_parallel_size: int = arg(
+        1,
+        "Ranks one model is split across on this host (worker processes; one GPU each on CUDA, gloo on CPU). "
+        "Must divide the model's attention heads; checked against the model and the GPUs when the engine starts.",
+    )
 
     def __post_init__(self) -> None:
         check_int(_fail, "tensor_parallel_size", self.tensor_parallel_size, "an integer >= 1", lo=1)
-        if self.tensor_parallel_size != 1:
-            raise _fail("tensor_parallel_size", self.tensor_parallel_size, "1 (the only size this version supports)")
 
 
 @dataclass(frozen=True, kw_only=True)

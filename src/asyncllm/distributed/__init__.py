@@ -1,7 +1,8 @@
 """Inter-process communication between the engine and its tensor-parallel workers on one host.
 
-Today: `ShmRingWriter`/`ShmRingReader`, a shared-memory broadcast ring carrying opaque bytes from the engine's
-step thread to N worker processes. Plain standard library: importing this package never imports torch or numpy.
+`ShmRingWriter`/`ShmRingReader`, a shared-memory broadcast ring carrying opaque bytes from the engine's
+step thread to N worker processes, and `parallel_state` (the tensor-parallel process group; it imports torch,
+so it is not imported here). Importing this package never imports torch or numpy.
 """
 
 from __future__ import annotations

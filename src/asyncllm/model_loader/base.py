@@ -13,7 +13,12 @@ from typing import Any
 
 import torch
 
+from asyncllm.layers.parallel import WeightShard
+
 WeightIterator = Callable[[], Iterator[tuple[str, torch.Tensor]]]
+# Which slice of each tensor to read (tensor parallelism): name -> WeightShard, or None for the whole tensor.
+ShardSelector = Callable[[str], WeightShard | None]
+ShardIterator = Callable[[ShardSelector], Iterator[tuple[str, torch.Tensor]]]
 
 
 @dataclass
@@ -23,3 +28,6 @@ class Checkpoint:
     tokenizer: Any | None  # transformers fast tokenizer (chat template included), None if absent
     eos_token_ids: frozenset[int]
     iter_weights: WeightIterator  # yields (hf_name, tensor) pairs
+    # Yields each tensor's selected slice, reading only that from disk; None where the format cannot (the
+    # loader then slices whole tensors).
+    iter_weight_shards: ShardIterator | None = None

@@ -28,6 +28,7 @@ def open_hf_checkpoint(path: Path, dtype: torch.dtype, tokenizer_path: Path | No
         tokenizer=load_tokenizer(path) if tokenizer_path is None else load_given_tokenizer(tokenizer_path),
         eos_token_ids=eos_ids(path, hf_config),
         iter_weights=lambda: iter_safetensors(path, dtype),
+        iter_weight_shards=lambda select: iter_safetensors(path, dtype, select),
     )
 
 

@@ -1,4 +1,5 @@
-"""Reading the tensors of a one-file or sharded safetensors checkpoint."""
+"""Reading the tensors of a one-file or sharded safetensors checkpoint, whole or one slice of each (a
+tensor-parallel rank reads only its shard)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,14 @@ from pathlib import Path
 import torch
 
 from asyncllm.errors import ModelNotFoundError
+from asyncllm.model_loader.base import ShardSelector
 
 
-def iter_safetensors(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the checkpoint directory `path`, floating ones cast to `dtype`."""
+def iter_safetensors(
+    path: Path, dtype: torch.dtype, select: ShardSelector | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint directory `path`, floating ones cast to `dtype`; with `select`, only
+    the slice it names of each tensor is read from the file."""
     from safetensors import safe_open
 
     files = sorted(path.glob("*.safetensors"))
@@ -20,5 +25,10 @@ def iter_safetensors(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torc
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                tensor = f.get_tensor(name)
+                shard = select(name) if select is not None else None
+                if shard is None:
+                    tensor = f.get_tensor(name)
+                else:
+                    index = (slice(None),) * shard.dim + (slice(shard.start, shard.stop),)
+                    tensor = shard.pad(f.get_slice(name)[index])
                 yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor

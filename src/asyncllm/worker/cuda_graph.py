@@ -75,7 +75,9 @@ class CudaGraphRunner:
             forward()  # compiles every kernel and settles the allocator before capture
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            # thread_local: another thread's CUDA call (NCCL's watchdog querying an earlier collective's
+            # event, under tensor parallelism) must not invalidate this capture.
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 forward()
             if self._pool is None:
                 self._pool = graph.pool()

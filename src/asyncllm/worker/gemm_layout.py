@@ -62,7 +62,7 @@ def _graph_time_us(fn, calls: int = 10, repeats: int = 5) -> float:  # type: ign
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # see CudaGraphRunner.capture
         for _ in range(calls):
             fn()
     graph.replay()

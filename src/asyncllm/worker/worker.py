@@ -1,8 +1,9 @@
 """`Worker`: owns one device. Its set-up runs in steps, each one method, called in this order by the
 executor: `load_model` (device, dtype, attention backend, weights, fused kernels), `determine_num_blocks`
 (profiling memory on CUDA, CUDA graphs' share included), `init_kv_cache` (cache, input buffers, the
-`ModelRunner`), `warm_up` (compiles every kernel), `capture_cuda_graphs`. Then it runs steps. Later it
-also runs as a tensor-parallel rank.
+`ModelRunner`), `warm_up` (compiles every kernel), `capture_cuda_graphs`. Then it runs steps. As a
+tensor-parallel rank (`parallel` given) it holds its shard of the model and of the KV heads; every rank
+runs the same set-up and steps, in lock-step (the collectives inside the forward pass).
 
 Knows nothing of requests or scheduling; the executor drives it.
 """
@@ -18,9 +19,11 @@ from asyncllm.attention.registry import make_attention_backend
 from asyncllm.config import EngineConfig
 from asyncllm.executor.interface import RuntimeInfo, SchedulerOutput, StepResult
 from asyncllm.layers.fusion import use_fused_kernels
+from asyncllm.layers.parallel import TPGroup
 from asyncllm.model_loader.base import Checkpoint
 from asyncllm.model_loader.loader import load_model
 from asyncllm.models.config import ModelArchConfig
+from asyncllm.models.tensor_parallel import shard_arch
 from asyncllm.worker.cuda_graph import CudaGraphRunner, measure_graph_memory
 from asyncllm.worker.device import resolve_device, resolve_dtype
 from asyncllm.worker.gemm_layout import tune_weight_layouts
@@ -37,15 +40,18 @@ logger = logging.getLogger(__name__)
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, checkpoint: Checkpoint) -> None:
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint, parallel: TPGroup | None = None) -> None:
         self.config = config
         self.checkpoint = checkpoint
+        self.parallel = parallel
         self.device = resolve_device(config.device_config.device)
         self.dtype = resolve_dtype(config.model_config.dtype, self.device, checkpoint.hf_config)
         self.arch = ModelArchConfig.from_hf(checkpoint.hf_config, config.model_config.max_model_len)
+        # This rank's share of the heads (the whole model without tensor parallelism): the KV cache's shape.
+        self.local_arch = shard_arch(self.arch, 1 if parallel is None else parallel.world_size)
         self.kv_spec = KVCacheSpec(
             num_layers=self.arch.num_layers,
-            num_kv_heads=self.arch.num_kv_heads,
+            num_kv_heads=self.local_arch.num_kv_heads,
             head_dim=self.arch.head_dim,
             block_size=config.cache_config.block_size,
             dtype=self.dtype,
@@ -67,11 +73,11 @@ class Worker:
     def load_model(self) -> None:
         start = time.perf_counter()
         self.backend = make_attention_backend(
-            self.config.device_config.attention_backend, self.device, self.dtype, self.arch.num_kv_heads
+            self.config.device_config.attention_backend, self.device, self.dtype, self.local_arch.num_kv_heads
         )
         mc = self.config.model_config
         self.model = load_model(
-            self.checkpoint, self.arch, self.backend, self.device, self.dtype, mc.load_format, mc.seed
+            self.checkpoint, self.arch, self.backend, self.device, self.dtype, mc.load_format, mc.seed, self.parallel
         )
         # Our Triton backend brings the fused kernels with it (norm + residual, q/k norm + rotary + KV write,
         # SiLU-and-mul); the torch backend keeps every layer in its pure-PyTorch form, the reference.

@@ -1,0 +1,181 @@
+"""`MultiProcExecutor`: the `ModelExecutor` for tensor_parallel_size > 1 on one host.
+
+Rank 0's `Worker` runs in the calling thread (the engine's step thread) and its output is the engine's;
+ranks 1..N-1 run in spawned processes (`worker_main`). Each step is encoded as a delta (`step_codec`) and
+broadcast through the shared-memory ring before rank 0 runs it; the forward pass's collectives keep the
+ranks in lock-step. A dead worker fails the step in flight and every later one with `WorkerDiedError`, which
+the step loop turns into `EngineDeadError` for every stream. Shutdown leaves no process, segment or group.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+
+import torch
+
+from asyncllm.config import EngineConfig
+from asyncllm.distributed.parallel_state import ParallelContext, open_rendezvous
+from asyncllm.distributed.shm_ring import RingTimeoutError
+from asyncllm.distributed.shm_writer import ShmRingWriter
+from asyncllm.errors import InvalidConfigError
+from asyncllm.executor.interface import ModelRunnerOutput, RuntimeInfo, SchedulerOutput, StepResult
+from asyncllm.executor.step_codec import StepEncoder
+from asyncllm.executor.worker_main import ATTACHED, READY, WorkerSpec, set_up
+from asyncllm.executor.worker_procs import WorkerProcesses
+from asyncllm.model_loader.base import Checkpoint
+from asyncllm.models.config import ModelArchConfig
+from asyncllm.models.tensor_parallel import check_tensor_parallel
+from asyncllm.worker.device import resolve_device
+from asyncllm.worker.worker import Worker
+
+_START_TIMEOUT_S = 600.0  # spawn, import torch, load a shard, profile, capture graphs: all ranks at once
+_RENDEZVOUS_TIMEOUT_S = 120.0  # joining the store and building the group, once every worker has attached
+# A write blocked on a full ring re-checks the workers this often. Only a message of more slots than are free
+# can block (rank 0 runs at most a step or two ahead): a live worker is then reading it as it is written, so a
+# stall this long mid-message means a dead or stuck one (the ring is then abandoned and the engine fails).
+_WRITE_POLL_S = 1.0
+_JOIN_S = 10.0  # a clean shutdown waits this long for the workers to exit before killing them
+
+
+def check_parallel_devices(device: torch.device, world_size: int) -> int | None:
+    """The GPU index rank 0 owns (rank r owns the next r-th), or None on CPU, where any size runs (gloo)."""
+    if device.type != "cuda":
+        return None
+    base = device.index if device.index is not None else torch.cuda.current_device()
+    count = torch.cuda.device_count()
+    if base + world_size > count:
+        raise InvalidConfigError(
+            f"tensor_parallel_size={world_size} needs {world_size} GPUs from cuda:{base}, and this host has "
+            f"{count}: use tensor_parallel_size <= {count - base}"
+        )
+    return base
+
+
+class MultiProcExecutor:
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint) -> None:
+        world = config.parallel_config.tensor_parallel_size
+        device = resolve_device(config.device_config.device)
+        check_tensor_parallel(ModelArchConfig.from_hf(checkpoint.hf_config, config.model_config.max_model_len), world)
+        cuda_base = check_parallel_devices(device, world)
+        self._closed = False
+        self._started = True
+        self._ring = ShmRingWriter(world - 1)
+        self._procs: WorkerProcesses | None = None
+        self._parallel: ParallelContext | None = None
+        self._worker: Worker | None = None
+        try:
+            store, rendezvous = open_rendezvous(world, _RENDEZVOUS_TIMEOUT_S)
+            threads = max(1, torch.get_num_threads() // world)
+            specs = [
+                WorkerSpec(
+                    config,
+                    rank,
+                    self._ring.reader_handle(rank - 1),
+                    rendezvous,
+                    threads,
+                    None if cuda_base is None else cuda_base + rank,
+                )
+                for rank in range(1, world)
+            ]
+            self._procs = WorkerProcesses(specs)
+            self._procs.wait_for(ATTACHED, _START_TIMEOUT_S)
+            self._parallel = ParallelContext(store, 0, world, device)
+            self._procs.on_death = self._parallel.abort  # NCCL: a dead peer's collective would never end
+            self._worker = Worker(config, checkpoint, self._parallel)
+            self._runtime = set_up(self._worker, self._parallel)
+            self._procs.wait_for(READY, _START_TIMEOUT_S)
+            # Dropped without shutdown() (an LLM never shut down), or at interpreter exit: still stop the
+            # workers and remove the segment. Holds the ring and the processes, never the executor.
+            self._finalizer = weakref.finalize(self, _stop_workers, self._ring, self._procs)
+        except BaseException as exc:
+            died = self._procs.failure() if self._procs is not None else None
+            self._started = False  # workers may wait in a set-up collective for ever: do not wait long
+            self.shutdown()
+            if died is not None:
+                raise died from exc
+            raise
+        self._encoder = StepEncoder()
+
+    @property
+    def runtime(self) -> RuntimeInfo:
+        return self._runtime
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """The worker processes' ids (ranks 1..N-1), for monitoring."""
+        return self._procs.pids if self._procs is not None else []
+
+    def submit(self, scheduled: SchedulerOutput) -> StepResult:
+        procs, worker = self._procs, self._worker
+        assert procs is not None and worker is not None, "submit after shutdown"
+        procs.check()
+        self._broadcast(self._encoder.encode(scheduled))  # the workers start on it while rank 0 does too
+        try:
+            result = worker.submit(scheduled)
+        except Exception as exc:
+            died = procs.failure()  # gloo fails a collective whose peer died: say which, and why
+            if died is not None:
+                raise died from exc
+            raise
+        return result if result.done() else _WatchedStep(result, procs)
+
+    def _broadcast(self, message: bytes) -> None:
+        assert self._procs is not None
+        while True:
+            self._procs.check()
+            try:
+                self._ring.write(message, timeout=_WRITE_POLL_S)
+                return
+            except RingTimeoutError:
+                continue  # the ring is full: the workers are behind, or dead (checked above)
+
+    def shutdown(self) -> None:
+        """Stop the workers (the ring closes: they finish what was sent and exit), release rank 0's device
+        and the process group, and remove the ring's segment. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if hasattr(self, "_finalizer"):
+            self._finalizer.detach()
+        procs, parallel, worker = self._procs, self._parallel, self._worker
+        healthy = self._started and procs is not None and procs.dead is None
+        if procs is not None:
+            procs.expect_exit()
+        self._ring.close()
+        if parallel is not None and not healthy:
+            parallel.abort()  # before anything waits on the device: a collective may wait for the dead rank
+        try:
+            if worker is not None:
+                worker.shutdown()
+        finally:
+            self._worker = None
+            if parallel is not None:
+                parallel.close()  # gloo: a worker left waiting in a collective with rank 0 fails at once
+            if procs is not None:
+                procs.stop(_JOIN_S if healthy else 1.0)
+
+
+def _stop_workers(ring: ShmRingWriter, procs: WorkerProcesses) -> None:
+    procs.expect_exit()
+    ring.close()
+    procs.stop(_JOIN_S)
+
+
+class _WatchedStep:
+    """Rank 0's step on a device that runs it asynchronously: waits for it while watching the workers, since
+    a collective whose peer died never completes (NCCL) and its event would never fire."""
+
+    def __init__(self, inner: StepResult, procs: WorkerProcesses) -> None:
+        self._inner = inner
+        self._procs = procs
+
+    def done(self) -> bool:
+        return self._inner.done()
+
+    def result(self) -> ModelRunnerOutput:
+        while not self._inner.done():
+            self._procs.check()
+            time.sleep(0)  # yield the GIL and the core, like CUDA's own yielding wait
+        self._procs.check()  # the step ran, but a rank died meanwhile: its tokens may be garbage
+        return self._inner.result()

@@ -1,0 +1,175 @@
+"""What crosses the ring each step: a `SchedulerOutput` as a compact delta, and back.
+
+Workers keep every live request's id and block table, so a step carries only what changed: each request's
+id, prompt, sampling parameters and seed once (when new), then per scheduled sequence its request's small
+index, inputs, start position, sample flag and only the block ids appended since that request was last
+sent; finished requests free their index, preempted ones restart their table. Columns of int32 in native
+byte order (both ends share one host), parameters pickled once per request. Plain Python, no torch.
+
+    header   magic, counts: finished, preempted, new requests, seqs, input tokens, new blocks; new bytes
+    int32    finished indices | preempted indices
+    int32    per seq: index | start_pos | number of inputs | number of new blocks;  uint8 per seq: sample
+    int32    every seq's inputs, concatenated (PLACEHOLDER is -1) | every seq's new block ids, concatenated
+    bytes    per new request: index, prompt length, blob length (int32 x 3) | prompt | pickle((id, params, seed))
+"""
+
+from __future__ import annotations
+
+import pickle
+import struct
+from array import array
+
+from asyncllm.executor.interface import NewRequestData, ScheduledSeq, SchedulerOutput
+
+MAGIC = b"ATP1"
+_HEADER = struct.Struct("<4s7I")
+_NEW = struct.Struct("<3i")
+assert array("i").itemsize == 4 and array("B").itemsize == 1
+
+
+class StepCodecError(AssertionError):
+    """An encoded step broke the codec's invariants (a bug, not bad input): the engine must stop."""
+
+
+def _int32(values: list[int]) -> bytes:
+    return array("i", values).tobytes()
+
+
+class StepEncoder:
+    """Rank 0's side: remembers what the workers already know and encodes each step as the difference."""
+
+    def __init__(self) -> None:
+        self._index: dict[str, int] = {}  # live request id -> its index in every worker's tables
+        self._free: list[int] = []
+        self._blocks_sent: list[int] = []  # by index: block ids the workers hold for that request
+        self._last_block: list[int] = []  # by index: the last of them (a cheap check that tables only grow)
+
+    @property
+    def num_live(self) -> int:
+        return len(self._index)
+
+    def encode(self, out: SchedulerOutput) -> bytes:
+        finished = [i for r in out.finished_request_ids if (i := self._index.pop(r, None)) is not None]
+        self._free.extend(finished)
+        news: list[bytes] = []
+        for new in out.new_requests:
+            i = self._assign(new.request_id)
+            blob = pickle.dumps((new.request_id, new.params, new.seed), protocol=pickle.HIGHEST_PROTOCOL)
+            prompt = _int32(new.prompt_token_ids)
+            news += (_NEW.pack(i, len(new.prompt_token_ids), len(blob)), prompt, blob)
+        preempted = [i for r in out.preempted_request_ids if (i := self._index.get(r)) is not None]
+        sent, last = self._blocks_sent, self._last_block
+        for i in preempted:
+            sent[i] = 0  # its blocks were freed; it resumes with a table sent from scratch
+        seqs = out.seqs
+        index = [self._index[s.request_id] for s in seqs]
+        num_tokens = [len(s.input_token_ids) for s in seqs]
+        tokens: list[int] = []
+        if sum(num_tokens) == len(seqs):  # decode-only: one input each
+            tokens = [s.input_token_ids[0] for s in seqs]
+        else:
+            for s in seqs:
+                tokens += s.input_token_ids
+        new_blocks: list[int] = []
+        num_new_blocks: list[int] = []
+        for i, s in zip(index, seqs):
+            blocks, known = s.block_ids, sent[i]
+            n = len(blocks)
+            if known and (n < known or blocks[known - 1] != last[i]):
+                raise StepCodecError(f"block table of {s.request_id!r} changed other than by appending")
+            num_new_blocks.append(n - known)
+            if n != known:
+                new_blocks += blocks[known:]
+                sent[i] = n
+                last[i] = blocks[-1]
+        new_bytes = b"".join(news)
+        header = _HEADER.pack(
+            MAGIC, len(finished), len(preempted), len(out.new_requests), len(seqs), len(tokens), len(new_blocks),
+            len(new_bytes),
+        )  # fmt: skip
+        columns = finished + preempted + index + [s.start_pos for s in seqs] + num_tokens + num_new_blocks
+        sample = bytes([s.sample for s in seqs])
+        return b"".join((header, _int32(columns), sample, _int32(tokens + new_blocks), new_bytes))
+
+    def _assign(self, request_id: str) -> int:
+        if request_id in self._index:
+            raise StepCodecError(f"request {request_id!r} was sent as new twice")
+        if self._free:
+            i = self._free.pop()
+        else:
+            i = len(self._blocks_sent)
+            self._blocks_sent.append(0)
+            self._last_block.append(0)
+        self._index[request_id] = i
+        self._blocks_sent[i] = 0
+        return i
+
+
+class StepDecoder:
+    """A worker's side: keeps each live request's id and block table, and rebuilds whole steps."""
+
+    def __init__(self) -> None:
+        self._ids: list[str] = []  # by index
+        self._tables: list[list[int]] = []  # by index: the request's whole block table
+
+    def decode(self, data: bytes) -> SchedulerOutput:
+        """The step `data` encodes. Its `ScheduledSeq.block_ids` are this decoder's own tables: valid until
+        the next `decode` (the runner reads them within the step)."""
+        magic, n_fin, n_pre, n_new, n_seqs, n_tok, n_blk, new_bytes = _HEADER.unpack_from(data)
+        if magic != MAGIC:
+            raise StepCodecError(f"not an encoded step (magic {magic!r})")
+        at = _HEADER.size
+        columns = array("i")
+        columns.frombytes(data[at : at + 4 * (n_fin + n_pre + 4 * n_seqs)])
+        cols = columns.tolist()
+        at += 4 * len(cols)
+        sample = data[at : at + n_seqs]
+        at += n_seqs
+        flat = array("i")
+        flat.frombytes(data[at : at + 4 * (n_tok + n_blk)])
+        at += 4 * (n_tok + n_blk)
+        ids, tables = self._ids, self._tables
+        finished = [ids[i] for i in cols[:n_fin]]
+        new_requests = self._add_new(data, at, n_new)
+        assert at + new_bytes == len(data), "trailing bytes in an encoded step"
+        preempted = [ids[i] for i in cols[n_fin : n_fin + n_pre]]
+        for i in cols[n_fin : n_fin + n_pre]:
+            tables[i] = []
+        c = n_fin + n_pre
+        index, starts = cols[c : c + n_seqs], cols[c + n_seqs : c + 2 * n_seqs]
+        num_tokens, num_new_blocks = cols[c + 2 * n_seqs : c + 3 * n_seqs], cols[c + 3 * n_seqs : c + 4 * n_seqs]
+        values = flat.tolist()
+        if n_tok == n_seqs:
+            inputs = [[t] for t in values[:n_tok]]
+        else:
+            inputs, t = [], 0
+            for n in num_tokens:
+                inputs.append(values[t : t + n])
+                t += n
+        b = n_tok
+        seqs = []
+        for i, start, toks, n, s in zip(index, starts, inputs, num_new_blocks, sample):
+            table = tables[i]
+            if n:
+                table += values[b : b + n]
+                b += n
+            seqs.append(ScheduledSeq(ids[i], toks, start, table, bool(s)))
+        return SchedulerOutput(seqs, new_requests, finished, preempted)
+
+    def _add_new(self, data: bytes, at: int, count: int) -> list[NewRequestData]:
+        out = []
+        for _ in range(count):
+            i, prompt_len, blob_len = _NEW.unpack_from(data, at)
+            at += _NEW.size
+            prompt = array("i")
+            prompt.frombytes(data[at : at + 4 * prompt_len])
+            at += 4 * prompt_len
+            request_id, params, seed = pickle.loads(data[at : at + blob_len])
+            at += blob_len
+            while len(self._ids) <= i:
+                self._ids.append("")
+                self._tables.append([])
+            self._ids[i] = request_id
+            self._tables[i] = []
+            out.append(NewRequestData(request_id, prompt.tolist(), params, seed))
+        return out

@@ -1,0 +1,121 @@
+"""A tensor-parallel worker process (ranks 1..N-1): the entry point `worker_procs` starts, and the set-up
+sequence every rank runs in lock-step.
+
+The process attaches to the ring, joins the engine's process group, builds the same `Worker` as rank 0
+on its own device, then runs every step the ring brings and discards the output (rank 0's is the
+engine's; every rank samples the same tokens from the same gathered logits and seeds). It reports
+"attached", "ready" or its failure (with the traceback) on its report pipe, exits when the ring closes,
+and exits at once when the pipe from its parent closes (the parent died). Knows nothing of scheduling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import torch
+
+from asyncllm.config import EngineConfig
+from asyncllm.distributed.parallel_state import ParallelContext, Rendezvous
+from asyncllm.distributed.shm_ring import RingClosedError, RingHandle
+from asyncllm.executor.interface import RuntimeInfo
+from asyncllm.executor.step_codec import StepDecoder
+from asyncllm.worker.worker import Worker
+
+# Status messages a worker sends its parent, in this order (FAILED instead, at any point).
+ATTACHED, READY, FAILED = "attached", "ready", "failed"
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker process needs, picklable: the parent sends it down the worker's pipe."""
+
+    config: EngineConfig
+    rank: int
+    ring: RingHandle
+    rendezvous: Rendezvous
+    num_threads: int  # torch CPU threads: the host's cores shared among the ranks
+    cuda_device: int | None  # the GPU this rank owns (rank 0's index + rank); None on CPU
+
+
+def set_up(worker: Worker, parallel: ParallelContext) -> RuntimeInfo:
+    """The worker's set-up steps, the same on every rank and in the same order (each may run collectives);
+    the ranks agree on one KV block count, the smallest any of them can hold."""
+    worker.load_model()
+    worker.init_kv_cache(parallel.min_int(worker.determine_num_blocks()))
+    worker.warm_up()
+    worker.capture_cuda_graphs()
+    return worker.runtime_info()
+
+
+def main() -> None:
+    """The worker interpreter's entry: `python -c "...; main()" SPEC_FD REPORT_FD` (see worker_procs)."""
+    # Ctrl-C in a terminal reaches the whole process group: the engine's process decides when workers stop
+    # (it closes the ring, or dies and closes our pipe), so that a server can shut down gracefully.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    spec_fd, report_fd = (int(arg) for arg in sys.argv[1:3])
+    from_parent = Connection(spec_fd, writable=False)
+    spec = from_parent.recv()
+    assert isinstance(spec, WorkerSpec)
+    run_worker(spec, from_parent, Connection(report_fd, readable=False))
+
+
+def run_worker(spec: WorkerSpec, parent_alive: Connection, status: Connection) -> None:
+    """Run rank `spec.rank` until the ring closes; `parent_alive` closing ends the process at once."""
+    _exit_with_parent(parent_alive)
+    from asyncllm.distributed.shm_reader import ShmRingReader
+    from asyncllm.model_loader.checkpoint import open_checkpoint
+    from asyncllm.worker.device import resolve_device
+
+    worker: Worker | None = None
+    parallel: ParallelContext | None = None
+    try:
+        torch.set_num_threads(spec.num_threads)
+        if spec.cuda_device is not None:
+            torch.cuda.set_device(spec.cuda_device)  # before anything touches CUDA: this rank's GPU only
+        device = resolve_device(spec.config.device_config.device)
+        with ShmRingReader.attach(spec.ring) as reader:
+            _send(status, ATTACHED)
+            parallel = ParallelContext.join(spec.rendezvous, spec.rank, device)
+            mc = spec.config.model_config
+            worker = Worker(spec.config, open_checkpoint(mc.model, torch.float32, mc.tokenizer), parallel)
+            set_up(worker, parallel)
+            _send(status, READY)
+            decoder = StepDecoder()
+            while True:
+                try:
+                    data = reader.read()
+                except RingClosedError:
+                    break  # the engine shut down (or died): every step before was run
+                worker.submit(decoder.decode(data))
+    except BaseException:
+        _send(status, FAILED, traceback.format_exc())
+        raise SystemExit(1) from None
+    finally:
+        if worker is not None:
+            worker.shutdown()
+        if parallel is not None:
+            parallel.close()
+
+
+def _send(status: Connection, kind: str, detail: str = "") -> None:
+    with contextlib.suppress(OSError):  # the parent is gone; the watcher below ends this process
+        status.send((kind, detail))
+
+
+def _exit_with_parent(parent_alive: Connection) -> None:
+    """A daemon thread that ends the process the moment the parent's end of the pipe closes: the parent
+    exited or died, and no GPU process may outlive it (even one stuck in a collective)."""
+
+    def watch() -> None:
+        with contextlib.suppress(EOFError, OSError):
+            parent_alive.recv_bytes()
+        os._exit(0)
+
+    threading.Thread(target=watch, name="asyncllm-parent-watch", daemon=True).start()

@@ -1,0 +1,274 @@
+"""Tensor parallelism across real worker processes on CPU (gloo), against the one-process engine (its slow twin):
+the same greedy tokens and `stats()` for every family under chunked prefill, preemption and prefix hits (KV
+heads split, and replicated); the same tokens when steps feed PLACEHOLDER inputs, finish, preempt and reuse
+ids; two engines side by side; a bad size refused before any process starts, a worker failing at start-up
+reported with its traceback; a worker killed mid-stream
+failing every stream with EngineDeadError within a second, leaving no process and no /dev/shm segment; and
+workers gone with their engine's process when it is killed."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import importlib.util
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from asyncllm import LLM, AsyncLLMEngine, EngineDeadError, SamplingParams
+from asyncllm.config import EngineConfig
+from asyncllm.errors import InvalidConfigError
+from asyncllm.executor.interface import PLACEHOLDER, ModelExecutor, NewRequestData, ScheduledSeq, SchedulerOutput
+from asyncllm.executor.multiproc import MultiProcExecutor
+from asyncllm.executor.uniproc import UniProcExecutor
+from asyncllm.executor.worker_procs import WorkerDiedError
+from asyncllm.model_loader.checkpoint import open_checkpoint
+from tests.fixtures.tiny_models import build_checkpoint
+
+# 16 blocks of 4 tokens for six prompts sharing a 13-token prefix, 8 tokens per step: chunked prefill,
+# preemption, and prefix hits (the second pass hits the first's blocks).
+ENGINE_ARGS: dict[str, Any] = dict(
+    device="cpu", dtype="float32", block_size=4, num_kv_blocks=16, max_num_batched_tokens=8
+)
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+def worker_processes(parent: int | None = None) -> set[int]:
+    """Live tensor-parallel worker processes started by `parent` (this process by default)."""
+    parent = os.getpid() if parent is None else parent
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        state, ppid = stat[stat.rindex(b")") + 2 :].split()[:2]
+        if int(ppid) == parent and state not in (b"Z", b"X") and b"asyncllm.executor.worker_main" in cmdline:
+            found.add(int(entry))
+    return found
+
+
+def ring_segments() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith("asyncllm-ring-")}
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_behind() -> Iterator[None]:
+    """Every test ends with no worker process and no ring segment of its own."""
+    before = ring_segments()
+    yield
+    deadline = time.monotonic() + 5
+    while worker_processes() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert worker_processes() == set(), "a worker process outlived its engine"
+    assert ring_segments() - before == set(), "a ring segment outlived its engine"
+
+
+def _prompts(seed: int = 1) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, 300) for _ in range(13)]
+    return [prefix + [rng.randrange(3, 300) for _ in range(n)] for n in (1, 5, 17, 9, 30, 3)]
+
+
+def _two_passes(path: Path, **args: Any) -> tuple[list[list[int]], dict[str, float | int]]:
+    llm = LLM(str(path), **ENGINE_ARGS, **args)
+    try:
+        tokens = [o.token_ids for _ in range(2) for o in llm.generate(_prompts(), GREEDY, use_tqdm=False)]
+        return tokens, llm.stats()
+    finally:
+        llm.shutdown()
+
+
+def _check_tp2_equals_tp1(path: Path) -> None:
+    want_tokens, want_stats = _two_passes(path)
+    tokens, stats = _two_passes(path, tensor_parallel_size=2)
+    assert tokens == want_tokens
+    assert stats == want_stats  # the same schedule, hence the same preemptions, hits and steps
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_rate"] > 0.3
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_tp2_equals_tp1(family: str, tiny_checkpoints: dict[str, Path]) -> None:
+    """Greedy tokens and stats of TP=2 (KV heads split) equal TP=1's, chunked, preempted and prefix-cached."""
+    _check_tp2_equals_tp1(tiny_checkpoints[family])
+
+
+def test_tp2_with_replicated_kv_heads_equals_tp1(tmp_path: Path) -> None:
+    """One KV head over two ranks: each holds a replica; tokens and stats still equal TP=1's."""
+    _check_tp2_equals_tp1(build_checkpoint(tmp_path / "qwen3-kv1", "qwen3", num_key_value_heads=1))
+
+
+def _scripted_run(executor: ModelExecutor) -> list[list[int]]:
+    """Steps as overlapped scheduling plans them: PLACEHOLDER inputs fed on the device, a finished id reused
+    by a new request in the same step as another request is preempted, and the preempted one resumed."""
+    greedy, sampled = SamplingParams(temperature=0), SamplingParams(temperature=0.9, top_k=50)
+    a, b, c = [5, 9, 14, 3, 8, 21], [7, 7, 30, 2, 11, 40, 6, 12, 19], [17, 4, 22]
+    outs: list[list[int]] = []
+
+    def run(step: SchedulerOutput) -> list[int]:
+        outs.append(executor.submit(step).result().sampled_token_ids)
+        return outs[-1]
+
+    new = [NewRequestData("a", a, greedy, 1), NewRequestData("b", b, sampled, 2), NewRequestData("c", c, sampled, 3)]
+    run(SchedulerOutput([ScheduledSeq("a", a, 0, [0, 1], True), ScheduledSeq("b", b[:5], 0, [2, 3], False),
+                         ScheduledSeq("c", c, 0, [4], True)], new))  # fmt: skip
+    b_token = run(SchedulerOutput([ScheduledSeq("a", [PLACEHOLDER], 6, [0, 1], True),
+                                   ScheduledSeq("b", b[5:], 5, [2, 3, 5], True),
+                                   ScheduledSeq("c", [PLACEHOLDER], 3, [4], True)]))[1]  # fmt: skip
+    c2 = [33, 1, 9, 27, 5]
+    run(SchedulerOutput([ScheduledSeq("a", [PLACEHOLDER], 7, [0, 1], True), ScheduledSeq("c", c2, 0, [6, 7], True)],
+                        [NewRequestData("c", c2, greedy, 4)], finished_request_ids=["c"],
+                        preempted_request_ids=["b"]))  # fmt: skip
+    run(SchedulerOutput([ScheduledSeq("a", [PLACEHOLDER], 8, [0, 1, 11], True),
+                         ScheduledSeq("b", [*b, b_token], 0, [8, 9, 10], True),
+                         ScheduledSeq("c", [PLACEHOLDER], 5, [6, 7], True)]))  # fmt: skip
+    return outs
+
+
+def test_scripted_steps_match_one_process(tiny_checkpoints: dict[str, Path]) -> None:
+    """Driven directly through the executor protocol, TP=2 samples what one process samples, step by step."""
+    path = str(tiny_checkpoints["qwen2"])
+    checkpoint = open_checkpoint(path, torch.float32)
+    args = dict(device="cpu", dtype="float32", block_size=4, num_kv_blocks=32)
+    single = UniProcExecutor(EngineConfig.from_kwargs(path, **args), checkpoint)
+    want = _scripted_run(single)
+    single.shutdown()
+    tp = MultiProcExecutor(EngineConfig.from_kwargs(path, tensor_parallel_size=2, **args), checkpoint)
+    try:
+        assert tp.runtime.num_kv_blocks == 32 and len(tp.worker_pids) == 1
+        assert _scripted_run(tp) == want
+    finally:
+        tp.shutdown()
+        tp.shutdown()  # idempotent
+
+
+def test_two_engines_side_by_side(tiny_checkpoints: dict[str, Path]) -> None:
+    """Two TP=2 engines in one process, generating at the same time, each give their TP=1 tokens; one is
+    shut down, the other merely dropped (its finalizer stops the worker and removes the segment)."""
+    paths = [tiny_checkpoints["qwen3"], tiny_checkpoints["llama"]]
+    want = [_two_passes(p)[0][:6] for p in paths]
+    engines = [LLM(str(p), tensor_parallel_size=2, **ENGINE_ARGS) for p in paths]
+    got: list[list[list[int]] | None] = [None, None]
+
+    def generate(i: int) -> None:
+        got[i] = [o.token_ids for o in engines[i].generate(_prompts(), GREEDY, use_tqdm=False)]
+
+    try:
+        assert len(worker_processes()) == 2
+        threads = [threading.Thread(target=generate, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert got == want
+    finally:
+        engines.pop(0).shutdown()
+        engines.clear()  # the last reference to the second engine
+        gc.collect()
+
+
+def test_bad_size_is_refused_before_any_process_starts(tiny_checkpoints: dict[str, Path]) -> None:
+    with pytest.raises(InvalidConfigError, match="tensor_parallel_size=3 does not divide the model's 4 attention"):
+        LLM(str(tiny_checkpoints["qwen3"]), tensor_parallel_size=3, device="cpu")
+
+
+def test_worker_failing_at_start_up_fails_the_constructor(tiny_checkpoints, tmp_path, monkeypatch) -> None:
+    """A worker whose set-up raises (here: load_model, made to fail in worker processes only through a
+    sitecustomize on their path) fails the engine's constructor with WorkerDiedError carrying its traceback."""
+    if importlib.util.find_spec("sitecustomize") is not None:
+        pytest.skip("a sitecustomize module is already on the path")
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys\n"
+        "if sys.argv[1:] and sys.argv[0] == '-c':  # a tensor-parallel worker: python -c ... SPEC_FD REPORT_FD\n"
+        "    import asyncllm.worker.worker as w\n"
+        "    def load_model(self):\n"
+        "        raise MemoryError('injected: no memory on this rank')\n"
+        "    w.Worker.load_model = load_model\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    with pytest.raises(WorkerDiedError, match="rank 1") as info:
+        LLM(str(tiny_checkpoints["qwen3"]), device="cpu", num_kv_blocks=64, tensor_parallel_size=2)
+    assert "MemoryError: injected: no memory on this rank" in str(info.value)
+
+
+async def test_killed_worker_kills_every_stream_within_a_second(tiny_checkpoints: dict[str, Path]) -> None:
+    """SIGKILL the worker mid-stream: every stream raises EngineDeadError (cause: WorkerDiedError naming
+    the signal) within 1 s, new requests fail at once, and shutdown leaves nothing behind."""
+    engine = AsyncLLMEngine(str(tiny_checkpoints["qwen3"]), device="cpu", num_kv_blocks=256, tensor_parallel_size=2)
+    (pid,) = worker_processes()
+    params = SamplingParams(max_tokens=400, ignore_eos=True)
+    streams = [engine.add_request([i + 3, 5, 9], params) for i in range(4)]
+    iterators = [s.__aiter__() for s in streams]
+    for it in iterators:  # every stream has produced: we kill mid-stream
+        assert (await asyncio.wait_for(it.__anext__(), 60)).token_ids
+
+    async def drain(it: Any) -> None:
+        async for _ in it:
+            pass
+
+    readers = [asyncio.create_task(drain(it)) for it in iterators]
+    os.kill(pid, signal.SIGKILL)
+    start = time.monotonic()
+    done, pending = await asyncio.wait(readers, timeout=1.0)
+    assert not pending and time.monotonic() - start < 1.0
+    for reader in done:
+        error = reader.exception()
+        assert isinstance(error, EngineDeadError) and isinstance(error.__cause__, WorkerDiedError)
+        assert "SIGKILL" in str(error.__cause__)
+    with pytest.raises(EngineDeadError):
+        engine.add_request([1, 2, 3])
+    await engine.aclose()
+
+
+def test_workers_exit_when_the_engine_process_is_killed(tiny_checkpoints: dict[str, Path]) -> None:
+    """SIGKILL the process that owns a TP engine (a script with no `__main__` guard): its worker exits at once
+    (it watches a pipe from it) and its ring segment is removed (the owner's resource tracker)."""
+    before = ring_segments()
+    script = (
+        "import time\nfrom asyncllm import LLM\n"
+        f"llm = LLM({str(tiny_checkpoints['qwen3'])!r}, device='cpu', num_kv_blocks=64, tensor_parallel_size=2)\n"
+        "print('ready', flush=True)\ntime.sleep(600)\n"
+    )
+    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout is not None and owner.stdout.readline().strip() == "ready"
+        workers = worker_processes(owner.pid)
+        segments = ring_segments() - before
+        assert len(workers) == 1 and len(segments) == 1
+    finally:
+        owner.kill()
+        owner.wait()
+    deadline = time.monotonic() + 5
+    while (
+        worker_processes(owner.pid) or _alive(workers) or ring_segments() & segments
+    ) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(workers), "a worker outlived its engine's process"
+    assert not ring_segments() & segments, "the ring segment outlived its engine's process"
+
+
+def _alive(pids: set[int]) -> bool:
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        if stat[stat.rindex(b")") + 2 :][:1] not in (b"Z", b"X"):
+            return True
+    return False
