@@ -8,10 +8,11 @@ weight-read bandwidth against 4.25 TB/s. Prints one JSON line per (layer, M)."""
 from __future__ import annotations
 
 import json
-import statistics
 
 import torch
 import torch.nn.functional as F
+
+from asyncllm.worker.gemm_layout import graph_time_us  # the same timing the start-up tuner uses
 
 SHAPES = {
     "qkv": (1024, 4096),
@@ -21,27 +22,6 @@ SHAPES = {
     "lm_head": (1024, 151936),
 }
 COPY_TB_S = 4.25
-
-
-def graph_time_us(fns: list, calls: int = 20, repeats: int = 20) -> float:
-    """Median GPU time of one call, over replays of a graph of `calls` calls cycling through `fns`."""
-    for fn in fns:
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fns[i % len(fns)]()
-    graph.replay()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -47,8 +48,8 @@ def _transposed_is_faster(weight: torch.Tensor, device: torch.device) -> bool:
     for rows in _ROWS:
         x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=device)
         times = {
-            False: _graph_time_us(lambda w=plain, x=x: F.linear(x, w)),
-            True: _graph_time_us(lambda w=transposed, x=x: F.linear(x, w)),
+            False: graph_time_us(lambda w=plain, x=x: F.linear(x, w)),
+            True: graph_time_us(lambda w=transposed, x=x: F.linear(x, w)),
         }
         best = min(times.values())
         for layout, t in times.items():
@@ -56,15 +57,19 @@ def _transposed_is_faster(weight: torch.Tensor, device: torch.device) -> bool:
     return score[True] < score[False] * 0.98  # a clear win only: otherwise keep the checkpoint's layout
 
 
-def _graph_time_us(fn, calls: int = 10, repeats: int = 5) -> float:  # type: ignore[no-untyped-def]
-    """GPU microseconds per call, from replays of a CUDA graph of `calls` calls: eager launches of a
-    few-microsecond GEMM would time the host, not the GPU."""
-    fn()
+def graph_time_us(
+    fns: Callable[[], object] | Sequence[Callable[[], object]], calls: int = 10, repeats: int = 5
+) -> float:
+    """GPU microseconds per call, from replays of a CUDA graph of `calls` calls cycling through `fns` (eager
+    launches of a few-microsecond GEMM would time the host, not the GPU)."""
+    fns = [fns] if callable(fns) else list(fns)
+    for fn in fns:
+        fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # see CudaGraphRunner.capture
-        for _ in range(calls):
-            fn()
+        for i in range(calls):
+            fns[i % len(fns)]()
     graph.replay()
     times = []
     for _ in range(repeats):
