@@ -18,27 +18,18 @@ import subprocess
 import sys
 import time
 import zlib
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from asyncllm.distributed import RingClosedError, RingHandle, RingTimeoutError, ShmRingReader, ShmRingWriter
+from tests.fixtures.shm import no_leaked_segments, ring_segments  # noqa: F401 (fixture)
 
 CTX = multiprocessing.get_context("spawn")
 _STAMP = struct.Struct("<QI")  # stress messages: sequence number, crc32 of the body
 
 
-def ring_segments() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("asyncllm-ring-")}
-
-
-@pytest.fixture(autouse=True)
-def no_leaked_segments() -> Iterator[None]:
-    """Every test leaves /dev/shm as it found it."""
-    before = ring_segments()
-    yield
-    assert ring_segments() - before == set(), "a ring segment outlived its test"
+pytestmark = pytest.mark.usefixtures("no_leaked_segments")  # every test leaves /dev/shm as it found it
 
 
 def digest(data: bytes) -> bytes:

@@ -15,7 +15,6 @@ import pickle
 import random
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -32,18 +31,9 @@ from asyncllm.distributed import (
 )
 from asyncllm.distributed.shm_wakeup import Spinner
 from asyncllm.errors import AsyncLLMError
+from tests.fixtures.shm import no_leaked_segments, ring_segments  # noqa: F401 (fixture)
 
-
-def ring_segments() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("asyncllm-ring-")}
-
-
-@pytest.fixture(autouse=True)
-def no_leaked_segments() -> Iterator[None]:
-    """Every test leaves /dev/shm as it found it."""
-    before = ring_segments()
-    yield
-    assert ring_segments() - before == set(), "a ring segment outlived its test"
+pytestmark = pytest.mark.usefixtures("no_leaked_segments")  # every test leaves /dev/shm as it found it
 
 
 class ReaderThread(threading.Thread):
