@@ -11,6 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from engine_args import add_engine_arg_option, engine_kwargs
 from shapes import W1_LIMIT, write_shape_dir
 
 from asyncllm import LLM, SamplingParams
@@ -32,7 +33,9 @@ def main() -> None:
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--device", default="cuda")
+    add_engine_arg_option(ap)
     args = ap.parse_args()
+    extra = engine_kwargs(args.engine_arg)
     model_dir = write_shape_dir(args.shape, Path(tempfile.mkdtemp()) / args.shape)
     llm = LLM(
         str(model_dir),
@@ -40,6 +43,7 @@ def main() -> None:
         load_format="dummy",
         max_model_len=args.max_model_len,
         attention_backend=args.attention_backend,
+        **extra,
     )
     prompts, params = w1_requests(args.num_seqs)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
@@ -63,6 +67,7 @@ def main() -> None:
                 "percent_of_limit": round(100 * tps / limit, 1) if limit else None,
                 "kv_blocks": llm.runtime.num_kv_blocks,
                 "preemptions": llm.stats()["num_preemptions"],
+                "engine_args": extra,
             }
         )
     )

@@ -42,6 +42,7 @@ def build_engine(config: EngineConfig, clock: Callable[[], float]) -> BuiltEngin
         executor,
         max_num_seqs=sched.max_num_seqs,
         max_num_batched_tokens=sched.max_num_batched_tokens,
+        max_prefill_tokens_while_decoding=sched.max_prefill_tokens_while_decoding,
         enable_prefix_caching=config.cache_config.enable_prefix_caching,
         seed=mc.seed,
         tokenizer=backend_tokenizer(tokenizer) if tokenizer is not None else None,

@@ -135,6 +135,12 @@ class SchedulerConfig:
 
     max_num_seqs: int = arg(256, "Most requests in one step's batch.")
     max_num_batched_tokens: int = arg(8192, "Token budget of one step: prefill chunks and decodes share it.")
+    max_prefill_tokens_while_decoding: int | None = arg(
+        None,
+        "Prompt tokens one step may carry while requests also decode in it: bounds the gap between two "
+        "tokens of running streams while long prompts are admitted (prefill steps of the full budget stall "
+        "them). None: prompts take the whole step budget.",
+    )
     async_scheduling: bool = arg(
         True,
         "Plan step N+1 and process step N-1's outputs while the device runs step N (overlapped scheduling); "
@@ -144,6 +150,13 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         check_int(_fail, "max_num_seqs", self.max_num_seqs, "an integer >= 1", lo=1)
         check_int(_fail, "max_num_batched_tokens", self.max_num_batched_tokens, "an integer >= 1", lo=1)
+        check_optional_int(
+            _fail,
+            "max_prefill_tokens_while_decoding",
+            self.max_prefill_tokens_while_decoding,
+            "an integer >= 1, or None",
+            lo=1,
+        )
         check_bool(_fail, "async_scheduling", self.async_scheduling)
 
 

@@ -105,6 +105,38 @@ def test_decodes_and_prefill_chunks_share_a_step() -> None:
     assert h.tokens["a"] == h.expected("a") and h.tokens["b"] == h.expected("b")
 
 
+def test_prompts_are_capped_while_requests_decode() -> None:
+    rng = random.Random(3)
+    h = Harness(max_num_batched_tokens=16, max_prefill_tokens_while_decoding=3)
+    h.add("a", _prompt(rng, 13), max_tokens=12)
+    h.step()  # nobody decodes yet: the prompt takes the whole budget
+    assert h.executor.steps[-1].num_batched_tokens == 13
+    h.add("b", _prompt(rng, 10), max_tokens=2)
+    h.add("c", _prompt(rng, 4), max_tokens=2)
+    chunks: list[int] = []
+    while "b" not in h.reasons or "c" not in h.reasons:
+        h.step()
+        seqs = {s.request_id: s for s in h.executor.steps[-1].seqs}
+        assert "a" in seqs and seqs["a"].num_tokens == 1  # the decoding request advances every step
+        prompt_tokens = sum(s.num_tokens for rid, s in seqs.items() if rid != "a" and s.num_tokens > 1)
+        assert prompt_tokens <= 3
+        chunks.append(seqs["b"].num_tokens if "b" in seqs else 0)
+    assert chunks[:4] == [3, 3, 3, 1]  # b's 10 prompt tokens, 3 per step, then its decode
+    h.run()
+    for rid in "abc":
+        assert h.tokens[rid] == h.expected(rid)
+
+
+def test_prompt_cap_leaves_steps_without_decodes_alone() -> None:
+    rng = random.Random(4)
+    h = Harness(max_num_batched_tokens=16, max_prefill_tokens_while_decoding=3)
+    h.add("a", _prompt(rng, 12), max_tokens=2)
+    h.add("b", _prompt(rng, 3), max_tokens=2)
+    h.step()
+    assert [s.num_tokens for s in h.executor.steps[-1].seqs] == [12, 3]
+    h.run()
+
+
 def test_chunked_prefill_positions_and_sampling() -> None:
     rng = random.Random(2)
     h = Harness(max_num_batched_tokens=8)
@@ -261,18 +293,27 @@ _op = st.tuples(
     num_blocks=st.integers(8, 16),
     block_size=st.sampled_from([2, 4]),
     budget=st.integers(2, 24),
+    prefill_cap=st.one_of(st.none(), st.integers(1, 8)),
     max_seqs=st.integers(1, 5),
     prefix_caching=st.booleans(),
     overlap=st.booleans(),
 )
 def test_random_workloads_keep_invariants_and_outputs(
-    ops: list, num_blocks: int, block_size: int, budget: int, max_seqs: int, prefix_caching: bool, overlap: bool
+    ops: list,
+    num_blocks: int,
+    block_size: int,
+    budget: int,
+    prefill_cap: int | None,
+    max_seqs: int,
+    prefix_caching: bool,
+    overlap: bool,
 ) -> None:
     h = Harness(
         num_blocks=num_blocks,
         block_size=block_size,
         next_token=hash_next_token(32),  # EOS (0) can come up: some requests stop early
         max_num_batched_tokens=budget,
+        max_prefill_tokens_while_decoding=prefill_cap,
         max_num_seqs=max_seqs,
         enable_prefix_caching=prefix_caching,
         overlap=overlap,

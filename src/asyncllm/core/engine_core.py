@@ -63,6 +63,7 @@ class EngineCore:
         *,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        max_prefill_tokens_while_decoding: int | None = None,
         enable_prefix_caching: bool,
         seed: int,
         tokenizer: Tokenizer | None,
@@ -72,7 +73,9 @@ class EngineCore:
         self.executor = executor
         rt = executor.runtime
         self.block_manager = BlockManager(rt.num_kv_blocks, rt.block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(SchedulerLimits(max_num_seqs, max_num_batched_tokens), self.block_manager)
+        self.scheduler = Scheduler(
+            SchedulerLimits(max_num_seqs, max_num_batched_tokens, max_prefill_tokens_while_decoding), self.block_manager
+        )
         self.output_processor = OutputProcessor(tokenizer)
         self._clock = clock
         self._seed_rng = random.Random(seed)

@@ -24,6 +24,9 @@ from asyncllm.outputs import FinishReason
 class SchedulerLimits:
     max_num_seqs: int
     max_num_batched_tokens: int
+    # Prompt tokens (chunks, admissions, recomputed preemptions) a step may carry while it also decodes:
+    # a long step delays every decoding request's next token (the gap between two tokens). None: no cap.
+    max_prefill_tokens_while_decoding: int | None = None
 
 
 class Scheduler:
@@ -77,6 +80,7 @@ class Scheduler:
         out = SchedulerOutput(finished_request_ids=self._finished_since_last_step)
         self._finished_since_last_step = []
         budget = self.limits.max_num_batched_tokens
+        prefill_budget = self._prefill_budget(budget)
         preempted = False
 
         i = 0
@@ -87,6 +91,12 @@ class Scheduler:
                 continue
             num_new = min(request.num_planned_tokens - request.num_computed_tokens, budget)
             assert num_new > 0, "a running request always has a token to compute"
+            if num_new > 1:  # a prompt chunk (or a resumed request's recompute), not a decode
+                num_new = min(num_new, prefill_budget)
+                if num_new == 0:
+                    i += 1
+                    continue
+                prefill_budget -= num_new
             while not self.block_manager.allocate(request, num_new):
                 victim = self.running.pop()  # the most recently admitted
                 self._preempt(victim, out)
@@ -101,7 +111,12 @@ class Scheduler:
             break  # the request itself was preempted: everyone after it is gone too
 
         # Admit waiting requests in arrival order, unless memory was just too short for the running ones.
-        while self.waiting and not preempted and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+        while (
+            self.waiting
+            and not preempted
+            and min(budget, prefill_budget) > 0
+            and len(self.running) < self.limits.max_num_seqs
+        ):
             request = self.waiting[0]
             if request.num_pending_tokens:
                 break  # preempted with a token in flight: it resumes once that token is known (in order)
@@ -109,9 +124,10 @@ class Scheduler:
             if request.num_computed_tokens == 0:
                 cached = self.block_manager.find_cached_prefix(request)
             num_cached_tokens = len(cached) * self.block_manager.block_size
-            num_new = min(request.num_tokens - num_cached_tokens, budget)
+            num_new = min(request.num_tokens - num_cached_tokens, budget, prefill_budget)
             if not self.block_manager.allocate(request, num_new, cached):
                 break  # first come, first served: the head waits for memory
+            prefill_budget -= num_new
             self.waiting.popleft()
             if self.block_manager.enable_prefix_caching and request.num_preemptions == 0:
                 # First admissions only: a resumed request re-finding its own blocks is not a prefix hit.
@@ -129,6 +145,17 @@ class Scheduler:
             self._finished_since_last_step = out.finished_request_ids
             out.finished_request_ids = []
         return out
+
+    def _prefill_budget(self, budget: int) -> int:
+        """The step's budget for prompt tokens: capped while any running request decodes this step."""
+        cap = self.limits.max_prefill_tokens_while_decoding
+        if cap is None or cap >= budget:
+            return budget
+        # Usually settled by the first running request (in steady state everyone decodes).
+        decoding = any(
+            r.num_planned_tokens - r.num_computed_tokens == 1 and not r.has_enough_tokens for r in self.running
+        )
+        return cap if decoding else budget
 
     def _schedule(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
         start = request.num_computed_tokens

@@ -1,0 +1,31 @@
+"""`--engine-arg NAME=VALUE` for the benchmarks: engine keyword arguments from the command line, so one
+device call can compare variants (VALUE is read as JSON when it parses: 2048, null, true; else a string)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+
+def add_engine_arg_option(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an engine keyword argument (repeatable), e.g. max_prefill_tokens_while_decoding=2048",
+    )
+
+
+def engine_kwargs(pairs: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--engine-arg wants NAME=VALUE, got {pair!r}")
+        try:
+            out[name] = json.loads(text)
+        except json.JSONDecodeError:
+            out[name] = text
+    return out

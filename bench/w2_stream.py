@@ -1,0 +1,108 @@
+"""W2 with knobs: the W1 requests as concurrent `async for` streams on AsyncLLMEngine (the workload of
+../shared/peers/w2_stream.py, same draws and the same measures), with engine arguments and the GIL switch
+interval settable, so one device call can compare variants. Prints one JSON line: stream throughput, TTFT
+and inter-token gap percentiles as consumers see them, event-loop lag (a 1 ms ticker).
+
+    python bench/w2_stream.py [--shape qwen3-0.6b] [--streams 256] [--engine-arg NAME=VALUE ...]
+        [--switch-interval SECONDS] [--device cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from engine_args import add_engine_arg_option, engine_kwargs
+from shapes import write_shape_dir
+from w1_throughput import w1_requests
+
+from asyncllm import AsyncLLMEngine, SamplingParams
+
+
+def pct_ms(xs: list[float], q: float) -> float | None:
+    xs = sorted(xs)
+    return round(xs[min(len(xs) - 1, int(q * len(xs)))] * 1000, 2) if xs else None
+
+
+async def run(args: argparse.Namespace, extra: dict) -> dict:
+    model_dir = write_shape_dir(args.shape, Path(tempfile.mkdtemp()) / args.shape)
+    prompts, params = w1_requests(256)
+    prompts, params = prompts[: args.streams], params[: args.streams]
+    engine = AsyncLLMEngine(
+        str(model_dir), device=args.device, load_format="dummy", max_model_len=args.max_model_len, **extra
+    )
+    async with engine:
+        async for _ in engine.stream([1, 2, 3], SamplingParams(max_tokens=16)):
+            pass
+        ttft: list[float] = []
+        itl: list[float] = []
+        lags: list[float] = []
+        counts: list[int] = []
+        done = asyncio.Event()
+
+        async def ticker() -> None:
+            while not done.is_set():
+                t = time.perf_counter()
+                await asyncio.sleep(0.001)
+                lags.append(time.perf_counter() - t - 0.001)
+
+        async def one(prompt: list[int], sp: SamplingParams) -> None:
+            t0 = time.perf_counter()
+            last: float | None = None
+            k = 0
+            async for chunk in engine.stream(prompt, sp):
+                now = time.perf_counter()
+                if last is None:
+                    ttft.append(now - t0)
+                else:
+                    itl.append((now - last) / max(1, len(chunk.token_ids)))
+                last = now
+                k += len(chunk.token_ids)
+            counts.append(k)
+
+        tick = asyncio.create_task(ticker())
+        t = time.perf_counter()
+        await asyncio.gather(*(one(p, sp) for p, sp in zip(prompts, params)))
+        seconds = time.perf_counter() - t
+        done.set()
+        await tick
+    total = sum(counts)
+    return {
+        "workload": f"W2-stream-{args.streams}",
+        "shape": args.shape,
+        "engine_args": extra,
+        "switch_interval_s": sys.getswitchinterval(),
+        "output_tokens": total,
+        "seconds": round(seconds, 2),
+        "tok_s": round(total / seconds, 1),
+        "ttft_p50_ms": pct_ms(ttft, 0.5),
+        "ttft_p99_ms": pct_ms(ttft, 0.99),
+        "itl_p50_ms": pct_ms(itl, 0.5),
+        "itl_p99_ms": pct_ms(itl, 0.99),
+        "itl_p99_over_p50": round(pct_ms(itl, 0.99) / pct_ms(itl, 0.5), 2) if itl else None,  # type: ignore[operator]
+        "loop_lag_p99_ms": pct_ms(lags, 0.99),
+        "loop_lag_max_ms": round(max(lags) * 1000, 2) if lags else None,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="qwen3-0.6b")
+    ap.add_argument("--streams", type=int, default=256)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval before start")
+    add_engine_arg_option(ap)
+    args = ap.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
+    print(json.dumps(asyncio.run(run(args, engine_kwargs(args.engine_arg)))), flush=True)
+
+
+if __name__ == "__main__":
+    main()
