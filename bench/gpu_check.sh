@@ -46,9 +46,10 @@ if has w2ab; then  # W1 and W2 (256 and 16 streams) under scheduling variants, i
   cap=max_prefill_tokens_while_decoding
   (cd bench && for v in "" "--engine-arg $cap=2048"; do
      timeout 150 python3 w1_throughput.py $v 2>&1 | grep -E '^\{|Error' | tail -2; done
-   for v in "" "--engine-arg $cap=2048" "--switch-interval 0.0005" "--engine-arg $cap=2048 --switch-interval 0.0005"; do
+   for v in "" "--engine-arg $cap=2048" "--engine-arg $cap=1024" "--engine-arg $cap=2048 --switch-interval 0.0005"; do
      timeout 150 python3 w2_stream.py $v 2>&1 | grep -E '^\{|Error' | tail -2; done
-   timeout 100 python3 w2_stream.py --streams 16 2>&1 | grep -E '^\{|Error' | tail -2) | tee "$OUT/w2ab.log"
+   timeout 100 python3 w2_stream.py --streams 16 --engine-arg $cap=2048 2>&1 | grep -E '^\{|Error' | tail -2
+  ) | tee "$OUT/w2ab.log"
   while read -r line; do rows+=("w2ab: $line"); done < <(grep '^{' "$OUT/w2ab.log")
 fi
 if has pa; then  # the paged-attention micro-benchmark alone (its launch variants)
