@@ -13,6 +13,7 @@ from pathlib import Path
 
 from engine_args import add_engine_arg_option, engine_kwargs
 from shapes import W1_LIMIT, write_shape_dir
+from triton_compiles import triton_compiles
 
 from asyncllm import LLM, SamplingParams
 
@@ -47,9 +48,10 @@ def main() -> None:
     )
     prompts, params = w1_requests(args.num_seqs)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - t0
+    with triton_compiles() as compiles:
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
     n_out = sum(len(o.token_ids) for o in outs)
     tps = n_out / seconds
     limit = W1_LIMIT.get(args.shape)
@@ -68,6 +70,7 @@ def main() -> None:
                 "kv_blocks": llm.runtime.num_kv_blocks,
                 "preemptions": llm.stats()["num_preemptions"],
                 "engine_args": extra,
+                "triton_compiles_after_warmup": dict(compiles),
             }
         )
     )

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from engine_args import add_engine_arg_option, engine_kwargs
 from shapes import write_shape_dir
+from triton_compiles import triton_compiles
 from w1_throughput import w1_requests
 
 from asyncllm import AsyncLLMEngine, SamplingParams
@@ -66,9 +67,10 @@ async def run(args: argparse.Namespace, extra: dict) -> dict:
             counts.append(k)
 
         tick = asyncio.create_task(ticker())
-        t = time.perf_counter()
-        await asyncio.gather(*(one(p, sp) for p, sp in zip(prompts, params)))
-        seconds = time.perf_counter() - t
+        with triton_compiles() as compiles:
+            t = time.perf_counter()
+            await asyncio.gather(*(one(p, sp) for p, sp in zip(prompts, params)))
+            seconds = time.perf_counter() - t
         done.set()
         await tick
     total = sum(counts)
@@ -87,6 +89,7 @@ async def run(args: argparse.Namespace, extra: dict) -> dict:
         "itl_p99_over_p50": round(pct_ms(itl, 0.99) / pct_ms(itl, 0.5), 2) if itl else None,  # type: ignore[operator]
         "loop_lag_p99_ms": pct_ms(lags, 0.99),
         "loop_lag_max_ms": round(max(lags) * 1000, 2) if lags else None,
+        "triton_compiles_after_warmup": dict(compiles),
     }
 
 
