@@ -75,6 +75,40 @@ def test_first_request_pays_no_compilation(tiny_checkpoints) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_serving_compiles_no_triton_kernel_after_warm_up(tiny_checkpoints, dtype: str) -> None:
+    """Warm-up compiled every variant the steps use: mixed prefill/decode steps of every shape, chunking,
+    each sampling path. A compile mid-serving stalls every stream (a JIT compile, or at best a disk load)."""
+    import triton.knobs
+
+    path = str(tiny_checkpoints["qwen3"])
+    llm = LLM(path, device="cuda", dtype=dtype, block_size=4, max_num_seqs=40, max_num_batched_tokens=80)
+    prompts, greedy = _workload(llm.runtime.vocab_size)
+    prompts += [[3 + i % 50 for i in range(n)] for n in (1, 2, 15, 16, 17, 63, 64, 65, 200)]
+    extra = [
+        SamplingParams(temperature=0.8, seed=1, max_tokens=9),
+        SamplingParams(temperature=0.7, top_k=5, max_tokens=7),
+        SamplingParams(temperature=0.9, top_p=0.8, max_tokens=5),
+        SamplingParams(temperature=1.0, min_p=0.1, repetition_penalty=1.2, presence_penalty=0.5, max_tokens=6),
+        SamplingParams(temperature=0, logprobs=3, max_tokens=4),
+    ]
+    params = greedy + [extra[i % len(extra)] for i in range(len(prompts) - len(greedy))]
+    compiled: list[str] = []
+    previous = triton.knobs.runtime.jit_post_compile_hook
+
+    def hook(**kwargs) -> bool:
+        compiled.append(str(kwargs.get("repr", "?")))
+        return False
+
+    triton.knobs.runtime.jit_post_compile_hook = hook
+    try:
+        llm.generate(prompts, params, use_tqdm=False)
+        llm.generate(prompts[::-1], params[::-1], use_tqdm=False)  # other batch compositions, prefix hits
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = previous
+    assert not compiled, f"{len(compiled)} Triton compilations after warm-up: {compiled[:5]}"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_overlapped_scheduling_equals_serial(tiny_checkpoints, dtype: str) -> None:
     """Planning step N+1 while N runs (tokens fed back on the device) gives the serial tokens exactly, with
     stops, seeded sampling, prefix hits and preemption in play."""
