@@ -3,8 +3,9 @@
 # side-by-side with nano-vllm (../shared/peers, copied to .peers and carried); ends with a short table.
 # Usage (device machine, repo root): bash bench/gpu_check.sh [STEPS]   STEPS: comma list of
 #   tests, kernels, startup, compare (default: all four); COMPARE_STEPS overrides compare.sh's steps;
-#   also quicktests, gemm, pa, w2ab (W1/W2 under scheduling variants), and on two GPUs tptests, tpbench
-#   (tensor parallelism).
+#   also quicktests, gemm, pa, w2ab (W1/W2 under scheduling variants), w1prof (W1 plain + under
+#   torch.profiler, ~2 min), w4 (long-context prefill and decode, 16K/32K, two token budgets, ~1 min), and
+#   on two GPUs tptests, tpbench (tensor parallelism).
 # Set-up here first: rm -rf .peers && cp -r ../shared/peers .peers && cp -r ../shared/models/qwen3-tokenizer .peers/
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -68,6 +69,15 @@ for l in sys.stdin:
     d = json.loads(l); print({k: d[k] for k in d if k in ("kernel", "tokens", "eager_us", "compiled_us", "triton_us", "winner", "triton_pct_of_copy_bw")})')
   timeout 120 python3 bench/kernels/bench_paged_attention.py 2>&1 | tee "$OUT/bench_paged_attention.log" | tail -4
   rows+=("kernel decode: $(grep '"kernel": "decode"' "$OUT/bench_paged_attention.log" | tail -1)")
+fi
+if has w1prof; then  # where W1's wall time goes (issue 9); the key_averages table lands in $OUT
+  (cd bench && OUT="$OUT" timeout 300 python3 w1_profile.py --shape qwen3-0.6b) 2>&1 | tee "$OUT/w1_profile.log" \
+    | grep -E '^\{|Error|Traceback'
+  while read -r line; do rows+=("w1prof: $line"); done < <(grep '^{' "$OUT/w1_profile.log")
+fi
+if has w4; then  # long context: prefill tok/s vs the compute limit, decode ms/token, chunked vs one chunk
+  (cd bench && timeout 240 python3 w4_prefill.py --shape qwen3-0.6b) 2>&1 | tee "$OUT/w4.log" | grep -E '^\{|Error|Traceback'
+  while read -r line; do rows+=("w4: $line"); done < <(grep '^{' "$OUT/w4.log")
 fi
 if has startup; then
   (cd bench && timeout 200 python3 startup.py --shape qwen3-0.6b) 2>&1 | tee "$OUT/startup.log" | tail -2
