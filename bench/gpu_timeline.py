@@ -112,3 +112,40 @@ def split_off(
     out[source] = (src_us - us, src_n - count)
     out[target] = (us, count)
     return out
+
+
+STEP_END_MARKER = "argmax_reduce"  # the sampler's last kernel: one per engine step
+
+
+def step_kinds(events: Sequence[DeviceInterval], end_marker: str = STEP_END_MARKER) -> dict[str, dict[str, float]]:
+    """Engine steps cut at the sampler's last kernel, split by kind: "mixed" (a prompt chunk ran prefill
+    attention in it) or "decode". Per kind: steps, time from one step's end to the next (the step as the
+    GPU saw it, idle included), busy time (union of its intervals), and its top categories. Tells whether
+    mixed steps are slow for their work (busy) or for the host (idle)."""
+    ordered = sorted(events, key=lambda e: e.start_us)
+    out: dict[str, dict[str, float]] = {}
+    current: list[DeviceInterval] = []
+    previous_end: float | None = None
+    for e in ordered:
+        current.append(e)
+        if end_marker not in e.name.lower():
+            continue
+        if previous_end is not None:  # the first step has no start boundary: left out
+            kind = "mixed" if any(categorize(x.name) == "prefill_attention" for x in current) else "decode"
+            row = out.setdefault(kind, {"steps": 0, "span_ms": 0.0, "busy_ms": 0.0})
+            row["steps"] += 1
+            row["span_ms"] += (e.end_us - previous_end) / 1e3
+            merged = merge((max(x.start_us, previous_end), x.end_us) for x in current if x.end_us > previous_end)
+            row["busy_ms"] += sum(b - a for a, b in merged) / 1e3
+            for x in current:
+                key = "cat_" + categorize(x.name) + "_ms"
+                row[key] = row.get(key, 0.0) + (x.end_us - x.start_us) / 1e3
+        previous_end = e.end_us
+        current = []
+    for row in out.values():
+        n = row["steps"] or 1
+        row["mean_span_us"] = 1e3 * row["span_ms"] / n
+        row["mean_busy_us"] = 1e3 * row["busy_ms"] / n
+        for key in list(row):
+            row[key] = round(row[key], 2)
+    return out

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gpu_timeline import DeviceInterval, categorize, gap_histogram, split_off, summarize
+from gpu_timeline import DeviceInterval, categorize, gap_histogram, split_off, step_kinds, summarize
 from shapes import SHAPES, W1_LIMIT, write_shape_dir
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
@@ -150,7 +150,8 @@ def main() -> None:
     parse_s = time.perf_counter() - t0
 
     vocab = SHAPES[args.shape]["vocab_size"]
-    timeline = summarize(device_intervals(events))
+    intervals = device_intervals(events)
+    timeline = summarize(intervals)
     lm_us, lm_n = lm_head_gemms(events, vocab)
     graph_launches = sum(1 for e in events if e.device_type == DeviceType.CPU and e.name.startswith("cudaGraphLaunch"))
     wall_us = profiled.seconds * 1e6
@@ -214,6 +215,7 @@ def main() -> None:
         ),
         flush=True,
     )
+    print(json.dumps(head | {"run": "profiled", "step_kinds": step_kinds(intervals)}), flush=True)
     largest = sorted(timeline.gaps_us, reverse=True)[:5]
     print(
         json.dumps(

@@ -100,6 +100,24 @@ def _event(name: str, device: DeviceType, start: float = 0.0, end: float = 0.0, 
     return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end), **fields)
 
 
+def test_step_kinds_cut_at_the_sampler(bench: dict[str, ModuleType]) -> None:
+    iv = bench["gpu_timeline"].DeviceInterval
+    events = [
+        iv("_argmax_reduce_kernel", 0, 1),  # the end of a step before the trace: a boundary only
+        iv("nvjet_gemm", 2, 10),
+        iv("_prefill_kernel", 10, 20),
+        iv("_argmax_reduce_kernel", 20, 21),  # a mixed step: 21 us from the last end, 19 busy
+        iv("_decode_split_kernel", 31, 35),
+        iv("_argmax_reduce_kernel", 35, 36),  # a decode step: 15 us, 5 busy
+        iv("rms_norm", 40, 41),  # after the last step end: not a step
+    ]
+    kinds = bench["gpu_timeline"].step_kinds(events)
+    assert kinds["mixed"]["steps"] == 1 and kinds["decode"]["steps"] == 1
+    assert kinds["mixed"]["mean_span_us"] == 20.0 and kinds["mixed"]["mean_busy_us"] == 19.0
+    assert kinds["decode"]["mean_span_us"] == 15.0 and kinds["decode"]["mean_busy_us"] == 5.0
+    assert kinds["mixed"]["cat_prefill_attention_ms"] == 0.01
+
+
 def test_profiler_event_readers(bench: dict[str, ModuleType]) -> None:
     """Device intervals skip CPU events and GPU-side annotations; the LM head is the GEMMs of ops that take a
     vocabulary-sized operand (not the sampler's non-GEMM kernels on the logits, not the other GEMMs)."""
@@ -173,7 +191,7 @@ def test_w1_profile_runs_on_cpu(bench: dict[str, ModuleType], monkeypatch, capsy
     monkeypatch.setenv("OUT", str(tmp_path))
     bench["w1_profile"].main()
     lines = _json_lines(capsys.readouterr().out)
-    assert [line["run"] for line in lines] == ["plain", "profiled", "profiled", "profiled", "profiled", "gap_to_limit"]
+    assert [line["run"] for line in lines] == ["plain", *["profiled"] * 5, "gap_to_limit"]
     assert lines[0]["output_tokens"] == 8 and lines[1]["engine_steps"] == lines[0]["engine_steps"]
     assert lines[1]["prefix_cache_hit_rate_before_after"] == [0.0, 0.0]  # the profiled pass is not a cached replay
     assert "aten::" in (tmp_path / "w1_profile_key_averages.txt").read_text()
