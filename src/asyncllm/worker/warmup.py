@@ -17,7 +17,9 @@ from asyncllm.sampling_params import SamplingParams
 from asyncllm.worker.model_runner import ModelRunner
 
 _GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
-_RANDOM = SamplingParams(temperature=0.7, top_p=0.9, ignore_eos=True)
+_FILTERED = SamplingParams(temperature=0.7, top_p=0.9, ignore_eos=True)  # the draw reads float32 logits
+_PLAIN = SamplingParams(temperature=0.7, ignore_eos=True)  # the draw reads the model's own logits dtype
+_PARAMS = (_GREEDY, _FILTERED, _PLAIN)  # every sampling path and each logits dtype the draw kernel sees
 
 
 def warm_up(
@@ -44,11 +46,11 @@ def warm_up(
         return time.perf_counter() - start  # too small to warm up within its own limits: the first request compiles
     tables = [_blocks(i, prompt_len + 1, block_size, num_blocks) for i in range(num_seqs)]
     ids = [[(7 * i + j) % 97 for j in range(prompt_len)] for i in range(num_seqs)]
-    new = [NewRequestData(f"warmup-{i}", ids[i], _GREEDY if i % 2 == 0 else _RANDOM, seed=i) for i in range(num_seqs)]
+    new = [NewRequestData(f"warmup-{i}", ids[i], _PARAMS[i % len(_PARAMS)], seed=i) for i in range(num_seqs)]
     first = list(range(per_step))
     steps = [SchedulerOutput(seqs=[_seq(i, ids[i], 0, tables[i]) for i in first], new_requests=new[:per_step])]
     if num_seqs == 3:
-        # a decode beside a prefill: both attention paths in one step
+        # a decode beside a prefill: both attention paths in one step (and the unfiltered draw: greedy + plain)
         mixed = [_seq(0, [1], prompt_len, tables[0]), _seq(2, ids[2], 0, tables[2])]
         steps.append(SchedulerOutput(seqs=mixed, new_requests=new[2:]))
     # decodes only, fed the tokens just sampled on the device as overlapped scheduling does (PLACEHOLDER),
