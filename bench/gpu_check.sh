@@ -31,9 +31,11 @@ if has quicktests; then  # what changed since the full run: engine-level GPU tes
     | grep -E "passed|failed|Error|error" | tail -25
   rows+=("gpu tests (quick): $(tail -1 "$OUT/gpu_tests.log")")
 fi
-if has tptests; then  # tensor parallelism, 2 GPUs (kind nvidia-h200-x2): tests, then the ring's step latency
-  python3 -m pytest -q -s -p no:cacheprovider -o addopts="" tests/gpu/test_tp.py 2>&1 | tee "$OUT/tp_tests.log" \
-    | grep -E "passed|failed|Error|error|agreement" | tail -25
+if has tptests; then  # tensor parallelism, 2 GPUs (kind nvidia-h200-x2): all-reduce, tests, the ring's step latency
+  timeout 90 python3 bench/allreduce_bench.py 2>&1 | tee "$OUT/allreduce.log" | grep -E '^\{|Error|error|Traceback'
+  while read -r line; do rows+=("allreduce: $line"); done < <(grep '^{' "$OUT/allreduce.log")
+  python3 -m pytest -q -s -p no:cacheprovider -o addopts="" tests/gpu/test_custom_all_reduce.py tests/gpu/test_tp.py \
+    2>&1 | tee "$OUT/tp_tests.log" | grep -E "passed|failed|Error|error|agreement" | tail -25
   rows+=("tp tests: $(tail -1 "$OUT/tp_tests.log")")
   timeout 100 python3 bench/ring_step_latency.py --messages 3000 --gaps-us 20 --spin-us 1000 2>&1 | tee "$OUT/ring_step.log" | tail -1
   timeout 100 python3 bench/ring_step_latency.py --messages 3000 --gaps-us 2000 2>&1 | tee -a "$OUT/ring_step.log" | tail -1

@@ -97,6 +97,7 @@ def test_unknown_argument_is_a_type_error_naming_it() -> None:
         ("cpu_kv_cache_gib", True),
         ("enable_prefix_caching", 1),
         ("enforce_eager", "no"),
+        ("tp_custom_all_reduce", 1),
         ("seed", 1.0),
         ("seed", None),
         ("tokenizer", 5),

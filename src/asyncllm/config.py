@@ -169,9 +169,16 @@ class ParallelConfig:
         "Ranks one model is split across on this host (worker processes; one GPU each on CUDA, gloo on CPU). "
         "Must divide the model's attention heads; checked against the model and the GPUs when the engine starts.",
     )
+    tp_custom_all_reduce: bool = arg(
+        True,
+        "On CUDA with tensor_parallel_size > 1, sum all-reduces up to a decode step's hidden states "
+        "([max_num_seqs, hidden], bfloat16/float32) with a one-shot kernel over symmetric memory instead of NCCL "
+        "(faster for small messages); checked against NCCL at start-up, NCCL on any failure. False: NCCL only.",
+    )
 
     def __post_init__(self) -> None:
         check_int(_fail, "tensor_parallel_size", self.tensor_parallel_size, "an integer >= 1", lo=1)
+        check_bool(_fail, "tp_custom_all_reduce", self.tp_custom_all_reduce)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -18,6 +18,7 @@ from asyncllm.config import EngineConfig
 from asyncllm.distributed.parallel_state import ParallelContext, open_rendezvous
 from asyncllm.distributed.shm_ring import RingTimeoutError
 from asyncllm.distributed.shm_writer import ShmRingWriter
+from asyncllm.distributed.symm_all_reduce import buffer_bytes
 from asyncllm.errors import InvalidConfigError
 from asyncllm.executor.interface import ModelRunnerOutput, RuntimeInfo, SchedulerOutput, StepResult
 from asyncllm.executor.step_codec import StepEncoder
@@ -26,7 +27,7 @@ from asyncllm.executor.worker_procs import WorkerProcesses
 from asyncllm.model_loader.base import Checkpoint
 from asyncllm.models.config import ModelArchConfig
 from asyncllm.models.tensor_parallel import check_tensor_parallel
-from asyncllm.worker.device import resolve_device
+from asyncllm.worker.device import resolve_device, resolve_dtype
 from asyncllm.worker.worker import Worker
 
 _START_TIMEOUT_S = 600.0  # spawn, import torch, load a shard, profile, capture graphs: all ranks at once
@@ -52,12 +53,23 @@ def check_parallel_devices(device: torch.device, world_size: int) -> int | None:
     return base
 
 
+def custom_all_reduce_bytes(config: EngineConfig, hidden_size: int, dtype: torch.dtype, device: torch.device) -> int:
+    """The custom all-reduce's buffer: one decode step's hidden states, [max_num_seqs, hidden] in the model's
+    dtype (larger messages, prefill chunks, go through NCCL); 0 turns it off."""
+    if not config.parallel_config.tp_custom_all_reduce or device.type != "cuda":
+        return 0
+    return buffer_bytes(config.scheduler_config.max_num_seqs, hidden_size, dtype)
+
+
 class MultiProcExecutor:
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint) -> None:
         world = config.parallel_config.tensor_parallel_size
         device = resolve_device(config.device_config.device)
-        check_tensor_parallel(ModelArchConfig.from_hf(checkpoint.hf_config, config.model_config.max_model_len), world)
+        arch = ModelArchConfig.from_hf(checkpoint.hf_config, config.model_config.max_model_len)
+        check_tensor_parallel(arch, world)
         cuda_base = check_parallel_devices(device, world)
+        dtype = resolve_dtype(config.model_config.dtype, device, checkpoint.hf_config)
+        all_reduce_bytes = custom_all_reduce_bytes(config, arch.hidden_size, dtype, device)
         self._closed = False
         self._started = True
         self._ring = ShmRingWriter(world - 1)
@@ -75,12 +87,13 @@ class MultiProcExecutor:
                     rendezvous,
                     threads,
                     None if cuda_base is None else cuda_base + rank,
+                    all_reduce_bytes,
                 )
                 for rank in range(1, world)
             ]
             self._procs = WorkerProcesses(specs)
             self._procs.wait_for(ATTACHED, _START_TIMEOUT_S)
-            self._parallel = ParallelContext(store, 0, world, device)
+            self._parallel = ParallelContext(store, 0, world, device, all_reduce_bytes)
             self._procs.on_death = self._parallel.abort  # NCCL: a dead peer's collective would never end
             self._worker = Worker(config, checkpoint, self._parallel)
             self._runtime = set_up(self._worker, self._parallel)

@@ -42,6 +42,7 @@ class WorkerSpec:
     rendezvous: Rendezvous
     num_threads: int  # torch CPU threads: the host's cores shared among the ranks
     cuda_device: int | None  # the GPU this rank owns (rank 0's index + rank); None on CPU
+    custom_all_reduce_bytes: int  # rank 0's choice (every rank must size the shared buffer alike); 0: NCCL only
 
 
 def set_up(worker: Worker, parallel: ParallelContext) -> RuntimeInfo:
@@ -82,7 +83,7 @@ def run_worker(spec: WorkerSpec, parent_alive: Connection, status: Connection) -
         device = resolve_device(spec.config.device_config.device)
         with ShmRingReader.attach(spec.ring) as reader:
             _send(status, ATTACHED)
-            parallel = ParallelContext.join(spec.rendezvous, spec.rank, device)
+            parallel = ParallelContext.join(spec.rendezvous, spec.rank, device, spec.custom_all_reduce_bytes)
             mc = spec.config.model_config
             worker = Worker(spec.config, open_checkpoint(mc.model, torch.float32, mc.tokenizer), parallel)
             set_up(worker, parallel)
