@@ -25,6 +25,11 @@ if has tests; then
     tests/kernels tests/attention/test_triton_backend.py 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error|error" | tail -25
   rows+=("gpu tests: $(tail -1 "$OUT/gpu_tests.log")")
 fi
+if has graphtests; then  # the engine-level CUDA-graph tests alone (warm-up, compilation, graphs vs eager)
+  python3 -m pytest -q -s -p no:cacheprovider -o addopts="" tests/gpu/test_cuda_graphs.py 2>&1 \
+    | tee "$OUT/graph_tests.log" | grep -E "passed|failed|Error|error" | tail -15
+  rows+=("gpu tests (graphs): $(tail -1 "$OUT/graph_tests.log")")
+fi
 if has quicktests; then  # what changed since the full run: engine-level GPU tests and the sampling kernel
   python3 -m pytest -q -s -p no:cacheprovider -o addopts="" tests/gpu tests/sample/test_sampler_cuda.py \
     tests/kernels/test_sampling.py tests/kernels/test_paged_attention.py 2>&1 | tee "$OUT/gpu_tests.log" \
@@ -34,8 +39,9 @@ fi
 if has tptests; then  # tensor parallelism, 2 GPUs (kind nvidia-h200-x2): all-reduce, tests, the ring's step latency
   timeout 90 python3 bench/allreduce_bench.py 2>&1 | tee "$OUT/allreduce.log" | grep -E '^\{|Error|error|Traceback'
   while read -r line; do rows+=("allreduce: $line"); done < <(grep '^{' "$OUT/allreduce.log")
+  # TP_TESTS_K narrows the TP tests (pytest -k), e.g. "not bf16 or qwen3" when the call is short of time.
   python3 -m pytest -q -s -p no:cacheprovider -o addopts="" tests/gpu/test_custom_all_reduce.py tests/gpu/test_tp.py \
-    2>&1 | tee "$OUT/tp_tests.log" | grep -E "passed|failed|Error|error|agreement" | tail -25
+    -k "${TP_TESTS_K:-}" 2>&1 | tee "$OUT/tp_tests.log" | grep -E "passed|failed|Error|error|agreement" | tail -25
   rows+=("tp tests: $(tail -1 "$OUT/tp_tests.log")")
   timeout 100 python3 bench/ring_step_latency.py --messages 3000 --gaps-us 20 --spin-us 1000 2>&1 | tee "$OUT/ring_step.log" | tail -1
   timeout 100 python3 bench/ring_step_latency.py --messages 3000 --gaps-us 2000 2>&1 | tee -a "$OUT/ring_step.log" | tail -1

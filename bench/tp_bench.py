@@ -23,12 +23,15 @@ from pathlib import Path
 from random import Random
 from typing import Any
 
+from engine_args import add_engine_arg_option
+
 HERE = Path(__file__).resolve().parent
 
 
 def run_size(args: argparse.Namespace) -> None:
     """The child: one engine of `args.child` ranks, W5 then W1."""
     sys.path.insert(0, str(HERE))
+    from engine_args import engine_kwargs
     from shapes import W1_LIMIT, write_shape_dir
     from w1_throughput import w1_requests
 
@@ -43,8 +46,11 @@ def run_size(args: argparse.Namespace) -> None:
         max_model_len=4096,
         attention_backend=args.attention_backend,
         tensor_parallel_size=args.child,
+        **engine_kwargs(args.engine_arg),
     )
     base = {"shape": args.shape, "tp": args.child, "kv_blocks": llm.runtime.num_kv_blocks}
+    if args.engine_arg:
+        base["engine_args"] = engine_kwargs(args.engine_arg)
     base["startup_s"] = round(time.perf_counter() - start, 1)
     llm.generate([[1, 2, 3]], SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=16), use_tqdm=False)
     rng = Random(1)
@@ -84,6 +90,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script itself")
     ap.add_argument("--w5-tokens", type=int, default=512, help="decode tokens timed for W5")
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    add_engine_arg_option(ap)
     args = ap.parse_args()
     if args.child is not None:
         run_size(args)
@@ -94,6 +101,7 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--child", str(size), "--shape", args.shape]
         cmd += ["--attention-backend", args.attention_backend, "--device", args.device]
         cmd += ["--w5-tokens", str(args.w5_tokens)] + (["--skip-w1"] if args.skip_w1 else [])
+        cmd += [f"--engine-arg={pair}" for pair in args.engine_arg]
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False)
         for line in proc.stdout.splitlines():
             if line.startswith("{"):
