@@ -189,13 +189,17 @@ def workers():
     return found
 
 async def main():
-    engine = AsyncLLMEngine(sys.argv[1], device="cuda", dtype="bfloat16", num_kv_blocks=256, tensor_parallel_size=2)
+    engine = AsyncLLMEngine(
+        sys.argv[1], device="cuda", dtype="bfloat16", num_kv_blocks=256, tensor_parallel_size=2,
+        tp_custom_all_reduce=sys.argv[2] == "custom",
+    )
     (pid,) = workers()
     streams = [engine.add_request([i + 3, 5, 9], SamplingParams(max_tokens=2000, ignore_eos=True)) for i in range(8)]
     iterators = [s.__aiter__() for s in streams]
     for it in iterators:
         await asyncio.wait_for(it.__anext__(), 120)
     os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
     for it in iterators:
         try:
             async for _ in it:
@@ -203,6 +207,7 @@ async def main():
         except EngineDeadError:
             continue
         raise SystemExit("a stream ended without EngineDeadError")
+    print(f"DEAD_IN {time.monotonic() - killed:.2f}", flush=True)
     start = time.monotonic()
     await engine.aclose()
     print(f"SHUTDOWN_OK {time.monotonic() - start:.2f}", flush=True)
@@ -212,15 +217,16 @@ asyncio.run(main())
 """
 
 
-def test_shutdown_ends_after_a_worker_dies_mid_stream(tiny_checkpoints: dict[str, Path]) -> None:
-    """SIGKILL the worker while rank 0 replays decode graphs full of custom all-reduces: its kernels would wait
-    for the dead rank for ever, and no NCCL abort reaches them. Every stream fails with EngineDeadError and
-    shutdown ends (abort drains the kernels' signal flags). In a child process: a hang fails this test only."""
+@pytest.mark.parametrize("path", ["custom", "nccl"])
+def test_shutdown_ends_after_a_worker_dies_mid_stream(tiny_checkpoints: dict[str, Path], path: str) -> None:
+    """SIGKILL the worker while rank 0 replays decode graphs full of all-reduces: custom ones would wait for the
+    dead rank for ever (no NCCL abort reaches them), NCCL ones until the abort. Every stream fails with
+    EngineDeadError within a second and shutdown ends. In a child process: a hang fails this test only."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     try:
         done = subprocess.run(
-            [sys.executable, "-c", _KILL_SCRIPT, str(tiny_checkpoints["qwen3"])],
+            [sys.executable, "-c", _KILL_SCRIPT, str(tiny_checkpoints["qwen3"]), path],
             env=env,
             capture_output=True,
             text=True,
@@ -228,7 +234,10 @@ def test_shutdown_ends_after_a_worker_dies_mid_stream(tiny_checkpoints: dict[str
         )
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"the engine did not shut down after its worker died (stderr tail: {str(exc.stderr)[-2000:]})")
-    assert "custom all-reduce on" in done.stderr, done.stderr[-3000:]
+    assert ("custom all-reduce on" in done.stderr) == (path == "custom"), done.stderr[-3000:]
     assert done.returncode == 0 and "SHUTDOWN_OK" in done.stdout, done.stderr[-3000:]
+    dead_in = float(done.stdout.split("DEAD_IN")[1].split()[0])
     seconds = float(done.stdout.split("SHUTDOWN_OK")[1].split()[0])
-    assert seconds < 60, f"shutdown took {seconds} s"
+    print(f"{path}: every stream failed {dead_in:.2f} s after the kill; shutdown took {seconds:.2f} s")
+    assert dead_in < 1.0, f"streams learnt of the dead worker after {dead_in} s"
+    assert seconds < 10, f"shutdown took {seconds} s"

@@ -76,8 +76,13 @@ class Sampler:
         else:
             temperature = [0.0 if s.greedy else (1.0 if s.filters else s.params.temperature) for s in states]
             n = len(states)
-            draws = to_device([s.seed for s in states] + [s.num_sampled for s in states], torch.int64, self.device)
-            token_ids = self._draw(x, to_device(temperature, torch.float32, self.device), draws[:n], draws[n:])
+            # Offsets start at an even index, 16-byte aligned whatever n is: Triton specialises a kernel on its
+            # pointers' alignment, and an odd n compiled a second variant of the draw kernel mid-serving.
+            m = n + (n & 1)
+            seeds = [s.seed for s in states] + [0] * (m - n)
+            draws = to_device(seeds + [s.num_sampled for s in states], torch.int64, self.device)
+            temperatures = to_device(temperature, torch.float32, self.device)
+            token_ids = self._draw(x, temperatures, draws[:n], draws[m:])
         for state in states:
             state.num_sampled += 1  # the offset of its next draw: known now, with no sync
         self.penalties.record(states, token_ids)
