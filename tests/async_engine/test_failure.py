@@ -55,6 +55,36 @@ async def test_fault_in_forward_kills_engine_and_every_stream(make_engine: Engin
     engine.shutdown()  # still fine, and idempotent
 
 
+async def test_shutdown_of_a_dead_engine_does_not_wait_on_a_stuck_release(make_engine: EngineFactory) -> None:
+    """A dead tensor-parallel peer can leave a kernel spinning on the GPU, and the step thread's release of the
+    device (a device-wide sync) stuck behind it for good: the engine is dead already, so shutdown returns after
+    a short bound instead of the minute a live step in flight is given."""
+    engine, built = make_engine(step_delay=0.002, max_model_len=4096)
+    stuck = threading.Event()
+    released = threading.Event()
+
+    def blocking_shutdown() -> None:
+        stuck.set()
+        released.wait(30)
+
+    built.executor.shutdown = blocking_shutdown  # type: ignore[method-assign]
+    stream = engine.add_request([1, 5, 9], SamplingParams())
+    reader = asyncio.create_task(_drain(stream))
+    await asyncio.sleep(0.02)
+    built.executor.fail_after_steps = built.executor.num_steps
+    with pytest.raises(EngineDeadError):
+        await asyncio.wait_for(reader, 1.0)
+    assert await asyncio.to_thread(stuck.wait, 1.0)
+    t0 = time.monotonic()
+    try:
+        await asyncio.wait_for(engine.aclose(), 10)
+        assert time.monotonic() - t0 < 5.0
+        assert engine.step_thread_alive  # left behind, still releasing
+    finally:
+        released.set()
+    await _join(engine)
+
+
 async def test_shutdown_ends_pending_streams(make_engine: EngineFactory) -> None:
     engine, built = make_engine(step_delay=0.002, max_model_len=4096)
     streams = [engine.add_request([i + 1, 7], SamplingParams()) for i in range(10)]

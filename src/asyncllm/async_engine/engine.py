@@ -32,6 +32,9 @@ Prompt = str | list[int]
 __all__ = ["DEFAULT_MAX_STEP_SECONDS", "AsyncLLMEngine", "EngineStalledError", "Prompt"]
 
 _SHUTDOWN_JOIN_S = 60.0  # longest a shutdown waits for a step in flight before giving up on the join
+# A dead engine has no step in flight, only its release of the device, which a kernel stuck on a dead
+# tensor-parallel peer can block for good: the shutdown waits this long, then leaves the (daemon) thread.
+_DEAD_JOIN_S = 3.0
 
 
 class AsyncLLMEngine:
@@ -237,4 +240,4 @@ class AsyncLLMEngine:
 def _shutdown(step_loop: StepLoop, admission: Admission) -> None:
     step_loop.request_stop()  # streams fail first, so the tokenizer thread skips what is left in its queue
     admission.stop(_SHUTDOWN_JOIN_S)
-    step_loop.shutdown(_SHUTDOWN_JOIN_S)
+    step_loop.shutdown(_DEAD_JOIN_S if step_loop.failure is not None else _SHUTDOWN_JOIN_S)

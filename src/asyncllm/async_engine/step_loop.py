@@ -75,6 +75,7 @@ class StepLoop:
         self._stopping = False
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
+        self.failure: BaseException | None = None  # what killed the loop (None: running, or shut down)
         self._outputs: list[RequestDelta] = []  # the current step's outputs (step thread only)
         self.built: Built | None = None
         self.stats: dict[str, float | int] = {}  # replaced (never mutated) after every step
@@ -123,7 +124,15 @@ class StepLoop:
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
             if self._thread.is_alive():
-                logger.warning("asyncllm step thread still busy %.1f s after shutdown was asked", timeout)
+                if self.failure is not None:
+                    logger.warning(
+                        "asyncllm step thread still releasing the device %.1f s after the engine died; left "
+                        "behind (a kernel may wait on a dead tensor-parallel peer: the device stays held until "
+                        "this process exits)",
+                        timeout,
+                    )
+                else:
+                    logger.warning("asyncllm step thread still busy %.1f s after shutdown was asked", timeout)
 
     @property
     def is_alive(self) -> bool:
@@ -161,7 +170,7 @@ class StepLoop:
         try:
             self._serve(core)
         except BaseException as exc:  # any failure of the loop kills the engine, never silently
-            cause = exc
+            cause = self.failure = exc
             logger.error("asyncllm step loop failed; the engine is dead", exc_info=exc)
         finally:
             self._stopping = True
