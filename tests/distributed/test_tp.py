@@ -235,6 +235,36 @@ async def test_killed_worker_kills_every_stream_within_a_second(tiny_checkpoints
     await engine.aclose()
 
 
+def test_shutdown_after_a_worker_death_does_not_wait_on_a_stuck_device(tiny_checkpoints, monkeypatch) -> None:
+    """On a GPU, a kernel waiting on the dead peer can block rank 0's release of its device for good (a device-wide
+    sync). Here rank 0's release is made to block like that: `LLM.shutdown` still returns within seconds, leaving
+    it behind, and the dead worker is reaped."""
+    from asyncllm.worker.worker import Worker
+
+    llm = LLM(str(tiny_checkpoints["qwen3"]), device="cpu", num_kv_blocks=64, tensor_parallel_size=2)
+    (pid,) = worker_processes()
+    stuck, release = threading.Event(), threading.Event()
+    original = Worker.shutdown
+
+    def blocking_release(self: Worker) -> None:
+        stuck.set()
+        release.wait(60)
+        original(self)
+
+    monkeypatch.setattr(Worker, "shutdown", blocking_release)
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(WorkerDiedError, match="SIGKILL"):
+        llm.generate([[3, 4, 5]], SamplingParams(max_tokens=4), use_tqdm=False)
+    start = time.monotonic()
+    try:
+        llm.shutdown()
+        assert time.monotonic() - start < 8.0
+        assert stuck.is_set()
+    finally:
+        release.set()
+    assert not worker_processes()
+
+
 def test_workers_exit_when_the_engine_process_is_killed(tiny_checkpoints: dict[str, Path]) -> None:
     """SIGKILL the process that owns a TP engine (a script with no `__main__` guard): its worker exits at once
     (it watches a pipe from it) and its ring segment is removed (the owner's resource tracker)."""

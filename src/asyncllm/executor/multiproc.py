@@ -9,8 +9,11 @@ the step loop turns into `EngineDeadError` for every stream. Shutdown leaves no 
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -37,6 +40,11 @@ _RENDEZVOUS_TIMEOUT_S = 120.0  # joining the store and building the group, once 
 # stall this long mid-message means a dead or stuck one (the ring is then abandoned and the engine fails).
 _WRITE_POLL_S = 1.0
 _JOIN_S = 10.0  # a clean shutdown waits this long for the workers to exit before killing them
+# After a peer died, rank 0's release of its device (a device-wide sync) may wait for good on a kernel stuck
+# on the dead peer (one no NCCL abort reaches): waited this long, then left to a daemon thread.
+_DEAD_RELEASE_S = 3.0
+
+logger = logging.getLogger(__name__)
 
 
 def check_parallel_devices(device: torch.device, world_size: int) -> int | None:
@@ -160,13 +168,29 @@ class MultiProcExecutor:
             parallel.abort()  # before anything waits on the device: a collective may wait for the dead rank
         try:
             if worker is not None:
-                worker.shutdown()
+                if healthy:
+                    worker.shutdown()
+                else:
+                    _bounded(worker.shutdown, _DEAD_RELEASE_S)
         finally:
             self._worker = None
             if parallel is not None:
                 parallel.close()  # gloo: a worker left waiting in a collective with rank 0 fails at once
             if procs is not None:
                 procs.stop(_JOIN_S if healthy else 1.0)
+
+
+def _bounded(release: Callable[[], None], timeout_s: float) -> None:
+    """Run `release` in a daemon thread for at most `timeout_s`; past that, leave it running (and say so)."""
+    thread = threading.Thread(target=release, name="asyncllm-release", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        logger.warning(
+            "rank 0's device release still waits %.0f s after a tensor-parallel peer died (a kernel waits on the "
+            "dead peer): left behind; the device stays held until this process exits",
+            timeout_s,
+        )
 
 
 def _stop_workers(ring: ShmRingWriter, procs: WorkerProcesses) -> None:
