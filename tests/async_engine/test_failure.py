@@ -78,7 +78,7 @@ async def test_shutdown_of_a_dead_engine_does_not_wait_on_a_stuck_release(make_e
     t0 = time.monotonic()
     try:
         await asyncio.wait_for(engine.aclose(), 10)
-        assert time.monotonic() - t0 < 5.0
+        assert time.monotonic() - t0 < 8.0
         assert engine.step_thread_alive  # left behind, still releasing
     finally:
         released.set()

@@ -113,15 +113,20 @@ def test_prompts_are_capped_while_requests_decode() -> None:
     assert h.executor.steps[-1].num_batched_tokens == 13
     h.add("b", _prompt(rng, 10), max_tokens=2)
     h.add("c", _prompt(rng, 4), max_tokens=2)
+    prompt_len = {"a": 13, "b": 10, "c": 4}
     chunks: list[int] = []
     while "b" not in h.reasons or "c" not in h.reasons:
         h.step()
         seqs = {s.request_id: s for s in h.executor.steps[-1].seqs}
         assert "a" in seqs and seqs["a"].num_tokens == 1  # the decoding request advances every step
-        prompt_tokens = sum(s.num_tokens for rid, s in seqs.items() if rid != "a" and s.num_tokens > 1)
+        prompt_tokens = sum(
+            min(s.start_pos + s.num_tokens, prompt_len[rid]) - s.start_pos
+            for rid, s in seqs.items()
+            if s.start_pos < prompt_len[rid]
+        )
         assert prompt_tokens <= 3
         chunks.append(seqs["b"].num_tokens if "b" in seqs else 0)
-    assert chunks[:4] == [3, 3, 3, 1]  # b's 10 prompt tokens, 3 per step, then its decode
+    assert chunks[:5] == [3, 3, 3, 1, 1]  # b's 10 prompt tokens, 3 per step, then its decode
     h.run()
     for rid in "abc":
         assert h.tokens[rid] == h.expected(rid)

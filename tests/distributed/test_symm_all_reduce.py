@@ -17,6 +17,7 @@ import torch
 from torch._C._distributed_c10d import HashStore, ProcessGroupGloo, _resolve_process_group
 
 from asyncllm.config import EngineConfig
+from asyncllm.distributed.agree import choose_together
 from asyncllm.distributed.parallel_state import ParallelContext
 from asyncllm.distributed.symm_all_reduce import SymmMemAllReduce, buffer_bytes, register_group, unregister_group
 from asyncllm.executor.multiproc import custom_all_reduce_bytes
@@ -31,12 +32,15 @@ def test_buffer_holds_one_decode_step() -> None:
 
 def test_engine_argument_and_device_choose_the_size() -> None:
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    on = EngineConfig.from_kwargs("m", max_num_seqs=8)
-    off = EngineConfig.from_kwargs("m", max_num_seqs=8, tp_custom_all_reduce=False)
+    on = EngineConfig.from_kwargs("m", max_num_seqs=8, tensor_parallel_size=2)
+    off = EngineConfig.from_kwargs("m", max_num_seqs=8, tensor_parallel_size=2, tp_custom_all_reduce=False)
+    four = EngineConfig.from_kwargs("m", max_num_seqs=8, tensor_parallel_size=4)
     assert on.parallel_config.tp_custom_all_reduce is True
     assert custom_all_reduce_bytes(on, 64, torch.bfloat16, cuda) == 8 * 64 * 2
     assert custom_all_reduce_bytes(off, 64, torch.bfloat16, cuda) == 0
     assert custom_all_reduce_bytes(on, 64, torch.bfloat16, cpu) == 0
+    assert custom_all_reduce_bytes(on, 64, torch.float16, cuda) == 0  # the kernel does not sum float16
+    assert custom_all_reduce_bytes(four, 64, torch.bfloat16, cuda) == 0  # checked bit for bit at two ranks only
 
 
 def test_cpu_group_stays_on_gloo() -> None:
@@ -115,13 +119,30 @@ def _on_ranks(fn: Callable[[int], Any], world: int = 2) -> list[Any]:
     return results
 
 
-class _FakeCustom:
+class _Path:
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self.closed = False
 
-    def close(self) -> None:
-        self.closed = True
+
+def _vote(world: int) -> Callable[[bool], bool]:
+    """`all_agree` for ranks played by threads: true only if every rank said true (a barrier per vote)."""
+    votes: list[list[bool]] = []
+    barrier = threading.Barrier(world, timeout=10)
+    lock = threading.Lock()
+
+    def all_agree(ok: bool) -> bool:
+        with lock:
+            if not votes or len(votes[-1]) == world:
+                votes.append([])
+            round_votes = votes[-1]
+            round_votes.append(ok)
+        barrier.wait()
+        result = all(round_votes)
+        barrier.wait()  # nobody starts the next round before everyone read this one
+        return result
+
+    return all_agree
 
 
 @pytest.mark.parametrize(
@@ -130,46 +151,48 @@ class _FakeCustom:
         ((True, True), (True, True), True),
         ((True, False), (True, True), False),  # rank 1's set-up raised
         ((False, True), (True, True), False),
-        ((True, True), (True, False), False),  # rank 1's sums differ
-        ((True, True), (None, True), False),  # rank 0's check raised
+        ((True, True), (True, False), False),  # rank 1's results differ
     ],
 )
-def test_every_rank_keeps_it_or_none_does(
-    opens: tuple[bool, bool],
-    checks: tuple[bool | None, bool | None],
-    kept: bool,
-    monkeypatch: pytest.MonkeyPatch,
-    caplog: pytest.LogCaptureFixture,
+def test_every_rank_keeps_the_path_or_none_does(
+    opens: tuple[bool, bool], checks: tuple[bool, bool], kept: bool
 ) -> None:
-    """Any rank failing at set-up or in its check turns the custom path off on all ranks (one warning each),
-    and the ranks that had opened it close it; every collective of the protocol completes on every rank."""
-    fakes: dict[int, _FakeCustom] = {}
+    """Any rank failing at set-up or in its check turns the path off on all ranks, and the ranks that had
+    opened it close it; every vote completes on every rank."""
+    paths: dict[int, _Path] = {}
+    all_agree = _vote(2)
 
-    def fake_open(cls: type, backend: Any, store: Any, rank: int, *args: Any) -> _FakeCustom:
-        if not opens[rank]:
-            raise RuntimeError(f"injected: rank {rank} cannot map its peers")
-        fakes[rank] = _FakeCustom(rank)
-        return fakes[rank]
+    def on_rank(rank: int) -> tuple[_Path | None, str]:
+        def open_path() -> _Path:
+            if not opens[rank]:
+                raise RuntimeError(f"injected: rank {rank} cannot map its peers")
+            paths[rank] = _Path(rank)
+            return paths[rank]
 
-    def fake_check(self: ParallelContext, custom: _FakeCustom) -> bool:
-        verdict = checks[self.rank]
-        if verdict is None:
-            raise RuntimeError("injected: the check's kernel failed")
-        return verdict
+        def close(path: _Path) -> None:
+            path.closed = True
 
-    monkeypatch.setattr(SymmMemAllReduce, "open", classmethod(fake_open))
-    monkeypatch.setattr(ParallelContext, "_agrees_with_backend", fake_check)
-    store = HashStore()
-    contexts = _on_ranks(lambda r: ParallelContext(store, r, 2, torch.device("cpu")))
-    got = _on_ranks(lambda r: contexts[r]._open_custom_all_reduce(1024))
+        return choose_together(open_path, lambda path: checks[rank], all_agree, close)
+
+    got = _on_ranks(on_rank)
     if kept:
-        assert got == [fakes[0], fakes[1]] and not any(f.closed for f in fakes.values())
+        assert got == [(paths[0], ""), (paths[1], "")] and not any(p.closed for p in paths.values())
     else:
-        assert got == [None, None]
-        assert all(f.closed for f in fakes.values())
-        assert caplog.text.count("custom all-reduce off") == 2
-    for context in contexts:
-        context.close()
+        assert [path for path, _ in got] == [None, None] and all(p.closed for p in paths.values())
+        assert all(why for _, why in got)
+        if not all(opens):
+            assert any("set-up failed" in why and "cannot map" in why for _, why in got)
+
+
+def test_a_check_that_raises_is_not_voted_on() -> None:
+    """Its peers may wait inside one of the check's collectives: the error propagates (start-up fails naming
+    it) instead of a vote that would never be matched."""
+
+    def check(path: _Path) -> bool:
+        raise RuntimeError("injected: the check's kernel failed")
+
+    with pytest.raises(RuntimeError, match="check's kernel failed"):
+        choose_together(lambda: _Path(0), check, lambda ok: ok, lambda path: None)
 
 
 class _FakeDrain:

@@ -34,7 +34,8 @@ __all__ = ["DEFAULT_MAX_STEP_SECONDS", "AsyncLLMEngine", "EngineStalledError", "
 _SHUTDOWN_JOIN_S = 60.0  # longest a shutdown waits for a step in flight before giving up on the join
 # A dead engine has no step in flight, only its release of the device, which a kernel stuck on a dead
 # tensor-parallel peer can block for good: the shutdown waits this long, then leaves the (daemon) thread.
-_DEAD_JOIN_S = 3.0
+# Longer than the executor's own bound on that release (3 s) plus its stop of the workers (1 s).
+_DEAD_JOIN_S = 6.0
 
 
 class AsyncLLMEngine:

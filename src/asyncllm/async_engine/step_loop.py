@@ -126,9 +126,8 @@ class StepLoop:
             if self._thread.is_alive():
                 if self.failure is not None:
                     logger.warning(
-                        "asyncllm step thread still releasing the device %.1f s after the engine died; left "
-                        "behind (a kernel may wait on a dead tensor-parallel peer: the device stays held until "
-                        "this process exits)",
+                        "asyncllm step thread still releasing the engine %.1f s after it died; left behind "
+                        "(the device may stay held until this process exits)",
                         timeout,
                     )
                 else:

@@ -91,7 +91,7 @@ class Scheduler:
                 continue
             num_new = min(request.num_planned_tokens - request.num_computed_tokens, budget)
             assert num_new > 0, "a running request always has a token to compute"
-            if num_new > 1:  # a prompt chunk (or a resumed request's recompute), not a decode
+            if not _is_decode(request, num_new):  # a prompt chunk (or a resumed request's recompute)
                 num_new = min(num_new, prefill_budget)
                 if num_new == 0:
                     i += 1
@@ -153,7 +153,8 @@ class Scheduler:
             return budget
         # Usually settled by the first running request (in steady state everyone decodes).
         decoding = any(
-            r.num_planned_tokens - r.num_computed_tokens == 1 and not r.has_enough_tokens for r in self.running
+            _is_decode(r, r.num_planned_tokens - r.num_computed_tokens) and not r.has_enough_tokens
+            for r in self.running
         )
         return cap if decoding else budget
 
@@ -208,3 +209,8 @@ class Scheduler:
             request.append_token(token_id)
             results.append((request, token_id, index))
         return results
+
+
+def _is_decode(request: Request, num_new: int) -> bool:
+    """One new token past the prompt: the request's next token (a prompt's last token is prompt work)."""
+    return num_new == 1 and request.num_computed_tokens >= request.num_prompt_tokens

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch._C._distributed_c10d import AllreduceOptions, ProcessGroupGloo, ReduceOp, Store, TCPStore
 
+from asyncllm.distributed.agree import choose_together
+
 if TYPE_CHECKING:
     from asyncllm.distributed.symm_all_reduce import SymmMemAllReduce
 
@@ -139,44 +141,35 @@ class ParallelContext:
 
     def _open_custom_all_reduce(self, capacity: int) -> SymmMemAllReduce | None:
         """Set up the custom path on every rank at once, check it against NCCL, and agree: all ranks keep it or
-        none does (a rank on NCCL while another waits in the custom kernel would hang both). Never raises:
-        any failure leaves NCCL for everything, with one warning."""
+        none does (`agree.choose_together`). A set-up failure leaves NCCL for everything, with one warning."""
         from asyncllm.distributed.symm_all_reduce import SymmMemAllReduce
 
         name = f"asyncllm-tp-{self._shared_token():012x}"  # the same on every rank, new for every engine
-        custom: SymmMemAllReduce | None = None
-        why = "a peer rank could not set it up"
-        try:
-            custom = SymmMemAllReduce.open(
+
+        def open_path() -> SymmMemAllReduce:
+            return SymmMemAllReduce.open(
                 self._pg, self._store, self._rank, self._world_size, self.device, capacity, name
             )
-        except Exception as exc:
-            why = f"set-up failed: {exc!r}"
-        if self.min_int(int(custom is not None)) == 1:
-            assert custom is not None
-            checked = False
-            try:
-                checked = self._agrees_with_backend(custom)
-                why = "a peer rank's check failed" if checked else "its sums differ from NCCL's"
-            except Exception as exc:
-                why = f"its check failed: {exc!r}"
-            if self.min_int(int(checked)) == 1:
-                if self._rank == 0:
-                    logger.info("custom all-reduce on: one-shot over symmetric memory, up to %d bytes", capacity)
-                return custom
-        if custom is not None:
-            custom.close()
-        logger.warning("rank %d: custom all-reduce off, NCCL does every all-reduce (%s)", self._rank, why)
-        return None
+
+        custom, why = choose_together(
+            open_path, self._agrees_with_backend, lambda ok: self.min_int(int(ok)) == 1, SymmMemAllReduce.close
+        )
+        if custom is None:
+            logger.warning("rank %d: custom all-reduce off, NCCL does every all-reduce (%s)", self._rank, why)
+        elif self._rank == 0:
+            logger.info("custom all-reduce on: one-shot over symmetric memory, up to %d bytes", capacity)
+        return custom
 
     def _agrees_with_backend(self, custom: SymmMemAllReduce) -> bool:
-        """Random sums, different on every rank, through both paths: equal to NCCL's bit for bit (two ranks: a
-        sum of two terms rounds the same in either order), within rounding beyond two ranks (the summation
-        orders differ); and the same bits on every rank."""
+        """Random sums, different on every rank, through both paths: equal to NCCL's bit for bit (two ranks,
+        the only size it is used at: a sum of two terms rounds the same in either order), and the same bits
+        on every rank."""
+        if self._world_size != 2:
+            raise AssertionError(f"the custom all-reduce is checked at two ranks only, not {self._world_size}")
         generator = torch.Generator(device=self.device)
         generator.manual_seed(0x5EED + self._rank)
         agrees = True
-        for dtype, atol in ((torch.bfloat16, 5e-2), (torch.float32, 1e-5)):
+        for dtype in (torch.bfloat16, torch.float32):
             largest = custom.capacity // dtype.itemsize
             for numel in sorted({n for n in (8, 1032, largest) if n <= largest}):
                 x = torch.randn(numel, generator=generator, device=self.device).to(dtype)  # [numel]
@@ -185,12 +178,8 @@ class ParallelContext:
                     raise AssertionError(f"the custom path refuses its own check: {numel} x {dtype}")
                 custom.all_reduce_(got)
                 self._pg.allreduce([want]).wait()
-                if self._world_size == 2:
-                    same = torch.equal(got, want)
-                else:
-                    same = torch.allclose(got.float(), want.float(), rtol=1e-2, atol=atol)
                 everyone = self.all_gather(got.view(1, numel))  # [world, numel]
-                agrees = agrees and same and bool((everyone == got).all())
+                agrees = agrees and torch.equal(got, want) and bool((everyone == got).all())
         return agrees
 
     def _shared_token(self) -> int:

@@ -87,8 +87,9 @@ class SymmMemAllReduce:
         return cls(name, buffer, [handle, group, aligned], drain)
 
     def accepts(self, x: torch.Tensor) -> bool:
-        """Whether `x` goes through this path. Depends only on shape, dtype and layout, which every rank's
-        step shares: all ranks take the same path for the same call, or the kernel would wait for ever."""
+        """Whether `x` goes through this path: by its shape, dtype, layout and 16-byte address alignment. All
+        ranks must take the same path for the same call, or the kernel would wait for ever; they do because
+        every caller passes tensors alike in all four on every rank (`TPGroup.all_reduce` requires it)."""
         nbytes = x.numel() * x.element_size()
         return (
             x.dtype in SUPPORTED_DTYPES

@@ -31,7 +31,8 @@ class TPGroup(Protocol):
     def world_size(self) -> int: ...
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum `x` over the ranks, in place; returns `x`. Every rank ends with the same bits."""
+        """Sum `x` over the ranks, in place; returns `x`. Every rank ends with the same bits. Every rank passes
+        a tensor of the same shape, dtype, layout and address alignment (the path taken depends on them)."""
         ...
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ import time
 import torch
 
 from asyncllm.executor.interface import PLACEHOLDER, NewRequestData, ScheduledSeq, SchedulerOutput
+from asyncllm.sample.sampler import load_draw
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.worker.model_runner import ModelRunner
 
@@ -61,6 +62,7 @@ def warm_up(
         runner.execute_model(step)
     runner.forget([n.request_id for n in new])
     _warm_lm_head(runner)
+    _warm_draw(runner)
     return time.perf_counter() - start
 
 
@@ -74,6 +76,23 @@ def _warm_lm_head(runner: ModelRunner) -> None:
     hidden = torch.zeros(sizes[-1], runner.model.arch.hidden_size, dtype=weight.dtype, device=weight.device)
     for size in sizes:
         runner.model.compute_logits(hidden[:size])
+
+
+@torch.inference_mode()
+def _warm_draw(runner: ModelRunner) -> None:
+    """The draw kernel compiles a variant per logits dtype it reads: the model's own (plain temperature) and
+    float32 (after penalties, filters or stop masks). The steps above reach both only with three or more
+    sequences (`max_num_seqs`), so both are drawn here too, whatever the engine's limits."""
+    weight = next(runner.model.parameters())
+    device = weight.device
+    hidden = torch.zeros(1, runner.model.arch.hidden_size, dtype=weight.dtype, device=device)
+    logits = runner.model.compute_logits(hidden)  # [1, vocab], the model's dtype, as a step's are
+    draw = load_draw(device)
+    temperature = torch.ones(1, dtype=torch.float32, device=device)
+    seeds = torch.zeros(1, dtype=torch.int64, device=device)
+    offsets = torch.zeros(1, dtype=torch.int64, device=device)
+    for x in (logits, logits.float()):
+        draw(x, temperature, seeds, offsets)
 
 
 def _seq(i: int, tokens: list[int], start: int, blocks: list[int]) -> ScheduledSeq:
