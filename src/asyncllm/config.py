@@ -172,7 +172,7 @@ class ParallelConfig:
     )
     tp_custom_all_reduce: bool = arg(
         True,
-        "On CUDA with tensor_parallel_size > 1, sum all-reduces up to a decode step's hidden states "
+        "On CUDA with tensor_parallel_size=2, sum all-reduces up to a decode step's hidden states "
         "([max_num_seqs, hidden], bfloat16/float32) with a one-shot kernel over symmetric memory instead of NCCL "
         "(faster for small messages); checked against NCCL at start-up, NCCL on any failure. False: NCCL only.",
     )
