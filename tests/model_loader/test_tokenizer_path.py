@@ -32,3 +32,18 @@ def test_given_tokenizer_path_is_used(checkpoint_dir: Path, tmp_path: Path) -> N
     assert Path(given.name_or_path) == tmp_path
     own = open_checkpoint(str(checkpoint_dir), torch.float32).tokenizer
     assert Path(own.name_or_path) == checkpoint_dir
+
+
+def test_gguf_uses_a_given_tokenizer_and_checks_it(tmp_path: Path) -> None:
+    """Regression: a .gguf file ignored `tokenizer=` and always rebuilt the tokenizer its metadata describes
+    (or none). A given path is used instead, and checked like a directory checkpoint's."""
+    from tests.fixtures.tiny_gguf import build_hf_model, write_gguf
+
+    gguf_path = write_gguf(tmp_path / "m.gguf", "llama", build_hf_model("llama"))
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    build_tokenizer(tok_dir)
+    given = open_checkpoint(str(gguf_path), torch.float32, str(tok_dir)).tokenizer
+    assert Path(given.name_or_path) == tok_dir
+    with pytest.raises(ModelNotFoundError, match=r"tokenizer='/nonexistent' is not a directory"):
+        open_checkpoint(str(gguf_path), torch.float32, "/nonexistent")

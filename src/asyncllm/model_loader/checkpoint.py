@@ -20,10 +20,11 @@ __all__ = ["Checkpoint", "open_checkpoint"]
 
 def open_checkpoint(model: str, dtype: torch.dtype, tokenizer_path: str | None = None) -> Checkpoint:
     path = Path(model).expanduser()
+    given = Path(tokenizer_path).expanduser() if tokenizer_path else None
     if path.is_file() and path.suffix == ".gguf":
-        return open_gguf_checkpoint(path, dtype)
+        return open_gguf_checkpoint(path, dtype, given)
     if not path.is_dir():
         raise ModelNotFoundError(
             f"model {model!r} is neither a checkpoint directory nor a .gguf file (no network access is attempted)"
         )
-    return open_hf_checkpoint(path, dtype, Path(tokenizer_path).expanduser() if tokenizer_path else None)
+    return open_hf_checkpoint(path, dtype, given)

@@ -17,14 +17,16 @@ from asyncllm.errors import UnsupportedModelError
 from asyncllm.model_loader.base import Checkpoint
 from asyncllm.model_loader.gguf.config import architecture_of, build_hf_config, eos_token_ids, read_field
 from asyncllm.model_loader.gguf.weights import check_tensor_sizes, check_tensor_types, hf_name, iter_gguf_weights
+from asyncllm.model_loader.hf import load_given_tokenizer
 
 # Turn-end markers of common chat templates: a chat answer ends with one even when the GGUF's
 # eos_token_id names another token (e.g. <|endoftext|>), so they stop generation too.
 _TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
 
 
-def open_gguf_checkpoint(path: Path, dtype: torch.dtype) -> Checkpoint:
-    """Validate the whole file, then return its config, tokenizer and a weight iterator yielding `dtype`."""
+def open_gguf_checkpoint(path: Path, dtype: torch.dtype, tokenizer_path: Path | None = None) -> Checkpoint:
+    """Validate the whole file, then return its config, tokenizer and a weight iterator yielding `dtype`.
+    `tokenizer_path`: a tokenizer directory the user named, used instead of the one the file describes."""
     from gguf import GGUFReader
 
     try:
@@ -38,7 +40,7 @@ def open_gguf_checkpoint(path: Path, dtype: torch.dtype) -> Checkpoint:
         hf_name(name)  # raises on a tensor we would not know where to put
     check_tensor_types(list(reader.tensors))
     check_tensor_sizes(path, list(reader.tensors))
-    tokenizer = _load_tokenizer(path, reader)
+    tokenizer = _load_tokenizer(path, reader) if tokenizer_path is None else load_given_tokenizer(tokenizer_path)
     eos = eos_token_ids(reader) | _turn_end_ids(tokenizer)
 
     def iter_weights() -> Iterator[tuple[str, torch.Tensor]]:
