@@ -35,7 +35,7 @@ from tokenizers import Tokenizer  # noqa: E402
 
 from asyncllm import AsyncLLMEngine, SamplingParams  # noqa: E402
 from asyncllm.core.input_processor import InputProcessor  # noqa: E402
-from asyncllm.executor.interface import ModelRunnerOutput, SchedulerOutput  # noqa: E402
+from asyncllm.executor.interface import ModelRunnerOutput, ReadyStep, SchedulerOutput  # noqa: E402
 from tests.fixtures.fake_core import fake_built  # noqa: E402
 
 QWEN3 = ROOT.parent / "shared" / "models" / "qwen3-tokenizer" / "tokenizer.json"
@@ -68,8 +68,14 @@ class DeviceLikeExecutor:
         vocab = self.runtime.vocab_size
         return ModelRunnerOutput(sampled_token_ids=[1 + s.seq_len % (vocab - 1) for s in scheduled.seqs if s.sample])
 
+    def submit(self, scheduled: SchedulerOutput) -> ReadyStep:
+        return ReadyStep(self.execute_model(scheduled))
+
     def shutdown(self) -> None:
         pass
+
+    def watch_failure(self, callback: Callable[[BaseException], None]) -> None:
+        pass  # sleeps and counts: nothing fails between steps
 
 
 class Ticker:

@@ -85,6 +85,21 @@ async def test_shutdown_of_a_dead_engine_does_not_wait_on_a_stuck_release(make_e
     await _join(engine)
 
 
+async def test_executor_failure_between_steps_kills_an_idle_engine(make_engine: EngineFactory) -> None:
+    """An executor reporting a failure while the engine idles (a TP worker died with no step in flight): the
+    engine dies at once, so health checks say so before any request is sent."""
+    engine, built = make_engine()
+    await engine.generate([1, 5, 9], SamplingParams(max_tokens=3))
+    await engine.check_health()
+    built.executor.failure_callback(InjectedFailure("worker 1 died"))
+    await _join(engine)
+    with pytest.raises(EngineDeadError) as info:
+        await engine.check_health()
+    assert isinstance(info.value.__cause__, InjectedFailure)
+    with pytest.raises(EngineDeadError):
+        engine.add_request([1, 2, 3])
+
+
 async def test_shutdown_ends_pending_streams(make_engine: EngineFactory) -> None:
     engine, built = make_engine(step_delay=0.002, max_model_len=4096)
     streams = [engine.add_request([i + 1, 7], SamplingParams()) for i in range(10)]

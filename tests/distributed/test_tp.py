@@ -265,6 +265,31 @@ def test_shutdown_after_a_worker_death_does_not_wait_on_a_stuck_device(tiny_chec
     assert not worker_processes()
 
 
+async def test_idle_engine_learns_of_a_dead_worker_at_once(tiny_checkpoints: dict[str, Path]) -> None:
+    """SIGKILL the worker while no request runs: the engine dies within a second (health checks raise, with the
+    worker's death as the cause), not at the next request."""
+    engine = AsyncLLMEngine(str(tiny_checkpoints["qwen3"]), device="cpu", num_kv_blocks=64, tensor_parallel_size=2)
+    try:
+        await engine.generate([3, 4, 5], SamplingParams(max_tokens=2))
+        await engine.check_health()
+        (pid,) = worker_processes()
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 1.0
+        while True:
+            try:
+                await engine.check_health()
+            except EngineDeadError as exc:
+                assert isinstance(exc.__cause__, WorkerDiedError) and "SIGKILL" in str(exc.__cause__)
+                break
+            assert time.monotonic() < deadline, "the idle engine did not notice its dead worker"
+            await asyncio.sleep(0.01)
+        with pytest.raises(EngineDeadError):
+            engine.add_request([1, 2, 3])
+    finally:
+        await engine.aclose()
+    assert not worker_processes()
+
+
 def test_workers_exit_when_the_engine_process_is_killed(tiny_checkpoints: dict[str, Path]) -> None:
     """SIGKILL the process that owns a TP engine (a script with no `__main__` guard): its worker exits at once
     (it watches a pipe from it) and its ring segment is removed (the owner's resource tracker)."""

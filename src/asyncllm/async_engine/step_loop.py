@@ -76,6 +76,7 @@ class StepLoop:
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
         self.failure: BaseException | None = None  # what killed the loop (None: running, or shut down)
+        self._failed_between_steps: BaseException | None = None  # reported by the executor, from any thread
         self._outputs: list[RequestDelta] = []  # the current step's outputs (step thread only)
         self.built: Built | None = None
         self.stats: dict[str, float | int] = {}  # replaced (never mutated) after every step
@@ -157,6 +158,7 @@ class StepLoop:
         try:
             built = self._build()
             self.stats = built.core.stats().as_dict()
+            built.core.watch_failure(self._fail_between_steps)
             self.built = built
         except BaseException as exc:  # every load failure goes back to the constructor, whatever it is
             self._load_error = exc
@@ -179,12 +181,24 @@ class StepLoop:
             except Exception:
                 logger.exception("asyncllm: releasing the engine core failed")
 
+    def _fail_between_steps(self, error: BaseException) -> None:
+        """The executor failed outside a step (a worker died while idle): the engine dies now, not at the
+        next request, so health checks and idle streams learn of it at once."""
+        self._failed_between_steps = error
+        self._notify()
+
     def _serve(self, core: EngineCore) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._inbox or self._stopping or core.has_unfinished())
+                self._cond.wait_for(
+                    lambda: (
+                        self._inbox or self._stopping or core.has_unfinished() or self._failed_between_steps is not None
+                    )
+                )
             if self._stopping:
                 return
+            if self._failed_between_steps is not None:
+                raise self._failed_between_steps
             self._outputs = []
             self._drain(core)
             if core.has_unfinished():

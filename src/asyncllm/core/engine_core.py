@@ -201,3 +201,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+    def watch_failure(self, callback: Callable[[BaseException], None]) -> None:
+        """`callback(error)`, from any thread, when the executor fails between steps (see ModelExecutor)."""
+        self.executor.watch_failure(callback)

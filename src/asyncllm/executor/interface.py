@@ -10,6 +10,7 @@ torch: this is what may cross a process boundary.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -147,4 +148,9 @@ class ModelExecutor(Protocol):
 
     def shutdown(self) -> None:
         """Release device memory. Idempotent."""
+        ...
+
+    def watch_failure(self, callback: Callable[[BaseException], None]) -> None:
+        """Have `callback` called, from any thread and at most once, when the executor fails between steps
+        (a tensor-parallel worker dies while the engine idles); a failure during a step raises from it."""
         ...

@@ -91,6 +91,7 @@ class MultiProcExecutor:
         self._ring = ShmRingWriter(world - 1)
         self._procs: WorkerProcesses | None = None
         self._parallel: ParallelContext | None = None
+        self._failure_callback: Callable[[BaseException], None] | None = None
         self._worker: Worker | None = None
         try:
             store, rendezvous = open_rendezvous(world, _RENDEZVOUS_TIMEOUT_S)
@@ -110,7 +111,7 @@ class MultiProcExecutor:
             self._procs = WorkerProcesses(specs)
             self._procs.wait_for(ATTACHED, _START_TIMEOUT_S)
             self._parallel = ParallelContext(store, 0, world, device, all_reduce_bytes)
-            self._procs.on_death = self._parallel.abort  # NCCL: a dead peer's collective would never end
+            self._procs.on_death = self._on_death
             self._worker = Worker(config, checkpoint, self._parallel)
             self._runtime = set_up(self._worker, self._parallel)
             self._procs.wait_for(READY, _START_TIMEOUT_S)
@@ -134,6 +135,20 @@ class MultiProcExecutor:
     def worker_pids(self) -> list[int]:
         """The worker processes' ids (ranks 1..N-1), for monitoring."""
         return self._procs.pids if self._procs is not None else []
+
+    def watch_failure(self, callback: Callable[[BaseException], None]) -> None:
+        self._failure_callback = callback
+
+    def _on_death(self) -> None:
+        """From the monitor thread, when a worker exits unasked: unblock rank 0's collectives (NCCL: a dead
+        peer's collective would never end), then tell the engine, which may be idle with no step to fail."""
+        parallel, procs = self._parallel, self._procs
+        if parallel is not None:
+            parallel.abort()
+        callback = self._failure_callback
+        died = procs.failure(grace_s=0.0) if procs is not None else None
+        if callback is not None and died is not None:
+            callback(died)
 
     def submit(self, scheduled: SchedulerOutput) -> StepResult:
         procs, worker = self._procs, self._worker

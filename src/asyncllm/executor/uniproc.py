@@ -6,6 +6,8 @@ Owns the worker's set-up order (load, size the cache, allocate); the engine core
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from asyncllm.config import EngineConfig
 from asyncllm.executor.interface import RuntimeInfo, SchedulerOutput, StepResult
 from asyncllm.model_loader.base import Checkpoint
@@ -30,3 +32,6 @@ class UniProcExecutor:
 
     def shutdown(self) -> None:
         self.worker.shutdown()
+
+    def watch_failure(self, callback: Callable[[BaseException], None]) -> None:
+        """In-process: nothing fails between steps."""
