@@ -46,28 +46,14 @@ SHAPES: dict[str, dict] = {
         bos_token_id=151643,
         hidden_act="silu",
     ),
-    # Not a real model: the Qwen3 architecture at toy size (the real tokenizer, so its vocabulary), for
-    # CPU smoke runs of the benchmark scripts (`--shape qwen3-tiny --device cpu`).
-    "qwen3-tiny": dict(
-        architectures=["Qwen3ForCausalLM"],
-        model_type="qwen3",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=151936,
-        max_position_embeddings=40960,
-        rms_norm_eps=1e-6,
-        rope_theta=1000000.0,
-        tie_word_embeddings=True,
-        torch_dtype="bfloat16",
-        eos_token_id=151645,
-        bos_token_id=151643,
-        hidden_act="silu",
-    ),
 }
+# Not a real model: the Qwen3 architecture at toy size (the real tokenizer, so its vocabulary), for CPU smoke
+# runs of the benchmark scripts (`--shape qwen3-tiny --device cpu`).
+SHAPES["qwen3-tiny"] = (
+    SHAPES["qwen3-0.6b"]
+    | dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+    | dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+)
 # Physical limits on one H200 for W1 (output tok/s), from ../shared/PERF.md.
 W1_LIMIT = {"qwen3-0.6b": 36_400, "qwen3-8b": 13_000}
 
