@@ -91,7 +91,7 @@ class MultiProcExecutor:
         self._ring = ShmRingWriter(world - 1)
         self._procs: WorkerProcesses | None = None
         self._parallel: ParallelContext | None = None
-        self._failure_callback: Callable[[BaseException], None] | None = None
+        self._failure_callbacks: list[Callable[[BaseException], None]] = []  # watch_failure's, at most one
         self._worker: Worker | None = None
         try:
             store, rendezvous = open_rendezvous(world, _RENDEZVOUS_TIMEOUT_S)
@@ -111,7 +111,9 @@ class MultiProcExecutor:
             self._procs = WorkerProcesses(specs)
             self._procs.wait_for(ATTACHED, _START_TIMEOUT_S)
             self._parallel = ParallelContext(store, 0, world, device, all_reduce_bytes)
-            self._procs.on_death = self._on_death
+            # Not a bound method of this executor: the monitor thread keeps `procs` alive, and through it the
+            # executor would never be collected (a dropped LLM's finalizer would never stop its workers).
+            self._procs.on_death = _death_handler(self._procs, self._parallel, self._failure_callbacks)
             self._worker = Worker(config, checkpoint, self._parallel)
             self._runtime = set_up(self._worker, self._parallel)
             self._procs.wait_for(READY, _START_TIMEOUT_S)
@@ -137,18 +139,7 @@ class MultiProcExecutor:
         return self._procs.pids if self._procs is not None else []
 
     def watch_failure(self, callback: Callable[[BaseException], None]) -> None:
-        self._failure_callback = callback
-
-    def _on_death(self) -> None:
-        """From the monitor thread, when a worker exits unasked: unblock rank 0's collectives (NCCL: a dead
-        peer's collective would never end), then tell the engine, which may be idle with no step to fail."""
-        parallel, procs = self._parallel, self._procs
-        if parallel is not None:
-            parallel.abort()
-        callback = self._failure_callback
-        died = procs.failure(grace_s=0.0) if procs is not None else None
-        if callback is not None and died is not None:
-            callback(died)
+        self._failure_callbacks[:] = [callback]
 
     def submit(self, scheduled: SchedulerOutput) -> StepResult:
         procs, worker = self._procs, self._worker
@@ -201,6 +192,22 @@ class MultiProcExecutor:
                 parallel.close()  # gloo: a worker left waiting in a collective with rank 0 fails at once
             if procs is not None:
                 procs.stop(_JOIN_S if healthy else 1.0)
+
+
+def _death_handler(
+    procs: WorkerProcesses, parallel: ParallelContext, callbacks: list[Callable[[BaseException], None]]
+) -> Callable[[], None]:
+    """What the monitor thread runs when a worker exits unasked: unblock rank 0's collectives (NCCL: a dead
+    peer's collective would never end), then tell the engine, which may be idle with no step to fail."""
+
+    def on_death() -> None:
+        parallel.abort()
+        died = procs.failure(grace_s=0.0)
+        if died is not None:
+            for callback in list(callbacks):
+                callback(died)
+
+    return on_death
 
 
 def _bounded(release: Callable[[], None], timeout_s: float) -> None:
