@@ -84,7 +84,7 @@ if has w1prof; then  # where W1's wall time goes (issue 9); the key_averages tab
   while read -r line; do rows+=("w1prof: $line"); done < <(grep '^{' "$OUT/w1_profile.log")
 fi
 if has w4; then  # long context: prefill tok/s vs the compute limit, decode ms/token, chunked vs one chunk
-  (cd bench && timeout 240 python3 w4_prefill.py --shape qwen3-0.6b) 2>&1 | tee "$OUT/w4.log" | grep -E '^\{|Error|Traceback'
+  (cd bench && timeout 240 python3 w4_prefill.py --shape qwen3-0.6b --profile) 2>&1 | tee "$OUT/w4.log" | grep -E '^\{|Error|Traceback'
   while read -r line; do rows+=("w4: $line"); done < <(grep '^{' "$OUT/w4.log")
 fi
 if has startup; then

@@ -12,7 +12,9 @@ Limits on one H200 (compute-bound prefill at 790 TFLOP/s dense bf16; decode read
   figure); L = 16K: 2.76 GFLOP, 286 K tok/s.
   decode bytes per token = all weights (2 bytes each) + the KV read (L + 128 tokens on average) x KV bytes/token.
 
-Usage (device machine, from bench/): python3 w4_prefill.py [--shape qwen3-0.6b]
+Usage (device machine, from bench/): python3 w4_prefill.py [--shape qwen3-0.6b] [--profile]
+(--profile: one more prefill of the longest prompt under the profiler, in the one-chunk engine: GEMM and
+attention time and the TFLOP/s each reaches, for the prefill kernel's GQA-packing / TMA decision)
 CPU smoke: python bench/w4_prefill.py --shape qwen3-tiny --device cpu --lengths 96 200 --output-tokens 8 \
            --budgets 64 256 --repeats 2
 """
@@ -124,8 +126,49 @@ def run_budget(args: argparse.Namespace, model_dir: Path, budget: int, rng: rand
             }
         )
         print(json.dumps(rows[-1]), flush=True)
+    if args.profile and budget == max(args.lengths):
+        print(json.dumps(profile_prefill(llm, args, max(args.lengths), fresh)), flush=True)
     llm.shutdown()
     return rows
+
+
+def profile_prefill(llm: LLM, args: argparse.Namespace, n: int, fresh: Any) -> dict[str, Any]:
+    """One prefill of `n` fresh tokens under the profiler: GPU time by kernel family and the rate each
+    family reaches (GEMM FLOPs: 2 x linear parameters x n; attention FLOPs: the causal QK^T and PV), so the
+    prefill kernel's share and efficiency are known before choosing GQA packing or TMA loads for it."""
+    head = {"workload": "W4-profile", "shape": args.shape, "device": args.device, "prompt_tokens": n}
+    if args.device != "cuda":
+        return head | {"skipped": "the GPU timeline needs CUDA"}
+    from gpu_timeline import summarize
+    from torch.profiler import ProfilerActivity, profile
+    from w1_profile import device_intervals
+
+    shape = SHAPES[args.shape]
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        ttft = llm.generate([fresh(n)], params, use_tqdm=False)[0].metrics.time_to_first_token  # type: ignore[union-attr]
+    timeline = summarize(device_intervals(prof.events()))
+    out = head | {"ttft_ms": round(1e3 * ttft, 2), "gpu_busy_ms": round(timeline.busy_us / 1e3, 2)}
+    return out | prefill_rates(timeline.categories, shape, n)
+
+
+def prefill_rates(categories: dict[str, tuple[float, int]], shape: dict[str, Any], n: int) -> dict[str, Any]:
+    """GEMM and attention time (us, count per category) of one n-token prefill as ms and the TFLOP/s and
+    percent of peak each reaches; every other category as ms."""
+    gemm_flops = 2 * linear_params(shape) * n
+    attention_flops = prefill_flops_per_token(shape, n) * n - gemm_flops
+    out: dict[str, Any] = {}
+    for name, flops in (("gemm", gemm_flops), ("prefill_attention", attention_flops)):
+        us, count = categories.get(name, (0.0, 0))
+        rate = flops / (us * 1e-6) if us else 0.0
+        out[name] = {
+            "ms": round(us / 1e3, 2),
+            "kernels": count,
+            "tflops": round(rate / 1e12, 1),
+            "pct_of_peak": round(100 * rate / H200_BF16_FLOPS, 1),
+        }
+    rest = categories.items()
+    return out | {"other_ms": {c: round(us / 1e3, 2) for c, (us, _) in rest if c not in ("gemm", "prefill_attention")}}
 
 
 def main() -> None:
@@ -139,6 +182,7 @@ def main() -> None:
     )
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--profile", action="store_true", help="also profile one prefill of the longest prompt")
     args = ap.parse_args()
     budgets = args.budgets or [8192, max(args.lengths)]
     model_dir = write_shape_dir(args.shape, Path(tempfile.mkdtemp()) / args.shape)

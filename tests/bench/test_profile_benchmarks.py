@@ -166,6 +166,23 @@ def test_gap_to_limit_terms_add_up(bench: dict[str, ModuleType]) -> None:
     assert "stops before the run ends" in w1.gap_to_limit("qwen3-0.6b", plain, 6.5, truncated, cats)["skipped"]
 
 
+def test_w4_prefill_rates(bench: dict[str, ModuleType]) -> None:
+    """GEMM FLOPs are 2 x linear parameters x n; attention gets the rest of the per-token FLOPs x n."""
+    w4, shape = bench["w4_prefill"], bench["shapes"].SHAPES["qwen3-0.6b"]
+    n = 32768
+    gemm = 2 * w4.linear_params(shape) * n
+    attention = w4.prefill_flops_per_token(shape, n) * n - gemm
+    categories = {
+        "gemm": (gemm / 400e12 * 1e6, 7),  # us at 400 TFLOP/s
+        "prefill_attention": (attention / 200e12 * 1e6, 28),
+        "rms_norm": (500.0, 57),
+    }
+    rates = w4.prefill_rates(categories, shape, n)
+    assert rates["gemm"]["tflops"] == 400.0 and rates["gemm"]["kernels"] == 7
+    assert rates["prefill_attention"]["tflops"] == 200.0
+    assert rates["other_ms"] == {"rms_norm": 0.5}
+
+
 def test_w4_limit_reproduces_perf_md(bench: dict[str, ModuleType]) -> None:
     """PERF.md: prefill of Qwen3-0.6B at 32K is compute-bound at ~170K tok/s; 1.19 GB of weights per step."""
     w4, shape = bench["w4_prefill"], bench["shapes"].SHAPES["qwen3-0.6b"]
