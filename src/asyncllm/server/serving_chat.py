@@ -7,7 +7,6 @@ carrying the role, content deltas follow, an empty delta carries the finish reas
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 import uuid
@@ -15,17 +14,16 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
-from asyncllm.errors import EngineDeadError
-from asyncllm.server.errors import OpenAIError, engine_dead
-from asyncllm.server.generation import Submission, collect, merged, submit, usage
+from asyncllm.server.generation import Submission, collect, submit
 from asyncllm.server.logprobs import TokenStrings, chat_logprobs
 from asyncllm.server.openai_params import chat_sampling_params
 from asyncllm.server.prompts import chat_prompt
 from asyncllm.server.protocol import ChatCompletionRequest
+from asyncllm.server.responses import Outputs, streamed_events, whole_response
 from asyncllm.server.state import server_state
-from asyncllm.server.streaming import DONE, ClientDisconnected, SSEResponse, cancel_on_disconnect, sse
+from asyncllm.server.streaming import ClientDisconnected, SSEResponse, cancel_on_disconnect, sse
 from asyncllm.server.streaming import disconnected_response as _gone
 
 logger = logging.getLogger("asyncllm.server")
@@ -56,16 +54,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         choices.append(
             {"index": index, "message": message, "logprobs": logprobs, "finish_reason": result.finish_reason}
         )
-    completion_tokens = sum(len(r.token_ids) for r in results)
-    return JSONResponse(
-        {
-            **head,
-            "object": "chat.completion",
-            "choices": choices,
-            "usage": usage(sub.num_prompt_tokens, completion_tokens),
-            "system_fingerprint": None,
-        }
-    )
+    return whole_response(head, "chat.completion", choices, sub, results)
 
 
 async def _events(
@@ -73,33 +62,23 @@ async def _events(
 ) -> AsyncGenerator[str, None]:
     base = {**head, "object": "chat.completion.chunk", "system_fingerprint": None}
     if include_usage:
-        base["usage"] = None  # every chunk carries the key; only the last one fills it
+        base["usage"] = None
 
     def chunk(index: int, delta: dict[str, Any], logprobs: Any = None, finish_reason: str | None = None) -> str:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         return sse({**base, "choices": [choice]})
 
-    completion_tokens = 0
-    try:
+    async def render(outputs: Outputs) -> AsyncGenerator[str, None]:
         for index in range(len(sub.streams)):
             yield chunk(index, {"role": "assistant", "content": ""})
-        async with contextlib.aclosing(merged(sub)) as outputs:
-            async for index, out in outputs:
-                completion_tokens += len(out.token_ids)
-                logprobs = None
-                if top_k is not None and out.logprobs:
-                    logprobs = chat_logprobs(out.token_ids, out.logprobs, top_k, strings)
-                if out.text or logprobs is not None:
-                    yield chunk(index, {"content": out.text}, logprobs)
-                if out.finish_reason is not None:
-                    yield chunk(index, {}, finish_reason=out.finish_reason)
-    except EngineDeadError as exc:  # headers are sent: the error travels as an event, as OpenAI does
-        yield sse(engine_dead(exc).body())
-        return
-    except Exception:
-        logger.exception("asyncllm server: chat stream failed")
-        yield sse(OpenAIError("internal server error", status=500, type="server_error").body())
-        return
-    if include_usage:
-        yield sse({**base, "choices": [], "usage": usage(sub.num_prompt_tokens, completion_tokens)})
-    yield DONE
+        async for index, out in outputs:
+            logprobs = None
+            if top_k is not None and out.logprobs:
+                logprobs = chat_logprobs(out.token_ids, out.logprobs, top_k, strings)
+            if out.text or logprobs is not None:
+                yield chunk(index, {"content": out.text}, logprobs)
+            if out.finish_reason is not None:
+                yield chunk(index, {}, finish_reason=out.finish_reason)
+
+    async for event in streamed_events(sub, base, include_usage, "chat", render):
+        yield event

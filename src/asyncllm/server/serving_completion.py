@@ -7,7 +7,6 @@ usage chunk with no choices, then `data: [DONE]`.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 import uuid
@@ -15,17 +14,16 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
-from asyncllm.errors import EngineDeadError
-from asyncllm.server.errors import OpenAIError, engine_dead
-from asyncllm.server.generation import Submission, collect, merged, submit, usage
+from asyncllm.server.generation import Submission, collect, submit
 from asyncllm.server.logprobs import TokenStrings, completion_logprobs
 from asyncllm.server.openai_params import completion_sampling_params
 from asyncllm.server.prompts import completion_prompts
 from asyncllm.server.protocol import CompletionRequest
+from asyncllm.server.responses import Outputs, streamed_events, whole_response
 from asyncllm.server.state import server_state
-from asyncllm.server.streaming import DONE, ClientDisconnected, SSEResponse, cancel_on_disconnect, sse
+from asyncllm.server.streaming import ClientDisconnected, SSEResponse, cancel_on_disconnect, sse
 from asyncllm.server.streaming import disconnected_response as _gone
 
 logger = logging.getLogger("asyncllm.server")
@@ -55,16 +53,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         choices.append(
             {"index": index, "text": result.text, "logprobs": logprobs, "finish_reason": result.finish_reason}
         )
-    completion_tokens = sum(len(r.token_ids) for r in results)
-    return JSONResponse(
-        {
-            **head,
-            "object": "text_completion",
-            "choices": choices,
-            "usage": usage(sub.num_prompt_tokens, completion_tokens),
-            "system_fingerprint": None,
-        }
-    )
+    return whole_response(head, "text_completion", choices, sub, results)
 
 
 async def _events(
@@ -74,30 +63,16 @@ async def _events(
     if include_usage:
         base["usage"] = None
     offsets = [0] * len(sub.streams)  # characters of each choice sent so far, for logprobs' text_offset
-    completion_tokens = 0
-    try:
-        async with contextlib.aclosing(merged(sub)) as outputs:
-            async for index, out in outputs:
-                completion_tokens += len(out.token_ids)
-                logprobs = None
-                if top_k is not None and out.logprobs:
-                    logprobs = completion_logprobs(out.token_ids, out.logprobs, top_k, strings, offsets[index])
-                offsets[index] += len(out.text)
-                if out.text or logprobs is not None or out.finish_reason is not None:
-                    choice = {
-                        "index": index,
-                        "text": out.text,
-                        "logprobs": logprobs,
-                        "finish_reason": out.finish_reason,
-                    }
-                    yield sse({**base, "choices": [choice]})
-    except EngineDeadError as exc:  # headers are sent: the error travels as an event, as OpenAI does
-        yield sse(engine_dead(exc).body())
-        return
-    except Exception:
-        logger.exception("asyncllm server: completion stream failed")
-        yield sse(OpenAIError("internal server error", status=500, type="server_error").body())
-        return
-    if include_usage:
-        yield sse({**base, "choices": [], "usage": usage(sub.num_prompt_tokens, completion_tokens)})
-    yield DONE
+
+    async def render(outputs: Outputs) -> AsyncGenerator[str, None]:
+        async for index, out in outputs:
+            logprobs = None
+            if top_k is not None and out.logprobs:
+                logprobs = completion_logprobs(out.token_ids, out.logprobs, top_k, strings, offsets[index])
+            offsets[index] += len(out.text)
+            if out.text or logprobs is not None or out.finish_reason is not None:
+                choice = {"index": index, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}
+                yield sse({**base, "choices": [choice]})
+
+    async for event in streamed_events(sub, base, include_usage, "completion", render):
+        yield event
