@@ -33,7 +33,7 @@ def run_size(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(HERE))
     from engine_args import engine_kwargs
     from shapes import W1_LIMIT, write_shape_dir
-    from w1_throughput import w1_requests
+    from w1_throughput import run_w1, w1_requests
 
     from asyncllm import LLM, SamplingParams
 
@@ -67,14 +67,10 @@ def run_size(args: argparse.Namespace) -> None:
     ms = (best[long] - best[1]) / args.w5_tokens * 1000
     print(json.dumps({"workload": "W5", **base, "ms_per_token": round(ms, 3), "ttft_ms": round(best[1] * 1e3, 2)}))
     if not args.skip_w1:
-        prompts, params = w1_requests(256)
-        t = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - t
-        n_out = sum(len(o.token_ids) for o in outs)
-        tps = n_out / seconds
+        run = run_w1(llm, *w1_requests(256))
+        tps = run.output_tokens / run.seconds
         limit = W1_LIMIT.get(args.shape)
-        w1 = {"output_tokens": n_out, "seconds": round(seconds, 2), "output_tok_per_s": round(tps, 1)}
+        w1 = {"output_tokens": run.output_tokens, "seconds": round(run.seconds, 2), "output_tok_per_s": round(tps, 1)}
         w1["percent_of_1gpu_limit"] = round(100 * tps / limit, 1) if limit else None
         print(json.dumps({"workload": "W1", **base, **w1, "preemptions": llm.stats()["num_preemptions"]}))
     sys.stdout.flush()

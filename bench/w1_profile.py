@@ -27,39 +27,21 @@ import argparse
 import dataclasses
 import json
 import os
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from gpu_timeline import DeviceInterval, categorize, gap_histogram, split_off, step_kinds, summarize
-from shapes import SHAPES, W1_LIMIT, write_shape_dir
+from shapes import SHAPES, W1_LIMIT
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
-from w1_throughput import w1_requests
-
-from asyncllm import LLM, SamplingParams
+from w1_throughput import RunResult, add_w1_arguments, run_w1, w1_engine, w1_requests
 
 TARGET_FRACTION = 0.8  # issue 9: 80 % of the limit
 # PERF.md: 88 % of the W1 bound for Qwen3-0.6B is reading KV, the rest reading weights.
 KV_SHARE_OF_LIMIT = {"qwen3-0.6b": 0.88}
 W1_MAX_PROMPT_ID = 10000  # w1_requests draws prompt ids in [0, 10000]
-
-
-@dataclasses.dataclass(frozen=True)
-class RunResult:
-    seconds: float
-    output_tokens: int
-    steps: int
-
-
-def run_w1(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> RunResult:
-    steps0 = llm.stats()["num_steps"]
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - t0
-    return RunResult(seconds, sum(len(o.token_ids) for o in outs), int(llm.stats()["num_steps"] - steps0))
 
 
 def _has_dim(shapes: Any, dim: int) -> bool:
@@ -95,30 +77,17 @@ def lm_head_gemms(events: Sequence[Any], vocab: int) -> tuple[float, int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="qwen3-0.6b")
-    ap.add_argument("--num-seqs", type=int, default=256)
-    ap.add_argument("--attention-backend", default="auto")
-    ap.add_argument("--max-model-len", type=int, default=4096)
-    ap.add_argument("--device", default="cuda")
+    add_w1_arguments(ap)
     ap.add_argument("--max-tokens-cap", type=int, default=None, help="cap each output length (smoke runs only)")
     ap.add_argument("--table-rows", type=int, default=60)
     args = ap.parse_args()
     cuda = args.device == "cuda"
-    model_dir = write_shape_dir(args.shape, Path(tempfile.mkdtemp()) / args.shape)
-    llm = LLM(
-        str(model_dir),
-        device=args.device,
-        load_format="dummy",
-        max_model_len=args.max_model_len,
-        attention_backend=args.attention_backend,
-    )
+    llm = w1_engine(args)
     prompts, params = w1_requests(args.num_seqs)
     if args.max_tokens_cap is not None:
         params = [dataclasses.replace(p, max_tokens=min(p.max_tokens or 0, args.max_tokens_cap)) for p in params]
     limit = W1_LIMIT.get(args.shape)
     head = {"workload": "W1", "shape": args.shape, "device": args.device}
-
-    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     plain = run_w1(llm, prompts, params)
     tps = plain.output_tokens / plain.seconds
     print(

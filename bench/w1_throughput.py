@@ -5,11 +5,13 @@ real shape. Prints one JSON line with output tok/s and its percent of the H200 l
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from engine_args import add_engine_arg_option, engine_kwargs
 from shapes import W1_LIMIT, write_shape_dir
@@ -27,32 +29,52 @@ def w1_requests(num_seqs: int) -> tuple[list[list[int]], list[SamplingParams]]:
     return prompts, params
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+@dataclasses.dataclass(frozen=True)
+class RunResult:
+    seconds: float
+    output_tokens: int
+    steps: int
+
+
+def run_w1(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> RunResult:
+    """One timed `generate` of the W1 requests: wall seconds, output tokens, engine steps."""
+    steps0 = llm.stats()["num_steps"]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    return RunResult(seconds, sum(len(o.token_ids) for o in outs), int(llm.stats()["num_steps"] - steps0))
+
+
+def add_w1_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options every W1 script takes: the shape, the request count and the engine's."""
     ap.add_argument("--shape", default="qwen3-0.6b")
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--device", default="cuda")
     add_engine_arg_option(ap)
+
+
+def w1_engine(args: argparse.Namespace, **overrides: Any) -> LLM:
+    """An LLM on random weights of `args.shape`, warmed up, with the options of `add_w1_arguments`."""
+    model_dir = write_shape_dir(args.shape, Path(tempfile.mkdtemp()) / args.shape)
+    kwargs = {"max_model_len": args.max_model_len, "attention_backend": args.attention_backend}
+    kwargs |= engine_kwargs(args.engine_arg) | overrides
+    llm = LLM(str(model_dir), device=args.device, load_format="dummy", **kwargs)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    return llm
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    add_w1_arguments(ap)
     args = ap.parse_args()
     extra = engine_kwargs(args.engine_arg)
-    model_dir = write_shape_dir(args.shape, Path(tempfile.mkdtemp()) / args.shape)
-    llm = LLM(
-        str(model_dir),
-        device=args.device,
-        load_format="dummy",
-        max_model_len=args.max_model_len,
-        attention_backend=args.attention_backend,
-        **extra,
-    )
+    llm = w1_engine(args)
     prompts, params = w1_requests(args.num_seqs)
-    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     with triton_compiles() as compiles:
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - t0
-    n_out = sum(len(o.token_ids) for o in outs)
+        run = run_w1(llm, prompts, params)
+    n_out, seconds = run.output_tokens, run.seconds
     tps = n_out / seconds
     limit = W1_LIMIT.get(args.shape)
     print(
@@ -61,7 +83,7 @@ def main() -> None:
                 "workload": "W1",
                 "shape": args.shape,
                 "attention_backend": args.attention_backend,
-                "requests": len(outs),
+                "requests": len(prompts),
                 "output_tokens": n_out,
                 "seconds": round(seconds, 2),
                 "output_tok_per_s": round(tps, 1),

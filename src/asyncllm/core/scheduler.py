@@ -81,6 +81,7 @@ class Scheduler:
         self._finished_since_last_step = []
         budget = self.limits.max_num_batched_tokens
         prefill_budget = self._prefill_budget(budget)
+        capped = prefill_budget < budget  # else no check per sequence: the common case costs nothing
         preempted = False
 
         i = 0
@@ -91,7 +92,7 @@ class Scheduler:
                 continue
             num_new = min(request.num_planned_tokens - request.num_computed_tokens, budget)
             assert num_new > 0, "a running request always has a token to compute"
-            if not _is_decode(request, num_new):  # a prompt chunk (or a resumed request's recompute)
+            if capped and not _is_decode(request, num_new):  # a prompt chunk (or a resumed one's recompute)
                 num_new = min(num_new, prefill_budget)
                 if num_new == 0:
                     i += 1
