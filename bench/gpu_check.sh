@@ -3,7 +3,7 @@
 # side-by-side with nano-vllm (../shared/peers, copied to .peers and carried); ends with a short table.
 # Usage (device machine, repo root): bash bench/gpu_check.sh [STEPS]   STEPS: comma list of
 #   tests, kernels, startup, compare (default: all four); COMPARE_STEPS overrides compare.sh's steps;
-#   also quicktests, gemm, pa, w2ab (W1/W2 under scheduling variants), w1prof (W1 plain + under
+#   also quicktests, attntests, gemm, pa, w2ab (W1/W2 under graph and scheduling variants), w1prof (W1 plain + under
 #   torch.profiler, ~2 min), w4 (long-context prefill and decode, 16K/32K, two token budgets, ~1 min), and
 #   on two GPUs tptests, tpbench (tensor parallelism).
 # Set-up here first: rm -rf .peers && cp -r ../shared/peers .peers && cp -r ../shared/models/qwen3-tokenizer .peers/
@@ -51,15 +51,20 @@ if has tpbench; then  # Qwen3-8B shape, TP=1 vs TP=2: W5 and W1 (about 6 minutes
   timeout 580 python3 bench/tp_bench.py 2>&1 | tee "$OUT/tp_bench.log" | grep -E '^\{|Error'
   while read -r line; do rows+=("tp: $line"); done < <(grep '^{' "$OUT/tp_bench.log")
 fi
-if has w2ab; then  # W1 and W2 (256 and 16 streams) under scheduling variants, in one call (about 4 minutes)
+if has w2ab; then  # W1 and W2 (256 and 16 streams) under graph and scheduling variants, in one call (~4 min)
   cap=max_prefill_tokens_while_decoding
-  (cd bench && for v in "" "--engine-arg $cap=2048"; do
+  (cd bench && for v in "" "--engine-arg cuda_graph_max_tokens=0"; do
      timeout 150 python3 w1_throughput.py $v 2>&1 | grep -E '^\{|Error' | tail -2; done
-   for v in "" "--engine-arg $cap=2048" "--engine-arg $cap=1024" "--engine-arg $cap=2048 --switch-interval 0.0005"; do
+   for v in "" "--engine-arg $cap=512" "--engine-arg $cap=1024"; do
      timeout 150 python3 w2_stream.py $v 2>&1 | grep -E '^\{|Error' | tail -2; done
-   timeout 100 python3 w2_stream.py --streams 16 --engine-arg $cap=2048 2>&1 | grep -E '^\{|Error' | tail -2
+   timeout 100 python3 w2_stream.py --streams 16 2>&1 | grep -E '^\{|Error' | tail -2
   ) | tee "$OUT/w2ab.log"
   while read -r line; do rows+=("w2ab: $line"); done < <(grep '^{' "$OUT/w2ab.log")
+fi
+if has attntests; then  # the attention kernels and backend against the reference (graph-shaped launches too)
+  python3 -m pytest -q -s -p no:cacheprovider -o addopts="" tests/kernels/test_paged_attention.py \
+    tests/attention/test_triton_backend.py 2>&1 | tee "$OUT/attn_tests.log" | grep -E "passed|failed|Error|error" | tail -15
+  rows+=("gpu tests (attention): $(tail -1 "$OUT/attn_tests.log")")
 fi
 if has pa; then  # the paged-attention micro-benchmark alone (its launch variants)
   timeout 120 python3 bench/kernels/bench_paged_attention.py 2>&1 | tee "$OUT/bench_paged_attention.log" | tail -4

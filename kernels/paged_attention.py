@@ -3,6 +3,10 @@
 Both read keys/values through each sequence's block table, token by token, so any power-of-two block size
 works. `paged_attention_ref` is the specification (pure PyTorch). Knows nothing of the engine: the caller
 hands in packed queries, the cache, and the per-step plans (`plan_prefill_tiles`, `choose_num_splits`).
+
+Both kernels also run inside CUDA graphs whose launch shapes are fixed for any step of up to N tokens: a
+decode entry of -1 is no work (its programs exit at once), and prefill programs walk the tiles with a
+stride, up to a live count read on the device (`TILES_HEADER`), so a fixed grid covers any tile count.
 """
 
 from __future__ import annotations
@@ -15,6 +19,9 @@ import triton.language as tl
 # than they win in parallelism.
 MIN_TOKENS_PER_SPLIT = 128
 MAX_SPLITS = 32  # a power of two: the reduction kernel's fixed width
+# int32 slots before the prefill tiles in a tile buffer: [count, 0, 0, 0] then (sequence, first row) pairs.
+# Four keeps the tiles 16-byte aligned, as Triton specialises pointer arguments on that alignment.
+TILES_HEADER = 4
 _LOG2E = 1.4426950408889634
 
 
@@ -40,6 +47,8 @@ def _decode_split_kernel(
 ):  # fmt: skip
     pid_b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq = tl.load(seqs_ptr + pid_b)
+    if seq < 0:  # padding of a graph's fixed grid: no sequence
+        return
     row = tl.load(qsl_ptr + seq)
     seq_len = tl.load(seq_lens_ptr + seq)
     # Each sequence splits its own length (read on the device, so a CUDA graph replays any lengths); splits
@@ -101,7 +110,10 @@ def _decode_reduce_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     pid_b, head = tl.program_id(0), tl.program_id(1)
-    row = tl.load(qsl_ptr + tl.load(seqs_ptr + pid_b))
+    seq = tl.load(seqs_ptr + pid_b)
+    if seq < 0:
+        return
+    row = tl.load(qsl_ptr + seq)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     s_mask = offs_s < num_splits
@@ -152,50 +164,54 @@ def _prefill_kernel(
     stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TILES_HEADER: tl.constexpr,
 ):  # fmt: skip
-    head, tile = tl.program_id(0), tl.program_id(1)  # heads vary fastest: a GQA group shares K/V in L2
-    seq = tl.load(tiles_ptr + 2 * tile)
-    q_start = tl.load(tiles_ptr + 2 * tile + 1)  # first query row of the tile, within the sequence
-    row0 = tl.load(qsl_ptr + seq)
-    q_len = tl.load(qsl_ptr + seq + 1) - row0
-    seq_len = tl.load(seq_lens_ptr + seq)
-    context = seq_len - q_len  # query j sits at position context + j
+    head = tl.program_id(0)  # heads vary fastest: a GQA group shares K/V in L2
     kv_head = head // GROUP
-    offs_m = q_start + tl.arange(0, BLOCK_M)
+    num_tiles = tl.load(tiles_ptr)  # the live count: a graph's grid may hold more programs than tiles
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
-    m_mask = offs_m < q_len
     d_mask = _dim_mask(offs_d, HEAD_DIM, BLOCK_D)
-    q = tl.load(
-        q_ptr + (row0 + offs_m[:, None]) * stride_qt + head * stride_qh + offs_d[None, :],
-        mask=m_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )  # [M, D]
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    table = bt_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_ptr + kv_head * stride_kh + offs_d[None, :]
     v_base = v_ptr + kv_head * stride_vh + offs_d[None, :]
-    # Keys before context + q_start are visible to every row of the tile: no causal mask there.
-    full_hi = ((context + q_start) // BLOCK_N) * BLOCK_N
-    kv_hi = tl.minimum(seq_len, context + q_start + BLOCK_M)
-    for n0 in range(0, full_hi, BLOCK_N):
-        m_i, l_i, acc = _prefill_tile(
-            q, m_i, l_i, acc, n0 + offs_n, offs_m, context, kv_hi, table, k_base, v_base, qk_scale,
-            stride_kb, stride_kt, stride_vb, stride_vt, d_mask, BLOCK_SIZE, False, DOT_PRECISION,
-        )  # fmt: skip
-    for n0 in range(full_hi, kv_hi, BLOCK_N):
-        m_i, l_i, acc = _prefill_tile(
-            q, m_i, l_i, acc, n0 + offs_n, offs_m, context, kv_hi, table, k_base, v_base, qk_scale,
-            stride_kb, stride_kt, stride_vb, stride_vt, d_mask, BLOCK_SIZE, True, DOT_PRECISION,
-        )  # fmt: skip
-    out = acc / l_i[:, None]
-    tl.store(
-        out_ptr + (row0 + offs_m[:, None]) * stride_ot + head * stride_oh + offs_d[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=m_mask[:, None] & d_mask[None, :],
-    )
+    # Eager launches give each program one tile; a graph's fixed grid strides over however many there are.
+    for tile in range(tl.program_id(1), num_tiles, tl.num_programs(1)):
+        seq = tl.load(tiles_ptr + TILES_HEADER + 2 * tile)
+        q_start = tl.load(tiles_ptr + TILES_HEADER + 2 * tile + 1)  # first query row of the tile, in the sequence
+        row0 = tl.load(qsl_ptr + seq)
+        q_len = tl.load(qsl_ptr + seq + 1) - row0
+        seq_len = tl.load(seq_lens_ptr + seq)
+        context = seq_len - q_len  # query j sits at position context + j
+        offs_m = q_start + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < q_len
+        q = tl.load(
+            q_ptr + (row0 + offs_m[:, None]) * stride_qt + head * stride_qh + offs_d[None, :],
+            mask=m_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )  # [M, D]
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        table = bt_ptr + seq.to(tl.int64) * stride_bt
+        # Keys before context + q_start are visible to every row of the tile: no causal mask there.
+        full_hi = ((context + q_start) // BLOCK_N) * BLOCK_N
+        kv_hi = tl.minimum(seq_len, context + q_start + BLOCK_M)
+        for n0 in range(0, full_hi, BLOCK_N):
+            m_i, l_i, acc = _prefill_tile(
+                q, m_i, l_i, acc, n0 + offs_n, offs_m, context, kv_hi, table, k_base, v_base, qk_scale,
+                stride_kb, stride_kt, stride_vb, stride_vt, d_mask, BLOCK_SIZE, False, DOT_PRECISION,
+            )  # fmt: skip
+        for n0 in range(full_hi, kv_hi, BLOCK_N):
+            m_i, l_i, acc = _prefill_tile(
+                q, m_i, l_i, acc, n0 + offs_n, offs_m, context, kv_hi, table, k_base, v_base, qk_scale,
+                stride_kb, stride_kt, stride_vb, stride_vt, d_mask, BLOCK_SIZE, True, DOT_PRECISION,
+            )  # fmt: skip
+        out = acc / l_i[:, None]
+        tl.store(
+            out_ptr + (row0 + offs_m[:, None]) * stride_ot + head * stride_oh + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=m_mask[:, None] & d_mask[None, :],
+        )
 
 
 # ---------------------------------------------------------------------------------------------- planning
@@ -218,6 +234,23 @@ def plan_prefill_tiles(query_lens: list[int], seq_lens: list[int], block_m: int)
     ]
     keys_seen = {(i, s): min(seq_lens[i], seq_lens[i] - query_lens[i] + s + block_m) for i, s in tiles}
     return sorted(tiles, key=lambda t: -keys_seen[t])
+
+
+def tile_buffer(tiles: list[tuple[int, int]], capacity: int | None = None) -> list[int]:
+    """The prefill kernel's tile argument, as host ints: [len(tiles), 0, 0, 0] then the flattened pairs,
+    padded with zeros to `capacity` tiles (a graph's fixed buffer) when given."""
+    capacity = len(tiles) if capacity is None else capacity
+    if len(tiles) > capacity:
+        raise ValueError(f"{len(tiles)} prefill tiles do not fit a buffer planned for {capacity}")
+    flat = [v for tile in tiles for v in tile]
+    return [len(tiles)] + [0] * (TILES_HEADER - 1) + flat + [0] * (2 * (capacity - len(tiles)))
+
+
+def max_prefill_tiles(num_tokens: int, max_seqs: int, block_m: int) -> int:
+    """The most tiles a step of `num_tokens` query rows in at most `max_seqs` sequences can need: each
+    multi-token sequence of q rows takes ceil(q / block_m) <= (q - 1) // block_m + 1 tiles, and there are at
+    most min(max_seqs, num_tokens // 2) of them."""
+    return num_tokens // block_m + min(max_seqs, num_tokens // 2)
 
 
 def prefill_block_m(dtype: torch.dtype, device: torch.device) -> int:
@@ -288,7 +321,7 @@ def paged_decode_attention(
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     seq_lens: torch.Tensor,  # [B] int32
     query_start_loc: torch.Tensor,  # [B + 1] int32
-    decode_seqs: torch.Tensor,  # [Bd] int32: the batch index of each single-query sequence
+    decode_seqs: torch.Tensor,  # [Bd] int32: the batch index of each single-query sequence; -1: none (padding)
     out: torch.Tensor,  # [T, H, D]: only the rows of decode_seqs are written
     scale: float,
     num_splits: int,  # KV splits per sequence; each sequence divides its own length (read on the device)
@@ -333,29 +366,37 @@ def paged_prefill_attention(
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     seq_lens: torch.Tensor,  # [B] int32
     query_start_loc: torch.Tensor,  # [B + 1] int32
-    tiles: torch.Tensor,  # [num_tiles, 2] int32 from plan_prefill_tiles(..., block_m)
+    tiles: torch.Tensor,  # [TILES_HEADER + 2 * capacity] int32: tile_buffer(plan_prefill_tiles(..., block_m))
     out: torch.Tensor,  # [T, H, D]: only the rows of the tiled sequences are written
     scale: float,
     block_m: int,
+    num_programs: int | None = None,  # programs per head (a graph's fixed grid); default: one per tile
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> None:
     group, head_dim, block_size = _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
-    if tiles.dtype != torch.int32 or tiles.dim() != 2 or tiles.shape[1] != 2 or not tiles.is_contiguous():
-        raise TypeError(f"tiles must be contiguous int32 [num_tiles, 2]; got {tiles.dtype} {tuple(tiles.shape)}")
-    if tiles.shape[0] == 0:
+    if tiles.dtype != torch.int32 or tiles.dim() != 1 or not tiles.is_contiguous() or tiles.device != q.device:
+        raise TypeError(
+            f"tiles must be a contiguous 1-D int32 buffer on {q.device}; got {tiles.dtype} {tuple(tiles.shape)}"
+        )
+    capacity, odd = divmod(tiles.shape[0] - TILES_HEADER, 2)
+    if capacity < 0 or odd:
+        raise ValueError(f"tiles holds {tiles.shape[0]} ints: expected {TILES_HEADER} + 2 per tile (tile_buffer)")
+    num_programs = capacity if num_programs is None else num_programs
+    if num_programs == 0:
         return
     big = q.element_size() * _pow2(head_dim) > 256  # float32 or head_dim > 128: keep K/V stages in shared memory
     block_n = block_n or (32 if big else 64)
     num_warps = num_warps or (4 if block_m <= 64 else 8)
     num_stages = num_stages or (2 if big else 3)
-    _prefill_kernel[(q.shape[1], tiles.shape[0])](
+    _prefill_kernel[(q.shape[1], num_programs)](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, tiles, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_D=_pow2(head_dim),
-        BLOCK_N=block_n, DOT_PRECISION=_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+        BLOCK_N=block_n, DOT_PRECISION=_precision(q.dtype), TILES_HEADER=TILES_HEADER,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
 
 

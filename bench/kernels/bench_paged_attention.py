@@ -131,7 +131,9 @@ def bench_prefill(pa, batch: int, length: int) -> None:
     out = torch.empty_like(q)
     scale = HEAD_DIM**-0.5
     block_m = pa.prefill_block_m(torch.bfloat16, q.device)
-    tiles = torch.tensor(pa.plan_prefill_tiles([length] * batch, [length] * batch, block_m), dtype=torch.int32)
+    tiles = torch.tensor(
+        pa.tile_buffer(pa.plan_prefill_tiles([length] * batch, [length] * batch, block_m)), dtype=torch.int32
+    )
     args = (q, k_cache, v_cache, tables, lens, starts, tiles.cuda(), out, scale)
     ms = time_ms(lambda: pa.paged_prefill_attention(*args, block_m=block_m))
     flops = 4 * batch * HEADS * HEAD_DIM * length * length / 2  # causal: half of QK^T and PV

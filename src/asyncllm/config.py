@@ -193,12 +193,19 @@ class DeviceConfig:
         "installed, else torch).",
     )
     enforce_eager: bool = arg(False, "Never capture CUDA graphs.")
+    cuda_graph_max_tokens: int = arg(
+        2048,
+        "Steps that are not decode-only (prompt chunks, alone or beside decodes) of up to this many tokens replay "
+        "CUDA graphs captured per token count (padded up by at most a quarter); larger steps run eagerly. 0: "
+        "decode steps only. Each count costs a capture at start-up; the largest sets the graphs' memory.",
+    )
 
     def __post_init__(self) -> None:
         _set(self, "device", check_enum(_fail, Device, "device", self.device))
         backend = check_enum(_fail, AttentionBackendName, "attention_backend", self.attention_backend)
         _set(self, "attention_backend", backend)
         check_bool(_fail, "enforce_eager", self.enforce_eager)
+        check_int(_fail, "cuda_graph_max_tokens", self.cuda_graph_max_tokens, "an integer >= 0", lo=0)
 
 
 _PARTS: dict[str, type] = {

@@ -38,9 +38,12 @@ def _to_device(meta):
     return meta
 
 
-def _compare_steps(steps: list[list[tuple[int, int]]], block_size: int, group: int, head_dim: int, dtype) -> None:
+def _compare_steps(
+    steps: list[list[tuple[int, int]]], block_size: int, group: int, head_dim: int, dtype, graph_tokens: int = 0
+) -> None:
     """Runs each step's (seq_id, new tokens) through both backends, each with its own cache; outputs and
-    caches must agree after every step."""
+    caches must agree after every step. `graph_tokens`: the Triton side plans every step for one CUDA-graph
+    shape of that many rows (queries padded with rows of no sequence), as a captured mixed step replays."""
     gen = torch.Generator().manual_seed(block_size * group)
     num_kv_heads, scale = 2, head_dim**-0.5
     # Room for the longest steps (about 2,300 tokens over six sequences) at every block size.
@@ -49,6 +52,7 @@ def _compare_steps(steps: list[list[tuple[int, int]]], block_size: int, group: i
         (k.to(DEVICE), v.to(DEVICE)) for k, v in batcher.new_caches(2, num_kv_heads, head_dim, dtype)
     ]
     torch_backend, triton_backend = TorchAttentionBackend(), _backend(dtype, num_kv_heads)
+    launches = set()
     for chunks in steps:
         _, meta = batcher.step(chunks)
         meta = _to_device(meta)
@@ -57,11 +61,23 @@ def _compare_steps(steps: list[list[tuple[int, int]]], block_size: int, group: i
         k, v = (torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE) for _ in "kv")
         torch_backend.prepare(meta)
         expected = torch_backend.forward(q, k, v, k_ref, v_ref, meta, scale)
-        triton_backend.prepare(meta)
-        out = triton_backend.forward(q, k, v, k_tri, v_tri, meta, scale)
+        if graph_tokens:
+            triton_backend.plan_graph_mixed(meta, graph_tokens, 8, 4096)
+            plan = meta.plan
+            launches.add(
+                (plan.num_splits, plan.prefill_programs, plan.decode_seqs.data_ptr(), plan.prefill_tiles.data_ptr())
+            )
+            pad = torch.randn(graph_tokens - num_tokens, *q.shape[1:], generator=gen).to(dtype).to(DEVICE)
+            out = triton_backend.forward(torch.cat([q, pad]), k, v, k_tri, v_tri, meta, scale)
+            assert out[num_tokens:].eq(0).all(), "padding rows are zero, never garbage"
+            out = out[:num_tokens]
+        else:
+            triton_backend.prepare(meta)
+            out = triton_backend.forward(q, k, v, k_tri, v_tri, meta, scale)
         assert not out.isnan().any(), "a query row was left unwritten"
         torch.testing.assert_close(out, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
         assert torch.equal(k_tri.nan_to_num(7.0), k_ref.nan_to_num(7.0)), "stored keys differ"
+    assert len(launches) <= 1, f"one captured shape, but the launches changed between steps: {launches}"
 
 
 # step 1 prefills a few sequences (one in two chunks), step 2 mixes decodes, a new prompt and the second chunk
@@ -77,6 +93,14 @@ def test_mixed_steps_match_torch_backend(kernels, block_size: int, group: int, h
     _compare_steps(MIXED_STEPS, block_size, group, head_dim, torch.float32)
 
 
+@pytest.mark.parametrize("block_size,group,head_dim", [(16, 2, 64), (4, 8, 16)])
+def test_graph_planned_steps_match_torch_backend(kernels, block_size: int, group: int, head_dim: int) -> None:
+    """Steps of 5 to 74 tokens in up to 6 sequences, each planned for one 96-row, 8-sequence graph shape:
+    the same launches every step (shapes and work-list addresses), the reference's outputs."""
+    steps = [*MIXED_STEPS, [(6, 30), (0, 1), (1, 1), (4, 9), (7, 2), (8, 1)]]
+    _compare_steps(steps, block_size, group, head_dim, torch.float32, graph_tokens=96)
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
@@ -84,6 +108,7 @@ def test_mixed_steps_match_torch_backend(kernels, block_size: int, group: int, h
 def test_gpu_mixed_steps_match_torch_backend(kernels, dtype: torch.dtype, block_size: int) -> None:
     long_steps = [[(0, 300), (1, 1), (2, 1000)], [(0, 1), (1, 700), (2, 1), (3, 129)], [(i, 1) for i in range(4)]]
     _compare_steps(MIXED_STEPS + long_steps, block_size, 2, 128, dtype)
+    _compare_steps(MIXED_STEPS + long_steps, block_size, 2, 128, dtype, graph_tokens=1536)
 
 
 def _greedy(path: Path, backend: str, device: str, **engine_args) -> list[list[int]]:

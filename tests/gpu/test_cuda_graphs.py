@@ -1,6 +1,7 @@
 """CUDA graphs against eager execution, on the GPU: the same greedy tokens while requests join and leave
-(1 to 37 live sequences crossing captured sizes 1, 2, 4, 8, 16, 32, 40 with padding), with shared prefixes
-(cache hits) and a cache small enough to preempt. Also: graphs are captured only where they should be."""
+(1 to 37 live sequences crossing captured sizes 1, 2, 4, 8, 16, 32, 40 with padding; steps carrying prompt
+chunks padded to captured token counts), with shared prefixes (cache hits) and a cache small enough to
+preempt. Also: graphs are captured only where they should be."""
 
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ def test_graphs_equal_eager(tiny_checkpoints, engine_args: dict, dtype: str) -> 
     graphs = LLM(path, **common)
     eager = LLM(path, enforce_eager=True, **common)
     assert graphs.runtime.cuda_graph_sizes == (1, 2, 4, 8, 16, 32, 40)
-    assert eager.runtime.cuda_graph_sizes == ()
+    assert graphs.runtime.cuda_graph_token_sizes[-1] == min(2048, engine_args.get("max_num_batched_tokens", 8192))
+    assert eager.runtime.cuda_graph_sizes == () == eager.runtime.cuda_graph_token_sizes
     prompts, params = _workload(graphs.runtime.vocab_size)
     ours = graphs.generate(prompts, params, use_tqdm=False)
     ref = eager.generate(prompts, params, use_tqdm=False)
@@ -55,6 +57,22 @@ def test_graphs_equal_eager(tiny_checkpoints, engine_args: dict, dtype: str) -> 
     if "max_num_batched_tokens" in engine_args:
         assert stats["num_preemptions"] > 0
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_graphed_mixed_steps_equal_unpadded_steps(tiny_checkpoints) -> None:
+    """float32: steps carrying prompt chunks, padded to a token count and replayed from its graph, give the
+    tokens of the same steps run unpadded and planned per step (cuda_graph_max_tokens=0)."""
+    path = str(tiny_checkpoints["qwen3"])
+    torch.backends.cuda.matmul.allow_tf32 = False
+    common = dict(device="cuda", dtype="float32", block_size=4, max_num_seqs=40, num_kv_blocks=512)
+    graphed = LLM(path, max_num_batched_tokens=96, **common)
+    plain = LLM(path, max_num_batched_tokens=96, cuda_graph_max_tokens=0, **common)
+    assert graphed.runtime.cuda_graph_token_sizes == (16, 32, 48, 64, 80, 96)
+    assert plain.runtime.cuda_graph_token_sizes == ()
+    prompts, params = _workload(graphed.runtime.vocab_size)
+    ours = graphed.generate(prompts, params, use_tqdm=False)
+    ref = plain.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in ours] == [o.token_ids for o in ref]
 
 
 def test_torch_backend_and_cpu_stay_eager(tiny_checkpoints) -> None:

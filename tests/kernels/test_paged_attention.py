@@ -43,8 +43,9 @@ def make_batch(seqs: list[tuple[int, int]], num_kv_heads: int, group: int, head_
     return q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), meta
 
 
-def run_decode(pa, q, k_cache, v_cache, meta, scale: float, num_splits: int, **config) -> torch.Tensor:
-    decode = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
+def run_decode(pa, q, k_cache, v_cache, meta, scale: float, num_splits: int, pad: int = 0, **config) -> torch.Tensor:
+    """`pad` entries of -1 (no sequence) are appended to the work list, as a CUDA graph's fixed grid has."""
+    decode = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1] + [-1] * pad
     out = torch.full_like(q, float("nan"))
     seqs = torch.tensor(decode, dtype=torch.int32, device=q.device)
     args = (q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, seqs, out, scale)
@@ -52,9 +53,14 @@ def run_decode(pa, q, k_cache, v_cache, meta, scale: float, num_splits: int, **c
     return out
 
 
-def run_prefill(pa, q, k_cache, v_cache, meta, scale: float, block_m: int, **config) -> torch.Tensor:
+def run_prefill(
+    pa, q, k_cache, v_cache, meta, scale: float, block_m: int, capacity: int | None = None, **config
+) -> torch.Tensor:
+    """`capacity` (with `num_programs` in config): a buffer with room for more tiles than the step has and a
+    grid of its own size, as a CUDA graph's."""
     out = torch.full_like(q, float("nan"))
-    tiles = torch.tensor(pa.plan_prefill_tiles(meta.query_lens_cpu, meta.seq_lens_cpu, block_m), dtype=torch.int32)
+    plan = pa.plan_prefill_tiles(meta.query_lens_cpu, meta.seq_lens_cpu, block_m)
+    tiles = torch.tensor(pa.tile_buffer(plan, capacity), dtype=torch.int32)
     args = (q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, tiles.to(q.device), out)
     pa.paged_prefill_attention(*args, scale, block_m=block_m, **config)
     return out
@@ -95,6 +101,25 @@ def test_chunked_prefill_with_offsets_matches_ref(pa, block_size: int) -> None:
     check(pa, run_prefill(pa, *batch, 0.125, block_m=16, block_n=16), *batch, 0.125)
 
 
+def test_graph_shaped_launches_match_ref(pa) -> None:
+    """A fixed grid larger or smaller than the work: decode entries of -1 exit, prefill programs stride over
+    the live tile count (fewer programs than tiles, and more), and nothing else is written."""
+    seqs = [(13, 2), (16, 15), (0, 40), (240, 17), (8, 1), (0, 3), (30, 1)]
+    q, k_cache, v_cache, meta = batch = make_batch(seqs, 2, 2, 64, 16, torch.float32, seed=5)
+    decode_rows = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
+    starts = meta.query_start_loc.tolist()
+    prefill = torch.ones(q.shape[0], dtype=torch.bool)
+    prefill[[starts[i] for i in decode_rows]] = False
+    ref = pa.paged_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.query_lens_cpu, meta.seq_lens_cpu, 0.125)
+    for programs in (1, 3, 40):  # 7 tiles of 16 rows
+        out = run_prefill(pa, *batch, 0.125, block_m=16, block_n=16, capacity=12, num_programs=programs)
+        assert out[~prefill.to(out.device)].isnan().all(), "decode rows are the decode kernel's"
+        torch.testing.assert_close(out[prefill.to(out.device)], ref[prefill.to(ref.device)], atol=1e-4, rtol=1e-4)
+    out = run_decode(pa, *batch, 0.125, num_splits=2, pad=5, block_n=16)
+    assert out[prefill.to(out.device)].isnan().all(), "prefill rows are the prefill kernel's"
+    torch.testing.assert_close(out[~prefill.to(out.device)], ref[~prefill.to(ref.device)], atol=1e-4, rtol=1e-4)
+
+
 def test_decode_small_blocks_and_many_splits(pa) -> None:
     """Block sizes below a tile (the table is read per token) and more splits than some sequences' tiles."""
     for block_size in (1, 4):
@@ -110,6 +135,25 @@ def test_planning() -> None:
     assert pa.choose_num_splits(1024, 256, 8, 132) == 1  # 2048 programs already fill an H200
     assert pa.choose_num_splits(1024, 1, 8, 132) == 8  # batch 1: split, but >= 128 keys per split
     assert pa.choose_num_splits(1, 1, 1, 132) == 1
+    assert pa.tile_buffer([(2, 0), (1, 16)], capacity=3) == [2, 0, 0, 0, 2, 0, 1, 16, 0, 0]
+    with pytest.raises(ValueError, match="3 prefill tiles"):
+        pa.tile_buffer([(0, 0)] * 3, capacity=2)
+
+
+def test_max_prefill_tiles_bounds_every_step() -> None:
+    """The graph's tile buffer bound holds for any split of a step's rows into decodes and prompt chunks."""
+    import random
+
+    pa = import_paged_attention()
+    rng = random.Random(0)
+    for _ in range(2000):
+        num_tokens, max_seqs, block_m = rng.randint(2, 600), rng.randint(1, 64), rng.choice([16, 64, 128])
+        lens, left = [], num_tokens
+        while left and len(lens) < max_seqs:
+            lens.append(rng.randint(1, left))
+            left -= lens[-1]
+        tiles = pa.plan_prefill_tiles(lens, lens, block_m)
+        assert len(tiles) <= pa.max_prefill_tiles(num_tokens, max_seqs, block_m), (lens, block_m)
 
 
 def test_launcher_rejects_bad_inputs(pa) -> None:

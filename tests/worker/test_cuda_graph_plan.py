@@ -3,10 +3,12 @@ padded size, and what padded rows hold (no KV write, one key, positions in range
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from asyncllm.executor.interface import ScheduledSeq, SchedulerOutput
-from asyncllm.worker.cuda_graph import capture_sizes, is_decode_only
+from asyncllm.worker.cuda_graph import capture_sizes, is_decode_only, token_capture_sizes
 from asyncllm.worker.input_batch import InputBuffers
 
 
@@ -14,6 +16,26 @@ def test_capture_sizes() -> None:
     assert capture_sizes(1) == [1]
     assert capture_sizes(37) == [1, 2, 4, 8, 16, 32, 37]
     assert capture_sizes(256) == [1, 2, 4, 8, *range(16, 257, 16)]
+
+
+def test_token_capture_sizes() -> None:
+    assert token_capture_sizes(12) == []  # below one bucket: such steps stay unpadded
+    assert token_capture_sizes(64) == [16, 32, 48, 64]
+    sizes = token_capture_sizes(2048)
+    assert sizes[:8] == list(range(16, 129, 16)) and sizes[-4:] == [1280, 1536, 1792, 2048]
+    assert token_capture_sizes(1000)[-2:] == [896, 1000]
+    assert all(b <= a * 1.25 for a, b in itertools.pairwise(sizes[7:])), "a step pads by at most a quarter"
+
+
+def test_padded_tokens_belong_to_no_sequence() -> None:
+    buffers = InputBuffers(64, 8, 4, 4, torch.device("cpu"))
+    step = SchedulerOutput(seqs=[ScheduledSeq("a", [11], 6, [2, 3], True), ScheduledSeq("b", [5, 6, 7], 0, [9], True)])
+    x = buffers.prepare(step, pad_tokens_to=16)
+    assert x.num_tokens == 16 and x.meta.num_seqs == 2
+    assert x.input_ids.tolist() == [11, 5, 6, 7] + [0] * 12
+    assert x.meta.slot_mapping.tolist() == [3 * 4 + 2, 36, 37, 38] + [-1] * 12  # padding writes no KV
+    assert x.meta.query_start_loc.tolist() == [0, 1, 4] and x.meta.seq_lens.tolist() == [7, 3]
+    assert x.meta.query_lens_cpu == [1, 3] and x.logits_indices.tolist() == [0, 3]
 
 
 def test_only_decode_steps_replay() -> None:
@@ -76,3 +98,28 @@ def test_decode_sizes_fit_the_token_budget(tiny_model) -> None:
     worker.load_model()
     worker.init_kv_cache(worker.determine_num_blocks())
     assert worker.runner is not None and worker.runner.decode_sizes == [1, 2, 4, 8, 12]
+    assert worker.runner.token_sizes == []  # a 12-token budget is below the smallest mixed-step bucket
+
+
+def test_token_sizes_follow_the_budget_and_the_graph_limit(tiny_model) -> None:
+    """Mixed steps pad up to min(cuda_graph_max_tokens, max_num_batched_tokens); 0 turns padding off, and
+    the torch reference backend never pads."""
+    import pytest
+
+    pytest.importorskip("triton")
+    from asyncllm.config import EngineConfig
+    from asyncllm.model_loader.checkpoint import open_checkpoint
+    from asyncllm.worker.worker import Worker
+
+    def token_sizes(**kwargs) -> list[int]:
+        config = EngineConfig.from_kwargs(str(tiny_model), device="cpu", num_kv_blocks=16, **kwargs)
+        worker = Worker(config, open_checkpoint(str(tiny_model), torch.float32))
+        worker.load_model()
+        worker.init_kv_cache(worker.determine_num_blocks())
+        assert worker.runner is not None
+        return worker.runner.token_sizes
+
+    assert token_sizes(attention_backend="triton", max_num_batched_tokens=64) == [16, 32, 48, 64]
+    assert token_sizes(attention_backend="triton", max_num_batched_tokens=512, cuda_graph_max_tokens=48) == [16, 32, 48]
+    assert token_sizes(attention_backend="triton", cuda_graph_max_tokens=0) == []
+    assert token_sizes(attention_backend="torch") == []

@@ -55,12 +55,21 @@ class AttentionBackend(ABC):
     """Stateless implementation of paged attention; one instance is shared by every layer."""
 
     name: str
-    supports_cuda_graphs: bool = False  # whether `plan_graph_decode` is implemented
+    supports_cuda_graphs: bool = False  # whether `plan_graph_decode` and `plan_graph_mixed` are implemented
 
     def plan_graph_decode(self, meta: AttentionMetadata, num_seqs: int, max_seq_len: int) -> None:
         """Plan a decode-only step of exactly `num_seqs` single-token sequences (padding included) for CUDA
         graph capture: nothing in the plan may depend on host values that vary per step, and the plan's
         tensors must outlive the graph (the backend keeps them). `max_seq_len` is a static bound."""
+        raise NotImplementedError(f"the {self.name!r} attention backend cannot run inside CUDA graphs")
+
+    def plan_graph_mixed(self, meta: AttentionMetadata, max_tokens: int, max_seqs: int, max_seq_len: int) -> None:
+        """Plan any step (prompt chunks and decodes) of at most `max_tokens` query rows, padding included, in
+        at most `max_seqs` sequences, for CUDA graph capture and replay. Launch shapes may depend on the
+        three bounds only; the step's own work list goes into tensors the backend keeps at fixed addresses
+        (one set per pair of bounds) and rewrites, on the device's stream, every time a step is planned, so
+        one captured graph replays any step within its bounds. Rows past the step's tokens are padding:
+        their attention output is never read."""
         raise NotImplementedError(f"the {self.name!r} attention backend cannot run inside CUDA graphs")
 
     def prepare(self, meta: AttentionMetadata) -> None:

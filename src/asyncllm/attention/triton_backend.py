@@ -16,7 +16,7 @@ import torch
 
 from asyncllm.attention.backend import AttentionBackend, AttentionMetadata, AttentionPlan
 from asyncllm.errors import InvalidConfigError
-from asyncllm.layers.host_copy import to_device
+from asyncllm.layers.host_copy import copy_into, to_device
 
 _FIX = "use attention_backend='torch' (or 'auto')"
 
@@ -35,10 +35,24 @@ def load_paged_attention() -> ModuleType:
 
 @dataclass
 class TritonPlan(AttentionPlan):
-    decode_seqs: torch.Tensor | None  # [Bd] int32: batch index of each single-query sequence
+    decode_seqs: torch.Tensor | None  # [Bd] int32: batch index of each single-query sequence; -1: padding
     decode_max_len: int  # bound on the decode sequences' lengths (keys), host side: sets the split count
     num_splits: int  # KV splits per decode sequence and KV head
-    prefill_tiles: torch.Tensor | None  # [num_tiles, 2] int32: (sequence, first query row) per tile
+    prefill_tiles: torch.Tensor | None  # int32 tile buffer (kernels.tile_buffer): live count, then the tiles
+    prefill_programs: int = 0  # prefill programs per head: one per tile eagerly, fixed in a graph
+    padded: bool = False  # rows of no sequence follow the step's: their output is zeroed, never garbage
+
+
+@dataclass
+class _MixedBuffers:
+    """The device work list one captured mixed-step size reads, rewritten by each step it replays."""
+
+    work: torch.Tensor  # int32: decode_seqs (capacity rounded up to 4), then the tile buffer
+    decode_seqs: torch.Tensor  # view of the first decode_capacity entries
+    tiles: torch.Tensor  # view from tiles_offset, 16-byte aligned
+    decode_capacity: int
+    tiles_offset: int
+    tile_capacity: int
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -66,6 +80,7 @@ class TritonAttentionBackend(AttentionBackend):
         props = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
         self.num_sms = props.multi_processor_count if props is not None else 1
         self._graph_seqs: dict[int, torch.Tensor] = {}  # num_seqs -> arange, alive as long as the graphs
+        self._mixed: dict[tuple[int, int], _MixedBuffers] = {}  # (max_tokens, max_seqs) -> work list
 
     def prepare(self, meta: AttentionMetadata) -> None:
         kernels, qlens, slens = self._kernels, meta.query_lens_cpu, meta.seq_lens_cpu
@@ -77,8 +92,41 @@ class TritonAttentionBackend(AttentionBackend):
             decode_seqs=to_device(decode, torch.int32, device) if decode else None,
             decode_max_len=max_len,
             num_splits=kernels.choose_num_splits(max_len, len(decode), self.num_kv_heads, self.num_sms),
-            prefill_tiles=to_device(tiles, torch.int32, device) if tiles else None,
+            prefill_tiles=to_device(kernels.tile_buffer(tiles), torch.int32, device) if tiles else None,
+            prefill_programs=len(tiles),
         )
+
+    def plan_graph_mixed(self, meta: AttentionMetadata, max_tokens: int, max_seqs: int, max_seq_len: int) -> None:
+        kernels = self._kernels
+        key = (max_tokens, max_seqs)
+        buf = self._mixed.get(key)
+        if buf is None:
+            buf = self._mixed[key] = self._mixed_buffers(max_tokens, max_seqs)
+        qlens, slens = meta.query_lens_cpu, meta.seq_lens_cpu
+        decode = [i for i, n in enumerate(qlens) if n == 1]
+        tiles = kernels.plan_prefill_tiles(qlens, slens, self.block_m)
+        if len(decode) > buf.decode_capacity or sum(qlens) > max_tokens:
+            raise ValueError(f"a step of {sum(qlens)} tokens in {len(qlens)} sequences exceeds the plan for {key}")
+        pad = buf.tiles_offset - len(decode)  # -1: no sequence, for the decode programs past the real ones
+        copy_into(buf.work, decode + [-1] * pad + kernels.tile_buffer(tiles, buf.tile_capacity))  # one copy
+        # Launch shapes depend on the bounds alone. Decode splits assume a full decode batch; the prefill
+        # grid gives each head enough programs for a step of one long chunk, and strides over more tiles.
+        meta.plan = TritonPlan(
+            decode_seqs=buf.decode_seqs,
+            decode_max_len=max_seq_len,
+            num_splits=kernels.choose_num_splits(max_seq_len, buf.decode_capacity, self.num_kv_heads, self.num_sms),
+            prefill_tiles=buf.tiles,
+            prefill_programs=min(buf.tile_capacity, -(-max_tokens // self.block_m)),
+            padded=True,
+        )
+
+    def _mixed_buffers(self, max_tokens: int, max_seqs: int) -> _MixedBuffers:
+        decode_capacity = min(max_tokens, max_seqs)
+        tile_capacity = self._kernels.max_prefill_tiles(max_tokens, max_seqs, self.block_m)
+        offset = -(-decode_capacity // 4) * 4  # the tile buffer starts 16-byte aligned
+        size = offset + self._kernels.TILES_HEADER + 2 * tile_capacity
+        work = torch.zeros(size, dtype=torch.int32, device=self.device)
+        return _MixedBuffers(work, work[:decode_capacity], work[offset:], decode_capacity, offset, tile_capacity)
 
     def plan_graph_decode(self, meta: AttentionMetadata, num_seqs: int, max_seq_len: int) -> None:
         seqs = self._graph_seqs.get(num_seqs)
@@ -100,10 +148,13 @@ class TritonAttentionBackend(AttentionBackend):
             self.prepare(meta)
         plan = meta.plan
         assert isinstance(plan, TritonPlan)
-        out = torch.empty_like(q)
+        # Padding rows are attended by no kernel: zeros keep them finite through the layers that follow.
+        out = torch.zeros_like(q) if plan.padded else torch.empty_like(q)
         args = (q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc)
         if plan.decode_seqs is not None:
             self._kernels.paged_decode_attention(*args, plan.decode_seqs, out, scale, num_splits=plan.num_splits)
         if plan.prefill_tiles is not None:
-            self._kernels.paged_prefill_attention(*args, plan.prefill_tiles, out, scale, block_m=self.block_m)
+            self._kernels.paged_prefill_attention(
+                *args, plan.prefill_tiles, out, scale, block_m=self.block_m, num_programs=plan.prefill_programs
+            )
         return out

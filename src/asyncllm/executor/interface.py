@@ -99,6 +99,7 @@ class RuntimeInfo:
     dtype: str  # "float32", "bfloat16", ...
     attention_backend: str = "torch"  # the backend that runs ("torch", "triton", ...), after "auto" resolved
     cuda_graph_sizes: tuple[int, ...] = ()  # decode batch sizes replayed from CUDA graphs; () when eager
+    cuda_graph_token_sizes: tuple[int, ...] = ()  # token counts of the other steps' graphs; () when none
     startup_seconds: tuple[tuple[str, float], ...] = ()  # (step, seconds): load, profile, warm_up, capture
 
     @property

@@ -3,10 +3,11 @@
 Host staging tensors (pinned on CUDA) are allocated once at their maximum size and filled through numpy
 views; device tensors are filled by one non-blocking copy each. Fixed addresses are what CUDA graphs need
 (a captured graph reads these very tensors), and no step allocates. A decode step replayed by a graph is
-padded to the captured size: padded rows write no KV (slot -1) and attend to one key. A step that samples
-nothing (a long prompt's middle chunks) ends without any host sync, so before refilling the host side we
-wait on an event recorded after the previous step's copies: only for those copies, never for the forward
-pass. Overlapped scheduling (wave two) double-buffers instead.
+padded to the captured size: padded rows write no KV (slot -1) and attend to one key. Any other step is
+padded to a captured token count with rows of no sequence (no KV write; nothing reads their attention).
+A step that samples nothing (a long prompt's middle chunks) ends without any host sync, so before refilling
+the host side we wait on an event recorded after the previous step's copies: only for those copies, never
+for the forward pass. Overlapped scheduling (wave two) double-buffers instead.
 """
 
 from __future__ import annotations
@@ -79,9 +80,12 @@ class InputBuffers:
         self._copies_done = torch.cuda.Event() if self.input_ids.dev is not self.input_ids.cpu else None
         self._copies_pending = False
 
-    def prepare(self, scheduled: SchedulerOutput, pad_to: int | None = None) -> ModelInputs:
+    def prepare(
+        self, scheduled: SchedulerOutput, pad_to: int | None = None, pad_tokens_to: int | None = None
+    ) -> ModelInputs:
         """Fill and upload the step's inputs. `pad_to`: a decode-only step padded with dummy sequences to
-        that many rows (a captured CUDA graph's size).
+        that many rows (a captured CUDA graph's size). `pad_tokens_to`: any step padded with rows that belong
+        to no sequence (a mixed-step graph's token count): they write no KV and nothing attends from them.
 
         One light pass over the sequences gathers Python lists, then each buffer gets one bulk write; a
         block-table row is rewritten only when its sequence or block count changed since the last step.
@@ -131,6 +135,12 @@ class InputBuffers:
             query_lens += [1] * pad
             seq_lens += [1] * pad  # attend to one key: finite garbage in rows nobody reads
             b = t = pad_to
+        if pad_tokens_to is not None and pad_tokens_to > t:
+            pad = pad_tokens_to - t
+            id_list += [0] * pad
+            pos_list += [0] * pad
+            slot_list += [-1] * pad  # write no KV
+            t = pad_tokens_to
         self.input_ids.np[:t] = id_list
         self.positions.np[:t] = pos_list
         self.slot_mapping.np[:t] = slot_list

@@ -3,9 +3,11 @@ forward pass, and one sample per sequence that reached the end of its tokens; `s
 device is done, with the sampled ids on their way to pinned host memory behind an event. A PLACEHOLDER
 input (overlapped scheduling) is filled on the device from the previous step's sampled ids.
 
-Decode-only steps are padded to a bucket size and planned statically whenever the attention backend can
-be captured, then replayed from a CUDA graph if one was captured for that size, or run eagerly the same
-way otherwise: so graphs and `enforce_eager` compute exactly the same numbers. Other steps run eagerly.
+Whenever the attention backend can be captured, decode-only steps are padded to a batch-size bucket and
+other steps (prompt chunks, with or without decodes) to a token-count bucket, and planned statically; each
+then replays a CUDA graph if one was captured for its bucket, or runs eagerly the same way otherwise: so
+graphs and `enforce_eager` compute exactly the same numbers. Steps beyond the largest bucket run eagerly,
+unpadded.
 
 Knows nothing of requests beyond the plain data the scheduler sends and the sampling state it keeps per
 request id; nothing of how the model was loaded or the cache sized. The step's only host sync is reading
@@ -24,7 +26,7 @@ from asyncllm.attention.layer import KVCache
 from asyncllm.executor.interface import ModelRunnerOutput, ReadyStep, SchedulerOutput, StepResult
 from asyncllm.sample.sampler import Sampler
 from asyncllm.sample.state import SamplingState
-from asyncllm.worker.cuda_graph import CudaGraphRunner, capture_sizes, is_decode_only
+from asyncllm.worker.cuda_graph import CudaGraphRunner, capture_sizes, is_decode_only, token_capture_sizes
 from asyncllm.worker.input_batch import InputBuffers
 from asyncllm.worker.latest_tokens import LatestTokens
 from asyncllm.worker.sampled_outputs import SampledOutputs
@@ -41,6 +43,7 @@ class ModelRunner:
         eos_token_ids: frozenset[int],
         max_seq_len: int,
         vocab_size: int,
+        max_graph_tokens: int = 0,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -60,6 +63,9 @@ class ModelRunner:
         # A decode step holds at most one token per sequence within the step's token budget.
         max_decode = min(buffers.max_num_seqs, buffers.max_num_tokens)
         self.decode_sizes = capture_sizes(max_decode) if backend.supports_cuda_graphs else []
+        # Padded token counts of every other step, up to `max_graph_tokens` (0: none; such steps run unpadded).
+        max_tokens = min(max_graph_tokens, buffers.max_num_tokens)
+        self.token_sizes = token_capture_sizes(max_tokens) if backend.supports_cuda_graphs else []
 
     def execute_model(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
         """`submit`, then wait for the step."""
@@ -85,10 +91,18 @@ class ModelRunner:
                 self.backend.plan_graph_decode(x.meta, size, self.max_seq_len)
                 last_hidden = self.model(x.input_ids, x.positions, self.kv_caches, x.meta)[:num_seqs]
         else:
-            x = self.inputs.prepare(scheduled)
+            tokens = self.token_size(scheduled)
+            x = self.inputs.prepare(scheduled, pad_tokens_to=tokens)
             self._feed_previous(scheduled)
-            self.backend.prepare(x.meta)
-            hidden = self.model(x.input_ids, x.positions, self.kv_caches, x.meta)  # [T, hidden]
+            if tokens is None:
+                self.backend.prepare(x.meta)
+                hidden = self.model(x.input_ids, x.positions, self.kv_caches, x.meta)  # [T, hidden]
+            else:
+                self.backend.plan_graph_mixed(x.meta, tokens, self.inputs.max_num_seqs, self.max_seq_len)
+                if self.graphs is not None and self.graphs.has_mixed(tokens):
+                    hidden = self.graphs.replay_mixed(tokens)  # [tokens, hidden], padding rows last
+                else:
+                    hidden = self.model(x.input_ids, x.positions, self.kv_caches, x.meta)
             if not sampling:
                 return ReadyStep(ModelRunnerOutput(sampled_token_ids=[]))
             last_hidden = hidden[x.logits_indices]
@@ -118,6 +132,13 @@ class ModelRunner:
             return None
         i = bisect.bisect_left(self.decode_sizes, len(scheduled.seqs))
         return self.decode_sizes[i] if i < len(self.decode_sizes) else None
+
+    def token_size(self, scheduled: SchedulerOutput) -> int | None:
+        """The padded token count a step that is not decode-only runs at; None for steps run unpadded."""
+        if not self.token_sizes:
+            return None
+        i = bisect.bisect_left(self.token_sizes, scheduled.num_batched_tokens)
+        return self.token_sizes[i] if i < len(self.token_sizes) else None
 
     def forget(self, request_ids: list[str]) -> None:
         """Drop the state of requests the scheduler will never mention again (finished, or warm-up's)."""

@@ -70,6 +70,13 @@ class Worker:
             and self.backend.supports_cuda_graphs
         )
 
+    @property
+    def max_graph_tokens(self) -> int:
+        """The largest step that is not decode-only to pad and plan statically (graphed on CUDA): also used
+        eagerly with a backend that could be captured, so that `enforce_eager` computes the same numbers."""
+        sched = self.config.scheduler_config
+        return min(self.config.device_config.cuda_graph_max_tokens, sched.max_num_batched_tokens)
+
     def load_model(self) -> None:
         start = time.perf_counter()
         self.backend = make_attention_backend(
@@ -116,7 +123,9 @@ class Worker:
                 self.model,
                 self.backend,
                 self.kv_spec,
-                min(sched.max_num_seqs, sched.max_num_batched_tokens),  # the largest decode step
+                sched.max_num_seqs,
+                sched.max_num_batched_tokens,
+                self.max_graph_tokens,
                 max_model_len,
                 self.arch.hidden_size,
                 self.dtype,
@@ -146,7 +155,15 @@ class Worker:
         eos = self.checkpoint.eos_token_ids
         max_seq_len = min(max_model_len, num_blocks * cache.block_size)
         self.runner = ModelRunner(
-            self.model, self.backend, kv_caches, buffers, self.device, eos, max_seq_len, self.arch.vocab_size
+            self.model,
+            self.backend,
+            kv_caches,
+            buffers,
+            self.device,
+            eos,
+            max_seq_len,
+            self.arch.vocab_size,
+            max_graph_tokens=self.max_graph_tokens,
         )
         self.num_blocks = num_blocks
         logger.info("KV cache: %d blocks of %d tokens (%s, %s)", num_blocks, cache.block_size, self.device, self.dtype)
@@ -180,13 +197,14 @@ class Worker:
             self.dtype,
             self.device,
         )
-        self.timings["capture"] = graphs.capture(runner.decode_sizes)
+        self.timings["capture"] = graphs.capture(runner.decode_sizes, runner.token_sizes)
         runner.graphs = graphs
         logger.info(
-            "captured %d CUDA graphs in %.2f s: batch sizes %s",
-            len(graphs.sizes),
+            "captured %d CUDA graphs in %.2f s: decode batch sizes %s, token counts %s",
+            len(graphs.sizes) + len(graphs.token_sizes),
             self.timings["capture"],
             graphs.sizes,
+            graphs.token_sizes,
         )
 
     def runtime_info(self) -> RuntimeInfo:
@@ -202,6 +220,7 @@ class Worker:
             dtype=str(self.dtype).removeprefix("torch."),
             attention_backend=self.backend.name,
             cuda_graph_sizes=tuple(self.runner.graphs.sizes) if self.runner and self.runner.graphs else (),
+            cuda_graph_token_sizes=tuple(self.runner.graphs.token_sizes) if self.runner and self.runner.graphs else (),
             startup_seconds=tuple(self.timings.items()),
         )
 
