@@ -3,7 +3,7 @@
 # side-by-side with nano-vllm (../shared/peers, copied to .peers and carried); ends with a short table.
 # Usage (device machine, repo root): bash bench/gpu_check.sh [STEPS]   STEPS: comma list of
 #   tests, kernels, startup, compare (default: all four); COMPARE_STEPS overrides compare.sh's steps;
-#   also quicktests, attntests, w2caps, gemm, pa, w2ab (W1/W2 under graph and scheduling variants), w1prof (W1 plain + under
+#   also quicktests, attntests, w12var, gemm, pa, w2ab (W1/W2 under graph and scheduling variants), w1prof (W1 plain + under
 #   torch.profiler, ~2 min), w4 (long-context prefill and decode, 16K/32K, two token budgets, ~1 min), and
 #   on two GPUs tptests, tpbench (tensor parallelism).
 # Set-up here first: rm -rf .peers && cp -r ../shared/peers .peers && cp -r ../shared/models/qwen3-tokenizer .peers/
@@ -61,13 +61,13 @@ if has w2ab; then  # W1 and W2 (256 and 16 streams) under graph and scheduling v
   ) | tee "$OUT/w2ab.log"
   while read -r line; do rows+=("w2ab: $line"); done < <(grep '^{' "$OUT/w2ab.log")
 fi
-if has w2caps; then  # W1 and W2-256 at each prompt cap in W2_CAPS (default "2048 1536"), ~1.5 min per cap
-  cap=max_prefill_tokens_while_decoding
-  (cd bench && for c in ${W2_CAPS:-2048 1536}; do
-     timeout 150 python3 w1_throughput.py --engine-arg $cap=$c 2>&1 | grep -E '^\{|Error' | tail -2
-     timeout 150 python3 w2_stream.py --engine-arg $cap=$c 2>&1 | grep -E '^\{|Error' | tail -2; done
-  ) | tee "$OUT/w2caps.log"
-  while read -r line; do rows+=("w2caps: $line"); done < <(grep '^{' "$OUT/w2caps.log")
+if has w12var; then  # W1 and W2-256 under each variant of W12_VARIANTS: ';'-separated bench flags, ~1.5 min each
+  (cd bench && IFS=';' read -ra variants <<< "${W12_VARIANTS:---engine-arg max_prefill_tokens_while_decoding=1024}"
+   for v in "${variants[@]}"; do
+     timeout 150 python3 w1_throughput.py $v 2>&1 | grep -E '^\{|Error' | tail -2
+     timeout 150 python3 w2_stream.py $v 2>&1 | grep -E '^\{|Error' | tail -2; done
+  ) | tee "$OUT/w12var.log"
+  while read -r line; do rows+=("w12var: $line"); done < <(grep '^{' "$OUT/w12var.log")
 fi
 if has attntests; then  # the attention kernels and backend against the reference (graph-shaped launches too)
   python3 -m pytest -q -s -p no:cacheprovider -o addopts="" tests/kernels/test_paged_attention.py \
