@@ -37,15 +37,19 @@ if has quicktests; then  # what changed since the full run: engine-level GPU tes
   rows+=("gpu tests (quick): $(tail -1 "$OUT/gpu_tests.log")")
 fi
 if has tptests; then  # tensor parallelism, 2 GPUs (kind nvidia-h200-x2): all-reduce, tests, the ring's step latency
+  if [ -z "${TP_TESTS_ONLY:-}" ]; then  # TP_TESTS_ONLY=1: the tests alone, no all-reduce or ring benchmarks
   timeout 90 python3 bench/allreduce_bench.py 2>&1 | tee "$OUT/allreduce.log" | grep -E '^\{|Error|error|Traceback'
   while read -r line; do rows+=("allreduce: $line"); done < <(grep '^{' "$OUT/allreduce.log")
+  fi
   # TP_TESTS_K narrows the TP tests (pytest -k), e.g. "not bf16 or qwen3" when the call is short of time.
   python3 -m pytest -q -s -p no:cacheprovider -o addopts="" tests/gpu/test_custom_all_reduce.py tests/gpu/test_tp.py \
     -k "${TP_TESTS_K:-}" 2>&1 | tee "$OUT/tp_tests.log" | grep -E "passed|failed|Error|error|agreement" | tail -25
   rows+=("tp tests: $(tail -1 "$OUT/tp_tests.log")")
+  if [ -z "${TP_TESTS_ONLY:-}" ]; then
   timeout 100 python3 bench/ring_step_latency.py --messages 3000 --gaps-us 20 --spin-us 1000 2>&1 | tee "$OUT/ring_step.log" | tail -1
   timeout 100 python3 bench/ring_step_latency.py --messages 3000 --gaps-us 2000 2>&1 | tee -a "$OUT/ring_step.log" | tail -1
   while read -r line; do rows+=("ring step: $line"); done < <(grep '^{' "$OUT/ring_step.log")
+  fi
 fi
 if has tpbench; then  # Qwen3-8B shape, TP=1 vs TP=2: W5 and W1 (about 6 minutes)
   timeout 580 python3 bench/tp_bench.py 2>&1 | tee "$OUT/tp_bench.log" | grep -E '^\{|Error'
