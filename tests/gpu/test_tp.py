@@ -103,8 +103,9 @@ def test_fp32_tp2_equals_tp1(engine_args: dict[str, Any], tiny_checkpoints) -> N
 
 
 def test_cuda_graphs_replay_what_eager_computes_at_tp2(tiny_checkpoints) -> None:
-    """Decode steps replayed from graphs captured on both ranks (NCCL all-reduces inside) give the tokens of
-    eager steps, with random sampling too (every rank draws the same tokens from the same seeds)."""
+    """Steps replayed from graphs captured on both ranks (all-reduces inside: decode steps, and the prompts'
+    steps padded to a token count) give the tokens of eager steps, with random sampling too (every rank
+    draws the same tokens from the same seeds)."""
     path = str(tiny_checkpoints["llama"])
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (3, 40, 17, 9, 25)]
@@ -114,6 +115,7 @@ def test_cuda_graphs_replay_what_eager_computes_at_tp2(tiny_checkpoints) -> None
         llm = LLM(path, device="cuda", dtype="float32", tensor_parallel_size=2, enforce_eager=eager, num_kv_blocks=256)
         try:
             assert bool(llm.runtime.cuda_graph_sizes) != eager
+            assert bool(llm.runtime.cuda_graph_token_sizes) != eager  # the prompts' steps replay graphs too
             outs.append([o.token_ids for o in llm.generate(prompts, params[: len(prompts)], use_tqdm=False)])
         finally:
             llm.shutdown()
