@@ -85,19 +85,25 @@ def test_bf16_tp2_agrees_with_tp1(family: str, tiny_checkpoints) -> None:
     print(f"{family}: bf16 greedy agreement TP=2 vs TP=1 over {NEW} tokens per prompt: {agreements}")
 
 
+def _untimed(stats: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in stats.items() if k != "num_steps"}
+
+
 @pytest.mark.parametrize("engine_args", FP32_VARIANTS)
 def test_fp32_tp2_equals_tp1(engine_args: dict[str, Any], tiny_checkpoints) -> None:
-    """float32 on CUDA: TP=2 gives TP=1's greedy tokens, plain and chunked + preempted, and the same stats."""
+    """float32 on CUDA: TP=2 gives TP=1's greedy tokens, plain and chunked + preempted, and the same stats
+    but the step count: with overlapped scheduling that depends on timing (a step found finished when the
+    next is planned completes at once; otherwise the next is planned speculatively)."""
     path = str(tiny_checkpoints["qwen3"])
     torch.backends.cuda.matmul.allow_tf32 = False
     tp1 = LLM(path, device="cuda", dtype="float32", **engine_args)
     prompts = _prompts(tp1.runtime.vocab_size)
-    want, want_stats = _greedy(tp1, prompts, 10), tp1.stats()
+    want, want_stats = _greedy(tp1, prompts, 10), _untimed(tp1.stats())
     tp1.shutdown()
     tp2 = LLM(path, device="cuda", dtype="float32", tensor_parallel_size=2, **engine_args)
     try:
         assert _greedy(tp2, prompts, 10) == want
-        assert tp2.stats() == want_stats
+        assert _untimed(tp2.stats()) == want_stats
     finally:
         tp2.shutdown()
 
