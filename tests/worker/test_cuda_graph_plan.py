@@ -36,6 +36,8 @@ def test_padded_tokens_belong_to_no_sequence() -> None:
     assert x.meta.slot_mapping.tolist() == [3 * 4 + 2, 36, 37, 38] + [-1] * 12  # padding writes no KV
     assert x.meta.query_start_loc.tolist() == [0, 1, 4] and x.meta.seq_lens.tolist() == [7, 3]
     assert x.meta.query_lens_cpu == [1, 3] and x.logits_indices.tolist() == [0, 3]
+    padded = buffers.prepare(step, pad_logits_to=4)  # the LM head's padded row count repeats the last row
+    assert padded.logits_indices.tolist() == [0, 3, 3, 3] and padded.num_tokens == 4
 
 
 def test_only_decode_steps_replay() -> None:
@@ -99,6 +101,8 @@ def test_decode_sizes_fit_the_token_budget(tiny_model) -> None:
     worker.init_kv_cache(worker.determine_num_blocks())
     assert worker.runner is not None and worker.runner.decode_sizes == [1, 2, 4, 8, 12]
     assert worker.runner.token_sizes == []  # a 12-token budget is below the smallest mixed-step bucket
+    # The LM head pads the sampled rows to those buckets (warm-up ran each), never past the largest.
+    assert [worker.runner.logit_rows(n) for n in (1, 3, 5, 9, 12)] == [1, 4, 8, 12, 12]
 
 
 def test_token_sizes_follow_the_budget_and_the_graph_limit(tiny_model) -> None:

@@ -81,11 +81,16 @@ class InputBuffers:
         self._copies_pending = False
 
     def prepare(
-        self, scheduled: SchedulerOutput, pad_to: int | None = None, pad_tokens_to: int | None = None
+        self,
+        scheduled: SchedulerOutput,
+        pad_to: int | None = None,
+        pad_tokens_to: int | None = None,
+        pad_logits_to: int | None = None,
     ) -> ModelInputs:
         """Fill and upload the step's inputs. `pad_to`: a decode-only step padded with dummy sequences to
         that many rows (a captured CUDA graph's size). `pad_tokens_to`: any step padded with rows that belong
         to no sequence (a mixed-step graph's token count): they write no KV and nothing attends from them.
+        `pad_logits_to`: `logits_indices` repeats its last row up to that many (the LM head's padded count).
 
         One light pass over the sequences gathers Python lists, then each buffer gets one bulk write; a
         block-table row is rewritten only when its sequence or block count changed since the last step.
@@ -148,6 +153,8 @@ class InputBuffers:
         qsl[0] = 0
         np.cumsum(query_lens, out=qsl[1 : b + 1])
         self.seq_lens.np[:b] = seq_lens
+        if pad_logits_to is not None and pad_logits_to > len(logit_rows):
+            logit_rows += [logit_rows[-1] if logit_rows else 0] * (pad_logits_to - len(logit_rows))
         self.logits_indices.np[: len(logit_rows)] = logit_rows
         num_sampling = len(logit_rows)
         meta = AttentionMetadata(

@@ -82,17 +82,17 @@ class ModelRunner:
         sampling = [s.request_id for s in scheduled.seqs if s.sample]
         size = self.decode_size(scheduled)
         if size is not None:
-            num_seqs = len(scheduled.seqs)  # every row samples
-            x = self.inputs.prepare(scheduled, pad_to=size)
+            x = self.inputs.prepare(scheduled, pad_to=size)  # every row samples
             self._feed_previous(scheduled)
             if self.graphs is not None and self.graphs.has(size):
-                last_hidden = self.graphs.replay(size, num_seqs)  # [S, hidden]
+                last_hidden = self.graphs.replay(size, size)  # [size, hidden], padding rows included
             else:
                 self.backend.plan_graph_decode(x.meta, size, self.max_seq_len)
-                last_hidden = self.model(x.input_ids, x.positions, self.kv_caches, x.meta)[:num_seqs]
+                last_hidden = self.model(x.input_ids, x.positions, self.kv_caches, x.meta)
         else:
             tokens = self.token_size(scheduled)
-            x = self.inputs.prepare(scheduled, pad_tokens_to=tokens)
+            logit_rows = self.logit_rows(len(sampling))
+            x = self.inputs.prepare(scheduled, pad_tokens_to=tokens, pad_logits_to=logit_rows)
             self._feed_previous(scheduled)
             if tokens is None:
                 self.backend.prepare(x.meta)
@@ -106,7 +106,9 @@ class ModelRunner:
             if not sampling:
                 return ReadyStep(ModelRunnerOutput(sampled_token_ids=[]))
             last_hidden = hidden[x.logits_indices]
-        logits = self.model.compute_logits(last_hidden)  # [S, vocab]
+        # The LM head runs at a padded row count: cuBLAS prepares a kernel per new row count on first use
+        # (milliseconds, up to ~350 ms once on the H200), and warm-up ran every padded count, never others.
+        logits = self.model.compute_logits(last_hidden)[: len(sampling)]  # [S, vocab]
         states = [self.states[r] for r in sampling]
         out = self.sampler(logits, states)
         self._latest.record(sampling, out.token_ids)
@@ -132,6 +134,12 @@ class ModelRunner:
             return None
         i = bisect.bisect_left(self.decode_sizes, len(scheduled.seqs))
         return self.decode_sizes[i] if i < len(self.decode_sizes) else None
+
+    def logit_rows(self, num_sampling: int) -> int:
+        """Rows the LM head runs at for a step sampling `num_sampling` sequences: the next decode bucket (the
+        counts warm-up ran), or exactly `num_sampling` where there are no buckets."""
+        i = bisect.bisect_left(self.decode_sizes, num_sampling)
+        return self.decode_sizes[i] if i < len(self.decode_sizes) else num_sampling
 
     def token_size(self, scheduled: SchedulerOutput) -> int | None:
         """The padded token count a step that is not decode-only runs at; None for steps run unpadded."""
