@@ -138,9 +138,9 @@ class SchedulerConfig:
     max_prefill_tokens_while_decoding: int | None = arg(
         None,
         "Prompt tokens one step may carry while requests also decode in it (None: prompts take the whole "
-        "step budget). Meant to shorten the gap between two tokens while long prompts arrive; measured on an "
-        "H200 it cost throughput and did not shorten that tail yet, because steps carrying prompts run "
-        "eagerly whatever their size (README: On a GPU). Off by default for that reason.",
+        "step budget). Shortens the longest gaps between two tokens while prompts arrive, at some throughput "
+        "and time to first token (H200, 256 streams, 768: p99 gap 29 -> 14 ms, -5 % throughput; README: On a "
+        "GPU). Keep max_num_seqs + this within cuda_graph_max_tokens so capped steps replay graphs.",
     )
     async_scheduling: bool = arg(
         True,
