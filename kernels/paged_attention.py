@@ -247,9 +247,9 @@ def tile_buffer(tiles: list[tuple[int, int]], capacity: int | None = None) -> li
 
 
 def max_prefill_tiles(num_tokens: int, max_seqs: int, block_m: int) -> int:
-    """The most tiles a step of `num_tokens` query rows in at most `max_seqs` sequences can need: each
-    multi-token sequence of q rows takes ceil(q / block_m) <= (q - 1) // block_m + 1 tiles, and there are at
-    most min(max_seqs, num_tokens // 2) of them."""
+    """The most tiles a step of `num_tokens` query rows in at most `max_seqs` sequences can need: a
+    multi-token sequence of q rows takes ceil(q / block_m) <= q // block_m + 1 tiles, the q // block_m sum to
+    at most num_tokens // block_m, and there are at most min(max_seqs, num_tokens // 2) such sequences."""
     return num_tokens // block_m + min(max_seqs, num_tokens // 2)
 
 

@@ -62,7 +62,7 @@ def _compare_steps(
         torch_backend.prepare(meta)
         expected = torch_backend.forward(q, k, v, k_ref, v_ref, meta, scale)
         if graph_tokens:
-            triton_backend.plan_graph_mixed(meta, graph_tokens, 8, 4096)
+            triton_backend.plan_graph_mixed(meta, graph_tokens, 9, 4096)
             plan = meta.plan
             launches.add(
                 (plan.num_splits, plan.prefill_programs, plan.decode_seqs.data_ptr(), plan.prefill_tiles.data_ptr())
@@ -95,9 +95,10 @@ def test_mixed_steps_match_torch_backend(kernels, block_size: int, group: int, h
 
 @pytest.mark.parametrize("block_size,group,head_dim", [(16, 2, 64), (4, 8, 16)])
 def test_graph_planned_steps_match_torch_backend(kernels, block_size: int, group: int, head_dim: int) -> None:
-    """Steps of 5 to 74 tokens in up to 6 sequences, each planned for one 96-row, 8-sequence graph shape:
+    """Steps of 5 to 74 tokens in up to 9 sequences, each planned for one 96-row, 9-sequence graph shape:
     the same launches every step (shapes and work-list addresses), the reference's outputs."""
-    steps = [*MIXED_STEPS, [(6, 30), (0, 1), (1, 1), (4, 9), (7, 2), (8, 1)]]
+    many_short = [(i, 2) for i in range(9, 17)] + [(6, 1)]  # more prefill tiles than programs: they stride
+    steps = [*MIXED_STEPS, [(6, 30), (0, 1), (1, 1), (4, 9), (7, 2), (8, 1)], many_short]
     _compare_steps(steps, block_size, group, head_dim, torch.float32, graph_tokens=96)
 
 

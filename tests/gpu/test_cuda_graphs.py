@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from asyncllm import LLM, SamplingParams
+from asyncllm.config import DeviceConfig, SchedulerConfig
 
 pytestmark = [
     pytest.mark.gpu,
@@ -46,7 +47,8 @@ def test_graphs_equal_eager(tiny_checkpoints, engine_args: dict, dtype: str) -> 
     graphs = LLM(path, **common)
     eager = LLM(path, enforce_eager=True, **common)
     assert graphs.runtime.cuda_graph_sizes == (1, 2, 4, 8, 16, 32, 40)
-    assert graphs.runtime.cuda_graph_token_sizes[-1] == min(2048, engine_args.get("max_num_batched_tokens", 8192))
+    budget = engine_args.get("max_num_batched_tokens", SchedulerConfig().max_num_batched_tokens)
+    assert graphs.runtime.cuda_graph_token_sizes[-1] == min(DeviceConfig().cuda_graph_max_tokens, budget)
     assert eager.runtime.cuda_graph_sizes == () == eager.runtime.cuda_graph_token_sizes
     prompts, params = _workload(graphs.runtime.vocab_size)
     ours = graphs.generate(prompts, params, use_tqdm=False)
@@ -73,6 +75,23 @@ def test_graphed_mixed_steps_equal_unpadded_steps(tiny_checkpoints) -> None:
     ours = graphed.generate(prompts, params, use_tqdm=False)
     ref = plain.generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in ours] == [o.token_ids for o in ref]
+
+
+def test_steps_carrying_prompts_replay_graphs(tiny_checkpoints) -> None:
+    """Prompts alone (one output token each, chunked by a 96-token budget): every engine step replays a
+    graph, none runs the model eagerly."""
+    from torch.profiler import ProfilerActivity, profile
+
+    path = str(tiny_checkpoints["qwen3"])
+    llm = LLM(path, device="cuda", block_size=4, max_num_seqs=40, max_num_batched_tokens=96, num_kv_blocks=512)
+    prompts, _ = _workload(llm.runtime.vocab_size)
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    steps_before = llm.stats()["num_steps"]
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+    steps = llm.stats()["num_steps"] - steps_before
+    launches = sum(e.count for e in prof.key_averages() if e.key.startswith("cudaGraphLaunch"))
+    assert launches == steps > 0
 
 
 def test_torch_backend_and_cpu_stay_eager(tiny_checkpoints) -> None:

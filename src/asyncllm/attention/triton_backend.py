@@ -19,6 +19,7 @@ from asyncllm.errors import InvalidConfigError
 from asyncllm.layers.host_copy import copy_into, to_device
 
 _FIX = "use attention_backend='torch' (or 'auto')"
+_FEW_DECODES = 8  # the decode count a graphed mixed step's split count is planned for
 
 
 def load_paged_attention() -> ModuleType:
@@ -105,18 +106,23 @@ class TritonAttentionBackend(AttentionBackend):
         qlens, slens = meta.query_lens_cpu, meta.seq_lens_cpu
         decode = [i for i, n in enumerate(qlens) if n == 1]
         tiles = kernels.plan_prefill_tiles(qlens, slens, self.block_m)
-        if len(decode) > buf.decode_capacity or sum(qlens) > max_tokens:
+        if len(qlens) > max_seqs or sum(qlens) > max_tokens:
             raise ValueError(f"a step of {sum(qlens)} tokens in {len(qlens)} sequences exceeds the plan for {key}")
         pad = buf.tiles_offset - len(decode)  # -1: no sequence, for the decode programs past the real ones
         copy_into(buf.work, decode + [-1] * pad + kernels.tile_buffer(tiles, buf.tile_capacity))  # one copy
-        # Launch shapes depend on the bounds alone. Decode splits assume a full decode batch; the prefill
-        # grid gives each head enough programs for a step of one long chunk, and strides over more tiles.
+        # Launch shapes depend on the bounds alone. Decode splits are sized for a handful of decodes: a few
+        # long sequences beside a prompt must not walk their keys in one program each (a full decode batch
+        # fills the GPU anyway; splits past a sequence's end are empty). Prefill programs: enough for a step
+        # of one long chunk and to fill the GPU, striding over the tiles when there are more.
+        fill = -(-2 * self.num_sms // self.num_kv_heads)  # per query head, counting KV heads (fewer) for it
         meta.plan = TritonPlan(
             decode_seqs=buf.decode_seqs,
             decode_max_len=max_seq_len,
-            num_splits=kernels.choose_num_splits(max_seq_len, buf.decode_capacity, self.num_kv_heads, self.num_sms),
+            num_splits=kernels.choose_num_splits(
+                max_seq_len, min(buf.decode_capacity, _FEW_DECODES), self.num_kv_heads, self.num_sms
+            ),
             prefill_tiles=buf.tiles,
-            prefill_programs=min(buf.tile_capacity, -(-max_tokens // self.block_m)),
+            prefill_programs=min(buf.tile_capacity, max(-(-max_tokens // self.block_m), fill)),
             padded=True,
         )
 

@@ -26,7 +26,5 @@ def to_device(
 def copy_into(dst: torch.Tensor, values: Sequence[int] | Sequence[float]) -> None:
     """Host values into the first len(values) elements of the 1-D tensor `dst` (kept at its address: a CUDA
     graph reads it), without a host sync."""
-    host = torch.tensor(values, dtype=dst.dtype)
-    if dst.device.type == "cuda":
-        host = host.pin_memory()
+    host = torch.tensor(values, dtype=dst.dtype, pin_memory=dst.device.type == "cuda")
     dst[: host.shape[0]].copy_(host, non_blocking=True)

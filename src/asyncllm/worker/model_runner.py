@@ -139,7 +139,7 @@ class ModelRunner:
         """Rows the LM head runs at for a step sampling `num_sampling` sequences: the next decode bucket (the
         counts warm-up ran), or exactly `num_sampling` where there are no buckets."""
         i = bisect.bisect_left(self.decode_sizes, num_sampling)
-        return self.decode_sizes[i] if i < len(self.decode_sizes) else num_sampling
+        return self.decode_sizes[i] if num_sampling and i < len(self.decode_sizes) else num_sampling
 
     def token_size(self, scheduled: SchedulerOutput) -> int | None:
         """The padded token count a step that is not decode-only runs at; None for steps run unpadded."""
