@@ -1,8 +1,9 @@
 """Paged attention in Triton: split-KV decode ("flash-decoding") and a varlen causal prefill forward.
 
 Both read keys/values through each sequence's block table, token by token, so any power-of-two block size
-works. `paged_attention_ref` is the specification (pure PyTorch). Knows nothing of the engine: the caller
-hands in packed queries, the cache, and the per-step plans (`plan_prefill_tiles`, `choose_num_splits`).
+works. `paged_attention_ref` (paged_attention_ref.py) is the specification, in pure PyTorch. Knows nothing
+of the engine: the caller hands in packed queries, the cache, and the per-step plans (paged_attention_plan.py,
+re-exported here: `plan_prefill_tiles`, `tile_buffer`, `choose_num_splits`).
 
 Both kernels also run inside CUDA graphs whose launch shapes are fixed for any step of up to N tokens: a
 decode entry of -1 is no work (its programs exit at once), and prefill programs walk the tiles with a
@@ -15,13 +16,30 @@ import torch
 import triton
 import triton.language as tl
 
-# A split of a decode sequence covers at least this many keys: shorter splits cost more in the reduction
-# than they win in parallelism.
-MIN_TOKENS_PER_SPLIT = 128
-MAX_SPLITS = 32  # a power of two: the reduction kernel's fixed width
-# int32 slots before the prefill tiles in a tile buffer: [count, 0, 0, 0] then (sequence, first row) pairs.
-# Four keeps the tiles 16-byte aligned, as Triton specialises pointer arguments on that alignment.
-TILES_HEADER = 4
+from .paged_attention_plan import (
+    MAX_SPLITS,
+    TILES_HEADER,
+    choose_num_splits,
+    max_prefill_tiles,
+    plan_prefill_tiles,
+    prefill_block_m,
+    tile_buffer,
+)
+from .paged_attention_ref import paged_attention_ref
+
+__all__ = [
+    "TILES_HEADER",
+    "choose_num_splits",
+    "max_prefill_tiles",
+    "paged_attention_ref",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "plan_prefill_tiles",
+    "prefill_block_m",
+    "runs_in_interpreter",
+    "tile_buffer",
+]
+
 _LOG2E = 1.4426950408889634
 
 
@@ -214,52 +232,6 @@ def _prefill_kernel(
         )
 
 
-# ---------------------------------------------------------------------------------------------- planning
-def choose_num_splits(max_seq_len: int, num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
-    """Splits per decode sequence: enough programs to fill the GPU twice, but never under
-    MIN_TOKENS_PER_SPLIT keys per split of the longest sequence (it sets how much each split walks)."""
-    by_length = -(-max_seq_len // MIN_TOKENS_PER_SPLIT)
-    to_fill = -(-2 * num_sms // max(1, num_seqs * num_kv_heads))
-    return max(1, min(by_length, to_fill, MAX_SPLITS))
-
-
-def plan_prefill_tiles(query_lens: list[int], seq_lens: list[int], block_m: int) -> list[tuple[int, int]]:
-    """(sequence index, first query row in it) of every BLOCK_M query tile of the multi-token sequences,
-    heaviest (most keys) first so the longest programs do not start last."""
-    tiles = [
-        (i, start)
-        for i, (q_len, seq_len) in enumerate(zip(query_lens, seq_lens))
-        if q_len > 1
-        for start in range(0, q_len, block_m)
-    ]
-    keys_seen = {(i, s): min(seq_lens[i], seq_lens[i] - query_lens[i] + s + block_m) for i, s in tiles}
-    return sorted(tiles, key=lambda t: -keys_seen[t])
-
-
-def tile_buffer(tiles: list[tuple[int, int]], capacity: int | None = None) -> list[int]:
-    """The prefill kernel's tile argument, as host ints: [len(tiles), 0, 0, 0] then the flattened pairs,
-    padded with zeros to `capacity` tiles (a graph's fixed buffer) when given."""
-    capacity = len(tiles) if capacity is None else capacity
-    if len(tiles) > capacity:
-        raise ValueError(f"{len(tiles)} prefill tiles do not fit a buffer planned for {capacity}")
-    flat = [v for tile in tiles for v in tile]
-    return [len(tiles)] + [0] * (TILES_HEADER - 1) + flat + [0] * (2 * (capacity - len(tiles)))
-
-
-def max_prefill_tiles(num_tokens: int, max_seqs: int, block_m: int) -> int:
-    """The most tiles a step of `num_tokens` query rows in at most `max_seqs` sequences can need: a
-    multi-token sequence of q rows takes ceil(q / block_m) <= q // block_m + 1 tiles, the q // block_m sum to
-    at most num_tokens // block_m, and there are at most min(max_seqs, num_tokens // 2) such sequences."""
-    return num_tokens // block_m + min(max_seqs, num_tokens // 2)
-
-
-def prefill_block_m(dtype: torch.dtype, device: torch.device) -> int:
-    """Query rows per prefill program; the backend plans tiles with it (small under the CPU interpreter)."""
-    if device.type != "cuda":
-        return 16
-    return 64 if dtype == torch.float32 else 128
-
-
 def runs_in_interpreter() -> bool:
     """True when this module's kernels were built for Triton's CPU interpreter (TRITON_INTERPRET=1 at import)."""
     return type(_prefill_kernel).__name__ == "InterpretedFunction"
@@ -398,31 +370,3 @@ def paged_prefill_attention(
         BLOCK_N=block_n, DOT_PRECISION=_precision(q.dtype), TILES_HEADER=TILES_HEADER,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-
-
-# ---------------------------------------------------------------------------------------------- reference
-def paged_attention_ref(
-    q: torch.Tensor,  # [T, H, D], sequences packed by query_lens
-    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [B, max_blocks]
-    query_lens: list[int],
-    seq_lens: list[int],
-    scale: float,
-) -> torch.Tensor:  # [T, H, D]
-    """The specification of both kernels: query j of a sequence with query_len Q and seq_len L sits at
-    position L - Q + j and attends keys 0..L - Q + j of its own blocks; softmax in float32."""
-    block_size, group = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
-    out = torch.empty_like(q)
-    row = 0
-    for i, (q_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
-        blocks = block_tables[i, : -(-seq_len // block_size)].long()
-        k = k_cache[blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(group, dim=1)  # [L, H, D]
-        v = v_cache[blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(group, dim=1)
-        qs = q[row : row + q_len].float()  # [Q, H, D]
-        scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
-        visible = torch.arange(seq_len)[None, :] <= torch.arange(q_len)[:, None] + (seq_len - q_len)  # [Q, L]
-        scores = scores.masked_fill(~visible.to(q.device), float("-inf"))
-        out[row : row + q_len] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v).to(q.dtype)
-        row += q_len
-    return out
