@@ -83,12 +83,17 @@ class TritonAttentionBackend(AttentionBackend):
         self._graph_seqs: dict[int, torch.Tensor] = {}  # num_seqs -> arange, alive as long as the graphs
         self._mixed: dict[tuple[int, int], _MixedBuffers] = {}  # (max_tokens, max_seqs) -> work list
 
-    def prepare(self, meta: AttentionMetadata) -> None:
-        kernels, qlens, slens = self._kernels, meta.query_lens_cpu, meta.seq_lens_cpu
-        device = meta.seq_lens.device
+    def _work(self, meta: AttentionMetadata) -> tuple[list[int], list[tuple[int, int]]]:
+        """The step's work lists: the single-query sequences (the decode kernel's), and the prefill tiles."""
+        qlens = meta.query_lens_cpu
         decode = [i for i, n in enumerate(qlens) if n == 1]
+        return decode, self._kernels.plan_prefill_tiles(qlens, meta.seq_lens_cpu, self.block_m)
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        kernels, slens = self._kernels, meta.seq_lens_cpu
+        device = meta.seq_lens.device
+        decode, tiles = self._work(meta)
         max_len = max((slens[i] for i in decode), default=0)
-        tiles = kernels.plan_prefill_tiles(qlens, slens, self.block_m)
         meta.plan = TritonPlan(
             decode_seqs=to_device(decode, torch.int32, device) if decode else None,
             decode_max_len=max_len,
@@ -103,11 +108,10 @@ class TritonAttentionBackend(AttentionBackend):
         buf = self._mixed.get(key)
         if buf is None:
             buf = self._mixed[key] = self._mixed_buffers(max_tokens, max_seqs)
-        qlens, slens = meta.query_lens_cpu, meta.seq_lens_cpu
-        decode = [i for i, n in enumerate(qlens) if n == 1]
-        tiles = kernels.plan_prefill_tiles(qlens, slens, self.block_m)
+        qlens = meta.query_lens_cpu
         if len(qlens) > max_seqs or sum(qlens) > max_tokens:
             raise ValueError(f"a step of {sum(qlens)} tokens in {len(qlens)} sequences exceeds the plan for {key}")
+        decode, tiles = self._work(meta)
         pad = buf.tiles_offset - len(decode)  # -1: no sequence, for the decode programs past the real ones
         copy_into(buf.work, decode + [-1] * pad + kernels.tile_buffer(tiles, buf.tile_capacity))  # one copy
         # Launch shapes depend on the bounds alone. Decode splits are sized for a handful of decodes: a few

@@ -74,15 +74,20 @@ class CudaGraphRunner:
         self.token_sizes: list[int] = []  # mixed-step token counts captured, ascending
         self._graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self._pool: tuple[int, int] | None = None
-        rows = max(buffers.max_num_seqs, buffers.max_num_tokens)
-        self._hidden = torch.empty(rows, hidden_size, dtype=dtype, device=device)  # [rows, hidden]
+        self._hidden_shape = (hidden_size, dtype)
+        self._hidden = torch.empty(0, hidden_size, dtype=dtype, device=device)  # [largest captured size, hidden]
 
     @torch.inference_mode()
     def capture(self, sizes: Sequence[int], token_sizes: Sequence[int] = ()) -> float:
         """Capture a graph per decode size and per mixed-step token count (largest first, one shared pool);
         returns the seconds it took."""
+        if self._graphs:
+            raise RuntimeError("CudaGraphRunner.capture runs once: the graphs hold its output buffer's address")
         start = time.perf_counter()
         shapes = [("decode", n) for n in sizes] + [("mixed", n) for n in token_sizes]
+        hidden_size, dtype = self._hidden_shape
+        rows = max((n for _, n in shapes), default=0)  # the largest graph's rows, not the step budget's
+        self._hidden = torch.empty(rows, hidden_size, dtype=dtype, device=self.device)
         for kind, size in sorted(shapes, key=lambda shape: -shape[1]):
             if kind == "decode":
                 x = self.buffers.prepare(_dummy_decode(size), pad_to=size)
