@@ -65,11 +65,12 @@ if has w2ab; then  # W1 and W2 (256 and 16 streams) under graph and scheduling v
   ) | tee "$OUT/w2ab.log"
   while read -r line; do rows+=("w2ab: $line"); done < <(grep '^{' "$OUT/w2ab.log")
 fi
-if has w12var; then  # W1 and W2-256 under each variant of W12_VARIANTS: ';'-separated bench flags, ~1.5 min each
+if has w12var; then  # W1 and W2-256 under each variant of W12_VARIANTS: ';'-separated bench flags, ~1.5 min each;
+  # W2_FLAGS: flags for w2_stream.py alone (e.g. --lag-trace)
   (cd bench && IFS=';' read -ra variants <<< "${W12_VARIANTS:---engine-arg max_prefill_tokens_while_decoding=1024}"
    for v in "${variants[@]}"; do
      timeout 150 python3 w1_throughput.py $v 2>&1 | grep -E '^\{|Error' | tail -2
-     timeout 150 python3 w2_stream.py $v 2>&1 | grep -E '^\{|Error' | tail -2; done
+     timeout 150 python3 w2_stream.py $v ${W2_FLAGS:-} 2>&1 | grep -E '^\{|Error' | tail -2; done
   ) | tee "$OUT/w12var.log"
   while read -r line; do rows+=("w12var: $line"); done < <(grep '^{' "$OUT/w12var.log")
 fi

@@ -4,7 +4,10 @@ interval settable, so one device call can compare variants. Prints one JSON line
 and inter-token gap percentiles as consumers see them, event-loop lag (a 1 ms ticker).
 
     python bench/w2_stream.py [--shape qwen3-0.6b] [--streams 256] [--engine-arg NAME=VALUE ...]
-        [--switch-interval SECONDS] [--device cuda]
+        [--switch-interval SECONDS] [--device cuda] [--lag-trace]
+
+--lag-trace adds where the loop stalled (lag_trace.py): the longest stalls, garbage collections, and the
+most sampled thread stacks during stalls.
 """
 
 from __future__ import annotations
@@ -15,9 +18,11 @@ import json
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 from engine_args import add_engine_arg_option, engine_kwargs
+from lag_trace import lag_trace
 from shapes import write_shape_dir
 from triton_compiles import triton_compiles
 from w1_throughput import w1_requests
@@ -46,11 +51,15 @@ async def run(args: argparse.Namespace, extra: dict) -> dict:
         counts: list[int] = []
         done = asyncio.Event()
 
+        tracing = lag_trace() if args.lag_trace else nullcontext()
+
         async def ticker() -> None:
             while not done.is_set():
                 t = time.perf_counter()
                 await asyncio.sleep(0.001)
                 lags.append(time.perf_counter() - t - 0.001)
+                if trace is not None:
+                    trace.beat()
 
         async def one(prompt: list[int], sp: SamplingParams) -> None:
             t0 = time.perf_counter()
@@ -66,13 +75,13 @@ async def run(args: argparse.Namespace, extra: dict) -> dict:
                 k += len(chunk.token_ids)
             counts.append(k)
 
-        tick = asyncio.create_task(ticker())
-        with triton_compiles() as compiles:
+        with tracing as trace, triton_compiles() as compiles:
+            tick = asyncio.create_task(ticker())
             t = time.perf_counter()
             await asyncio.gather(*(one(p, sp) for p, sp in zip(prompts, params)))
             seconds = time.perf_counter() - t
-        done.set()
-        await tick
+            done.set()
+            await tick
     total = sum(counts)
     return {
         "workload": f"W2-stream-{args.streams}",
@@ -90,6 +99,7 @@ async def run(args: argparse.Namespace, extra: dict) -> dict:
         "loop_lag_p99_ms": pct_ms(lags, 0.99),
         "loop_lag_max_ms": round(max(lags) * 1000, 2) if lags else None,
         "triton_compiles_after_warmup": dict(compiles),
+        **(trace.summary() if trace is not None else {}),
     }
 
 
@@ -100,6 +110,7 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval before start")
+    ap.add_argument("--lag-trace", action="store_true", help="sample thread stacks while the loop stalls")
     add_engine_arg_option(ap)
     args = ap.parse_args()
     if args.switch_interval is not None:
