@@ -1,4 +1,6 @@
 """Paged attention in Triton: split-KV decode ("flash-decoding") and a varlen causal prefill forward.
+A decode launch of one split (a full batch fills the GPU without splitting) normalises and writes its output
+in the split kernel; more splits leave partials that a second launch merges.
 
 Both read keys/values through each sequence's block table, token by token, so any power-of-two block size
 works. `paged_attention_ref` (paged_attention_ref.py) is the specification, in pure PyTorch. Knows nothing
@@ -56,10 +58,11 @@ def _dim_mask(offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
 # warm-up compiles one variant and a CUDA graph may bake in any split count.
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, seqs_ptr,
-    acc_ptr, m_ptr, l_ptr,  # partials: acc [B, H, S, D] fp32, m/l [B, H, S] fp32
+    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, seqs_ptr, out_ptr,
+    acc_ptr, m_ptr, l_ptr,  # partials: acc [B, H, S, D] fp32, m/l [B, H, S] fp32 (unused with one split)
     qk_scale, num_splits,
-    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -116,6 +119,11 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
+    if num_splits == 1:  # the whole sequence in this program: normalise and write the output, no reduce
+        out = acc / l_i[:, None]
+        dst = out_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+        return
     part = (pid_b * tl.num_programs(1) * GROUP + heads) * num_splits + split  # [G] rows of [B, H, S]
     tl.store(m_ptr + part, m_i, mask=g_mask)
     tl.store(l_ptr + part, l_i, mask=g_mask)
@@ -317,13 +325,16 @@ def paged_decode_attention(
     m = torch.empty(num_decode, num_heads, num_splits, dtype=torch.float32, device=q.device)
     l_sum = torch.empty_like(m)
     _decode_split_kernel[(num_decode, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, decode_seqs, acc, m, l_sum,
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, decode_seqs, out, acc, m, l_sum,
         scale * _LOG2E, num_splits,
-        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=_pow2(group),
         BLOCK_D=_pow2(head_dim), BLOCK_N=block_n, DOT_PRECISION=_precision(q.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
+    if num_splits == 1:
+        return  # the split kernel wrote the output itself
     _decode_reduce_kernel[(num_decode, num_heads)](
         out, acc, m, l_sum, query_start_loc, decode_seqs, num_splits, out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_S=MAX_SPLITS, BLOCK_D=_pow2(head_dim),  # one compiled variant for any split count

@@ -57,20 +57,25 @@ def paged_batch(seq_lens: list[int], query_lens: list[int]):
     return q, k_cache, v_cache, tables.cuda(), torch.tensor(seq_lens, dtype=torch.int32).cuda(), starts
 
 
-def bench_decode(pa, batch: int, context: int) -> None:
+def bench_decode(pa, batch: int, context: int, min_context: int | None = None) -> None:
     torch.manual_seed(0)
-    q, k_cache, v_cache, tables, lens, starts = paged_batch([context] * batch, [1] * batch)
+    if min_context is None:
+        contexts = [context] * batch
+    else:  # W1-like: lengths uniform in [min_context, context], so programs end at different times
+        contexts = torch.randint(min_context, context + 1, (batch,)).tolist()
+    q, k_cache, v_cache, tables, lens, starts = paged_batch(contexts, [1] * batch)
     seqs = torch.arange(batch, dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
     scale = HEAD_DIM**-0.5
-    kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * 2  # K and V, bf16, each read once
+    kv_bytes = 2 * sum(contexts) * KV_HEADS * HEAD_DIM * 2  # K and V, bf16, each read once
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    chosen = pa.choose_num_splits(context, batch, KV_HEADS, sms)
+    chosen = pa.choose_num_splits(max(contexts), batch, KV_HEADS, sms)
     args = (q, k_cache, v_cache, tables, lens, starts, seqs, out, scale)
     variants = {"default": dict(num_splits=chosen)}
     for splits in sorted({1, 2, 4}):
         for block_n, warps, stages in (
             (32, 4, 2),
+            (32, 4, 4),
             (64, 4, 2),
             (64, 4, 3),
             (64, 4, 4),
@@ -81,7 +86,7 @@ def bench_decode(pa, batch: int, context: int) -> None:
             variants[f"s{splits}-n{block_n}-w{warps}-st{stages}"] = dict(
                 num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages
             )
-    ref = pa.paged_attention_ref(q, k_cache, v_cache, tables, [1] * batch, [context] * batch, scale)
+    ref = pa.paged_attention_ref(q, k_cache, v_cache, tables, [1] * batch, contexts, scale)
     results = {}
     for name, cfg in variants.items():
         out.fill_(float("nan"))
@@ -98,7 +103,8 @@ def bench_decode(pa, batch: int, context: int) -> None:
         json.dumps(
             {
                 "kernel": "decode",
-                "shape": f"batch {batch} x context {context}, 16q/8kv heads, d128, bf16, block {BLOCK}",
+                "shape": f"batch {batch} x context {context if min_context is None else f'U[{min_context}, {context}]'}"
+                f", 16q/8kv heads, d128, bf16, block {BLOCK}",
                 "kv_bytes": kv_bytes,
                 "num_splits_chosen": chosen,
                 "ms": default["ms"],
@@ -172,11 +178,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--min-context", type=int, default=None, help="lengths uniform in [this, --context]")
+    ap.add_argument("--decode-only", action="store_true")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_paged_attention needs a CUDA device")
     pa = load_paged_attention()
-    bench_decode(pa, args.batch, args.context)
+    bench_decode(pa, args.batch, args.context, args.min_context)
+    if args.decode_only:
+        return
     bench_prefill(pa, 16, 1024)
     bench_prefill(pa, 2, 8192)
 
