@@ -66,7 +66,9 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    pid_b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # KV heads vary fastest: the programs of one sequence run together and read whole cache rows between
+    # them ([block, slot, all heads, D] is contiguous), and the sequences go in work-list order (longest first).
+    kv_head, pid_b, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq = tl.load(seqs_ptr + pid_b)
     if seq < 0:  # padding of a graph's fixed grid: no sequence
         return
@@ -124,7 +126,7 @@ def _decode_split_kernel(
         dst = out_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
         return
-    part = (pid_b * tl.num_programs(1) * GROUP + heads) * num_splits + split  # [G] rows of [B, H, S]
+    part = (pid_b * tl.num_programs(0) * GROUP + heads) * num_splits + split  # [G] rows of [B, H, S]
     tl.store(m_ptr + part, m_i, mask=g_mask)
     tl.store(l_ptr + part, l_i, mask=g_mask)
     tl.store(acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :])
@@ -301,7 +303,8 @@ def paged_decode_attention(
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     seq_lens: torch.Tensor,  # [B] int32
     query_start_loc: torch.Tensor,  # [B + 1] int32
-    decode_seqs: torch.Tensor,  # [Bd] int32: the batch index of each single-query sequence; -1: none (padding)
+    decode_seqs: torch.Tensor,  # [Bd] int32: the batch index of each single-query sequence; -1: none (padding).
+    # Programs start in this order: longest first keeps the last wave short (the caller's planning).
     out: torch.Tensor,  # [T, H, D]: only the rows of decode_seqs are written
     scale: float,
     num_splits: int,  # KV splits per sequence; each sequence divides its own length (read on the device)
@@ -324,7 +327,7 @@ def paged_decode_attention(
     acc = torch.empty(num_decode, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     m = torch.empty(num_decode, num_heads, num_splits, dtype=torch.float32, device=q.device)
     l_sum = torch.empty_like(m)
-    _decode_split_kernel[(num_decode, num_kv_heads, num_splits)](
+    _decode_split_kernel[(num_kv_heads, num_decode, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, decode_seqs, out, acc, m, l_sum,
         scale * _LOG2E, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),

@@ -39,11 +39,18 @@ def _to_device(meta):
 
 
 def _compare_steps(
-    steps: list[list[tuple[int, int]]], block_size: int, group: int, head_dim: int, dtype, graph_tokens: int = 0
+    steps: list[list[tuple[int, int]]],
+    block_size: int,
+    group: int,
+    head_dim: int,
+    dtype,
+    graph_tokens: int = 0,
+    graph_decode: bool = False,
 ) -> None:
     """Runs each step's (seq_id, new tokens) through both backends, each with its own cache; outputs and
     caches must agree after every step. `graph_tokens`: the Triton side plans every step for one CUDA-graph
-    shape of that many rows (queries padded with rows of no sequence), as a captured mixed step replays."""
+    shape of that many rows (queries padded with rows of no sequence), as a captured mixed step replays.
+    `graph_decode`: decode-only steps are planned as a captured decode graph replays them."""
     gen = torch.Generator().manual_seed(block_size * group)
     num_kv_heads, scale = 2, head_dim**-0.5
     # Room for the longest steps (about 2,300 tokens over six sequences) at every block size.
@@ -71,6 +78,10 @@ def _compare_steps(
             out = triton_backend.forward(torch.cat([q, pad]), k, v, k_tri, v_tri, meta, scale)
             assert out[num_tokens:].eq(0).all(), "padding rows are zero, never garbage"
             out = out[:num_tokens]
+        elif graph_decode and num_tokens == len(chunks):
+            triton_backend.plan_graph_decode(meta, num_tokens, 4096)
+            launches.add((meta.plan.num_splits, meta.plan.decode_seqs.data_ptr()))
+            out = triton_backend.forward(q, k, v, k_tri, v_tri, meta, scale)
         else:
             triton_backend.prepare(meta)
             out = triton_backend.forward(q, k, v, k_tri, v_tri, meta, scale)
@@ -100,6 +111,15 @@ def test_graph_planned_steps_match_torch_backend(kernels, block_size: int, group
     many_short = [(i, 2) for i in range(9, 17)] + [(6, 1)]  # more prefill tiles than programs: they stride
     steps = [*MIXED_STEPS, [(6, 30), (0, 1), (1, 1), (4, 9), (7, 2), (8, 1)], many_short]
     _compare_steps(steps, block_size, group, head_dim, torch.float32, graph_tokens=96)
+
+
+def test_graph_planned_decode_steps_match_torch_backend(kernels) -> None:
+    """Decode steps planned as a captured decode graph replays them: the work list is rewritten each step in
+    its own order (longest first: 2, 0, 3, 1 here, then changed by a prefill), the launch stays the same."""
+    prefill = [(0, 17), (1, 3), (2, 40), (3, 16)]
+    decode = [(0, 1), (1, 1), (2, 1), (3, 1)]
+    steps = [prefill, decode, decode, [(1, 60)], decode]
+    _compare_steps(steps, 16, 2, 64, torch.float32, graph_decode=True)
 
 
 @pytest.mark.gpu

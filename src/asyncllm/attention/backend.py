@@ -59,8 +59,9 @@ class AttentionBackend(ABC):
 
     def plan_graph_decode(self, meta: AttentionMetadata, num_seqs: int, max_seq_len: int) -> None:
         """Plan a decode-only step of exactly `num_seqs` single-token sequences (padding included) for CUDA
-        graph capture: nothing in the plan may depend on host values that vary per step, and the plan's
-        tensors must outlive the graph (the backend keeps them). `max_seq_len` is a static bound."""
+        graph capture and replay: launch shapes may depend on `num_seqs` and `max_seq_len` (a static bound)
+        only; what varies per step (e.g. the order sequences are attended in) goes into tensors the backend
+        keeps at fixed addresses and rewrites, on the device's stream, each time a step is planned."""
         raise NotImplementedError(f"the {self.name!r} attention backend cannot run inside CUDA graphs")
 
     def plan_graph_mixed(self, meta: AttentionMetadata, max_tokens: int, max_seqs: int, max_seq_len: int) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -80,13 +81,13 @@ class TritonAttentionBackend(AttentionBackend):
         self.block_m = self._kernels.prefill_block_m(dtype, device)
         props = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
         self.num_sms = props.multi_processor_count if props is not None else 1
-        self._graph_seqs: dict[int, torch.Tensor] = {}  # num_seqs -> arange, alive as long as the graphs
+        self._graph_seqs: dict[int, torch.Tensor] = {}  # num_seqs -> each step's decode order (graphs read it)
         self._mixed: dict[tuple[int, int], _MixedBuffers] = {}  # (max_tokens, max_seqs) -> work list
 
     def _work(self, meta: AttentionMetadata) -> tuple[list[int], list[tuple[int, int]]]:
         """The step's work lists: the single-query sequences (the decode kernel's), and the prefill tiles."""
         qlens = meta.query_lens_cpu
-        decode = [i for i, n in enumerate(qlens) if n == 1]
+        decode = _longest_first([i for i, n in enumerate(qlens) if n == 1], meta.seq_lens_cpu)
         return decode, self._kernels.plan_prefill_tiles(qlens, meta.seq_lens_cpu, self.block_m)
 
     def prepare(self, meta: AttentionMetadata) -> None:
@@ -141,7 +142,10 @@ class TritonAttentionBackend(AttentionBackend):
     def plan_graph_decode(self, meta: AttentionMetadata, num_seqs: int, max_seq_len: int) -> None:
         seqs = self._graph_seqs.get(num_seqs)
         if seqs is None:
-            seqs = self._graph_seqs[num_seqs] = torch.arange(num_seqs, dtype=torch.int32, device=self.device)
+            seqs = self._graph_seqs[num_seqs] = torch.empty(num_seqs, dtype=torch.int32, device=self.device)
+        # Every step's order, longest first, into the buffer the graph reads: with lengths spread from
+        # hundreds to thousands of keys, the longest programs starting last would leave the GPU idle behind them.
+        copy_into(seqs, _longest_first(range(num_seqs), meta.seq_lens_cpu))
         # The split count is fixed per captured size (from the static bound); each sequence then divides its
         # own length, read on the device, so one graph serves every length up to the bound.
         meta.plan = TritonPlan(
@@ -168,3 +172,8 @@ class TritonAttentionBackend(AttentionBackend):
                 *args, plan.prefill_tiles, out, scale, block_m=self.block_m, num_programs=plan.prefill_programs
             )
         return out
+
+
+def _longest_first(seqs: Iterable[int], seq_lens: Sequence[int]) -> list[int]:
+    """Decode sequences in the order their programs should start: most keys first."""
+    return sorted(seqs, key=lambda i: -seq_lens[i])

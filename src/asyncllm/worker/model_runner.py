@@ -84,10 +84,10 @@ class ModelRunner:
         if size is not None:
             x = self.inputs.prepare(scheduled, pad_to=size)  # every row samples
             self._feed_previous(scheduled)
+            self.backend.plan_graph_decode(x.meta, size, self.max_seq_len)  # the graph's plan, this step's order
             if self.graphs is not None and self.graphs.has(size):
                 last_hidden = self.graphs.replay(size, size)  # [size, hidden], padding rows included
             else:
-                self.backend.plan_graph_decode(x.meta, size, self.max_seq_len)
                 last_hidden = self.model(x.input_ids, x.positions, self.kv_caches, x.meta)
         else:
             tokens = self.token_size(scheduled)
