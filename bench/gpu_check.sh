@@ -3,7 +3,7 @@
 # side-by-side with nano-vllm (../shared/peers, copied to .peers and carried); ends with a short table.
 # Usage (device machine, repo root): bash bench/gpu_check.sh [STEPS]   STEPS: comma list of
 #   tests, kernels, startup, compare (default: all four); COMPARE_STEPS overrides compare.sh's steps;
-#   also quicktests, attntests, w12var, ab (W1 of AB_BASE against this tree), decodesweep, gemm, pa, w2ab (W1/W2 under graph and scheduling variants), w1prof (W1 plain + under
+#   also quicktests, attntests, w12var, ab (W1 of AB_BASE against this tree), decodesweep, w1big, gemm, pa, w2ab (W1/W2 under graph and scheduling variants), w1prof (W1 plain + under
 #   torch.profiler, ~2 min), w4 (long-context prefill and decode, 16K/32K, two token budgets, ~1 min), and
 #   on two GPUs tptests, tpbench (tensor parallelism).
 # Set-up here first: rm -rf .peers && cp -r ../shared/peers .peers && cp -r ../shared/models/qwen3-tokenizer .peers/
@@ -81,6 +81,10 @@ if has ab; then  # W1 of a base tree (AB_BASE: an installed-layout copy, carried
      echo -n "$tree "; PYTHONPATH=$pp timeout 150 python3 w1_throughput.py 2>&1 | grep -E '^\{|Error' | tail -1; done; done
   ) | tee "$OUT/ab.log"
   while read -r line; do rows+=("ab: $line"); done < <(grep '{' "$OUT/ab.log" | cut -c1-200)
+fi
+if has w1big; then  # W1 on the Qwen3-8B shape (limit 13,000 tok/s)
+  (cd bench && timeout 150 python3 w1_throughput.py --shape qwen3-8b 2>&1 | grep -E '^\{|Error' | tail -1) | tee "$OUT/w1big.log"
+  rows+=("w1 8b: $(grep '{' "$OUT/w1big.log" | cut -c1-220)")
 fi
 if has decodesweep; then  # decode attention variants at W1-like lengths (batch 256, context U[200, 2048])
   timeout 120 python3 bench/kernels/bench_paged_attention.py --decode-only --min-context 200 --context 2048 2>&1 \

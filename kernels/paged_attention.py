@@ -314,9 +314,10 @@ def paged_decode_attention(
 ) -> None:
     group, head_dim, block_size = _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
     if num_stages is None:
-        # Deep pipelining keeps more K/V tiles in flight: 80 % of copy bandwidth at batch 256 x 1,024 on the
-        # H200 with 4 stages against 74 % with 2 (bench_paged_attention.py); float32 tiles need the room.
-        num_stages = 4 if q.element_size() == 2 and head_dim <= 128 else 2
+        # Two stages: half the shared memory of four, so an SM holds more programs, which beats a deeper
+        # pipeline once lengths vary (H200, batch 256, lengths U[200, 2048], longest first: 0.372 against
+        # 0.387 ms; bench/RESULTS.md run 19).
+        num_stages = 2
     if decode_seqs.dtype != torch.int32 or decode_seqs.dim() != 1:
         raise TypeError(f"decode_seqs must be 1-D int32; got {decode_seqs.dtype} {tuple(decode_seqs.shape)}")
     if not 1 <= num_splits <= MAX_SPLITS:
