@@ -74,12 +74,12 @@ if has w12var; then  # W1 and W2-256 under each variant of W12_VARIANTS: ';'-sep
   ) | tee "$OUT/w12var.log"
   while read -r line; do rows+=("w12var: $line"); done < <(grep '^{' "$OUT/w12var.log")
 fi
-if has ab; then  # W1 (or AB_BENCH, e.g. w2_stream.py) of a base tree (AB_BASE: an installed-layout copy, carried)
-  # against this one, alternating, twice each
+if has ab; then  # W1 (or AB_BENCH, e.g. w2_stream.py) of a base tree (AB_BASE: an installed-layout copy, carried;
+  # bench/ab_base.sh REV makes it) against this one, alternating, twice each
   base=${AB_BASE:-.ab/base}
   (cd bench && for i in 1 2; do for tree in base new; do
      if [ $tree = base ]; then pp="$PWD/../$base:$PYTHONPATH"; else pp=$PYTHONPATH; fi
-     echo -n "$tree "; PYTHONPATH=$pp timeout 150 python3 "${AB_BENCH:-w1_throughput.py}" 2>&1 | grep -E '^\{|Error' | tail -1
+     echo -n "$tree$([ $tree = base ] && [ -f "../$base/REV" ] && echo "@$(cat "../$base/REV")") "; PYTHONPATH=$pp timeout 150 python3 "${AB_BENCH:-w1_throughput.py}" 2>&1 | grep -E '^\{|Error' | tail -1
    done; done
   ) | tee "$OUT/ab.log"
   while read -r line; do rows+=("ab: $line"); done < <(grep '{' "$OUT/ab.log" | cut -c1-200)

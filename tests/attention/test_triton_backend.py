@@ -81,6 +81,8 @@ def _compare_steps(
         elif graph_decode and num_tokens == len(chunks):
             triton_backend.plan_graph_decode(meta, num_tokens, 4096)
             launches.add((meta.plan.num_splits, meta.plan.decode_seqs.data_ptr()))
+            lens = meta.seq_lens_cpu  # programs start longest first (ties in batch order): the last wave is short
+            assert meta.plan.decode_seqs.tolist() == sorted(range(len(lens)), key=lambda i: (-lens[i], i))
             out = triton_backend.forward(q, k, v, k_tri, v_tri, meta, scale)
         else:
             triton_backend.prepare(meta)

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Builds the base tree for `gpu_check.sh ab`: the installed layout (src/asyncllm, with kernels/ inside as
+# asyncllm.kernels) of commit REV in .ab/base, ignored by git and carried to the device with carry: [".ab"].
+# Usage (repo root, here): bash bench/ab_base.sh REV
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rev=${1:?usage: bench/ab_base.sh REV}
+grep -qx ".ab/" .git/info/exclude 2>/dev/null || echo ".ab/" >> .git/info/exclude
+tmp=$(mktemp -d)
+git archive "$rev" src/asyncllm kernels | tar -x -C "$tmp"
+rm -rf .ab/base && mkdir -p .ab/base
+mv "$tmp/src/asyncllm" .ab/base/asyncllm && mv "$tmp/kernels" .ab/base/asyncllm/kernels
+rm -rf "$tmp"
+echo "$(git rev-parse --short "$rev")" > .ab/base/REV
+echo ".ab/base: $(cat .ab/base/REV)"
