@@ -7,6 +7,7 @@
 #   torch.profiler, ~2 min), w4 (long-context prefill and decode, 16K/32K, two token budgets, ~1 min), and
 #   on two GPUs tptests, tpbench (tensor parallelism).
 # Set-up here first: rm -rf .peers && cp -r ../shared/peers .peers && cp -r ../shared/models/qwen3-tokenizer .peers/
+#   && git describe --always --dirty > .peers/COMMIT   (then carry [".peers"], and ".ab" for the ab step)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -67,7 +68,9 @@ if has w2ab; then  # W1 and W2 (256 and 16 streams) under graph and scheduling v
 fi
 if has w12var; then  # W1 and W2-256 under each variant of W12_VARIANTS: ';'-separated bench flags, ~1.5 min each;
   # W2_FLAGS: flags for w2_stream.py alone (e.g. --lag-trace)
-  (cd bench && IFS=';' read -ra variants <<< "${W12_VARIANTS:---engine-arg max_prefill_tokens_while_decoding=1024}"
+  # Unset: one capped variant; set but empty: the defaults alone (a single space works the same).
+  spec=${W12_VARIANTS-"--engine-arg max_prefill_tokens_while_decoding=1024"}
+  (cd bench && IFS=';' read -ra variants <<< "${spec:- }"
    for v in "${variants[@]}"; do
      timeout 150 python3 w1_throughput.py $v 2>&1 | grep -E '^\{|Error' | tail -2
      timeout 150 python3 w2_stream.py $v ${W2_FLAGS:-} 2>&1 | grep -E '^\{|Error' | tail -2; done
@@ -133,5 +136,8 @@ if has compare; then
   while read -r line; do rows+=("compare: $line"); done < <(grep RESULT "$OUT/compare.log")
 fi
 echo "================ summary ================"
-git log -1 --format="commit %h %cd" 2>/dev/null || true  # the device copy may carry a stale .git: RESULTS names the commit sent
+# The device copy's .git may be stale: the set-up line writes the commit sent into .peers/COMMIT (plus a
+# mark when the tree had uncommitted changes).
+if [ -f .peers/COMMIT ]; then echo "commit sent: $(cat .peers/COMMIT)"
+else git log -1 --format="commit %h %cd (the device copy's .git: may be stale)" 2>/dev/null || true; fi
 for r in "${rows[@]}"; do echo "$r"; done
