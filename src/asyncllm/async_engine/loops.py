@@ -29,11 +29,18 @@ class EventLoop:
         raise NotImplementedError
 
     def wait(self, waiter: Any) -> Awaitable[object]:
-        """On the loop: what the consumer awaits until `wake(waiter)` (cancellation raises through it)."""
+        """On the loop: what the consumer awaits until `wake(waiter)` (cancellation raises through it). It
+        returns the value `wake` handed over where `can_hand_over` said it would, else None."""
         raise NotImplementedError
 
-    def wake(self, waiter: Any) -> None:
-        """On the loop: resume whoever waits on `waiter` (idempotent)."""
+    def can_hand_over(self, waiter: Any) -> bool:
+        """On the loop: whether `wake(waiter, value)` would deliver `value` now (the waiter carries values
+        and nobody woke it yet); when False the woken consumer fetches what it needs itself."""
+        raise NotImplementedError
+
+    def wake(self, waiter: Any, value: object = None) -> None:
+        """On the loop: resume whoever waits on `waiter`, handing `value` over (see `can_hand_over`);
+        idempotent: a second wake changes nothing."""
         raise NotImplementedError
 
     def is_current(self) -> bool:
@@ -53,15 +60,18 @@ class AsyncioLoop(EventLoop):
     def call_soon_threadsafe(self, callback: Callable[[], object]) -> None:
         self.loop.call_soon_threadsafe(callback)
 
-    def new_waiter(self) -> asyncio.Future[None]:
+    def new_waiter(self) -> asyncio.Future[object]:
         return self.loop.create_future()
 
-    def wait(self, waiter: asyncio.Future[None]) -> Awaitable[object]:
+    def wait(self, waiter: asyncio.Future[object]) -> Awaitable[object]:
         return waiter  # a future is awaitable itself: no coroutine frame per wait
 
-    def wake(self, waiter: asyncio.Future[None]) -> None:
+    def can_hand_over(self, waiter: asyncio.Future[object]) -> bool:
+        return not waiter.done()  # a future's result is the value; a done one (woken, cancelled) takes none
+
+    def wake(self, waiter: asyncio.Future[object], value: object = None) -> None:
         if not waiter.done():
-            waiter.set_result(None)
+            waiter.set_result(value)
 
     def is_current(self) -> bool:
         try:
@@ -91,7 +101,10 @@ class TrioLoop(EventLoop):
     def wait(self, waiter: Any) -> Awaitable[object]:
         return waiter.wait()  # type: ignore[no-any-return]
 
-    def wake(self, waiter: Any) -> None:
+    def can_hand_over(self, waiter: Any) -> bool:
+        return False  # a trio.Event only says it was set
+
+    def wake(self, waiter: Any, value: object = None) -> None:
         waiter.set()
 
     def is_current(self) -> bool:

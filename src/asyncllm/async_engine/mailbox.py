@@ -2,7 +2,8 @@
 
 The step thread merges each step's deltas into slots under the mailbox lock (merge-on-put, so a lagging
 consumer costs memory only for unread tokens and the engine never waits) and queues at most one wake-up
-callback on the loop; the consumer takes the merged chunk under the same lock. The lock and every piece of
+callback on the loop; that wake-up hands each waiting consumer its merged chunk (asyncio), or the consumer
+takes it under the same lock (a reader that was busy, or trio). The lock and every piece of
 state it guards live here, and nowhere else takes it. Knows nothing of the engine core, nor which event
 loop library it serves (`loops.EventLoop` hides that).
 """
@@ -92,19 +93,26 @@ class OutputSlot:
         self.error = (message, cause)
         self.final_put = True
 
+    def _take_output_locked(self) -> StreamOutput | None:
+        """The merged unread chunk, if any (never an error)."""
+        if not (self._token_ids or self._texts or self.finish_reason is not None):
+            return None
+        out = StreamOutput(
+            request_id=self.request_id,
+            text="".join(self._texts),
+            token_ids=tuple(self._token_ids),
+            finish_reason=self.finish_reason,
+            metrics=self.metrics,
+            logprobs=tuple(self._logprobs) if self._logprobs is not None else None,
+        )
+        self._token_ids = []
+        self._texts = []
+        self._logprobs = None
+        return out
+
     def _take_locked(self) -> StreamOutput | None:
-        if self._token_ids or self._texts or self.finish_reason is not None:
-            out = StreamOutput(
-                request_id=self.request_id,
-                text="".join(self._texts),
-                token_ids=tuple(self._token_ids),
-                finish_reason=self.finish_reason,
-                metrics=self.metrics,
-                logprobs=tuple(self._logprobs) if self._logprobs is not None else None,
-            )
-            self._token_ids = []
-            self._texts = []
-            self._logprobs = None
+        out = self._take_output_locked()
+        if out is not None:
             return out
         if self.request_error is not None:
             raise InvalidRequestError(self.request_error)
@@ -112,12 +120,6 @@ class OutputSlot:
             message, cause = self.error
             raise EngineDeadError(message) from cause  # a fresh instance per stream: tracebacks stay apart
         return None
-
-    def wake(self) -> None:
-        """Consumer's loop: resume the coroutine waiting on this slot, if any."""
-        waiter = self.waiter
-        if waiter is not None:
-            self.mailbox.loop.wake(waiter)
 
 
 class LoopMailbox:
@@ -159,10 +161,18 @@ class LoopMailbox:
         return True
 
     def _flush(self) -> None:
-        """The loop's thread: wake every consumer with unread output."""
+        """The loop's thread: wake every consumer waiting on a slot with unread output. Where the loop can
+        hand a value over, the waiting consumer gets its merged chunk with the wake-up, taken here under the
+        one lock for all slots, so it need not take the lock again; an error is left for it to raise."""
+        loop = self.loop
+        wakes: list[tuple[Any, StreamOutput | None]] = []
         with self.lock:
             ready = self._ready
             self._ready = {}
             self._wake_pending = False
-        for slot in ready:
-            slot.wake()
+            for slot in ready:
+                waiter = slot.waiter  # None: the consumer is busy; it takes the merged chunk when it asks
+                if waiter is not None:
+                    wakes.append((waiter, slot._take_output_locked() if loop.can_hand_over(waiter) else None))
+        for waiter, chunk in wakes:
+            loop.wake(waiter, chunk)

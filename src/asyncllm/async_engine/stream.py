@@ -90,12 +90,16 @@ class RequestStream:
                     self._end()
                 return out
             try:
-                await loop.wait(out)
+                handed = await loop.wait(out)
             except BaseException:  # cancelled (asyncio's CancelledError, trio's Cancelled), or interrupted
                 self.close()
                 raise
             finally:
                 slot.waiter = None
+            if isinstance(handed, StreamOutput):  # the wake-up brought the chunk: no take of our own
+                if handed.finish_reason is not None:
+                    self._end()
+                return handed
 
     def close(self) -> None:
         """Stop reading; abort the request unless it already ended. Safe from any thread, idempotent."""
