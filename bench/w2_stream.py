@@ -7,7 +7,9 @@ and inter-token gap percentiles as consumers see them, event-loop lag (a 1 ms ti
         [--switch-interval SECONDS] [--device cuda] [--lag-trace]
 
 --lag-trace adds where the loop stalled (lag_trace.py): the longest stalls, garbage collections, and the
-most sampled thread stacks during stalls.
+most sampled thread stacks during stalls. --gpu-profile records the GPU's kernels (CUDA activity only, so the
+host is slowed little) and adds how busy the GPU was over the streamed run, its idle gaps and the steps by
+kind (gpu_timeline.py), to set beside w1_profile.py's W1: whether streams starve the GPU, and in what gaps.
 """
 
 from __future__ import annotations
@@ -75,7 +77,8 @@ async def run(args: argparse.Namespace, extra: dict) -> dict:
                 k += len(chunk.token_ids)
             counts.append(k)
 
-        with tracing as trace, triton_compiles() as compiles:
+        profiling = _gpu_profiler(args.device) if args.gpu_profile else nullcontext()
+        with tracing as trace, triton_compiles() as compiles, profiling as prof:
             tick = asyncio.create_task(ticker())
             t = time.perf_counter()
             await asyncio.gather(*(one(p, sp) for p, sp in zip(prompts, params)))
@@ -100,6 +103,31 @@ async def run(args: argparse.Namespace, extra: dict) -> dict:
         "loop_lag_max_ms": round(max(lags) * 1000, 2) if lags else None,
         "triton_compiles_after_warmup": dict(compiles),
         **(trace.summary() if trace is not None else {}),
+        **(_gpu_summary(prof, seconds) if prof is not None else {}),
+    }
+
+
+def _gpu_profiler(device: str):  # type: ignore[no-untyped-def]
+    from torch.profiler import ProfilerActivity, profile
+
+    # CUDA activity alone: the kernels, with little host overhead. On CPU (a smoke run) there is none to record.
+    return profile(activities=[ProfilerActivity.CUDA if device == "cuda" else ProfilerActivity.CPU])
+
+
+def _gpu_summary(prof, seconds: float) -> dict:  # type: ignore[no-untyped-def]
+    """The streamed run's GPU timeline, as w1_profile.py reports W1's."""
+    from gpu_timeline import gap_histogram, step_kinds, summarize
+    from w1_profile import device_intervals
+
+    intervals = device_intervals(prof.events())
+    timeline = summarize(intervals)
+    wall_us = seconds * 1e6
+    return {
+        "gpu_busy_fraction_of_wall": round(timeline.busy_us / wall_us, 4),
+        "gpu_idle_ms": round((wall_us - timeline.busy_us) / 1e3, 1),
+        "gpu_idle_gaps": gap_histogram(timeline.gaps_us),
+        "largest_gpu_gaps_ms": [round(g / 1e3, 2) for g in sorted(timeline.gaps_us, reverse=True)[:5]],
+        "step_kinds": step_kinds(intervals),
     }
 
 
@@ -111,6 +139,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval before start")
     ap.add_argument("--lag-trace", action="store_true", help="sample thread stacks while the loop stalls")
+    ap.add_argument("--gpu-profile", action="store_true", help="the GPU's busy time and idle gaps (CUDA only)")
     add_engine_arg_option(ap)
     args = ap.parse_args()
     if args.switch_interval is not None:
