@@ -16,7 +16,7 @@ import pytest
 from torch.autograd import DeviceType
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
-MODULES = ("gpu_timeline", "w1_profile", "w4_prefill", "w1_throughput", "shapes")
+MODULES = ("gpu_timeline", "w1_profile", "w4_prefill", "w1_throughput", "shapes", "lag_trace")
 
 
 @pytest.fixture(scope="module")
@@ -226,3 +226,38 @@ def test_w4_prefill_runs_on_cpu(bench: dict[str, ModuleType], monkeypatch, capsy
     assert chunked["prefill_chunks"] == 4 and chunked["engine_steps_per_request"] == [4 + 3, 4 + 3]
     assert chunked["prefix_cached_tokens"] == [0, 0] and len(chunked["ttft_ms"]) == 2
     assert set(lines[4]["chunking"]["200"]["ttft_best_ms"]) == {"64", "256"}
+
+
+def test_lag_trace_names_what_blocked_the_loop(bench: dict[str, ModuleType]) -> None:
+    """bench/lag_trace.py (w2_stream.py --lag-trace): a callback that blocks the loop for 40 ms is one stall
+    of about that length, the loop's sampled stack names the callback, and a collection meanwhile is timed."""
+    import asyncio
+    import gc
+    import time
+
+    lag_trace = importlib.import_module("lag_trace").lag_trace
+
+    def blocking_callback() -> None:
+        gc.collect()
+        time.sleep(0.04)  # releases the GIL, as a long C call might: the watchdog samples meanwhile
+
+    async def run() -> object:
+        with lag_trace(threshold_s=0.01) as trace:
+
+            async def ticker() -> None:
+                for _ in range(30):
+                    trace.beat()
+                    await asyncio.sleep(0.001)
+
+            async def block() -> None:
+                await asyncio.sleep(0.01)
+                blocking_callback()
+
+            await asyncio.gather(ticker(), block())
+        return trace.summary()
+
+    summary = asyncio.run(run())
+    assert summary["stalls"] >= 1 and summary["longest_stalls_ms_at_s"][0][0] >= 35  # type: ignore[index]
+    stacks = [stack for _, stack in summary["stall_stacks"]]  # type: ignore[union-attr]
+    assert any(s.startswith("loop: ") and "blocking_callback" in s for s in stacks), stacks
+    assert summary["gc_count_by_gen"].get(2, 0) >= 1  # type: ignore[union-attr]
