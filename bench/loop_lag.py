@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import dataclasses
 import gc
 import json
@@ -57,22 +58,28 @@ def encode_batch_of(tokenizer: Tokenizer) -> Callable[[list[str]], list[list[int
 
 
 class DeviceLikeExecutor:
-    """Sleeps `step_s` per step (GIL released, like waiting on a GPU) and samples a token per sequence."""
+    """Sleeps `step_s` per step (GIL released, like waiting on a GPU) and samples a token per sequence.
+    `overlap`: `submit` returns at once and the step "runs" on a device thread (a sleep, GIL released), one
+    step after another, as a GPU's stream does, so the core plans the next step while this one runs."""
 
-    def __init__(self, runtime: Any, step_s: float) -> None:
+    def __init__(self, runtime: Any, step_s: float, overlap: bool = False) -> None:
         self.runtime = runtime
         self._step_s = step_s
+        self._device = concurrent.futures.ThreadPoolExecutor(1, "device") if overlap else None
 
     def execute_model(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
         time.sleep(self._step_s)
         vocab = self.runtime.vocab_size
         return ModelRunnerOutput(sampled_token_ids=[1 + s.seq_len % (vocab - 1) for s in scheduled.seqs if s.sample])
 
-    def submit(self, scheduled: SchedulerOutput) -> ReadyStep:
-        return ReadyStep(self.execute_model(scheduled))
+    def submit(self, scheduled: SchedulerOutput) -> Any:
+        if self._device is None:
+            return ReadyStep(self.execute_model(scheduled))
+        return self._device.submit(self.execute_model, scheduled)  # done() and result(), as StepResult asks
 
     def shutdown(self) -> None:
-        pass
+        if self._device is not None:
+            self._device.shutdown()
 
     def watch_failure(self, callback: Callable[[BaseException], None]) -> None:
         pass  # sleeps and counts: nothing fails between steps
@@ -167,6 +174,7 @@ def main() -> None:
     parser.add_argument("--no-freeze", action="store_true", help="undo the engine's gc.freeze() after load")
     parser.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio")
     parser.add_argument("--step-ms", type=float, default=5.0, help="device time per step (GIL released)")
+    parser.add_argument("--overlap", action="store_true", help="steps run on a device thread (async scheduling)")
     parser.add_argument("--no-batch-encode", action="store_true", help="tokenize text by text (GIL held)")
     parser.add_argument("--tokenizer", type=Path, default=QWEN3, help="a tokenizer.json (default: Qwen3's)")
     args = parser.parse_args()
@@ -175,7 +183,7 @@ def main() -> None:
     built = fake_built(
         tokenizer, vocab_size=vocab, max_model_len=1024, num_kv_blocks=40_000, block_size=16, max_num_seqs=512
     )
-    built.core.executor = DeviceLikeExecutor(built.runtime, args.step_ms / 1e3)  # type: ignore[assignment]
+    built.core.executor = DeviceLikeExecutor(built.runtime, args.step_ms / 1e3, args.overlap)  # type: ignore[assignment]
     if not args.no_batch_encode:  # as build.py can wire it: the Rust batch call releases the GIL, encode does not
         encode = lambda text: tokenizer.encode(text).ids  # noqa: E731  (what the fake core's processor does)
         batch = InputProcessor(built.runtime, encode, encode_batch_of(tokenizer))
@@ -194,7 +202,7 @@ def main() -> None:
         for name, n in runs:
             result = run(measure(engine, name, n))
             result.update(tokenizer=tokenizer_name, freeze=not args.no_freeze, batch_encode=not args.no_batch_encode)
-            result.update(loop=args.loop, step_ms=args.step_ms)
+            result.update(loop=args.loop, step_ms=args.step_ms, overlap=args.overlap)
             print(json.dumps(result), flush=True)
     finally:
         engine.shutdown()
