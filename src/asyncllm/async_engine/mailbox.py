@@ -3,9 +3,9 @@
 The step thread merges each step's deltas into slots under the mailbox lock (merge-on-put, so a lagging
 consumer costs memory only for unread tokens and the engine never waits) and queues at most one wake-up
 callback on the loop; that wake-up hands each waiting consumer its merged chunk (asyncio), or the consumer
-takes it under the same lock (a reader that was busy, or trio). The lock and every piece of
-state it guards live here, and nowhere else takes it. Knows nothing of the engine core, nor which event
-loop library it serves (`loops.EventLoop` hides that).
+takes it under the same lock (a reader that was busy, or trio). The lock and every piece of state it guards
+live here, and nowhere else takes it. Knows nothing of the engine core, nor which event loop library it
+serves (`loops.EventLoop` hides that).
 """
 
 from __future__ import annotations
