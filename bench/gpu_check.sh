@@ -3,7 +3,7 @@
 # side-by-side with nano-vllm (../shared/peers, copied to .peers and carried); ends with a short table.
 # Usage (device machine, repo root): bash bench/gpu_check.sh [STEPS]   STEPS: comma list of
 #   tests, kernels, startup, compare (default: all four); COMPARE_STEPS overrides compare.sh's steps;
-#   also quicktests, attntests, w12var, ab (W1 of AB_BASE against this tree), decodesweep, w1big, gemm, pa, w2ab (W1/W2 under graph and scheduling variants), w1prof (W1 plain + under
+#   also quicktests, attntests, w12var, w2var, sampling, ab (W1 of AB_BASE against this tree), decodesweep, w1big, gemm, pa, w2ab (W1/W2 under graph and scheduling variants), w1prof (W1 plain + under
 #   torch.profiler, ~2 min), w4 (long-context prefill and decode, 16K/32K, two token budgets, ~1 min), and
 #   on two GPUs tptests, tpbench (tensor parallelism).
 # Set-up here first: rm -rf .peers && cp -r ../shared/peers .peers && cp -r ../shared/models/qwen3-tokenizer .peers/
@@ -67,15 +67,25 @@ if has w2ab; then  # W1 and W2 (256 and 16 streams) under graph and scheduling v
   while read -r line; do rows+=("w2ab: $line"); done < <(grep '^{' "$OUT/w2ab.log")
 fi
 if has w12var; then  # W1 and W2-256 under each variant of W12_VARIANTS: ';'-separated bench flags, ~1.5 min each;
-  # W2_FLAGS: flags for w2_stream.py alone (e.g. --lag-trace)
+  # W1_FLAGS, W2_FLAGS: flags for w1_throughput.py or w2_stream.py alone (e.g. --host-timing, --lag-trace)
   # Unset: one capped variant; set but empty: the defaults alone (a single space works the same).
   spec=${W12_VARIANTS-"--engine-arg max_prefill_tokens_while_decoding=1024"}
   (cd bench && IFS=';' read -ra variants <<< "${spec:- }"
    for v in "${variants[@]}"; do
-     timeout 150 python3 w1_throughput.py $v 2>&1 | grep -E '^\{|Error' | tail -2
+     timeout 150 python3 w1_throughput.py $v ${W1_FLAGS:-} 2>&1 | grep -E '^\{|Error' | tail -2
      timeout 150 python3 w2_stream.py $v ${W2_FLAGS:-} 2>&1 | grep -E '^\{|Error' | tail -2; done
   ) | tee "$OUT/w12var.log"
   while read -r line; do rows+=("w12var: $line"); done < <(grep '^{' "$OUT/w12var.log")
+fi
+if has w2var; then  # W2-256 alone under each of W2_VARIANTS (';'-separated w2_stream.py flags; empty: defaults)
+  (cd bench && IFS=';' read -ra variants <<< "${W2_VARIANTS:- }"
+   for v in "${variants[@]}"; do timeout 150 python3 w2_stream.py $v 2>&1 | grep -E '^\{|Error' | tail -2; done
+  ) | tee "$OUT/w2var.log"
+  while read -r line; do rows+=("w2var: $line"); done < <(grep '^{' "$OUT/w2var.log")
+fi
+if has sampling; then  # the Gumbel-max draw's launch shapes at 256, 64 and 1 rows (bench/kernels/bench_sampling.py)
+  timeout 150 python3 bench/kernels/bench_sampling.py 2>&1 | tee "$OUT/bench_sampling.log" | grep -E 'best|error|Error'
+  rows+=("sampling: $(grep '"best"' "$OUT/bench_sampling.log")")
 fi
 if has ab; then  # W1 (or AB_BENCH, e.g. w2_stream.py) of a base tree (AB_BASE: an installed-layout copy, carried;
   # bench/ab_base.sh REV makes it) against this one, alternating, twice each

@@ -10,10 +10,12 @@ import json
 import random
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 from engine_args import add_engine_arg_option, engine_kwargs
+from host_timing import host_timing
 from shapes import W1_LIMIT, write_shape_dir
 from triton_compiles import triton_compiles
 
@@ -68,11 +70,12 @@ def w1_engine(args: argparse.Namespace, **overrides: Any) -> LLM:
 def main() -> None:
     ap = argparse.ArgumentParser()
     add_w1_arguments(ap)
+    ap.add_argument("--host-timing", action="store_true", help="the step thread's time per step, by phase")
     args = ap.parse_args()
     extra = engine_kwargs(args.engine_arg)
     llm = w1_engine(args)
     prompts, params = w1_requests(args.num_seqs)
-    with triton_compiles() as compiles:
+    with triton_compiles() as compiles, host_timing() if args.host_timing else nullcontext() as timing:
         run = run_w1(llm, prompts, params)
     n_out, seconds = run.output_tokens, run.seconds
     tps = n_out / seconds
@@ -93,6 +96,7 @@ def main() -> None:
                 "preemptions": llm.stats()["num_preemptions"],
                 "engine_args": extra,
                 "triton_compiles_after_warmup": dict(compiles),
+                **(timing.summary() if timing is not None else {}),
             }
         )
     )

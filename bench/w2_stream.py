@@ -4,12 +4,13 @@ interval settable, so one device call can compare variants. Prints one JSON line
 and inter-token gap percentiles as consumers see them, event-loop lag (a 1 ms ticker).
 
     python bench/w2_stream.py [--shape qwen3-0.6b] [--streams 256] [--engine-arg NAME=VALUE ...]
-        [--switch-interval SECONDS] [--device cuda] [--lag-trace]
+        [--switch-interval SECONDS] [--device cuda] [--lag-trace] [--gpu-profile] [--host-timing]
 
 --lag-trace adds where the loop stalled (lag_trace.py): the longest stalls, garbage collections, and the
 most sampled thread stacks during stalls. --gpu-profile records the GPU's kernels (CUDA activity only, so the
 host is slowed little) and adds how busy the GPU was over the streamed run, its idle gaps and the steps by
 kind (gpu_timeline.py), to set beside w1_profile.py's W1: whether streams starve the GPU, and in what gaps.
+--host-timing adds the step thread's wall and CPU time per step by phase (host_timing.py; also in W1's script).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from engine_args import add_engine_arg_option, engine_kwargs
+from host_timing import host_timing
 from lag_trace import lag_trace
 from shapes import write_shape_dir
 from triton_compiles import triton_compiles
@@ -78,7 +80,8 @@ async def run(args: argparse.Namespace, extra: dict) -> dict:
             counts.append(k)
 
         profiling = _gpu_profiler(args.device) if args.gpu_profile else nullcontext()
-        with tracing as trace, triton_compiles() as compiles, profiling as prof:
+        timing_cm = host_timing() if args.host_timing else nullcontext()
+        with tracing as trace, triton_compiles() as compiles, profiling as prof, timing_cm as timing:
             tick = asyncio.create_task(ticker())
             t = time.perf_counter()
             await asyncio.gather(*(one(p, sp) for p, sp in zip(prompts, params)))
@@ -104,6 +107,7 @@ async def run(args: argparse.Namespace, extra: dict) -> dict:
         "triton_compiles_after_warmup": dict(compiles),
         **(trace.summary() if trace is not None else {}),
         **(_gpu_summary(prof, seconds) if prof is not None else {}),
+        **(timing.summary() if timing is not None else {}),
     }
 
 
@@ -140,6 +144,7 @@ def main() -> None:
     ap.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval before start")
     ap.add_argument("--lag-trace", action="store_true", help="sample thread stacks while the loop stalls")
     ap.add_argument("--gpu-profile", action="store_true", help="the GPU's busy time and idle gaps (CUDA only)")
+    ap.add_argument("--host-timing", action="store_true", help="the step thread's time per step, by phase")
     add_engine_arg_option(ap)
     args = ap.parse_args()
     if args.switch_interval is not None:

@@ -20,6 +20,8 @@ __all__ = ["gumbel_argmax", "gumbel_argmax_ref", "uniform_noise_ref"]
 
 BLOCK_V = 1024  # vocabulary columns per tile
 MAX_SPLITS = 256  # splits per row: the reduction's fixed width (one compiled variant for any count)
+PROGRAMS_PER_SM = 2  # (row, split) programs per SM a launch aims for
+NUM_WARPS = 4
 
 
 @triton.jit
@@ -83,9 +85,11 @@ def _argmax_reduce_kernel(part_val_ptr, part_idx_ptr, out_ptr, num_splits, MAX_S
     tl.store(out_ptr + row, tl.min(tl.where(val == top, idx, 2**31 - 1), axis=0).to(tl.int64))
 
 
-def num_vocab_splits(rows: int, vocab: int, num_sms: int) -> int:
-    """Enough (row, split) programs to fill the GPU about twice, each at least one tile wide."""
-    return max(1, min(MAX_SPLITS, -(-2 * num_sms // max(rows, 1)), -(-vocab // BLOCK_V)))
+def num_vocab_splits(
+    rows: int, vocab: int, num_sms: int, programs_per_sm: int = PROGRAMS_PER_SM, block_v: int = BLOCK_V
+) -> int:
+    """Enough (row, split) programs for `programs_per_sm` per SM, each at least one tile wide."""
+    return max(1, min(MAX_SPLITS, -(-programs_per_sm * num_sms // max(rows, 1)), -(-vocab // block_v)))
 
 
 def gumbel_argmax(
@@ -95,6 +99,10 @@ def gumbel_argmax(
     offsets: torch.Tensor,  # [R] int64: draws this request made before (< 2**32)
     out: torch.Tensor | None = None,  # [R] int64
     num_splits: int | None = None,  # vocabulary splits per row; None: enough to fill the GPU
+    *,
+    programs_per_sm: int = PROGRAMS_PER_SM,  # launch shape, for the benchmark's sweep
+    block_v: int = BLOCK_V,
+    num_warps: int = NUM_WARPS,
 ) -> torch.Tensor:
     """Each row's vocabulary is split across programs (a batch of one row still fills the GPU), each
     keeping its best column; a second launch takes the first column of the best score."""
@@ -105,16 +113,16 @@ def gumbel_argmax(
     if not rows:
         return out
     if num_splits is None:
-        num_splits = num_vocab_splits(rows, vocab, _num_sms(logits.device))
+        num_splits = num_vocab_splits(rows, vocab, _num_sms(logits.device), programs_per_sm, block_v)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits={num_splits} must be in [1, {MAX_SPLITS}]")
-    chunk = triton.cdiv(triton.cdiv(vocab, num_splits), BLOCK_V) * BLOCK_V  # whole tiles per split
+    chunk = triton.cdiv(triton.cdiv(vocab, num_splits), block_v) * block_v  # whole tiles per split
     num_splits = triton.cdiv(vocab, chunk)  # no empty split
     part_val = torch.empty(rows, MAX_SPLITS, dtype=torch.float32, device=logits.device)
     part_idx = torch.empty(rows, MAX_SPLITS, dtype=torch.int32, device=logits.device)
     _gumbel_partial_kernel[(rows, num_splits)](
         logits, temperature, seeds, offsets, part_val, part_idx, vocab, logits.stride(0), chunk,
-        MAX_SPLITS=MAX_SPLITS, BLOCK=BLOCK_V, num_warps=4,
+        MAX_SPLITS=MAX_SPLITS, BLOCK=block_v, num_warps=num_warps,
     )  # fmt: skip
     _argmax_reduce_kernel[(rows,)](part_val, part_idx, out, num_splits, MAX_SPLITS=MAX_SPLITS, num_warps=4)
     return out
