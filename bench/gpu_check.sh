@@ -88,9 +88,9 @@ if has sampling; then  # the Gumbel-max draw's launch shapes at 256, 64 and 1 ro
   rows+=("sampling: $(grep '"best"' "$OUT/bench_sampling.log")")
 fi
 if has ab; then  # W1 (or AB_BENCH, e.g. w2_stream.py) of a base tree (AB_BASE: an installed-layout copy, carried;
-  # bench/ab_base.sh REV makes it) against this one, alternating, twice each
+  # bench/ab_base.sh REV makes it) against this one, alternating, AB_ROUNDS times (default 2)
   base=${AB_BASE:-.ab/base}
-  (cd bench && for i in 1 2; do for tree in base new; do
+  (cd bench && for i in $(seq "${AB_ROUNDS:-2}"); do for tree in base new; do
      if [ $tree = base ]; then pp="$PWD/../$base:$PYTHONPATH"; else pp=$PYTHONPATH; fi
      echo -n "$tree$([ $tree = base ] && [ -f "../$base/REV" ] && echo "@$(cat "../$base/REV")") "; PYTHONPATH=$pp timeout 150 python3 "${AB_BENCH:-w1_throughput.py}" 2>&1 | grep -E '^\{|Error' | tail -1
    done; done

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from asyncllm.layers.step_staging import StagedRegion
+
 
 class AttentionPlan:
     """Base of whatever a backend derives once per step and every layer reuses (index tensors, splits)."""
@@ -36,6 +38,9 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     plan: AttentionPlan | None = None  # set by `AttentionBackend.prepare`
+    # An int32 region of at least B entries at a fixed device address, sent with the step's inputs (one copy):
+    # where a graph plan writes what varies per step. None: the backend keeps and uploads its own.
+    work: StagedRegion | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -60,8 +65,9 @@ class AttentionBackend(ABC):
     def plan_graph_decode(self, meta: AttentionMetadata, num_seqs: int, max_seq_len: int) -> None:
         """Plan a decode-only step of exactly `num_seqs` single-token sequences (padding included) for CUDA
         graph capture and replay: launch shapes may depend on `num_seqs` and `max_seq_len` (a static bound)
-        only; what varies per step (e.g. the order sequences are attended in) goes into tensors the backend
-        keeps at fixed addresses and rewrites, on the device's stream, each time a step is planned."""
+        only; what varies per step (e.g. the order sequences are attended in) goes into `meta.work` (sent with
+        the step's inputs) or, without it, into tensors the backend keeps at fixed addresses and rewrites, on
+        the device's stream, each time a step is planned. Called for every step, before its inputs are sent."""
         raise NotImplementedError(f"the {self.name!r} attention backend cannot run inside CUDA graphs")
 
     def plan_graph_mixed(self, meta: AttentionMetadata, max_tokens: int, max_seqs: int, max_seq_len: int) -> None:

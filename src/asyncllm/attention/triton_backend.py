@@ -140,12 +140,17 @@ class TritonAttentionBackend(AttentionBackend):
         return _MixedBuffers(work, work[:decode_capacity], work[offset:], decode_capacity, offset, tile_capacity)
 
     def plan_graph_decode(self, meta: AttentionMetadata, num_seqs: int, max_seq_len: int) -> None:
-        seqs = self._graph_seqs.get(num_seqs)
-        if seqs is None:
-            seqs = self._graph_seqs[num_seqs] = torch.empty(num_seqs, dtype=torch.int32, device=self.device)
         # Every step's order, longest first, into the buffer the graph reads: with lengths spread from
         # hundreds to thousands of keys, the longest programs starting last would leave the GPU idle behind them.
-        copy_into(seqs, _longest_first(range(num_seqs), meta.seq_lens_cpu))
+        order = _longest_first(range(num_seqs), meta.seq_lens_cpu)
+        if meta.work is not None and meta.work.numel >= num_seqs:
+            meta.work.put(order)  # sent with the step's inputs
+            seqs = meta.work.view(num_seqs)
+        else:
+            seqs = self._graph_seqs.get(num_seqs)
+            if seqs is None:
+                seqs = self._graph_seqs[num_seqs] = torch.empty(num_seqs, dtype=torch.int32, device=self.device)
+            copy_into(seqs, order)
         # The split count is fixed per captured size (from the static bound); each sequence then divides its
         # own length, read on the device, so one graph serves every length up to the bound.
         meta.plan = TritonPlan(

@@ -25,6 +25,18 @@ from asyncllm.sample.state import SamplingState
 __all__ = ["Sampler", "SamplerOutput", "SamplingState", "apply_min_p", "apply_top_k_top_p"]
 
 Draw = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# Host values to a device tensor of a dtype: an immediate upload, or staged for the step's one copy
+# (`StepStaging.stage`, read only by work queued after the flush).
+Stage = Callable[[Sequence[int] | Sequence[float], torch.dtype], torch.Tensor]
+
+
+@dataclass
+class DrawInputs:
+    """A step's per-row draw parameters on the device (from `Sampler.stage`)."""
+
+    temperatures: torch.Tensor  # [N] float32; 0 = greedy
+    seeds: torch.Tensor  # [N] int64
+    offsets: torch.Tensor  # [N] int64
 
 
 @dataclass
@@ -53,10 +65,16 @@ def load_draw(device: torch.device) -> Draw:
 class Sampler:
     """`Sampler(vocab_size, device)`; requests with penalties must be `add`ed (and `remove`d when done)."""
 
-    def __init__(self, vocab_size: int, device: torch.device | str, draw: Draw | None = None) -> None:
+    def __init__(
+        self, vocab_size: int, device: torch.device | str, draw: Draw | None = None, stage: Stage | None = None
+    ) -> None:
         self.device = torch.device(device)
         self.penalties = PenaltyTable(vocab_size, self.device)
         self._draw = draw or load_draw(self.device)
+        self._stage: Stage = stage or self._upload
+
+    def _upload(self, values: Sequence[int] | Sequence[float], dtype: torch.dtype) -> torch.Tensor:
+        return to_device(values, dtype, self.device)
 
     def add(self, state: SamplingState) -> None:
         self.penalties.add(state)
@@ -64,8 +82,29 @@ class Sampler:
     def remove(self, state: SamplingState) -> None:
         self.penalties.remove(state)
 
-    def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
-        if logits.dim() != 2 or logits.shape[0] != len(states) or not logits.is_floating_point():
+    def stage(self, states: Sequence[SamplingState]) -> DrawInputs | None:
+        """The draw's per-row parameters, staged (None when every row is greedy: no draw). Call before the
+        step's flush; the draw itself (`__call__`) comes after."""
+        return self._draw_inputs(states, self._stage)
+
+    def _draw_inputs(self, states: Sequence[SamplingState], put: Stage) -> DrawInputs | None:
+        if all(s.greedy for s in states):
+            return None
+        temperature = [0.0 if s.greedy else (1.0 if s.filters else s.params.temperature) for s in states]
+        n = len(states)
+        # Offsets start at an even index, 16-byte aligned whatever n is: Triton specialises a kernel on its
+        # pointers' alignment, and an odd n compiled a second variant of the draw kernel mid-serving.
+        m = n + (n & 1)
+        seeds = [s.seed for s in states] + [0] * (m - n)
+        draws = put(seeds + [s.num_sampled for s in states], torch.int64)
+        return DrawInputs(put(temperature, torch.float32), draws[:n], draws[m:])
+
+    def __call__(
+        self, logits: torch.Tensor, states: Sequence[SamplingState], staged: DrawInputs | None = None
+    ) -> SamplerOutput:
+        """Sample one token per row. `staged`: `stage(states)`'s result, sent before this call; without it the
+        parameters are uploaded here."""
+        if logits.dim() != 2 or logits.shape[0] != len(states) or not logits.dtype.is_floating_point:
             raise ValueError(
                 f"Sampler: logits must be a float [num_states={len(states)}, vocab] tensor, "
                 f"got {tuple(logits.shape)} {logits.dtype}"
@@ -74,15 +113,9 @@ class Sampler:
         if all(s.greedy for s in states):
             token_ids = x.argmax(dim=-1)
         else:
-            temperature = [0.0 if s.greedy else (1.0 if s.filters else s.params.temperature) for s in states]
-            n = len(states)
-            # Offsets start at an even index, 16-byte aligned whatever n is: Triton specialises a kernel on its
-            # pointers' alignment, and an odd n compiled a second variant of the draw kernel mid-serving.
-            m = n + (n & 1)
-            seeds = [s.seed for s in states] + [0] * (m - n)
-            draws = to_device(seeds + [s.num_sampled for s in states], torch.int64, self.device)
-            temperatures = to_device(temperature, torch.float32, self.device)
-            token_ids = self._draw(x, temperatures, draws[:n], draws[m:])
+            draw = staged if staged is not None else self._draw_inputs(states, self._upload)
+            assert draw is not None
+            token_ids = self._draw(x, draw.temperatures, draw.seeds, draw.offsets)
         for state in states:
             state.num_sampled += 1  # the offset of its next draw: known now, with no sync
         self.penalties.record(states, token_ids)

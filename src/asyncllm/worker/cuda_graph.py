@@ -90,11 +90,12 @@ class CudaGraphRunner:
         self._hidden = torch.empty(rows, hidden_size, dtype=dtype, device=self.device)
         for kind, size in sorted(shapes, key=lambda shape: -shape[1]):
             if kind == "decode":
-                x = self.buffers.prepare(_dummy_decode(size), pad_to=size)
+                x = self.buffers.prepare(_dummy_decode(size), pad_to=size, flush=False)
                 self.backend.plan_graph_decode(x.meta, size, self.max_seq_len)
             else:
-                x = self.buffers.prepare(_dummy_mixed(self.buffers.block_size), pad_tokens_to=size)
+                x = self.buffers.prepare(_dummy_mixed(self.buffers.block_size), pad_tokens_to=size, flush=False)
                 self.backend.plan_graph_mixed(x.meta, size, self.buffers.max_num_seqs, self.max_seq_len)
+            self.buffers.flush()
 
             def forward(x=x, size=size) -> None:  # type: ignore[no-untyped-def]
                 hidden = self.model(x.input_ids, x.positions, self.kv_caches, x.meta)  # [size, hidden]

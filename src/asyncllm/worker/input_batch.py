@@ -1,13 +1,14 @@
 """Preparing one step's model inputs into persistent buffers.
 
-Host staging tensors (pinned on CUDA) are allocated once at their maximum size and filled through numpy
-views; device tensors are filled by one non-blocking copy each. Fixed addresses are what CUDA graphs need
-(a captured graph reads these very tensors), and no step allocates. A decode step replayed by a graph is
-padded to the captured size: padded rows write no KV (slot -1) and attend to one key. Any other step is
-padded to a captured token count with rows of no sequence (no KV write; nothing reads their attention).
-A step that samples nothing (a long prompt's middle chunks) ends without any host sync, so before refilling
-the host side we wait on an event recorded after the previous step's copies: only for those copies, never
-for the forward pass. Overlapped scheduling (wave two) double-buffers instead.
+The per-token and per-sequence inputs are fixed regions of the step's `StepStaging` (pinned on CUDA):
+written through numpy views, sent with everything else the step stages in one copy by `flush`. The block
+table has a host/device pair of its own: a row is rewritten on the host only when its sequence or block
+count changed, and only the rows changed since the last flush are copied. Fixed addresses are what CUDA
+graphs need (a captured graph reads these very tensors), and no step allocates. A decode step replayed by a
+graph is padded to the captured size: padded rows write no KV (slot -1) and attend to one key. Any other
+step is padded to a captured token count with rows of no sequence (no KV write; nothing reads their
+attention). The host side is rewritten only once the previous flush's copies have read it (the staging's
+event: normally long done, so nothing waits).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from asyncllm.attention.backend import AttentionMetadata
 from asyncllm.executor.interface import SchedulerOutput
+from asyncllm.layers.step_staging import StepStaging
 
 
 @dataclass
@@ -31,21 +33,33 @@ class ModelInputs:
     num_tokens: int
 
 
-class _Pair:
-    """A host staging tensor and its device twin of the same shape."""
+class _BlockTable:
+    """The block table's host rows and their device twin (a separate buffer on CPU too), with the range of
+    rows written since the last upload."""
 
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, pin: bool) -> None:
-        self.cpu = torch.zeros(shape, dtype=dtype, pin_memory=pin)
+    def __init__(self, rows: int, width: int, device: torch.device) -> None:
+        self.cpu = torch.zeros(rows, width, dtype=torch.int32, pin_memory=device.type == "cuda")
         self.np = self.cpu.numpy()
-        self.dev = torch.zeros(shape, dtype=dtype, device=device) if device.type != "cpu" else self.cpu
+        self.dev = torch.zeros(rows, width, dtype=torch.int32, device=device)
+        self._dirty = (rows, 0)  # [lo, hi): nothing yet
+        self._views: dict[int, torch.Tensor] = {}
 
-    def upload(self, n: int) -> torch.Tensor:
-        """Device view of the first n rows, copied without blocking the host."""
-        if self.dev is self.cpu:
-            return self.cpu[:n]
-        dst = self.dev[:n]
-        dst.copy_(self.cpu[:n], non_blocking=True)
-        return dst
+    def dirty(self, row: int) -> None:
+        lo, hi = self._dirty
+        self._dirty = (min(lo, row), max(hi, row + 1))
+
+    def upload(self) -> None:
+        """Copy the rows written since the last upload, without blocking the host."""
+        lo, hi = self._dirty
+        if lo < hi:
+            self.dev[lo:hi].copy_(self.cpu[lo:hi], non_blocking=True)
+        self._dirty = (self.cpu.shape[0], 0)
+
+    def view(self, n: int) -> torch.Tensor:
+        v = self._views.get(n)
+        if v is None:
+            v = self._views[n] = self.dev[:n]
+        return v
 
 
 class InputBuffers:
@@ -59,26 +73,28 @@ class InputBuffers:
         block_size: int,
         device: torch.device,
     ) -> None:
-        pin = device.type == "cuda"
         self.max_num_tokens = max_num_tokens
         self.max_num_seqs = max_num_seqs
         self.block_size = block_size
         self.max_blocks_per_seq = max_blocks_per_seq
-        self.input_ids = _Pair((max_num_tokens,), torch.int64, device, pin)
-        self.positions = _Pair((max_num_tokens,), torch.int64, device, pin)
-        self.slot_mapping = _Pair((max_num_tokens,), torch.int64, device, pin)
-        self.query_start_loc = _Pair((max_num_seqs + 1,), torch.int32, device, pin)
-        self.seq_lens = _Pair((max_num_seqs,), torch.int32, device, pin)
-        self.block_tables = _Pair((max_num_seqs, max_blocks_per_seq), torch.int32, device, pin)
-        self.logits_indices = _Pair((max_num_seqs,), torch.int64, device, pin)
+        # What else a step stages beside its inputs: the sampler's seeds, offsets and temperatures, the
+        # latest tokens' feed and record indices (int64, at most a few per sequence), with room to spare.
+        self.staging = StepStaging(device, dynamic_bytes=16 * 8 * (max_num_seqs + 16))
+        # Per-sequence regions first, then per-token ones. `work`: an int32 region a backend's graph plan
+        # rewrites every step (the decode order), sent with the inputs.
+        self.query_start_loc = self.staging.region(max_num_seqs + 1, torch.int32)
+        self.seq_lens = self.staging.region(max_num_seqs, torch.int32)
+        self.work = self.staging.region(max_num_seqs, torch.int32)
+        self.logits_indices = self.staging.region(max_num_seqs, torch.int64)
+        self.input_ids = self.staging.region(max_num_tokens, torch.int64)
+        self.positions = self.staging.region(max_num_tokens, torch.int64)
+        self.slot_mapping = self.staging.region(max_num_tokens, torch.int64)
+        self.block_tables = _BlockTable(max_num_seqs, max_blocks_per_seq, device)
         # Which sequence each block-table row holds and how many of its blocks are written, so a row is
         # rewritten only when that changes (a decode crosses a block boundary every block_size steps).
         self._row_owner: list[str | None] = [None] * max_num_seqs
         self._row_blocks = [0] * max_num_seqs
         self._row_of: dict[str, int] = {}  # the row each owner was last written to
-        # Recorded after each step's uploads (CUDA only; one event, re-recorded every step).
-        self._copies_done = torch.cuda.Event() if self.input_ids.dev is not self.input_ids.cpu else None
-        self._copies_pending = False
 
     def prepare(
         self,
@@ -86,8 +102,10 @@ class InputBuffers:
         pad_to: int | None = None,
         pad_tokens_to: int | None = None,
         pad_logits_to: int | None = None,
+        flush: bool = True,
     ) -> ModelInputs:
-        """Fill and upload the step's inputs. `pad_to`: a decode-only step padded with dummy sequences to
+        """Fill the step's inputs and, with `flush`, send them (callers that stage more for the same step pass
+        flush=False and call `flush` once they are done). `pad_to`: a decode-only step padded with dummy sequences to
         that many rows (a captured CUDA graph's size). `pad_tokens_to`: any step padded with rows that belong
         to no sequence (a mixed-step graph's token count): they write no KV and nothing attends from them.
         `pad_logits_to`: `logits_indices` repeats its last row up to that many (the LM head's padded count).
@@ -95,8 +113,7 @@ class InputBuffers:
         One light pass over the sequences gathers Python lists, then each buffer gets one bulk write; a
         block-table row is rewritten only when its sequence or block count changed since the last step.
         """
-        if self._copies_done is not None and self._copies_pending:
-            self._copies_done.synchronize()  # the host buffers are free to overwrite only once copied out
+        self.staging.begin()  # the host buffers are free to overwrite only once copied out
         # A preempted request comes back with other blocks; a finished one's id may be reused: neither may
         # inherit its old row.
         for request_id in (*scheduled.preempted_request_ids, *scheduled.finished_request_ids):
@@ -146,38 +163,44 @@ class InputBuffers:
             pos_list += [0] * pad
             slot_list += [-1] * pad  # write no KV
             t = pad_tokens_to
-        self.input_ids.np[:t] = id_list
-        self.positions.np[:t] = pos_list
-        self.slot_mapping.np[:t] = slot_list
-        qsl = self.query_start_loc.np
+        self.input_ids.put(id_list)
+        self.positions.put(pos_list)
+        self.slot_mapping.put(slot_list)
+        qsl = self.query_start_loc.touch(b + 1)
         qsl[0] = 0
-        np.cumsum(query_lens, out=qsl[1 : b + 1])
-        self.seq_lens.np[:b] = seq_lens
+        np.cumsum(query_lens, out=qsl[1:])
+        self.seq_lens.put(seq_lens)
         if pad_logits_to is not None and pad_logits_to > len(logit_rows):
             logit_rows += [logit_rows[-1] if logit_rows else 0] * (pad_logits_to - len(logit_rows))
-        self.logits_indices.np[: len(logit_rows)] = logit_rows
+        self.logits_indices.put(logit_rows)
         num_sampling = len(logit_rows)
         meta = AttentionMetadata(
-            query_start_loc=self.query_start_loc.upload(b + 1),
-            seq_lens=self.seq_lens.upload(b),
-            block_tables=self.block_tables.upload(b),
-            slot_mapping=self.slot_mapping.upload(t),
+            query_start_loc=self.query_start_loc.view(b + 1),
+            seq_lens=self.seq_lens.view(b),
+            block_tables=self.block_tables.view(b),
+            slot_mapping=self.slot_mapping.view(t),
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
+            work=self.work,
         )
         inputs = ModelInputs(
-            input_ids=self.input_ids.upload(t),
-            positions=self.positions.upload(t),
+            input_ids=self.input_ids.view(t),
+            positions=self.positions.view(t),
             meta=meta,
-            logits_indices=self.logits_indices.upload(num_sampling),
+            logits_indices=self.logits_indices.view(num_sampling),
             num_tokens=t,
         )
-        if self._copies_done is not None:
-            self._copies_done.record()
-            self._copies_pending = True
+        if flush:
+            self.flush()
         return inputs
+
+    def flush(self) -> None:
+        """Send everything this step wrote or staged: the block-table rows that changed, then the staging's
+        one copy (whose event covers both)."""
+        self.block_tables.upload()
+        self.staging.flush()
 
     def _set_table_row(self, row: int, owner: str | None, blocks: Sequence[int]) -> None:
         n = len(blocks)
@@ -187,10 +210,12 @@ class InputBuffers:
         if self._row_owner[row] == owner and written <= n:
             if written < n:
                 table[written:n] = blocks[written:]  # the blocks allocated since the last step
+                self.block_tables.dirty(row)
         else:
             table[:n] = blocks
             if written > n:
                 table[n:written] = 0
+            self.block_tables.dirty(row)
             self._row_owner[row] = owner
             if owner is not None:
                 self._row_of[owner] = row

@@ -7,14 +7,21 @@ the last step's output) because a decode starved of token budget can skip a step
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 
 from asyncllm.layers.host_copy import to_device
 
+# Host values to a device tensor of a dtype: an immediate upload, or staged for the step's one copy
+# (`StepStaging.stage`, read only by work queued after the flush).
+Stage = Callable[[Sequence[int], torch.dtype], torch.Tensor]
+
 
 class LatestTokens:
-    def __init__(self, device: torch.device, capacity: int = 256) -> None:
+    def __init__(self, device: torch.device, capacity: int = 256, stage: Stage | None = None) -> None:
         self.device = device
+        self._stage: Stage = stage or (lambda values, dtype: to_device(values, dtype, device))
         self._tokens = torch.zeros(capacity, dtype=torch.int64, device=device)  # [capacity] by slot
         self._slot: dict[str, int] = {}
         self._free = list(range(capacity - 1, -1, -1))
@@ -33,14 +40,22 @@ class LatestTokens:
         if slot is not None:
             self._free.append(slot)
 
-    def record(self, request_ids: list[str], token_ids: torch.Tensor) -> None:
-        """Store a step's sampled ids ([len(request_ids)] int64 on the device) as their requests' latest."""
-        slots = to_device([self._slot[r] for r in request_ids], torch.int64, self.device)
+    def slots(self, request_ids: list[str]) -> torch.Tensor:
+        """The requests' slots, staged (for `record`)."""
+        return self._stage([self._slot[r] for r in request_ids], torch.int64)
+
+    def record(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """Store a step's sampled ids ([len(slots)] int64 on the device) as the latest of the requests whose
+        `slots` these are."""
         self._tokens.index_copy_(0, slots, token_ids)
 
-    def feed(self, input_ids: torch.Tensor, rows: list[int], request_ids: list[str]) -> None:
-        """input_ids[rows[i]] = latest token of request_ids[i], on the device (stream-ordered after the step
-        that sampled it)."""
-        index = to_device(rows + [self._slot[r] for r in request_ids], torch.int64, self.device)
-        n = len(rows)
+    def feed_index(self, rows: list[int], request_ids: list[str]) -> torch.Tensor:
+        """The rows of `input_ids` to fill, then the slots of the requests to fill them from, staged (for
+        `feed`)."""
+        return self._stage(rows + [self._slot[r] for r in request_ids], torch.int64)
+
+    def feed(self, input_ids: torch.Tensor, index: torch.Tensor) -> None:
+        """input_ids[rows[i]] = the latest token of request i (`index` from `feed_index`), on the device
+        (stream-ordered after the step that sampled it)."""
+        n = index.shape[0] // 2
         input_ids.index_copy_(0, index[:n], self._tokens.index_select(0, index[n:]))

@@ -24,7 +24,7 @@ from torch import nn
 from asyncllm.attention.backend import AttentionBackend
 from asyncllm.attention.layer import KVCache
 from asyncllm.executor.interface import ModelRunnerOutput, ReadyStep, SchedulerOutput, StepResult
-from asyncllm.sample.sampler import Sampler
+from asyncllm.sample.sampler import DrawInputs, Sampler
 from asyncllm.sample.state import SamplingState
 from asyncllm.worker.cuda_graph import CudaGraphRunner, capture_sizes, is_decode_only, token_capture_sizes
 from asyncllm.worker.input_batch import InputBuffers
@@ -51,13 +51,16 @@ class ModelRunner:
         self.inputs = buffers
         self.device = device
         self.eos_token_ids = eos_token_ids
-        self.sampler = Sampler(vocab_size, device)
+        # What a step uploads goes out in one copy (`buffers.staging`): the inputs, the decode order, the
+        # sampler's parameters and the latest tokens' indices are all written before `buffers.flush()`.
+        stage = buffers.staging.stage
+        self.sampler = Sampler(vocab_size, device, stage=stage)
         self.states: dict[str, SamplingState] = {}
         self.graphs: CudaGraphRunner | None = None  # set once captured (CUDA, enforce_eager=False)
         self._outputs = SampledOutputs(buffers.max_num_seqs, device)
         # Each live request's latest sampled id, on the device, in a slot of its own: a PLACEHOLDER is filled
         # from it whichever earlier step sampled it (a decode starved of budget skips a step).
-        self._latest = LatestTokens(device)
+        self._latest = LatestTokens(device, stage=stage)
         self.max_seq_len = max_seq_len  # static bound on sequence lengths: decode plans depend on nothing else
         # Padded decode sizes: the CUDA graphs' sizes, also used eagerly when the backend plans statically.
         # A decode step holds at most one token per sequence within the step's token budget.
@@ -80,11 +83,13 @@ class ModelRunner:
             self.states[new.request_id] = state
             self._latest.add(new.request_id)
         sampling = [s.request_id for s in scheduled.seqs if s.sample]
+        states = [self.states[r] for r in sampling]
         size = self.decode_size(scheduled)
         if size is not None:
-            x = self.inputs.prepare(scheduled, pad_to=size)  # every row samples
-            self._feed_previous(scheduled)
+            x = self.inputs.prepare(scheduled, pad_to=size, flush=False)  # every row samples
             self.backend.plan_graph_decode(x.meta, size, self.max_seq_len)  # the graph's plan, this step's order
+            feed, draw, slots = self._stage(scheduled, states, sampling)
+            self._feed_previous(feed)
             if self.graphs is not None and self.graphs.has(size):
                 last_hidden = self.graphs.replay(size, size)  # [size, hidden], padding rows included
             else:
@@ -92,8 +97,9 @@ class ModelRunner:
         else:
             tokens = self.token_size(scheduled)
             logit_rows = self.logit_rows(len(sampling))
-            x = self.inputs.prepare(scheduled, pad_tokens_to=tokens, pad_logits_to=logit_rows)
-            self._feed_previous(scheduled)
+            x = self.inputs.prepare(scheduled, pad_tokens_to=tokens, pad_logits_to=logit_rows, flush=False)
+            feed, draw, slots = self._stage(scheduled, states, sampling)
+            self._feed_previous(feed)
             if tokens is None:
                 self.backend.prepare(x.meta)
                 hidden = self.model(x.input_ids, x.positions, self.kv_caches, x.meta)  # [T, hidden]
@@ -109,14 +115,16 @@ class ModelRunner:
         # The LM head runs at a padded row count: cuBLAS prepares a kernel per new row count on first use
         # (milliseconds, up to ~350 ms once on the H200), and warm-up ran every padded count, never others.
         logits = self.model.compute_logits(last_hidden)[: len(sampling)]  # [S, vocab]
-        states = [self.states[r] for r in sampling]
-        out = self.sampler(logits, states)
-        self._latest.record(sampling, out.token_ids)
+        out = self.sampler(logits, states, draw)
+        if slots is not None:
+            self._latest.record(slots, out.token_ids)
         return self._outputs.send(out.token_ids, out.logprobs_output)
 
-    def _feed_previous(self, scheduled: SchedulerOutput) -> None:
-        """Replace each PLACEHOLDER input with the token last sampled for that request, on the device: the
-        sampled ids never wait for the host before they are fed back."""
+    def _stage(
+        self, scheduled: SchedulerOutput, states: list[SamplingState], sampling: list[str]
+    ) -> tuple[torch.Tensor | None, DrawInputs | None, torch.Tensor | None]:
+        """Stage the rest of what the step uploads (the PLACEHOLDER feed's indices, the draw's parameters, the
+        sampled ids' slots), then send it all with the inputs in one copy."""
         rows: list[int] = []
         owners: list[str] = []
         row = 0
@@ -125,8 +133,17 @@ class ModelRunner:
             if seq.takes_previous_token:
                 rows.append(row - 1)
                 owners.append(seq.request_id)
-        if rows:
-            self._latest.feed(self.inputs.input_ids.dev, rows, owners)
+        feed = self._latest.feed_index(rows, owners) if rows else None
+        draw = self.sampler.stage(states) if sampling else None
+        slots = self._latest.slots(sampling) if sampling else None
+        self.inputs.flush()
+        return feed, draw, slots
+
+    def _feed_previous(self, feed: torch.Tensor | None) -> None:
+        """Replace each PLACEHOLDER input with the token last sampled for that request, on the device: the
+        sampled ids never wait for the host before they are fed back."""
+        if feed is not None:
+            self._latest.feed(self.inputs.input_ids.dev, feed)
 
     def decode_size(self, scheduled: SchedulerOutput) -> int | None:
         """The padded size a decode-only step runs at; None for steps that run unpadded and eagerly."""

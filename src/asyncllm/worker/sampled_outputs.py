@@ -18,6 +18,10 @@ class SampledOutputs:
         self.device = device
         pin = device.type == "cuda"
         self._buffers = [torch.empty(max_rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        # An event per buffer, re-recorded by each step that uses it; views of their first n rows, kept (on
+        # the step thread, every tensor freed is a GIL release).
+        self._events = [torch.cuda.Event() for _ in range(2)] if pin else []
+        self._views: dict[tuple[int, int], torch.Tensor] = {}
         self._next = 0
 
     def send(self, token_ids: torch.Tensor, logprobs: LogprobsOutput | None) -> StepResult:
@@ -25,12 +29,15 @@ class SampledOutputs:
         if self.device.type != "cuda":
             dicts = logprobs.to_dicts() if logprobs is not None else None
             return ReadyStep(ModelRunnerOutput(token_ids.tolist(), dicts))
-        host = self._buffers[self._next][: token_ids.shape[0]]
+        i, n = self._next, token_ids.shape[0]
         self._next ^= 1
+        host = self._views.get((i, n))
+        if host is None:
+            host = self._views[i, n] = self._buffers[i][:n]
         host.copy_(token_ids, non_blocking=True)
         if logprobs is not None:
             logprobs.to_host()
-        event = torch.cuda.Event()
+        event = self._events[i]
         event.record()
         return _DeviceStep(host, logprobs, event)
 
