@@ -3,7 +3,7 @@
 # side-by-side with nano-vllm (../shared/peers, copied to .peers and carried); ends with a short table.
 # Usage (device machine, repo root): bash bench/gpu_check.sh [STEPS]   STEPS: comma list of
 #   tests, kernels, startup, compare (default: all four); COMPARE_STEPS overrides compare.sh's steps;
-#   also quicktests, attntests, w12var, w2var, sampling, ab (W1 of AB_BASE against this tree), decodesweep, w1big, gemm, pa, w2ab (W1/W2 under graph and scheduling variants), w1prof (W1 plain + under
+#   also enginetests, quicktests, attntests, w12var, w2var, sampling, ab (W1 of AB_BASE against this tree), decodesweep, w1big, gemm, pa, w2ab (W1/W2 under graph and scheduling variants), w1prof (W1 plain + under
 #   torch.profiler, ~2 min), w4 (long-context prefill and decode, 16K/32K, two token budgets, ~1 min), and
 #   on two GPUs tptests, tpbench (tensor parallelism).
 # Set-up here first: rm -rf .peers && cp -r ../shared/peers .peers && cp -r ../shared/models/qwen3-tokenizer .peers/
@@ -30,6 +30,11 @@ if has graphtests; then  # the engine-level CUDA-graph tests alone (warm-up, com
   python3 -m pytest -q -s -p no:cacheprovider -o addopts="" tests/gpu/test_cuda_graphs.py 2>&1 \
     | tee "$OUT/graph_tests.log" | grep -E "passed|failed|Error|error" | tail -15
   rows+=("gpu tests (graphs): $(tail -1 "$OUT/graph_tests.log")")
+fi
+if has enginetests; then  # the engine-level GPU tests and the sampling kernel (what host-side changes touch)
+  python3 -m pytest -q -s -p no:cacheprovider -o addopts="" tests/gpu tests/sample/test_sampler_cuda.py \
+    tests/kernels/test_sampling.py 2>&1 | tee "$OUT/engine_tests.log" | grep -E "passed|failed|Error|error" | tail -25
+  rows+=("gpu tests (engine): $(tail -1 "$OUT/engine_tests.log")")
 fi
 if has quicktests; then  # what changed since the full run: engine-level GPU tests and the sampling kernel
   python3 -m pytest -q -s -p no:cacheprovider -o addopts="" tests/gpu tests/sample/test_sampler_cuda.py \
