@@ -9,10 +9,13 @@ The phases are the engine's own functions, wrapped for the run (bench-only instr
     wait          the sampled ids' event         waiting for the device (overlapped: for the previous step)
     complete      EngineCore._complete minus wait  turning sampled ids into deltas (detokenizing included)
     route         StepLoop._route                (async engine only) handing deltas to the event loops
+    loop_flush    LoopMailbox._flush             (async engine only; on the event loop's thread) handing each
+                                                 step's chunks to the waiting streams (their wake-ups not included)
 
-Wall minus CPU in a phase that never waits for the device is time the thread spent without the GIL (the event
-loop, or another thread, held it). If `wait` is near zero per step, the host is the bottleneck: the device
-finished each step before the host asked for its ids.
+Every phase but `loop_flush` runs on the step thread. Wall minus CPU in a phase that never waits for the
+device is time the thread spent without the GIL (the event loop, or another thread, held it). If `wait` is
+near zero per step, the host is the bottleneck: the device finished each step before the host asked for its
+ids.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ _PHASES = (
     ("asyncllm.worker.sampled_outputs", "_DeviceStep", "result", "wait"),
     ("asyncllm.core.engine_core", "EngineCore", "_complete", "complete"),
     ("asyncllm.async_engine.step_loop", "StepLoop", "_route", "route"),
+    ("asyncllm.async_engine.mailbox", "LoopMailbox", "_flush", "loop_flush"),
 )
 
 

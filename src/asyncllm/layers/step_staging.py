@@ -20,10 +20,14 @@ before the flush exactly as the GPU would.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
+
+# Host values to a device tensor of a dtype: `StepStaging.stage` (read only by work queued after the step's
+# flush), or an immediate non-blocking upload where nothing is staged.
+Stage = Callable[[Sequence[int] | Sequence[float], torch.dtype], torch.Tensor]
 
 ALIGN = 16  # bytes: every region and staged tensor starts 16-byte aligned (Triton specialises on it)
 _MAX_CACHED_VIEWS = 4096  # per region: device views of the first n elements, kept (freeing one costs a GIL release)

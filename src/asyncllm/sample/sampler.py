@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from asyncllm.layers.host_copy import to_device
+from asyncllm.layers.step_staging import Stage
 from asyncllm.sample.filters import apply_min_p, apply_top_k_top_p
 from asyncllm.sample.logprobs import LogprobsOutput, gather_logprobs
 from asyncllm.sample.penalties import PenaltyTable
@@ -25,9 +26,6 @@ from asyncllm.sample.state import SamplingState
 __all__ = ["Sampler", "SamplerOutput", "SamplingState", "apply_min_p", "apply_top_k_top_p"]
 
 Draw = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-# Host values to a device tensor of a dtype: an immediate upload, or staged for the step's one copy
-# (`StepStaging.stage`, read only by work queued after the flush).
-Stage = Callable[[Sequence[int] | Sequence[float], torch.dtype], torch.Tensor]
 
 
 @dataclass

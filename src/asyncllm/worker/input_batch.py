@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from asyncllm.attention.backend import AttentionMetadata
-from asyncllm.executor.interface import SchedulerOutput
+from asyncllm.executor.interface import PLACEHOLDER, SchedulerOutput
 from asyncllm.layers.step_staging import StepStaging
 
 
@@ -31,6 +31,9 @@ class ModelInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # [S] int64: the row of each sampling sequence's last token
     num_tokens: int
+    # PLACEHOLDER inputs (overlapped scheduling): their rows, and the requests whose latest token fills them.
+    placeholder_rows: list[int]
+    placeholder_owners: list[str]
 
 
 class _BlockTable:
@@ -127,16 +130,22 @@ class InputBuffers:
         query_lens: list[int] = []
         seq_lens: list[int] = []
         logit_rows: list[int] = []
+        fill_rows: list[int] = []
+        fill_owners: list[str] = []
         t = 0
         for i, seq in enumerate(scheduled.seqs):
-            n, start, blocks = len(seq.input_token_ids), seq.start_pos, seq.block_ids
+            ids, start, blocks = seq.input_token_ids, seq.start_pos, seq.block_ids
+            n = len(ids)
+            if ids[-1] == PLACEHOLDER:
+                fill_rows.append(t + n - 1)
+                fill_owners.append(seq.request_id)
             if n == 1:  # a decode (or a one-token chunk): plain ints beat numpy at this size
-                id_list.append(seq.input_token_ids[0])
+                id_list.append(ids[0])
                 pos_list.append(start)
                 slot_list.append(blocks[start // bs] * bs + start % bs)
             else:
                 p = np.arange(start, start + n, dtype=np.int64)
-                id_list += seq.input_token_ids
+                id_list += ids
                 pos_list += p.tolist()
                 slot_list += (np.asarray(blocks, dtype=np.int64)[p // bs] * bs + p % bs).tolist()
             self._set_table_row(i, seq.request_id, blocks)
@@ -191,6 +200,8 @@ class InputBuffers:
             meta=meta,
             logits_indices=self.logits_indices.view(num_sampling),
             num_tokens=t,
+            placeholder_rows=fill_rows,
+            placeholder_owners=fill_owners,
         )
         if flush:
             self.flush()

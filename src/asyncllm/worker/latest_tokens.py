@@ -7,15 +7,10 @@ the last step's output) because a decode starved of token budget can skip a step
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-
 import torch
 
 from asyncllm.layers.host_copy import to_device
-
-# Host values to a device tensor of a dtype: an immediate upload, or staged for the step's one copy
-# (`StepStaging.stage`, read only by work queued after the flush).
-Stage = Callable[[Sequence[int], torch.dtype], torch.Tensor]
+from asyncllm.layers.step_staging import Stage
 
 
 class LatestTokens:

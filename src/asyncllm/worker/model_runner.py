@@ -27,7 +27,7 @@ from asyncllm.executor.interface import ModelRunnerOutput, ReadyStep, SchedulerO
 from asyncllm.sample.sampler import DrawInputs, Sampler
 from asyncllm.sample.state import SamplingState
 from asyncllm.worker.cuda_graph import CudaGraphRunner, capture_sizes, is_decode_only, token_capture_sizes
-from asyncllm.worker.input_batch import InputBuffers
+from asyncllm.worker.input_batch import InputBuffers, ModelInputs
 from asyncllm.worker.latest_tokens import LatestTokens
 from asyncllm.worker.sampled_outputs import SampledOutputs
 
@@ -82,23 +82,24 @@ class ModelRunner:
             self.sampler.add(state)
             self.states[new.request_id] = state
             self._latest.add(new.request_id)
-        sampling = [s.request_id for s in scheduled.seqs if s.sample]
+        seqs = scheduled.seqs
+        sampling = [s.request_id for s in seqs if s.sample]
         states = [self.states[r] for r in sampling]
-        size = self.decode_size(scheduled)
+        size = self.decode_size(len(seqs)) if is_decode_only(scheduled) else None
         if size is not None:
             x = self.inputs.prepare(scheduled, pad_to=size, flush=False)  # every row samples
             self.backend.plan_graph_decode(x.meta, size, self.max_seq_len)  # the graph's plan, this step's order
-            feed, draw, slots = self._stage(scheduled, states, sampling)
+            feed, draw, slots = self._stage(x, states, sampling)
             self._feed_previous(feed)
             if self.graphs is not None and self.graphs.has(size):
                 last_hidden = self.graphs.replay(size, size)  # [size, hidden], padding rows included
             else:
                 last_hidden = self.model(x.input_ids, x.positions, self.kv_caches, x.meta)
         else:
-            tokens = self.token_size(scheduled)
+            tokens = self.token_size(scheduled.num_batched_tokens)
             logit_rows = self.logit_rows(len(sampling))
             x = self.inputs.prepare(scheduled, pad_tokens_to=tokens, pad_logits_to=logit_rows, flush=False)
-            feed, draw, slots = self._stage(scheduled, states, sampling)
+            feed, draw, slots = self._stage(x, states, sampling)
             self._feed_previous(feed)
             if tokens is None:
                 self.backend.prepare(x.meta)
@@ -121,19 +122,11 @@ class ModelRunner:
         return self._outputs.send(out.token_ids, out.logprobs_output)
 
     def _stage(
-        self, scheduled: SchedulerOutput, states: list[SamplingState], sampling: list[str]
+        self, x: ModelInputs, states: list[SamplingState], sampling: list[str]
     ) -> tuple[torch.Tensor | None, DrawInputs | None, torch.Tensor | None]:
         """Stage the rest of what the step uploads (the PLACEHOLDER feed's indices, the draw's parameters, the
         sampled ids' slots), then send it all with the inputs in one copy."""
-        rows: list[int] = []
-        owners: list[str] = []
-        row = 0
-        for seq in scheduled.seqs:
-            row += seq.num_tokens
-            if seq.takes_previous_token:
-                rows.append(row - 1)
-                owners.append(seq.request_id)
-        feed = self._latest.feed_index(rows, owners) if rows else None
+        feed = self._latest.feed_index(x.placeholder_rows, x.placeholder_owners) if x.placeholder_rows else None
         draw = self.sampler.stage(states) if sampling else None
         slots = self._latest.slots(sampling) if sampling else None
         self.inputs.flush()
@@ -145,11 +138,12 @@ class ModelRunner:
         if feed is not None:
             self._latest.feed(self.inputs.input_ids.dev, feed)
 
-    def decode_size(self, scheduled: SchedulerOutput) -> int | None:
-        """The padded size a decode-only step runs at; None for steps that run unpadded and eagerly."""
-        if not self.decode_sizes or not is_decode_only(scheduled):
+    def decode_size(self, num_seqs: int) -> int | None:
+        """The padded size a decode-only step of `num_seqs` runs at; None for steps that run unpadded and
+        eagerly."""
+        if not self.decode_sizes:
             return None
-        i = bisect.bisect_left(self.decode_sizes, len(scheduled.seqs))
+        i = bisect.bisect_left(self.decode_sizes, num_seqs)
         return self.decode_sizes[i] if i < len(self.decode_sizes) else None
 
     def logit_rows(self, num_sampling: int) -> int:
@@ -158,11 +152,12 @@ class ModelRunner:
         i = bisect.bisect_left(self.decode_sizes, num_sampling)
         return self.decode_sizes[i] if num_sampling and i < len(self.decode_sizes) else num_sampling
 
-    def token_size(self, scheduled: SchedulerOutput) -> int | None:
-        """The padded token count a step that is not decode-only runs at; None for steps run unpadded."""
+    def token_size(self, num_tokens: int) -> int | None:
+        """The padded token count a step of `num_tokens` that is not decode-only runs at; None for steps run
+        unpadded."""
         if not self.token_sizes:
             return None
-        i = bisect.bisect_left(self.token_sizes, scheduled.num_batched_tokens)
+        i = bisect.bisect_left(self.token_sizes, num_tokens)
         return self.token_sizes[i] if i < len(self.token_sizes) else None
 
     def forget(self, request_ids: list[str]) -> None:
