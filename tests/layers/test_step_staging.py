@@ -72,3 +72,27 @@ def test_bad_layout_and_overflow_are_named() -> None:
     staging.flush()
     with pytest.raises(RuntimeError, match="declared before"):
         staging.region(1, torch.int32)
+
+
+def test_a_step_that_failed_before_its_flush_leaves_nothing_behind() -> None:
+    """A step that raised between its writes and its flush: the next step starts its packing afresh."""
+    staging = StepStaging(CPU, dynamic_bytes=64)
+    staging.region(2, torch.int64)
+    first = staging.stage([1, 2], torch.int64)
+    staging.stage([3, 4], torch.int64)  # ... and the step fails here, never flushed
+    staging.begin(new_step=True)
+    again = staging.stage([5, 6], torch.int64)
+    assert again.data_ptr() == first.data_ptr()
+    staging.flush()
+    assert again.tolist() == [5, 6]
+
+
+def test_buffers_first_used_in_inference_mode_take_copies_outside_it() -> None:
+    staging = StepStaging(CPU, dynamic_bytes=64)
+    region = staging.region(4, torch.int64)
+    with torch.inference_mode():
+        region.put([1, 2])
+        staging.flush()
+    region.put([3, 4])  # would raise "Inplace update to inference tensor outside InferenceMode"
+    staging.flush()
+    assert region.view(2).tolist() == [3, 4]

@@ -106,9 +106,12 @@ class StepStaging:
 
     def _allocate(self) -> None:
         size = self._fixed_end + self._dynamic_bytes
-        self._host = torch.zeros(size, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        # Not inference tensors, whichever mode the first step runs in: a copy into one outside
+        # inference_mode would raise.
+        with torch.inference_mode(False):
+            self._host = torch.zeros(size, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+            self._dev = torch.zeros(size, dtype=torch.uint8, device=self.device)
         self._host_np = self._host.numpy()
-        self._dev = torch.zeros(size, dtype=torch.uint8, device=self.device)
 
     def host_view(self, offset: int, numel: int, dtype: torch.dtype) -> np.ndarray:
         if self._host_np is None:
@@ -123,10 +126,11 @@ class StepStaging:
         return self._dev[offset : offset + numel * dtype.itemsize].view(dtype)
 
     # ------------------------------------------------------------------ one step
-    def begin(self) -> None:
+    def begin(self, new_step: bool = False) -> None:
         """Start a step's writes: wait until the previous flush's copy has read the host buffer. Implied by
-        every write; idempotent until the next flush."""
-        if self._open:
+        every write; idempotent until the next flush. `new_step`: the first write of a step, which also
+        drops whatever a step that failed before its flush left unsent."""
+        if self._open and not new_step:
             return
         if self._host is None:
             self._allocate()

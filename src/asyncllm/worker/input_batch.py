@@ -116,7 +116,7 @@ class InputBuffers:
         One light pass over the sequences gathers Python lists, then each buffer gets one bulk write; a
         block-table row is rewritten only when its sequence or block count changed since the last step.
         """
-        self.staging.begin()  # the host buffers are free to overwrite only once copied out
+        self.staging.begin(new_step=True)  # the host buffers are free to overwrite only once copied out
         # A preempted request comes back with other blocks; a finished one's id may be reused: neither may
         # inherit its old row.
         for request_id in (*scheduled.preempted_request_ids, *scheduled.finished_request_ids):
