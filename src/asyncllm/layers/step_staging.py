@@ -25,16 +25,40 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from asyncllm.layers.host_copy import to_device
+
 # Host values to a device tensor of a dtype: `StepStaging.stage` (read only by work queued after the step's
 # flush), or an immediate non-blocking upload where nothing is staged.
 Stage = Callable[[Sequence[int] | Sequence[float], torch.dtype], torch.Tensor]
 
 ALIGN = 16  # bytes: every region and staged tensor starts 16-byte aligned (Triton specialises on it)
-_MAX_CACHED_VIEWS = 4096  # per region: device views of the first n elements, kept (freeing one costs a GIL release)
+_MAX_CACHED_VIEWS = 4096  # sizes a `PrefixViews` keeps
 
 
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
+
+
+def immediate(device: torch.device) -> Stage:
+    """The `Stage` of code that stages nothing: each call is its own non-blocking upload."""
+    return lambda values, dtype: to_device(values, dtype, device)
+
+
+class PrefixViews:
+    """The first n rows of a persistent tensor, as the same view object every time: on the step thread every
+    tensor freed is a GIL release (torch >= 2.10). Up to a few thousand sizes are kept; others are made anew."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self._views: dict[int, torch.Tensor] = {}
+
+    def __call__(self, n: int) -> torch.Tensor:
+        v = self._views.get(n)
+        if v is None:
+            v = self.tensor[:n]
+            if len(self._views) < _MAX_CACHED_VIEWS:
+                self._views[n] = v
+        return v
 
 
 class StagedRegion:
@@ -46,7 +70,7 @@ class StagedRegion:
         self.offset = offset
         self.numel = numel
         self.dtype = dtype
-        self._views: dict[int, torch.Tensor] = {}
+        self._views: PrefixViews | None = None  # made once the buffer exists
 
     @property
     def host(self) -> np.ndarray:
@@ -70,19 +94,15 @@ class StagedRegion:
         return self.host[:n]
 
     def view(self, n: int) -> torch.Tensor:
-        """The device tensor of the first n elements (the same object every time, while few sizes are used)."""
-        v = self._views.get(n)
-        if v is None:
-            v = self.dev[:n]
-            if len(self._views) < _MAX_CACHED_VIEWS:
-                self._views[n] = v
-        return v
+        """The device tensor of the first n elements (the same object every time: `PrefixViews`)."""
+        if self._views is None:
+            self._views = PrefixViews(self.dev)
+        return self._views(n)
 
 
 class StepStaging:
     def __init__(self, device: torch.device, dynamic_bytes: int) -> None:
         self.device = device
-        self._fixed: list[StagedRegion] = []
         self._fixed_end = 0
         self._dynamic_bytes = _aligned(dynamic_bytes)
         self._host: torch.Tensor | None = None  # uint8, allocated at first use
@@ -100,7 +120,6 @@ class StepStaging:
         if self._host is not None:
             raise RuntimeError("StepStaging.region: regions are declared before the buffer is first used")
         region = StagedRegion(self, self._fixed_end, numel, dtype)
-        self._fixed.append(region)
         self._fixed_end = _aligned(self._fixed_end + numel * dtype.itemsize)
         return region
 
@@ -153,7 +172,7 @@ class StepStaging:
         n = len(values)
         offset = self._next
         if offset + n * dtype.itemsize > self._fixed_end + self._dynamic_bytes:
-            return _upload(values, dtype, self.device)
+            return to_device(values, dtype, self.device)
         self._next = _aligned(offset + n * dtype.itemsize)
         self.mark(offset, n * dtype.itemsize)
         self.host_view(offset, n, dtype)[:] = values
@@ -170,11 +189,6 @@ class StepStaging:
         if self._copied is not None:  # also guards copies the step issued beside this one (`InputBuffers`)
             self._copied.record()
             self._copy_pending = True
-
-
-def _upload(values: Sequence[int] | Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
-    return host.to(device, non_blocking=True)
 
 
 _NUMPY = {

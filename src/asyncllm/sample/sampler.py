@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from asyncllm.layers.host_copy import to_device
-from asyncllm.layers.step_staging import Stage
+from asyncllm.layers.step_staging import Stage, immediate
 from asyncllm.sample.filters import apply_min_p, apply_top_k_top_p
 from asyncllm.sample.logprobs import LogprobsOutput, gather_logprobs
 from asyncllm.sample.penalties import PenaltyTable
@@ -69,10 +69,8 @@ class Sampler:
         self.device = torch.device(device)
         self.penalties = PenaltyTable(vocab_size, self.device)
         self._draw = draw or load_draw(self.device)
+        self._upload = immediate(self.device)
         self._stage: Stage = stage or self._upload
-
-    def _upload(self, values: Sequence[int] | Sequence[float], dtype: torch.dtype) -> torch.Tensor:
-        return to_device(values, dtype, self.device)
 
     def add(self, state: SamplingState) -> None:
         self.penalties.add(state)

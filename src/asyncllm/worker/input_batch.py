@@ -21,7 +21,7 @@ import torch
 
 from asyncllm.attention.backend import AttentionMetadata
 from asyncllm.executor.interface import PLACEHOLDER, SchedulerOutput
-from asyncllm.layers.step_staging import StepStaging
+from asyncllm.layers.step_staging import PrefixViews, StepStaging
 
 
 @dataclass
@@ -45,7 +45,7 @@ class _BlockTable:
         self.np = self.cpu.numpy()
         self.dev = torch.zeros(rows, width, dtype=torch.int32, device=device)
         self._dirty = (rows, 0)  # [lo, hi): nothing yet
-        self._views: dict[int, torch.Tensor] = {}
+        self.view = PrefixViews(self.dev)  # view(n): the device table's first n rows
 
     def dirty(self, row: int) -> None:
         lo, hi = self._dirty
@@ -57,12 +57,6 @@ class _BlockTable:
         if lo < hi:
             self.dev[lo:hi].copy_(self.cpu[lo:hi], non_blocking=True)
         self._dirty = (self.cpu.shape[0], 0)
-
-    def view(self, n: int) -> torch.Tensor:
-        v = self._views.get(n)
-        if v is None:
-            v = self._views[n] = self.dev[:n]
-        return v
 
 
 class InputBuffers:

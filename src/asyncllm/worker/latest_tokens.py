@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from asyncllm.layers.host_copy import to_device
-from asyncllm.layers.step_staging import Stage
+from asyncllm.layers.step_staging import Stage, immediate
 
 
 class LatestTokens:
     def __init__(self, device: torch.device, capacity: int = 256, stage: Stage | None = None) -> None:
         self.device = device
-        self._stage: Stage = stage or (lambda values, dtype: to_device(values, dtype, device))
+        self._stage: Stage = stage or immediate(device)
         self._tokens = torch.zeros(capacity, dtype=torch.int64, device=device)  # [capacity] by slot
         self._slot: dict[str, int] = {}
         self._free = list(range(capacity - 1, -1, -1))

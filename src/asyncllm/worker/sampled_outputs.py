@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from asyncllm.executor.interface import ModelRunnerOutput, ReadyStep, StepResult
+from asyncllm.layers.step_staging import PrefixViews
 from asyncllm.sample.logprobs import LogprobsOutput
 
 
@@ -17,11 +18,9 @@ class SampledOutputs:
     def __init__(self, max_rows: int, device: torch.device) -> None:
         self.device = device
         pin = device.type == "cuda"
-        self._buffers = [torch.empty(max_rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
-        # An event per buffer, re-recorded by each step that uses it; views of their first n rows, kept (on
-        # the step thread, every tensor freed is a GIL release).
+        # Two buffers, each with an event re-recorded by every step that uses it, and kept views of its rows.
+        self._buffers = [PrefixViews(torch.empty(max_rows, dtype=torch.int64, pin_memory=pin)) for _ in range(2)]
         self._events = [torch.cuda.Event() for _ in range(2)] if pin else []
-        self._views: dict[tuple[int, int], torch.Tensor] = {}
         self._next = 0
 
     def send(self, token_ids: torch.Tensor, logprobs: LogprobsOutput | None) -> StepResult:
@@ -29,11 +28,9 @@ class SampledOutputs:
         if self.device.type != "cuda":
             dicts = logprobs.to_dicts() if logprobs is not None else None
             return ReadyStep(ModelRunnerOutput(token_ids.tolist(), dicts))
-        i, n = self._next, token_ids.shape[0]
+        i = self._next
         self._next ^= 1
-        host = self._views.get((i, n))
-        if host is None:
-            host = self._views[i, n] = self._buffers[i][:n]
+        host = self._buffers[i](token_ids.shape[0])
         host.copy_(token_ids, non_blocking=True)
         if logprobs is not None:
             logprobs.to_host()
