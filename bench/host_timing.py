@@ -12,6 +12,11 @@ The phases are the engine's own functions, wrapped for the run (bench-only instr
     loop_flush    LoopMailbox._flush             (async engine only; on the event loop's thread) handing each
                                                  step's chunks to the waiting streams (their wake-ups not included)
 
+Each phase is also summed by the kind of step last scheduled (`by_kind`): `prompt` steps carry prompt tokens
+(admission, chunks), `decode` steps one token per sequence; `step` is the step thread's whole iteration,
+from one `schedule` call to the next. With overlap the wait and output phases that follow a schedule call
+belong to the step before it, so read `by_kind` for where a kind's iterations spend their time.
+
 Every phase but `loop_flush` runs on the step thread. Wall minus CPU in a phase that never waits for the
 device is time the thread spent without the GIL (the event loop, or another thread, held it). If `wait` is
 near zero per step, the host is the bottleneck: the device finished each step before the host asked for its
@@ -46,19 +51,44 @@ class HostTiming:
     wall: dict[str, float] = field(default_factory=dict)
     cpu: dict[str, float] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)
+    kind: str = "idle"  # of the step last scheduled
+    by_kind: dict[str, HostTiming] = field(default_factory=dict)
+    _iteration: tuple[float, float] | None = None  # wall, CPU at the last schedule call
 
-    def add(self, phase: str, wall: float, cpu: float) -> None:
+    def add(self, phase: str, wall: float, cpu: float, kind: str | None = None) -> None:
         self.wall[phase] = self.wall.get(phase, 0.0) + wall
         self.cpu[phase] = self.cpu.get(phase, 0.0) + cpu
         self.calls[phase] = self.calls.get(phase, 0) + 1
+        if kind is not None:
+            self.by_kind.setdefault(kind, HostTiming()).add(phase, wall, cpu)
+
+    def scheduled(self, out: Any) -> None:
+        """After a `schedule` call: close the iteration that ended here, open one of the new step's kind."""
+        now = time.perf_counter(), time.thread_time()
+        if self._iteration is not None:
+            self.by_kind.setdefault(self.kind, HostTiming()).add(
+                "step", now[0] - self._iteration[0], now[1] - self._iteration[1]
+            )
+        self._iteration = now
+        seqs = getattr(out, "seqs", [])
+        self.kind = "idle" if not seqs else "prompt" if sum(s.num_tokens for s in seqs) > len(seqs) else "decode"
 
     def summary(self) -> dict[str, Any]:
-        """Per phase: calls, and wall / CPU milliseconds per engine step (a step: one `schedule` call)."""
+        """Per phase: calls, and wall / CPU milliseconds per engine step (a step: one `schedule` call);
+        the same per kind of step under `by_kind`."""
+        out = self._phases()
+        out["by_kind"] = {
+            kind: {"steps": t.calls.get("step", 0), **t._phases(per="step")["host_ms_per_step"]}
+            for kind, t in sorted(self.by_kind.items())
+        }
+        return out
+
+    def _phases(self, per: str = "schedule") -> dict[str, Any]:
         wall, cpu = dict(self.wall), dict(self.cpu)
         if "complete" in wall and "wait" in wall:  # complete's own work, without the wait inside it
             wall["complete"] -= wall["wait"]
             cpu["complete"] -= cpu["wait"]
-        steps = max(1, self.calls.get("schedule", 0))
+        steps = max(1, self.calls.get(per, 0))
         return {
             "host_timing_steps": steps,
             "host_ms_per_step": {
@@ -72,10 +102,17 @@ def _timed(fn: Callable[..., Any], phase: str, timing: HostTiming) -> Callable[.
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         w0, c0 = time.perf_counter(), time.thread_time()
+        on_step_thread = phase != "loop_flush"
+        kind = timing.kind
+        result = None
         try:
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
+            return result
         finally:
-            timing.add(phase, time.perf_counter() - w0, time.thread_time() - c0)
+            if phase == "schedule":  # planning counts toward the step it plans
+                timing.scheduled(result)
+                kind = timing.kind
+            timing.add(phase, time.perf_counter() - w0, time.thread_time() - c0, kind if on_step_thread else None)
 
     return wrapper
 
