@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from asyncllm.config import (
+    DEFAULT_GRAPH_TOKENS,
+    STREAMING_PREFILL_CAP,
     AttentionBackendName,
     Device,
     DType,
@@ -123,3 +125,22 @@ def test_frozen() -> None:
         cfg.scheduler_config.max_num_seqs = 3  # type: ignore[misc]
     with pytest.raises(AttributeError):
         cfg.scheduler_config = SchedulerConfig()  # type: ignore[misc]
+
+
+def test_entry_points_settle_the_prefill_cap_and_the_graphs_that_cover_it() -> None:
+    """Streaming caps the prompt tokens of steps that also decode and graphs the capped steps; offline gives
+    prompts the whole budget. What the user chose is kept, and settling twice changes nothing."""
+
+    def settled(streaming: bool, **kwargs: object) -> tuple[int | None, int | None]:
+        cfg = EngineConfig.from_kwargs("m", **kwargs).resolved(streaming=streaming)
+        assert cfg.resolved(streaming=not streaming) == cfg
+        return cfg.scheduler_config.max_prefill_tokens_while_decoding, cfg.device_config.cuda_graph_max_tokens
+
+    assert settled(True) == (STREAMING_PREFILL_CAP, 256 + STREAMING_PREFILL_CAP)
+    assert settled(False) == (8192, DEFAULT_GRAPH_TOKENS)  # the whole budget: no cap
+    assert settled(True, max_num_seqs=16) == (STREAMING_PREFILL_CAP, 16 + STREAMING_PREFILL_CAP)
+    assert settled(True, max_num_batched_tokens=1024) == (STREAMING_PREFILL_CAP, DEFAULT_GRAPH_TOKENS)  # cap off
+    assert settled(True, max_prefill_tokens_while_decoding=512) == (512, DEFAULT_GRAPH_TOKENS)
+    assert settled(True, max_prefill_tokens_while_decoding=8192) == (8192, DEFAULT_GRAPH_TOKENS)
+    assert settled(False, max_prefill_tokens_while_decoding=4000) == (4000, 4256)
+    assert settled(True, cuda_graph_max_tokens=0) == (STREAMING_PREFILL_CAP, 0)

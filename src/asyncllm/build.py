@@ -32,6 +32,7 @@ def build_engine(config: EngineConfig, clock: Callable[[], float]) -> BuiltEngin
 
     from asyncllm.model_loader.checkpoint import open_checkpoint
 
+    config = config.resolved(streaming=False)  # a no-op for the entry points' configs, which settled it
     mc = config.model_config
     # Host-side weights in float32 (lossless for 16-bit checkpoints); the worker casts as it copies them in.
     checkpoint = open_checkpoint(mc.model, torch.float32, mc.tokenizer)

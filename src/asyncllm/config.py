@@ -44,6 +44,12 @@ class AttentionBackendName(str, enum.Enum):
     FLASH = "flash"
 
 
+# Entry-point defaults (`EngineConfig.resolved`). 2048 prompt tokens beside a full decode batch keeps a
+# step under ~2x a decode step on an H200 (bench/RESULTS.md, run 28); 2048 tokens of graphs cover it alone.
+STREAMING_PREFILL_CAP = 2048
+DEFAULT_GRAPH_TOKENS = 2048
+
+
 def arg(default: Any, doc: str) -> Any:
     """A dataclass field that is an engine argument: its default and the one line users read about it."""
     return field(default=default, metadata={"doc": doc})
@@ -137,10 +143,11 @@ class SchedulerConfig:
     max_num_batched_tokens: int = arg(8192, "Token budget of one step: prefill chunks and decodes share it.")
     max_prefill_tokens_while_decoding: int | None = arg(
         None,
-        "Prompt tokens one step may carry while requests also decode in it (None: prompts take the whole "
-        "step budget). Shortens the longest gaps between two tokens while prompts arrive, at some throughput "
-        "and time to first token (H200, 256 streams, 768: p99 gap 29 -> 14 ms, -5 % throughput; README: On a "
-        "GPU). Keep max_num_seqs + this within cuda_graph_max_tokens so capped steps replay graphs.",
+        "Prompt tokens one step may carry while requests also decode in it; a long step delays every stream's "
+        "next token. None: the entry point's default, 2048 for AsyncLLMEngine and the server (even gaps "
+        "between tokens: on an H200 with 256 streams the p99 gap fell from 5.9x to 1.9x the median, TTFT and "
+        "throughput within noise; README: On a GPU), the whole step budget for LLM (offline throughput). A "
+        "value >= max_num_batched_tokens turns the cap off.",
     )
     async_scheduling: bool = arg(
         True,
@@ -193,11 +200,12 @@ class DeviceConfig:
         "installed, else torch).",
     )
     enforce_eager: bool = arg(False, "Never capture CUDA graphs.")
-    cuda_graph_max_tokens: int = arg(
-        2048,
+    cuda_graph_max_tokens: int | None = arg(
+        None,
         "Steps that are not decode-only (prompt chunks, alone or beside decodes) of up to this many tokens replay "
         "CUDA graphs captured per token count (padded up by at most a quarter); larger steps run eagerly. 0: "
-        "decode steps only. Each count costs a capture at start-up; the largest sets the graphs' memory.",
+        "decode steps only. None: 2048, or max_num_seqs plus the prefill cap when that is larger (so capped "
+        "steps replay graphs). Each count costs a capture at start-up; the largest sets the graphs' memory.",
     )
 
     def __post_init__(self) -> None:
@@ -205,7 +213,7 @@ class DeviceConfig:
         backend = check_enum(_fail, AttentionBackendName, "attention_backend", self.attention_backend)
         _set(self, "attention_backend", backend)
         check_bool(_fail, "enforce_eager", self.enforce_eager)
-        check_int(_fail, "cuda_graph_max_tokens", self.cuda_graph_max_tokens, "an integer >= 0", lo=0)
+        check_optional_int(_fail, "cuda_graph_max_tokens", self.cuda_graph_max_tokens, "an integer >= 0, or None", lo=0)
 
 
 _PARTS: dict[str, type] = {
@@ -254,6 +262,24 @@ class EngineConfig:
         for name, value in engine_args.items():
             grouped[owners[name]][name] = value
         return cls(**{part: _PARTS[part](**kwargs) for part, kwargs in grouped.items()})
+
+    def resolved(self, *, streaming: bool) -> EngineConfig:
+        """This config with the defaults that depend on the entry point settled (idempotent: only None
+        fields change). Streaming (`AsyncLLMEngine`, the server) caps the prompt tokens of steps that also
+        decode, for even gaps between tokens; offline (`LLM`) gives prompts the whole step budget."""
+        sched, dev = self.scheduler_config, self.device_config
+        budget = sched.max_num_batched_tokens
+        cap = sched.max_prefill_tokens_while_decoding
+        if cap is None:
+            cap = STREAMING_PREFILL_CAP if streaming else budget
+        graph_tokens = dev.cuda_graph_max_tokens
+        if graph_tokens is None:  # a capped step (every decode plus the cap's prompt tokens) fits the graphs
+            graph_tokens = max(DEFAULT_GRAPH_TOKENS, sched.max_num_seqs + cap) if cap < budget else DEFAULT_GRAPH_TOKENS
+        return dataclasses.replace(
+            self,
+            scheduler_config=dataclasses.replace(sched, max_prefill_tokens_while_decoding=cap),
+            device_config=dataclasses.replace(dev, cuda_graph_max_tokens=graph_tokens),
+        )
 
     @property
     def model(self) -> str:

@@ -25,7 +25,7 @@ class LLM:
     def __init__(self, model: str, **engine_args: Any) -> None:
         from asyncllm.build import build_engine  # the runner (torch) loads only now
 
-        self.config = EngineConfig.from_kwargs(model, **engine_args)
+        self.config = EngineConfig.from_kwargs(model, **engine_args).resolved(streaming=False)
         self._engine = build_engine(self.config, time.monotonic)
         self._ids = itertools.count()
         # What loading left (model, tokenizer, libraries) lives as long as the process: out of the garbage

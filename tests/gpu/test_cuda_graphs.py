@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from asyncllm import LLM, SamplingParams
-from asyncllm.config import DeviceConfig, SchedulerConfig
+from asyncllm.config import DEFAULT_GRAPH_TOKENS, SchedulerConfig
 
 pytestmark = [
     pytest.mark.gpu,
@@ -48,7 +48,7 @@ def test_graphs_equal_eager(tiny_checkpoints, engine_args: dict, dtype: str) -> 
     eager = LLM(path, enforce_eager=True, **common)
     assert graphs.runtime.cuda_graph_sizes == (1, 2, 4, 8, 16, 32, 40)
     budget = engine_args.get("max_num_batched_tokens", SchedulerConfig().max_num_batched_tokens)
-    assert graphs.runtime.cuda_graph_token_sizes[-1] == min(DeviceConfig().cuda_graph_max_tokens, budget)
+    assert graphs.runtime.cuda_graph_token_sizes[-1] == min(DEFAULT_GRAPH_TOKENS, budget)  # LLM: prompts uncapped
     assert eager.runtime.cuda_graph_sizes == () == eager.runtime.cuda_graph_token_sizes
     prompts, params = _workload(graphs.runtime.vocab_size)
     ours = graphs.generate(prompts, params, use_tqdm=False)

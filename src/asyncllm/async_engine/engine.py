@@ -61,7 +61,7 @@ class AsyncLLMEngine:
     config: EngineConfig | None
 
     def __init__(self, model: str, **engine_args: Any) -> None:
-        config = EngineConfig.from_kwargs(model, **engine_args)  # bad arguments raise here, before any thread
+        config = EngineConfig.from_kwargs(model, **engine_args).resolved(streaming=True)  # bad ones raise here
 
         def build() -> Built:
             from asyncllm.build import build_engine  # torch loads only now, in the step thread

@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 class Worker:
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint, parallel: TPGroup | None = None) -> None:
-        self.config = config
+        self.config = config.resolved(streaming=False)  # a no-op for an engine's config, which settled it
         self.checkpoint = checkpoint
         self.parallel = parallel
         self.device = resolve_device(config.device_config.device)
@@ -75,7 +75,9 @@ class Worker:
         """The largest step that is not decode-only to pad and plan statically (graphed on CUDA): also used
         eagerly with a backend that could be captured, so that `enforce_eager` computes the same numbers."""
         sched = self.config.scheduler_config
-        return min(self.config.device_config.cuda_graph_max_tokens, sched.max_num_batched_tokens)
+        graph_tokens = self.config.device_config.cuda_graph_max_tokens
+        assert graph_tokens is not None, "EngineConfig.resolved settled it"
+        return min(graph_tokens, sched.max_num_batched_tokens)
 
     def load_model(self) -> None:
         start = time.perf_counter()
