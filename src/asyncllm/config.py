@@ -145,8 +145,8 @@ class SchedulerConfig:
         None,
         "Prompt tokens one step may carry while requests also decode in it; a long step delays every stream's "
         "next token. None: the entry point's default, 2048 for AsyncLLMEngine and the server (even gaps "
-        "between tokens: on an H200 with 256 streams the p99 gap fell from 5.9x to 1.9x the median, TTFT and "
-        "throughput within noise; README: On a GPU), the whole step budget for LLM (offline throughput). A "
+        "between tokens: on an H200 with 256 streams the p99 gap fell from 5.9x to 1.9x the median, with an "
+        "earlier median first token; README: On a GPU), the whole step budget for LLM (offline throughput). A "
         "value >= max_num_batched_tokens turns the cap off.",
     )
     async_scheduling: bool = arg(
