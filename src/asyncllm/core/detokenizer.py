@@ -1,16 +1,20 @@
 """Incremental detokenization: constant work per token, correct across multi-byte characters.
 
-Built on `tokenizers.decoders.DecodeStream`, primed with the prompt's tail so the first output token is
-decoded in context (leading spaces, byte-fallback pieces). Emitted text only ever grows.
+Byte-level tokenizers decode through their pieces' bytes (`byte_level.ByteLevelPieces`, a table lookup and
+Python's incremental UTF-8 decoder); the others through `tokenizers.decoders.DecodeStream`, primed with the
+prompt's tail so the first output token is decoded in context (leading spaces, byte-fallback pieces).
+Emitted text only ever grows.
 """
 
 from __future__ import annotations
 
+import codecs
 from typing import Any
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
+from asyncllm.core.byte_level import ByteLevelPieces
 from asyncllm.errors import UnsupportedModelError
 
 _PROMPT_CONTEXT = 8  # prompt tokens primed into the stream; enough for any merge or byte sequence
@@ -39,15 +43,33 @@ def max_token_chars(tokenizer: Tokenizer) -> int:
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
+    """One request's output text, a token at a time. With `pieces` (a byte-level tokenizer's table, shared
+    by every request) it decodes the pieces' bytes incrementally; otherwise through `DecodeStream`."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: list[int],
+        skip_special_tokens: bool = True,
+        pieces: ByteLevelPieces | None = None,
+    ):
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
-        context = prompt_token_ids[-_PROMPT_CONTEXT:]
-        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
-        self._pending: list[int] = []  # tokens pushed since the stream last produced text
+        if pieces is not None and pieces.skip_special_tokens != skip_special_tokens:
+            raise ValueError(f"pieces skip special tokens={pieces.skip_special_tokens}, not {skip_special_tokens}")
+        self._pieces = pieces
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self._stream: DecodeStream | None = None
+        if pieces is None:  # byte-level text needs no context: the prompt's bytes never change the output's
+            context = prompt_token_ids[-_PROMPT_CONTEXT:]
+            self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+        self._pending: list[int] = []  # DecodeStream only: tokens pushed since it last produced text
 
     def push(self, token_id: int) -> str:
         """Decode one more token; returns the new text ("" while a multi-byte character is incomplete)."""
+        if self._stream is None:  # the decoder keeps a cut character's bytes until it completes
+            assert self._pieces is not None
+            return self._utf8.decode(self._pieces[token_id])
         text = self._stream.step(self._tokenizer, token_id)
         if text:
             self._pending.clear()
@@ -58,6 +80,8 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """Text of tokens still held for an incomplete character, as a full decode renders them (U+FFFD),
         so a finished request's text equals `tokenizer.decode` of its ids."""
+        if self._stream is None:  # the bytes of a cut character, even after text that came with them
+            return self._utf8.decode(b"", final=True)
         if not self._pending:
             return ""
         text = self._tokenizer.decode(self._pending, skip_special_tokens=self._skip_special)

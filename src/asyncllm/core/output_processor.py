@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from tokenizers import Tokenizer
 
+from asyncllm.core.byte_level import ByteLevelPieces
 from asyncllm.core.detokenizer import IncrementalDetokenizer
 from asyncllm.core.request import Request
 from asyncllm.outputs import FinishReason, RequestMetrics
@@ -47,12 +48,13 @@ class _TextState:
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer | None) -> None:
         self._tokenizer = tokenizer  # None: token ids only, no text (stop strings then unsupported)
+        self._pieces = ByteLevelPieces.of(tokenizer) if tokenizer is not None else None  # shared by requests
         self._states: dict[str, _TextState] = {}
 
     def add_request(self, request: Request) -> None:
         detok = None
         if self._tokenizer is not None:
-            detok = IncrementalDetokenizer(self._tokenizer, request.prompt_token_ids)
+            detok = IncrementalDetokenizer(self._tokenizer, request.prompt_token_ids, pieces=self._pieces)
         stops = request.params.stop_strings
         hold_back = max((len(s) for s in stops), default=1) - 1
         self._states[request.request_id] = _TextState(detok, hold_back)

@@ -84,9 +84,10 @@ class Scheduler:
         capped = prefill_budget < budget  # else no check per sequence: the common case costs nothing
         preempted = False
 
+        running, allocate, schedule_seq = self.running, self.block_manager.allocate, self._schedule  # hot loop
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
+        while i < len(running) and budget > 0:
+            request = running[i]
             if request.has_enough_tokens:
                 i += 1  # its last token is in flight: it finishes when that step's output is processed
                 continue
@@ -98,14 +99,14 @@ class Scheduler:
                     i += 1
                     continue
                 prefill_budget -= num_new
-            while not self.block_manager.allocate(request, num_new):
-                victim = self.running.pop()  # the most recently admitted
+            while not allocate(request, num_new):
+                victim = running.pop()  # the most recently admitted
                 self._preempt(victim, out)
                 preempted = True
                 if victim is request:
                     break
             else:
-                self._schedule(request, num_new, out)
+                schedule_seq(request, num_new, out)
                 budget -= num_new
                 i += 1
                 continue
@@ -172,9 +173,10 @@ class Scheduler:
                 )
             )
         end = start + num_new
-        inputs = request.all_token_ids[start:end]
-        if end > request.num_tokens:  # the last input is the token the in-flight step samples
-            assert end == request.num_tokens + 1 == request.num_planned_tokens, "one token in flight at most"
+        known = request.all_token_ids
+        inputs = known[start:end]
+        if end > len(known):  # the last input is the token the in-flight step samples
+            assert end == len(known) + 1 == request.num_planned_tokens, "one token in flight at most"
             inputs.append(PLACEHOLDER)
         sample = end == request.num_planned_tokens
         out.seqs.append(ScheduledSeq(request.request_id, inputs, start, list(request.block_ids), sample))
