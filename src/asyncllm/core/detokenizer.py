@@ -58,7 +58,7 @@ class IncrementalDetokenizer:
         if pieces is not None and pieces.skip_special_tokens != skip_special_tokens:
             raise ValueError(f"pieces skip special tokens={pieces.skip_special_tokens}, not {skip_special_tokens}")
         self._pieces = pieces
-        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self._held = b""  # byte-level only: the bytes of a character cut between tokens
         self._stream: DecodeStream | None = None
         if pieces is None:  # byte-level text needs no context: the prompt's bytes never change the output's
             context = prompt_token_ids[-_PROMPT_CONTEXT:]
@@ -67,9 +67,12 @@ class IncrementalDetokenizer:
 
     def push(self, token_id: int) -> str:
         """Decode one more token; returns the new text ("" while a multi-byte character is incomplete)."""
-        if self._stream is None:  # the decoder keeps a cut character's bytes until it completes
+        if self._stream is None:  # codecs' incremental decoder, minus its Python frame
             assert self._pieces is not None
-            return self._utf8.decode(self._pieces[token_id])
+            data = self._held + self._pieces[token_id] if self._held else self._pieces[token_id]
+            decoded, used = codecs.utf_8_decode(data, "replace", False)
+            self._held = data[used:]
+            return decoded
         text = self._stream.step(self._tokenizer, token_id)
         if text:
             self._pending.clear()
@@ -81,7 +84,9 @@ class IncrementalDetokenizer:
         """Text of tokens still held for an incomplete character, as a full decode renders them (U+FFFD),
         so a finished request's text equals `tokenizer.decode` of its ids."""
         if self._stream is None:  # the bytes of a cut character, even after text that came with them
-            return self._utf8.decode(b"", final=True)
+            text, _ = codecs.utf_8_decode(self._held, "replace", True)
+            self._held = b""
+            return text
         if not self._pending:
             return ""
         text = self._tokenizer.decode(self._pending, skip_special_tokens=self._skip_special)

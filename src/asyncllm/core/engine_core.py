@@ -145,11 +145,8 @@ class EngineCore:
         if scheduled.is_empty:
             return None
         # A decode extends past the prompt; a one-token prefill chunk (the recomputed last token after a
-        # full prefix hit) is still prefill. Counted now, while every request is live.
-        reqs = self.scheduler.requests
-        decode = sum(
-            1 for s in scheduled.seqs if s.num_tokens == 1 and s.start_pos >= reqs[s.request_id].num_prompt_tokens
-        )
+        # full prefix hit) is still prefill. The scheduler counted them as it planned.
+        decode = self.scheduler.num_decodes_planned
         try:
             result = self.executor.submit(scheduled)
         except BaseException:

@@ -40,7 +40,7 @@ class _TextState:
 
     def __init__(self, detok: IncrementalDetokenizer | None, hold_back: int) -> None:
         self.detok = detok
-        self.text = ""
+        self.text = ""  # with stop strings only: the text so far, searched for them
         self.emitted = 0  # characters of `text` already handed out
         self.hold_back = hold_back
 
@@ -71,6 +71,13 @@ class OutputProcessor:
         ):
             reason = "stop"
         new_text = state.detok.push(token_id) if state.detok is not None else ""
+        if not params.stop_strings:  # nothing to search or hold back: text goes out as it comes, unkept
+            text = new_text if reason is None else ""  # a stop token's own text is never emitted
+            if reason is None and n_out >= request.max_tokens:
+                reason = "length"
+            if reason is not None and state.detok is not None:
+                text += state.detok.flush()  # an incomplete character at the end renders as U+FFFD
+            return text, reason
         if reason is None and new_text:
             old_len = len(state.text)
             state.text += new_text
@@ -87,10 +94,6 @@ class OutputProcessor:
         out = state.text[state.emitted : end]
         state.emitted = end
         return out, reason
-
-    def text_of(self, request_id: str) -> str:
-        state = self._states.get(request_id)
-        return state.text if state is not None else ""
 
     def flush(self, request_id: str) -> str:
         """Release held-back text of a request ending for another reason (e.g. abort) and forget it."""

@@ -40,6 +40,7 @@ class Scheduler:
         self._sent_to_runner: set[str] = set()
         self._finished_since_last_step: list[str] = []
         self.num_preemptions = 0
+        self.num_decodes_planned = 0  # sequences of the step last planned that decode (for the step's counts)
 
     # ------------------------------------------------------------------ membership
     def add_request(self, request: Request, seed: int) -> None:
@@ -77,6 +78,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the step
     def schedule(self) -> SchedulerOutput:
+        self.num_decodes_planned = 0
         out = SchedulerOutput(finished_request_ids=self._finished_since_last_step)
         self._finished_since_last_step = []
         budget = self.limits.max_num_batched_tokens
@@ -173,6 +175,8 @@ class Scheduler:
                 )
             )
         end = start + num_new
+        if _is_decode(request, num_new):
+            self.num_decodes_planned += 1
         known = request.all_token_ids
         inputs = known[start:end]
         if end > len(known):  # the last input is the token the in-flight step samples
