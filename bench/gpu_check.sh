@@ -73,7 +73,8 @@ if has w2ab; then  # W1 and W2 (256 and 16 streams) under graph and scheduling v
 fi
 if has w12var; then  # W1 and W2-256 under each variant of W12_VARIANTS: ';'-separated bench flags, ~1.5 min each;
   # W1_FLAGS, W2_FLAGS: flags for w1_throughput.py or w2_stream.py alone (e.g. --host-timing, --lag-trace)
-  # Unset: one capped variant; set but empty: the defaults alone (a single space works the same).
+  # Unset: one capped variant; set but empty: the defaults alone (a single space works the same). Defaults
+  # differ by entry point: W1 (LLM) gives prompts the whole step, W2 (AsyncLLMEngine) caps them at 2048.
   spec=${W12_VARIANTS-"--engine-arg max_prefill_tokens_while_decoding=1024"}
   (cd bench && IFS=';' read -ra variants <<< "${spec:- }"
    for v in "${variants[@]}"; do

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from asyncllm.core.byte_level import BYTE_CHARS, ByteLevelPieces
 from asyncllm.core.detokenizer import IncrementalDetokenizer, backend_tokenizer
@@ -101,3 +101,21 @@ def test_a_cut_character_is_held_then_completed_or_replaced() -> None:
     detok = IncrementalDetokenizer(tok, [], pieces=ByteLevelPieces(tok))
     assert [detok.push(t) for t in ids[:2]] == ["", ""]
     assert detok.flush() == "\ufffd" == tok.decode(ids[:2])  # as a whole decode renders the cut
+
+
+def test_skipping_follows_the_decoder_for_normalized_and_aliased_added_tokens() -> None:
+    """`Tokenizer.decode` skips by the token's string (normalized, for added tokens that ask for it) against
+    the special contents it has seen, not by the ids' flags: the table asks it, so they never disagree."""
+    tok = backend_tokenizer(build_tokenizer(Path(tempfile.mkdtemp(prefix="asyncllm-tok-"))))
+    tok.normalizer = normalizers.Lowercase()
+    tok.add_special_tokens([AddedToken("<EOT>", normalized=True, special=True), AddedToken("<eos2>", special=True)])
+    tok.add_tokens([AddedToken("<EOS2>", special=False, normalized=True)])  # normalizes to a special content
+    tok.add_special_tokens(["<x>"])
+    tok.add_tokens([AddedToken("<x>", special=False)])  # once special, always skipped
+    pieces = ByteLevelPieces(tok)
+    for content in ("<EOT>", "<eos2>", "<EOS2>", "<x>"):
+        token_id = tok.token_to_id(content)
+        text = tok.decode([token_id])
+        assert pieces[token_id].decode("utf-8", "replace") == text, content
+        ids = [token_id, tok.token_to_id("<x>"), token_id]
+        assert _streamed(tok, ids, pieces) == tok.decode(ids)

@@ -36,8 +36,6 @@ class ByteLevelPieces:
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        added = tokenizer.get_added_tokens_decoder()
-        self._skipped = {i for i, t in added.items() if t.special} if skip_special_tokens else set()
         self._pieces: dict[int, bytes] = {}
 
     @classmethod
@@ -54,10 +52,14 @@ class ByteLevelPieces:
         return piece
 
     def _piece(self, token_id: int) -> bytes:
-        if token_id in self._skipped:
-            return b""
-        token = self._tokenizer.id_to_token(token_id)
+        tokenizer = self._tokenizer
+        token = tokenizer.id_to_token(token_id)
         if token is None:
+            return b""
+        # Whether a decode skips the token is Rust's to say: it matches the token's string, normalized for
+        # some added tokens, against the special contents it has seen (the ids' flags can disagree).
+        skipped = tokenizer.decode([token_id]) == "" != tokenizer.decode([token_id], skip_special_tokens=False)
+        if self.skip_special_tokens and skipped:
             return b""
         try:
             return bytes(_BYTE_OF_CHAR[c] for c in token)

@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 class Worker:
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint, parallel: TPGroup | None = None) -> None:
-        self.config = config.resolved(streaming=False)  # a no-op for an engine's config, which settled it
+        self.config = config = config.resolved(streaming=False)  # a no-op for an engine's config (settled)
         self.checkpoint = checkpoint
         self.parallel = parallel
         self.device = resolve_device(config.device_config.device)
