@@ -33,6 +33,7 @@ from asyncllm.executor.multiproc import MultiProcExecutor
 from asyncllm.executor.uniproc import UniProcExecutor
 from asyncllm.executor.worker_procs import WorkerDiedError
 from asyncllm.model_loader.checkpoint import open_checkpoint
+from tests.fixtures.shm import ring_segments
 from tests.fixtures.tiny_models import build_checkpoint
 
 # 16 blocks of 4 tokens for six prompts sharing a 13-token prefix, 8 tokens per step: chunked prefill,
@@ -63,20 +64,16 @@ def worker_processes(parent: int | None = None) -> set[int]:
     return found
 
 
-def ring_segments() -> set[str]:
-    return {name for name in os.listdir("/dev/shm") if name.startswith("asyncllm-ring-")}
-
-
 @pytest.fixture(autouse=True)
 def nothing_left_behind() -> Iterator[None]:
     """Every test ends with no worker process and no ring segment of its own."""
-    before = ring_segments()
+    before = ring_segments(os.getpid())
     yield
     deadline = time.monotonic() + 5
     while worker_processes() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert worker_processes() == set(), "a worker process outlived its engine"
-    assert ring_segments() - before == set(), "a ring segment outlived its engine"
+    assert ring_segments(os.getpid()) - before == set(), "a ring segment outlived its engine"
 
 
 def _prompts(seed: int = 1) -> list[list[int]]:
@@ -293,7 +290,6 @@ async def test_idle_engine_learns_of_a_dead_worker_at_once(tiny_checkpoints: dic
 def test_workers_exit_when_the_engine_process_is_killed(tiny_checkpoints: dict[str, Path]) -> None:
     """SIGKILL the process that owns a TP engine (a script with no `__main__` guard): its worker exits at once
     (it watches a pipe from it) and its ring segment is removed (the owner's resource tracker)."""
-    before = ring_segments()
     script = (
         "import time\nfrom asyncllm import LLM\n"
         f"llm = LLM({str(tiny_checkpoints['qwen3'])!r}, device='cpu', num_kv_blocks=64, tensor_parallel_size=2)\n"
@@ -303,18 +299,16 @@ def test_workers_exit_when_the_engine_process_is_killed(tiny_checkpoints: dict[s
     try:
         assert owner.stdout is not None and owner.stdout.readline().strip() == "ready"
         workers = worker_processes(owner.pid)
-        segments = ring_segments() - before
+        segments = ring_segments(owner.pid)
         assert len(workers) == 1 and len(segments) == 1
     finally:
         owner.kill()
         owner.wait()
     deadline = time.monotonic() + 5
-    while (
-        worker_processes(owner.pid) or _alive(workers) or ring_segments() & segments
-    ) and time.monotonic() < deadline:
+    while (worker_processes(owner.pid) or _alive(workers) or ring_segments(owner.pid)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(workers), "a worker outlived its engine's process"
-    assert not ring_segments() & segments, "the ring segment outlived its engine's process"
+    assert not ring_segments(owner.pid), "the ring segment outlived its engine's process"
 
 
 def _alive(pids: set[int]) -> bool:

@@ -8,6 +8,7 @@ readers, and raises on `timeout`. Knows nothing of what the messages mean.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 import uuid
@@ -26,6 +27,8 @@ from asyncllm.distributed.shm_ring import (
 )
 from asyncllm.distributed.shm_segment import U64, RingLayout, RingView, WriterSegment
 from asyncllm.distributed.shm_wakeup import Spinner, WakeSocket, reader_address, writer_address
+
+RING_PREFIX = "asyncllm-ring-"  # then the creating process's id and a random part: /dev/shm/<name>
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +63,9 @@ class ShmRingWriter:
                 f"run tensor-parallel workers on Linux"
             )
         layout = RingLayout(n_readers, n_slots, slot_bytes)
-        self.name = f"asyncllm-ring-{uuid.uuid4().hex[:16]}"  # unique: engines on one host never collide
+        # Unique (engines on one host never collide), and naming its creator: a segment a killed engine left
+        # in /dev/shm says whose it was, and one process's checks need not see another's rings.
+        self.name = f"{RING_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:16]}"
         self._segment: WriterSegment | None = WriterSegment(self.name, layout)
         self._ring = RingView(layout, self._segment.buf)
         try:
