@@ -1,36 +1,32 @@
 """Which Python functions the host spends a W1 run's steps in: cProfile over `LLM.generate` (the step loop
 runs in the calling thread), top functions by own time and by cumulative time.
 
-`--max-tokens N` caps every request's output, so a small N profiles the admission steps (each carries
+`--max-tokens-cap N` caps every request's output, so a small N profiles the admission steps (each carries
 8,192 prompt tokens at the defaults) with few decode steps after them. The device's own time does not show
 here except as time spent waiting (`result`/`synchronize` frames): read it against `--host-timing`.
 
-    python3 host_profile.py --max-tokens 2 --top 40
+    python3 host_profile.py --max-tokens-cap 2 --top 40
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
-import dataclasses
 import io
 import pstats
 
-from w1_throughput import add_w1_arguments, run_w1, w1_engine, w1_requests
+from w1_throughput import add_w1_arguments, cap_outputs, run_w1, w1_engine, w1_requests
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     add_w1_arguments(ap)
-    ap.add_argument("--max-tokens", type=int, default=0, help="cap each request's output (0: W1's own lengths)")
+    ap.add_argument("--max-tokens-cap", type=int, default=None, help="cap each request's output length")
     ap.add_argument("--top", type=int, default=40)
     args = ap.parse_args()
     llm = w1_engine(args)
     prompts, params = w1_requests(args.num_seqs)
-    if args.max_tokens > 0:
-        params = [
-            dataclasses.replace(p, max_tokens=min(p.max_tokens or args.max_tokens, args.max_tokens)) for p in params
-        ]
+    params = cap_outputs(params, args.max_tokens_cap)
     profile = cProfile.Profile()
     profile.enable()
     run = run_w1(llm, prompts, params)

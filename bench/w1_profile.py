@@ -24,7 +24,6 @@ Writes the profiler's key_averages table to $OUT/w1_profile_key_averages.txt whe
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import time
@@ -36,7 +35,7 @@ from gpu_timeline import DeviceInterval, categorize, gap_histogram, split_off, s
 from shapes import SHAPES, W1_LIMIT
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
-from w1_throughput import RunResult, add_w1_arguments, run_w1, w1_engine, w1_requests
+from w1_throughput import RunResult, add_w1_arguments, cap_outputs, run_w1, w1_engine, w1_requests
 
 TARGET_FRACTION = 0.8  # issue 9: 80 % of the limit
 # PERF.md: 88 % of the W1 bound for Qwen3-0.6B is reading KV, the rest reading weights.
@@ -84,8 +83,7 @@ def main() -> None:
     cuda = args.device == "cuda"
     llm = w1_engine(args)
     prompts, params = w1_requests(args.num_seqs)
-    if args.max_tokens_cap is not None:
-        params = [dataclasses.replace(p, max_tokens=min(p.max_tokens or 0, args.max_tokens_cap)) for p in params]
+    params = cap_outputs(params, args.max_tokens_cap)
     limit = W1_LIMIT.get(args.shape)
     head = {"workload": "W1", "shape": args.shape, "device": args.device}
     plain = run_w1(llm, prompts, params)

@@ -31,6 +31,13 @@ def w1_requests(num_seqs: int) -> tuple[list[list[int]], list[SamplingParams]]:
     return prompts, params
 
 
+def cap_outputs(params: list[SamplingParams], cap: int | None) -> list[SamplingParams]:
+    """`params` with every output length capped at `cap` (None: unchanged): smoke runs, admission profiles."""
+    if cap is None:
+        return params
+    return [dataclasses.replace(p, max_tokens=min(p.max_tokens or cap, cap)) for p in params]
+
+
 @dataclasses.dataclass(frozen=True)
 class RunResult:
     seconds: float

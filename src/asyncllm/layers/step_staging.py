@@ -70,11 +70,16 @@ class StagedRegion:
         self.offset = offset
         self.numel = numel
         self.dtype = dtype
-        self._views: PrefixViews | None = None  # made once the buffer exists
+        # Made at first use (the buffer is allocated then, once, and never replaced): a put per step and
+        # region must not build a numpy view each time.
+        self._host: np.ndarray | None = None
+        self._views: PrefixViews | None = None
 
     @property
     def host(self) -> np.ndarray:
-        return self._staging.host_view(self.offset, self.numel, self.dtype)
+        if self._host is None:
+            self._host = self._staging.host_view(self.offset, self.numel, self.dtype)
+        return self._host
 
     @property
     def dev(self) -> torch.Tensor:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from asyncllm.attention.backend import AttentionMetadata
-from asyncllm.executor.interface import PLACEHOLDER, SchedulerOutput
+from asyncllm.executor.interface import SchedulerOutput
 from asyncllm.layers.step_staging import PrefixViews, StepStaging
 
 
@@ -130,7 +130,7 @@ class InputBuffers:
         for i, seq in enumerate(scheduled.seqs):
             ids, start, blocks = seq.input_token_ids, seq.start_pos, seq.block_ids
             n = len(ids)
-            if ids[-1] == PLACEHOLDER:
+            if seq.takes_previous_token:
                 fill_rows.append(t + n - 1)
                 fill_owners.append(seq.request_id)
             if n == 1:  # a decode (or a one-token chunk): plain ints beat numpy at this size
