@@ -19,8 +19,8 @@ from pathlib import Path
 from asyncllm.core.detokenizer import backend_tokenizer
 from asyncllm.core.engine_core import EngineCore
 from asyncllm.core.input_processor import InputProcessor
-from asyncllm.executor.interface import ModelRunnerOutput, ReadyStep, RuntimeInfo, SchedulerOutput, StepResult
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.step import ModelRunnerOutput, ReadyStep, RuntimeInfo, SchedulerOutput, StepResult
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import find_qwen3_tokenizer

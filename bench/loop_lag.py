@@ -36,7 +36,7 @@ from tokenizers import Tokenizer  # noqa: E402
 
 from asyncllm import AsyncLLMEngine, SamplingParams  # noqa: E402
 from asyncllm.core.input_processor import InputProcessor  # noqa: E402
-from asyncllm.executor.interface import ModelRunnerOutput, ReadyStep, SchedulerOutput  # noqa: E402
+from asyncllm.step import ModelRunnerOutput, ReadyStep, SchedulerOutput  # noqa: E402
 from tests.fixtures.fake_core import fake_built  # noqa: E402
 
 QWEN3 = ROOT.parent / "shared" / "models" / "qwen3-tokenizer" / "tokenizer.json"

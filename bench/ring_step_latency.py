@@ -27,9 +27,9 @@ from typing import Any
 
 from asyncllm.distributed import RingClosedError, RingHandle, ShmRingReader, ShmRingWriter
 from asyncllm.distributed.shm_ring import DEFAULT_SPIN_S
-from asyncllm.executor.interface import PLACEHOLDER, NewRequestData, ScheduledSeq, SchedulerOutput
 from asyncllm.executor.step_codec import StepDecoder, StepEncoder
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.step import PLACEHOLDER, NewRequestData, ScheduledSeq, SchedulerOutput
 
 _STAMPS = struct.Struct("<QQ")
 _WARMUP = 200

@@ -3,8 +3,8 @@
 Layers, top to bottom (README's layout table): the public surface; the async layer; the composition root;
 the engine core; executors; the worker; sampling and model loading; models; attention; layers; kernels.
 A module imports its own layer or lower ones, plus the foundation modules every layer shares (errors,
-validation, config, outputs, sampling_params, chat templating and the plain-data executor interface), which import only
-each other. The core and the foundation never import torch (or numpy, triton, transformers), not even
+validation, config, outputs, sampling_params, chat templating and the step contract `asyncllm.step`), which
+import only each other. The core and the foundation never import torch (or numpy, triton, transformers), not even
 lazily; the public surface and the async layer do so only inside functions. No import cycle among
 module-level imports.
 """
@@ -40,7 +40,7 @@ FOUNDATION = {
     "asyncllm.config",
     "asyncllm.outputs",
     "asyncllm.sampling_params",
-    "asyncllm.executor.interface",
+    "asyncllm.step",  # the step contract between the core and the executors
 }
 HEAVY = ("torch", "numpy", "triton", "transformers")
 TORCH_FREE = ("asyncllm.core",)  # besides the foundation: never import HEAVY, not even inside a function

@@ -12,7 +12,7 @@ import importlib, pkgutil, sys
 import asyncllm, asyncllm.core, asyncllm.async_engine
 from asyncllm import AsyncLLMEngine, LLM, SamplingParams, StreamOutput, RequestOutput
 names = ["asyncllm.chat", "asyncllm.cli", "asyncllm.config", "asyncllm.default_model", "asyncllm.errors",
-         "asyncllm.executor.interface", "asyncllm.llm", "asyncllm.outputs", "asyncllm.sampling_params",
+         "asyncllm.step", "asyncllm.llm", "asyncllm.outputs", "asyncllm.sampling_params",
          "asyncllm.validation", "asyncllm.build"]
 for package in (asyncllm.core, asyncllm.async_engine):
     names += [m.name for m in pkgutil.walk_packages(package.__path__, package.__name__ + ".")]

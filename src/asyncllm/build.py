@@ -16,7 +16,7 @@ from asyncllm.config import EngineConfig
 from asyncllm.core.detokenizer import backend_tokenizer
 from asyncllm.core.engine_core import EngineCore
 from asyncllm.core.input_processor import InputProcessor
-from asyncllm.executor.interface import ModelExecutor, RuntimeInfo
+from asyncllm.step import ModelExecutor, RuntimeInfo
 
 
 @dataclass

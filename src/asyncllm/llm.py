@@ -12,9 +12,9 @@ from typing import Any
 from asyncllm.config import EngineConfig
 from asyncllm.core.output_processor import RequestDelta
 from asyncllm.errors import InvalidRequestError
-from asyncllm.executor.interface import RuntimeInfo
 from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.step import RuntimeInfo
 
 Prompt = str | list[int]
 

@@ -14,8 +14,8 @@ from asyncllm.core.detokenizer import backend_tokenizer
 from asyncllm.core.engine_core import EngineCore
 from asyncllm.core.input_processor import InputProcessor
 from asyncllm.core.output_processor import RequestDelta
-from asyncllm.executor.interface import PLACEHOLDER
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.step import PLACEHOLDER
 from tests.core.invariants import check_block_invariants
 from tests.fixtures.fake_executor import FakeExecutor, hash_next_token, make_engine_core, make_runtime
 from tests.fixtures.tiny_models import build_tokenizer

@@ -28,11 +28,11 @@ import torch
 from asyncllm import LLM, AsyncLLMEngine, EngineDeadError, SamplingParams
 from asyncllm.config import EngineConfig
 from asyncllm.errors import InvalidConfigError
-from asyncllm.executor.interface import PLACEHOLDER, ModelExecutor, NewRequestData, ScheduledSeq, SchedulerOutput
 from asyncllm.executor.multiproc import MultiProcExecutor
 from asyncllm.executor.uniproc import UniProcExecutor
 from asyncllm.executor.worker_procs import WorkerDiedError
 from asyncllm.model_loader.checkpoint import open_checkpoint
+from asyncllm.step import PLACEHOLDER, ModelExecutor, NewRequestData, ScheduledSeq, SchedulerOutput
 from tests.fixtures.shm import ring_segments
 from tests.fixtures.tiny_models import build_checkpoint
 

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from asyncllm.executor.interface import PLACEHOLDER, NewRequestData, ScheduledSeq, SchedulerOutput
 from asyncllm.executor.step_codec import StepCodecError, StepDecoder, StepEncoder
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.step import PLACEHOLDER, NewRequestData, ScheduledSeq, SchedulerOutput
 
 _PARAMS = [
     SamplingParams(temperature=0.0),

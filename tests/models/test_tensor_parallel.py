@@ -13,12 +13,12 @@ import torch
 
 from asyncllm.config import EngineConfig
 from asyncllm.errors import InvalidConfigError
-from asyncllm.executor.interface import ModelRunnerOutput, NewRequestData, ScheduledSeq, SchedulerOutput
 from asyncllm.model_loader.checkpoint import open_checkpoint
 from asyncllm.model_loader.safetensors import iter_safetensors
 from asyncllm.models.config import ModelArchConfig
 from asyncllm.models.tensor_parallel import check_tensor_parallel, weight_shard
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.step import ModelRunnerOutput, NewRequestData, ScheduledSeq, SchedulerOutput
 from asyncllm.worker.worker import Worker
 from tests.fixtures.thread_group import ThreadGroup, run_ranks
 from tests.fixtures.tiny_gguf import build_hf_model, write_gguf

@@ -7,7 +7,7 @@ import itertools
 
 import torch
 
-from asyncllm.executor.interface import ScheduledSeq, SchedulerOutput
+from asyncllm.step import ScheduledSeq, SchedulerOutput
 from asyncllm.worker.cuda_graph import capture_sizes, is_decode_only, token_capture_sizes
 from asyncllm.worker.input_batch import InputBuffers
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 
 from asyncllm.config import EngineConfig
-from asyncllm.executor.interface import PLACEHOLDER, NewRequestData, ScheduledSeq, SchedulerOutput
 from asyncllm.model_loader.checkpoint import open_checkpoint
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.step import PLACEHOLDER, NewRequestData, ScheduledSeq, SchedulerOutput
 from asyncllm.worker.worker import Worker
 
 

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from asyncllm.core.engine_core import EngineCore
     from asyncllm.core.input_processor import InputProcessor
     from asyncllm.core.request import Request
-    from asyncllm.executor.interface import RuntimeInfo
+    from asyncllm.step import RuntimeInfo
 
 logger = logging.getLogger(__name__)
 

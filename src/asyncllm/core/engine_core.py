@@ -20,8 +20,8 @@ from asyncllm.core.block_manager import BlockManager
 from asyncllm.core.output_processor import OutputProcessor, RequestDelta, request_metrics
 from asyncllm.core.request import Request
 from asyncllm.core.scheduler import Scheduler, SchedulerLimits
-from asyncllm.executor.interface import ModelExecutor, SchedulerOutput, StepResult
 from asyncllm.outputs import FinishReason
+from asyncllm.step import ModelExecutor, SchedulerOutput, StepResult
 
 
 @dataclass(frozen=True)

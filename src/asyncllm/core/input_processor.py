@@ -13,8 +13,8 @@ from typing import Any
 
 from asyncllm.core.request import Request
 from asyncllm.errors import InvalidRequestError
-from asyncllm.executor.interface import RuntimeInfo
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.step import RuntimeInfo
 
 Encode = Callable[[str], list[int]]
 EncodeBatch = Callable[[list[str]], list[list[int]]]

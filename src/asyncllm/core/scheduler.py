@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from asyncllm.core.block_manager import BlockManager
 from asyncllm.core.request import Request, RequestStatus
 from asyncllm.errors import InvalidRequestError
-from asyncllm.executor.interface import PLACEHOLDER, NewRequestData, ScheduledSeq, SchedulerOutput
 from asyncllm.outputs import FinishReason
+from asyncllm.step import PLACEHOLDER, NewRequestData, ScheduledSeq, SchedulerOutput
 
 
 @dataclass(frozen=True)

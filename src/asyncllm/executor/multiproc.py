@@ -23,13 +23,13 @@ from asyncllm.distributed.shm_ring import RingTimeoutError
 from asyncllm.distributed.shm_writer import ShmRingWriter
 from asyncllm.distributed.symm_all_reduce import buffer_bytes
 from asyncllm.errors import InvalidConfigError
-from asyncllm.executor.interface import ModelRunnerOutput, RuntimeInfo, SchedulerOutput, StepResult
 from asyncllm.executor.step_codec import StepEncoder
 from asyncllm.executor.worker_main import ATTACHED, READY, WorkerSpec, set_up
 from asyncllm.executor.worker_procs import WorkerProcesses
 from asyncllm.model_loader.base import Checkpoint
 from asyncllm.models.config import ModelArchConfig
 from asyncllm.models.tensor_parallel import check_tensor_parallel
+from asyncllm.step import ModelRunnerOutput, RuntimeInfo, SchedulerOutput, StepResult
 from asyncllm.worker.device import resolve_device, resolve_dtype
 from asyncllm.worker.worker import Worker
 

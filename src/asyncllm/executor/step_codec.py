@@ -19,7 +19,7 @@ import pickle
 import struct
 from array import array
 
-from asyncllm.executor.interface import NewRequestData, ScheduledSeq, SchedulerOutput
+from asyncllm.step import NewRequestData, ScheduledSeq, SchedulerOutput
 
 MAGIC = b"ATP1"
 _HEADER = struct.Struct("<4s7I")

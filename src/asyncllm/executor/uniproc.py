@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from asyncllm.config import EngineConfig
-from asyncllm.executor.interface import RuntimeInfo, SchedulerOutput, StepResult
 from asyncllm.model_loader.base import Checkpoint
+from asyncllm.step import RuntimeInfo, SchedulerOutput, StepResult
 from asyncllm.worker.worker import Worker
 
 

@@ -24,8 +24,8 @@ import torch
 from asyncllm.config import EngineConfig
 from asyncllm.distributed.parallel_state import ParallelContext, Rendezvous
 from asyncllm.distributed.shm_ring import RingClosedError, RingHandle
-from asyncllm.executor.interface import RuntimeInfo
 from asyncllm.executor.step_codec import StepDecoder
+from asyncllm.step import RuntimeInfo
 from asyncllm.worker.worker import Worker
 
 # Status messages a worker sends its parent, in this order (FAILED instead, at any point).

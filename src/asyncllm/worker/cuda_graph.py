@@ -19,7 +19,7 @@ from torch import nn
 
 from asyncllm.attention.backend import AttentionBackend
 from asyncllm.attention.layer import KVCache
-from asyncllm.executor.interface import ScheduledSeq, SchedulerOutput
+from asyncllm.step import ScheduledSeq, SchedulerOutput
 from asyncllm.worker.input_batch import InputBuffers
 from asyncllm.worker.kv_cache import KVCacheSpec, allocate_kv_cache
 

@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from asyncllm.attention.backend import AttentionMetadata
-from asyncllm.executor.interface import SchedulerOutput
 from asyncllm.layers.step_staging import PrefixViews, StepStaging
+from asyncllm.step import SchedulerOutput
 
 
 @dataclass

@@ -23,9 +23,9 @@ from torch import nn
 
 from asyncllm.attention.backend import AttentionBackend
 from asyncllm.attention.layer import KVCache
-from asyncllm.executor.interface import ModelRunnerOutput, ReadyStep, SchedulerOutput, StepResult
 from asyncllm.sample.sampler import DrawInputs, Sampler
 from asyncllm.sample.state import SamplingState
+from asyncllm.step import ModelRunnerOutput, ReadyStep, SchedulerOutput, StepResult
 from asyncllm.worker.cuda_graph import CudaGraphRunner, capture_sizes, is_decode_only, token_capture_sizes
 from asyncllm.worker.input_batch import InputBuffers, ModelInputs
 from asyncllm.worker.latest_tokens import LatestTokens

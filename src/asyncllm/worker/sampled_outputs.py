@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from asyncllm.executor.interface import ModelRunnerOutput, ReadyStep, StepResult
 from asyncllm.layers.step_staging import PrefixViews
 from asyncllm.sample.logprobs import LogprobsOutput
+from asyncllm.step import ModelRunnerOutput, ReadyStep, StepResult
 
 
 class SampledOutputs:

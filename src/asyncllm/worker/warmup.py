@@ -12,9 +12,9 @@ import time
 
 import torch
 
-from asyncllm.executor.interface import PLACEHOLDER, NewRequestData, ScheduledSeq, SchedulerOutput
 from asyncllm.sample.sampler import load_draw
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.step import PLACEHOLDER, NewRequestData, ScheduledSeq, SchedulerOutput
 from asyncllm.worker.model_runner import ModelRunner
 
 _GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)

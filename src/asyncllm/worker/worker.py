@@ -17,13 +17,13 @@ import torch
 
 from asyncllm.attention.registry import make_attention_backend
 from asyncllm.config import EngineConfig
-from asyncllm.executor.interface import RuntimeInfo, SchedulerOutput, StepResult
 from asyncllm.layers.fusion import use_fused_kernels
 from asyncllm.layers.parallel import TPGroup
 from asyncllm.model_loader.base import Checkpoint
 from asyncllm.model_loader.loader import load_model
 from asyncllm.models.config import ModelArchConfig
 from asyncllm.models.tensor_parallel import shard_arch
+from asyncllm.step import RuntimeInfo, SchedulerOutput, StepResult
 from asyncllm.worker.cuda_graph import CudaGraphRunner, measure_graph_memory
 from asyncllm.worker.device import resolve_device, resolve_dtype
 from asyncllm.worker.gemm_layout import tune_weight_layouts

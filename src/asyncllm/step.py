@@ -1,11 +1,14 @@
-"""The contract between the engine core and whatever executes the model: plain data and one protocol.
+"""The step contract between the engine core and whatever executes the model: plain data and one protocol.
 
-The core schedules a `SchedulerOutput`, an executor (in-process now, tensor-parallel workers later) starts
-it with `submit` and hands back a `StepResult` whose `result()` is the `ModelRunnerOutput`; `RuntimeInfo`
-carries the facts the executor learned when it loaded the model and sized the KV cache. Steps run in the
-order submitted, so a step may be planned while the previous one runs: a token that previous step will
-sample is named by `PLACEHOLDER` and the executor feeds it in from that step's output. Plain Python, no
-torch: this is what may cross a process boundary.
+The core schedules a `SchedulerOutput`; an executor (in-process, tensor-parallel worker processes, or a test
+double) starts it with `submit` and hands back a `StepResult` whose `result()` is the `ModelRunnerOutput`;
+`RuntimeInfo` carries the facts the executor learned when it loaded the model and sized the KV cache. Steps
+run in the order submitted, so a step may be planned while the previous one runs: a token that previous step
+will sample is named by `PLACEHOLDER` and the executor feeds it in from that step's output.
+
+Sits below both sides (the core above, the executors and workers below) and imports only the foundation:
+plain Python, no torch, so it is also what may cross a process boundary. A new per-step field (a sampling
+parameter's data, a grammar's mask row) is declared here first.
 """
 
 from __future__ import annotations
