@@ -3,7 +3,7 @@
 # side-by-side with nano-vllm (../shared/peers, copied to .peers and carried); ends with a short table.
 # Usage (device machine, repo root): bash bench/gpu_check.sh [STEPS]   STEPS: comma list of
 #   tests, kernels, startup, compare (default: all four); COMPARE_STEPS overrides compare.sh's steps;
-#   also enginetests, quicktests, attntests, w12var, w2var, sampling, ab (W1 of AB_BASE against this tree), decodesweep, w1big, gemm, pa, w2ab (W1/W2 under graph and scheduling variants), w1prof (W1 plain + under
+#   also abpeers (W1+W5 of AB_BASE against this tree, then nano-vllm), enginetests, quicktests, attntests, w12var, w2var, sampling, ab (W1 of AB_BASE against this tree), decodesweep, w1big, gemm, pa, w2ab (W1/W2 under graph and scheduling variants), w1prof (W1 plain + under
 #   torch.profiler, ~2 min), w4 (long-context prefill and decode, 16K/32K, two token budgets, ~1 min), and
 #   on two GPUs tptests, tpbench (tensor parallelism).
 # Set-up here first: rm -rf .peers && cp -r ../shared/peers .peers && cp -r ../shared/models/qwen3-tokenizer .peers/
@@ -102,6 +102,19 @@ if has ab; then  # W1 (or AB_BENCH, e.g. w2_stream.py) of a base tree (AB_BASE: 
    done; done
   ) | tee "$OUT/ab.log"
   while read -r line; do rows+=("ab: $line"); done < <(grep '{' "$OUT/ab.log" | cut -c1-200)
+fi
+if has abpeers; then  # W1 and W5 through the peers' w1_w5.py (same checkpoint as compare.sh) for a base tree
+  # (AB_BASE, carried; bench/ab_base.sh REV makes it) and this one, alternating AB_ROUNDS times, then nano-vllm once
+  base=${AB_BASE:-.ab/base}; ck=/tmp/peers-q0.6b
+  [ -d $ck ] || python3 .peers/make_model.py 0.6b $ck .peers/qwen3-tokenizer >/dev/null 2>&1
+  ov=$(echo "$PYTHONPATH" | cut -d: -f1)
+  for i in $(seq "${AB_ROUNDS:-2}"); do for tree in base new; do
+    if [ $tree = base ]; then pp="$PWD/$base"; else pp=$ov; fi
+    PYTHONPATH=$pp timeout 240 python3 .peers/w1_w5.py asyncllm $ck 2>&1 | grep -E "RESULT|Error" | sed "s/^/$tree /"
+  done; done | tee "$OUT/abpeers.log"
+  [ -n "${AB_NV:-1}" ] && PYTHONPATH=$PWD/.peers timeout 300 python3 .peers/w1_w5.py nanovllm $ck 2>&1 \
+    | grep -E "RESULT|Error" | sed "s/^/nano-vllm /" | tee -a "$OUT/abpeers.log"
+  while read -r line; do rows+=("abpeers: $line"); done < <(grep RESULT "$OUT/abpeers.log")
 fi
 if has w1big; then  # W1 on the Qwen3-8B shape (limit 13,000 tok/s)
   (cd bench && timeout 150 python3 w1_throughput.py --shape qwen3-8b 2>&1 | grep -E '^\{|Error' | tail -1) | tee "$OUT/w1big.log"
