@@ -44,7 +44,7 @@ def reader_main(handle: RingHandle, spin_s: float, results: Any) -> None:
 
 
 def pause(gap_ns: int) -> None:
-    """Busy-wait short gaps (a sleep overshoots by ~50 us); sleep long ones."""
+    """Busy-wait short gaps, which a sleep would overshoot; sleep long ones."""
     if gap_ns >= 500_000:
         time.sleep(gap_ns / 1e9)
         return

@@ -1,6 +1,6 @@
 """Count the Triton kernels compiled (or loaded from Triton's disk cache) while a block runs: after the
-engine's warm-up, a serving step should compile nothing; one that does stalls every stream for a compile
-(hundreds of ms) or a cache load. Uses triton.knobs' post-compile hook (Triton >= 3.4)."""
+engine's warm-up, a serving step should compile nothing; one that does stalls every stream for a whole compile
+(bench/RESULTS.md, runs 3 and 6) or a cache load. Uses triton.knobs' post-compile hook (Triton >= 3.4)."""
 
 from __future__ import annotations
 

@@ -5,16 +5,16 @@ CUDA activities: CUPTI reports the kernels inside CUDA-graph replays) and prints
 wall, GPU busy time (union of device intervals) and its fraction of the wall, kernel time by category, the
 engine's steps, the idle gaps on the GPU, and the gap to the limit split into terms.
 
-Why the whole run is profiled, not a window: W1 takes ~6 s on an H200 (~1,100 steps x ~300 kernels, about
-350K device events, which torch parses in under a minute), and its three phases (prompt-heavy start, full
-batch, draining tail) only keep their true proportions over the whole run. Kineto stops recording GPU
-activity past ~128 MB of CUPTI records (roughly 500K kernels); should that cut the trace short, the
-"trace_covers_wall_fraction" field says so and every figure but the wall fractions describes the traced
-prefix (the "_of_span" fraction is then the one to read). The profiled pass repeats
-the same lengths with each prompt's first token changed, so the prefix cache (which holds every block of
-the plain pass) hits nothing: the same work as the plain pass, not a cached replay. The profiler slows the
-host a little, so the plain pass's wall is the one compared with the limit, and its GPU idle time is
-estimated as that wall minus the profiled busy time (kernel durations do not depend on the host).
+Why the whole run is profiled, not a window: a whole W1 run's device events fit in what Kineto records and
+torch parses (their count: bench/RESULTS.md, run 6), and its three phases (prompt-heavy start, full batch,
+draining tail) only keep their true proportions over the whole run. Kineto stops recording GPU activity past
+~128 MB of CUPTI records (roughly 500K kernels); should that cut the trace short, the
+"trace_covers_wall_fraction" field says so and every figure but the wall fractions describes the traced prefix
+(the "_of_span" fraction is then the one to read). The profiled pass repeats the same lengths with each
+prompt's first token changed, so the prefix cache (which holds every block of the plain pass) hits nothing:
+the same work as the plain pass, not a cached replay. The profiler slows the host a little, so the plain
+pass's wall is the one compared with the limit, and its GPU idle time is estimated as that wall minus the
+profiled busy time (kernel durations do not depend on the host).
 
 Usage (device machine, from bench/): python3 w1_profile.py [--shape qwen3-0.6b]
 CPU smoke: python bench/w1_profile.py --shape qwen3-tiny --device cpu --num-seqs 4 --max-tokens-cap 16

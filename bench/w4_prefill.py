@@ -5,11 +5,11 @@ the first (median). Runs twice: with the default token budget per step (max_num_
 32K prompt is prefilled in 4 chunks) and with a budget of the longest prompt (one chunk), to show what
 chunking costs. Prints one JSON line per (budget, prompt length), then one comparing the two budgets.
 
-Limits on one H200 (compute-bound prefill at 790 TFLOP/s dense bf16; decode reads at 4.25 TB/s):
+Limits on one H200 (compute-bound prefill at `H200_BF16_FLOPS`; decode reads at `H200_COPY_BYTES_PER_S`):
   prefill FLOPs per token = 2 x (linear-layer parameters, LM head excluded: it runs for the last token only)
                             + 4 x layers x q_heads x head_dim x L / 2   (QK^T and PV, causal: L/2 keys on average)
-  Qwen3-0.6B: 2 x 440.4M = 0.881 GFLOP + 229,376 x L / 2  ->  L = 32K: 4.64 GFLOP, 170 K tok/s (PERF.md's
-  figure); L = 16K: 2.76 GFLOP, 286 K tok/s.
+  Qwen3-0.6B: 2 x 440.4M = 0.881 GFLOP + 229,376 x L / 2  ->  L = 32K: 4.64 GFLOP, L = 16K: 2.76 GFLOP
+  (the limits in tok/s these give: bench/RESULTS.md, run 6).
   decode bytes per token = all weights (2 bytes each) + the KV read (L + 128 tokens on average) x KV bytes/token.
 
 Usage (device machine, from bench/): python3 w4_prefill.py [--shape qwen3-0.6b] [--profile]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.fixtures.tiny_models import FAMILIES, build_checkpoint
 from tests.fixtures.triton_kernels import use_interpreter_without_cuda
@@ -36,3 +38,16 @@ def family(request: pytest.FixtureRequest) -> str:
 def tiny_model(tiny_checkpoints: dict[str, Path]) -> Path:
     """The default tiny model (Qwen3 family) for engine and async tests."""
     return tiny_checkpoints["qwen3"]
+
+
+@pytest.fixture
+def exact_fp32() -> Iterator[None]:
+    """float32 matmuls on CUDA in full IEEE precision (no TF32) for one test, the process's setting restored
+    after it: tests that compare float32 runs token for token need both sides rounded the same way. Use it
+    explicitly (`@pytest.mark.usefixtures("exact_fp32")`); no test flips the switch for the whole session."""
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous

@@ -4,8 +4,8 @@ T = 1, 8, 64, 256, 2048 tokens. The kernel is checked against the eager referenc
 
 One JSON line per (kernel, model, T): GPU time of each variant in microseconds (median over samples of a batch
 of back-to-back calls queued behind a GPU sleep, so host launch overhead is hidden: CUDA-graph conditions),
-the bytes the fused op must move (read + written), the Triton kernel's bandwidth as a share of the measured
-4.25 TB/s copy bandwidth (../shared/PERF.md), and the winner. Inputs that fit in L2 are flagged: their
+the bytes the fused op must move (read + written), the Triton kernel's bandwidth as a share of the H200's copy
+bandwidth (`COPY_TB_S`, from ../shared/PERF.md), and the winner. Inputs that fit in L2 are flagged: their
 bandwidth can exceed HBM's. The qk reference filters padding slots with a boolean index (a host sync).
 Run on the device machine from the repo root: python3 bench/kernels/bench_fused.py
 (one to two minutes, mostly torch.compile; --no-compile, --kernels, --models, --tokens for quicker runs)

@@ -3,7 +3,8 @@ which call shape serves them best. Qwen3-0.6B projections (qkv 1024->4096, o 204
 1024->6144, down 3072->1024, lm_head 1024->151936), bf16, M = 1..256 rows: F.linear on the [out, in] weight
 (what the model does), matmul on a pre-transposed [in, out] copy, and torch.mv for M = 1. GPU time per call
 from CUDA events over replays of a CUDA graph of 20 calls (graph replay is how decode runs), and the
-weight-read bandwidth against 4.25 TB/s. Prints one JSON line per (layer, M)."""
+weight-read bandwidth against the copy bandwidth (`COPY_TB_S`, ../shared/PERF.md). Prints one JSON line per
+(layer, M)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Micro-benchmark of the paged Triton attention kernels (kernels/paged_attention.py), Qwen3-0.6B heads
 (16 query / 8 KV heads, head_dim 128), bfloat16, shuffled blocks of 16. Prints one JSON line per result.
 
-decode: batch 256 x context 1,024; limit: reading the KV once at the measured 4.25 TB/s copy bandwidth
-(../shared/PERF.md target: >= 80 %). A few launch configurations side by side, and the torch reference.
+decode: batch 256 x context 1,024; limit: reading the KV once at the H200's copy bandwidth (`COPY_TB_S`;
+../shared/PERF.md target: >= 80 %). A few launch configurations side by side, and the torch reference.
 prefill: causal, equal-length sequences; against torch's scaled_dot_product_attention on dense [B, H, L, D]
 (its flash path), and torch.nn.attention.varlen where this torch has it (target: >= 0.9x).
 Run on the device machine from the repo root: python3 bench/kernels/bench_paged_attention.py

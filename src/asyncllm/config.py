@@ -20,12 +20,16 @@ from asyncllm.validation import check_bool, check_enum, check_float, check_int, 
 
 
 class Device(str, enum.Enum):
+    """Where the model executes (`DeviceConfig.device`)."""
+
     AUTO = "auto"
     CUDA = "cuda"
     CPU = "cpu"
 
 
 class DType(str, enum.Enum):
+    """The precision of weights, activations and KV cache (`ModelConfig.dtype`)."""
+
     AUTO = "auto"
     BFLOAT16 = "bfloat16"
     FLOAT16 = "float16"
@@ -33,20 +37,24 @@ class DType(str, enum.Enum):
 
 
 class LoadFormat(str, enum.Enum):
+    """Where the weights come from (`ModelConfig.load_format`)."""
+
     AUTO = "auto"  # read the checkpoint's weights
     DUMMY = "dummy"  # random weights of the checkpoint's shape (benchmarks; needs config.json only)
 
 
 class AttentionBackendName(str, enum.Enum):
+    """Which attention implementation runs the model (`DeviceConfig.attention_backend`)."""
+
     AUTO = "auto"  # the fastest available for the device
     TORCH = "torch"  # the pure-PyTorch reference every kernel is checked against
-    TRITON = "triton"
-    FLASH = "flash"
+    TRITON = "triton"  # the paged Triton kernels (CUDA; on CPU only in Triton's interpreter)
+    FLASH = "flash"  # reserved for flash-attn: accepted here, refused when the engine starts (not built yet)
 
 
-# Entry-point defaults (`EngineConfig.resolved`). 2048 prompt tokens beside a full decode batch keeps a
-# step under ~2x a decode step on an H200 (bench/RESULTS.md, run 28); 2048 tokens of graphs cover it alone.
-STREAMING_PREFILL_CAP = 2048
+# Entry-point defaults (`EngineConfig.resolved`): the prompt tokens a streaming step may carry beside its
+# decodes, and the largest step carrying prompts that replays a graph (a capped step's prompt tokens fit it).
+STREAMING_PREFILL_CAP = 2048  # W2's p99 token gap 1.9x the median, 5.9x uncapped (bench/RESULTS.md, run 28)
 DEFAULT_GRAPH_TOKENS = 2048
 
 
@@ -145,9 +153,8 @@ class SchedulerConfig:
         None,
         "Prompt tokens one step may carry while requests also decode in it; a long step delays every stream's "
         "next token. None: the entry point's default, 2048 for AsyncLLMEngine and the server (even gaps "
-        "between tokens: on an H200 with 256 streams the p99 gap fell from 5.9x to 1.9x the median, with an "
-        "earlier median first token; README: On a GPU), the whole step budget for LLM (offline throughput). A "
-        "value >= max_num_batched_tokens turns the cap off.",
+        "between tokens while prompts arrive; README: On a GPU), the whole step budget for LLM (offline "
+        "throughput). A value >= max_num_batched_tokens turns the cap off.",
     )
     async_scheduling: bool = arg(
         True,

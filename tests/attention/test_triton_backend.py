@@ -154,10 +154,10 @@ def test_engine_greedy_equals_torch_backend_in_interpreter(kernels, tiny_model: 
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.usefixtures("exact_fp32")
 @pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama", "llama3", "mistral"])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_engine_greedy_equals_torch_backend_on_cuda(kernels, tiny_checkpoints, family: str, block_size: int) -> None:
-    torch.backends.cuda.matmul.allow_tf32 = False
     args = dict(block_size=block_size, num_kv_blocks=128, max_num_batched_tokens=32)
     path = tiny_checkpoints[family]
     assert _greedy(path, "triton", "cuda", **args) == _greedy(path, "torch", "cuda", **args)

@@ -40,9 +40,9 @@ def _workload(vocab: int) -> tuple[list[list[int]], list[SamplingParams]]:
     ids=["roomy", "preempting"],
 )
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.usefixtures("exact_fp32")
 def test_graphs_equal_eager(tiny_checkpoints, engine_args: dict, dtype: str) -> None:
     path = str(tiny_checkpoints["qwen3"])
-    torch.backends.cuda.matmul.allow_tf32 = False
     common = dict(device="cuda", dtype=dtype, block_size=4, max_num_seqs=40, **engine_args)
     graphs = LLM(path, **common)
     eager = LLM(path, enforce_eager=True, **common)
@@ -61,11 +61,11 @@ def test_graphs_equal_eager(tiny_checkpoints, engine_args: dict, dtype: str) -> 
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
 
 
+@pytest.mark.usefixtures("exact_fp32")
 def test_graphed_mixed_steps_equal_unpadded_steps(tiny_checkpoints) -> None:
     """float32: steps carrying prompt chunks, padded to a token count and replayed from its graph, give the
     tokens of the same steps run unpadded and planned per step (cuda_graph_max_tokens=0)."""
     path = str(tiny_checkpoints["qwen3"])
-    torch.backends.cuda.matmul.allow_tf32 = False
     common = dict(device="cuda", dtype="float32", block_size=4, max_num_seqs=40, num_kv_blocks=512)
     graphed = LLM(path, max_num_batched_tokens=96, **common)
     plain = LLM(path, max_num_batched_tokens=96, cuda_graph_max_tokens=0, **common)

@@ -91,9 +91,9 @@ def test_bf16_logits_and_greedy_prefix(family: str, tiny_checkpoints) -> None:
         dict(block_size=4, num_kv_blocks=20, max_num_batched_tokens=16),  # chunked prefill + preemption
     ],
 )
+@pytest.mark.usefixtures("exact_fp32")
 def test_fp32_greedy_exact_on_cuda(engine_args, tiny_checkpoints) -> None:
     path = tiny_checkpoints["qwen3"]
-    torch.backends.cuda.matmul.allow_tf32 = False
     llm = LLM(str(path), device="cuda", dtype="float32", **engine_args)
     hf = _hf(path, torch.float32)
     prompts = _prompts(llm.runtime.vocab_size)

@@ -90,12 +90,12 @@ def _untimed(stats: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("engine_args", FP32_VARIANTS)
+@pytest.mark.usefixtures("exact_fp32")
 def test_fp32_tp2_equals_tp1(engine_args: dict[str, Any], tiny_checkpoints) -> None:
     """float32 on CUDA: TP=2 gives TP=1's greedy tokens, plain and chunked + preempted, and the same stats
     but the step count: with overlapped scheduling that depends on timing (a step found finished when the
     next is planned completes at once; otherwise the next is planned speculatively)."""
     path = str(tiny_checkpoints["qwen3"])
-    torch.backends.cuda.matmul.allow_tf32 = False
     tp1 = LLM(path, device="cuda", dtype="float32", **engine_args)
     prompts = _prompts(tp1.runtime.vocab_size)
     want, want_stats = _greedy(tp1, prompts, 10), _untimed(tp1.stats())

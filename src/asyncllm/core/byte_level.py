@@ -4,8 +4,8 @@ a bare `ByteLevel` (GPT-2's scheme: Qwen2/3, Llama 3, SmolLM2 and most recent mo
 Such a decoder is concatenative: the text of ids is the UTF-8 decoding, errors replaced, of their pieces'
 bytes joined. So a stream of tokens decodes with a table lookup and Python's incremental UTF-8 decoder, which
 replaces invalid bytes exactly as `tokenizers` does (both substitute one U+FFFD per maximal invalid subpart;
-tests/core/test_byte_level.py compares them). That costs 0.49 us a token against 1.26 for `DecodeStream.step`
-(dev CPU), and the step thread decodes every sequence's token every step. Tokenizers with any other decoder
+tests/core/test_byte_level.py compares them). That is cheaper per token than `DecodeStream.step` (bench/RESULTS.md,
+host_step), and the step thread decodes every sequence's token every step. Tokenizers with any other decoder
 (SentencePiece's metaspace, byte fallback) keep `DecodeStream`.
 """
 
