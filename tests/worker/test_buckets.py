@@ -1,5 +1,6 @@
-"""The host side of CUDA-graph replay, on CPU: which sizes are captured, which steps replay and at what
-padded size, and what padded rows hold (no KV write, one key, positions in range)."""
+"""The host side of CUDA-graph replay, on CPU (`Buckets` and the padding `InputBuffers` does for them): which
+sizes are captured, which shape a step runs at, what padded rows hold (no KV write, one key, positions in
+range), and where a static attention plan's work list is staged."""
 
 from __future__ import annotations
 
