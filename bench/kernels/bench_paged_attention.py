@@ -133,7 +133,7 @@ def _torch_decode_ms(backend, q, k_cache, v_cache, tables, lens, starts, scale) 
     n = q.shape[0]
     no_slots = torch.zeros(0, dtype=torch.int64, device="cuda")
     meta = AttentionMetadata(starts, lens, tables, no_slots, [1] * n, lens.tolist(), 1, int(lens.max()))
-    backend.prepare(meta)
+    backend.plan_and_upload(meta)
     kv = torch.empty(0, KV_HEADS, HEAD_DIM, device="cuda", dtype=q.dtype)
     return time_ms(lambda: backend.forward(q, kv, kv, k_cache, v_cache, meta, scale), repeats=5)
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from asyncllm import LLM, SamplingParams
+from asyncllm.attention.backend import PlanBounds
 from asyncllm.attention.torch_ref import TorchAttentionBackend
 from asyncllm.config import AttentionBackendName
 from tests.fixtures.paged import PagedBatcher
@@ -59,6 +60,9 @@ def _compare_steps(
         (k.to(DEVICE), v.to(DEVICE)) for k, v in batcher.new_caches(2, num_kv_heads, head_dim, dtype)
     ]
     torch_backend, triton_backend = TorchAttentionBackend(), _backend(dtype, num_kv_heads)
+    # A static plan's work list at one fixed address, as the worker keeps it (a captured graph reads it there).
+    work = torch.zeros(triton_backend.work_size(PlanBounds(max(graph_tokens, 64), 9, 4096)), dtype=torch.int32)
+    work = work.to(DEVICE)
     launches = set()
     for chunks in steps:
         _, meta = batcher.step(chunks)
@@ -66,10 +70,10 @@ def _compare_steps(
         num_tokens = sum(n for _, n in chunks)
         q = torch.randn(num_tokens, num_kv_heads * group, head_dim, generator=gen).to(dtype).to(DEVICE)
         k, v = (torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE) for _ in "kv")
-        torch_backend.prepare(meta)
+        torch_backend.plan_and_upload(meta)
         expected = torch_backend.forward(q, k, v, k_ref, v_ref, meta, scale)
         if graph_tokens:
-            triton_backend.plan_graph_mixed(meta, graph_tokens, 9, 4096)
+            triton_backend.plan_and_upload(meta, PlanBounds(graph_tokens, 9, 4096), into=work)
             plan = meta.plan
             launches.add(
                 (plan.num_splits, plan.prefill_programs, plan.decode_seqs.data_ptr(), plan.prefill_tiles.data_ptr())
@@ -79,13 +83,13 @@ def _compare_steps(
             assert out[num_tokens:].eq(0).all(), "padding rows are zero, never garbage"
             out = out[:num_tokens]
         elif graph_decode and num_tokens == len(chunks):
-            triton_backend.plan_graph_decode(meta, num_tokens, 4096)
+            triton_backend.plan_and_upload(meta, PlanBounds(num_tokens, num_tokens, 4096, decode_only=True), into=work)
             launches.add((meta.plan.num_splits, meta.plan.decode_seqs.data_ptr()))
             lens = meta.seq_lens_cpu  # programs start longest first (ties in batch order): the last wave is short
             assert meta.plan.decode_seqs.tolist() == sorted(range(len(lens)), key=lambda i: (-lens[i], i))
             out = triton_backend.forward(q, k, v, k_tri, v_tri, meta, scale)
         else:
-            triton_backend.prepare(meta)
+            triton_backend.plan_and_upload(meta)
             out = triton_backend.forward(q, k, v, k_tri, v_tri, meta, scale)
         assert not out.isnan().any(), "a query row was left unwritten"
         torch.testing.assert_close(out, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])

@@ -185,17 +185,17 @@ def test_bad_size_is_refused_before_any_process_starts(tiny_checkpoints: dict[st
 
 
 def test_worker_failing_at_start_up_fails_the_constructor(tiny_checkpoints, tmp_path, monkeypatch) -> None:
-    """A worker whose set-up raises (here: load_model, made to fail in worker processes only through a
+    """A worker whose set-up raises (here: loading the model, made to fail in worker processes only through a
     sitecustomize on their path) fails the engine's constructor with WorkerDiedError carrying its traceback."""
     if importlib.util.find_spec("sitecustomize") is not None:
         pytest.skip("a sitecustomize module is already on the path")
     (tmp_path / "sitecustomize.py").write_text(
         "import sys\n"
         "if sys.argv[1:] and sys.argv[0] == '-c':  # a tensor-parallel worker: python -c ... SPEC_FD REPORT_FD\n"
-        "    import asyncllm.worker.worker as w\n"
-        "    def load_model(self):\n"
+        "    import asyncllm.worker.setup as w\n"
+        "    def load(self):\n"
         "        raise MemoryError('injected: no memory on this rank')\n"
-        "    w.Worker.load_model = load_model\n"
+        "    w.WorkerSetup.load = load\n"
     )
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     with pytest.raises(WorkerDiedError, match="rank 1") as info:

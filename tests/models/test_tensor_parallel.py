@@ -19,7 +19,8 @@ from asyncllm.models.config import ModelArchConfig
 from asyncllm.models.tensor_parallel import check_tensor_parallel, weight_shard
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.step import ModelRunnerOutput, NewRequestData, ScheduledSeq, SchedulerOutput
-from asyncllm.worker.worker import Worker
+from asyncllm.worker.device import ResolvedModel
+from asyncllm.worker.setup import build_worker
 from tests.fixtures.thread_group import ThreadGroup, run_ranks
 from tests.fixtures.tiny_gguf import build_hf_model, write_gguf
 from tests.fixtures.tiny_models import build_checkpoint
@@ -29,9 +30,7 @@ def _run_steps(path: Path, group: ThreadGroup | None) -> list[ModelRunnerOutput]
     """A prefill of three prompts, then four decode steps, on one rank's worker."""
     config = EngineConfig.from_kwargs(str(path), device="cpu", dtype="float32", block_size=4, num_kv_blocks=64)
     checkpoint = open_checkpoint(str(path), torch.float32)
-    worker = Worker(config, checkpoint, group)
-    worker.load_model()
-    worker.init_kv_cache(64)
+    worker = build_worker(config, checkpoint, ResolvedModel.resolve(config, checkpoint.hf_config), group)
     assert worker.runner is not None
     rng = random.Random(0)
     vocab = checkpoint.hf_config.vocab_size

@@ -10,14 +10,14 @@ from asyncllm.config import EngineConfig
 from asyncllm.model_loader.checkpoint import open_checkpoint
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.step import PLACEHOLDER, NewRequestData, ScheduledSeq, SchedulerOutput
-from asyncllm.worker.worker import Worker
+from asyncllm.worker.device import ResolvedModel
+from asyncllm.worker.setup import build_worker
 
 
 def _runner(path):
     config = EngineConfig.from_kwargs(str(path), device="cpu", num_kv_blocks=32, block_size=4)
-    worker = Worker(config, open_checkpoint(str(path), torch.float32))
-    worker.load_model()
-    worker.init_kv_cache(worker.determine_num_blocks())
+    checkpoint = open_checkpoint(str(path), torch.float32)
+    worker = build_worker(config, checkpoint, ResolvedModel.resolve(config, checkpoint.hf_config))
     assert worker.runner is not None
     return worker.runner
 

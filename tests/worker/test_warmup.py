@@ -10,8 +10,9 @@ import torch
 
 from asyncllm.config import EngineConfig
 from asyncllm.model_loader.checkpoint import open_checkpoint
+from asyncllm.worker.device import ResolvedModel
+from asyncllm.worker.setup import build_worker
 from asyncllm.worker.warmup import warm_up
-from asyncllm.worker.worker import Worker
 
 
 @pytest.mark.parametrize(
@@ -29,9 +30,8 @@ def test_warm_up_fits_any_engine(tiny_model, max_num_seqs, max_num_batched_token
         block_size=block_size,
         max_model_len=64,
     )
-    worker = Worker(config, open_checkpoint(str(tiny_model), torch.float32))
-    worker.load_model()
-    worker.init_kv_cache(worker.determine_num_blocks())
+    checkpoint = open_checkpoint(str(tiny_model), torch.float32)
+    worker = build_worker(config, checkpoint, ResolvedModel.resolve(config, checkpoint.hf_config))
     assert worker.runner is not None
     warm_up(
         worker.runner,

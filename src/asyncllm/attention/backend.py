@@ -5,6 +5,11 @@ A backend does two things per layer: `write_kv` stores this step's keys and valu
 kernel (rotary + KV write) can replace the first. Inputs come per step in `AttentionMetadata`; nothing is
 global.
 
+Per step, before the forward pass, `plan` derives on the host what every layer reuses (an `AttentionPlan`)
+as plain ints, its work list; the caller uploads that list (the worker stages it in the step's one copy)
+and `bind`s the plan to the device tensor. A backend never uploads on its own in a step, and knows no
+staging.
+
 KV cache layout, per layer: key and value tensors of shape [num_blocks, block_size, num_kv_heads, head_dim].
 Token `t` of a sequence lives in block `block_table[t // block_size]`, row `t % block_size`.
 """
@@ -16,11 +21,31 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncllm.layers.step_staging import StagedRegion
+from asyncllm.layers.host_copy import copy_into, to_device
 
 
-class AttentionPlan:
-    """Base of whatever a backend derives once per step and every layer reuses (index tensors, splits)."""
+@dataclass(frozen=True)
+class PlanBounds:
+    """The static shape a step is planned for, padding included (a CUDA graph is captured and replayed at
+    it): launch shapes may depend on these bounds only, so one captured graph serves every step within them."""
+
+    max_tokens: int  # query rows
+    max_seqs: int  # sequences
+    max_seq_len: int  # keys of any sequence
+    decode_only: bool = False  # every sequence has one query token: exactly max_seqs == max_tokens of them
+
+
+class AttentionPlan(ABC):
+    """What a backend derives once per step and every layer reuses (index tensors, splits). Made on the host
+    by `AttentionBackend.plan`: `work` holds, as plain ints of the backend's `work_dtype`, every value its
+    device tensors will hold; `bind` then makes those tensors views of the uploaded `work`."""
+
+    work: list[int]
+
+    @abstractmethod
+    def bind(self, work: torch.Tensor) -> None:
+        """Take `work` on the device ([len(self.work)] of the backend's `work_dtype`, already written or to be
+        written by a copy queued before the forward pass)."""
 
 
 @dataclass
@@ -37,10 +62,7 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     max_query_len: int
     max_seq_len: int
-    plan: AttentionPlan | None = None  # set by `AttentionBackend.prepare`
-    # An int32 region of at least B entries at a fixed device address, sent with the step's inputs (one copy):
-    # where a graph plan writes what varies per step. None: the backend keeps and uploads its own.
-    work: StagedRegion | None = None
+    plan: AttentionPlan | None = None  # the step's plan, bound (`AttentionBackend.plan`); None: none yet
 
     @property
     def num_seqs(self) -> int:
@@ -60,32 +82,38 @@ class AttentionBackend(ABC):
     """Stateless implementation of paged attention; one instance is shared by every layer."""
 
     name: str
-    supports_cuda_graphs: bool = False  # whether `plan_graph_decode` and `plan_graph_mixed` are implemented
+    supports_cuda_graphs: bool = False  # whether `plan` takes static bounds (a captured graph replays it)
+    work_dtype: torch.dtype = torch.int32  # the dtype of every plan's `work`
 
-    def plan_graph_decode(self, meta: AttentionMetadata, num_seqs: int, max_seq_len: int) -> None:
-        """Plan a decode-only step of exactly `num_seqs` single-token sequences (padding included) for CUDA
-        graph capture and replay: launch shapes may depend on `num_seqs` and `max_seq_len` (a static bound)
-        only; what varies per step (e.g. the order sequences are attended in) goes into `meta.work` (sent with
-        the step's inputs) or, without it, into tensors the backend keeps at fixed addresses and rewrites, on
-        the device's stream, each time a step is planned. Called for every step, before its inputs are sent."""
-        raise NotImplementedError(f"the {self.name!r} attention backend cannot run inside CUDA graphs")
+    def plan(self, meta: AttentionMetadata, bounds: PlanBounds | None = None) -> AttentionPlan | None:
+        """The step's plan, on the host (called once per step, before its inputs are sent; nothing inside the
+        layers then needs a host-to-device copy that could stall the host). None: the backend plans nothing.
 
-    def plan_graph_mixed(self, meta: AttentionMetadata, max_tokens: int, max_seqs: int, max_seq_len: int) -> None:
-        """Plan any step (prompt chunks and decodes) of at most `max_tokens` query rows, padding included, in
-        at most `max_seqs` sequences, for CUDA graph capture and replay. Launch shapes may depend on the
-        three bounds only; the step's own work list goes into tensors the backend keeps at fixed addresses
-        (one set per pair of bounds) and rewrites, on the device's stream, every time a step is planned, so
-        one captured graph replays any step within its bounds. Rows past the step's tokens are padding:
-        their attention output is never read."""
-        raise NotImplementedError(f"the {self.name!r} attention backend cannot run inside CUDA graphs")
+        `bounds` given (backends that `supports_cuda_graphs`): the step, padding included, fits them, and
+        launch shapes depend on them only. The work list then has the same length for the same bounds, and
+        the caller puts it at the same device address every step: a captured graph reads it there, and one
+        graph replays any step within its bounds. Rows past the step's tokens are padding: their output is
+        never read. Without bounds, the plan fits this step alone."""
+        return None
 
-    def prepare(self, meta: AttentionMetadata) -> None:
-        """Per-step work shared by every layer (index tensors, split plans), stored in `meta.plan`.
+    def work_size(self, bounds: PlanBounds) -> int:
+        """The most `work` entries a plan within `bounds` holds (what a caller reserves for it)."""
+        return 0
 
-        Called once per step before the forward pass, so no layer repeats it and nothing inside the layers
-        needs a host-to-device copy that could stall the host. The default plans nothing.
-        """
-        meta.plan = None
+    def plan_and_upload(
+        self, meta: AttentionMetadata, bounds: PlanBounds | None = None, into: torch.Tensor | None = None
+    ) -> None:
+        """`plan`, its work list uploaded at once and the plan bound into `meta.plan`: for callers outside a
+        worker's step (tests, benchmarks, a layer called without a plan). `into`: a device tensor the work
+        list is copied into (a static plan's fixed address); else a fresh upload."""
+        plan = self.plan(meta, bounds)
+        if plan is not None:
+            if into is None:
+                plan.bind(to_device(plan.work, self.work_dtype, meta.seq_lens.device))
+            else:
+                copy_into(into, plan.work)
+                plan.bind(into[: len(plan.work)])
+        meta.plan = plan
 
     def write_kv(
         self,

@@ -11,8 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncllm.attention.backend import AttentionBackend, AttentionMetadata, AttentionPlan, store_kv
-from asyncllm.layers.host_copy import to_device
+from asyncllm.attention.backend import AttentionBackend, AttentionMetadata, AttentionPlan, PlanBounds, store_kv
 
 __all__ = ["TorchAttentionBackend", "attend", "gather_kv", "store_kv"]
 
@@ -41,41 +40,50 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, caus
 
 @dataclass
 class _Plan(AttentionPlan):
+    work: list[int]  # int64: the decode sequences' query rows, then their batch indices, then their key lengths
     starts: list[int]  # query row offsets, host side
     prefill_seqs: list[int]  # sequences with more than one query token: attended one by one
     decode_seqs: list[int]  # single-token sequences: batched with padding
-    decode_rows: torch.Tensor | None  # [B] int64 query row of each decode sequence (device)
-    decode_seq_idx: torch.Tensor | None  # [B] int64 their index in the batch (device)
-    decode_lens: torch.Tensor | None  # [B] int64 their key lengths (device)
     decode_max_len: int
+    decode_rows: torch.Tensor | None = None  # [B] int64 query row of each decode sequence (device, `bind`)
+    decode_seq_idx: torch.Tensor | None = None  # [B] int64 their index in the batch (device)
+    decode_lens: torch.Tensor | None = None  # [B] int64 their key lengths (device)
+
+    def bind(self, work: torch.Tensor) -> None:
+        n = len(self.decode_seqs)
+        if n:
+            self.decode_rows, self.decode_seq_idx, self.decode_lens = work[:n], work[n : 2 * n], work[2 * n :]
 
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    work_dtype = torch.int64
 
-    def prepare(self, meta: AttentionMetadata) -> None:
+    def plan(self, meta: AttentionMetadata, bounds: PlanBounds | None = None) -> _Plan:
+        if bounds is not None:
+            raise NotImplementedError("the 'torch' attention backend plans each step alone (no CUDA graphs)")
         starts = [0]
         for n in meta.query_lens_cpu:
             starts.append(starts[-1] + n)
         decode = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
         prefill = [i for i, n in enumerate(meta.query_lens_cpu) if n != 1]
-        device = meta.seq_lens.device
         lens = [meta.seq_lens_cpu[i] for i in decode]
-        meta.plan = _Plan(
+        return _Plan(
+            work=[starts[i] for i in decode] + decode + lens,
             starts=starts,
             prefill_seqs=prefill,
             decode_seqs=decode,
-            decode_rows=to_device([starts[i] for i in decode], torch.int64, device) if decode else None,
-            decode_seq_idx=to_device(decode, torch.int64, device) if decode else None,
-            decode_lens=to_device(lens, torch.int64, device) if decode else None,
             decode_max_len=max(lens, default=0),
         )
+
+    def work_size(self, bounds: PlanBounds) -> int:
+        return 3 * min(bounds.max_tokens, bounds.max_seqs)
 
     def attend(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         if not isinstance(meta.plan, _Plan):
-            self.prepare(meta)
+            self.plan_and_upload(meta)
         plan = meta.plan
         assert isinstance(plan, _Plan)
         out = torch.empty_like(q)
@@ -99,6 +107,7 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         """Single-token queries, batched: pad every sequence's keys to the longest and mask the rest."""
+        assert plan.decode_rows is not None and plan.decode_seq_idx is not None and plan.decode_lens is not None
         block_size = k_cache.shape[1]
         max_len = plan.decode_max_len
         nb = -(-max_len // block_size)

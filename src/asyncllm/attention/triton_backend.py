@@ -1,6 +1,6 @@
 """The Triton attention backend: stores k/v with torch, then runs the paged Triton kernels of
 asyncllm.kernels.paged_attention (split-KV decode for single-token sequences, a varlen causal prefill for
-the rest). `prepare` turns the step's host-side lengths into the kernels' launch plans once per step.
+the rest). `plan` turns the step's host-side lengths into the kernels' launch plans once per step.
 
 Knows the kernels' launch contracts, not their insides; the torch backend stays the reference it is tested against.
 """
@@ -15,9 +15,9 @@ from types import ModuleType
 
 import torch
 
-from asyncllm.attention.backend import AttentionBackend, AttentionMetadata, AttentionPlan
+from asyncllm.attention.backend import AttentionBackend, AttentionMetadata, AttentionPlan, PlanBounds
 from asyncllm.errors import InvalidConfigError
-from asyncllm.layers.host_copy import copy_into, to_device
+from asyncllm.kernels.paged_attention_plan import TILES_HEADER
 
 _FIX = "use attention_backend='torch' (or 'auto')"
 _FEW_DECODES = 8  # the decode count a graphed mixed step's split count is planned for
@@ -37,24 +37,37 @@ def load_paged_attention() -> ModuleType:
 
 @dataclass
 class TritonPlan(AttentionPlan):
-    decode_seqs: torch.Tensor | None  # [Bd] int32: batch index of each single-query sequence; -1: padding
+    """The kernels' launch plan. `work` (int32): the decode sequences' order (padded to a multiple of four
+    entries, so the tile buffer that follows starts 16-byte aligned), then the prefill tile buffer."""
+
+    work: list[int]
+    num_decode: int  # decode programs: the first entries of `work`, each a batch index; -1: padding
+    tiles_offset: int | None  # where the tile buffer starts in `work`; None: no prefill tiles
     decode_max_len: int  # bound on the decode sequences' lengths (keys), host side: sets the split count
     num_splits: int  # KV splits per decode sequence and KV head
-    prefill_tiles: torch.Tensor | None  # int32 tile buffer (kernels.tile_buffer): live count, then the tiles
     prefill_programs: int = 0  # prefill programs per head: one per tile eagerly, fixed in a graph
     padded: bool = False  # rows of no sequence follow the step's: their output is zeroed, never garbage
+    decode_seqs: torch.Tensor | None = None  # [num_decode] int32 on the device (`bind`)
+    prefill_tiles: torch.Tensor | None = None  # int32 tile buffer (kernels.tile_buffer): live count, then tiles
+
+    def bind(self, work: torch.Tensor) -> None:
+        n = self.num_decode
+        # A decode graph's work is its order alone: the tensor itself (the same object every step), no view.
+        self.decode_seqs = None if n == 0 else work if n == len(self.work) else work[:n]
+        self.prefill_tiles = None if self.tiles_offset is None else work[self.tiles_offset :]
 
 
-@dataclass
-class _MixedBuffers:
-    """The device work list one captured mixed-step size reads, rewritten by each step it replays."""
+@dataclass(frozen=True)
+class _MixedLayout:
+    """Where a static mixed plan's work list puts things, for one pair of bounds."""
 
-    work: torch.Tensor  # int32: decode_seqs (capacity rounded up to 4), then the tile buffer
-    decode_seqs: torch.Tensor  # view of the first decode_capacity entries
-    tiles: torch.Tensor  # view from tiles_offset, 16-byte aligned
-    decode_capacity: int
-    tiles_offset: int
+    decode_capacity: int  # decode programs: every sequence could be a decode
+    tiles_offset: int  # 16-byte aligned
     tile_capacity: int
+
+    @property
+    def size(self) -> int:
+        return self.tiles_offset + TILES_HEADER + 2 * self.tile_capacity
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -63,6 +76,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
     supports_cuda_graphs = True
+    work_dtype = torch.int32
 
     def __init__(self, device: torch.device, dtype: torch.dtype, num_kv_heads: int) -> None:
         self._kernels = load_paged_attention()
@@ -81,8 +95,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.block_m = self._kernels.prefill_block_m(dtype, device)
         props = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
         self.num_sms = props.multi_processor_count if props is not None else 1
-        self._graph_seqs: dict[int, torch.Tensor] = {}  # num_seqs -> each step's decode order (graphs read it)
-        self._mixed: dict[tuple[int, int], _MixedBuffers] = {}  # (max_tokens, max_seqs) -> work list
+        self._layouts: dict[tuple[int, int], _MixedLayout] = {}  # (max_tokens, max_seqs) -> static layout
 
     def _work(self, meta: AttentionMetadata) -> tuple[list[int], list[tuple[int, int]]]:
         """The step's work lists: the single-query sequences (the decode kernel's), and the prefill tiles."""
@@ -90,81 +103,88 @@ class TritonAttentionBackend(AttentionBackend):
         decode = _longest_first([i for i, n in enumerate(qlens) if n == 1], meta.seq_lens_cpu)
         return decode, self._kernels.plan_prefill_tiles(qlens, meta.seq_lens_cpu, self.block_m)
 
-    def prepare(self, meta: AttentionMetadata) -> None:
-        kernels, slens = self._kernels, meta.seq_lens_cpu
-        device = meta.seq_lens.device
+    def work_size(self, bounds: PlanBounds) -> int:
+        if bounds.decode_only:
+            return bounds.max_seqs
+        return self._layout(bounds).size
+
+    def plan(self, meta: AttentionMetadata, bounds: PlanBounds | None = None) -> TritonPlan:
+        if bounds is None:
+            return self._plan_step(meta)
+        if bounds.decode_only:
+            return self._plan_decode(meta, bounds)
+        return self._plan_mixed(meta, bounds)
+
+    def _plan_step(self, meta: AttentionMetadata) -> TritonPlan:
+        """This step's own plan: one program per decode sequence and per prefill tile."""
         decode, tiles = self._work(meta)
+        slens = meta.seq_lens_cpu
         max_len = max((slens[i] for i in decode), default=0)
-        meta.plan = TritonPlan(
-            decode_seqs=to_device(decode, torch.int32, device) if decode else None,
+        offset = _aligned4(len(decode))
+        work = decode + [0] * (offset - len(decode)) + (self._kernels.tile_buffer(tiles) if tiles else [])
+        return TritonPlan(
+            work=work,
+            num_decode=len(decode),
+            tiles_offset=offset if tiles else None,
             decode_max_len=max_len,
-            num_splits=kernels.choose_num_splits(max_len, len(decode), self.num_kv_heads, self.num_sms),
-            prefill_tiles=to_device(kernels.tile_buffer(tiles), torch.int32, device) if tiles else None,
+            num_splits=self._kernels.choose_num_splits(max_len, len(decode), self.num_kv_heads, self.num_sms),
             prefill_programs=len(tiles),
         )
 
-    def plan_graph_mixed(self, meta: AttentionMetadata, max_tokens: int, max_seqs: int, max_seq_len: int) -> None:
+    def _plan_mixed(self, meta: AttentionMetadata, bounds: PlanBounds) -> TritonPlan:
         kernels = self._kernels
-        key = (max_tokens, max_seqs)
-        buf = self._mixed.get(key)
-        if buf is None:
-            buf = self._mixed[key] = self._mixed_buffers(max_tokens, max_seqs)
+        layout = self._layout(bounds)
         qlens = meta.query_lens_cpu
-        if len(qlens) > max_seqs or sum(qlens) > max_tokens:
-            raise ValueError(f"a step of {sum(qlens)} tokens in {len(qlens)} sequences exceeds the plan for {key}")
+        if len(qlens) > bounds.max_seqs or sum(qlens) > bounds.max_tokens:
+            raise ValueError(f"a step of {sum(qlens)} tokens in {len(qlens)} sequences exceeds the plan for {bounds}")
         decode, tiles = self._work(meta)
-        pad = buf.tiles_offset - len(decode)  # -1: no sequence, for the decode programs past the real ones
-        copy_into(buf.work, decode + [-1] * pad + kernels.tile_buffer(tiles, buf.tile_capacity))  # one copy
+        pad = layout.tiles_offset - len(decode)  # -1: no sequence, for the decode programs past the real ones
         # Launch shapes depend on the bounds alone. Decode splits are sized for a handful of decodes: a few
         # long sequences beside a prompt must not walk their keys in one program each (a full decode batch
         # fills the GPU anyway; splits past a sequence's end are empty). Prefill programs: enough for a step
         # of one long chunk and to fill the GPU, striding over the tiles when there are more.
         fill = -(-2 * self.num_sms // self.num_kv_heads)  # per query head, counting KV heads (fewer) for it
-        meta.plan = TritonPlan(
-            decode_seqs=buf.decode_seqs,
+        max_seq_len = bounds.max_seq_len
+        return TritonPlan(
+            work=decode + [-1] * pad + kernels.tile_buffer(tiles, layout.tile_capacity),
+            num_decode=layout.decode_capacity,
+            tiles_offset=layout.tiles_offset,
             decode_max_len=max_seq_len,
             num_splits=kernels.choose_num_splits(
-                max_seq_len, min(buf.decode_capacity, _FEW_DECODES), self.num_kv_heads, self.num_sms
+                max_seq_len, min(layout.decode_capacity, _FEW_DECODES), self.num_kv_heads, self.num_sms
             ),
-            prefill_tiles=buf.tiles,
-            prefill_programs=min(buf.tile_capacity, max(-(-max_tokens // self.block_m), fill)),
+            prefill_programs=min(layout.tile_capacity, max(-(-bounds.max_tokens // self.block_m), fill)),
             padded=True,
         )
 
-    def _mixed_buffers(self, max_tokens: int, max_seqs: int) -> _MixedBuffers:
-        decode_capacity = min(max_tokens, max_seqs)
-        tile_capacity = self._kernels.max_prefill_tiles(max_tokens, max_seqs, self.block_m)
-        offset = -(-decode_capacity // 4) * 4  # the tile buffer starts 16-byte aligned
-        size = offset + self._kernels.TILES_HEADER + 2 * tile_capacity
-        work = torch.zeros(size, dtype=torch.int32, device=self.device)
-        return _MixedBuffers(work, work[:decode_capacity], work[offset:], decode_capacity, offset, tile_capacity)
+    def _layout(self, bounds: PlanBounds) -> _MixedLayout:
+        key = (bounds.max_tokens, bounds.max_seqs)
+        layout = self._layouts.get(key)
+        if layout is None:
+            decode_capacity = min(bounds.max_tokens, bounds.max_seqs)
+            tile_capacity = self._kernels.max_prefill_tiles(bounds.max_tokens, bounds.max_seqs, self.block_m)
+            layout = self._layouts[key] = _MixedLayout(decode_capacity, _aligned4(decode_capacity), tile_capacity)
+        return layout
 
-    def plan_graph_decode(self, meta: AttentionMetadata, num_seqs: int, max_seq_len: int) -> None:
-        # Every step's order, longest first, into the buffer the graph reads: with lengths spread from
-        # hundreds to thousands of keys, the longest programs starting last would leave the GPU idle behind them.
-        order = _longest_first(range(num_seqs), meta.seq_lens_cpu)
-        if meta.work is not None and meta.work.numel >= num_seqs:
-            meta.work.put(order)  # sent with the step's inputs
-            seqs = meta.work.view(num_seqs)
-        else:
-            seqs = self._graph_seqs.get(num_seqs)
-            if seqs is None:
-                seqs = self._graph_seqs[num_seqs] = torch.empty(num_seqs, dtype=torch.int32, device=self.device)
-            copy_into(seqs, order)
+    def _plan_decode(self, meta: AttentionMetadata, bounds: PlanBounds) -> TritonPlan:
+        # Every step's order, longest first: with lengths spread from hundreds to thousands of keys, the
+        # longest programs starting last would leave the GPU idle behind them.
+        num_seqs = bounds.max_seqs
         # The split count is fixed per captured size (from the static bound); each sequence then divides its
         # own length, read on the device, so one graph serves every length up to the bound.
-        meta.plan = TritonPlan(
-            decode_seqs=seqs,
-            decode_max_len=max_seq_len,
-            num_splits=self._kernels.choose_num_splits(max_seq_len, num_seqs, self.num_kv_heads, self.num_sms),
-            prefill_tiles=None,
+        return TritonPlan(
+            work=_longest_first(range(num_seqs), meta.seq_lens_cpu),
+            num_decode=num_seqs,
+            tiles_offset=None,
+            decode_max_len=bounds.max_seq_len,
+            num_splits=self._kernels.choose_num_splits(bounds.max_seq_len, num_seqs, self.num_kv_heads, self.num_sms),
         )
 
     def attend(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         if not isinstance(meta.plan, TritonPlan):
-            self.prepare(meta)
+            self.plan_and_upload(meta)
         plan = meta.plan
         assert isinstance(plan, TritonPlan)
         # Padding rows are attended by no kernel: zeros keep them finite through the layers that follow.
@@ -177,6 +197,10 @@ class TritonAttentionBackend(AttentionBackend):
                 *args, plan.prefill_tiles, out, scale, block_m=self.block_m, num_programs=plan.prefill_programs
             )
         return out
+
+
+def _aligned4(n: int) -> int:
+    return -(-n // 4) * 4
 
 
 def _longest_first(seqs: Iterable[int], seq_lens: Sequence[int]) -> list[int]:

@@ -24,13 +24,13 @@ from asyncllm.distributed.shm_writer import ShmRingWriter
 from asyncllm.distributed.symm_all_reduce import buffer_bytes
 from asyncllm.errors import InvalidConfigError
 from asyncllm.executor.step_codec import StepEncoder
-from asyncllm.executor.worker_main import ATTACHED, READY, WorkerSpec, set_up
+from asyncllm.executor.worker_main import ATTACHED, READY, WorkerSpec
 from asyncllm.executor.worker_procs import WorkerProcesses
 from asyncllm.model_loader.base import Checkpoint
-from asyncllm.models.config import ModelArchConfig
 from asyncllm.models.tensor_parallel import check_tensor_parallel
 from asyncllm.step import ModelRunnerOutput, RuntimeInfo, SchedulerOutput, StepResult
-from asyncllm.worker.device import resolve_device, resolve_dtype
+from asyncllm.worker.device import ResolvedModel
+from asyncllm.worker.setup import build_worker
 from asyncllm.worker.worker import Worker
 
 _START_TIMEOUT_S = 600.0  # spawn, import torch, load a shard, profile, capture graphs: all ranks at once
@@ -80,12 +80,11 @@ def custom_all_reduce_bytes(config: EngineConfig, hidden_size: int, dtype: torch
 class MultiProcExecutor:
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint) -> None:
         world = config.parallel_config.tensor_parallel_size
-        device = resolve_device(config.device_config.device)
-        arch = ModelArchConfig.from_hf(checkpoint.hf_config, config.model_config.max_model_len)
-        check_tensor_parallel(arch, world)
+        resolved = ResolvedModel.resolve(config, checkpoint.hf_config)
+        device = resolved.device
+        check_tensor_parallel(resolved.arch, world)
         cuda_base = check_parallel_devices(device, world)
-        dtype = resolve_dtype(config.model_config.dtype, device, checkpoint.hf_config)
-        all_reduce_bytes = custom_all_reduce_bytes(config, arch.hidden_size, dtype, device)
+        all_reduce_bytes = custom_all_reduce_bytes(config, resolved.arch.hidden_size, resolved.dtype, device)
         self._closed = False
         self._started = True
         self._ring = ShmRingWriter(world - 1)
@@ -99,6 +98,7 @@ class MultiProcExecutor:
             specs = [
                 WorkerSpec(
                     config,
+                    resolved,
                     rank,
                     self._ring.reader_handle(rank - 1),
                     rendezvous,
@@ -114,8 +114,8 @@ class MultiProcExecutor:
             # Not a bound method of this executor: the monitor thread keeps `procs` alive, and through it the
             # executor would never be collected (a dropped LLM's finalizer would never stop its workers).
             self._procs.on_death = _death_handler(self._procs, self._parallel, self._failure_callbacks)
-            self._worker = Worker(config, checkpoint, self._parallel)
-            self._runtime = set_up(self._worker, self._parallel)
+            self._worker = build_worker(config, checkpoint, resolved, self._parallel, self._parallel.min_int)
+            self._runtime = self._worker.runtime
             self._procs.wait_for(READY, _START_TIMEOUT_S)
             # Dropped without shutdown() (an LLM never shut down), or at interpreter exit: still stop the
             # workers and remove the segment. Holds the ring and the processes, never the executor.

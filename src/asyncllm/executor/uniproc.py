@@ -1,7 +1,7 @@
 """`UniProcExecutor`: the `ModelExecutor` that runs one `Worker` in the calling thread.
 
-Owns the worker's set-up order (load, size the cache, allocate); the engine core drives it through the
-`ModelExecutor` protocol. A tensor-parallel executor will drive several workers the same way.
+Resolves the device, dtype and architecture once and builds the worker (`build_worker`, the same set-up
+every executor runs); the engine core drives it through the `ModelExecutor` protocol.
 """
 
 from __future__ import annotations
@@ -11,21 +11,17 @@ from collections.abc import Callable
 from asyncllm.config import EngineConfig
 from asyncllm.model_loader.base import Checkpoint
 from asyncllm.step import RuntimeInfo, SchedulerOutput, StepResult
-from asyncllm.worker.worker import Worker
+from asyncllm.worker.device import ResolvedModel
+from asyncllm.worker.setup import build_worker
 
 
 class UniProcExecutor:
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint) -> None:
-        worker = self.worker = Worker(config, checkpoint)
-        worker.load_model()
-        worker.init_kv_cache(worker.determine_num_blocks())
-        worker.warm_up()
-        worker.capture_cuda_graphs()
-        self._runtime = worker.runtime_info()
+        self.worker = build_worker(config, checkpoint, ResolvedModel.resolve(config, checkpoint.hf_config))
 
     @property
     def runtime(self) -> RuntimeInfo:
-        return self._runtime
+        return self.worker.runtime
 
     def submit(self, scheduled: SchedulerOutput) -> StepResult:
         return self.worker.submit(scheduled)

@@ -1,11 +1,11 @@
-"""A tensor-parallel worker process (ranks 1..N-1): the entry point `worker_procs` starts, and the set-up
-sequence every rank runs in lock-step.
+"""A tensor-parallel worker process (ranks 1..N-1): the entry point `worker_procs` starts.
 
-The process attaches to the ring, joins the engine's process group, builds the same `Worker` as rank 0
-on its own device, then runs every step the ring brings and discards the output (rank 0's is the
-engine's; every rank samples the same tokens from the same gathered logits and seeds). It reports
-"attached", "ready" or its failure (with the traceback) on its report pipe, exits when the ring closes,
-and exits at once when the pipe from its parent closes (the parent died). Knows nothing of scheduling.
+The process attaches to the ring, joins the engine's process group, builds its `Worker` as rank 0 does
+(`build_worker`, in lock-step, from rank 0's resolved model) on its own device, then runs every step the
+ring brings and discards the output (rank 0's is the engine's; every rank samples the same tokens from the
+same gathered logits and seeds). It reports "attached", "ready" or its failure (with the traceback) on its
+report pipe, exits when the ring closes, and exits at once when the pipe from its parent closes (the parent
+died). Knows nothing of scheduling.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from asyncllm.config import EngineConfig
 from asyncllm.distributed.parallel_state import ParallelContext, Rendezvous
 from asyncllm.distributed.shm_ring import RingClosedError, RingHandle
 from asyncllm.executor.step_codec import StepDecoder
-from asyncllm.step import RuntimeInfo
+from asyncllm.worker.device import ResolvedModel
 from asyncllm.worker.worker import Worker
 
 # Status messages a worker sends its parent, in this order (FAILED instead, at any point).
@@ -37,22 +37,13 @@ class WorkerSpec:
     """Everything a worker process needs, picklable: the parent sends it down the worker's pipe."""
 
     config: EngineConfig
+    resolved: ResolvedModel  # rank 0's device, dtype and architecture; this rank's device is `cuda_device`
     rank: int
     ring: RingHandle
     rendezvous: Rendezvous
     num_threads: int  # torch CPU threads: the host's cores shared among the ranks
     cuda_device: int | None  # the GPU this rank owns (rank 0's index + rank); None on CPU
     custom_all_reduce_bytes: int  # rank 0's choice (every rank must size the shared buffer alike); 0: NCCL only
-
-
-def set_up(worker: Worker, parallel: ParallelContext) -> RuntimeInfo:
-    """The worker's set-up steps, the same on every rank and in the same order (each may run collectives);
-    the ranks agree on one KV block count, the smallest any of them can hold."""
-    worker.load_model()
-    worker.init_kv_cache(parallel.min_int(worker.determine_num_blocks()))
-    worker.warm_up()
-    worker.capture_cuda_graphs()
-    return worker.runtime_info()
 
 
 def main() -> None:
@@ -72,7 +63,7 @@ def run_worker(spec: WorkerSpec, parent_alive: Connection, status: Connection) -
     _exit_with_parent(parent_alive)
     from asyncllm.distributed.shm_reader import ShmRingReader
     from asyncllm.model_loader.checkpoint import open_checkpoint
-    from asyncllm.worker.device import resolve_device
+    from asyncllm.worker.setup import build_worker
 
     worker: Worker | None = None
     parallel: ParallelContext | None = None
@@ -80,13 +71,15 @@ def run_worker(spec: WorkerSpec, parent_alive: Connection, status: Connection) -
         torch.set_num_threads(spec.num_threads)
         if spec.cuda_device is not None:
             torch.cuda.set_device(spec.cuda_device)  # before anything touches CUDA: this rank's GPU only
-        device = resolve_device(spec.config.device_config.device)
+        resolved = spec.resolved
+        if spec.cuda_device is not None:
+            resolved = resolved.on(torch.device("cuda", spec.cuda_device))
         with ShmRingReader.attach(spec.ring) as reader:
             _send(status, ATTACHED)
-            parallel = ParallelContext.join(spec.rendezvous, spec.rank, device, spec.custom_all_reduce_bytes)
+            parallel = ParallelContext.join(spec.rendezvous, spec.rank, resolved.device, spec.custom_all_reduce_bytes)
             mc = spec.config.model_config
-            worker = Worker(spec.config, open_checkpoint(mc.model, torch.float32, mc.tokenizer), parallel)
-            set_up(worker, parallel)
+            checkpoint = open_checkpoint(mc.model, torch.float32, mc.tokenizer)
+            worker = build_worker(spec.config, checkpoint, resolved, parallel, parallel.min_int)
             _send(status, READY)
             decoder = StepDecoder()
             while True:

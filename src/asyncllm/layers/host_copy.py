@@ -14,9 +14,11 @@ import torch
 
 
 def to_device(
-    values: Sequence[int] | Sequence[float] | torch.Tensor, dtype: torch.dtype, device: torch.device
+    values: Sequence[int] | Sequence[float] | Sequence[Sequence[float]] | torch.Tensor,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> torch.Tensor:
-    """Host values (a sequence or a CPU tensor) as `dtype` on `device`, without a host sync."""
+    """Host values (a sequence, rows of them, or a CPU tensor) as `dtype` on `device`, without a host sync."""
     host = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
     if device.type != "cuda":
         return host.to(device)

@@ -59,17 +59,12 @@ class PenaltyTable:
     def apply(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
         """[N, vocab] float32 -> penalised [N, vocab] float32, written into `logits` (rows with penalties)."""
         assert logits.dtype == torch.float32 and logits.shape[0] == len(states)
-        rows = [i for i, s in enumerate(states) if s.penalty_row is not None]
-        if not rows:
+        picked = [(i, row, s.params) for i, s in enumerate(states) if (row := s.penalty_row) is not None]
+        if not picked:
             return logits
-        params = [states[i].params for i in rows]
-        table_rows = [states[i].penalty_row for i in rows]
         # One upload for every per-row number: batch row, table row, and the three penalties.
         packed = to_device(
-            [
-                [float(r), float(t), p.repetition_penalty, p.frequency_penalty, p.presence_penalty]
-                for r, t, p in zip(rows, table_rows, params)
-            ],
+            [[float(r), float(t), p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for r, t, p in picked],
             torch.float32,
             self.device,
         )  # [R, 5]

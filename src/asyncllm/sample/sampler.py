@@ -4,7 +4,7 @@ Everything happens in logit space. Every row ends in one launch (`asyncllm.kerne
 or its torch twin where Triton cannot run): greedy rows take the argmax, others the argmax of
 logits / temperature plus noise that is a pure function of the request's seed and draw count, so a
 request's tokens depend only on its own logits and seed, never on the rest of the batch. Rows that ask for
-penalties, filters or min_tokens masking are prepared in float32 first; the common case touches the logits
+penalties, filters or min_tokens masking are processed in float32 first; the common case touches the logits
 only in that one launch. Nothing here waits for the device. Knows nothing of scheduling or the model.
 """
 
@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import torch
 
 from asyncllm.layers.host_copy import to_device
-from asyncllm.layers.step_staging import Stage, immediate
 from asyncllm.sample.filters import apply_min_p, apply_top_k_top_p
 from asyncllm.sample.logprobs import LogprobsOutput, gather_logprobs
 from asyncllm.sample.penalties import PenaltyTable
@@ -30,11 +29,31 @@ Draw = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.
 
 @dataclass
 class DrawInputs:
-    """A step's per-row draw parameters on the device (from `Sampler.stage`)."""
+    """A step's per-row draw parameters on the device (`DrawParams.on_device`)."""
 
     temperatures: torch.Tensor  # [N] float32; 0 = greedy
     seeds: torch.Tensor  # [N] int64
     offsets: torch.Tensor  # [N] int64
+
+
+@dataclass
+class DrawParams:
+    """A step's per-row draw parameters on the host (`Sampler.draw_params`): the caller uploads both lists
+    (the worker stages them with the step's inputs) and hands the device tensors to `on_device`."""
+
+    counters: list[int]  # int64: N seeds, zeros up to an even count m, then N draw offsets (at index m)
+    temperatures: list[float]  # [N] float32; 0 = greedy
+
+    def on_device(self, counters: torch.Tensor, temperatures: torch.Tensor) -> DrawInputs:
+        n = len(self.temperatures)
+        m = len(self.counters) - n
+        return DrawInputs(temperatures, counters[:n], counters[m:])
+
+    def upload(self, device: torch.device) -> DrawInputs:
+        """Both lists uploaded at once (a draw outside a worker's step)."""
+        return self.on_device(
+            to_device(self.counters, torch.int64, device), to_device(self.temperatures, torch.float32, device)
+        )
 
 
 @dataclass
@@ -63,14 +82,10 @@ def load_draw(device: torch.device) -> Draw:
 class Sampler:
     """`Sampler(vocab_size, device)`; requests with penalties must be `add`ed (and `remove`d when done)."""
 
-    def __init__(
-        self, vocab_size: int, device: torch.device | str, draw: Draw | None = None, stage: Stage | None = None
-    ) -> None:
+    def __init__(self, vocab_size: int, device: torch.device | str, draw: Draw | None = None) -> None:
         self.device = torch.device(device)
         self.penalties = PenaltyTable(vocab_size, self.device)
         self._draw = draw or load_draw(self.device)
-        self._upload = immediate(self.device)
-        self._stage: Stage = stage or self._upload
 
     def add(self, state: SamplingState) -> None:
         self.penalties.add(state)
@@ -78,12 +93,9 @@ class Sampler:
     def remove(self, state: SamplingState) -> None:
         self.penalties.remove(state)
 
-    def stage(self, states: Sequence[SamplingState]) -> DrawInputs | None:
-        """The draw's per-row parameters, staged (None when every row is greedy: no draw). Call before the
-        step's flush; the draw itself (`__call__`) comes after."""
-        return self._draw_inputs(states, self._stage)
-
-    def _draw_inputs(self, states: Sequence[SamplingState], put: Stage) -> DrawInputs | None:
+    def draw_params(self, states: Sequence[SamplingState]) -> DrawParams | None:
+        """The draw's per-row parameters, on the host (None when every row is greedy: no draw). Uploaded
+        before the step's forward pass; the draw itself (`__call__`) comes after."""
         if all(s.greedy for s in states):
             return None
         temperature = [0.0 if s.greedy else (1.0 if s.filters else s.params.temperature) for s in states]
@@ -92,32 +104,33 @@ class Sampler:
         # pointers' alignment, and an odd n compiled a second variant of the draw kernel mid-serving.
         m = n + (n & 1)
         seeds = [s.seed for s in states] + [0] * (m - n)
-        draws = put(seeds + [s.num_sampled for s in states], torch.int64)
-        return DrawInputs(put(temperature, torch.float32), draws[:n], draws[m:])
+        return DrawParams(seeds + [s.num_sampled for s in states], temperature)
 
     def __call__(
-        self, logits: torch.Tensor, states: Sequence[SamplingState], staged: DrawInputs | None = None
+        self, logits: torch.Tensor, states: Sequence[SamplingState], draw: DrawInputs | None = None
     ) -> SamplerOutput:
-        """Sample one token per row. `staged`: `stage(states)`'s result, sent before this call; without it the
-        parameters are uploaded here."""
+        """Sample one token per row. `draw`: `draw_params(states)` on the device, sent before this call;
+        without it the parameters are uploaded here."""
         if logits.dim() != 2 or logits.shape[0] != len(states) or not logits.dtype.is_floating_point:
             raise ValueError(
                 f"Sampler: logits must be a float [num_states={len(states)}, vocab] tensor, "
                 f"got {tuple(logits.shape)} {logits.dtype}"
             )
-        x = self._prepare(logits, states)
+        x = self._processed(logits, states)
         if all(s.greedy for s in states):
             token_ids = x.argmax(dim=-1)
         else:
-            draw = staged if staged is not None else self._draw_inputs(states, self._upload)
-            assert draw is not None
+            if draw is None:
+                params = self.draw_params(states)
+                assert params is not None
+                draw = params.upload(self.device)
             token_ids = self._draw(x, draw.temperatures, draw.seeds, draw.offsets)
         for state in states:
             state.num_sampled += 1  # the offset of its next draw: known now, with no sync
         self.penalties.record(states, token_ids)
         return SamplerOutput(token_ids, gather_logprobs(logits, token_ids, states))
 
-    def _prepare(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+    def _processed(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
         """The logits the draw reads: untouched unless a row needs masking, penalties or filters; then a
         float32 copy with those rows rewritten (filtered rows already divided by their temperature)."""
         masked = [i for i, s in enumerate(states) if s.masks_stops]

@@ -1,13 +1,17 @@
-"""Resolving the user's device and dtype choices into torch objects."""
+"""Resolving the user's device and dtype choices into torch objects, and the checkpoint's config into its
+architecture: `ResolvedModel`, made once per engine. Knows nothing of loading or running the model."""
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from asyncllm.config import Device, DType
+from asyncllm.config import Device, DType, EngineConfig
 from asyncllm.errors import DeviceError
+from asyncllm.models.config import ModelArchConfig
 
 _DTYPES = {DType.BFLOAT16: torch.bfloat16, DType.FLOAT16: torch.float16, DType.FLOAT32: torch.float32}
 
@@ -32,3 +36,23 @@ def resolve_dtype(choice: DType, device: torch.device, hf_config: Any) -> torch.
     if isinstance(stored, str):
         stored = getattr(torch, stored, None)
     return stored if stored in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """The engine's device, dtype and architecture, resolved once (by the executor) and passed down to every
+    worker; picklable, for tensor-parallel worker processes (each takes its own device: `on`)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    arch: ModelArchConfig
+
+    @classmethod
+    def resolve(cls, config: EngineConfig, hf_config: Any) -> ResolvedModel:
+        device = resolve_device(config.device_config.device)
+        dtype = resolve_dtype(config.model_config.dtype, device, hf_config)
+        return cls(device, dtype, ModelArchConfig.from_hf(hf_config, config.model_config.max_model_len))
+
+    def on(self, device: torch.device) -> ResolvedModel:
+        """The same model on another device (a tensor-parallel rank's)."""
+        return dataclasses.replace(self, device=device)

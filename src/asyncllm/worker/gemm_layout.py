@@ -1,8 +1,8 @@
 """Choosing how each linear layer's weight is laid out in memory, by timing cuBLAS on this GPU.
 
 The GEMMs stay cuBLAS, but cuBLAS picks its kernel from the operands' layout, and at decode batch sizes
-the choice matters: on an H200 Qwen3-0.6B's o_proj (2048 -> 1024) at one row runs 12.5 us from the usual
-[out, in] weight and 5.2 us from the same weight stored [in, out] (bench/kernels/bench_gemm.py). A weight
+the choice matters: some shapes run much faster from a weight stored [in, out] than from the usual
+[out, in] (bench/kernels/bench_gemm.py measures it; bench/RESULTS.md has the figures). A weight
 stored [in, out] is still seen by the model as an [out, in] view, so the maths and the model code do not
 change. Only 16-bit weights are tuned: float32 keeps one layout, and so its bit-exact parity tests.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -48,8 +49,8 @@ def _transposed_is_faster(weight: torch.Tensor, device: torch.device) -> bool:
     for rows in _ROWS:
         x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=device)
         times = {
-            False: graph_time_us(lambda w=plain, x=x: F.linear(x, w)),
-            True: graph_time_us(lambda w=transposed, x=x: F.linear(x, w)),
+            False: graph_time_us(partial(F.linear, x, plain)),
+            True: graph_time_us(partial(F.linear, x, transposed)),
         }
         best = min(times.values())
         for layout, t in times.items():
@@ -71,9 +72,11 @@ def graph_time_us(
         for i in range(calls):
             fns[i % len(fns)]()
     graph.replay()
-    times = []
+    times: list[float] = []
     for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        # torch's stubs leave Event's constructor unannotated
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         start.record()
         graph.replay()
         end.record()

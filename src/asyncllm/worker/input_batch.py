@@ -1,7 +1,8 @@
-"""Preparing one step's model inputs into persistent buffers.
+"""Preparing one step's model inputs into persistent buffers, and staging its attention plan beside them.
 
 The per-token and per-sequence inputs are fixed regions of the step's `StepStaging` (pinned on CUDA):
-written through numpy views, sent with everything else the step stages in one copy by `flush`. The block
+written through numpy views, sent with everything else the step stages in one copy by `flush`. So is the
+work list of a static attention plan (`work`: one fixed address for every bucket's plan). The block
 table has a host/device pair of its own: a row is rewritten on the host only when its sequence or block
 count changed, and only the rows changed since the last flush are copied. Fixed addresses are what CUDA
 graphs need (a captured graph reads these very tensors), and no step allocates. A decode step replayed by a
@@ -19,9 +20,19 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from asyncllm.attention.backend import AttentionMetadata
-from asyncllm.layers.step_staging import PrefixViews, StepStaging
+from asyncllm.attention.backend import AttentionMetadata, AttentionPlan
 from asyncllm.step import SchedulerOutput
+from asyncllm.worker.step_staging import PrefixViews, StepStaging
+
+
+@dataclass(frozen=True)
+class WorkRoom:
+    """Room for the attention plans' work lists (`AttentionPlan.work`): a fixed region for static plans (a
+    captured graph reads it there), staging room for a step planned alone."""
+
+    static: int = 0  # entries: the longest static plan's
+    step: int = 0  # entries: the longest plan of one step within the step budget
+    dtype: torch.dtype = torch.int32  # the backend's `work_dtype`
 
 
 @dataclass
@@ -69,19 +80,23 @@ class InputBuffers:
         max_blocks_per_seq: int,
         block_size: int,
         device: torch.device,
+        work: WorkRoom | None = None,
     ) -> None:
+        work = work or WorkRoom()
         self.max_num_tokens = max_num_tokens
         self.max_num_seqs = max_num_seqs
         self.block_size = block_size
         self.max_blocks_per_seq = max_blocks_per_seq
         # What else a step stages beside its inputs: the sampler's seeds, offsets and temperatures, the
-        # latest tokens' feed and record indices (int64, at most a few per sequence), with room to spare.
-        self.staging = StepStaging(device, dynamic_bytes=16 * 8 * (max_num_seqs + 16))
-        # Per-sequence regions first, then per-token ones. `work`: an int32 region a backend's graph plan
-        # rewrites every step (the decode order), sent with the inputs.
+        # latest tokens' feed and record indices (int64, at most a few per sequence), with room to spare, and
+        # the attention plan of a step planned alone.
+        step_work = work.step * work.dtype.itemsize
+        self.staging = StepStaging(device, dynamic_bytes=16 * 8 * (max_num_seqs + 16) + step_work)
+        # Per-sequence regions first, then per-token ones. `work`: the attention work list of a static plan,
+        # rewritten every step at its fixed address.
         self.query_start_loc = self.staging.region(max_num_seqs + 1, torch.int32)
         self.seq_lens = self.staging.region(max_num_seqs, torch.int32)
-        self.work = self.staging.region(max_num_seqs, torch.int32)
+        self.work = self.staging.region(work.static, work.dtype)
         self.logits_indices = self.staging.region(max_num_seqs, torch.int64)
         self.input_ids = self.staging.region(max_num_tokens, torch.int64)
         self.positions = self.staging.region(max_num_tokens, torch.int64)
@@ -101,10 +116,11 @@ class InputBuffers:
         pad_logits_to: int | None = None,
         flush: bool = True,
     ) -> ModelInputs:
-        """Fill the step's inputs and, with `flush`, send them (callers that stage more for the same step pass
-        flush=False and call `flush` once they are done). `pad_to`: a decode-only step padded with dummy sequences to
-        that many rows (a captured CUDA graph's size). `pad_tokens_to`: any step padded with rows that belong
-        to no sequence (a mixed-step graph's token count): they write no KV and nothing attends from them.
+        """Turn the step into its inputs, written straight into their staged regions, and, with `flush`, send
+        them (callers that stage more for the same step pass flush=False and call `flush` once they are done).
+        `pad_to`: a decode-only step padded with dummy sequences to that many rows (a captured CUDA graph's
+        size). `pad_tokens_to`: any step padded with rows that belong to no sequence (a mixed-step graph's
+        token count): they write no KV and nothing attends from them.
         `pad_logits_to`: `logits_indices` repeats its last row up to that many (the LM head's padded count).
 
         One light pass over the sequences gathers Python lists, then each buffer gets one bulk write; a
@@ -186,7 +202,6 @@ class InputBuffers:
             seq_lens_cpu=seq_lens,
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
-            work=self.work,
         )
         inputs = ModelInputs(
             input_ids=self.input_ids.view(t),
@@ -200,6 +215,17 @@ class InputBuffers:
         if flush:
             self.flush()
         return inputs
+
+    def stage_plan(self, meta: AttentionMetadata, plan: AttentionPlan | None, static: bool) -> None:
+        """Stage the attention plan's work list (a static plan's in the fixed `work` region, where its graph
+        reads it) and bind the plan into `meta` for the forward pass."""
+        if plan is not None:
+            if static:
+                self.work.put(plan.work)
+                plan.bind(self.work.view(len(plan.work)))
+            else:
+                plan.bind(self.staging.stage(plan.work, self.work.dtype))
+        meta.plan = plan
 
     def flush(self) -> None:
         """Send everything this step wrote or staged: the block-table rows that changed, then the staging's

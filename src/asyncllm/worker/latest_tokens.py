@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from asyncllm.layers.step_staging import Stage, immediate
-
 
 class LatestTokens:
-    def __init__(self, device: torch.device, capacity: int = 256, stage: Stage | None = None) -> None:
+    """Slots on the device; the indices `record` and `feed` take are made on the host (`slots`,
+    `feed_index`) for the caller to upload (the runner stages them with the step's inputs)."""
+
+    def __init__(self, device: torch.device, capacity: int = 256) -> None:
         self.device = device
-        self._stage: Stage = stage or immediate(device)
         self._tokens = torch.zeros(capacity, dtype=torch.int64, device=device)  # [capacity] by slot
         self._slot: dict[str, int] = {}
         self._free = list(range(capacity - 1, -1, -1))
@@ -34,19 +34,19 @@ class LatestTokens:
         if slot is not None:
             self._free.append(slot)
 
-    def slots(self, request_ids: list[str]) -> torch.Tensor:
-        """The requests' slots, staged (for `record`)."""
-        return self._stage([self._slot[r] for r in request_ids], torch.int64)
+    def slots(self, request_ids: list[str]) -> list[int]:
+        """The requests' slots (int64 on the device, for `record`)."""
+        return [self._slot[r] for r in request_ids]
 
     def record(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
         """Store a step's sampled ids ([len(slots)] int64 on the device) as the latest of the requests whose
         `slots` these are."""
         self._tokens.index_copy_(0, slots, token_ids)
 
-    def feed_index(self, rows: list[int], request_ids: list[str]) -> torch.Tensor:
-        """The rows of `input_ids` to fill, then the slots of the requests to fill them from, staged (for
-        `feed`)."""
-        return self._stage(rows + [self._slot[r] for r in request_ids], torch.int64)
+    def feed_index(self, rows: list[int], request_ids: list[str]) -> list[int]:
+        """The rows of `input_ids` to fill, then the slots of the requests to fill them from (int64 on the
+        device, for `feed`)."""
+        return rows + [self._slot[r] for r in request_ids]
 
     def feed(self, input_ids: torch.Tensor, index: torch.Tensor) -> None:
         """input_ids[rows[i]] = the latest token of request i (`index` from `feed_index`), on the device

@@ -1,5 +1,6 @@
 """How much device memory the KV cache may take: measured by running the largest step the engine can
-schedule (with a throwaway cache) and keeping what `gpu_memory_utilization` leaves after that peak.
+schedule (with a throwaway cache) and keeping what `gpu_memory_utilization` leaves after that peak, less
+what the CUDA graphs will hold (measured by capturing the largest ones over a throwaway cache).
 
 Knows the model only as something that runs one forward pass; nothing here outlives the measurement.
 """
@@ -7,17 +8,19 @@ Knows the model only as something that runs one forward pass; nothing here outli
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from asyncllm.attention.backend import AttentionBackend
+from asyncllm.attention.backend import AttentionBackend, PlanBounds
 from asyncllm.step import ScheduledSeq, SchedulerOutput
-from asyncllm.worker.input_batch import InputBuffers
+from asyncllm.worker.buckets import Buckets
+from asyncllm.worker.causal_lm import CausalLM
+from asyncllm.worker.cuda_graph import CudaGraphRunner
+from asyncllm.worker.input_batch import InputBuffers, WorkRoom
 from asyncllm.worker.kv_cache import KVCacheSpec, allocate_kv_cache
 
 
 @torch.inference_mode()
 def profile_kv_budget_bytes(
-    model: nn.Module,
+    model: CausalLM,
     backend: AttentionBackend,
     spec: KVCacheSpec,
     device: torch.device,
@@ -35,9 +38,11 @@ def profile_kv_budget_bytes(
     scratch = allocate_kv_cache(spec, blocks, device)
     ids = torch.randint(0, vocab_size, (n,)).tolist()
     probe = SchedulerOutput(seqs=[ScheduledSeq("profile", ids, 0, list(range(blocks)), True)])
-    buffers = InputBuffers(n, 1, blocks, spec.block_size, device)
-    x = buffers.prepare(probe)
-    backend.prepare(x.meta)
+    step_work = backend.work_size(PlanBounds(n, 1, n))
+    buffers = InputBuffers(n, 1, blocks, spec.block_size, device, WorkRoom(step=step_work, dtype=backend.work_dtype))
+    x = buffers.prepare(probe, flush=False)
+    buffers.stage_plan(x.meta, backend.plan(x.meta), static=False)
+    buffers.flush()
     hidden = model(x.input_ids, x.positions, scratch, x.meta)
     # The sampler's peak: float32 logits (and a softmax-sized temporary) for a full batch of sequences.
     rows = hidden[: min(max_num_seqs, n)]
@@ -51,3 +56,32 @@ def profile_kv_budget_bytes(
     others = total - free_now - torch.cuda.memory_reserved(device)  # other processes on the GPU
     budget = int(total * gpu_memory_utilization) - peak - max(others, 0)
     return max(budget, 0)
+
+
+@torch.inference_mode()
+def measure_graph_memory(
+    model: CausalLM,
+    buckets: Buckets,
+    kv_spec: KVCacheSpec,
+    hidden_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> int:
+    """Bytes the graphs of `buckets` will hold, measured by capturing the largest decode and mixed-step
+    graphs over a throwaway one-block cache (the smaller graphs reuse their pool). Called before the KV cache
+    is sized, so the cache leaves room."""
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_reserved(device)
+    scratch = allocate_kv_cache(kv_spec, 1, device)
+    largest = buckets.largest()
+    # 2 blocks per sequence: the mixed graph's dummy prompt
+    buffers = InputBuffers(
+        largest.max_num_tokens, largest.max_num_seqs, 2, kv_spec.block_size, device, largest.work_room()
+    )
+    graphs = CudaGraphRunner(model, scratch, buffers, largest, hidden_size, dtype, device)
+    graphs.capture()
+    used = torch.cuda.memory_reserved(device) - before
+    graphs.release()
+    del graphs, buffers, scratch
+    torch.cuda.empty_cache()
+    return max(used, 0)

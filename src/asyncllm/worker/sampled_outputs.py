@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from asyncllm.layers.step_staging import PrefixViews
 from asyncllm.sample.logprobs import LogprobsOutput
 from asyncllm.step import ModelRunnerOutput, ReadyStep, StepResult
+from asyncllm.worker.step_staging import PrefixViews
 
 
 class SampledOutputs:
@@ -20,7 +20,8 @@ class SampledOutputs:
         pin = device.type == "cuda"
         # Two buffers, each with an event re-recorded by every step that uses it, and kept views of its rows.
         self._buffers = [PrefixViews(torch.empty(max_rows, dtype=torch.int64, pin_memory=pin)) for _ in range(2)]
-        self._events = [torch.cuda.Event() for _ in range(2)] if pin else []
+        # torch's stubs leave Event's constructor and `query` unannotated
+        self._events = [torch.cuda.Event() for _ in range(2)] if pin else []  # type: ignore[no-untyped-call]
         self._next = 0
 
     def send(self, token_ids: torch.Tensor, logprobs: LogprobsOutput | None) -> StepResult:
@@ -47,7 +48,7 @@ class _DeviceStep:
         self._output: ModelRunnerOutput | None = None
 
     def done(self) -> bool:
-        return self._output is not None or bool(self._event.query())
+        return self._output is not None or bool(self._event.query())  # type: ignore[no-untyped-call]
 
     def result(self) -> ModelRunnerOutput:
         if self._output is None:

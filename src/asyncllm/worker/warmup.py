@@ -68,11 +68,11 @@ def warm_up(
 
 @torch.inference_mode()
 def _warm_lm_head(runner: ModelRunner) -> None:
-    """The LM head runs outside the graphs; cuBLAS prepares a kernel for each new row count on first use (a
-    first request paid ~350 ms on the H200), so every count it runs at is run once: the decode buckets,
-    which every step pads its sampled rows to (`ModelRunner.logit_rows`); without buckets (a backend that
-    cannot be captured) a few small counts prefills give."""
-    sizes = runner.decode_sizes or [1, 2, 3, 4, 5, 6, 7, 8]
+    """The LM head runs outside the graphs; cuBLAS sets up a kernel for each new row count on first use
+    (a first request paid for it), so every count it runs at is run once: the decode buckets, which every
+    step pads its sampled rows to (`Buckets.logit_rows`); without buckets (a backend that cannot be
+    captured) a few small counts prefills give."""
+    sizes = runner.buckets.decode_sizes or [1, 2, 3, 4, 5, 6, 7, 8]
     weight = next(runner.model.parameters())
     hidden = torch.zeros(sizes[-1], runner.model.arch.hidden_size, dtype=weight.dtype, device=weight.device)
     for size in sizes:

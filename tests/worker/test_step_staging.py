@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncllm.layers.step_staging import ALIGN, StepStaging
+from asyncllm.worker.step_staging import ALIGN, StepStaging
 
 CPU = torch.device("cpu")
 

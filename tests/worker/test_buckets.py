@@ -1,5 +1,6 @@
-"""The host side of CUDA-graph replay, on CPU: which sizes are captured, which steps replay and at what
-padded size, and what padded rows hold (no KV write, one key, positions in range)."""
+"""The host side of CUDA-graph replay, on CPU (`Buckets` and the padding `InputBuffers` does for them): which
+sizes are captured, which shape a step runs at, what padded rows hold (no KV write, one key, positions in
+range), and where a static attention plan's work list is staged."""
 
 from __future__ import annotations
 
@@ -7,9 +8,14 @@ import itertools
 
 import torch
 
+from asyncllm.attention.backend import AttentionBackend, AttentionMetadata, AttentionPlan, PlanBounds
+from asyncllm.config import EngineConfig
+from asyncllm.model_loader.checkpoint import open_checkpoint
 from asyncllm.step import ScheduledSeq, SchedulerOutput
-from asyncllm.worker.cuda_graph import capture_sizes, is_decode_only, token_capture_sizes
+from asyncllm.worker.buckets import Buckets, capture_sizes, is_decode_only, token_capture_sizes
+from asyncllm.worker.device import ResolvedModel
 from asyncllm.worker.input_batch import InputBuffers
+from asyncllm.worker.setup import build_worker
 
 
 def test_capture_sizes() -> None:
@@ -89,20 +95,11 @@ def test_decode_sizes_fit_the_token_budget(tiny_model) -> None:
     import pytest
 
     pytest.importorskip("triton")
-    from asyncllm.config import EngineConfig
-    from asyncllm.model_loader.checkpoint import open_checkpoint
-    from asyncllm.worker.worker import Worker
-
-    config = EngineConfig.from_kwargs(
-        str(tiny_model), device="cpu", attention_backend="triton", max_num_batched_tokens=12, num_kv_blocks=16
-    )
-    worker = Worker(config, open_checkpoint(str(tiny_model), torch.float32))
-    worker.load_model()
-    worker.init_kv_cache(worker.determine_num_blocks())
-    assert worker.runner is not None and worker.runner.decode_sizes == [1, 2, 4, 8, 12]
-    assert worker.runner.token_sizes == []  # a 12-token budget is below the smallest mixed-step bucket
+    buckets = _buckets(tiny_model, attention_backend="triton", max_num_batched_tokens=12)
+    assert buckets.decode_sizes == [1, 2, 4, 8, 12]
+    assert buckets.token_sizes == []  # a 12-token budget is below the smallest mixed-step bucket
     # The LM head pads the sampled rows to those buckets (warm-up ran each), never past the largest.
-    assert [worker.runner.logit_rows(n) for n in (1, 3, 5, 9, 12)] == [1, 4, 8, 12, 12]
+    assert [buckets.logit_rows(n) for n in (1, 3, 5, 9, 12)] == [1, 4, 8, 12, 12]
 
 
 def test_token_sizes_follow_the_budget_and_the_graph_limit(tiny_model) -> None:
@@ -111,19 +108,89 @@ def test_token_sizes_follow_the_budget_and_the_graph_limit(tiny_model) -> None:
     import pytest
 
     pytest.importorskip("triton")
-    from asyncllm.config import EngineConfig
-    from asyncllm.model_loader.checkpoint import open_checkpoint
-    from asyncllm.worker.worker import Worker
 
     def token_sizes(**kwargs) -> list[int]:
-        config = EngineConfig.from_kwargs(str(tiny_model), device="cpu", num_kv_blocks=16, **kwargs)
-        worker = Worker(config, open_checkpoint(str(tiny_model), torch.float32))
-        worker.load_model()
-        worker.init_kv_cache(worker.determine_num_blocks())
-        assert worker.runner is not None
-        return worker.runner.token_sizes
+        return _buckets(tiny_model, **kwargs).token_sizes
 
     assert token_sizes(attention_backend="triton", max_num_batched_tokens=64) == [16, 32, 48, 64]
     assert token_sizes(attention_backend="triton", max_num_batched_tokens=512, cuda_graph_max_tokens=48) == [16, 32, 48]
     assert token_sizes(attention_backend="triton", cuda_graph_max_tokens=0) == []
     assert token_sizes(attention_backend="torch") == []
+
+
+def _buckets(path, **kwargs) -> Buckets:
+    """The buckets of a CPU worker built for the tiny model with these engine arguments."""
+    config = EngineConfig.from_kwargs(str(path), device="cpu", num_kv_blocks=16, **kwargs)
+    checkpoint = open_checkpoint(str(path), torch.float32)
+    worker = build_worker(config, checkpoint, ResolvedModel.resolve(config, checkpoint.hf_config))
+    assert worker.runner is not None
+    return worker.runner.buckets
+
+
+class _StaticBackend(AttentionBackend):
+    """A backend that plans statically: its work list is the step's sequence lengths, padded to the bounds."""
+
+    name = "static"
+    supports_cuda_graphs = True
+
+    def plan(self, meta: AttentionMetadata, bounds: PlanBounds | None = None) -> _LensPlan:
+        pad = [] if bounds is None else [-1] * (bounds.max_seqs - meta.num_seqs)
+        return _LensPlan(meta.seq_lens_cpu + pad)
+
+    def work_size(self, bounds: PlanBounds) -> int:
+        return bounds.max_seqs
+
+    def attend(self, q, k_cache, v_cache, meta, scale):  # type: ignore[no-untyped-def]
+        raise NotImplementedError
+
+
+class _LensPlan(AttentionPlan):
+    def __init__(self, work: list[int]) -> None:
+        self.work = work
+        self.device: torch.Tensor | None = None
+
+    def bind(self, work: torch.Tensor) -> None:
+        self.device = work
+
+
+def test_buckets_pick_the_shape_a_step_runs_at() -> None:
+    """Decode-only steps pad to a batch bucket and use their hidden rows as they are; other steps pad to a
+    token bucket and gather their sampled rows; steps past the largest bucket run unpadded, planned alone."""
+    buckets = Buckets.for_engine(
+        _StaticBackend(), max_num_seqs=8, max_num_tokens=64, max_graph_tokens=32, max_seq_len=99
+    )
+    assert buckets.decode_sizes == [1, 2, 4, 8] and buckets.token_sizes == [16, 32]
+    decode = SchedulerOutput(seqs=[ScheduledSeq(r, [1], 3, [0], True) for r in "abc"])
+    shape = buckets.shape(decode, 3)
+    assert shape is buckets.shape(decode, 3), "decode shapes are made once"
+    assert (shape.graph, shape.pad_to, shape.pad_tokens_to, shape.logit_rows) == (("decode", 4), 4, None, 4)
+    assert shape.bounds == PlanBounds(4, 4, 99, decode_only=True) and not shape.gathers_logits
+    mixed = SchedulerOutput(seqs=[ScheduledSeq("a", [1] * 20, 0, [0, 1], True), ScheduledSeq("b", [1], 3, [2], True)])
+    shape = buckets.shape(mixed, 2)
+    assert (shape.graph, shape.pad_to, shape.pad_tokens_to, shape.pad_logits_to) == (("mixed", 32), None, 32, 2)
+    assert shape.bounds == PlanBounds(32, 8, 99)
+    large = SchedulerOutput(seqs=[ScheduledSeq("a", [1] * 40, 0, [0, 1, 2], True)])
+    shape = buckets.shape(large, 1)
+    assert shape.graph is None and shape.bounds is None and shape.pad_tokens_to is None and shape.pad_logits_to == 1
+
+
+def test_a_static_plan_is_staged_at_one_fixed_address_and_sent_with_the_inputs() -> None:
+    """The backend hands its work list over as host ints; the worker writes it into the `work` region (the
+    address a captured graph reads) and it reaches the device only with the step's one flush."""
+    backend = _StaticBackend()
+    buckets = Buckets.for_engine(backend, max_num_seqs=4, max_num_tokens=16, max_graph_tokens=0, max_seq_len=32)
+    buffers = InputBuffers(16, 4, 4, 4, torch.device("cpu"), buckets.work_room())
+    addresses = set()
+    for lens in ([2, 4], [1, 3, 4]):
+        step = SchedulerOutput(seqs=[ScheduledSeq(f"r{i}", [7], n - 1, [i], True) for i, n in enumerate(lens)])
+        shape = buckets.shape(step, len(lens))
+        x = buffers.prepare(step, shape.pad_to, shape.pad_tokens_to, shape.pad_logits_to, flush=False)
+        buffers.stage_plan(x.meta, backend.plan(x.meta, shape.bounds), static=True)
+        plan = x.meta.plan
+        assert isinstance(plan, _LensPlan) and plan.device is not None
+        addresses.add(plan.device.data_ptr())
+        padded = lens + [1] * (shape.logit_rows - len(lens))  # padding sequences attend to one key
+        assert plan.device.tolist() != padded, "the device side changed before the flush"
+        buffers.flush()
+        assert plan.device.tolist() == padded
+    assert len(addresses) == 1

@@ -1,10 +1,15 @@
 """`StepStaging`: everything a step sends to the device, in one host-to-device copy.
 
-Why: each torch call made from Python gives up the GIL and has to take it back. The step thread shares the
-GIL with the event loop, which runs hundreds of consumers' Python between two steps, so every such call is
-a chance to wait for the loop. Seven input uploads, the decode order, the sampler's seeds and the latest
-tokens' indices were ~60 of a decode step's ~107 GIL releases, and a dozen small copies on the device's
-stream, each with its own latency.
+Three words, one meaning each, across the worker, the sampler and the attention backends:
+- prepare: turn the step's `SchedulerOutput` into host data (`InputBuffers.prepare`; the sampler's draw
+  parameters, the attention plan's work list and the latest tokens' indices are made alongside it);
+- stage: write host data into this step's pinned buffer (`StagedRegion.put`, `StepStaging.stage`), which
+  only the worker does: the sampler and the backends hand it plain lists;
+- flush: the step's one copy of what was staged to the device (`flush`).
+
+Why one copy: each torch call made from Python gives up the GIL and has to take it back. The step thread
+shares the GIL with the event loop, which runs hundreds of consumers' Python between two steps, so every
+such call is a chance to wait for the loop; and each small copy on the device's stream has its own latency.
 
 A host buffer (pinned on CUDA) and its device twin are allocated once. The front of the buffer holds fixed
 regions, declared before first use (`region`), at fixed device addresses: CUDA graphs read them. Behind
@@ -20,16 +25,12 @@ before the flush exactly as the GPU would.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from asyncllm.layers.host_copy import to_device
-
-# Host values to a device tensor of a dtype: `StepStaging.stage` (read only by work queued after the step's
-# flush), or an immediate non-blocking upload where nothing is staged.
-Stage = Callable[[Sequence[int] | Sequence[float], torch.dtype], torch.Tensor]
 
 ALIGN = 16  # bytes: every region and staged tensor starts 16-byte aligned (Triton specialises on it)
 _MAX_CACHED_VIEWS = 4096  # sizes a `PrefixViews` keeps
@@ -37,11 +38,6 @@ _MAX_CACHED_VIEWS = 4096  # sizes a `PrefixViews` keeps
 
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
-
-
-def immediate(device: torch.device) -> Stage:
-    """The `Stage` of code that stages nothing: each call is its own non-blocking upload."""
-    return lambda values, dtype: to_device(values, dtype, device)
 
 
 class PrefixViews:
@@ -113,7 +109,8 @@ class StepStaging:
         self._host: torch.Tensor | None = None  # uint8, allocated at first use
         self._host_np: np.ndarray | None = None
         self._dev: torch.Tensor | None = None
-        self._copied = torch.cuda.Event() if device.type == "cuda" else None
+        # torch's stubs leave Event's constructor and `query` unannotated
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None  # type: ignore[no-untyped-call]
         self._copy_pending = False
         self._open = False  # a step is writing: host written since the last flush
         self._end = 0  # bytes of the buffer's prefix this step writes
@@ -158,7 +155,7 @@ class StepStaging:
             return
         if self._host is None:
             self._allocate()
-        if self._copy_pending and self._copied is not None and not self._copied.query():
+        if self._copy_pending and self._copied is not None and not self._copied.query():  # type: ignore[no-untyped-call]
             self._copied.synchronize()
         self._copy_pending = False
         self._open = True

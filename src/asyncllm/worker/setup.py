@@ -1,0 +1,249 @@
+"""`build_worker`: the one way every executor and rank builds its `Worker`, in order, each step taking what
+the one before returned: load the model (attention backend, weights, fused kernels, GEMM layouts), size the
+KV cache (profiling memory on CUDA, the CUDA graphs' share included; the ranks agree on one count), allocate
+it with the step's buffers and the runner, warm up (compiles every kernel), capture the CUDA graphs.
+
+As a tensor-parallel rank (`parallel` given) the worker holds its shard of the model and of the KV heads;
+every rank runs the same steps in the same order (each may run collectives). Knows nothing of requests, of
+scheduling, or of how ranks are started.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import cast
+
+from torch import nn
+
+from asyncllm.attention.backend import AttentionBackend
+from asyncllm.attention.registry import make_attention_backend
+from asyncllm.config import EngineConfig
+from asyncllm.layers.fusion import use_fused_kernels
+from asyncllm.layers.parallel import TPGroup
+from asyncllm.model_loader.base import Checkpoint
+from asyncllm.model_loader.loader import load_model
+from asyncllm.models.tensor_parallel import shard_arch
+from asyncllm.step import RuntimeInfo
+from asyncllm.worker.buckets import Buckets
+from asyncllm.worker.causal_lm import CausalLM
+from asyncllm.worker.cuda_graph import CudaGraphRunner
+from asyncllm.worker.device import ResolvedModel
+from asyncllm.worker.gemm_layout import tune_weight_layouts
+from asyncllm.worker.input_batch import InputBuffers
+from asyncllm.worker.kv_cache import KVCacheSpec, allocate_kv_cache, blocks_for_budget
+from asyncllm.worker.memory import measure_graph_memory, profile_kv_budget_bytes
+from asyncllm.worker.model_runner import ModelRunner
+from asyncllm.worker.warmup import warm_up
+from asyncllm.worker.worker import Worker
+
+# The graphs' pool is measured for the largest size only; the others share it but may fragment it a little.
+_GRAPH_MEMORY_MARGIN = 1.25
+
+logger = logging.getLogger(__name__)
+
+
+def build_worker(
+    config: EngineConfig,
+    checkpoint: Checkpoint,
+    resolved: ResolvedModel,
+    parallel: TPGroup | None = None,
+    agree: Callable[[int], int] = lambda num_blocks: num_blocks,
+) -> Worker:
+    """A ready worker. `agree`: the KV block count every rank can hold, from this rank's (tensor parallelism:
+    the smallest of the ranks'; it is a collective)."""
+    setup = WorkerSetup(config, checkpoint, resolved, parallel)
+    loaded = setup.load()
+    num_blocks = agree(setup.num_blocks(loaded))
+    runner = setup.runner(loaded, num_blocks)
+    setup.warm_up(runner, num_blocks)
+    setup.capture(runner)
+    return Worker(runner, setup.runtime_info(loaded, runner, num_blocks))
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """The model on its device, and the attention backend its layers call."""
+
+    module: nn.Module
+    backend: AttentionBackend
+
+    @property
+    def model(self) -> CausalLM:
+        return cast(CausalLM, self.module)  # every family's model has the forward pass and LM head it names
+
+
+class WorkerSetup:
+    """The set-up steps, in `build_worker`'s order, over what they share (config, resolved model, shard)."""
+
+    def __init__(
+        self, config: EngineConfig, checkpoint: Checkpoint, resolved: ResolvedModel, parallel: TPGroup | None
+    ) -> None:
+        self.config = config = config.resolved(streaming=False)  # a no-op for an engine's config (settled)
+        self.checkpoint = checkpoint
+        self.resolved = resolved
+        self.parallel = parallel
+        # This rank's share of the heads (the whole model without tensor parallelism): the KV cache's shape.
+        self.local_arch = shard_arch(resolved.arch, 1 if parallel is None else parallel.world_size)
+        self.kv_spec = KVCacheSpec(
+            num_layers=resolved.arch.num_layers,
+            num_kv_heads=self.local_arch.num_kv_heads,
+            head_dim=resolved.arch.head_dim,
+            block_size=config.cache_config.block_size,
+            dtype=resolved.dtype,
+        )
+        self.timings: dict[str, float] = {}  # start-up seconds per step, reported in RuntimeInfo
+
+    def load(self) -> LoadedModel:
+        start = time.perf_counter()
+        device, dtype = self.resolved.device, self.resolved.dtype
+        backend = make_attention_backend(
+            self.config.device_config.attention_backend, device, dtype, self.local_arch.num_kv_heads
+        )
+        mc = self.config.model_config
+        module = load_model(
+            self.checkpoint, self.resolved.arch, backend, device, dtype, mc.load_format, mc.seed, self.parallel
+        )
+        # Our Triton backend brings the fused kernels with it (norm + residual, q/k norm + rotary + KV write,
+        # SiLU-and-mul); the torch backend keeps every layer in its pure-PyTorch form, the reference.
+        if backend.name == "triton":
+            use_fused_kernels(module)
+        self.timings["load"] = time.perf_counter() - start
+        if device.type == "cuda" and not self.config.device_config.enforce_eager:
+            start = time.perf_counter()
+            transposed = tune_weight_layouts(module, device)
+            self.timings["tune_gemm"] = time.perf_counter() - start
+            logger.info("linear weights stored [in, out] for shapes %s", [s for s, t in transposed.items() if t])
+        return LoadedModel(module, backend)
+
+    def num_blocks(self, loaded: LoadedModel) -> int:
+        """The KV block count: the explicit `num_kv_blocks`, else what memory allows, capped at what
+        `max_num_seqs` full-length sequences could ever use."""
+        cache, sched = self.config.cache_config, self.config.scheduler_config
+        max_model_len = self.resolved.arch.max_model_len
+        if cache.num_kv_blocks is not None:
+            return cache.num_kv_blocks
+        max_useful = sched.max_num_seqs * -(-max_model_len // cache.block_size)
+        device = self.resolved.device
+        if device.type == "cpu":
+            return blocks_for_budget(self.kv_spec, int(cache.cpu_kv_cache_gib * 2**30), max_useful)
+        start = time.perf_counter()
+        budget = profile_kv_budget_bytes(
+            loaded.model,
+            loaded.backend,
+            self.kv_spec,
+            device,
+            vocab_size=self.resolved.arch.vocab_size,
+            max_num_tokens=min(sched.max_num_batched_tokens, max_model_len),
+            max_num_seqs=sched.max_num_seqs,
+            gpu_memory_utilization=cache.gpu_memory_utilization,
+        )
+        if self._use_cuda_graphs(loaded.backend):
+            buckets = self._buckets(loaded.backend, max_model_len)
+            graph_bytes = measure_graph_memory(
+                loaded.model,
+                buckets,
+                self.kv_spec,
+                self.resolved.arch.hidden_size,
+                self.resolved.dtype,
+                device,
+            )
+            budget -= int(graph_bytes * _GRAPH_MEMORY_MARGIN)
+            logger.info("CUDA graphs will hold about %.1f MiB", graph_bytes / 2**20)
+        self.timings["profile"] = time.perf_counter() - start
+        return blocks_for_budget(self.kv_spec, max(budget, 0), max_useful)
+
+    def runner(self, loaded: LoadedModel, num_blocks: int) -> ModelRunner:
+        """Allocate the cache and the step's input buffers, and the runner that uses them."""
+        cache, sched = self.config.cache_config, self.config.scheduler_config
+        device, max_model_len = self.resolved.device, self.resolved.arch.max_model_len
+        if num_blocks * cache.block_size < max_model_len:
+            logger.warning(
+                "the KV cache holds %d tokens, fewer than max_model_len=%d: longer requests are refused and "
+                "outputs stop ('length') when a sequence fills it; raise num_kv_blocks (or GPU memory) to avoid it",
+                num_blocks * cache.block_size,
+                max_model_len,
+            )
+        kv_caches = allocate_kv_cache(self.kv_spec, num_blocks, device)
+        max_seq_len = min(max_model_len, num_blocks * cache.block_size)
+        buckets = self._buckets(loaded.backend, max_seq_len)
+        max_blocks_per_seq = -(-max_seq_len // cache.block_size)
+        buffers = InputBuffers(
+            sched.max_num_batched_tokens,
+            sched.max_num_seqs,
+            max_blocks_per_seq,
+            cache.block_size,
+            device,
+            buckets.work_room(),
+        )
+        arch = self.resolved.arch
+        graphs = CudaGraphRunner(
+            loaded.model, kv_caches, buffers, buckets, arch.hidden_size, self.resolved.dtype, device
+        )
+        runner = ModelRunner(
+            loaded.model, loaded.backend, buffers, graphs, device, self.checkpoint.eos_token_ids, arch.vocab_size
+        )
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%s, %s)", num_blocks, cache.block_size, device, self.resolved.dtype
+        )
+        return runner
+
+    def warm_up(self, runner: ModelRunner, num_blocks: int) -> None:
+        """Compile every Triton kernel eager steps launch (CUDA only: on CPU nothing compiles)."""
+        if self.resolved.device.type != "cuda":
+            return
+        sched = self.config.scheduler_config
+        self.timings["warm_up"] = warm_up(
+            runner,
+            block_size=self.config.cache_config.block_size,
+            num_blocks=num_blocks,
+            max_model_len=self.resolved.arch.max_model_len,
+            max_num_seqs=sched.max_num_seqs,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+        )
+
+    def capture(self, runner: ModelRunner) -> None:
+        if not self._use_cuda_graphs(runner.backend):
+            return
+        graphs = runner.graphs
+        self.timings["capture"] = graphs.capture()
+        logger.info(
+            "captured %d CUDA graphs in %.2f s: decode batch sizes %s, token counts %s",
+            len(graphs.sizes("decode")) + len(graphs.sizes("mixed")),
+            self.timings["capture"],
+            graphs.sizes("decode"),
+            graphs.sizes("mixed"),
+        )
+
+    def runtime_info(self, loaded: LoadedModel, runner: ModelRunner, num_blocks: int) -> RuntimeInfo:
+        """What the engine core needs to know, once set-up is done."""
+        arch = self.resolved.arch
+        return RuntimeInfo(
+            vocab_size=arch.vocab_size,
+            max_model_len=arch.max_model_len,
+            num_kv_blocks=num_blocks,
+            block_size=self.config.cache_config.block_size,
+            eos_token_ids=self.checkpoint.eos_token_ids,
+            device=str(self.resolved.device),
+            dtype=str(self.resolved.dtype).removeprefix("torch."),
+            attention_backend=loaded.backend.name,
+            cuda_graph_sizes=tuple(runner.graphs.sizes("decode")),
+            cuda_graph_token_sizes=tuple(runner.graphs.sizes("mixed")),
+            startup_seconds=tuple(self.timings.items()),
+        )
+
+    def _use_cuda_graphs(self, backend: AttentionBackend) -> bool:
+        """Graphs on CUDA unless enforce_eager, with a backend that can be captured (Triton, not the torch
+        reference, whose decode path plans on the host)."""
+        enforce_eager = self.config.device_config.enforce_eager
+        return self.resolved.device.type == "cuda" and not enforce_eager and backend.supports_cuda_graphs
+
+    def _buckets(self, backend: AttentionBackend, max_seq_len: int) -> Buckets:
+        """The buckets steps pad to (also eagerly, with a backend that could be captured, so that
+        `enforce_eager` computes the same numbers as graphs)."""
+        sched = self.config.scheduler_config
+        graph_tokens = self.config.device_config.cuda_graph_max_tokens
+        assert graph_tokens is not None, "EngineConfig.resolved settled it"
+        return Buckets.for_engine(backend, sched.max_num_seqs, sched.max_num_batched_tokens, graph_tokens, max_seq_len)
