@@ -10,9 +10,10 @@ import torch
 from torch import nn
 
 from asyncllm.kernels.silu_mul_ref import silu_and_mul_ref
+from asyncllm.layers.fusion import Fusable
 
 
-class SiluAndMul(nn.Module):
+class SiluAndMul(nn.Module, Fusable):
     def __init__(self) -> None:
         super().__init__()
         self._kernel: Callable[[torch.Tensor], torch.Tensor] | None = None

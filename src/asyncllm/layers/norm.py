@@ -17,9 +17,10 @@ import torch
 from torch import nn
 
 from asyncllm.kernels.rms_norm_ref import add_rms_norm_ref, rms_norm_ref
+from asyncllm.layers.fusion import Fusable
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(nn.Module, Fusable):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim))

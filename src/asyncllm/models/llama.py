@@ -17,6 +17,7 @@ from asyncllm.attention.backend import AttentionBackend, AttentionMetadata
 from asyncllm.attention.layer import Attention, KVCache
 from asyncllm.layers.activation import SiluAndMul
 from asyncllm.layers.embedding import LMHead, VocabEmbedding
+from asyncllm.layers.fusion import Fusable
 from asyncllm.layers.linear import Linear, PackedLinear, gate_up_shards, qkv_shards
 from asyncllm.layers.norm import RMSNorm
 from asyncllm.layers.rotary import RotaryEmbedding, RotaryInputs, apply_rotary
@@ -36,7 +37,7 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))  # type: ignore[no-any-return]  # [T, hidden] -> [T, 2I] -> [T, I] -> [T, hidden]
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(nn.Module, Fusable):
     def __init__(self, arch: ModelArchConfig, backend: AttentionBackend, qkv_bias: bool, o_bias: bool) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
