@@ -121,5 +121,5 @@ def test_optional_numerics_are_read_when_the_config_has_them() -> None:
     assert arch.query_pre_attn_scalar is None and arch.final_logit_softcapping is None
     arch = ModelArchConfig.from_hf(_llama(query_pre_attn_scalar=256, final_logit_softcapping=30.0), None)
     assert arch.query_pre_attn_scalar == 256.0 and arch.final_logit_softcapping == 30.0
-    with pytest.raises(UnsupportedModelError, match="final_logit_softcapping=0.0"):
+    with pytest.raises(UnsupportedModelError, match=r"final_logit_softcapping=0\.0"):
         ModelArchConfig.from_hf(_llama(final_logit_softcapping=0.0), None)
