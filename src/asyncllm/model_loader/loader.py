@@ -50,9 +50,7 @@ def load_model(
     elif parallel is None:
         model.load_weights(checkpoint.iter_weights())
     else:
-        rank = parallel.rank
-
-        plan = model_cls.family.weights
+        rank, plan = parallel.rank, model_cls.family.weights
 
         def select(name: str) -> WeightShard | None:
             return weight_shard(name, arch, rank, world_size, plan)
