@@ -1,8 +1,9 @@
 """Everything between the qkv projection and attention, in one Triton pass: split the packed qkv, per-head
 RMSNorm of q and k (Qwen3; skipped without weights), rotate-half rotary embeddings, and the paged KV store.
 
-`qk_norm_rope_kv_ref` is the specification, the model code op for op (RMSNorm as transformers orders it,
-rotary with cos/sin cast to the activations' dtype, every elementwise op rounded to it, then store_kv).
+`qk_norm_rope_kv_ref` (qk_norm_rope_kv_ref.py) is the specification, the model code op for op (RMSNorm as
+transformers orders it, rotary with cos/sin cast to the activations' dtype, every elementwise op rounded to it,
+then store_kv).
 Knows the KV cache layout [num_blocks, block_size, Hkv, D] and slot = block * block_size + row; nothing else.
 """
 
@@ -12,7 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .rms_norm import DTYPES, rms_norm_ref
+from .qk_norm_rope_kv_ref import qk_norm_rope_kv_ref
+from .rms_norm import DTYPES
+
+__all__ = ["qk_norm_rope_kv", "qk_norm_rope_kv_ref"]
 
 
 @triton.jit
@@ -195,42 +199,3 @@ def qk_norm_rope_kv(
         enable_fp_fusion=False,  # no fused multiply-add: x1*cos - x2*sin rounds each product, as torch does
     )  # fmt: skip
     return q_out
-
-
-def qk_norm_rope_kv_ref(
-    qkv: torch.Tensor,
-    positions: torch.Tensor,
-    cos_cache: torch.Tensor,
-    sin_cache: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    q_norm_weight: torch.Tensor | None = None,
-    k_norm_weight: torch.Tensor | None = None,
-    eps: float | None = None,
-) -> torch.Tensor:
-    """The specification, same contract as `qk_norm_rope_kv`: the model's split, per-head RMSNorm (Qwen3),
-    apply_rotary and store_kv. Skipping padding slots needs a boolean index, i.e. a host sync: not for graphs."""
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    num_tokens, num_heads = qkv.shape[0], qkv.shape[1] // head_dim - 2 * num_kv_heads
-    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-    q = q.view(num_tokens, num_heads, head_dim)
-    k = k.view(num_tokens, num_kv_heads, head_dim)
-    v = v.view(num_tokens, num_kv_heads, head_dim)
-    if q_norm_weight is not None:
-        q, k = rms_norm_ref(q, q_norm_weight, eps), rms_norm_ref(k, k_norm_weight, eps)  # over D
-    cos, sin = cos_cache[positions], sin_cache[positions]  # [T, D/2] float32
-    q, k = _apply_rotary(q, cos, sin), _apply_rotary(k, cos, sin)
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    for cache, new in ((k_cache, k), (v_cache, v)):
-        cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, new[keep].to(cache.dtype))
-    return q
-
-
-def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] rotated by cos/sin [T, D/2] in x's dtype (the model's apply_rotary, rotate-half)."""
-    cos = cos.to(x.dtype)[:, None, :]  # [T, 1, D/2]
-    sin = sin.to(x.dtype)[:, None, :]
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -1,8 +1,9 @@
 """RMSNorm in Triton, optionally fused with the residual add before it (vLLM's fused_add_rms_norm).
 
-`rms_norm_ref` is the specification: transformers' RMSNorm op order (normalise in float32, cast to the input
-dtype, then scale by the weight), after `x + residual` in the input dtype. The kernel reproduces every one of
-those roundings; only the order of the sum of squares differs. Knows nothing of models or layers.
+`rms_norm_ref` (rms_norm_ref.py) is the specification: transformers' RMSNorm op order (normalise in float32,
+cast to the input dtype, then scale by the weight), after `x + residual` in the input dtype. The kernel
+reproduces every one of those roundings; only the order of the sum of squares differs. Knows nothing of models
+or layers.
 """
 
 from __future__ import annotations
@@ -10,6 +11,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .rms_norm_ref import rms_norm_ref
+
+__all__ = ["DTYPES", "launch_config", "rms_norm", "rms_norm_ref"]
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -98,17 +103,3 @@ def rms_norm(
         HIDDEN=hidden, BLOCK_H=block_h, ROWS=rows, HAS_RESIDUAL=residual is not None, num_warps=num_warps,
     )  # fmt: skip
     return out
-
-
-def rms_norm_ref(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The specification (same contract as `rms_norm`, residual updated in place): transformers' RMSNorm
-    (LlamaRMSNorm / Qwen3RMSNorm) after the residual add, op for op. Works over the last dim of any shape."""
-    if residual is not None:
-        x = x + residual  # rounded to x's dtype, like the un-fused decoder layer
-        residual.copy_(x)
-    xf = x.float()
-    variance = xf.pow(2).mean(-1, keepdim=True)
-    xf = xf * torch.rsqrt(variance + eps)
-    return weight * xf.to(x.dtype)

@@ -1,15 +1,19 @@
 """The gated-MLP activation in Triton: silu(gate) * up over a packed [gate | up] projection output.
 
-`silu_and_mul_ref` is the specification: `F.silu(gate) * up` with torch's roundings (silu computed in float32
-and rounded to the input dtype, then the product computed in float32 and rounded). Knows nothing of models.
+`silu_and_mul_ref` (silu_mul_ref.py) is the specification: `F.silu(gate) * up` with torch's roundings (silu
+computed in float32 and rounded to the input dtype, then the product computed in float32 and rounded). Knows
+nothing of models.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from .silu_mul_ref import silu_and_mul_ref
+
+__all__ = ["DTYPES", "MAX_BLOCK", "silu_and_mul", "silu_and_mul_ref"]
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_BLOCK = 1024  # columns per program: 8 per thread over 4 warps, i.e. one 16-byte vector each in 16-bit
@@ -68,9 +72,3 @@ def silu_and_mul(
         x, out, x.stride(0), out.stride(0), INTER=inter, BLOCK=block, num_warps=4 if block >= 512 else 1,
     )  # fmt: skip
     return out
-
-
-def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
-    """The specification: [..., 2 * I] -> [..., I], exactly the model's SiluAndMul."""
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from asyncllm.kernels.qk_norm_rope_kv_ref import qk_norm_rope_kv_ref
 
 from tests.fixtures.triton_kernels import (
     CPU_TOKENS,
@@ -84,7 +85,7 @@ def check(qk, case: dict) -> None:
     num_heads = case["qkv"].shape[1] // head_dim - 2 * num_kv_heads
     qkv_before = case["qkv"].clone()
     ref_case = dict(case, k_cache=case["k_cache"].clone(), v_cache=case["v_cache"].clone())
-    q_ref = qk.qk_norm_rope_kv_ref(**ref_case)
+    q_ref = qk_norm_rope_kv_ref(**ref_case)
     q_buf, q_out = nan_padded((num_tokens, num_heads, head_dim), 3, case["qkv"].dtype)
     assert qk.qk_norm_rope_kv(**case, q_out=q_out) is q_out
     assert_only_view_written(q_buf, head_dim)
@@ -161,7 +162,7 @@ def test_ref_is_the_model_code(qk, dtype: torch.dtype, norm: bool) -> None:
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         store_kv(k, v, caches[0], caches[1], slots)
         weights = dict(q_norm_weight=q_norm.weight, k_norm_weight=k_norm.weight, eps=EPS) if norm else {}
-        got = qk.qk_norm_rope_kv_ref(
+        got = qk_norm_rope_kv_ref(
             qkv, positions, rope.cos_cache, rope.sin_cache, caches[2], caches[3], slots, **weights
         )
     torch.testing.assert_close(got, q, atol=0, rtol=0)
@@ -231,7 +232,7 @@ def test_gpu_cuda_graph_replay(qk) -> None:
         for name in ("qkv", "positions", "slot_mapping", "k_cache", "v_cache", "q_norm_weight", "k_norm_weight"):
             static[name].copy_(fresh[name])
         ref_case = dict(fresh, k_cache=fresh["k_cache"].clone(), v_cache=fresh["v_cache"].clone())
-        q_ref = qk.qk_norm_rope_kv_ref(**ref_case)
+        q_ref = qk_norm_rope_kv_ref(**ref_case)
         q_out.fill_(float("nan"))
         graph.replay()
         assert_matches(static, q_out, ref_case, q_ref)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from asyncllm.kernels.rms_norm_ref import rms_norm_ref
 
 from tests.fixtures.triton_kernels import (
     CPU_TOKENS,
@@ -50,7 +51,7 @@ def check(rn, num_tokens: int, hidden: int, dtype: torch.dtype, fused: bool, see
     res_buf, res = nan_padded((num_tokens, hidden), 7, dtype)
     res.copy_(residual)
     ref_res = residual.clone()
-    ref = rn.rms_norm_ref(x, weight, EPS, ref_res if fused else None)
+    ref = rms_norm_ref(x, weight, EPS, ref_res if fused else None)
     got = rn.rms_norm(x, weight, EPS, residual=res if fused else None, out=out)
     assert got is out
     assert not out.isnan().any(), f"{out.isnan().any(-1).sum().item()} rows were not (fully) written"
@@ -84,7 +85,7 @@ def test_out_may_be_x_and_default_allocation(rn) -> None:
     """`out=x` normalises in place; without `out` a fresh contiguous tensor comes back."""
     x, weight, residual = random_inputs(9, 96, torch.float32, seed=3)
     ref_res = residual.clone()
-    ref = rn.rms_norm_ref(x, weight, EPS, ref_res)
+    ref = rms_norm_ref(x, weight, EPS, ref_res)
     assert rn.rms_norm(x, weight, EPS, residual=residual, out=x) is x
     torch.testing.assert_close(x, ref, atol=TOLERANCE[torch.float32], rtol=TOLERANCE[torch.float32])
     torch.testing.assert_close(residual, ref_res, atol=0, rtol=0)
@@ -107,10 +108,10 @@ def test_ref_is_the_model_norm(rn, dtype: torch.dtype) -> None:
     x = torch.randn(7, 1000, generator=gen).to(dtype)
     residual = torch.randn(7, 1000, generator=gen).to(dtype)
     with torch.no_grad():
-        torch.testing.assert_close(rn.rms_norm_ref(x, norm.weight, EPS), norm(x), atol=0, rtol=0)
+        torch.testing.assert_close(rms_norm_ref(x, norm.weight, EPS), norm(x), atol=0, rtol=0)
         h = x + residual
         expected = norm(h)
-        got = rn.rms_norm_ref(x, norm.weight, EPS, residual)
+        got = rms_norm_ref(x, norm.weight, EPS, residual)
     torch.testing.assert_close(got, expected, atol=0, rtol=0)
     torch.testing.assert_close(residual, h, atol=0, rtol=0)
 
@@ -163,7 +164,7 @@ def test_gpu_cuda_graph_replay(rn) -> None:
         residual.copy_(new_res)
         out.fill_(float("nan"))
         graph.replay()
-        ref = rn.rms_norm_ref(new_x, weight, EPS, new_res)
+        ref = rms_norm_ref(new_x, weight, EPS, new_res)
         tol = TOLERANCE[torch.bfloat16]
         torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
         torch.testing.assert_close(residual, new_res, atol=0, rtol=0)

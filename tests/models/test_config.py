@@ -113,3 +113,13 @@ def test_max_model_len_beyond_trained_positions_is_refused() -> None:
     assert ModelArchConfig.from_hf(config, 512).max_model_len == 512
     with pytest.raises(ValueError, match=r"max_model_len=4096 exceeds .*max_position_embeddings \(512\)"):
         ModelArchConfig.from_hf(config, 4096)
+
+
+def test_optional_numerics_are_read_when_the_config_has_them() -> None:
+    """Gemma's softmax scale and logit softcap come from its config; absent (every Llama/Qwen config), None."""
+    arch = ModelArchConfig.from_hf(_llama(), None)
+    assert arch.query_pre_attn_scalar is None and arch.final_logit_softcapping is None
+    arch = ModelArchConfig.from_hf(_llama(query_pre_attn_scalar=256, final_logit_softcapping=30.0), None)
+    assert arch.query_pre_attn_scalar == 256.0 and arch.final_logit_softcapping == 30.0
+    with pytest.raises(UnsupportedModelError, match=r"final_logit_softcapping=0\.0"):
+        ModelArchConfig.from_hf(_llama(final_logit_softcapping=0.0), None)

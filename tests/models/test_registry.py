@@ -1,4 +1,5 @@
-"""resolve_model_class: the four supported architectures, and a helpful error for any other."""
+"""The registry: one entry per architecture, read by the Hugging Face and the GGUF loader alike; the four
+supported architectures, and a helpful error for any other."""
 
 from __future__ import annotations
 
@@ -9,7 +10,13 @@ import pytest
 from asyncllm.errors import UnsupportedModelError
 from asyncllm.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from asyncllm.models.qwen3 import Qwen3ForCausalLM
-from asyncllm.models.registry import SUPPORTED_ARCHITECTURES, resolve_model_class
+from asyncllm.models.registry import (
+    ARCHITECTURES,
+    SUPPORTED_ARCHITECTURES,
+    SUPPORTED_GGUF_ARCHITECTURES,
+    resolve_gguf_architecture,
+    resolve_model_class,
+)
 
 
 @pytest.mark.parametrize(
@@ -27,3 +34,18 @@ def test_unsupported_architecture_lists_the_supported_ones(architectures: list[s
     for name in SUPPORTED_ARCHITECTURES:
         assert name in str(info.value)
     assert isinstance(info.value, ValueError)
+
+
+def test_one_entry_per_name_feeds_both_loaders() -> None:
+    """Each HF and GGUF name belongs to one entry; a GGUF architecture resolves to the same model class as
+    the Hugging Face name its config will carry."""
+    assert len({a.name for a in ARCHITECTURES}) == len(ARCHITECTURES)
+    gguf_names = [name for a in ARCHITECTURES if a.gguf is not None for name in a.gguf.names]
+    assert len(set(gguf_names)) == len(gguf_names) and sorted(gguf_names) == list(SUPPORTED_GGUF_ARCHITECTURES)
+    for name in gguf_names:
+        entry = resolve_gguf_architecture(name)
+        assert resolve_model_class(SimpleNamespace(architectures=[entry.name])) is entry.model_class
+        assert entry.gguf_names.blocks  # derived from the family's spec
+    assert resolve_gguf_architecture("llama").model_class is LlamaForCausalLM
+    with pytest.raises(UnsupportedModelError, match=r"'gpt2'.*llama, qwen2, qwen3"):
+        resolve_gguf_architecture("gpt2")

@@ -1,22 +1,19 @@
-"""The gated MLP activation: silu(gate) * up over a packed [gate | up] projection output, in torch or
-through the fused Triton kernel (`asyncllm.kernels.silu_mul`)."""
+"""The gated MLP activation: silu(gate) * up over a packed [gate | up] projection output, in torch (the
+specification, `asyncllm.kernels.silu_mul_ref`) or through the fused Triton kernel (`asyncllm.kernels.silu_mul`).
+Another gate (Gemma's GELU-tanh) is another class beside this one, chosen by `FamilySpec.activation`."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-
-def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
-    """[..., 2 * I] -> [..., I]: the first half is the gate, the second the up projection."""
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+from asyncllm.kernels.silu_mul_ref import silu_and_mul_ref
+from asyncllm.layers.fusion import Fusable
 
 
-class SiluAndMul(nn.Module):
+class SiluAndMul(nn.Module, Fusable):
     def __init__(self) -> None:
         super().__init__()
         self._kernel: Callable[[torch.Tensor], torch.Tensor] | None = None

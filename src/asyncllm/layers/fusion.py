@@ -1,20 +1,32 @@
-"""Switching a built model from its pure-PyTorch layers to the fused Triton kernels, from outside.
+"""Which layers have a fused Triton form, and switching a built model to them from outside.
 
-Every layer with a fused form implements `enable_fused_kernels()` (importing its kernel then); the model
-files stay maths, and the torch form stays the twin the kernels are tested against.
+A layer opts in by deriving from `Fusable` and implementing `enable_fused_kernels()` (importing its kernel
+then); `use_fused_kernels` turns on exactly those, so a new module is never fused by accident because it
+happens to share a method name. The model files stay maths, and each layer's torch form, which calls the
+`kernels/*_ref.py` specification, stays the twin the kernels are tested against.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 from torch import nn
 
 
+class Fusable(ABC):
+    """A layer with a fused-kernel form. A subclass that changes the maths (another norm form, say) must
+    override `enable_fused_kernels` too, or derive from the plain layer instead: the opt-in is inherited."""
+
+    @abstractmethod
+    def enable_fused_kernels(self) -> None:
+        """Switch this layer's forward to its fused kernel; its result must match the torch form's."""
+
+
 def use_fused_kernels(model: nn.Module) -> int:
-    """Turn on the fused kernels in every layer of `model` that has them; returns how many layers did."""
+    """Turn on the fused kernels in every `Fusable` layer of `model`; returns how many layers did."""
     count = 0
     for module in model.modules():
-        enable = getattr(module, "enable_fused_kernels", None)
-        if callable(enable):
-            enable()
+        if isinstance(module, Fusable):
+            module.enable_fused_kernels()
             count += 1
     return count

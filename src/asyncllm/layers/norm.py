@@ -1,8 +1,11 @@
 """RMSNorm with the exact op order of transformers' Llama/Qwen norms, so fp32 outputs match bit for bit;
 optionally with the residual add folded in (`x, residual = norm(x, residual)`), and optionally through the
-fused Triton kernel (`asyncllm.kernels.rms_norm`) whose pure-PyTorch twin is `rms_norm_ref` below.
+fused Triton kernel (`asyncllm.kernels.rms_norm`). The torch form calls the specification both are held to,
+`asyncllm.kernels.rms_norm_ref`.
 
 Knows nothing about where it sits in a model; the weight is loaded from a checkpoint, never initialised here.
+Another norm form (Gemma's `x * (1 + w)`) is another class beside this one, chosen by a model family's
+`FamilySpec.norm`.
 """
 
 from __future__ import annotations
@@ -13,17 +16,11 @@ from typing import Any, overload
 import torch
 from torch import nn
 
-
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Normalise over the last dim in float32, cast back to x's dtype, then scale by the weight."""
-    in_dtype = x.dtype
-    xf = x.float()
-    variance = xf.pow(2).mean(-1, keepdim=True)
-    xf = xf * torch.rsqrt(variance + eps)
-    return weight * xf.to(in_dtype)
+from asyncllm.kernels.rms_norm_ref import add_rms_norm_ref, rms_norm_ref
+from asyncllm.layers.fusion import Fusable
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(nn.Module, Fusable):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim))
@@ -53,8 +50,7 @@ class RMSNorm(nn.Module):
             return out if residual is None else (out, residual)
         if residual is None:
             return rms_norm_ref(x, self.weight, self.eps)
-        h = x + residual  # IEEE addition commutes: the same bits as transformers' `residual + x`
-        return rms_norm_ref(h, self.weight, self.eps), h
+        return add_rms_norm_ref(x, residual, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, fused={self._kernel is not None}"

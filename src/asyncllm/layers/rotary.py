@@ -2,7 +2,8 @@
 
 Cos/sin tables are computed once in float32 the way transformers computes them per call, so indexing the
 table gives bit-identical values; they are non-persistent buffers (never in a checkpoint) that follow
-`model.to(...)`. Knows nothing about attention or caches: positions come in, rotated q/k go out.
+`model.to(...)`. The rotation itself is `asyncllm.kernels.rotary_ref.apply_rotary_ref`, the specification the
+fused q/k kernel is held to. Knows nothing about attention or caches: positions come in, rotated q/k go out.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from typing import Protocol
 
 import torch
 from torch import nn
+
+from asyncllm.kernels.rotary_ref import apply_rotary_ref
 
 
 class Llama3RopeScaling(Protocol):
@@ -88,13 +91,5 @@ class RotaryInputs:
         return self._looked_up
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] rotated by cos/sin [T, D/2], computed in x's dtype.
-
-    Equals transformers' `x * cat(cos, cos) + rotate_half(x) * cat(sin, sin)` exactly: per half that is
-    x1*c - x2*s and x2*c + x1*s, and IEEE negation and subtraction make the two forms bit-identical.
-    """
-    cos = cos.to(x.dtype)[:, None, :]  # [T, 1, D/2]
-    sin = sin.to(x.dtype)[:, None, :]
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+# The model's rotation is the specification itself (the fused q/k kernel is held to it).
+apply_rotary = apply_rotary_ref

@@ -50,10 +50,10 @@ def load_model(
     elif parallel is None:
         model.load_weights(checkpoint.iter_weights())
     else:
-        rank = parallel.rank
+        rank, plan = parallel.rank, model_cls.family.weights
 
         def select(name: str) -> WeightShard | None:
-            return weight_shard(name, arch, rank, world_size)
+            return weight_shard(name, arch, rank, world_size, plan)
 
         if checkpoint.iter_weight_shards is not None:
             model.load_weights(checkpoint.iter_weight_shards(select))

@@ -52,6 +52,9 @@ class ModelArchConfig:
     mlp_bias: bool
     max_position_embeddings: int
     max_model_len: int  # the longest sequence the engine will run; the RoPE tables cover it
+    # Numerics some families read from their config; None: not applied (see models/family.py).
+    query_pre_attn_scalar: float | None = None  # softmax scale query_pre_attn_scalar ** -0.5 (Gemma)
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
 
     def __post_init__(self) -> None:
         for name in (
@@ -77,6 +80,10 @@ class ModelArchConfig:
             raise UnsupportedModelError(f"head_dim={self.head_dim} is odd: rotary embeddings need it even")
         if not self.rms_norm_eps > 0:
             raise UnsupportedModelError(f"rms_norm_eps={self.rms_norm_eps!r} is invalid: expected > 0")
+        for name in ("query_pre_attn_scalar", "final_logit_softcapping"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise UnsupportedModelError(f"model config {name}={value!r} is invalid: expected > 0 or None")
 
     @property
     def num_kv_groups(self) -> int:
@@ -125,7 +132,14 @@ class ModelArchConfig:
             mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
             max_position_embeddings=max_pos,
             max_model_len=model_len,
+            query_pre_attn_scalar=_optional_float(hf_config, "query_pre_attn_scalar"),
+            final_logit_softcapping=_optional_float(hf_config, "final_logit_softcapping"),
         )
+
+
+def _optional_float(hf_config: Any, name: str) -> float | None:
+    value = getattr(hf_config, name, None)
+    return None if value is None else float(value)
 
 
 def _read_rope(hf_config: Any, max_position_embeddings: int) -> tuple[float, Llama3RopeScaling | None]:

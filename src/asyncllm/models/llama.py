@@ -1,13 +1,15 @@
 """The Llama family: LlamaForCausalLM, MistralForCausalLM (same maths) and Qwen2ForCausalLM (qkv bias).
 
-Only maths: every input (token ids, positions, this step's KV caches and attention metadata) is passed to
-`forward`; the attention kernel is the backend handed to the constructor. Module names mirror Hugging Face
-names except the packed `qkv_proj` and `gate_up_proj`, so loading is a short, strict name mapping.
+Only maths, plus the family's declaration (`LLAMA_FAMILY`: its numerics and weight plan, the one place Llama's
+checkpoint and GGUF names are written down). Every input (token ids, positions, this step's KV caches and
+attention metadata) is passed to `forward`; the attention kernel is the backend handed to the constructor.
+Module names mirror Hugging Face names except the packed `qkv_proj` and `gate_up_proj`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import dataclasses
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -15,35 +17,74 @@ from torch import nn
 
 from asyncllm.attention.backend import AttentionBackend, AttentionMetadata
 from asyncllm.attention.layer import Attention, KVCache
-from asyncllm.layers.activation import SiluAndMul
 from asyncllm.layers.embedding import LMHead, VocabEmbedding
+from asyncllm.layers.fusion import Fusable
 from asyncllm.layers.linear import Linear, PackedLinear, gate_up_shards, qkv_shards
-from asyncllm.layers.norm import RMSNorm
 from asyncllm.layers.rotary import RotaryEmbedding, RotaryInputs, apply_rotary
+from asyncllm.models.base import CausalLM
 from asyncllm.models.config import ModelArchConfig
-from asyncllm.models.weights import LLAMA_PACKED, load_packed_weights
+from asyncllm.models.family import EmbeddingScale, FamilySpec, GGUFNames, Split, WeightPlan
+
+LLAMA_GGUF = GGUFNames(
+    globals={"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"},
+    blocks={
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    },
+    layers="model.layers",
+)
+LLAMA_WEIGHTS = WeightPlan(
+    packed={
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"),
+        "up_proj": ("gate_up_proj", "up"),
+    },
+    column_parallel={
+        "q_proj": Split.QUERY_HEADS,
+        "k_proj": Split.KV_HEADS,
+        "v_proj": Split.KV_HEADS,
+        "gate_proj": Split.INTERMEDIATE,
+        "up_proj": Split.INTERMEDIATE,
+    },
+    row_parallel={"o_proj": Split.QUERY_HEADS, "down_proj": Split.INTERMEDIATE},
+    embedding="model.embed_tokens",
+    lm_head="lm_head",
+    gguf=LLAMA_GGUF,
+    ignored_suffixes=("rotary_emb.inv_freq",),  # old checkpoints carry RoPE buffers
+)
+LLAMA_FAMILY = FamilySpec(weights=LLAMA_WEIGHTS)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, arch: ModelArchConfig) -> None:
+    def __init__(self, arch: ModelArchConfig, family: FamilySpec) -> None:
         super().__init__()
         inter = arch.intermediate_size
         self.gate_up_proj = PackedLinear(arch.hidden_size, gate_up_shards(inter), bias=arch.mlp_bias)
         self.down_proj = Linear(inter, arch.hidden_size, bias=arch.mlp_bias)
-        self.act = SiluAndMul()
+        self.act = family.activation()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))  # type: ignore[no-any-return]  # [T, hidden] -> [T, 2I] -> [T, I] -> [T, hidden]
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(nn.Module, Fusable):
     def __init__(self, arch: ModelArchConfig, backend: AttentionBackend, qkv_bias: bool, o_bias: bool) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         shards = qkv_shards(arch.num_heads, arch.num_kv_heads, arch.head_dim)
         self.qkv_proj = PackedLinear(arch.hidden_size, shards, bias=qkv_bias)
         self.o_proj = Linear(arch.num_heads * arch.head_dim, arch.hidden_size, bias=o_bias)
-        self.attn = Attention(arch.num_heads, arch.num_kv_heads, arch.head_dim, backend)
+        scale = None if arch.query_pre_attn_scalar is None else arch.query_pre_attn_scalar**-0.5
+        self.attn = Attention(arch.num_heads, arch.num_kv_heads, arch.head_dim, backend, scale)
         self.rms_norm_eps = arch.rms_norm_eps
         self._fused_qkv: Callable[..., torch.Tensor] | None = None  # q/k norm + rotary + KV write, one kernel
 
@@ -101,12 +142,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArchConfig, self_attn: LlamaAttention) -> None:
+    def __init__(self, arch: ModelArchConfig, self_attn: LlamaAttention, family: FamilySpec) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.input_layernorm = family.norm(arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = self_attn
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = LlamaMLP(arch)
+        self.post_attention_layernorm = family.norm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = LlamaMLP(arch, family)
 
     def forward(
         self,
@@ -128,35 +169,38 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, arch: ModelArchConfig, layers: list[LlamaDecoderLayer]) -> None:
+    def __init__(self, arch: ModelArchConfig, layers: list[LlamaDecoderLayer], family: FamilySpec) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.norm = family.norm(arch.hidden_size, arch.rms_norm_eps)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     """Decoder-only transformer with RoPE, GQA, RMSNorm and a SiLU-gated MLP."""
 
+    family: ClassVar[FamilySpec] = LLAMA_FAMILY
     attention_cls: ClassVar[type[LlamaAttention]] = LlamaAttention
 
     def __init__(self, arch: ModelArchConfig, attn_backend: AttentionBackend) -> None:
         super().__init__()
         self.arch = arch
-        qkv_bias, o_bias = self.attention_biases(arch)
+        family = self.family
+        qkv_bias = arch.attention_bias if family.qkv_bias is None else family.qkv_bias
+        o_bias = arch.attention_bias if family.o_bias is None else family.o_bias
         layers = [
-            LlamaDecoderLayer(arch, self.attention_cls(arch, attn_backend, qkv_bias, o_bias))
+            LlamaDecoderLayer(arch, self.attention_cls(arch, attn_backend, qkv_bias, o_bias), family)
             for _ in range(arch.num_layers)
         ]
-        self.model = LlamaModel(arch, layers)
+        self.model = LlamaModel(arch, layers, family)
         max_positions = max(arch.max_position_embeddings, arch.max_model_len)
         self.rotary_emb = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling)
         self.lm_head = None if arch.tie_word_embeddings else LMHead(arch.vocab_size, arch.hidden_size)
-
-    @classmethod
-    def attention_biases(cls, arch: ModelArchConfig) -> tuple[bool, bool]:
-        """(bias on q/k/v, bias on o): Llama/Mistral/Qwen3 follow `attention_bias` for all four."""
-        return arch.attention_bias, arch.attention_bias
+        if family.embedding_scale is EmbeddingScale.SQRT_HIDDEN:
+            # A scalar rounded to the activations' dtype before multiplying, as transformers' Gemma does.
+            self.register_buffer("embed_scale", torch.tensor(arch.hidden_size**0.5), persistent=False)
+        else:
+            self.embed_scale: torch.Tensor | None = None  # a plain attribute: embeddings used as they are
 
     def forward(
         self,
@@ -167,6 +211,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden], final-normed
         assert len(kv_caches) == len(self.model.layers), (len(kv_caches), len(self.model.layers))
         x = self.model.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale.to(x.dtype)
         rope = RotaryInputs(positions, self.rotary_emb)  # looked up at most once, shared by every layer
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
@@ -176,20 +222,16 @@ class LlamaForCausalLM(nn.Module):
         return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] through the LM head or, when tied, the embedding matrix."""
+        """[N, hidden] -> [N, vocab] through the LM head or, when tied, the embedding matrix; then the
+        config's final-logit softcap, when it has one: cap * tanh(logits / cap)."""
         if self.lm_head is None:
-            return torch.nn.functional.linear(hidden, self.model.embed_tokens.weight)
-        return self.lm_head(hidden)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load Hugging Face-named tensors; strict about unknown, duplicate and missing names."""
-        tied = self.arch.tie_word_embeddings
-
-        def skip(name: str) -> bool:
-            # Old checkpoints carry RoPE inv_freq buffers; tied ones may still store a copy of lm_head.
-            return name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight")
-
-        load_packed_weights(self, weights, LLAMA_PACKED, skip)
+            logits = torch.nn.functional.linear(hidden, self.model.embed_tokens.weight)
+        else:
+            logits = self.lm_head(hidden)
+        cap = self.arch.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
 
 class MistralForCausalLM(LlamaForCausalLM):
@@ -199,6 +241,4 @@ class MistralForCausalLM(LlamaForCausalLM):
 class Qwen2ForCausalLM(LlamaForCausalLM):
     """Llama with a bias on q/k/v (never on o), whatever `attention_bias` says."""
 
-    @classmethod
-    def attention_biases(cls, arch: ModelArchConfig) -> tuple[bool, bool]:
-        return True, False
+    family = dataclasses.replace(LLAMA_FAMILY, qkv_bias=True, o_bias=False)

@@ -1,16 +1,22 @@
 """Qwen3: Llama's maths plus a per-head RMSNorm on queries and keys before rotary embeddings.
 
-Only maths; everything else (loading, forward signature, logits) is inherited from the Llama family.
+Only maths and the family's declaration (Llama's, plus the GGUF names of the q/k norms); everything else
+(loading, forward signature, logits) is inherited from the Llama family.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
 from asyncllm.attention.backend import AttentionBackend
 from asyncllm.layers.norm import RMSNorm
 from asyncllm.models.config import ModelArchConfig
-from asyncllm.models.llama import LlamaAttention, LlamaForCausalLM
+from asyncllm.models.llama import LLAMA_FAMILY, LLAMA_GGUF, LLAMA_WEIGHTS, LlamaAttention, LlamaForCausalLM
+
+QWEN3_GGUF = LLAMA_GGUF.extended(attn_q_norm="self_attn.q_norm", attn_k_norm="self_attn.k_norm")
+QWEN3_FAMILY = dataclasses.replace(LLAMA_FAMILY, weights=dataclasses.replace(LLAMA_WEIGHTS, gguf=QWEN3_GGUF))
 
 
 class Qwen3Attention(LlamaAttention):
@@ -27,4 +33,5 @@ class Qwen3Attention(LlamaAttention):
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
+    family = QWEN3_FAMILY
     attention_cls = Qwen3Attention

@@ -1,34 +1,88 @@
-"""Which model class serves which Hugging Face architecture name.
+"""Every architecture asyncllm serves, one `Architecture` entry each, read by both loaders.
 
-Owns the list of supported architectures and the error for any other; knows nothing about how models are
-built or loaded.
+An entry names the Hugging Face architecture (`config.json`'s `architectures[0]`), the model class (whose
+`FamilySpec` holds its checkpoint and GGUF tensor names) and, when llama.cpp writes the architecture, its GGUF
+form: the `general.architecture` names, the transformers config class its metadata becomes, and llama.cpp's
+quirks. Adding a family is one model file plus one entry here. Knows nothing about how models are built or
+loaded.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-from torch import nn
-
 from asyncllm.errors import UnsupportedModelError
+from asyncllm.models.base import CausalLM
+from asyncllm.models.family import GGUFNames
 from asyncllm.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from asyncllm.models.qwen3 import Qwen3ForCausalLM
 
-_MODELS: dict[str, type[nn.Module]] = {
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": MistralForCausalLM,
-}
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
+
+@dataclass(frozen=True)
+class GGUFForm:
+    """How a GGUF file of this architecture is read."""
+
+    names: tuple[str, ...]  # `general.architecture` values, e.g. ("llama",)
+    config_class: str  # the transformers config class the metadata becomes, e.g. "LlamaConfig"
+    permuted_qk: bool  # llama.cpp reorders Q/K rows of llama-family weights for its rotary layout
+    # The config's `attention_bias` is not in the metadata: read it from whether layer 0 has a q bias.
+    attention_bias_from_tensors: bool = False
 
 
-def resolve_model_class(hf_config: Any) -> type[nn.Module]:
-    """The model class for `hf_config.architectures[0]`; UnsupportedModelError for anything else."""
-    architectures = getattr(hf_config, "architectures", None) or []
-    name = architectures[0] if architectures else None
-    if name not in _MODELS:
+@dataclass(frozen=True)
+class Architecture:
+    name: str  # hf_config.architectures[0]
+    model_class: type[CausalLM]
+    gguf: GGUFForm | None = None  # None: no GGUF form
+
+    def __post_init__(self) -> None:
+        if self.gguf is not None and self.model_class.family.weights.gguf is None:
+            raise ValueError(f"{self.name} has a GGUF form but its family declares no GGUF tensor names")
+
+    @property
+    def gguf_names(self) -> GGUFNames:
+        names = self.model_class.family.weights.gguf
+        assert names is not None, self.name
+        return names
+
+
+ARCHITECTURES: tuple[Architecture, ...] = (
+    Architecture("Qwen3ForCausalLM", Qwen3ForCausalLM, GGUFForm(("qwen3",), "Qwen3Config", permuted_qk=False)),
+    Architecture("Qwen2ForCausalLM", Qwen2ForCausalLM, GGUFForm(("qwen2",), "Qwen2Config", permuted_qk=False)),
+    Architecture(
+        "LlamaForCausalLM",
+        LlamaForCausalLM,
+        GGUFForm(("llama",), "LlamaConfig", permuted_qk=True, attention_bias_from_tensors=True),
+    ),
+    Architecture("MistralForCausalLM", MistralForCausalLM),  # llama.cpp writes Mistral as "llama"
+)
+_BY_NAME = {a.name: a for a in ARCHITECTURES}
+_BY_GGUF = {gguf: a for a in ARCHITECTURES if a.gguf is not None for gguf in a.gguf.names}
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_BY_NAME)
+SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = tuple(sorted(_BY_GGUF))
+
+
+def resolve_architecture(name: str | None) -> Architecture:
+    """The entry for a Hugging Face architecture name; UnsupportedModelError for any other."""
+    if name is None or name not in _BY_NAME:
         raise UnsupportedModelError(
             f"architecture {name!r} is not supported; supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    return _MODELS[name]
+    return _BY_NAME[name]
+
+
+def resolve_model_class(hf_config: Any) -> type[CausalLM]:
+    """The model class for `hf_config.architectures[0]`; UnsupportedModelError for anything else."""
+    architectures = getattr(hf_config, "architectures", None) or []
+    return resolve_architecture(architectures[0] if architectures else None).model_class
+
+
+def resolve_gguf_architecture(name: Any) -> Architecture:
+    """The entry for a GGUF file's `general.architecture`; UnsupportedModelError for any other."""
+    if not isinstance(name, str) or name not in _BY_GGUF:
+        raise UnsupportedModelError(
+            f"GGUF architecture {name!r} is not supported; supported architectures: "
+            f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
+        )
+    return _BY_GGUF[name]

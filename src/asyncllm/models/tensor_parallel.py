@@ -1,10 +1,11 @@
-"""Tensor parallelism for the Llama family (Llama, Mistral, Qwen2, Qwen3), applied from outside the model files.
+"""Tensor parallelism applied from outside the model files, generic over a family's `WeightPlan`.
 
-All pure functions of the architecture, the rank and the world size: `check_tensor_parallel` (which sizes
-divide), `shard_arch` (the per-rank shape a model is built at: its query heads, KV heads, MLP slice and
-vocabulary rows), `shard_model` (swaps the built layers that must communicate for their parallel forms) and
-`weight_shard` (the slice of each checkpoint tensor a rank loads). KV heads are split across ranks, or
-replicated when there are fewer KV heads than ranks. Knows no process group beyond `TPGroup`.
+All pure functions of the architecture, the plan, the rank and the world size: `check_tensor_parallel` (which
+sizes divide), `shard_arch` (the per-rank shape a model is built at: its query heads, KV heads, MLP slice and
+vocabulary rows), `shard_model` (swaps the plan's row-parallel layers, embedding and head for
+their communicating forms) and `weight_shard` (the slice of each checkpoint tensor a rank loads). KV heads are
+split across ranks, or replicated when there are fewer KV heads than ranks. Knows no family's module names
+and no process group beyond `TPGroup`.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from asyncllm.layers.parallel import (
     WeightShard,
     shard_range,
 )
+from asyncllm.models.base import CausalLM
 from asyncllm.models.config import ModelArchConfig
-
-_ROW_PARALLEL = ("o_proj", "down_proj")  # their input is split: partial sums, all-reduced
+from asyncllm.models.family import Split, WeightPlan
+from asyncllm.models.registry import resolve_architecture
 
 
 def check_tensor_parallel(arch: ModelArchConfig, world_size: int) -> None:
@@ -70,47 +72,67 @@ def shard_arch(arch: ModelArchConfig, world_size: int) -> ModelArchConfig:
 
 def shard_model(model: nn.Module, arch: ModelArchConfig, group: TPGroup) -> None:
     """Give a model built at `shard_arch` size its communicating layers, in place. Column-parallel layers
-    (qkv_proj, gate_up_proj) are already right: built at the local size, they compute this rank's rows."""
+    (packed or not) are already right: built at the local size, they compute this rank's rows."""
+    assert isinstance(model, CausalLM), type(model)
+    plan = model.family.weights
     for name, module in list(model.named_modules()):
         parent_name, _, attr = name.rpartition(".")
-        if attr in _ROW_PARALLEL and isinstance(module, Linear):
+        if attr in plan.row_parallel and isinstance(module, Linear):
             setattr(model.get_submodule(parent_name), attr, RowParallelLinear(module, group))
-        elif attr == "embed_tokens" and isinstance(module, VocabEmbedding):
-            setattr(model.get_submodule(parent_name), attr, VocabParallelEmbedding(module, group))
-    head = getattr(model, "lm_head", None)
+    parent, attr = _parent(model, plan.embedding)
+    embed = getattr(parent, attr)
+    assert isinstance(embed, VocabEmbedding), plan.embedding
+    setattr(parent, attr, VocabParallelEmbedding(embed, group))
+    parent, attr = _parent(model, plan.lm_head)
+    head = getattr(parent, attr)
     if isinstance(head, LMHead):
-        model.lm_head = ParallelLMHead.from_head(head, arch.vocab_size, group)
-    elif head is None:  # tied: the head is the embedding's shard, all-gathered the same way
-        embed = model.get_submodule("model.embed_tokens")
-        assert isinstance(embed, VocabEmbedding)
-        model.lm_head = ParallelLMHead(embed.weight, arch.vocab_size, group)
+        setattr(parent, attr, ParallelLMHead.from_head(head, arch.vocab_size, group))
+    else:  # tied: the head is the embedding's shard, all-gathered the same way
+        assert head is None, (plan.lm_head, type(head))
+        setattr(parent, attr, ParallelLMHead(embed.weight, arch.vocab_size, group))
 
 
-def weight_shard(name: str, arch: ModelArchConfig, rank: int, world_size: int) -> WeightShard | None:
-    """The slice of checkpoint tensor `name` (a Hugging Face name) that `rank` loads; None: all of it."""
+def _parent(model: nn.Module, path: str) -> tuple[nn.Module, str]:
+    """(the module holding `path`'s last component, that component's name)."""
+    parent_name, _, attr = path.rpartition(".")
+    return model.get_submodule(parent_name), attr
+
+
+def weight_shard(
+    name: str, arch: ModelArchConfig, rank: int, world_size: int, plan: WeightPlan | None = None
+) -> WeightShard | None:
+    """The slice of checkpoint tensor `name` that `rank` loads; None: all of it. `plan`: the family's weight
+    plan, by default that of `arch.architecture` in the registry."""
     if world_size == 1:
         return None
-    parts = name.split(".")
-    module, param = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", name)
-    d = arch.head_dim
-    if module in ("embed_tokens", "lm_head"):
+    if plan is None:
+        plan = resolve_architecture(arch.architecture).model_class.family.weights
+    module_path, _, param = name.rpartition(".")
+    module = module_path.rpartition(".")[2]
+    if module_path in (plan.embedding, plan.lm_head):
         rows = local_vocab_size(arch.vocab_size, world_size)
         start = min(rank * rows, arch.vocab_size)
         return WeightShard(0, start, min(start + rows, arch.vocab_size), rows)
-    if module == "q_proj":
-        start, stop = shard_range(arch.num_heads, rank, world_size)
-        return WeightShard(0, start * d, stop * d, (stop - start) * d)
-    if module in ("k_proj", "v_proj"):
-        start, stop = kv_head_range(arch.num_kv_heads, rank, world_size)
-        return WeightShard(0, start * d, stop * d, (stop - start) * d)
-    if module in ("gate_proj", "up_proj"):
-        start, stop = shard_range(arch.intermediate_size, rank, world_size)
+    if module in plan.column_parallel:  # output rows, bias alike
+        start, stop = _split_range(plan.column_parallel[module], arch, rank, world_size)
         return WeightShard(0, start, stop, stop - start)
-    if module in _ROW_PARALLEL and param == "weight":  # the bias is whole, added once after the all-reduce
-        size = arch.num_heads * d if module == "o_proj" else arch.intermediate_size
-        start, stop = shard_range(size, rank, world_size)
+    if module in plan.row_parallel and param == "weight":  # the bias is whole, added once after the all-reduce
+        start, stop = _split_range(plan.row_parallel[module], arch, rank, world_size)
         return WeightShard(1, start, stop, stop - start)
     return None  # norms: replicated
+
+
+def _split_range(split: Split, arch: ModelArchConfig, rank: int, world_size: int) -> tuple[int, int]:
+    """[start, stop) of `rank`'s rows (or columns) of a tensor cut along `split`."""
+    d = arch.head_dim
+    if split is Split.QUERY_HEADS:
+        start, stop = shard_range(arch.num_heads, rank, world_size)
+        return start * d, stop * d
+    if split is Split.KV_HEADS:
+        start, stop = kv_head_range(arch.num_kv_heads, rank, world_size)
+        return start * d, stop * d
+    assert split is Split.INTERMEDIATE, split
+    return shard_range(arch.intermediate_size, rank, world_size)
 
 
 def kv_head_range(num_kv_heads: int, rank: int, world_size: int) -> tuple[int, int]:

@@ -1,32 +1,38 @@
-"""Loading Hugging Face named tensors into a model whose q/k/v and gate/up projections are packed.
+"""Loading checkpoint-named tensors into a model whose projections may be packed (q/k/v, gate/up).
 
-Owns the name mapping and the bookkeeping that makes loading strict: an unknown name, a wrong shape, a
-duplicate or a parameter never received is an error, never a silently random weight. Knows nothing about
-file formats; weights arrive as (name, tensor) pairs.
+Owns the name mapping a family's `WeightPlan` declares and the bookkeeping that makes loading strict: an
+unknown name, a wrong shape, a duplicate or a parameter never received is an error, never a silently random
+weight. Knows no family's names and nothing about file formats; weights arrive as (name, tensor) pairs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
 
 from asyncllm.errors import UnsupportedModelError
 from asyncllm.layers.linear import PackedLinear
+from asyncllm.models.family import WeightPlan
 
 # checkpoint module name -> (packed module name, shard)
-PackedNames = dict[str, tuple[str, str]]
-
-LLAMA_PACKED: PackedNames = {
-    "q_proj": ("qkv_proj", "q"),
-    "k_proj": ("qkv_proj", "k"),
-    "v_proj": ("qkv_proj", "v"),
-    "gate_proj": ("gate_up_proj", "gate"),
-    "up_proj": ("gate_up_proj", "up"),
-}
+PackedNames = Mapping[str, tuple[str, str]]
 
 _Slot = tuple[str, str | None]  # (our parameter name, shard or None for an unpacked parameter)
+
+
+def load_planned_weights(
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], plan: WeightPlan, tied: bool
+) -> None:
+    """`load_packed_weights` with the plan's packing; drops the plan's ignored extras and, when the head is
+    tied to the embedding, a checkpoint's copy of the head."""
+    head = f"{plan.lm_head}.weight"
+
+    def skip(name: str) -> bool:
+        return name.endswith(plan.ignored_suffixes) or (tied and name == head)
+
+    load_packed_weights(model, weights, plan.packed, skip)
 
 
 def load_packed_weights(

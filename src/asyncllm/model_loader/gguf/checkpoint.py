@@ -1,8 +1,9 @@
 """Opening a single `.gguf` file as a `Checkpoint`: config, tokenizer, EOS ids and dequantized weights.
 
-Composes the metadata reader (gguf_config), the tensor reader (gguf_weights) and transformers' GGUF
-tokenizer support. Everything is checked at open time (architecture, tensor names and types), so a bad
-file fails before any weight is loaded. Nothing here touches the network.
+Composes the metadata reader (config.py), the tensor reader (weights.py) with the family's GGUF names from
+its registry entry, and transformers' GGUF tokenizer support. Everything is checked at open time
+(architecture, tensor names and types), so a bad file fails before any weight is loaded. Nothing here touches
+the network.
 """
 
 from __future__ import annotations
@@ -33,11 +34,12 @@ def open_gguf_checkpoint(path: Path, dtype: torch.dtype, tokenizer_path: Path | 
         reader = GGUFReader(path)  # memory-mapped: tensors are read only when iterated
     except (ValueError, OSError, IndexError) as exc:  # gguf reports truncation and bad magic as these
         raise UnsupportedModelError(f"{path} is not a readable GGUF file (truncated or corrupt?): {exc}") from exc
-    _, arch = architecture_of(reader)
+    _, arch, form = architecture_of(reader)
     tensor_names = {t.name for t in reader.tensors}
     hf_config = build_hf_config(reader, tensor_names)
+    names = arch.gguf_names  # the family's GGUF tensor names
     for name in sorted(tensor_names):
-        hf_name(name)  # raises on a tensor we would not know where to put
+        hf_name(name, names)  # raises on a tensor we would not know where to put
     check_tensor_types(list(reader.tensors))
     check_tensor_sizes(path, list(reader.tensors))
     tokenizer = _load_tokenizer(path, reader) if tokenizer_path is None else load_given_tokenizer(tokenizer_path)
@@ -47,9 +49,10 @@ def open_gguf_checkpoint(path: Path, dtype: torch.dtype, tokenizer_path: Path | 
         return iter_gguf_weights(
             reader,
             dtype,
+            names,
             num_heads=hf_config.num_attention_heads,
             num_kv_heads=hf_config.num_key_value_heads,
-            permuted_qk=arch.permuted_qk,
+            permuted_qk=form.permuted_qk,
         )
 
     return Checkpoint(
@@ -69,7 +72,7 @@ def _load_tokenizer(path: Path, reader: Any) -> Any | None:
 
     # transformers rebuilds the backend tokenizer (BPE or sentencepiece) from the file's type and vocabulary
     # whichever class wraps it; AutoTokenizer would also re-derive a model config from the whole file first
-    # (seconds on a 49k-token vocabulary), which we already have.
+    # (slow on a large vocabulary), which we already have.
     try:
         return PreTrainedTokenizerFast.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
     except (ValueError, KeyError, NotImplementedError) as exc:

@@ -1,32 +1,16 @@
 """A GGUF file's metadata turned into a transformers config for the architectures asyncllm serves.
 
-Owns which GGUF architectures are supported and how their `{arch}.*` keys map onto Hugging Face config
-fields. Knows nothing about tensors' contents, tokenizers or the engine; reads metadata through a
-`gguf.GGUFReader` that the caller opened.
+Owns how the `{arch}.*` keys map onto Hugging Face config fields; which GGUF architectures are served, and as
+which config class, is their entry in `models/registry.py`. Knows nothing about tensors' contents, tokenizers
+or the engine; reads metadata through a `gguf.GGUFReader` that the caller opened.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from asyncllm.errors import UnsupportedModelError
-
-
-@dataclass(frozen=True)
-class GGUFArch:
-    """How one GGUF architecture becomes a transformers config and model class."""
-
-    config_class: str  # a class name in `transformers`
-    hf_architecture: str  # what `hf_config.architectures[0]` must name
-    permuted_qk: bool  # llama.cpp reorders Q/K rows of llama-family weights for its rotary layout
-
-
-SUPPORTED_ARCHS: dict[str, GGUFArch] = {
-    "llama": GGUFArch("LlamaConfig", "LlamaForCausalLM", permuted_qk=True),
-    "qwen2": GGUFArch("Qwen2Config", "Qwen2ForCausalLM", permuted_qk=False),
-    "qwen3": GGUFArch("Qwen3Config", "Qwen3ForCausalLM", permuted_qk=False),
-}
+from asyncllm.models.registry import Architecture, GGUFForm, resolve_gguf_architecture
 
 
 def read_field(reader: Any, key: str) -> Any:
@@ -45,21 +29,19 @@ def read_field(reader: Any, key: str) -> Any:
     return values[0]
 
 
-def architecture_of(reader: Any) -> tuple[str, GGUFArch]:
+def architecture_of(reader: Any) -> tuple[str, Architecture, GGUFForm]:
+    """(the file's `general.architecture`, its registry entry, that entry's GGUF form)."""
     name = read_field(reader, "general.architecture")
-    if name not in SUPPORTED_ARCHS:
-        raise UnsupportedModelError(
-            f"GGUF architecture {name!r} is not supported; supported architectures: "
-            f"{', '.join(sorted(SUPPORTED_ARCHS))}"
-        )
-    return name, SUPPORTED_ARCHS[name]
+    arch = resolve_gguf_architecture(name)
+    assert arch.gguf is not None
+    return name, arch, arch.gguf
 
 
 def build_hf_config(reader: Any, tensor_names: set[str]) -> Any:
     """A transformers config equivalent to the GGUF metadata (`architectures` set, tying inferred)."""
     import transformers
 
-    name, arch = architecture_of(reader)
+    name, arch, form = architecture_of(reader)
 
     def required(suffix: str) -> Any:
         value = read_field(reader, f"{name}.{suffix}")
@@ -81,7 +63,7 @@ def build_hf_config(reader: Any, tensor_names: set[str]) -> Any:
     if value_dim is not None and value_dim != head_dim:
         raise UnsupportedModelError(f"GGUF key_length {head_dim} != value_length {value_dim}: not supported")
     kwargs: dict[str, Any] = dict(
-        architectures=[arch.hf_architecture],
+        architectures=[arch.name],
         vocab_size=vocab_size(reader, name),
         hidden_size=hidden,
         intermediate_size=int(required("feed_forward_length")),
@@ -111,13 +93,13 @@ def build_hf_config(reader: Any, tensor_names: set[str]) -> Any:
             "this GGUF has per-frequency RoPE scaling (rope_freqs, e.g. Llama 3.1+), which asyncllm cannot "
             "read from GGUF yet; load the model's Hugging Face checkpoint directory instead"
         )
-    if name == "llama":
+    if form.attention_bias_from_tensors:
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
     for key in ("bos", "eos", "padding"):
         token_id = read_field(reader, f"tokenizer.ggml.{key}_token_id")
         if token_id is not None:
             kwargs["pad_token_id" if key == "padding" else f"{key}_token_id"] = int(token_id)
-    return getattr(transformers, arch.config_class)(**kwargs)
+    return getattr(transformers, form.config_class)(**kwargs)
 
 
 def vocab_size(reader: Any, arch_name: str) -> int:

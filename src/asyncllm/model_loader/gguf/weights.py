@@ -1,7 +1,8 @@
 """GGUF tensors as Hugging Face named torch tensors: names mapped, blocks dequantized, Q/K rows restored.
 
-Owns the GGUF -> Hugging Face tensor-name table, the supported tensor types and the inverse of
-llama.cpp's Q/K row permutation. Knows nothing about configs or tokenizers: the caller passes head counts.
+Owns llama.cpp's naming convention (`blk.{i}.{name}.weight`), the supported tensor types and the inverse of
+llama.cpp's Q/K row permutation; each family's table of names is its `GGUFNames`, passed in. Knows nothing
+about configs or tokenizers: the caller passes head counts.
 """
 
 from __future__ import annotations
@@ -14,41 +15,22 @@ import numpy as np
 import torch
 
 from asyncllm.errors import UnsupportedModelError
+from asyncllm.models.family import GGUFNames
 
-_GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-_BLOCK_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def hf_name(gguf_name: str) -> str:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; unknown names raise."""
+def hf_name(gguf_name: str, names: GGUFNames) -> str:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (Llama's names); unknown names raise."""
     if match := _BLOCK_RE.fullmatch(gguf_name):
         layer, module, kind = match.groups()
-        if module in _BLOCK_NAMES:
-            return f"model.layers.{layer}.{_BLOCK_NAMES[module]}.{kind}"
+        if module in names.blocks:
+            return f"{names.layers}.{layer}.{names.blocks[module]}.{kind}"
     else:
         module, _, kind = gguf_name.rpartition(".")
-        if module in _GLOBAL_NAMES and kind in ("weight", "bias"):
-            return f"{_GLOBAL_NAMES[module]}.{kind}"
-    raise UnsupportedModelError(
-        f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart in the supported architectures"
-    )
+        if module in names.globals and kind in ("weight", "bias"):
+            return f"{names.globals[module]}.{kind}"
+    raise UnsupportedModelError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart in this architecture")
 
 
 def supported_tensor_types() -> frozenset[Any]:
@@ -108,6 +90,7 @@ def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 def iter_gguf_weights(
     reader: Any,
     dtype: torch.dtype,
+    names: GGUFNames,
     *,
     num_heads: int,
     num_kv_heads: int,
@@ -117,14 +100,15 @@ def iter_gguf_weights(
     from gguf.quants import dequantize
 
     for tensor in reader.tensors:
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, names)
         # GGUF lists dims innermost first; torch wants them outermost first.
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
         # np.array copies: an F32 tensor would otherwise alias the reader's read-only memory map
         array = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
         weight = torch.from_numpy(array).to(dtype)
-        if permuted_qk and ".self_attn.q_proj." in name:
+        module = match[2] if permuted_qk and (match := _BLOCK_RE.fullmatch(tensor.name)) else None
+        if module == "attn_q":  # llama.cpp's query projection
             weight = unpermute_qk(weight, num_heads)
-        elif permuted_qk and ".self_attn.k_proj." in name:
+        elif module == "attn_k":
             weight = unpermute_qk(weight, num_kv_heads)
         yield name, weight
