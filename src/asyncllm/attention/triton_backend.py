@@ -17,7 +17,9 @@ import torch
 
 from asyncllm.attention.backend import AttentionBackend, AttentionMetadata, AttentionPlan, PlanBounds
 from asyncllm.errors import InvalidConfigError
-from asyncllm.kernels.paged_attention_plan import TILES_HEADER
+from asyncllm.kernels.paged_attention_plan import TILES_HEADER as _TILES_HEADER
+
+TILES_HEADER: int = _TILES_HEADER  # typed here: mypy does not see the kernels/ folder as asyncllm.kernels
 
 _FIX = "use attention_backend='torch' (or 'auto')"
 _FEW_DECODES = 8  # the decode count a graphed mixed step's split count is planned for

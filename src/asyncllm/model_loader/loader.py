@@ -10,13 +10,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import torch
-from torch import nn
 
 from asyncllm.attention.backend import AttentionBackend
 from asyncllm.config import LoadFormat
 from asyncllm.layers.parallel import TPGroup, WeightShard
 from asyncllm.model_loader.base import Checkpoint
 from asyncllm.model_loader.dummy import fill_dummy_weights
+from asyncllm.models.base import CausalLM
 from asyncllm.models.config import ModelArchConfig
 from asyncllm.models.registry import resolve_model_class
 from asyncllm.models.tensor_parallel import shard_arch, shard_model, weight_shard
@@ -31,7 +31,7 @@ def load_model(
     load_format: LoadFormat,
     seed: int,
     parallel: TPGroup | None = None,
-) -> nn.Module:
+) -> CausalLM:
     """The checkpoint's model in eval mode on `device` in `dtype`, every weight loaded (or random for "dummy").
 
     With `parallel`, this rank's shard: built at the per-rank size (never the whole model first), its

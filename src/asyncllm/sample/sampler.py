@@ -76,7 +76,8 @@ def load_draw(device: torch.device) -> Draw:
         return kernels.gumbel_argmax  # type: ignore[no-any-return]
     from asyncllm.kernels.sampling_ref import gumbel_argmax_ref
 
-    return gumbel_argmax_ref
+    draw: Draw = gumbel_argmax_ref
+    return draw
 
 
 class Sampler:

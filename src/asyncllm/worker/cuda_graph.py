@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from asyncllm.attention.layer import KVCache
+from asyncllm.models.base import CausalLM
 from asyncllm.step import ScheduledSeq, SchedulerOutput
 from asyncllm.worker.buckets import Buckets, GraphKey, StepShape
-from asyncllm.worker.causal_lm import CausalLM
 from asyncllm.worker.input_batch import InputBuffers, ModelInputs
 from asyncllm.worker.step_staging import PrefixViews
 
@@ -56,7 +56,8 @@ class CudaGraphRunner:
         attention plan, already sent."""
         graph = None if shape.graph is None else self._graphs.get(shape.graph)
         if graph is None:
-            return self.model(x.input_ids, x.positions, self.kv_caches, x.meta)
+            hidden: torch.Tensor = self.model(x.input_ids, x.positions, self.kv_caches, x.meta)
+            return hidden
         graph.replay()
         return self._hidden(x.num_tokens)
 

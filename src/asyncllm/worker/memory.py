@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from asyncllm.attention.backend import AttentionBackend, PlanBounds
+from asyncllm.models.base import CausalLM
 from asyncllm.step import ScheduledSeq, SchedulerOutput
 from asyncllm.worker.buckets import Buckets
-from asyncllm.worker.causal_lm import CausalLM
 from asyncllm.worker.cuda_graph import CudaGraphRunner
 from asyncllm.worker.input_batch import InputBuffers, WorkRoom
 from asyncllm.worker.kv_cache import KVCacheSpec, allocate_kv_cache

@@ -18,10 +18,10 @@ from __future__ import annotations
 import torch
 
 from asyncllm.attention.backend import AttentionBackend
+from asyncllm.models.base import CausalLM
 from asyncllm.sample.sampler import DrawInputs, Sampler
 from asyncllm.sample.state import SamplingState
 from asyncllm.step import ModelRunnerOutput, ReadyStep, SchedulerOutput, StepResult
-from asyncllm.worker.causal_lm import CausalLM
 from asyncllm.worker.cuda_graph import CudaGraphRunner
 from asyncllm.worker.input_batch import InputBuffers, ModelInputs
 from asyncllm.worker.latest_tokens import LatestTokens

@@ -14,9 +14,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
-
-from torch import nn
 
 from asyncllm.attention.backend import AttentionBackend
 from asyncllm.attention.registry import make_attention_backend
@@ -25,10 +22,10 @@ from asyncllm.layers.fusion import use_fused_kernels
 from asyncllm.layers.parallel import TPGroup
 from asyncllm.model_loader.base import Checkpoint
 from asyncllm.model_loader.loader import load_model
+from asyncllm.models.base import CausalLM
 from asyncllm.models.tensor_parallel import shard_arch
 from asyncllm.step import RuntimeInfo
 from asyncllm.worker.buckets import Buckets
-from asyncllm.worker.causal_lm import CausalLM
 from asyncllm.worker.cuda_graph import CudaGraphRunner
 from asyncllm.worker.device import ResolvedModel
 from asyncllm.worker.gemm_layout import tune_weight_layouts
@@ -67,12 +64,8 @@ def build_worker(
 class LoadedModel:
     """The model on its device, and the attention backend its layers call."""
 
-    module: nn.Module
+    model: CausalLM
     backend: AttentionBackend
-
-    @property
-    def model(self) -> CausalLM:
-        return cast(CausalLM, self.module)  # every family's model has the forward pass and LM head it names
 
 
 class WorkerSetup:
