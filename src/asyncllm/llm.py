@@ -10,9 +10,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from asyncllm.config import EngineConfig
-from asyncllm.core.output_processor import RequestDelta
 from asyncllm.errors import InvalidRequestError
-from asyncllm.outputs import RequestOutput
+from asyncllm.outputs import OutputAccumulator, RequestOutput
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.step import RuntimeInfo
 
@@ -78,31 +77,22 @@ class LLM:
             for p, sp in zip(prompt_list, param_list)
         ]
         core = self._engine.core
-        order = {r.request_id: i for i, r in enumerate(requests)}
-        texts: list[list[str]] = [[] for _ in requests]
-        tokens: list[list[int]] = [[] for _ in requests]
-        logprobs: list[list[dict[int, float]] | None] = [None for _ in requests]
-        finals: dict[int, RequestDelta] = {}
+        outputs = {r.request_id: OutputAccumulator() for r in requests}
+        num_finished = 0
         bar = _progress(len(requests)) if use_tqdm else None
         try:
             for request in requests:
                 core.add_request(request)
-            while len(finals) < len(requests):
+            while num_finished < len(requests):
                 t0 = time.perf_counter()
                 deltas = core.step()
                 if bar is not None:
                     bar.update_step(core.last_step, time.perf_counter() - t0)
                 for d in deltas:
-                    i = order[d.request_id]
-                    texts[i].append(d.new_text)
-                    tokens[i].extend(d.new_token_ids)
-                    if d.logprobs is not None:
-                        acc = logprobs[i]
-                        if acc is None:
-                            acc = logprobs[i] = []
-                        acc.extend(d.logprobs)
+                    output = outputs[d.request_id]
+                    output.add(d.new_text, d.new_token_ids, d.logprobs, d.finish_reason, d.metrics, d.error)
                     if d.finish_reason is not None:
-                        finals[i] = d
+                        num_finished += 1
                         if bar is not None:
                             bar.update(1)
         except BaseException:
@@ -112,18 +102,7 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
-        return [
-            RequestOutput(
-                request_id=r.request_id,
-                prompt_token_ids=list(r.prompt_token_ids),
-                text="".join(texts[i]),
-                token_ids=tokens[i],
-                finish_reason=finals[i].finish_reason,
-                metrics=finals[i].metrics,
-                logprobs=logprobs[i],
-            )
-            for i, r in enumerate(requests)
-        ]
+        return [outputs[r.request_id].result(r.request_id, list(r.prompt_token_ids)) for r in requests]
 
     def shutdown(self) -> None:
         self._engine.core.shutdown()

@@ -144,7 +144,7 @@ class Admission:
                     self._pass_on(job, job.request, None)
 
     def _tokenize(self, batch: list[_Job]) -> list[tuple[Request | None, str | None]]:
-        wanted = [job for job in batch if not (job.cancelled or job.slot.final_put)]  # else aborted, or dead
+        wanted = [job for job in batch if not (job.cancelled or job.slot.finished)]  # else aborted, or dead
         encoded: dict[_Job, list[int]] = {}
         if wanted:
             try:

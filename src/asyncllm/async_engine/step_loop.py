@@ -258,5 +258,5 @@ class StepLoop:
             if slot is not None and done:
                 self._fanout.detach(slot.mailbox)
         for slot in orphans:  # their event loop is closed: nobody will read them, so stop computing them
-            if not slot.final_put:
+            if not slot.finished:
                 self.submit_abort(slot)
