@@ -11,6 +11,7 @@ from typing import Any
 
 from asyncllm.config import EngineConfig
 from asyncllm.errors import InvalidRequestError
+from asyncllm.input_processor import InputProcessor
 from asyncllm.outputs import OutputAccumulator, RequestOutput
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.step import RuntimeInfo
@@ -26,6 +27,7 @@ class LLM:
 
         self.config = EngineConfig.from_kwargs(model, **engine_args).resolved(streaming=False)
         self._engine = build_engine(self.config, time.monotonic)
+        self._inputs = InputProcessor(self._engine.runtime, self._engine.encode, self._engine.encode_batch)
         self._ids = itertools.count()
         # What loading left (model, tokenizer, libraries) lives as long as the process: out of the garbage
         # collector's reach, a full collection no longer walks it (95-151 ms each; see AsyncLLMEngine).
@@ -73,8 +75,7 @@ class LLM:
         # Validate everything before queuing anything, so one bad prompt leaves the engine untouched.
         now = time.monotonic()
         requests = [
-            self._engine.input_processor.make_request(f"llm-{next(self._ids)}", p, sp, now)
-            for p, sp in zip(prompt_list, param_list)
+            self._inputs.make_request(f"llm-{next(self._ids)}", p, sp, now) for p, sp in zip(prompt_list, param_list)
         ]
         core = self._engine.core
         outputs = {r.request_id: OutputAccumulator() for r in requests}

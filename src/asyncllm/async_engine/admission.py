@@ -21,8 +21,8 @@ from asyncllm.outputs import RequestMetrics
 from asyncllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from asyncllm.core.input_processor import InputProcessor
     from asyncllm.core.request import Request
+    from asyncllm.input_processor import InputProcessor
 
 logger = logging.getLogger(__name__)
 

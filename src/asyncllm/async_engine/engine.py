@@ -25,6 +25,7 @@ from asyncllm.async_engine.step_loop import Built, StepLoop
 from asyncllm.async_engine.stream import RequestStream, collect
 from asyncllm.config import EngineConfig
 from asyncllm.errors import EngineDeadError
+from asyncllm.input_processor import InputProcessor
 from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import SamplingParams
 
@@ -86,13 +87,13 @@ class AsyncLLMEngine:
         self._fanout = LoopFanout()
         step_loop = self._step_loop = StepLoop(build, self._live, self._fanout)
         built = step_loop.start()  # re-raises a load error here, in the constructor
-        self._input_processor = built.input_processor
+        self._input_processor = InputProcessor(built.runtime, built.encode, built.encode_batch)
         self.tokenizer = built.tokenizer  # the Hugging Face tokenizer (chat templates), None if none
         self.runtime = built.runtime
         self._max_token_chars = max_token_chars_of(built.tokenizer)
         self._admission = Admission(
             step_loop.lock,
-            built.input_processor,
+            self._input_processor,
             step_loop.submit_add,
             step_loop.submit_abort,
             step_loop.submit_final,

@@ -26,8 +26,8 @@ from asyncllm.errors import EngineDeadError
 if TYPE_CHECKING:
     from asyncllm.chat import ChatTokenizer
     from asyncllm.core.engine_core import EngineCore
-    from asyncllm.core.input_processor import InputProcessor
     from asyncllm.core.request import Request
+    from asyncllm.input_processor import Encode, EncodeBatch
     from asyncllm.step import RuntimeInfo
 
 logger = logging.getLogger(__name__)
@@ -41,11 +41,13 @@ class Built(Protocol):
     @property
     def core(self) -> EngineCore: ...
     @property
-    def input_processor(self) -> InputProcessor: ...
-    @property
     def tokenizer(self) -> ChatTokenizer | None: ...
     @property
     def runtime(self) -> RuntimeInfo: ...
+    @property
+    def encode(self) -> Encode | None: ...
+    @property
+    def encode_batch(self) -> EncodeBatch | None: ...
 
 
 class _Add(NamedTuple):
