@@ -30,7 +30,7 @@ class LLM:
         self._inputs = InputProcessor(self._engine.runtime, self._engine.encode, self._engine.encode_batch)
         self._ids = itertools.count()
         # What loading left (model, tokenizer, libraries) lives as long as the process: out of the garbage
-        # collector's reach, a full collection no longer walks it (95-151 ms each; see AsyncLLMEngine).
+        # collector's reach, a full collection no longer walks it (see AsyncLLMEngine).
         gc.collect()
         gc.freeze()
         atexit.unregister(gc.unfreeze)  # at exit it must be collectable again, or extensions report leaks
