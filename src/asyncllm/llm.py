@@ -1,4 +1,8 @@
-"""`LLM`: offline batch generation on the same engine core as the async engine, in the caller's thread."""
+"""`LLM`: offline batch generation on the same engine core as the async engine, in the caller's thread.
+
+It drives the core itself (no client, no step thread) and shares the async engine's front-side pieces:
+the request checks (`input_processor`) and the output accumulator (`outputs.OutputAccumulator`).
+"""
 
 from __future__ import annotations
 
