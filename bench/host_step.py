@@ -18,7 +18,7 @@ from pathlib import Path
 
 from asyncllm.core.detokenizer import backend_tokenizer
 from asyncllm.core.engine_core import EngineCore
-from asyncllm.core.input_processor import InputProcessor
+from asyncllm.input_processor import InputProcessor
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.step import ModelRunnerOutput, ReadyStep, RuntimeInfo, SchedulerOutput, StepResult
 

@@ -8,7 +8,7 @@ The phases are the engine's own functions, wrapped for the run (bench-only instr
       sample      Sampler.__call__               (part of runner) the sampler's launches
     wait          the sampled ids' event         waiting for the device (overlapped: for the previous step)
     complete      EngineCore._complete minus wait  turning sampled ids into deltas (detokenizing included)
-    route         StepLoop._route                (async engine only) handing deltas to the event loops
+    route         OutputRouter.route             (async engine only) handing deltas to the event loops
     loop_flush    LoopMailbox._flush             (async engine only; on the event loop's thread) handing each
                                                  step's chunks to the waiting streams (their wake-ups not included)
 
@@ -41,7 +41,7 @@ _PHASES = (
     ("asyncllm.sample.sampler", "Sampler", "__call__", "sample"),
     ("asyncllm.worker.sampled_outputs", "_DeviceStep", "result", "wait"),
     ("asyncllm.core.engine_core", "EngineCore", "_complete", "complete"),
-    ("asyncllm.async_engine.step_loop", "StepLoop", "_route", "route"),
+    ("asyncllm.async_engine.router", "OutputRouter", "route", "route"),
     ("asyncllm.async_engine.mailbox", "LoopMailbox", "_flush", "loop_flush"),
 )
 

@@ -35,7 +35,6 @@ import transformers  # noqa: E402, F401
 from tokenizers import Tokenizer  # noqa: E402
 
 from asyncllm import AsyncLLMEngine, SamplingParams  # noqa: E402
-from asyncllm.core.input_processor import InputProcessor  # noqa: E402
 from asyncllm.step import ModelRunnerOutput, ReadyStep, SchedulerOutput  # noqa: E402
 from tests.fixtures.fake_core import fake_built  # noqa: E402
 
@@ -184,10 +183,8 @@ def main() -> None:
         tokenizer, vocab_size=vocab, max_model_len=1024, num_kv_blocks=40_000, block_size=16, max_num_seqs=512
     )
     built.core.executor = DeviceLikeExecutor(built.runtime, args.step_ms / 1e3, args.overlap)  # type: ignore[assignment]
-    if not args.no_batch_encode:  # as build.py can wire it: the Rust batch call releases the GIL, encode does not
-        encode = lambda text: tokenizer.encode(text).ids  # noqa: E731  (what the fake core's processor does)
-        batch = InputProcessor(built.runtime, encode, encode_batch_of(tokenizer))
-        built = dataclasses.replace(built, input_processor=batch)
+    if not args.no_batch_encode:  # as build.py wires it: the Rust batch call releases the GIL, encode does not
+        built = dataclasses.replace(built, encode_batch=encode_batch_of(tokenizer))
     engine = AsyncLLMEngine.from_builder(lambda: built)
     if args.no_freeze:
         gc.unfreeze()

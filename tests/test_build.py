@@ -22,7 +22,8 @@ def test_batch_encoding_equals_the_tokenizers_own(which: str, tiny_model) -> Non
     try:
         assert built.tokenizer is not None
         want = [list(built.tokenizer(t).input_ids) for t in TEXTS]
-        assert built.input_processor.encode_texts(TEXTS) == want
-        assert built.input_processor.encode_texts(TEXTS[:1]) == want[:1]
+        assert built.encode_batch is not None and built.encode is not None
+        assert built.encode_batch(TEXTS) == want == [built.encode(t) for t in TEXTS]
+        assert built.encode_batch(TEXTS[:1]) == want[:1]
     finally:
         built.core.shutdown()

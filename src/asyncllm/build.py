@@ -1,9 +1,10 @@
 """The composition root: an `EngineConfig` in, a ready engine core out.
 
 Opens the checkpoint, picks the executor (in-process, or tensor-parallel worker processes) which loads the
-model and sizes the KV cache, and wires the core and the input processor around it. The async layer calls
-`build_engine` inside its step thread (which then owns the device); `LLM` calls it directly. This is the
-one place the torch-free layers meet the torch ones.
+model and sizes the KV cache, and wires the core around it; it hands the front what input processing needs
+(the runtime facts, the tokenizer and its encoders) and builds none of it. The async layer's in-process
+client calls `build_engine` inside its step thread (which then owns the device); `LLM` calls it directly.
+This is the one place the torch-free layers meet the torch ones.
 """
 
 from __future__ import annotations
@@ -15,16 +16,17 @@ from typing import Any
 from asyncllm.config import EngineConfig
 from asyncllm.core.detokenizer import backend_tokenizer
 from asyncllm.core.engine_core import EngineCore
-from asyncllm.core.input_processor import InputProcessor
 from asyncllm.step import ModelExecutor, RuntimeInfo
 
 
 @dataclass
 class BuiltEngine:
     core: EngineCore
-    input_processor: InputProcessor
     tokenizer: Any | None  # the Hugging Face tokenizer (chat template, encode), None if the checkpoint has none
     runtime: RuntimeInfo
+    # Text to prompt ids, None without a tokenizer; `encode_batch` gives `encode`'s ids for many texts at once.
+    encode: Callable[[str], list[int]] | None
+    encode_batch: Callable[[list[str]], list[list[int]]] | None
 
 
 def build_engine(config: EngineConfig, clock: Callable[[], float]) -> BuiltEngine:
@@ -63,8 +65,7 @@ def build_engine(config: EngineConfig, clock: Callable[[], float]) -> BuiltEngin
             # (same post-processor: special tokens added as the tokenizer's __call__ adds them).
             return [e.ids for e in rust.encode_batch(texts, add_special_tokens=True)]
 
-    inputs = InputProcessor(executor.runtime, encode, encode_batch)
-    return BuiltEngine(core, inputs, tokenizer, executor.runtime)
+    return BuiltEngine(core, tokenizer, executor.runtime, encode, encode_batch)
 
 
 def make_executor(config: EngineConfig, checkpoint: Any) -> ModelExecutor:

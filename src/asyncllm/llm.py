@@ -1,4 +1,8 @@
-"""`LLM`: offline batch generation on the same engine core as the async engine, in the caller's thread."""
+"""`LLM`: offline batch generation on the same engine core as the async engine, in the caller's thread.
+
+It drives the core itself (no client, no step thread) and shares the async engine's front-side pieces:
+the request checks (`input_processor`) and the output accumulator (`outputs.OutputAccumulator`).
+"""
 
 from __future__ import annotations
 
@@ -10,9 +14,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from asyncllm.config import EngineConfig
-from asyncllm.core.output_processor import RequestDelta
 from asyncllm.errors import InvalidRequestError
-from asyncllm.outputs import RequestOutput
+from asyncllm.input_processor import InputProcessor
+from asyncllm.outputs import OutputAccumulator, RequestOutput
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.step import RuntimeInfo
 
@@ -27,9 +31,10 @@ class LLM:
 
         self.config = EngineConfig.from_kwargs(model, **engine_args).resolved(streaming=False)
         self._engine = build_engine(self.config, time.monotonic)
+        self._inputs = InputProcessor(self._engine.runtime, self._engine.encode, self._engine.encode_batch)
         self._ids = itertools.count()
         # What loading left (model, tokenizer, libraries) lives as long as the process: out of the garbage
-        # collector's reach, a full collection no longer walks it (95-151 ms each; see AsyncLLMEngine).
+        # collector's reach, a full collection no longer walks it (see AsyncLLMEngine).
         gc.collect()
         gc.freeze()
         atexit.unregister(gc.unfreeze)  # at exit it must be collectable again, or extensions report leaks
@@ -74,35 +79,25 @@ class LLM:
         # Validate everything before queuing anything, so one bad prompt leaves the engine untouched.
         now = time.monotonic()
         requests = [
-            self._engine.input_processor.make_request(f"llm-{next(self._ids)}", p, sp, now)
-            for p, sp in zip(prompt_list, param_list)
+            self._inputs.make_request(f"llm-{next(self._ids)}", p, sp, now) for p, sp in zip(prompt_list, param_list)
         ]
         core = self._engine.core
-        order = {r.request_id: i for i, r in enumerate(requests)}
-        texts: list[list[str]] = [[] for _ in requests]
-        tokens: list[list[int]] = [[] for _ in requests]
-        logprobs: list[list[dict[int, float]] | None] = [None for _ in requests]
-        finals: dict[int, RequestDelta] = {}
+        outputs = {r.request_id: OutputAccumulator() for r in requests}
+        num_finished = 0
         bar = _progress(len(requests)) if use_tqdm else None
         try:
             for request in requests:
                 core.add_request(request)
-            while len(finals) < len(requests):
+            while num_finished < len(requests):
                 t0 = time.perf_counter()
                 deltas = core.step()
                 if bar is not None:
                     bar.update_step(core.last_step, time.perf_counter() - t0)
                 for d in deltas:
-                    i = order[d.request_id]
-                    texts[i].append(d.new_text)
-                    tokens[i].extend(d.new_token_ids)
-                    if d.logprobs is not None:
-                        acc = logprobs[i]
-                        if acc is None:
-                            acc = logprobs[i] = []
-                        acc.extend(d.logprobs)
+                    output = outputs[d.request_id]
+                    output.add(d.new_text, d.new_token_ids, d.logprobs, d.finish_reason, d.metrics, d.error)
                     if d.finish_reason is not None:
-                        finals[i] = d
+                        num_finished += 1
                         if bar is not None:
                             bar.update(1)
         except BaseException:
@@ -112,18 +107,7 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
-        return [
-            RequestOutput(
-                request_id=r.request_id,
-                prompt_token_ids=list(r.prompt_token_ids),
-                text="".join(texts[i]),
-                token_ids=tokens[i],
-                finish_reason=finals[i].finish_reason,
-                metrics=finals[i].metrics,
-                logprobs=logprobs[i],
-            )
-            for i, r in enumerate(requests)
-        ]
+        return [outputs[r.request_id].result(r.request_id, list(r.prompt_token_ids)) for r in requests]
 
     def shutdown(self) -> None:
         self._engine.core.shutdown()

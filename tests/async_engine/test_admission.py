@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 
 from asyncllm import AsyncLLMEngine, EngineDeadError, EngineStalledError, InvalidRequestError, SamplingParams
-from asyncllm.core.input_processor import InputProcessor
 from tests.async_engine.conftest import wait_drained
 from tests.fixtures.fake_core import FakeBuilt, fake_built
 
@@ -42,7 +41,7 @@ class _GatedEncode:
 def _gated_engine(bpe_tokenizer: Any, **kwargs: Any) -> tuple[AsyncLLMEngine, FakeBuilt, _GatedEncode]:
     built = fake_built(bpe_tokenizer, **kwargs)
     encode = _GatedEncode(bpe_tokenizer)
-    built = dataclasses.replace(built, input_processor=InputProcessor(built.runtime, encode))
+    built = dataclasses.replace(built, encode=encode)
     return AsyncLLMEngine.from_builder(lambda: built), built, encode
 
 

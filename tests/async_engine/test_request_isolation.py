@@ -56,7 +56,7 @@ def _engine_failing(built: FakeBuilt, victim: str, at_token: int) -> AsyncLLMEng
 
 
 def _rest(built: FakeBuilt) -> tuple[Any, ...]:
-    return built.input_processor, built.tokenizer, built.runtime, built.executor
+    return built.tokenizer, built.runtime, built.executor, built.encode, built.encode_batch
 
 
 async def test_one_request_failing_in_the_step_thread_fails_it_alone(bpe_tokenizer: Any) -> None:

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 import pytest
 
 from asyncllm.core.detokenizer import backend_tokenizer
-from asyncllm.core.input_processor import InputProcessor
 from asyncllm.core.output_processor import RequestDelta
 from asyncllm.core.request import Request
+from asyncllm.input_processor import InputProcessor
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.step import ReadyStep
 from tests.fixtures.fake_executor import (

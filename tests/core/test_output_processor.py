@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from asyncllm.core.detokenizer import backend_tokenizer
-from asyncllm.core.input_processor import InputProcessor
 from asyncllm.core.output_processor import OutputProcessor
 from asyncllm.core.request import Request
+from asyncllm.input_processor import InputProcessor
 from asyncllm.sampling_params import SamplingParams
 from tests.fixtures.fake_executor import make_runtime
 from tests.fixtures.tiny_models import build_tokenizer

@@ -12,8 +12,8 @@ import pytest
 
 from asyncllm.core.detokenizer import backend_tokenizer
 from asyncllm.core.engine_core import EngineCore
-from asyncllm.core.input_processor import InputProcessor
 from asyncllm.core.output_processor import RequestDelta
+from asyncllm.input_processor import InputProcessor
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.step import PLACEHOLDER
 from tests.core.invariants import check_block_invariants

@@ -15,10 +15,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from asyncllm.core.engine_core import EngineCore
-from asyncllm.core.input_processor import InputProcessor
 from asyncllm.core.output_processor import RequestDelta
 from asyncllm.core.request import RequestStatus
 from asyncllm.errors import InvalidRequestError
+from asyncllm.input_processor import InputProcessor
 from asyncllm.sampling_params import SamplingParams
 from tests.core.invariants import check_block_invariants
 from tests.fixtures.fake_executor import (

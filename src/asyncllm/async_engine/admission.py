@@ -1,9 +1,9 @@
-"""Admission: requests reach the step thread in the order they were added, text prompts tokenized off the loop.
+"""Admission: requests reach the core in the order they were added, text prompts tokenized off the loop.
 
 A request whose prompt is token ids is built at once in the caller's thread (its checks are cheap); a text
 prompt is tokenized by one worker thread, so no event loop ever runs the tokenizer. Either way requests
-pass to the step thread in arrival order: a request added behind one still tokenizing waits for it. A
-request aborted or refused before it reached the core ends here. Knows nothing of event loops.
+pass to the engine-core client in arrival order: a request added behind one still tokenizing waits for it.
+A request aborted or refused before it reached the core ends here. Knows nothing of event loops.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from asyncllm.outputs import RequestMetrics
 from asyncllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from asyncllm.core.input_processor import InputProcessor
+    from asyncllm.async_engine.core_client import EngineCoreClient
     from asyncllm.core.request import Request
+    from asyncllm.input_processor import InputProcessor
 
 logger = logging.getLogger(__name__)
 
@@ -42,29 +43,18 @@ class _Job:
 
 
 class Admission:
-    """`submit` and `abort` from any thread; `stop` ends the worker. `submit_add(request, slot)` and
-    `submit_final(slot, delta)` are the step thread's inbox.
+    """`submit` and `abort` from any thread; `stop` ends the worker. Requests go on to `client`.
 
-    `lock` must be the step loop's own (reentrant) lock: this class calls into the step loop while holding
-    it, and a stream garbage-collected inside the step loop's locked region calls `abort`, so two locks
-    could each be held waiting for the other.
+    Its lock is the client's own (reentrant) one: this class calls into the client while holding it, and a
+    stream garbage-collected inside the client's locked region calls `abort`, so two locks could each be
+    held waiting for the other.
     """
 
-    def __init__(
-        self,
-        lock: threading.RLock,
-        input_processor: InputProcessor,
-        submit_add: Callable[[Request, OutputSlot], None],
-        submit_abort: Callable[[OutputSlot], None],
-        submit_final: Callable[[OutputSlot, RequestDelta], None],
-        clock: Callable[[], float],
-    ) -> None:
+    def __init__(self, client: EngineCoreClient, input_processor: InputProcessor, clock: Callable[[], float]) -> None:
         self._input_processor = input_processor
-        self._submit_add = submit_add
-        self._submit_abort = submit_abort
-        self._submit_final = submit_final
+        self._client = client
         self._clock = clock
-        self._cond = threading.Condition(lock)
+        self._cond = threading.Condition(client.lock)
         self._queue: deque[_Job] = deque()  # in arrival order; the head may be tokenizing
         self._queued: dict[OutputSlot, _Job] = {}
         self._stopping = False
@@ -75,7 +65,7 @@ class Admission:
         slot.prompt_token_ids = tuple(request.prompt_token_ids)
         with self._cond:
             if not self._queue:
-                self._submit_add(request, slot)  # under the lock: the worker cannot pass a request ahead of it
+                self._client.add_request(request, slot)  # under the lock: the worker cannot pass it
                 return
             self._enqueue(_Job(slot, request, "", request.params, request.arrival_time))
 
@@ -92,10 +82,10 @@ class Admission:
         with self._cond:
             job = self._queued.pop(slot, None)
             if job is None:
-                self._submit_abort(slot)  # in the core (or finished): the step thread decides
+                self._client.abort_request(slot)  # in the core (or finished): the client decides
                 return
             job.cancelled = True
-            self._submit_final(slot, self._final(job, None))
+            self._client.end_request(slot, self._final(job, None))
 
     def stop(self, timeout: float | None = None) -> None:
         with self._cond:
@@ -144,7 +134,7 @@ class Admission:
                     self._pass_on(job, job.request, None)
 
     def _tokenize(self, batch: list[_Job]) -> list[tuple[Request | None, str | None]]:
-        wanted = [job for job in batch if not (job.cancelled or job.slot.final_put)]  # else aborted, or dead
+        wanted = [job for job in batch if not (job.cancelled or job.slot.finished)]  # else aborted, or dead
         encoded: dict[_Job, list[int]] = {}
         if wanted:
             try:
@@ -170,9 +160,9 @@ class Admission:
         del self._queued[job.slot]
         if request is not None:
             job.slot.prompt_token_ids = tuple(request.prompt_token_ids)
-            self._submit_add(request, job.slot)
+            self._client.add_request(request, job.slot)
         elif error is not None:
-            self._submit_final(job.slot, self._final(job, error))
+            self._client.end_request(job.slot, self._final(job, error))
         # else: the engine failed or shut down meanwhile; its slot already holds that error
 
 

@@ -2,13 +2,15 @@
 
 Owns the public API: the cheap checks in the caller's thread (bad requests raise at once and leave nothing
 behind), binding each stream to the caller's running loop (asyncio, uvloop or trio), and the engine's
-lifetime. Text prompts are tokenized off the loop (`admission`); the core lives in the step thread
-(`step_loop`). Never imports torch, and never waits on the device or the tokenizer from a loop.
+lifetime. Text prompts are tokenized off the loop (`admission`); the core is reached only through an
+`EngineCoreClient` (`core_client`), by default the in-process step thread (`inproc_client`). Never imports
+torch, and never waits on the device or the tokenizer from a loop.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
 import time
 import weakref
@@ -16,15 +18,18 @@ from collections.abc import Callable
 from typing import Any
 
 from asyncllm.async_engine.admission import Admission, max_token_chars_of
+from asyncllm.async_engine.core_client import ClientFactory, EngineCoreClient
 from asyncllm.async_engine.health import DEFAULT_MAX_STEP_SECONDS, EngineStalledError, check_step_age, step_age
 from asyncllm.async_engine.ids import LiveRequests, check_request_id, new_request_id
+from asyncllm.async_engine.inproc_client import Built, InProcClient
 from asyncllm.async_engine.loop_fanout import LoopFanout
 from asyncllm.async_engine.loops import current_loop_key, run_in_thread
 from asyncllm.async_engine.mailbox import OutputSlot
-from asyncllm.async_engine.step_loop import Built, StepLoop
+from asyncllm.async_engine.router import OutputRouter
 from asyncllm.async_engine.stream import RequestStream, collect
 from asyncllm.config import EngineConfig
 from asyncllm.errors import EngineDeadError
+from asyncllm.input_processor import InputProcessor
 from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import SamplingParams
 
@@ -54,8 +59,8 @@ class AsyncLLMEngine:
     `__anext__` (or from `generate`). Requests reach the core in the order they were added.
 
     After loading, the objects alive are frozen out of the garbage collector (`gc.freeze()`): a full
-    collection otherwise walks every object the model, tokenizer and libraries left, 95-151 ms with the
-    loop stalled, and they live as long as the process anyway.
+    collection otherwise walks every object the model, tokenizer and libraries left, with the loop
+    stalled, and they live as long as the process anyway.
     """
 
     config: EngineConfig | None
@@ -69,37 +74,36 @@ class AsyncLLMEngine:
             return build_engine(config, time.monotonic)
 
         self.config = config
-        self._start(build, time.monotonic)
+        self._start(functools.partial(InProcClient, build), time.monotonic)
 
     @classmethod
     def from_builder(cls, build: Callable[[], Built], *, clock: Callable[[], float] = time.monotonic) -> AsyncLLMEngine:
         """An engine around a core made by `build()` (called in the step thread). `clock` must be the one
         the core was given: request arrival times come from it. For embedding and tests."""
+        return cls.from_client(functools.partial(InProcClient, build), clock=clock)
+
+    @classmethod
+    def from_client(cls, make_client: ClientFactory, *, clock: Callable[[], float] = time.monotonic) -> AsyncLLMEngine:
+        """An engine around the core that `make_client(router)` reaches (see `EngineCoreClient`): for a core
+        elsewhere (its own process, a Ray actor) and for tests. `clock` as in `from_builder`."""
         engine = cls.__new__(cls)
         engine.config = None
-        engine._start(build, clock)
+        engine._start(make_client, clock)
         return engine
 
-    def _start(self, build: Callable[[], Built], clock: Callable[[], float]) -> None:
+    def _start(self, make_client: ClientFactory, clock: Callable[[], float]) -> None:
         self._clock = clock
         self._live: LiveRequests[OutputSlot] = LiveRequests()
         self._fanout = LoopFanout()
-        step_loop = self._step_loop = StepLoop(build, self._live, self._fanout)
-        built = step_loop.start()  # re-raises a load error here, in the constructor
-        self._input_processor = built.input_processor
-        self.tokenizer = built.tokenizer  # the Hugging Face tokenizer (chat templates), None if none
-        self.runtime = built.runtime
-        self._max_token_chars = max_token_chars_of(built.tokenizer)
-        self._admission = Admission(
-            step_loop.lock,
-            built.input_processor,
-            step_loop.submit_add,
-            step_loop.submit_abort,
-            step_loop.submit_final,
-            clock,
-        )
+        client = self._client = make_client(OutputRouter(self._live, self._fanout))
+        info = client.start()  # re-raises a load error here, in the constructor
+        self._input_processor = InputProcessor(info.runtime, info.encode, info.encode_batch)
+        self.tokenizer = info.tokenizer  # the Hugging Face tokenizer (chat templates), None if none
+        self.runtime = info.runtime
+        self._max_token_chars = max_token_chars_of(info.tokenizer)
+        self._admission = Admission(client, self._input_processor, clock)
         # An engine dropped without shutdown still stops its threads and frees the device.
-        self._finalizer = weakref.finalize(self, _shutdown, step_loop, self._admission)
+        self._finalizer = weakref.finalize(self, _shutdown, client, self._admission)
         gc.collect()  # garbage now would otherwise be frozen for good
         gc.freeze()
         # At exit the frozen objects must be collectable again, or extensions report them as leaked.
@@ -176,7 +180,7 @@ class AsyncLLMEngine:
 
         A snapshot the step thread publishes after every step: never waits behind work in flight.
         """
-        return dict(self._step_loop.stats)
+        return self._client.stats()
 
     @property
     def num_live_requests(self) -> int:
@@ -191,12 +195,12 @@ class AsyncLLMEngine:
     @property
     def is_running(self) -> bool:
         """The step thread is alive and new requests are accepted."""
-        return self._step_loop.is_alive and not self._live.closed
+        return self._client.is_alive and not self._live.closed
 
     @property
     def step_thread_alive(self) -> bool:
         """The step thread has not exited yet (it may still be finishing a step after shutdown began)."""
-        return self._step_loop.is_alive
+        return self._client.is_alive
 
     @property
     def dead_error(self) -> EngineDeadError | None:
@@ -206,7 +210,7 @@ class AsyncLLMEngine:
     @property
     def step_seconds(self) -> float:
         """How long the step in flight has been running (0.0 between steps)."""
-        return step_age(self._step_loop.step_started)
+        return step_age(self._client.step_started)
 
     async def check_health(self, max_step_seconds: float = DEFAULT_MAX_STEP_SECONDS) -> None:
         """Raise `EngineDeadError` (cause chained) unless the engine is serving, and `EngineStalledError`
@@ -215,7 +219,7 @@ class AsyncLLMEngine:
         error = self._live.closed_error()
         if error is not None:
             raise error
-        if not self._step_loop.is_alive:
+        if not self._client.is_alive:
             raise EngineDeadError("engine step thread is not running")
         check_step_age(self.step_seconds, max_step_seconds)
 
@@ -228,7 +232,7 @@ class AsyncLLMEngine:
 
     async def aclose(self) -> None:
         # Streams fail and new requests are refused at once; the join (a step in flight) runs off the loop.
-        self._step_loop.request_stop()
+        self._client.request_stop()
         await run_in_thread(self._finalizer)
 
     async def __aenter__(self) -> AsyncLLMEngine:
@@ -238,7 +242,7 @@ class AsyncLLMEngine:
         await self.aclose()
 
 
-def _shutdown(step_loop: StepLoop, admission: Admission) -> None:
-    step_loop.request_stop()  # streams fail first, so the tokenizer thread skips what is left in its queue
+def _shutdown(client: EngineCoreClient, admission: Admission) -> None:
+    client.request_stop()  # streams fail first, so the tokenizer thread skips what is left in its queue
     admission.stop(_SHUTDOWN_JOIN_S)
-    step_loop.shutdown(_DEAD_JOIN_S if step_loop.failure is not None else _SHUTDOWN_JOIN_S)
+    client.shutdown(_DEAD_JOIN_S if client.failure is not None else _SHUTDOWN_JOIN_S)

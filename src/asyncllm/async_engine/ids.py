@@ -21,7 +21,7 @@ T = TypeVar("T")
 
 class _RandomIds:
     """128 random bits per id from a generator seeded once from the OS: uuid4 reads os.urandom every call,
-    a system call that cost ~35 us here, with 512 requests arriving at once on one loop tick."""
+    a system call per id, and hundreds of requests may arrive at once on one loop tick."""
 
     def __init__(self) -> None:
         self._rng: random.Random | None = None

@@ -1,11 +1,11 @@
 """One event loop's mailbox: the lock over its requests' output slots, and the slots themselves.
 
-The step thread merges each step's deltas into slots under the mailbox lock (merge-on-put, so a lagging
-consumer costs memory only for unread tokens and the engine never waits) and queues at most one wake-up
-callback on the loop; that wake-up hands each waiting consumer its merged chunk (asyncio), or the consumer
-takes it under the same lock (a reader that was busy, or trio). The lock and every piece of state it guards
-live here, and nowhere else takes it. Knows nothing of the engine core, nor which event loop library it
-serves (`loops.EventLoop` hides that).
+The step thread merges each step's deltas into slots (each an `OutputAccumulator`) under the mailbox lock
+(merge-on-put, so a lagging consumer costs memory only for unread tokens and the engine never waits) and
+queues at most one wake-up callback on the loop; that wake-up hands each waiting consumer its merged chunk
+(asyncio), or the consumer takes it under the same lock (a reader that was busy, or trio). The lock and
+every piece of state it guards live here, and nowhere else takes it. Knows nothing of the engine core, nor
+which event loop library it serves (`loops.EventLoop` hides that).
 """
 
 from __future__ import annotations
@@ -16,41 +16,23 @@ from typing import TYPE_CHECKING, Any
 
 from asyncllm.async_engine.loops import EventLoop
 from asyncllm.errors import EngineDeadError, InvalidRequestError
-from asyncllm.outputs import FinishReason, RequestMetrics, StreamOutput, TokenLogprobs
+from asyncllm.outputs import OutputAccumulator, StreamOutput
 
 if TYPE_CHECKING:
     from asyncllm.core.output_processor import RequestDelta
 
 
-class OutputSlot:
-    """Output owed to one consumer and not yet read. Its state is guarded by `mailbox.lock`."""
+class OutputSlot(OutputAccumulator):
+    """Output owed to one consumer and not yet read: an accumulator the step thread adds each step's delta
+    to and the consumer takes merged chunks from. Its state is guarded by `mailbox.lock`."""
 
-    __slots__ = (
-        "_logprobs",
-        "_texts",
-        "_token_ids",
-        "error",
-        "final_put",
-        "finish_reason",
-        "mailbox",
-        "metrics",
-        "prompt_token_ids",
-        "request_error",
-        "request_id",
-        "waiter",
-    )
+    __slots__ = ("dead", "mailbox", "prompt_token_ids", "request_id", "waiter")
 
     def __init__(self, request_id: str, mailbox: LoopMailbox) -> None:
+        super().__init__()
         self.request_id = request_id
         self.mailbox = mailbox
-        self._token_ids: list[int] = []
-        self._texts: list[str] = []
-        self._logprobs: list[TokenLogprobs] | None = None  # only for requests that asked for them
-        self.finish_reason: FinishReason | None = None
-        self.metrics: RequestMetrics | None = None
-        self.final_put = False  # the final delta (or an error) has been put: nothing more will come
-        self.error: tuple[str, BaseException | None] | None = None  # (message, cause) of EngineDeadError
-        self.request_error: str | None = None  # why this request alone failed: raised as InvalidRequestError
+        self.dead: tuple[str, BaseException | None] | None = None  # (message, cause) of EngineDeadError
         self.waiter: Any = None  # the consumer's waiter (loops.EventLoop), touched only on the mailbox's loop
         # Set once, before the request reaches the core (a text prompt: once tokenized). A tuple: the core's
         # own list never leaves it, so no caller can change what the scheduler counts.
@@ -68,56 +50,20 @@ class OutputSlot:
             waiter = self.waiter = self.mailbox.loop.new_waiter()
             return waiter
 
-    def _merge_locked(self, delta: RequestDelta) -> None:
-        """Step thread: join one step's delta onto whatever the consumer has not read yet."""
-        if self.final_put:
-            return  # e.g. an abort raced a finish: the first final output wins
-        self._token_ids.extend(delta.new_token_ids)
-        if delta.logprobs is not None:
-            if self._logprobs is None:
-                self._logprobs = []
-            self._logprobs.extend(delta.logprobs)
-        if delta.new_text:
-            self._texts.append(delta.new_text)
-        if delta.error is not None:  # this request failed alone: what it had is read first, then the error
-            self.request_error = delta.error
-            self.final_put = True
-        elif delta.finish_reason is not None:
-            self.finish_reason = delta.finish_reason
-            self.metrics = delta.metrics
-            self.final_put = True
-
     def _fail_locked(self, message: str, cause: BaseException | None) -> None:
-        if self.final_put:
+        if self.finished:
             return
-        self.error = (message, cause)
-        self.final_put = True
-
-    def _take_output_locked(self) -> StreamOutput | None:
-        """The merged unread chunk, if any (never an error)."""
-        if not (self._token_ids or self._texts or self.finish_reason is not None):
-            return None
-        out = StreamOutput(
-            request_id=self.request_id,
-            text="".join(self._texts),
-            token_ids=tuple(self._token_ids),
-            finish_reason=self.finish_reason,
-            metrics=self.metrics,
-            logprobs=tuple(self._logprobs) if self._logprobs is not None else None,
-        )
-        self._token_ids = []
-        self._texts = []
-        self._logprobs = None
-        return out
+        self.dead = (message, cause)
+        self.finished = True
 
     def _take_locked(self) -> StreamOutput | None:
-        out = self._take_output_locked()
+        out = self.take_chunk(self.request_id)
         if out is not None:
             return out
-        if self.request_error is not None:
-            raise InvalidRequestError(self.request_error)
-        if self.error is not None:
-            message, cause = self.error
+        if self.error is not None:  # this request failed alone: what it had was read first, now the error
+            raise InvalidRequestError(self.error)
+        if self.dead is not None:
+            message, cause = self.dead
             raise EngineDeadError(message) from cause  # a fresh instance per stream: tracebacks stay apart
         return None
 
@@ -136,8 +82,8 @@ class LoopMailbox:
         Returns False when the loop is closed: nobody will ever read these slots.
         """
         with self.lock:
-            for slot, delta in items:
-                slot._merge_locked(delta)
+            for slot, d in items:  # join each delta onto what the consumer has not read yet
+                slot.add(d.new_text, d.new_token_ids, d.logprobs, d.finish_reason, d.metrics, d.error)
                 self._ready[slot] = None
             return self._schedule_wake_locked()
 
@@ -173,6 +119,6 @@ class LoopMailbox:
             for slot in ready:
                 waiter = slot.waiter  # None: the consumer is busy; it takes the merged chunk when it asks
                 if waiter is not None:
-                    wakes.append((waiter, slot._take_output_locked() if loop.can_hand_over(waiter) else None))
+                    wakes.append((waiter, slot.take_chunk(slot.request_id) if loop.can_hand_over(waiter) else None))
         for waiter, chunk in wakes:
             loop.wake(waiter, chunk)

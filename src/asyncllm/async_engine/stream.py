@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from asyncllm.async_engine.mailbox import OutputSlot
 from asyncllm.errors import EngineDeadError, InvalidRequestError, StreamInUseError
-from asyncllm.outputs import RequestOutput, StreamOutput, TokenLogprobs
+from asyncllm.outputs import OutputAccumulator, RequestOutput, StreamOutput
 
 
 class RequestStream:
@@ -106,7 +106,7 @@ class RequestStream:
         if self._done:
             return
         self._done = True
-        if not self._slot.final_put:
+        if not self._slot.finished:
             self._abort(self._slot)
         self._unwatch_from_any_thread()
 
@@ -168,27 +168,12 @@ class _ReaderWatch:
 
 async def collect(stream: RequestStream) -> RequestOutput:
     """The whole result of a stream, read to its end. Leaving early (cancellation, an error) aborts it."""
-    texts: list[str] = []
-    token_ids: list[int] = []
-    logprobs: list[TokenLogprobs] | None = None
-    last = None
+    output = OutputAccumulator()
     try:
         async for chunk in stream:
-            texts.append(chunk.text)
-            token_ids.extend(chunk.token_ids)
-            if chunk.logprobs is not None:
-                logprobs = logprobs or []
-                logprobs.extend(chunk.logprobs)
-            last = chunk
+            output.add_chunk(chunk)
     finally:
         stream.close()  # a no-op once finished; otherwise (an error) the request must not run on
-    assert last is not None and last.finish_reason is not None, "a stream ends with a final chunk"
-    return RequestOutput(
-        request_id=stream.request_id,
-        prompt_token_ids=list(stream.prompt_token_ids or ()),  # None only if aborted before tokenized
-        text="".join(texts),
-        token_ids=token_ids,
-        finish_reason=last.finish_reason,
-        metrics=last.metrics,
-        logprobs=logprobs,
-    )
+    assert output.finish_reason is not None, "a stream ends with a final chunk"
+    # prompt_token_ids is None only if the request was aborted before it was tokenized.
+    return output.result(stream.request_id, list(stream.prompt_token_ids or ()))

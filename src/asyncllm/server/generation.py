@@ -10,12 +10,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from asyncllm import AsyncLLMEngine, SamplingParams, StreamOutput
 from asyncllm.errors import EngineDeadError, InvalidRequestError
-from asyncllm.outputs import TokenLogprobs
+from asyncllm.outputs import OutputAccumulator
 from asyncllm.server.errors import invalid_request
 from asyncllm.server.metrics import RequestTracker, ServerMetrics
 
@@ -132,34 +132,10 @@ async def merged(sub: Submission) -> AsyncGenerator[tuple[int, StreamOutput], No
         sub.close()
 
 
-@dataclass
-class ChoiceResult:
-    """The whole output of one choice, for non-streamed responses."""
-
-    texts: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] | None = None
-    finish_reason: str | None = None
-
-    @property
-    def text(self) -> str:
-        return "".join(self.texts)
-
-
-async def collect(sub: Submission) -> list[ChoiceResult]:
-    results = [ChoiceResult() for _ in sub.streams]
+async def collect(sub: Submission) -> list[OutputAccumulator]:
+    """Each choice's whole output (`text`, `token_ids`, `logprobs`, `finish_reason`), for non-streamed responses."""
+    results = [OutputAccumulator() for _ in sub.streams]
     async with contextlib.aclosing(merged(sub)) as outputs:
         async for index, chunk in outputs:
-            _append(results[index], chunk)
+            results[index].add_chunk(chunk)
     return results
-
-
-def _append(result: ChoiceResult, chunk: StreamOutput) -> None:
-    result.texts.append(chunk.text)
-    result.token_ids.extend(chunk.token_ids)
-    if chunk.logprobs is not None:
-        if result.logprobs is None:
-            result.logprobs = []
-        result.logprobs.extend(chunk.logprobs)
-    if chunk.finish_reason is not None:
-        result.finish_reason = chunk.finish_reason

@@ -12,9 +12,9 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from asyncllm.errors import EngineDeadError
-from asyncllm.outputs import StreamOutput
+from asyncllm.outputs import OutputAccumulator, StreamOutput
 from asyncllm.server.errors import OpenAIError, engine_dead
-from asyncllm.server.generation import ChoiceResult, Submission, merged, usage
+from asyncllm.server.generation import Submission, merged, usage
 from asyncllm.server.streaming import DONE, sse
 
 logger = logging.getLogger("asyncllm.server")
@@ -23,7 +23,11 @@ Outputs = AsyncIterator[tuple[int, StreamOutput]]  # (choice index, its next out
 
 
 def whole_response(
-    head: dict[str, Any], object_name: str, choices: list[dict[str, Any]], sub: Submission, results: list[ChoiceResult]
+    head: dict[str, Any],
+    object_name: str,
+    choices: list[dict[str, Any]],
+    sub: Submission,
+    results: list[OutputAccumulator],
 ) -> JSONResponse:
     completion_tokens = sum(len(r.token_ids) for r in results)
     body = {

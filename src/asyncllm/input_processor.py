@@ -1,9 +1,9 @@
 """Turns a caller's (prompt, params) into a validated `Request`, or raises `InvalidRequestError`.
 
-Runs before anything reaches the core, so a bad request never reaches the step thread and leaves no state
-behind: the cheap checks (`check_params`, `check_text`) in the caller's thread, tokenizing and the length
-checks (`make_request`) wherever the caller can afford them. The tokenizer's `encode` is the only
-model-specific part.
+The front side's, shared by both fronts (`AsyncLLMEngine`, `LLM`), above the core: a bad request never
+reaches the core and leaves no state behind. The cheap checks (`check_params`, `check_text`) run in the
+caller's thread, tokenizing and the length checks (`make_request`) wherever the caller can afford them. The
+tokenizer's `encode` (handed over by `build.py`) is the only model-specific part; knows no event loop.
 """
 
 from __future__ import annotations

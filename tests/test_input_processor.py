@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from asyncllm.core.input_processor import InputProcessor
 from asyncllm.errors import InvalidRequestError
+from asyncllm.input_processor import InputProcessor
 from asyncllm.sampling_params import SamplingParams
 from tests.fixtures.fake_executor import make_runtime
 

@@ -1,0 +1,112 @@
+"""The inbox: what the front sends a core (adds, aborts, ends), from any thread, applied in arrival order.
+
+Sending never waits on the core: an append to a deque (atomic) and a wake-up of the driver, which drains
+the inbox at its own pace (the in-process step thread: at the start of every step and again right after the
+forward pass). A message whose request is no longer live (finished, or the engine failed or shut down
+meanwhile) is dropped, so aborts are idempotent and a stale one never hits a later request reusing its id.
+Knows nothing of event loops, nor of the core beyond the two calls its driver hands `drain`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from asyncllm.async_engine.mailbox import OutputSlot
+    from asyncllm.async_engine.router import OutputRouter
+    from asyncllm.core.output_processor import RequestDelta
+    from asyncllm.core.request import Request
+
+
+class _Add(NamedTuple):
+    request: Request
+    slot: OutputSlot
+
+
+class _Abort(NamedTuple):
+    slot: OutputSlot  # which incarnation of the id: a stale abort never hits a later request reusing it
+
+
+class _End(NamedTuple):
+    slot: OutputSlot  # a request that never reached the core (aborted or refused before): its last output
+    delta: RequestDelta
+
+
+class Inbox:
+    """`add`, `abort`, `end`, `stop` and `notify` from any thread; `wait`, `pause` and `drain` from the
+    driver's thread only."""
+
+    def __init__(self, router: OutputRouter) -> None:
+        self._router = router
+        self._queue: deque[_Add | _Abort | _End] = deque()  # append/popleft are atomic: no lock to enqueue
+        # Reentrant: a stream garbage-collected inside the driver's own locked region may enqueue an abort.
+        # Admission shares it, for the same reason (see admission.py).
+        self.lock = threading.RLock()
+        self._cond = threading.Condition(self.lock)
+        self.stopping = False  # set once: the driver exits, and aborts and ends are no-ops
+
+    def add(self, request: Request, slot: OutputSlot) -> None:
+        self._queue.append(_Add(request, slot))
+        self.notify()
+
+    def abort(self, slot: OutputSlot) -> None:
+        """Synchronous and idempotent: an unknown, finished or already aborted request is a no-op."""
+        if self.stopping:
+            return
+        self._queue.append(_Abort(slot))
+        self.notify()
+
+    def end(self, slot: OutputSlot, delta: RequestDelta) -> None:
+        """The last output of a request that never reached the core, routed in inbox order."""
+        if self.stopping:
+            return
+        self._queue.append(_End(slot, delta))
+        self.notify()
+
+    def stop(self) -> None:
+        """Refuse later aborts and ends (the streams are closed by now) and wake the driver, which exits."""
+        self.stopping = True
+        self.notify()
+
+    def notify(self) -> None:
+        """Wake the driver (a message, a stop, or news of its own, such as a failure between steps)."""
+        with self._cond:
+            self._cond.notify()
+
+    # ------------------------------------------------------------------ the driver's thread
+    def wait(self, ready: Callable[[], bool]) -> None:
+        """Sleep until a message is queued, `stop` was asked, or `ready()` holds (checked on every wake-up)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._queue or self.stopping or ready())
+
+    def pause(self, seconds: float) -> None:
+        """Sleep `seconds`, or until woken sooner."""
+        with self._cond:
+            self._cond.wait(seconds)
+
+    def drain(
+        self,
+        admit: Callable[[Request], RequestDelta | None],
+        abort: Callable[[str], RequestDelta | None],
+        outputs: list[RequestDelta],
+    ) -> None:
+        """Apply the queued messages in arrival order, those of live requests only: `admit(request)` and
+        `abort(request_id)` hand them to the core; the final outputs they return (an abort's, a refused
+        admission's) and those of `end` join `outputs`."""
+        queue, is_live = self._queue, self._router.is_live
+        while queue:
+            message = queue.popleft()
+            slot = message.slot
+            if not is_live(slot):
+                continue  # finished or never admitted (an abort is a no-op), or failed or shut down meanwhile
+            if isinstance(message, _Add):
+                delta = admit(message.request)
+            elif isinstance(message, _End):
+                delta = message.delta
+            else:
+                delta = abort(slot.request_id)
+            if delta is not None:
+                outputs.append(delta)

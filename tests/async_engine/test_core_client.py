@@ -1,0 +1,64 @@
+"""`AsyncLLMEngine` reaches its core only through `EngineCoreClient`: around a client that lets it use
+nothing else, an engine streams, aborts, reports stats and health, and ends every stream when stopped."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from asyncllm import AsyncLLMEngine, EngineDeadError, SamplingParams
+from asyncllm.async_engine.core_client import EngineCoreClient
+from asyncllm.async_engine.inproc_client import InProcClient
+from asyncllm.async_engine.router import OutputRouter
+from tests.async_engine.conftest import wait_drained
+from tests.fixtures.fake_core import fake_built, offline_run
+
+PROTOCOL = {name for name in vars(EngineCoreClient) if not name.startswith("_")}
+
+
+class OnlyTheProtocol:
+    """A client that hands out the protocol's members of the client inside, and fails on anything else."""
+
+    def __init__(self, inner: InProcClient) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in PROTOCOL:
+            raise AttributeError(f"the engine used {name!r}, which EngineCoreClient does not name")
+        return getattr(self._inner, name)
+
+
+async def test_an_engine_needs_nothing_of_its_core_beyond_the_protocol(bpe_tokenizer: Any) -> None:
+    built = fake_built(bpe_tokenizer, step_delay=0.002, max_model_len=4096)
+    made: list[OnlyTheProtocol] = []
+
+    def make_client(router: OutputRouter) -> EngineCoreClient:
+        made.append(OnlyTheProtocol(InProcClient(lambda: built, router)))
+        return made[-1]  # type: ignore[return-value]
+
+    engine = AsyncLLMEngine.from_client(make_client)
+    try:
+        assert len(made) == 1 and engine.runtime is built.runtime and engine.tokenizer is bpe_tokenizer
+        params = SamplingParams(max_tokens=12, ignore_eos=True)
+        (want,) = offline_run(fake_built(bpe_tokenizer), ["Hello world"], [params])
+        out = await engine.generate("Hello world", params)
+        assert (out.token_ids, out.text) == want
+        endless = engine.add_request([5, 6, 7], SamplingParams(max_tokens=4000, ignore_eos=True))
+        first = await endless.__anext__()
+        assert first.finish_reason is None
+        await engine.abort(endless.request_id)
+        assert [c async for c in endless][-1].finish_reason == "abort"
+        stats = await wait_drained(engine)
+        assert stats["num_free_blocks"] == stats["num_total_blocks"]
+        await engine.check_health()
+        assert engine.is_running and engine.step_seconds >= 0.0
+        pending = engine.add_request([8, 9], SamplingParams(max_tokens=4000, ignore_eos=True))
+        await asyncio.wait_for(engine.aclose(), 5)
+        with pytest.raises(EngineDeadError, match="shut down"):
+            async for _ in pending:
+                pass
+        assert not engine.is_running and built.executor.is_shut_down
+    finally:
+        engine.shutdown()
