@@ -34,8 +34,8 @@ class NewRequestData:
     seed: int  # params.seed, or one drawn from the engine seed: every request samples from its own generator
 
 
-# Not frozen: one is built per sequence per step, and a frozen dataclass's __init__ costs three times a slotted
-# one's (0.8 against 0.25 us: ~0.15 ms a 256-sequence step). Executors and runners only read it.
+# Not frozen: one is built per sequence per step, and a frozen dataclass's __init__ costs about three times a
+# slotted one's (bench/RESULTS.md, host_step). Executors and runners only read it.
 @dataclass(slots=True)
 class ScheduledSeq:
     """One request's slice of a step: compute KV for `input_token_ids` at positions `start_pos`...
