@@ -48,14 +48,6 @@ def _gumbel_partial_kernel(
     """Program (row, split): the best score and its first column within columns [split * chunk, ...).
     With HAS_MASK, token t is kept only if bit t % 32 of word t // 32 of the row's bitmask row is set."""
     row, split = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    lo = split * chunk
-    hi = tl.minimum(lo + chunk, vocab)
-    if HAS_MASK:
-        mask_row = tl.load(mask_rows_ptr + row).to(tl.int64)  # -1: unconstrained
-        # Unconstrained rows read no word and see all bits set. A row index past the bitmask (unchecked on
-        # CUDA, where reading mask_rows would wait for the device) reads nothing and allows nothing.
-        words_hi = tl.where((mask_row >= 0) & (mask_row < num_masks), hi, 0)  # columns whose words are read
-        words_other = tl.where(mask_row < 0, -1, 0)
     temperature = tl.load(temp_ptr + row)
     seed = tl.load(seed_ptr + row)  # int64 folded into two uint32 words
     key_lo = (seed & 0xFFFFFFFF).to(tl.uint32)
@@ -66,6 +58,14 @@ def _gumbel_partial_kernel(
     safe_t = tl.where(greedy, 1.0, temperature)  # greedy rows never divide (by zero)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_idx = tl.full([BLOCK], 0, tl.int32)
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, vocab)
+    if HAS_MASK:
+        mask_row = tl.load(mask_rows_ptr + row).to(tl.int64)  # -1: unconstrained
+        # Unconstrained rows read no word and see all bits set. A row index past the bitmask (unchecked on
+        # CUDA, where reading mask_rows would wait for the device) reads nothing and allows nothing.
+        words_hi = tl.where((mask_row >= 0) & (mask_row < num_masks), hi, 0)  # columns whose words are read
+        words_other = tl.where(mask_row < 0, -1, 0)
     for start in range(lo, hi, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < hi
