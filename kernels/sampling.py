@@ -5,7 +5,8 @@ is a sample from that softmax. The noise is a pure function of (seed_r, offset_r
 hash, so a request's draws depend only on its own seed and how many it has drawn (`offset`), never on the
 batch it shares. T_r = 0 rows take the plain argmax. `gumbel_argmax_ref` is the specification in torch,
 in sampling_ref.py (identical noise bits; the kernel's log may differ from torch's by an ulp, moving only
-near-ties).
+near-ties). Structured output: an optional token bitmask (xgrammar's int32 layout) makes disallowed tokens
+score -inf inside the same launch; a compile-time flag keeps the unconstrained variant free of its loads.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .sampling_ref import gumbel_argmax_ref, uniform_noise_ref
+from .sampling_ref import apply_token_bitmask_ref, check_token_bitmask, gumbel_argmax_ref, uniform_noise_ref
 
-__all__ = ["gumbel_argmax", "gumbel_argmax_ref", "uniform_noise_ref"]
+__all__ = ["apply_token_bitmask_ref", "gumbel_argmax", "gumbel_argmax_ref", "uniform_noise_ref"]
 
 BLOCK_V = 1024  # vocabulary columns per tile
 MAX_SPLITS = 256  # splits per row: the reduction's fixed width (one compiled variant for any count)
@@ -38,12 +39,14 @@ def _fmix32(h):
     return h
 
 
-@triton.jit(do_not_specialize=["vocab", "chunk"])
+@triton.jit(do_not_specialize=["vocab", "chunk", "num_masks", "mask_stride"])
 def _gumbel_partial_kernel(
     logits_ptr, temp_ptr, seed_ptr, offset_ptr, part_val_ptr, part_idx_ptr, vocab, stride_row, chunk,
-    MAX_SPLITS: tl.constexpr, BLOCK: tl.constexpr,
+    bitmask_ptr, mask_rows_ptr, num_masks, mask_stride,
+    MAX_SPLITS: tl.constexpr, BLOCK: tl.constexpr, HAS_MASK: tl.constexpr,
 ):  # fmt: skip
-    """Program (row, split): the best score and its first column within columns [split * chunk, ...)."""
+    """Program (row, split): the best score and its first column within columns [split * chunk, ...).
+    With HAS_MASK, token t is kept only if bit t % 32 of word t // 32 of the row's bitmask row is set."""
     row, split = tl.program_id(0).to(tl.int64), tl.program_id(1)
     temperature = tl.load(temp_ptr + row)
     seed = tl.load(seed_ptr + row)  # int64 folded into two uint32 words
@@ -57,6 +60,12 @@ def _gumbel_partial_kernel(
     best_idx = tl.full([BLOCK], 0, tl.int32)
     lo = split * chunk
     hi = tl.minimum(lo + chunk, vocab)
+    if HAS_MASK:
+        mask_row = tl.load(mask_rows_ptr + row).to(tl.int64)  # -1: unconstrained
+        # Unconstrained rows read no word and see all bits set. A row index past the bitmask (unchecked on
+        # CUDA, where reading mask_rows would wait for the device) reads nothing and allows nothing.
+        words_hi = tl.where((mask_row >= 0) & (mask_row < num_masks), hi, 0)  # columns whose words are read
+        words_other = tl.where(mask_row < 0, -1, 0)
     for start in range(lo, hi, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < hi
@@ -66,6 +75,11 @@ def _gumbel_partial_kernel(
         noise = -tl.log(-tl.log(u))
         score = tl.where(greedy, x, x / safe_t + noise)
         score = tl.where(mask, score, float("-inf"))
+        if HAS_MASK:
+            # 32 lanes share a word: a warp's tile needs one 32-byte sector of the bitmask.
+            word_ptrs = bitmask_ptr + mask_row * mask_stride + (cols >> 5)
+            words = tl.load(word_ptrs, mask=cols < words_hi, other=words_other)
+            score = tl.where(((words >> (cols & 31)) & 1) != 0, score, float("-inf"))
         better = score > best  # strict: the first column of a tie wins, as in torch.argmax
         best = tl.where(better, score, best)
         best_idx = tl.where(better, cols, best_idx)
@@ -100,6 +114,8 @@ def gumbel_argmax(
     temperature: torch.Tensor,  # [R] float32; 0 = greedy
     seeds: torch.Tensor,  # [R] int64
     offsets: torch.Tensor,  # [R] int64: draws this request made before (< 2**32)
+    bitmask: torch.Tensor | None = None,  # [M, W >= ceil(vocab / 32)] int32, xgrammar's token bitmask
+    mask_rows: torch.Tensor | None = None,  # [R] int32/int64: each row's bitmask row, -1 = unconstrained
     out: torch.Tensor | None = None,  # [R] int64
     num_splits: int | None = None,  # vocabulary splits per row; None: enough to fill the GPU
     *,
@@ -108,9 +124,18 @@ def gumbel_argmax(
     num_warps: int = NUM_WARPS,
 ) -> torch.Tensor:
     """Each row's vocabulary is split across programs (a batch of one row still fills the GPU), each
-    keeping its best column; a second launch takes the first column of the best score."""
+    keeping its best column; a second launch takes the first column of the best score. Tokens a row's
+    bitmask disallows are never chosen (greedy rows included); a row whose bitmask allows nothing returns
+    token 0, which the caller must treat as a grammar error. Without a bitmask the launch is today's."""
     _check(logits, temperature, seeds, offsets)
     rows, vocab = logits.shape
+    if (bitmask is None) != (mask_rows is None):
+        raise ValueError("bitmask and mask_rows go together: pass both or neither")
+    # Without a bitmask its four arguments are None (constexpr): today's kernel, parameters included.
+    num_masks, mask_stride = None, None
+    if bitmask is not None and mask_rows is not None:
+        check_token_bitmask(bitmask, mask_rows, rows, vocab, logits.device)
+        num_masks, mask_stride = bitmask.shape[0], bitmask.stride(0)
     if out is None:
         out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if not rows:
@@ -125,7 +150,8 @@ def gumbel_argmax(
     part_idx = torch.empty(rows, MAX_SPLITS, dtype=torch.int32, device=logits.device)
     _gumbel_partial_kernel[(rows, num_splits)](
         logits, temperature, seeds, offsets, part_val, part_idx, vocab, logits.stride(0), chunk,
-        MAX_SPLITS=MAX_SPLITS, BLOCK=block_v, num_warps=num_warps,
+        bitmask, mask_rows, num_masks, mask_stride,
+        MAX_SPLITS=MAX_SPLITS, BLOCK=block_v, HAS_MASK=bitmask is not None, num_warps=num_warps,
     )  # fmt: skip
     _argmax_reduce_kernel[(rows,)](part_val, part_idx, out, num_splits, MAX_SPLITS=MAX_SPLITS, num_warps=4)
     return out

@@ -2,7 +2,9 @@
 
 The noise is a counter-based hash of (seed, offset, token id) on uint32 lanes held in int64; these
 functions reproduce the kernel's bits exactly, and `gumbel_argmax_ref` its choice (up to an ulp of `log`,
-which can move only near-ties).
+which can move only near-ties). Token bitmasks (structured output) are xgrammar's layout: int32 words
+[M, W], bit t % 32 of word t // 32 set = token t allowed; `mask_rows` maps each logits row to its bitmask
+row, or -1 for an unconstrained row.
 """
 
 from __future__ import annotations
@@ -39,11 +41,80 @@ def uniform_noise_ref(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int) ->
     return ((h >> 8).to(torch.float32) + 0.5) * _TO_UNIT
 
 
+def check_token_bitmask(
+    bitmask: torch.Tensor, mask_rows: torch.Tensor, rows: int, vocab: int, device: torch.device
+) -> None:
+    """ValueError naming the argument unless `bitmask` [M >= 1, W >= ceil(vocab / 32)] int32 (unit column
+    stride) and `mask_rows` [rows] contiguous int32/int64 in [-1, M) are on `device`. The values are read only
+    on the CPU: on CUDA that would wait for the device every step (the kernel then treats a row index >= M as
+    allowing nothing, and never reads past the bitmask)."""
+    if bitmask.dtype != torch.int32 or bitmask.dim() != 2 or bitmask.device != device:
+        raise ValueError(
+            f"bitmask must be a 2-d int32 tensor on {device} (xgrammar.allocate_token_bitmask); got "
+            f"{tuple(bitmask.shape)} {bitmask.dtype} on {bitmask.device}"
+        )
+    num_masks, words = bitmask.shape
+    if num_masks < 1 or words * 32 < vocab or bitmask.stride(1) != 1:
+        raise ValueError(
+            f"bitmask must be [M >= 1, W >= {-(-vocab // 32)}] (32 tokens a word over a vocabulary of {vocab}) "
+            f"with unit column stride; got {tuple(bitmask.shape)} with stride {bitmask.stride()} (pass "
+            "bitmask=None when no row is constrained)"
+        )
+    if (
+        mask_rows.dtype not in (torch.int32, torch.int64)
+        or mask_rows.shape != (rows,)
+        or mask_rows.device != device
+        or (rows and mask_rows.stride(0) != 1)
+    ):
+        raise ValueError(
+            f"mask_rows must be contiguous [{rows}] int32 or int64 on {device} (one bitmask row or -1 per "
+            f"logits row); got {tuple(mask_rows.shape)} {mask_rows.dtype} on {mask_rows.device} with stride "
+            f"{mask_rows.stride()}"
+        )
+    if device.type == "cpu" and rows:
+        low, high = int(mask_rows.min()), int(mask_rows.max())
+        if low < -1 or high >= num_masks:
+            raise ValueError(f"mask_rows values must be in [-1, {num_masks}) (bitmask rows); got [{low}, {high}]")
+
+
+def token_bitmask_allowed(bitmask: torch.Tensor, mask_rows: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[R, vocab] bool: token t of row r is allowed. Rows with mask_rows < 0 allow everything, rows past the
+    bitmask nothing (as the kernel). Bits past `vocab` in the last words are ignored. No device sync."""
+    num_masks = bitmask.shape[0]
+    unconstrained = mask_rows < 0
+    in_range = ~unconstrained & (mask_rows < num_masks)
+    words = bitmask.index_select(0, torch.where(in_range, mask_rows, 0))  # [R, W] int32
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = ((words[:, :, None] >> shifts) & 1).reshape(words.shape[0], -1)[:, :vocab]  # [R, vocab]
+    return ((bits != 0) & in_range[:, None]) | unconstrained[:, None]
+
+
+def apply_token_bitmask_ref(logits: torch.Tensor, bitmask: torch.Tensor, mask_rows: torch.Tensor) -> None:
+    """Writes -inf, in place, into `logits` [R, vocab] (float) where row r's bitmask row mask_rows[r]
+    disallows the token; rows with mask_rows[r] = -1 are left alone. For rows filtered (top-k/p, min-p)
+    before the draw, and for engines sampling with `gumbel_argmax_ref`."""
+    check_token_bitmask(bitmask, mask_rows, logits.shape[0], logits.shape[1], logits.device)
+    logits.masked_fill_(~token_bitmask_allowed(bitmask, mask_rows, logits.shape[1]), float("-inf"))
+
+
 def gumbel_argmax_ref(
-    logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    offsets: torch.Tensor,
+    bitmask: torch.Tensor | None = None,
+    mask_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The specification: [R] int64 tokens, argmax(x / T - log(-log u)) per row, plain argmax where T = 0."""
+    """The specification: [R] int64 tokens, argmax(x / T - log(-log u)) per row, plain argmax where T = 0.
+    With a token bitmask, disallowed tokens score -inf first (`apply_token_bitmask_ref` on a float copy);
+    a row left with nothing (no allowed token, or only -inf logits among them) returns token 0, which the
+    caller must treat as a grammar error."""
     x = logits.float()
+    if (bitmask is None) != (mask_rows is None):
+        raise ValueError("bitmask and mask_rows go together: pass both or neither")
+    if bitmask is not None and mask_rows is not None:
+        check_token_bitmask(bitmask, mask_rows, x.shape[0], x.shape[1], x.device)
+        x = x.masked_fill(~token_bitmask_allowed(bitmask, mask_rows, x.shape[1]), float("-inf"))
     noise = -torch.log(-torch.log(uniform_noise_ref(seeds, offsets, x.shape[1])))
     greedy = (temperature == 0.0)[:, None]
     safe_t = torch.where(greedy, torch.ones_like(temperature[:, None]), temperature[:, None])
