@@ -22,7 +22,7 @@ KERNELS = ROOT / "kernels"
 
 LAYERS: list[tuple[str, ...]] = [  # top to bottom; each entry: module prefixes of one layer
     ("asyncllm", "asyncllm.llm", "asyncllm.cli", "asyncllm.default_model", "asyncllm.server"),
-    ("asyncllm.async_engine",),
+    ("asyncllm.async_engine", "asyncllm.parsing"),
     ("asyncllm.build",),
     ("asyncllm.core",),
     ("asyncllm.executor", "asyncllm.distributed"),
@@ -43,7 +43,8 @@ FOUNDATION = {
     "asyncllm.step",  # the step contract between the core and the executors
 }
 HEAVY = ("torch", "numpy", "triton", "transformers")
-TORCH_FREE = ("asyncllm.core",)  # besides the foundation: never import HEAVY, not even inside a function
+# Besides the foundation: never import HEAVY, not even inside a function.
+TORCH_FREE = ("asyncllm.core", "asyncllm.parsing")
 LAZY_ONLY = ("asyncllm.async_engine", *LAYERS[0])  # may import torch layers only inside functions
 
 
