@@ -19,6 +19,7 @@ CASES = [  # (reply, content, [(name, arguments)])
     ("Let me look.[TOOL_CALLS][" + W + "]\n", "Let me look.", [CALL_W]),
     ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', "", [CALL_W]),
     ('[TOOL_CALLS]get_weather[ARGS]{"city":"Paris"}[TOOL_CALLS]now[ARGS]{"tz":"Asia/Tokyo"}', "", [CALL_W, CALL_T]),
+    ('[TOOL_CALLS]get_weather{"city": "Paris"}[TOOL_CALLS]now{"tz": "Asia/Tokyo"}', "", [CALL_W, CALL_T]),
     ('[TOOL_CALLS]now[CALL_ID]a1b2c3d4e[ARGS] {"tz": "Asia/Tokyo"}', "", [CALL_T]),
     ('[TOOL_CALLS][{"name": "f", "arguments": {"q": "ü [x]"}}]', "", [("f", '{"q": "ü [x]"}')]),
     ("[TOOL_CALLS]" + W, "", [CALL_W]),  # a lone object, without the array

@@ -1,8 +1,8 @@
 """Mistral tool calls, both shapes its tokenizers use: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`
 (an `"id"` in an object is ignored: ids are ours; a lone object without the array is read too) and the
-newer `[TOOL_CALLS]name[ARGS]{...}` (optionally `name[CALL_ID]id[ARGS]{...}`), repeated. Text outside the
-calls stays content. `[TOOL_CALLS]` is a special token: the text fed here must be decoded with special
-tokens kept."""
+newer `[TOOL_CALLS]name[ARGS]{...}` (optionally `name[CALL_ID]id[ARGS]{...}`; `name{...}` where the
+decoder dropped `[ARGS]`), repeated. Text outside the calls stays content. `[TOOL_CALLS]` is a special
+token: the text fed here must be decoded with special tokens kept."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ class _State(enum.Enum):
     TEXT = enum.auto()  # content, watching for `TAG`
     AFTER_TAG = enum.auto()  # `[` opens an array of calls, `{` one call; anything else starts a name
     CALLS = enum.auto()  # inside the array (or the one call object), until it closes
-    NAME = enum.auto()  # `name[ARGS]`, or `name[CALL_ID]id[ARGS]`
+    NAME = enum.auto()  # `name[ARGS]`, `name[CALL_ID]id[ARGS]`, or `name` right before its `{`
     EXPECT_ARGS = enum.auto()  # the arguments object must come next
     ARGS = enum.auto()  # inside the arguments object, until its braces close
 
@@ -65,12 +65,14 @@ class MistralToolParser(ToolParser):
                 if rest.startswith(("[", "{")):
                     self._start_json(_State.CALLS)
             elif self._state is _State.NAME:
-                args_at = self._buf.find(ARGS)
-                if args_at < 0:
+                ends = [i for i in (self._buf.find(ARGS), self._buf.find("{")) if i >= 0]
+                if not ends:
                     return  # names are short: holding them whole costs nothing
-                self._name = self._buf[:args_at].partition(CALL_ID)[0].strip()
-                self._raw += self._buf[: args_at + len(ARGS)]
-                self._buf = self._buf[args_at + len(ARGS) :]
+                name_end = min(ends)
+                after = name_end + (len(ARGS) if self._buf.startswith(ARGS, name_end) else 0)
+                self._name = self._buf[:name_end].partition(CALL_ID)[0].strip()
+                self._raw += self._buf[:after]
+                self._buf = self._buf[after:]
                 self._state = _State.EXPECT_ARGS
             elif self._state is _State.EXPECT_ARGS:
                 if not rest:
