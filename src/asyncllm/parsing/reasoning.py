@@ -71,7 +71,7 @@ class ReasoningParser:
 
     @property
     def in_reasoning(self) -> bool:
-        """Whether the output is (or may still be) inside the reasoning block."""
+        """Whether the text decided so far leaves the output inside the reasoning block."""
         return self._state is _State.REASONING or (self._state is _State.OPENING and self._start_in_reasoning)
 
     def feed(self, text: str) -> ReasoningDelta:

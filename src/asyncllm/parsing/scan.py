@@ -9,9 +9,13 @@ def held_prefix_len(text: str, tag: str) -> int:
 
     Those characters are held back: the next piece decides whether they open the tag or are plain text.
     """
-    for k in range(min(len(text), len(tag) - 1), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
+    # Candidates start where the tag's first character does, in the last len(tag) - 1 characters; the
+    # earliest that fits is the longest. Mostly one `find` that finds nothing: this runs on every piece.
+    start = text.find(tag[0], max(0, len(text) - len(tag) + 1))
+    while start >= 0:
+        if tag.startswith(text[start:]):
+            return len(text) - start
+        start = text.find(tag[0], start + 1)
     return 0
 
 
