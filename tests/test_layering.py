@@ -23,7 +23,7 @@ KERNELS = ROOT / "kernels"
 
 LAYERS: list[tuple[str, ...]] = [  # top to bottom; each entry: module prefixes of one layer
     ("asyncllm", "asyncllm.llm", "asyncllm.cli", "asyncllm.default_model", "asyncllm.server"),
-    ("asyncllm.async_engine", "asyncllm.input_processor"),  # the front side, below both public fronts
+    ("asyncllm.async_engine", "asyncllm.input_processor", "asyncllm.parsing"),  # the front side, below both fronts
     ("asyncllm.build",),
     ("asyncllm.core",),
     ("asyncllm.executor", "asyncllm.distributed"),
@@ -44,7 +44,8 @@ FOUNDATION = {
     "asyncllm.step",  # the step contract between the core and the executors
 }
 HEAVY = ("torch", "numpy", "triton", "transformers")
-TORCH_FREE = ("asyncllm.core",)  # besides the foundation: never import HEAVY, not even inside a function
+# Besides the foundation: never import HEAVY, not even inside a function.
+TORCH_FREE = ("asyncllm.core", "asyncllm.parsing")
 LAZY_ONLY = (*LAYERS[1], *LAYERS[0])  # may import torch layers only inside functions
 
 
