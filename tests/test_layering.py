@@ -41,6 +41,7 @@ FOUNDATION = {
     "asyncllm.config",
     "asyncllm.outputs",
     "asyncllm.sampling_params",
+    "asyncllm.structured",
     "asyncllm.step",  # the step contract between the core and the executors
 }
 HEAVY = ("torch", "numpy", "triton", "transformers")

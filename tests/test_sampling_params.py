@@ -157,3 +157,54 @@ def test_stop_strings_are_bounded_in_number_and_length() -> None:
         SamplingParams(stop=["ok", "z" * (MAX_STOP_STRING_CHARS + 1)])
     with pytest.raises(InvalidRequestError, match=rf"SamplingParams\.stop_token_ids=.*at most {MAX_STOP_TOKEN_IDS}"):
         SamplingParams(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS + 1)))
+
+
+# ---------------------------------------------------------------- structured output (issue 21)
+
+
+def test_structured_output_fields_normalise_to_one_spec() -> None:
+    from asyncllm.structured import StructuredKind
+
+    assert SamplingParams().structured is None
+    spec = SamplingParams(json_schema={"type": "object"}).structured
+    assert spec is not None and spec.kind is StructuredKind.JSON_SCHEMA and spec.text == '{"type": "object"}'
+    assert SamplingParams(json_schema='{"type": "integer"}').structured.text == '{"type": "integer"}'
+    assert SamplingParams(choice=["yes", "no"]).structured.choices == ["yes", "no"]
+    assert SamplingParams(regex=r"\d+").structured.text == r"\d+"
+    assert SamplingParams(grammar='root ::= "a"').structured.kind is StructuredKind.GRAMMAR
+    assert SamplingParams(json_object=True).structured.kind is StructuredKind.JSON_OBJECT
+
+
+def test_a_pydantic_class_is_kept_as_its_schema_so_the_request_pickles() -> None:
+    import pickle
+
+    import pydantic
+
+    class Person(pydantic.BaseModel):
+        name: str
+        age: int
+
+    params = SamplingParams(json_schema=Person)
+    assert params.json_schema == Person.model_json_schema()
+    assert pickle.loads(pickle.dumps(params)).structured == params.structured
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"regex": "a", "grammar": "root ::= 'a'"}, "grammar"),
+        ({"json_schema": {}, "json_object": True}, "json_object"),
+        ({"json_schema": "{not json"}, "json_schema"),
+        ({"json_schema": "[1, 2]"}, "json_schema"),
+        ({"json_schema": 3}, "json_schema"),
+        ({"choice": []}, "choice"),
+        ({"choice": ["a", 1]}, "choice"),
+        ({"regex": ""}, "regex"),
+        ({"grammar": "   "}, "grammar"),
+        ({"json_object": "yes"}, "json_object"),
+        ({"regex": "a" * 200_001}, "regex"),
+    ],
+)
+def test_bad_structured_output_fields_are_named(kwargs: dict[str, object], field: str) -> None:
+    with pytest.raises(InvalidRequestError, match=f"SamplingParams.{field}="):
+        SamplingParams(**kwargs)

@@ -7,9 +7,12 @@ no request can carry an overflow into the step thread. Plain Python; no torch.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 from asyncllm.errors import InvalidRequestError
+from asyncllm.structured import MAX_CONSTRAINT_CHARS, StructuredKind, StructuredOutput
 from asyncllm.validation import check_bool, check_float, check_int, check_optional_int, is_int, short_repr
 
 _MAX_LOGPROBS = 20
@@ -37,6 +40,11 @@ class SamplingParams:
     `repetition_penalty` in [0.01, 100] (beyond it a seen token is certain or impossible and the logits
     overflow); `presence_penalty` and `frequency_penalty` in [-2, 2]. At most `MAX_STOP_STRINGS` stop
     strings of at most `MAX_STOP_STRING_CHARS` characters each, and `MAX_STOP_TOKEN_IDS` stop token ids.
+
+    Structured output, at most one of: `json_schema` (a dict, a JSON string, or a pydantic model class, kept
+    as its schema dict so the request can cross a process), `regex`, `choice` (a non-empty list of strings),
+    `grammar` (EBNF/GBNF text with a `root` rule), `json_object=True` (any JSON object). Every finished
+    output satisfies it; whether it compiles is checked when the request is made (`InvalidRequestError`).
     """
 
     temperature: float = 1.0
@@ -54,9 +62,15 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
+    json_schema: dict[str, Any] | str | type | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
     # Normalised forms, derived once so hot paths never re-check types.
     stop_strings: tuple[str, ...] = field(init=False, repr=False, compare=False)
     stop_token_set: frozenset[int] = field(init=False, repr=False, compare=False)
+    structured: StructuredOutput | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         number = self._number
@@ -80,6 +94,53 @@ class SamplingParams:
         check_optional_int(_fail, "logprobs", self.logprobs, allowed, lo=0)
         if self.logprobs is not None and self.logprobs > _MAX_LOGPROBS:
             raise _fail("logprobs", self.logprobs, allowed)
+        object.__setattr__(self, "structured", self._normalise_structured())
+
+    def _normalise_structured(self) -> StructuredOutput | None:
+        check_bool(_fail, "json_object", self.json_object)
+        given = [name for name in ("json_schema", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) > 1:
+            raise _fail(given[1], getattr(self, given[1]), f"at most one structured-output field (also {given[0]})")
+        if not given:
+            return None
+        name = given[0]
+        if name == "json_object":
+            return StructuredOutput(StructuredKind.JSON_OBJECT, "")
+        if name == "json_schema":
+            text = self._schema_text()
+        elif name == "choice":
+            choices = self.choice
+            if not isinstance(choices, (list, tuple)) or not choices or not all(isinstance(c, str) for c in choices):
+                raise _fail("choice", choices, "a non-empty list of strings")
+            text = json.dumps(list(choices), ensure_ascii=False)
+        else:
+            text = getattr(self, name)
+            if not isinstance(text, str) or not text.strip():
+                raise _fail(name, text, "a non-empty string")
+        if len(text) > MAX_CONSTRAINT_CHARS:
+            raise _fail(name, text, f"at most {MAX_CONSTRAINT_CHARS} characters (got {len(text)})")
+        return StructuredOutput(StructuredKind(name), text)
+
+    def _schema_text(self) -> str:
+        """The schema as JSON text; a pydantic model class is replaced by its schema dict (picklable)."""
+        schema = self.json_schema
+        to_schema = getattr(schema, "model_json_schema", None)
+        if isinstance(schema, type) and callable(to_schema):
+            schema = to_schema()
+            object.__setattr__(self, "json_schema", schema)
+        allowed = "a JSON schema: a dict, a JSON object as a string, or a pydantic model class"
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise _fail("json_schema", self.json_schema, f"{allowed} (not valid JSON: {e})") from None
+        if not isinstance(schema, dict):
+            raise _fail("json_schema", self.json_schema, allowed)
+        try:
+            return json.dumps(schema, ensure_ascii=False)
+        except (TypeError, ValueError) as e:
+            raise _fail("json_schema", self.json_schema, f"{allowed} (not serialisable as JSON: {e})") from None
 
     def _number(self, name: str, *, allowed: str, lo: float, hi: float | None = None, lo_open: bool = False) -> None:
         """Validate a real-valued field and store it as a finite float (the device casts it to float32)."""
