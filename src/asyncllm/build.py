@@ -2,7 +2,8 @@
 
 Opens the checkpoint, picks the executor (in-process, or tensor-parallel worker processes) which loads the
 model and sizes the KV cache, and wires the core around it; it hands the front what input processing needs
-(the runtime facts, the tokenizer and its encoders) and builds none of it. The async layer's in-process
+(the runtime facts, the tokenizer and its encoders, and the in-process worker's check of output
+constraints, so each constraint compiles once in this process) and builds none of it. The async layer's in-process
 client calls `build_engine` inside its step thread (which then owns the device); `LLM` calls it directly.
 This is the one place the torch-free layers meet the torch ones.
 """
@@ -11,12 +12,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asyncllm.config import EngineConfig
 from asyncllm.core.detokenizer import backend_tokenizer
 from asyncllm.core.engine_core import EngineCore
-from asyncllm.step import ModelExecutor, RuntimeInfo
+from asyncllm.step import RuntimeInfo
+from asyncllm.structured import StructuredOutput
+
+if TYPE_CHECKING:
+    from asyncllm.executor.multiproc import MultiProcExecutor
+    from asyncllm.executor.uniproc import UniProcExecutor
 
 
 @dataclass
@@ -27,6 +33,9 @@ class BuiltEngine:
     # Text to prompt ids, None without a tokenizer; `encode_batch` gives `encode`'s ids for many texts at once.
     encode: Callable[[str], list[int]] | None
     encode_batch: Callable[[list[str]], list[list[int]]] | None
+    # Compiles a request's output constraint (cached), raising InvalidRequestError naming its field; None
+    # when structured output is unavailable (no tokenizer, or no EOS id to end a complete output with).
+    check_constraint: Callable[[StructuredOutput], None] | None = None
 
 
 def build_engine(config: EngineConfig, clock: Callable[[], float]) -> BuiltEngine:
@@ -65,10 +74,11 @@ def build_engine(config: EngineConfig, clock: Callable[[], float]) -> BuiltEngin
             # (same post-processor: special tokens added as the tokenizer's __call__ adds them).
             return [e.ids for e in rust.encode_batch(texts, add_special_tokens=True)]
 
-    return BuiltEngine(core, tokenizer, executor.runtime, encode, encode_batch)
+    check = executor.grammar.check if executor.grammar is not None else None
+    return BuiltEngine(core, tokenizer, executor.runtime, encode, encode_batch, check)
 
 
-def make_executor(config: EngineConfig, checkpoint: Any) -> ModelExecutor:
+def make_executor(config: EngineConfig, checkpoint: Any) -> UniProcExecutor | MultiProcExecutor:
     """The executor for the parallel configuration: in-process for one rank, worker processes for more."""
     if config.parallel_config.tensor_parallel_size > 1:
         from asyncllm.executor.multiproc import MultiProcExecutor

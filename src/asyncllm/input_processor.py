@@ -2,8 +2,10 @@
 
 The front side's, shared by both fronts (`AsyncLLMEngine`, `LLM`), above the core: a bad request never
 reaches the core and leaves no state behind. The cheap checks (`check_params`, `check_text`) run in the
-caller's thread, tokenizing and the length checks (`make_request`) wherever the caller can afford them. The
-tokenizer's `encode` (handed over by `build.py`) is the only model-specific part; knows no event loop.
+caller's thread, tokenizing and the length checks (`make_request`) wherever the caller can afford them, and
+so is compiling an output constraint (`check_constraint`, which may take a while on its first sight). The
+tokenizer's `encode` and the constraint compiler's check (handed over by `build.py`) are the only
+model-specific parts; knows no event loop.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ from asyncllm.core.request import Request
 from asyncllm.errors import InvalidRequestError
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.step import RuntimeInfo
+from asyncllm.structured import StructuredOutput
 
 Encode = Callable[[str], list[int]]
 EncodeBatch = Callable[[list[str]], list[list[int]]]
+CheckConstraint = Callable[[StructuredOutput], None]  # raises InvalidRequestError unless it compiles
 
 
 class InputProcessor:
@@ -25,10 +29,17 @@ class InputProcessor:
     texts in one call that releases the GIL (the Rust tokenizer's `encode_batch` does; its `encode` holds
     the GIL throughout, and the event loop waits)."""
 
-    def __init__(self, runtime: RuntimeInfo, encode: Encode | None, encode_batch: EncodeBatch | None = None) -> None:
+    def __init__(
+        self,
+        runtime: RuntimeInfo,
+        encode: Encode | None,
+        encode_batch: EncodeBatch | None = None,
+        check_constraint: CheckConstraint | None = None,
+    ) -> None:
         self.runtime = runtime
         self._encode = encode
         self._encode_batch = encode_batch
+        self._check_constraint = check_constraint
 
     @property
     def has_tokenizer(self) -> bool:
@@ -43,7 +54,32 @@ class InputProcessor:
         if params.stop_strings and self._encode is None:
             # Stop strings are matched on detokenized text; without a tokenizer they would be ignored silently.
             raise InvalidRequestError("stop strings need a tokenizer and this engine has none: use stop_token_ids")
+        if params.structured is not None:
+            self._check_constrainable(params, params.structured)
         return params
+
+    def _check_constrainable(self, params: SamplingParams, spec: StructuredOutput) -> None:
+        """What rules a constraint out before compiling it: a constrained output ends with EOS once complete."""
+        name = f"SamplingParams.{spec.field}"
+        if self._encode is None:
+            raise InvalidRequestError(f"{name} needs the model's tokenizer (constraints compile over its vocabulary)")
+        if not self.runtime.eos_token_ids or self._check_constraint is None:
+            raise InvalidRequestError(f"{name} needs an EOS token to end a complete output, and this model has none")
+        if params.ignore_eos:
+            raise InvalidRequestError(f"{name} cannot be combined with ignore_eos: a complete output ends with EOS")
+        if params.min_tokens:
+            raise InvalidRequestError(
+                f"{name} cannot be combined with min_tokens={params.min_tokens}: a constrained output ends with EOS "
+                "as soon as it is complete, which may come first"
+            )
+
+    def check_constraint(self, params: SamplingParams) -> None:
+        """Compile the output constraint of params that passed `check_params` (cached by its text): raises
+        `InvalidRequestError` naming the field when it does not compile. The first sight of a constraint can
+        take long (a large schema, a large vocabulary): never call it on an event loop."""
+        if params.structured is not None:
+            assert self._check_constraint is not None, "check_params refuses constraints without a compiler"
+            self._check_constraint(params.structured)
 
     def check_text(self, text: str, max_token_chars: int | None = None) -> None:
         """What can be said of a text prompt without tokenizing it, in time linear in its length at C speed.

@@ -31,7 +31,8 @@ class LLM:
 
         self.config = EngineConfig.from_kwargs(model, **engine_args).resolved(streaming=False)
         self._engine = build_engine(self.config, time.monotonic)
-        self._inputs = InputProcessor(self._engine.runtime, self._engine.encode, self._engine.encode_batch)
+        engine = self._engine
+        self._inputs = InputProcessor(engine.runtime, engine.encode, engine.encode_batch, engine.check_constraint)
         self._ids = itertools.count()
         # What loading left (model, tokenizer, libraries) lives as long as the process: out of the garbage
         # collector's reach, a full collection no longer walks it (see AsyncLLMEngine).
@@ -81,6 +82,8 @@ class LLM:
         requests = [
             self._inputs.make_request(f"llm-{next(self._ids)}", p, sp, now) for p, sp in zip(prompt_list, param_list)
         ]
+        for request in requests:
+            self._inputs.check_constraint(request.params)  # compiles each output constraint (cached by its text)
         core = self._engine.core
         outputs = {r.request_id: OutputAccumulator() for r in requests}
         num_finished = 0

@@ -89,6 +89,9 @@ class ModelRunnerOutput:
     sampled_token_ids: list[int]
     # Per sampled token: {token id: logprob} with the sampled token and the top `logprobs` alternatives.
     logprobs: list[dict[int, float] | None] | None = None
+    # Sample index -> why that request cannot go on (its output constraint allows no token here): the core
+    # ends it with this error instead of outputting the token. None (the rule): every row went well.
+    failed: dict[int, str] | None = None
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """Admission: requests reach the core in the order they were added, text prompts tokenized off the loop.
 
 A request whose prompt is token ids is built at once in the caller's thread (its checks are cheap); a text
-prompt is tokenized by one worker thread, so no event loop ever runs the tokenizer. Either way requests
-pass to the engine-core client in arrival order: a request added behind one still tokenizing waits for it.
-A request aborted or refused before it reached the core ends here. Knows nothing of event loops.
+prompt is tokenized by one worker thread, so no event loop ever runs the tokenizer, and the same thread
+compiles the output constraint of a request that has one (however its prompt came). Either way requests
+pass to the engine-core client in arrival order: a request added behind one still being prepared waits for
+it. A request aborted or refused before it reached the core ends here. Knows nothing of event loops.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ _MAX_BATCH = 64  # texts tokenized per call: large enough to amortise, small eno
 
 
 class _Job:
-    __slots__ = ("arrival_time", "cancelled", "params", "prompt", "request", "slot")
+    __slots__ = ("arrival_time", "cancelled", "params", "prompt", "ready", "request", "slot")
 
     def __init__(self, slot: OutputSlot, request: Request | None, prompt: str, params: SamplingParams, t: float):
         self.slot = slot
@@ -40,6 +41,8 @@ class _Job:
         self.params = params
         self.arrival_time = t
         self.cancelled = False  # ended here (aborted): the worker drops it
+        # Nothing left for the worker: a built request without an output constraint to compile.
+        self.ready = request is not None and params.structured is None
 
 
 class Admission:
@@ -58,23 +61,22 @@ class Admission:
         self._queue: deque[_Job] = deque()  # in arrival order; the head may be tokenizing
         self._queued: dict[OutputSlot, _Job] = {}
         self._stopping = False
-        self._thread: threading.Thread | None = None  # started with the first text prompt
+        self._thread: threading.Thread | None = None  # started with the first job it has work for
 
     def submit(self, slot: OutputSlot, request: Request) -> None:
-        """A request built in the caller's thread: to the core now, unless a text prompt ahead still tokenizes."""
+        """A request built in the caller's thread: to the core now, unless a request ahead is still being
+        prepared or its own output constraint must compile (on the worker thread)."""
         slot.prompt_token_ids = tuple(request.prompt_token_ids)
+        job = _Job(slot, request, "", request.params, request.arrival_time)
         with self._cond:
-            if not self._queue:
+            if job.ready and not self._queue:
                 self._client.add_request(request, slot)  # under the lock: the worker cannot pass it
                 return
-            self._enqueue(_Job(slot, request, "", request.params, request.arrival_time))
+            self._enqueue(job)
 
     def submit_text(self, slot: OutputSlot, prompt: str, params: SamplingParams, arrival_time: float) -> None:
         """A text prompt that passed the cheap checks: tokenized and checked on the worker thread."""
         with self._cond:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="asyncllm-tokenize", daemon=True)
-                self._thread.start()
             self._enqueue(_Job(slot, None, prompt, params, arrival_time))
 
     def abort(self, slot: OutputSlot) -> None:
@@ -100,6 +102,9 @@ class Admission:
         return len(self._queued)
 
     def _enqueue(self, job: _Job) -> None:
+        if self._thread is None and not job.ready:
+            self._thread = threading.Thread(target=self._run, name="asyncllm-tokenize", daemon=True)
+            self._thread.start()
         self._queue.append(job)
         self._queued[job.slot] = job
         self._cond.notify()
@@ -118,40 +123,46 @@ class Admission:
                 self._cond.wait_for(lambda: self._queue or self._stopping)
                 if self._stopping:
                     return
-                # The text jobs at the head (they stay queued, so later requests keep their place behind).
+                # The jobs to prepare at the head (they stay queued, so later requests keep their place behind).
                 batch: list[_Job] = []
                 for job in self._queue:
-                    if job.request is not None or len(batch) == _MAX_BATCH:
+                    if job.ready or len(batch) == _MAX_BATCH:
                         break
                     batch.append(job)
-            results = self._tokenize(batch)
+            results = self._prepare(batch)
             with self._cond:
                 for job, (request, error) in zip(batch, results):
                     self._queue.popleft()
                     self._pass_on(job, request, error)
-                while self._queue and self._queue[0].request is not None:  # built requests queued behind
+                while self._queue and self._queue[0].ready:  # built requests queued behind
                     job = self._queue.popleft()
                     self._pass_on(job, job.request, None)
 
-    def _tokenize(self, batch: list[_Job]) -> list[tuple[Request | None, str | None]]:
+    def _prepare(self, batch: list[_Job]) -> list[tuple[Request | None, str | None]]:
         wanted = [job for job in batch if not (job.cancelled or job.slot.finished)]  # else aborted, or dead
+        texts = [job for job in wanted if job.request is None]
         encoded: dict[_Job, list[int]] = {}
-        if wanted:
+        if texts:
             try:
-                encoded = dict(zip(wanted, self._input_processor.encode_texts([job.prompt for job in wanted])))
+                encoded = dict(zip(texts, self._input_processor.encode_texts([job.prompt for job in texts])))
             except Exception:  # one text the tokenizer refuses: encode them one by one, to fail that one alone
                 encoded = {}
         return [self._make(job, encoded.get(job)) if job in wanted else (None, None) for job in batch]
 
     def _make(self, job: _Job, encoded: list[int] | None) -> tuple[Request | None, str | None]:
+        """The job's request, tokenized if its prompt is text, its output constraint compiled; or the error."""
         ip, rid = self._input_processor, job.slot.request_id
+        step = "tokenizing this prompt"
         try:
-            return ip.make_request(rid, job.prompt, job.params, job.arrival_time, encoded), None
+            request = job.request or ip.make_request(rid, job.prompt, job.params, job.arrival_time, encoded)
+            step = "compiling this request's output constraint"
+            ip.check_constraint(request.params)
+            return request, None
         except InvalidRequestError as exc:
             return None, str(exc)
-        except Exception as exc:  # the tokenizer's own failure on this text: it fails this request alone
-            logger.warning("asyncllm: tokenizing request %r failed", rid, exc_info=exc)
-            return None, f"the tokenizer failed on this prompt: {exc!r}"
+        except Exception as exc:  # the tokenizer's (or compiler's) own failure: it fails this request alone
+            logger.warning("asyncllm: %s (request %r) failed", step, rid, exc_info=exc)
+            return None, f"{step} failed: {exc!r}"
 
     def _pass_on(self, job: _Job, request: Request | None, error: str | None) -> None:
         """Under the lock, in queue order: to the core, or ended here."""

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from asyncllm.chat import ChatTokenizer
     from asyncllm.core.output_processor import RequestDelta
     from asyncllm.core.request import Request
-    from asyncllm.input_processor import Encode, EncodeBatch
+    from asyncllm.input_processor import CheckConstraint, Encode, EncodeBatch
     from asyncllm.step import RuntimeInfo
 
 
@@ -34,6 +34,8 @@ class CoreInfo(Protocol):
     def encode(self) -> Encode | None: ...  # text to prompt ids; None without a tokenizer
     @property
     def encode_batch(self) -> EncodeBatch | None: ...  # `encode` of many texts in one call; None: one by one
+    @property
+    def check_constraint(self) -> CheckConstraint | None: ...  # compiles an output constraint; None: unavailable
 
 
 class EngineCoreClient(Protocol):

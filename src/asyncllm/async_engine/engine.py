@@ -55,8 +55,9 @@ class AsyncLLMEngine:
     Works from asyncio, uvloop and trio (anyio's backends); a stream belongs to the loop that made it.
     `add_request` returns at once and never runs the tokenizer on the loop: what it can check cheaply
     (types, params, empty or absurdly long prompts, token ids, invalid Unicode) raises there; what needs
-    the tokenizer (a text prompt's length in tokens) raises `InvalidRequestError` from the stream's first
-    `__anext__` (or from `generate`). Requests reach the core in the order they were added.
+    the tokenizer (a text prompt's length in tokens) or a compiler (an output constraint that does not
+    compile) raises `InvalidRequestError` from the stream's first `__anext__` (or from `generate`).
+    Requests reach the core in the order they were added.
 
     After loading, the objects alive are frozen out of the garbage collector (`gc.freeze()`): a full
     collection otherwise walks every object the model, tokenizer and libraries left, with the loop
@@ -97,7 +98,7 @@ class AsyncLLMEngine:
         self._fanout = LoopFanout()
         client = self._client = make_client(OutputRouter(self._live, self._fanout))
         info = client.start()  # re-raises a load error here, in the constructor
-        self._input_processor = InputProcessor(info.runtime, info.encode, info.encode_batch)
+        self._input_processor = InputProcessor(info.runtime, info.encode, info.encode_batch, info.check_constraint)
         self.tokenizer = info.tokenizer  # the Hugging Face tokenizer (chat templates), None if none
         self.runtime = info.runtime
         self._max_token_chars = max_token_chars_of(info.tokenizer)

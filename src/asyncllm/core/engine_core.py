@@ -170,8 +170,11 @@ class EngineCore:
         now = self._clock()
         self.last_step = step.counts
         deltas: list[RequestDelta] = []
-        all_logprobs = result.logprobs
+        all_logprobs, failed = result.logprobs, result.failed
         for request, token_id, index in self.scheduler.update_from_output(step.scheduled, result.sampled_token_ids):
+            if failed is not None and index in failed:
+                deltas.append(self._fail(request.request_id, failed[index]))
+                continue
             if request.first_token_time is None:
                 request.first_token_time = now
             text, reason = self.output_processor.process_token(request, token_id)
@@ -195,6 +198,14 @@ class EngineCore:
         if not flush:
             return None
         return RequestDelta(request_id, [], text, reason, request_metrics(request, request.finish_time))
+
+    def _fail(self, request_id: str, error: str) -> RequestDelta:
+        """End a request the executor could not sample for (`ModelRunnerOutput.failed`): "abort" with its
+        error, without the token it was given; the text held back so far goes out."""
+        delta = self._finish(request_id, "abort", flush=True)
+        assert delta is not None, "a request with a sampled token is live"
+        delta.error = error
+        return delta
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -28,6 +28,7 @@ from asyncllm.executor.worker_main import ATTACHED, READY, WorkerSpec
 from asyncllm.executor.worker_procs import WorkerProcesses
 from asyncllm.model_loader.base import Checkpoint
 from asyncllm.models.tensor_parallel import check_tensor_parallel
+from asyncllm.sample.grammar import GrammarBackend
 from asyncllm.step import ModelRunnerOutput, RuntimeInfo, SchedulerOutput, StepResult
 from asyncllm.worker.device import ResolvedModel
 from asyncllm.worker.setup import build_worker
@@ -92,6 +93,7 @@ class MultiProcExecutor:
         self._parallel: ParallelContext | None = None
         self._failure_callbacks: list[Callable[[BaseException], None]] = []  # watch_failure's, at most one
         self._worker: Worker | None = None
+        self.grammar: GrammarBackend | None = None
         try:
             store, rendezvous = open_rendezvous(world, _RENDEZVOUS_TIMEOUT_S)
             threads = max(1, torch.get_num_threads() // world)
@@ -116,6 +118,7 @@ class MultiProcExecutor:
             self._procs.on_death = _death_handler(self._procs, self._parallel, self._failure_callbacks)
             self._worker = build_worker(config, checkpoint, resolved, self._parallel, self._parallel.min_int)
             self._runtime = self._worker.runtime
+            self.grammar = self._worker.grammar  # rank 0's; each worker process compiles with its own
             self._procs.wait_for(READY, _START_TIMEOUT_S)
             # Dropped without shutdown() (an LLM never shut down), or at interpreter exit: still stop the
             # workers and remove the segment. Holds the ring and the processes, never the executor.

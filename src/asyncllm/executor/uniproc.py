@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from asyncllm.config import EngineConfig
 from asyncllm.model_loader.base import Checkpoint
+from asyncllm.sample.grammar import GrammarBackend
 from asyncllm.step import RuntimeInfo, SchedulerOutput, StepResult
 from asyncllm.worker.device import ResolvedModel
 from asyncllm.worker.setup import build_worker
@@ -18,6 +19,7 @@ from asyncllm.worker.setup import build_worker
 class UniProcExecutor:
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint) -> None:
         self.worker = build_worker(config, checkpoint, ResolvedModel.resolve(config, checkpoint.hf_config))
+        self.grammar: GrammarBackend | None = self.worker.grammar  # shared with the front (build.py)
 
     @property
     def runtime(self) -> RuntimeInfo:

@@ -5,26 +5,44 @@ or its torch twin where Triton cannot run): greedy rows take the argmax, others 
 logits / temperature plus noise that is a pure function of the request's seed and draw count, so a
 request's tokens depend only on its own logits and seed, never on the rest of the batch. Rows that ask for
 penalties, filters or min_tokens masking are processed in float32 first; the common case touches the logits
-only in that one launch. Nothing here waits for the device. Knows nothing of scheduling or the model.
+only in that one launch. Constrained rows (structured output) carry a token bitmask that the draw applies
+in the same launch (greedy rows too); rows that are also filtered are masked before top-k/top-p/min-p, so
+the filters choose among allowed tokens only. Logprobs are those of the raw logits, before any of this.
+Nothing here waits for the device. Knows nothing of scheduling or the model.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
+from asyncllm.kernels.sampling_ref import apply_token_bitmask_ref
 from asyncllm.layers.host_copy import to_device
 from asyncllm.sample.filters import apply_min_p, apply_top_k_top_p
 from asyncllm.sample.logprobs import LogprobsOutput, gather_logprobs
 from asyncllm.sample.penalties import PenaltyTable
 from asyncllm.sample.state import SamplingState
+from asyncllm.sample.structured import TokenMask
 
-__all__ = ["Sampler", "SamplerOutput", "SamplingState", "apply_min_p", "apply_top_k_top_p"]
+__all__ = ["Sampler", "SamplerOutput", "SamplingState", "TokenMask", "apply_min_p", "apply_top_k_top_p"]
 
-Draw = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+class Draw(Protocol):
+    """`gumbel_argmax` (kernels/sampling.py) or its torch twin: [R] int64 tokens."""
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        temperature: torch.Tensor,
+        seeds: torch.Tensor,
+        offsets: torch.Tensor,
+        bitmask: torch.Tensor | None = None,
+        mask_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
 
 
 @dataclass
@@ -95,9 +113,9 @@ class Sampler:
         self.penalties.remove(state)
 
     def draw_params(self, states: Sequence[SamplingState]) -> DrawParams | None:
-        """The draw's per-row parameters, on the host (None when every row is greedy: no draw). Uploaded
-        before the step's forward pass; the draw itself (`__call__`) comes after."""
-        if all(s.greedy for s in states):
+        """The draw's per-row parameters, on the host (None when every row is greedy and unconstrained: no
+        draw, an argmax). Uploaded before the step's forward pass; the draw itself (`__call__`) comes after."""
+        if all(s.greedy and s.grammar is None for s in states):
             return None
         temperature = [0.0 if s.greedy else (1.0 if s.filters else s.params.temperature) for s in states]
         n = len(states)
@@ -108,32 +126,41 @@ class Sampler:
         return DrawParams(seeds + [s.num_sampled for s in states], temperature)
 
     def __call__(
-        self, logits: torch.Tensor, states: Sequence[SamplingState], draw: DrawInputs | None = None
+        self,
+        logits: torch.Tensor,
+        states: Sequence[SamplingState],
+        draw: DrawInputs | None = None,
+        mask: TokenMask | None = None,
     ) -> SamplerOutput:
         """Sample one token per row. `draw`: `draw_params(states)` on the device, sent before this call;
-        without it the parameters are uploaded here."""
+        without it the parameters are uploaded here. `mask`: the bitmask of the constrained rows (those
+        whose state has a `grammar`); a row it allows nothing gets token 0, which its caller reports."""
         if logits.dim() != 2 or logits.shape[0] != len(states) or not logits.dtype.is_floating_point:
             raise ValueError(
                 f"Sampler: logits must be a float [num_states={len(states)}, vocab] tensor, "
                 f"got {tuple(logits.shape)} {logits.dtype}"
             )
-        x = self._processed(logits, states)
-        if all(s.greedy for s in states):
+        x = self._processed(logits, states, mask)
+        if mask is None and all(s.greedy for s in states):
             token_ids = x.argmax(dim=-1)
         else:
             if draw is None:
                 params = self.draw_params(states)
                 assert params is not None
                 draw = params.upload(self.device)
-            token_ids = self._draw(x, draw.temperatures, draw.seeds, draw.offsets)
+            if mask is None:  # today's launch, unchanged
+                token_ids = self._draw(x, draw.temperatures, draw.seeds, draw.offsets)
+            else:
+                token_ids = self._draw(x, draw.temperatures, draw.seeds, draw.offsets, mask.bitmask, mask.mask_rows)
         for state in states:
             state.num_sampled += 1  # the offset of its next draw: known now, with no sync
         self.penalties.record(states, token_ids)
         return SamplerOutput(token_ids, gather_logprobs(logits, token_ids, states))
 
-    def _processed(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+    def _processed(self, logits: torch.Tensor, states: Sequence[SamplingState], mask: TokenMask | None) -> torch.Tensor:
         """The logits the draw reads: untouched unless a row needs masking, penalties or filters; then a
-        float32 copy with those rows rewritten (filtered rows already divided by their temperature)."""
+        float32 copy with those rows rewritten (filtered rows already divided by their temperature, and
+        those with a grammar already masked by it)."""
         masked = [i for i, s in enumerate(states) if s.masks_stops]
         penalised = any(s.penalty_row is not None for s in states)
         filtered = [i for i, s in enumerate(states) if s.filters and not s.greedy]
@@ -145,10 +172,10 @@ class Sampler:
         if penalised:
             self.penalties.apply(x, states)
         if filtered:
-            self._filter(x, filtered, [states[i] for i in filtered])
+            self._filter(x, filtered, [states[i] for i in filtered], mask)
         return x
 
-    def _filter(self, x: torch.Tensor, rows: list[int], states: list[SamplingState]) -> None:
+    def _filter(self, x: torch.Tensor, rows: list[int], states: list[SamplingState], mask: TokenMask | None) -> None:
         vocab = x.shape[1]
         params = [s.params for s in states]
         packed = to_device(
@@ -156,6 +183,9 @@ class Sampler:
         )  # [R, 4]
         row_index = packed[:, 0].long()
         sub = x.index_select(0, row_index) / packed[:, 1:2]  # a fresh tensor: the filters write into it
+        if mask is not None and any(s.grammar is not None for s in states):
+            # Before the filters: top-k of the unmasked row could keep only tokens the grammar forbids.
+            apply_token_bitmask_ref(sub, mask.bitmask, mask.mask_rows.index_select(0, row_index))
         top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]  # vocab means "off"
         k_rows = to_device(top_k, torch.int64, self.device) if any(k < vocab for k in top_k) else None
         p_rows = packed[:, 2] if any(p.top_p < 1.0 for p in params) else None

@@ -2,16 +2,20 @@
 
 Owns what a request's draws depend on: its seed, how many tokens it has drawn (the offset into its noise
 stream, advanced when a draw is launched, so nothing waits for the device), the ids masked until
-`min_tokens`, and its row in the sampler's penalty table. Knows nothing of scheduling, the model, or how
-logits become tokens (`sampler.py`).
+`min_tokens`, its row in the sampler's penalty table and its grammar matcher (`structured.py`). Knows
+nothing of scheduling, the model, or how logits become tokens (`sampler.py`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from asyncllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from asyncllm.sample.structured import RequestGrammar
 
 # Below this temperature logits / temperature overflows float32; the distribution is already its limit,
 # the argmax, so such rows are sampled greedily (vLLM draws the same line).
@@ -33,6 +37,7 @@ class SamplingState:
     min_tokens_stop_ids: tuple[int, ...] = ()
     num_sampled: int = 0  # draws so far: the noise offset of the next one
     penalty_row: int | None = None  # set by the sampler's PenaltyTable for requests with penalties
+    grammar: RequestGrammar | None = None  # set by the runner's GrammarTable for constrained requests
 
     @classmethod
     def create(

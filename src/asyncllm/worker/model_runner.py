@@ -8,6 +8,11 @@ draw's parameters, the sampled ids' slots) is handed over as host data by its ow
 sent in the step's one copy (`InputBuffers.flush`). Where steps differ (padding, static plan, graph replay,
 which rows reach the LM head) the step's `StepShape` says how.
 
+A step that samples constrained rows (structured output) also stages which rows its bitmask covers; once
+its forward pass is launched it waits for the previous step's tokens, feeds them to the requests' grammar
+matchers, fills the bitmask on the host and uploads it (`GrammarTable`): the one extra copy and the one
+extra wait, paid only by such steps and the step after the last of them.
+
 Knows nothing of requests beyond the plain data the scheduler sends and the sampling state it keeps per
 request id; nothing of how the model was loaded or the cache sized. The step's only host sync is reading
 the sampled ids back.
@@ -19,8 +24,10 @@ import torch
 
 from asyncllm.attention.backend import AttentionBackend
 from asyncllm.models.base import CausalLM
+from asyncllm.sample.grammar import GrammarBackend
 from asyncllm.sample.sampler import DrawInputs, Sampler
 from asyncllm.sample.state import SamplingState
+from asyncllm.sample.structured import GrammarTable
 from asyncllm.step import ModelRunnerOutput, ReadyStep, SchedulerOutput, StepResult
 from asyncllm.worker.cuda_graph import CudaGraphRunner
 from asyncllm.worker.input_batch import InputBuffers, ModelInputs
@@ -38,6 +45,7 @@ class ModelRunner:
         device: torch.device,
         eos_token_ids: frozenset[int],
         vocab_size: int,
+        grammar: GrammarBackend | None = None,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -47,6 +55,7 @@ class ModelRunner:
         self.device = device
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler(vocab_size, device)
+        self.grammars = GrammarTable(grammar, buffers.max_num_seqs, vocab_size, device)
         self.states: dict[str, SamplingState] = {}
         self._outputs = SampledOutputs(buffers.max_num_seqs, device)
         # Each live request's latest sampled id, on the device, in a slot of its own: a PLACEHOLDER is filled
@@ -67,7 +76,7 @@ class ModelRunner:
         x = self.inputs.prepare(scheduled, shape.pad_to, shape.pad_tokens_to, shape.pad_logits_to, flush=False)
         plan = self.backend.plan(x.meta, shape.bounds)
         self.inputs.stage_plan(x.meta, plan, static=shape.bounds is not None)
-        feed, draw, slots = self._stage(x, states, sampling)
+        feed, draw, slots, mask_rows = self._stage(x, states, sampling)
         self.inputs.flush()
         if feed is not None:
             # PLACEHOLDER inputs take the token last sampled for their request, on the device: the sampled
@@ -79,26 +88,37 @@ class ModelRunner:
         last_hidden = hidden[x.logits_indices] if shape.gathers_logits else hidden  # [shape.logit_rows, hidden]
         # The LM head runs at a padded row count (`Buckets.logit_rows`): warm-up ran every one of them.
         logits = self.model.compute_logits(last_hidden)[: len(sampling)]  # [S, vocab]
-        out = self.sampler(logits, states, draw)
+        # The device has the step's work; the matchers take the previous step's tokens (a no-op unless it
+        # sampled constrained rows), then this step's constrained rows get their mask.
+        self.grammars.settle()
+        mask = failed = None
+        if mask_rows is not None:
+            mask, failed = self.grammars.fill(states, mask_rows)
+        out = self.sampler(logits, states, draw, mask)
         self._latest.record(slots, out.token_ids)
-        return self._outputs.send(out.token_ids, out.logprobs_output)
+        result = self._outputs.send(out.token_ids, out.logprobs_output, failed)
+        if mask is not None:
+            self.grammars.sent(result, states)
+        return result
 
     def _stage(
         self, x: ModelInputs, states: list[SamplingState], sampling: list[str]
-    ) -> tuple[torch.Tensor | None, DrawInputs | None, torch.Tensor | None]:
-        """Stage the rest of what the step uploads: the PLACEHOLDER feed's indices, the draw's parameters
-        and the sampled ids' slots (None where the step has none)."""
+    ) -> tuple[torch.Tensor | None, DrawInputs | None, torch.Tensor | None, torch.Tensor | None]:
+        """Stage the rest of what the step uploads: the PLACEHOLDER feed's indices, the draw's parameters,
+        the sampled ids' slots and the constrained rows' bitmask rows (None where the step has none)."""
         stage = self.inputs.staging.stage
         feed = None
         if x.placeholder_rows:
             feed = stage(self._latest.feed_index(x.placeholder_rows, x.placeholder_owners), torch.int64)
         if not sampling:
-            return feed, None, None
+            return feed, None, None, None
         params = self.sampler.draw_params(states)
         draw = None
         if params is not None:
             draw = params.on_device(stage(params.counters, torch.int64), stage(params.temperatures, torch.float32))
-        return feed, draw, stage(self._latest.slots(sampling), torch.int64)
+        rows = self.grammars.mask_rows(states)
+        mask_rows = stage(rows, torch.int64) if rows is not None else None
+        return feed, draw, stage(self._latest.slots(sampling), torch.int64), mask_rows
 
     def _admit(self, scheduled: SchedulerOutput) -> None:
         """Drop finished requests' state, and make the new requests'."""
@@ -106,6 +126,7 @@ class ModelRunner:
         for new in scheduled.new_requests:
             state = SamplingState.create(new.params, new.seed, new.prompt_token_ids, self.eos_token_ids)
             self.sampler.add(state)
+            self.grammars.add(state)
             self.states[new.request_id] = state
             self._latest.add(new.request_id)
 
@@ -115,8 +136,16 @@ class ModelRunner:
             state = self.states.pop(request_id, None)
             if state is not None:
                 self.sampler.remove(state)
+                self.grammars.remove(state)
                 self._latest.remove(request_id)
+
+    @property
+    def grammar(self) -> GrammarBackend | None:
+        """The constraints' compiler over this model's vocabulary (None without a tokenizer or EOS ids)."""
+        return self.grammars.backend
 
     def shutdown(self) -> None:
         self.graphs.release()
         self.states.clear()
+        if self.grammars.backend is not None:
+            self.grammars.backend.close()

@@ -24,11 +24,14 @@ class SampledOutputs:
         self._events = [torch.cuda.Event() for _ in range(2)] if pin else []  # type: ignore[no-untyped-call]
         self._next = 0
 
-    def send(self, token_ids: torch.Tensor, logprobs: LogprobsOutput | None) -> StepResult:
-        """Start moving `token_ids` ([S] int64 on the device) and `logprobs` to the host."""
+    def send(
+        self, token_ids: torch.Tensor, logprobs: LogprobsOutput | None, failed: dict[int, str] | None = None
+    ) -> StepResult:
+        """Start moving `token_ids` ([S] int64 on the device) and `logprobs` to the host; `failed`, known on
+        the host already, rides along (`ModelRunnerOutput.failed`)."""
         if self.device.type != "cuda":
             dicts = logprobs.to_dicts() if logprobs is not None else None
-            return ReadyStep(ModelRunnerOutput(token_ids.tolist(), dicts))
+            return ReadyStep(ModelRunnerOutput(token_ids.tolist(), dicts, failed))
         i = self._next
         self._next ^= 1
         host = self._buffers[i](token_ids.shape[0])
@@ -37,14 +40,21 @@ class SampledOutputs:
             logprobs.to_host()
         event = self._events[i]
         event.record()
-        return _DeviceStep(host, logprobs, event)
+        return _DeviceStep(host, logprobs, event, failed)
 
 
 class _DeviceStep:
-    def __init__(self, host: torch.Tensor, logprobs: LogprobsOutput | None, event: torch.cuda.Event) -> None:
+    def __init__(
+        self,
+        host: torch.Tensor,
+        logprobs: LogprobsOutput | None,
+        event: torch.cuda.Event,
+        failed: dict[int, str] | None,
+    ) -> None:
         self._host = host
         self._logprobs = logprobs
         self._event = event
+        self._failed = failed
         self._output: ModelRunnerOutput | None = None
 
     def done(self) -> bool:
@@ -54,5 +64,5 @@ class _DeviceStep:
         if self._output is None:
             self._event.synchronize()  # the step's one wait: for its sampled ids, never a blocking copy
             dicts = self._logprobs.to_dicts() if self._logprobs is not None else None
-            self._output = ModelRunnerOutput(self._host.tolist(), dicts)
+            self._output = ModelRunnerOutput(self._host.tolist(), dicts, self._failed)
         return self._output

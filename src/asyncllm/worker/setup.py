@@ -24,6 +24,7 @@ from asyncllm.model_loader.base import Checkpoint
 from asyncllm.model_loader.loader import load_model
 from asyncllm.models.base import CausalLM
 from asyncllm.models.tensor_parallel import shard_arch
+from asyncllm.sample.grammar import GrammarBackend
 from asyncllm.step import RuntimeInfo
 from asyncllm.worker.buckets import Buckets
 from asyncllm.worker.cuda_graph import CudaGraphRunner
@@ -176,7 +177,14 @@ class WorkerSetup:
             loaded.model, kv_caches, buffers, buckets, arch.hidden_size, self.resolved.dtype, device
         )
         runner = ModelRunner(
-            loaded.model, loaded.backend, buffers, graphs, device, self.checkpoint.eos_token_ids, arch.vocab_size
+            loaded.model,
+            loaded.backend,
+            buffers,
+            graphs,
+            device,
+            self.checkpoint.eos_token_ids,
+            arch.vocab_size,
+            self._grammar(arch.vocab_size),
         )
         logger.info(
             "KV cache: %d blocks of %d tokens (%s, %s)", num_blocks, cache.block_size, device, self.resolved.dtype
@@ -226,6 +234,12 @@ class WorkerSetup:
             cuda_graph_token_sizes=tuple(runner.graphs.sizes("mixed")),
             startup_seconds=tuple(self.timings.items()),
         )
+
+    def _grammar(self, vocab_size: int) -> GrammarBackend | None:
+        """This process's compiler of output constraints, over the checkpoint's tokenizer and the model's
+        embedding rows, ending with its EOS ids (built lazily: free until the first constrained request)."""
+        tokenizer, eos = self.checkpoint.tokenizer, self.checkpoint.eos_token_ids
+        return GrammarBackend(tokenizer, vocab_size, eos) if tokenizer is not None and eos else None
 
     def _use_cuda_graphs(self, backend: AttentionBackend) -> bool:
         """Graphs on CUDA unless enforce_eager, with a backend that can be captured (Triton, not the torch

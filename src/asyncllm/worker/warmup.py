@@ -82,8 +82,9 @@ def _warm_lm_head(runner: ModelRunner) -> None:
 @torch.inference_mode()
 def _warm_draw(runner: ModelRunner) -> None:
     """The draw kernel compiles a variant per logits dtype it reads: the model's own (plain temperature) and
-    float32 (after penalties, filters or stop masks). The steps above reach both only with three or more
-    sequences (`max_num_seqs`), so both are drawn here too, whatever the engine's limits."""
+    float32 (after penalties, filters or stop masks), each with and without a token bitmask (structured
+    output). The steps above reach the unmasked two only with three or more sequences (`max_num_seqs`), so
+    all four are drawn here, whatever the engine's limits: a first constrained request compiles nothing."""
     weight = next(runner.model.parameters())
     device = weight.device
     hidden = torch.zeros(1, runner.model.arch.hidden_size, dtype=weight.dtype, device=device)
@@ -92,8 +93,11 @@ def _warm_draw(runner: ModelRunner) -> None:
     temperature = torch.ones(1, dtype=torch.float32, device=device)
     seeds = torch.zeros(1, dtype=torch.int64, device=device)
     offsets = torch.zeros(1, dtype=torch.int64, device=device)
+    bitmask = torch.full((1, -(-logits.shape[1] // 32)), -1, dtype=torch.int32, device=device)  # all allowed
+    mask_rows = torch.zeros(1, dtype=torch.int64, device=device)  # int64, as the runner stages them
     for x in (logits, logits.float()):
         draw(x, temperature, seeds, offsets)
+        draw(x, temperature, seeds, offsets, bitmask, mask_rows)
 
 
 def _seq(i: int, tokens: list[int], start: int, blocks: list[int]) -> ScheduledSeq:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from asyncllm.sample.grammar import GrammarBackend
 from asyncllm.step import RuntimeInfo, SchedulerOutput, StepResult
 from asyncllm.worker.model_runner import ModelRunner
 
@@ -17,6 +18,9 @@ class Worker:
     def __init__(self, runner: ModelRunner, runtime: RuntimeInfo) -> None:
         self.runner: ModelRunner | None = runner  # None once shut down
         self.runtime = runtime
+        # Compiles output constraints over this model's vocabulary; the front of an in-process engine checks
+        # requests with it, so each constraint compiles once in the process (None: no tokenizer or no EOS).
+        self.grammar: GrammarBackend | None = runner.grammar
         self._device = runner.device
 
     def submit(self, scheduled: SchedulerOutput) -> StepResult:

@@ -1,0 +1,183 @@
+"""`GrammarBackend`: output constraints (`StructuredOutput`) compiled by xgrammar over one model's vocabulary.
+
+One per process, made by the worker (it knows the tokenizer, the embedding rows and the EOS ids) and shared:
+the in-process executor hands its backend to the front (`build.py`), which compiles each constraint when the
+request is made, so a bad one raises `InvalidRequestError` naming its field before it reaches the core, and
+the runner's later compile is a cache hit. The vocabulary's `TokenizerInfo` is built at the first compile
+(it reads every token: most of a second for a large vocabulary). Knows nothing of requests, steps or devices.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import threading
+from collections.abc import Collection
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from asyncllm.errors import InvalidRequestError
+from asyncllm.sample.utf8 import Utf8Table
+from asyncllm.structured import StructuredKind, StructuredOutput
+
+if TYPE_CHECKING:
+    import xgrammar as xgr  # imported at the first compile: engines without constraints never load it
+
+# Compiled grammars kept by the compiler (keyed by the constraint's text and options), least recently used
+# out first: a small schema over a large vocabulary takes a few MiB.
+CACHE_LIMIT_BYTES = 512 * 2**20
+
+_WHAT = {
+    StructuredKind.JSON_SCHEMA: "a JSON schema xgrammar supports",
+    StructuredKind.JSON_OBJECT: "a JSON object grammar",
+    StructuredKind.REGEX: "a regular expression xgrammar supports",
+    StructuredKind.CHOICE: "a list of choices",
+    StructuredKind.GRAMMAR: "an EBNF grammar with a root rule",
+}
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[12:00:00] /path/file.cc:123: " before its message
+
+
+class GrammarBackend:
+    """`compile(spec)` a constraint (cached), `check(spec)` it for the front, `compile_async(spec)` off the
+    calling thread; all three raise (or resolve to) `InvalidRequestError` naming the constraint's field."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Collection[int]) -> None:
+        if not stop_token_ids:
+            raise ValueError("GrammarBackend: a complete constraint ends with a stop token; give the EOS ids")
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size  # the model's embedding rows (the tokenizer may have fewer tokens)
+        self.stop_token_ids = sorted(stop_token_ids)
+        self._lock = threading.Lock()
+        self._compiler: xgr.GrammarCompiler | None = None
+        self._utf8: Utf8Table | None = None
+        self._pool: ThreadPoolExecutor | None = None
+
+    @property
+    def bitmask_words(self) -> int:
+        """int32 words of one bitmask row: 32 tokens a word."""
+        return -(-self.vocab_size // 32)
+
+    @property
+    def utf8(self) -> Utf8Table:
+        """The vocabulary's UTF-8 table (built with the compiler, at the first compile)."""
+        self._vocabulary()
+        assert self._utf8 is not None
+        return self._utf8
+
+    def check(self, spec: StructuredOutput) -> None:
+        """Raise `InvalidRequestError` unless `spec` compiles (it stays cached for the runner)."""
+        self.compile(spec)
+
+    def compile(self, spec: StructuredOutput) -> xgr.CompiledGrammar:
+        compiler = self._vocabulary()
+        try:
+            return _compile(compiler, spec)
+        except (RuntimeError, ValueError) as exc:  # xgrammar's errors name what it could not read
+            message = _LOG_PREFIX.sub("", str(exc)).strip()
+            raise InvalidRequestError(f"SamplingParams.{spec.field} is not {_WHAT[spec.kind]}: {message}") from None
+
+    def compile_async(self, spec: StructuredOutput) -> Future[xgr.CompiledGrammar]:
+        """`compile(spec)` on the backend's thread (xgrammar releases the GIL while it compiles)."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncllm-grammar")
+            pool = self._pool
+        return pool.submit(self.compile, spec)
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _vocabulary(self) -> xgr.GrammarCompiler:
+        """The compiler (and the UTF-8 table) over the vocabulary, made at the first call."""
+        with self._lock:  # the front's thread and the step thread may both come first
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+                )
+                pieces = list(info.decoded_vocab)  # the bytes each token spells, as xgrammar reads them
+                # The output text skips the tokenizer's special added tokens (<|im_start|>...), which xgrammar
+                # may take for text: to the grammar they must spell nothing too (a byte-level vocabulary's
+                # pieces are exact bytes, so the raw form of the same pieces is the same vocabulary).
+                skipped = [t for t in _skipped_special_ids(self.tokenizer, len(pieces)) if pieces[t]]
+                skipped = [t for t in skipped if t not in self.stop_token_ids]
+                if skipped and info.vocab_type == xgr.VocabType.BYTE_LEVEL:
+                    for token in skipped:
+                        pieces[token] = b""
+                    info = xgr.TokenizerInfo(
+                        pieces, xgr.VocabType.RAW, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+                    )
+                self._utf8 = Utf8Table(pieces, self.stop_token_ids, self.bitmask_words)
+                self._compiler = xgr.GrammarCompiler(info, cache_limit_bytes=CACHE_LIMIT_BYTES)
+            return self._compiler
+
+
+def _skipped_special_ids(tokenizer: Any, vocab: int) -> list[int]:
+    """Ids of the added tokens a decode skips (flagged special)."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return [token for token, added_token in added.items() if getattr(added_token, "special", False) and token < vocab]
+
+
+def _compile(compiler: xgr.GrammarCompiler, spec: StructuredOutput) -> xgr.CompiledGrammar:
+    kind = spec.kind
+    if kind is StructuredKind.JSON_SCHEMA:
+        # No free whitespace: a model that likes spaces (a random one always does) could otherwise pad an
+        # output forever. Strict: properties and items the schema does not name are not generated.
+        schema = bounded_strings_as_patterns(spec.text)
+        return compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=True)
+    if kind is StructuredKind.JSON_OBJECT:
+        # Any object (not xgrammar's builtin JSON grammar, which also takes a top-level array and any
+        # whitespace): the schema {"type": "object"}, its members left free.
+        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+    if kind is StructuredKind.REGEX:
+        return compiler.compile_regex(spec.text)
+    if kind is StructuredKind.CHOICE:
+        return compiler.compile_grammar(choice_grammar(spec.choices))
+    return compiler.compile_grammar(spec.text)
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """EBNF whose root is exactly one of `choices` (JSON string literals are EBNF string literals)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+@functools.lru_cache(maxsize=256)
+def bounded_strings_as_patterns(schema_text: str) -> str:
+    """The schema with each string's minLength/maxLength (when it has no pattern or format of its own) given
+    as the equivalent pattern over characters a JSON string holds unescaped.
+
+    xgrammar 0.2.9 compiles a length-bounded string to a class that admits raw control characters, which
+    JSON forbids (mlc-ai/xgrammar#800): the outputs would not parse. Its pattern path reads JSON strings
+    right. The bounded string then holds no escapes (neither did xgrammar's own form). Drop this once fixed.
+    """
+    schema = json.loads(schema_text)
+    rewritten = _rewrite(schema)
+    return schema_text if rewritten is schema else json.dumps(rewritten)
+
+
+def _rewrite(node: Any) -> Any:
+    """`node` with its bounded strings rewritten, or `node` itself when nothing in it changed."""
+    if isinstance(node, list):
+        items = [_rewrite(item) for item in node]
+        return node if all(a is b for a, b in zip(items, node)) else items
+    if not isinstance(node, dict):
+        return node
+    out = {key: _rewrite(value) for key, value in node.items()}
+    low, high = out.get("minLength"), out.get("maxLength")
+    lengths = [v for v in (low, high) if v is not None]
+    if (
+        out.get("type") == "string"
+        and lengths
+        and all(type(v) is int and v >= 0 for v in lengths)
+        and not {"pattern", "format", "enum", "const"} & out.keys()
+    ):
+        out.pop("minLength", None)
+        out.pop("maxLength", None)
+        bounds = f"{low or 0},{'' if high is None else high}"
+        out["pattern"] = f'^[^\\x00-\\x1f"\\\\]{{{bounds}}}$'
+    return node if all(out[k] is node.get(k) for k in out) and out.keys() == node.keys() else out
