@@ -40,8 +40,9 @@ PERSON = {
             "required": ["city", "zip"],
         },
         "contact": {"anyOf": [{"type": "integer", "minimum": -5, "maximum": 5}, {"type": "boolean"}, {"type": "null"}]},
+        "nick": {"type": ["string", "null"], "maxLength": 3},
     },
-    "required": ["name", "age", "role", "tags", "address", "contact"],
+    "required": ["name", "age", "role", "tags", "address", "contact", "nick"],
 }
 SCORES = {  # an array at the top level, numbers bounded both ways, optional properties
     "type": "array",

@@ -50,6 +50,7 @@ def test_bounded_strings_become_the_equivalent_pattern() -> None:
             "b": {"type": "string", "minLength": 2},
             "c": {"type": "string", "maxLength": 3, "pattern": "^x+$"},  # has its own pattern: left alone
             "d": {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 2}, "maxItems": 2},
+            "e": {"type": ["null", "string"], "maxLength": 4},
         },
     }
     text = json.dumps(schema)
@@ -58,7 +59,7 @@ def test_bounded_strings_become_the_equivalent_pattern() -> None:
     assert props["c"] == schema["properties"]["c"] and props["d"]["maxItems"] == 2
     rng = random.Random(0)
     alphabet = ["a", "é", "日", '"', "\\", "\n", "\x1f", " "]
-    for key, (low, high) in {"a": (0, 4), "b": (2, None), "d": (1, 2)}.items():
+    for key, (low, high) in {"a": (0, 4), "b": (2, None), "d": (1, 2), "e": (0, 4)}.items():
         node = props[key]["items"] if key == "d" else props[key]
         assert "minLength" not in node and "maxLength" not in node
         for _ in range(300):

@@ -170,8 +170,9 @@ def _rewrite(node: Any) -> Any:
     out = {key: _rewrite(value) for key, value in node.items()}
     low, high = out.get("minLength"), out.get("maxLength")
     lengths = [v for v in (low, high) if v is not None]
+    kind = out.get("type")
     if (
-        out.get("type") == "string"
+        (kind == "string" or (isinstance(kind, list) and "string" in kind))  # lengths bind strings alone
         and lengths
         and all(type(v) is int and v >= 0 for v in lengths)
         and not {"pattern", "format", "enum", "const"} & out.keys()
