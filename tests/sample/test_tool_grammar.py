@@ -97,6 +97,21 @@ def test_required_accepts_one_or_more_calls_and_nothing_else(compiler: xgr.Gramm
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_without_parallel_calls_a_reply_makes_one(compiler: xgr.GrammarCompiler, fmt: str) -> None:
+    one, two = [("weather", GOOD_ARGS["weather"])], [("weather", GOOD_ARGS["weather"])] * 2
+    required = tool_grammar(ToolGrammarSpec(TOOLS, fmt, "required", parallel=False))
+    assert accepts(compiler, required, call_text(fmt, one))
+    assert not accepts(compiler, required, call_text(fmt, two))
+    auto = tool_grammar(ToolGrammarSpec(TOOLS, fmt, "auto", parallel=False))
+    assert accepts(compiler, auto, call_text(fmt, one))
+    assert not accepts(compiler, auto, call_text(fmt, two))
+    if fmt != "llama3_json":  # text may come before the call, not after it
+        assert accepts(compiler, auto, "Checking. " + call_text(fmt, one))
+        assert not accepts(compiler, auto, call_text(fmt, one) + " Done.")
+        assert not accepts(compiler, auto, call_text(fmt, one) + "\n" + call_text(fmt, one))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_named_accepts_exactly_one_call_of_that_tool(compiler: xgr.GrammarCompiler, fmt: str) -> None:
     grammar = tool_grammar(ToolGrammarSpec(TOOLS, fmt, "named", "search"))
     assert accepts(compiler, grammar, call_text(fmt, [("search", GOOD_ARGS["search"])]))

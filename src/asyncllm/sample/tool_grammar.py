@@ -1,12 +1,12 @@
 """The grammar that makes a chat reply's tool calls parse: EBNF text, built with xgrammar's structural tags,
 for a tool-call format (the names `asyncllm.parsing` gives them) and a tool choice.
 
-"required": one or more calls and nothing else; "named": exactly one call of that tool; "auto": free text,
-but once a call opens (the format's marker) the rest of it is the format's call with arguments that satisfy
-the tool's parameter schema. A thinking model may reason first (see `ReasoningStart`). Arguments are JSON
-without free whitespace (`, ` and `: `, as the parsers re-encode them). The text travels as
-`SamplingParams(grammar=...)` and compiles where every grammar compiles. Knows the formats only as text:
-nothing of parsers, requests or the engine.
+"required": one or more calls (one without parallel calls) and nothing else; "named": exactly one call of
+that tool; "auto": free text, but once a call opens (the format's marker) the rest of it is the format's
+call with arguments that satisfy the tool's parameter schema. A thinking model may reason first (see
+`ReasoningStart`). Arguments are JSON without free whitespace (`, ` and `: `, as the parsers re-encode
+them). The text travels as `SamplingParams(grammar=...)` and compiles where every grammar compiles. Knows
+the formats only as text: nothing of parsers, requests or the engine.
 """
 
 from __future__ import annotations
@@ -85,14 +85,16 @@ class ToolGrammarSpec:
     """What a tool-call grammar depends on (hashable: grammars are cached by it).
 
     `tools`: (name, parameters schema as JSON text) for every tool of the request, in its order (an error
-    names a tool by its index there); `name`: the tool a "named" choice calls; `think`: the model's
-    (start, end) reasoning tags, used unless `reasoning` is NONE.
+    names a tool by its index there); `name`: the tool a "named" choice calls; `parallel`: whether a reply
+    may make several calls ("named" makes one); `think`: the model's (start, end) reasoning tags, used
+    unless `reasoning` is NONE.
     """
 
     tools: tuple[tuple[str, str], ...]
     format: str
     choice: Choice
     name: str | None = None
+    parallel: bool = True
     reasoning: ReasoningStart = ReasoningStart.NONE
     think: tuple[str, str] = ("<think>", "</think>")
 
@@ -112,12 +114,10 @@ def _cached(spec: ToolGrammarSpec) -> str:
     think_start, think_end = spec.think
     free_excludes = [think_start] if spec.reasoning is ReasoningStart.OPTIONAL else []
     content: Format
-    if spec.choice == "named":
-        content = _wrapped(fmt, calls[0])
-    elif spec.choice == "required":
-        content = _wrapped(fmt, TagsWithSeparatorFormat(tags=calls, separator=fmt.separator, at_least_one=True))
+    if spec.choice == "auto":
+        content = _auto(fmt, calls, spec.parallel, free_excludes)
     else:
-        content = _auto(fmt, calls, free_excludes)
+        content = _wrapped(fmt, _calls(fmt, calls, spec.parallel and spec.choice == "required"))
     grammar = _with_reasoning(content, spec.reasoning, think_start, think_end, free=spec.choice == "auto")
     text = str(xgr.Grammar.from_structural_tag(StructuralTag(format=grammar)))
     # Printed as the EBNF parser prints it (a first print may still hold an empty `""` it would drop), so
@@ -141,6 +141,13 @@ def _call(fmt: _Format, name: str, arguments: GrammarFormat) -> TagFormat:
     return TagFormat(begin=fmt.call_head + name + fmt.call_mid, content=arguments, end=fmt.call_end)
 
 
+def _calls(fmt: _Format, calls: Sequence[TagFormat], parallel: bool) -> Format:
+    """One call of any of `calls`, or with `parallel` one or more joined by the format's separator."""
+    if parallel:
+        return TagsWithSeparatorFormat(tags=list(calls), separator=fmt.separator, at_least_one=True)
+    return calls[0] if len(calls) == 1 else OrFormat(elements=list(calls))
+
+
 def _wrapped(fmt: _Format, calls: Format) -> Format:
     return _listed(fmt, calls) if fmt.list_begin else calls
 
@@ -149,19 +156,19 @@ def _listed(fmt: _Format, calls: Format) -> TagFormat:
     return TagFormat(begin=fmt.list_begin, content=calls, end=fmt.list_end)
 
 
-def _auto(fmt: _Format, calls: Sequence[TagFormat], excludes: list[str]) -> Format:
-    several = TagsWithSeparatorFormat(tags=list(calls), separator=fmt.separator, at_least_one=True)
+def _auto(fmt: _Format, calls: Sequence[TagFormat], parallel: bool, excludes: list[str]) -> Format:
     if fmt.trigger is not None:
-        # Free text; from the trigger on, a call (or the format's list of calls), then free text again.
-        tags = list(calls) if not fmt.list_begin else [_listed(fmt, several)]
-        return TriggeredTagsFormat(triggers=[fmt.trigger], tags=tags, excludes=excludes)
+        # Free text; from the trigger on, a call (or the format's list of calls), then free text again (once
+        # more calls may open), or the end of the reply (without `parallel`).
+        tags = list(calls) if not fmt.list_begin else [_listed(fmt, _calls(fmt, calls, parallel))]
+        return TriggeredTagsFormat(triggers=[fmt.trigger], tags=tags, excludes=excludes, stop_after_first=not parallel)
     # Calls open the reply or not at all (the parser's rule): a reply that does not start with `{` is text,
     # and text may not start with `{` (nor, when a reasoning block may open the reply, with `<`).
     first = "[^{<" if excludes else "[^{"
     text = SequenceFormat(
         elements=[RegexFormat(pattern=f"{_WHITESPACE}*{first} \\t\\r\\n]"), AnyTextFormat(excludes=excludes)]
     )
-    return OrFormat(elements=[several, RegexFormat(pattern=f"{_WHITESPACE}*"), text])
+    return OrFormat(elements=[_calls(fmt, calls, parallel), RegexFormat(pattern=f"{_WHITESPACE}*"), text])
 
 
 def _with_reasoning(content: Format, start: ReasoningStart, think_start: str, think_end: str, free: bool) -> Format:
