@@ -209,6 +209,16 @@ def test_parsers_are_chosen_from_the_template(template: str, tool_parser: str, r
     assert (request.parsers.tool_parser, request.parsers.reasoning) == (tool_parser, reasoning)
 
 
+def test_without_template_markers_the_architecture_decides() -> None:
+    class Tokenizer:
+        chat_template = "{% for m in messages %}<|im_start|>{{ m.content }}{% endfor %}"
+
+    request = check_chat(Tokenizer(), ASK, None, TOOLS, "auto", True, None, None, "Qwen3ForCausalLM")  # type: ignore[arg-type]
+    assert request.parsers.tool_parser == "hermes"
+    with pytest.raises(UnsupportedModelError, match="no tool-call format"):
+        check_chat(Tokenizer(), ASK, None, TOOLS, "auto", True, None, None, "GPT2LMHeadModel")  # type: ignore[arg-type]
+
+
 async def test_reasoning_is_split_off_for_a_thinking_template(engine: AsyncLLMEngine) -> None:
     params = SamplingParams(temperature=1.0, seed=5, max_tokens=16)
     stream = engine.chat(ASK, params, chat_template=THINKING)

@@ -22,7 +22,14 @@ from asyncllm.async_engine.stream import RequestStream
 from asyncllm.chat import ChatTokenizer, Message, apply_chat_template, check_messages, template_of
 from asyncllm.errors import InvalidRequestError, UnsupportedModelError
 from asyncllm.outputs import RequestMetrics
-from asyncllm.parsing import ChatChunk, ChatStreamParser, ParserChoice, chat_stream_parser, choose_parsers
+from asyncllm.parsing import (
+    ChatChunk,
+    ChatStreamParser,
+    ParserChoice,
+    chat_stream_parser,
+    choose_parsers,
+    prompt_opens_reasoning,
+)
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.structured import MAX_CONSTRAINT_CHARS
 
@@ -32,7 +39,7 @@ Submit = Callable[[list[int], SamplingParams, str], RequestStream]
 
 @dataclass(frozen=True, slots=True)
 class ChatRequest:
-    """A chat request that passed the cheap checks; `plan` turns it into a prompt, params and parser."""
+    """A chat request that passed the cheap checks; `plan_chat` turns it into a prompt, params and parser."""
 
     tokenizer: ChatTokenizer
     messages: Sequence[Message]
@@ -60,10 +67,11 @@ def check_chat(
     parallel_tool_calls: bool,
     chat_template: str | None,
     chat_template_kwargs: Mapping[str, Any] | None,
+    architecture: str | None = None,
 ) -> ChatRequest:
     """The cheap checks, in the caller's thread: `InvalidRequestError` naming the field, or
     `UnsupportedModelError` for a model without a template, or whose template shows no tool-call format
-    asyncllm parses when the request offers tools."""
+    asyncllm parses (nor its HF `architecture`, when known) while the request offers tools."""
     check_messages(messages)
     if params is None:
         params = SamplingParams()
@@ -79,7 +87,7 @@ def check_chat(
         raise InvalidRequestError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
     template = template_of(tokenizer, chat_template, with_tools=checked.active)
     assert tokenizer is not None
-    parsers = choose_parsers(template)
+    parsers = choose_parsers(template, architecture)
     if checked.active and parsers.tool_parser is None:
         raise UnsupportedModelError(
             "this chat template shows no tool-call format asyncllm can parse (Hermes/Qwen <tool_call>, Llama 3 "
@@ -114,7 +122,6 @@ def plan_chat(request: ChatRequest) -> ChatPlan:
 
 
 def _grammar(request: ChatRequest, prompt: str) -> str:
-    from asyncllm.parsing import prompt_opens_reasoning
     from asyncllm.sample.tool_grammar import ReasoningStart, ToolGrammarSpec, tool_grammar
 
     tools, tags, fmt = request.tools, request.parsers.reasoning, request.parsers.tool_parser
@@ -230,10 +237,19 @@ def open_chat(
     chat_template: str | None,
     chat_template_kwargs: Mapping[str, Any] | None,
     request_id: str | None,
+    architecture: str | None = None,
 ) -> ChatStream:
     """The stream of one chat request, checked now (see `check_chat`)."""
     request_id = new_request_id() if request_id is None else check_request_id(request_id)
     request = check_chat(
-        tokenizer, messages, params, tools, tool_choice, parallel_tool_calls, chat_template, chat_template_kwargs
+        tokenizer,
+        messages,
+        params,
+        tools,
+        tool_choice,
+        parallel_tool_calls,
+        chat_template,
+        chat_template_kwargs,
+        architecture,
     )
     return ChatStream(request, submit, request_id)

@@ -200,6 +200,7 @@ class AsyncLLMEngine:
             chat_template=chat_template,
             chat_template_kwargs=chat_template_kwargs,
             request_id=request_id,
+            architecture=None,  # the runtime facts do not name it yet: the template's markers decide
         )
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
