@@ -1,4 +1,7 @@
-"""Shared fixtures: tiny checkpoints are built once per session and reused (read-only) by every test."""
+"""Shared fixtures: tiny checkpoints are built once per session and reused (read-only) by every test.
+
+Tests marked `needs_structured_output` skip unless the engine enforces output constraints (a probe asks for
+`choice=["x"]` on a tiny model): they are written ahead of the constrained-decoding path."""
 
 from __future__ import annotations
 
@@ -13,6 +16,34 @@ from tests.fixtures.triton_kernels import use_interpreter_without_cuda
 
 # Before anything imports triton (transformers does, during collection): see tests/fixtures/triton_kernels.py.
 use_interpreter_without_cuda()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "needs_structured_output: needs the engine to enforce SamplingParams constraints (else skipped)"
+    )
+
+
+@pytest.fixture(scope="session")
+def structured_output_enforced(tiny_checkpoints: dict[str, Path]) -> bool:
+    """Whether the engine enforces output constraints: a random model asked for one of ["x"] says "x"."""
+    from asyncllm import LLM, SamplingParams
+
+    llm = LLM(str(tiny_checkpoints["qwen3"]), device="cpu", dtype="float32", block_size=4, num_kv_blocks=64)
+    try:
+        params = SamplingParams(choice=["x"], temperature=1.0, seed=0, max_tokens=8)
+        out = llm.generate("Hello", params, use_tqdm=False)[0]
+    finally:
+        llm.shutdown()
+    return out.text == "x"
+
+
+@pytest.fixture(autouse=True)
+def _skip_unless_structured_output(request: pytest.FixtureRequest) -> None:
+    if request.node.get_closest_marker("needs_structured_output") is None:
+        return
+    if not request.getfixturevalue("structured_output_enforced"):
+        pytest.skip("the engine does not enforce output constraints yet")
 
 
 @pytest.fixture(scope="session")

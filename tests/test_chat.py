@@ -63,3 +63,43 @@ def test_no_tokenizer_or_no_template_is_a_clear_error(tokenizer: Any) -> None:
 def test_bad_messages_name_the_field(tokenizer: Any, messages: Any, match: str) -> None:
     with pytest.raises(InvalidRequestError, match=match):
         apply_chat_template(tokenizer, messages)
+
+
+def test_tools_and_template_variables_reach_the_template(tokenizer: Any) -> None:
+    template = "{% for t in tools %}{{ t.function.name }};{% endfor %}{{ flavour }}"
+    tools = [{"type": "function", "function": {"name": name}} for name in ("f", "g")]
+    text = apply_chat_template(
+        tokenizer, MESSAGES, chat_template=template, tools=tools, template_kwargs={"flavour": "x"}
+    )
+    assert text == "f;g;x"
+    assert apply_chat_template(tokenizer, MESSAGES, chat_template="{{ tools is none }}") == "True"
+
+
+def test_past_calls_reach_the_template_with_object_arguments(tokenizer: Any) -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"city": "Paris"}'}}
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    template = (
+        "{% for m in messages %}[{{ m.content }}]"
+        "{% for c in m.tool_calls or [] %}{{ c.function.arguments.city }}{% endfor %}{% endfor %}"
+    )
+    assert apply_chat_template(tokenizer, messages, chat_template=template) == "[hi][]Paris[sunny]"
+    assert call["function"]["arguments"] == '{"city": "Paris"}'  # the caller's message is left as it was
+    with pytest.raises(InvalidRequestError, match=r"messages\[1\]\['tool_calls'\] must be a list"):
+        apply_chat_template(tokenizer, [messages[0], {**messages[1], "tool_calls": "f()"}], chat_template=template)
+
+
+def test_named_templates_pick_tool_use_when_tools_are_offered() -> None:
+    class Named:
+        def __init__(self) -> None:
+            self.chat_template = {"default": "plain", "tool_use": "with tools"}
+
+        def apply_chat_template(self, conversation: Any, **kwargs: Any) -> str:
+            return str(kwargs["chat_template"])
+
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert apply_chat_template(Named(), MESSAGES) == "plain"  # type: ignore[arg-type]
+    assert apply_chat_template(Named(), MESSAGES, tools=tools) == "with tools"  # type: ignore[arg-type]

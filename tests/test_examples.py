@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures.tiny_models import build_checkpoint
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
@@ -50,3 +52,15 @@ def test_embed_in_server_example(tiny_model: Path) -> None:
 def test_chat_example(tiny_model: Path) -> None:
     lines = _run("chat.py", tiny_model)
     assert lines and any(line.strip() for line in lines), "the example printed no answer"
+
+
+def test_tool_call_example(tmp_path: Path, structured_output_enforced: bool) -> None:
+    model = build_checkpoint(tmp_path / "qwen3", "qwen3", max_position_embeddings=2048)  # room for the tools
+    lines = _run("tool_call.py", model)
+    calls = [line for line in lines if line.startswith("tool call: get_weather(")]
+    if structured_output_enforced:  # a random model calls too: the grammar leaves it nothing else
+        assert calls, lines
+        arguments = json.loads(calls[0].removeprefix("tool call: get_weather(").removesuffix(")"))
+        assert set(arguments) == {"city", "unit"} and arguments["unit"] in ("celsius", "fahrenheit")
+    else:
+        assert not calls and lines[0].startswith("no call; the model said"), lines

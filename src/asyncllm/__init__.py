@@ -17,9 +17,11 @@ from asyncllm.errors import (
     UnsupportedModelError,
 )
 from asyncllm.outputs import RequestMetrics, RequestOutput, StreamOutput
+from asyncllm.parsing import ChatChunk, ToolCall, ToolCallDelta
 from asyncllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from asyncllm.async_engine.chat_session import ChatStream
     from asyncllm.async_engine.engine import AsyncLLMEngine
     from asyncllm.async_engine.stream import RequestStream
     from asyncllm.llm import LLM
@@ -28,6 +30,8 @@ __all__ = [
     "LLM",
     "AsyncLLMEngine",
     "AsyncLLMError",
+    "ChatChunk",
+    "ChatStream",
     "EngineDeadError",
     "EngineStalledError",
     "InvalidRequestError",
@@ -37,6 +41,8 @@ __all__ = [
     "SamplingParams",
     "StreamInUseError",
     "StreamOutput",
+    "ToolCall",
+    "ToolCallDelta",
     "UnsupportedModelError",
 ]
 __version__ = "0.1.0"
@@ -51,6 +57,10 @@ def __getattr__(name: str) -> Any:
         from asyncllm.llm import LLM
 
         return LLM
+    if name == "ChatStream":
+        from asyncllm.async_engine.chat_session import ChatStream
+
+        return ChatStream
     if name == "RequestStream":
         from asyncllm.async_engine.stream import RequestStream
 

@@ -14,10 +14,11 @@ import functools
 import gc
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from asyncllm.async_engine.admission import Admission, max_token_chars_of
+from asyncllm.async_engine.chat_session import ChatStream, open_chat
 from asyncllm.async_engine.core_client import ClientFactory, EngineCoreClient
 from asyncllm.async_engine.health import DEFAULT_MAX_STEP_SECONDS, EngineStalledError, check_step_age, step_age
 from asyncllm.async_engine.ids import LiveRequests, check_request_id, new_request_id
@@ -27,6 +28,7 @@ from asyncllm.async_engine.loops import current_loop_key, run_in_thread
 from asyncllm.async_engine.mailbox import OutputSlot
 from asyncllm.async_engine.router import OutputRouter
 from asyncllm.async_engine.stream import RequestStream, collect
+from asyncllm.chat import Message
 from asyncllm.config import EngineConfig
 from asyncllm.errors import EngineDeadError
 from asyncllm.input_processor import InputProcessor
@@ -167,6 +169,40 @@ class AsyncLLMEngine:
         slot = self._live.get(check_request_id(request_id, optional=False))
         if slot is not None:
             self._admission.abort(slot)
+
+    def chat(
+        self,
+        messages: Sequence[Message],
+        params: SamplingParams | None = None,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] = "auto",
+        parallel_tool_calls: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        request_id: str | None = None,
+    ) -> ChatStream:
+        """`async for chunk in engine.chat(messages, params, tools=..., tool_choice=...)`: the reply as
+        `ChatChunk`s (`text`, `reasoning_text`, `tool_calls` deltas, `finish_reason`; "tool_calls" when it
+        called tools). `tools`: OpenAI function tools; `tool_choice`: "auto", "none" (tools left out of the
+        prompt), "required" or `{"type": "function", "function": {"name": ...}}` (the last two force calls
+        through a grammar); `parallel_tool_calls=False`: one call at most. `chat_template` replaces the
+        model's template, `chat_template_kwargs` adds variables to it. Bad messages, tools or params raise
+        `InvalidRequestError` here; what needs the template raises from the first chunk (see `ChatStream`).
+        Leaving the stream early aborts it."""
+        return open_chat(
+            self.tokenizer,
+            self.add_request,
+            messages,
+            params,
+            tools=tools,
+            tool_choice=tool_choice,
+            parallel_tool_calls=parallel_tool_calls,
+            chat_template=chat_template,
+            chat_template_kwargs=chat_template_kwargs,
+            request_id=request_id,
+            architecture=None,  # the runtime facts do not name it yet: the template's markers decide
+        )
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         """The conversation as prompt token ids, through the model's chat template (ids, not text: the

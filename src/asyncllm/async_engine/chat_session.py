@@ -1,0 +1,255 @@
+"""One chat request's flow: messages and tools through the chat template, the tool-call grammar as the
+request's constraint, the reply's text through the chat parsers, `ChatChunk`s out.
+
+What is cheap and needs no tokenizer is checked in the caller's thread (`open_chat`); templating, encoding
+and building the grammar run in a worker thread on the stream's first `__anext__`, never on the loop. The
+request itself is an ordinary engine request (`RequestStream`), which owns cancellation. Knows the parsers
+(`asyncllm.parsing`) and the grammar builder (`sample/tool_grammar.py`, imported in that thread: it brings
+in xgrammar, hence torch) only through their interfaces; nothing of the core.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from asyncllm.async_engine.chat_tools import ChatTools, check_tools
+from asyncllm.async_engine.ids import check_request_id, new_request_id
+from asyncllm.async_engine.loops import run_in_thread
+from asyncllm.async_engine.stream import RequestStream
+from asyncllm.chat import ChatTokenizer, Message, apply_chat_template, check_messages, template_of
+from asyncllm.errors import InvalidRequestError, UnsupportedModelError
+from asyncllm.outputs import RequestMetrics
+from asyncllm.parsing import (
+    ChatChunk,
+    ChatStreamParser,
+    ParserChoice,
+    chat_stream_parser,
+    choose_parsers,
+    prompt_opens_reasoning,
+)
+from asyncllm.sampling_params import SamplingParams
+from asyncllm.structured import MAX_CONSTRAINT_CHARS
+
+T = TypeVar("T")
+Submit = Callable[[list[int], SamplingParams, str], RequestStream]
+
+
+@dataclass(frozen=True, slots=True)
+class ChatRequest:
+    """A chat request that passed the cheap checks; `plan_chat` turns it into a prompt, params and parser."""
+
+    tokenizer: ChatTokenizer
+    messages: Sequence[Message]
+    params: SamplingParams
+    tools: ChatTools
+    template: str
+    template_kwargs: Mapping[str, Any]
+    parsers: ParserChoice
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPlan:
+    prompt: str  # the templated conversation
+    prompt_token_ids: list[int]
+    params: SamplingParams  # the caller's, with the tool-call grammar when tools are in play
+    parser: ChatStreamParser
+
+
+def check_chat(
+    tokenizer: ChatTokenizer | None,
+    messages: Sequence[Message],
+    params: SamplingParams | None,
+    tools: Sequence[Mapping[str, Any]] | None,
+    tool_choice: str | Mapping[str, Any],
+    parallel_tool_calls: bool,
+    chat_template: str | None,
+    chat_template_kwargs: Mapping[str, Any] | None,
+    architecture: str | None = None,
+) -> ChatRequest:
+    """The cheap checks, in the caller's thread: `InvalidRequestError` naming the field, or
+    `UnsupportedModelError` for a model without a template, or whose template shows no tool-call format
+    asyncllm parses (nor its HF `architecture`, when known) while the request offers tools."""
+    check_messages(messages)
+    if params is None:
+        params = SamplingParams()
+    elif not isinstance(params, SamplingParams):
+        raise InvalidRequestError(f"params must be a SamplingParams or None, got {type(params).__name__}")
+    checked = check_tools(tools, tool_choice, parallel_tool_calls)
+    if checked.active and params.structured is not None:
+        raise InvalidRequestError(
+            f"params.{params.structured.field} and tools cannot be combined: the tools' grammar is the reply's "
+            "constraint (call without tools, or with tool_choice='none', to constrain the reply yourself)"
+        )
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
+        raise InvalidRequestError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
+    template = template_of(tokenizer, chat_template, with_tools=checked.active)
+    assert tokenizer is not None
+    parsers = choose_parsers(template, architecture)
+    if checked.active and parsers.tool_parser is None:
+        raise UnsupportedModelError(
+            "this chat template shows no tool-call format asyncllm can parse (Hermes/Qwen <tool_call>, Llama 3 "
+            "JSON, Mistral [TOOL_CALLS]): call without tools, or pass a chat_template that offers them"
+        )
+    return ChatRequest(tokenizer, messages, params, checked, template, dict(chat_template_kwargs or {}), parsers)
+
+
+def plan_chat(request: ChatRequest) -> ChatPlan:
+    """Template, encode, and build the grammar: blocking work, for a worker thread."""
+    from jinja2 import TemplateError  # transformers renders templates with jinja2
+
+    tools = request.tools
+    try:
+        prompt = apply_chat_template(
+            request.tokenizer,
+            request.messages,
+            tools=tools.tools if tools.active else None,
+            chat_template=request.template,
+            template_kwargs=request.template_kwargs,
+        )
+    except TemplateError as e:  # the template's own checks (roles must alternate, ...) or a broken template
+        raise InvalidRequestError(f"the chat template refused these messages: {e}") from e
+    from asyncllm.core.detokenizer import backend_tokenizer
+
+    ids = backend_tokenizer(request.tokenizer).encode(prompt, add_special_tokens=False).ids  # thread-safe: no state
+    params = request.params
+    if tools.active:
+        params = dataclasses.replace(params, grammar=_grammar(request, prompt))
+    parser = chat_stream_parser(request.parsers, prompt, with_tools=tools.active)
+    return ChatPlan(prompt, ids, params, parser)
+
+
+def _grammar(request: ChatRequest, prompt: str) -> str:
+    from asyncllm.sample.tool_grammar import ReasoningStart, ToolGrammarSpec, tool_grammar
+
+    tools, tags, fmt = request.tools, request.parsers.reasoning, request.parsers.tool_parser
+    assert fmt is not None and tools.mode != "none"
+    if tags is None:
+        start = ReasoningStart.NONE
+    else:
+        start = ReasoningStart.OPEN if prompt_opens_reasoning(prompt, tags) else ReasoningStart.OPTIONAL
+    think = (tags.start, tags.end) if tags is not None else ("<think>", "</think>")
+    spec = ToolGrammarSpec(tools.schemas, fmt, tools.mode, tools.name, tools.parallel, start, think)
+    text = tool_grammar(spec)
+    if len(text) > MAX_CONSTRAINT_CHARS:
+        raise InvalidRequestError(
+            f"tools: their call grammar has {len(text)} characters, over the {MAX_CONSTRAINT_CHARS} a request may "
+            "carry: offer fewer tools or smaller parameter schemas"
+        )
+    return text
+
+
+class ChatStream:
+    """`async for chunk in engine.chat(...)` yields `ChatChunk`s, the last with a finish reason.
+
+    The first `__anext__` templates the conversation off the loop (a template's refusal, a tool schema that
+    does not compile, or a prompt too long raise `InvalidRequestError` there) and adds the request; chunks
+    with nothing in them are skipped. Leaving early in any way (cancellation, `break`, `aclose()`, losing
+    the last reference) aborts the request, as leaving a `RequestStream` does.
+    """
+
+    def __init__(self, request: ChatRequest, submit: Submit, request_id: str) -> None:
+        self._request: ChatRequest | None = request
+        self._submit = submit
+        self._request_id = request_id
+        self._stream: RequestStream | None = None
+        self._parser: ChatStreamParser | None = None
+        self._done = False
+        self.metrics: RequestMetrics | None = None  # set with the final chunk
+
+    @property
+    def request_id(self) -> str:
+        """The engine's id for the request (`engine.abort` takes it once the first chunk was asked for)."""
+        return self._request_id
+
+    @property
+    def prompt_token_ids(self) -> tuple[int, ...] | None:
+        return self._stream.prompt_token_ids if self._stream is not None else None
+
+    def __aiter__(self) -> ChatStream:
+        return self
+
+    async def __anext__(self) -> ChatChunk:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            if self._stream is None:
+                await self._start()
+            assert self._stream is not None and self._parser is not None
+            while True:
+                out = await self._stream.__anext__()
+                if out.finish_reason is not None:
+                    self._done, self.metrics = True, out.metrics
+                    return _joined(self._parser.feed(out.text), self._parser.finish(out.finish_reason))
+                chunk = self._parser.feed(out.text)
+                if not chunk.empty:
+                    return chunk
+        except BaseException:  # an error, or cancelled: the inner stream aborted itself if it was reading
+            self.close()
+            raise
+
+    async def _start(self) -> None:
+        request = self._request
+        assert request is not None
+        self._request = None  # the messages are not needed again
+        plan = await _in_thread(lambda: plan_chat(request))
+        if self._done:  # closed from another thread meanwhile
+            raise StopAsyncIteration
+        self._parser = plan.parser
+        self._stream = self._submit(plan.prompt_token_ids, plan.params, self._request_id)
+
+    def close(self) -> None:
+        """Stop reading; abort the request unless it already ended. Idempotent."""
+        self._done = True
+        if self._stream is not None:
+            self._stream.close()
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # A `break` out of `async for` ends here; the inner stream would abort on its own, later.
+        if getattr(self, "_done", True) is False:
+            self.close()
+
+
+def _joined(a: ChatChunk, b: ChatChunk) -> ChatChunk:
+    return ChatChunk(a.text + b.text, a.reasoning_text + b.reasoning_text, a.tool_calls + b.tool_calls, b.finish_reason)
+
+
+async def _in_thread(fn: Callable[[], T]) -> T:
+    box: list[T] = []
+    await run_in_thread(lambda: box.append(fn()))
+    return box[0]
+
+
+def open_chat(
+    tokenizer: ChatTokenizer | None,
+    submit: Submit,
+    messages: Sequence[Message],
+    params: SamplingParams | None,
+    *,
+    tools: Sequence[Mapping[str, Any]] | None,
+    tool_choice: str | Mapping[str, Any],
+    parallel_tool_calls: bool,
+    chat_template: str | None,
+    chat_template_kwargs: Mapping[str, Any] | None,
+    request_id: str | None,
+    architecture: str | None = None,
+) -> ChatStream:
+    """The stream of one chat request, checked now (see `check_chat`)."""
+    request_id = new_request_id() if request_id is None else check_request_id(request_id)
+    request = check_chat(
+        tokenizer,
+        messages,
+        params,
+        tools,
+        tool_choice,
+        parallel_tool_calls,
+        chat_template,
+        chat_template_kwargs,
+        architecture,
+    )
+    return ChatStream(request, submit, request_id)
