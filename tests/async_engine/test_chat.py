@@ -305,3 +305,21 @@ async def test_required_parallel_calls_all_parse(engine: AsyncLLMEngine) -> None
         assert chunks[-1].finish_reason in ("tool_calls", "length")
         if chunks[-1].finish_reason == "tool_calls":
             assert not joined(chunks)[0].strip()
+
+
+def test_chat_runs_on_trio(engine: AsyncLLMEngine) -> None:
+    """Templating runs in trio's worker thread; a cancelled scope aborts the chat."""
+    import trio
+
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+
+    async def main() -> tuple[str, str]:
+        chunks = [c async for c in engine.chat(ASK, params, tools=TOOLS, chat_template=HERMES)]
+        with trio.move_on_after(0.2):
+            async for _ in engine.chat(ASK, SamplingParams(ignore_eos=True, max_tokens=400)):
+                pass
+        return "".join(c.text for c in chunks), chunks[-1].finish_reason or ""
+
+    text, finish = trio.run(main)
+    assert finish in ("stop", "length") and isinstance(text, str)
+    asyncio.run(wait_drained(engine, timeout=10))
