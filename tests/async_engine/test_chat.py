@@ -164,6 +164,9 @@ async def test_other_bad_chat_arguments_raise_at_once(engine: AsyncLLMEngine) ->
     with pytest.raises(InvalidRequestError, match=r"params\.json_schema and tools cannot be combined"):
         engine.chat(ASK, SamplingParams(json_schema=WEATHER), tools=TOOLS, chat_template=HERMES)
     engine.chat(ASK, SamplingParams(json_schema=WEATHER), tools=TOOLS, tool_choice="none").close()  # tools unused
+    for params in (SamplingParams(ignore_eos=True), SamplingParams(min_tokens=2)):  # the grammar ends with EOS
+        with pytest.raises(InvalidRequestError, match=r"params\.(ignore_eos|min_tokens) and tools cannot be combined"):
+            engine.chat(ASK, params, tools=TOOLS, chat_template=HERMES)
     with pytest.raises(InvalidRequestError, match=r"messages\[0\]\['content'\] must be a str"):
         engine.chat([{"role": "user", "content": None}])
     with pytest.raises(InvalidRequestError, match="params must be a SamplingParams"):
@@ -233,8 +236,12 @@ async def test_reasoning_is_split_off_for_a_thinking_template(engine: AsyncLLMEn
 
 @pytest.mark.parametrize("how", ["break", "cancel", "aclose", "abort"])
 async def test_leaving_a_chat_early_aborts_it_and_frees_its_blocks(engine: AsyncLLMEngine, how: str) -> None:
-    params = SamplingParams(ignore_eos=True, max_tokens=400, seed=1)
-    stream = engine.chat(ASK, params, tools=TOOLS, chat_template=HERMES)
+    # With tools the reply is constrained (and may end at EOS); the abort test needs a reply that cannot end.
+    params = SamplingParams(max_tokens=400, seed=1)
+    if how == "abort":
+        stream = engine.chat(ASK, SamplingParams(max_tokens=400, ignore_eos=True))
+    else:
+        stream = engine.chat(ASK, params, tools=TOOLS, chat_template=HERMES)
     if how == "break":
         async for _ in stream:
             break
@@ -244,6 +251,7 @@ async def test_leaving_a_chat_early_aborts_it_and_frees_its_blocks(engine: Async
         await asyncio.sleep(0.05)
         task.cancel()
         await asyncio.wait([task])
+        assert task.cancelled() or task.exception() is None
     elif how == "aclose":
         await stream.__anext__()
         await stream.aclose()
