@@ -164,6 +164,9 @@ async def test_other_bad_chat_arguments_raise_at_once(engine: AsyncLLMEngine) ->
     with pytest.raises(InvalidRequestError, match=r"params\.json_schema and tools cannot be combined"):
         engine.chat(ASK, SamplingParams(json_schema=WEATHER), tools=TOOLS, chat_template=HERMES)
     engine.chat(ASK, SamplingParams(json_schema=WEATHER), tools=TOOLS, tool_choice="none").close()  # tools unused
+    for params in (SamplingParams(ignore_eos=True), SamplingParams(min_tokens=2)):  # the grammar ends with EOS
+        with pytest.raises(InvalidRequestError, match=r"params\.(ignore_eos|min_tokens) and tools cannot be combined"):
+            engine.chat(ASK, params, tools=TOOLS, chat_template=HERMES)
     with pytest.raises(InvalidRequestError, match=r"messages\[0\]\['content'\] must be a str"):
         engine.chat([{"role": "user", "content": None}])
     with pytest.raises(InvalidRequestError, match="params must be a SamplingParams"):
@@ -233,8 +236,12 @@ async def test_reasoning_is_split_off_for_a_thinking_template(engine: AsyncLLMEn
 
 @pytest.mark.parametrize("how", ["break", "cancel", "aclose", "abort"])
 async def test_leaving_a_chat_early_aborts_it_and_frees_its_blocks(engine: AsyncLLMEngine, how: str) -> None:
-    params = SamplingParams(max_tokens=400, seed=1)  # a constraint (the tools) refuses ignore_eos
-    stream = engine.chat(ASK, params, tools=TOOLS, chat_template=HERMES)
+    # With tools the reply is constrained (and may end at EOS); the abort test needs a reply that cannot end.
+    params = SamplingParams(max_tokens=400, seed=1)
+    if how == "abort":
+        stream = engine.chat(ASK, SamplingParams(max_tokens=400, ignore_eos=True))
+    else:
+        stream = engine.chat(ASK, params, tools=TOOLS, chat_template=HERMES)
     if how == "break":
         async for _ in stream:
             break
@@ -244,6 +251,7 @@ async def test_leaving_a_chat_early_aborts_it_and_frees_its_blocks(engine: Async
         await asyncio.sleep(0.05)
         task.cancel()
         await asyncio.wait([task])
+        assert task.cancelled() or task.exception() is None
     elif how == "aclose":
         await stream.__anext__()
         await stream.aclose()
@@ -305,3 +313,21 @@ async def test_required_parallel_calls_all_parse(engine: AsyncLLMEngine) -> None
         assert chunks[-1].finish_reason in ("tool_calls", "length")
         if chunks[-1].finish_reason == "tool_calls":
             assert not joined(chunks)[0].strip()
+
+
+def test_chat_runs_on_trio(engine: AsyncLLMEngine) -> None:
+    """Templating runs in trio's worker thread; a cancelled scope aborts the chat."""
+    import trio
+
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+
+    async def main() -> tuple[str, str]:
+        chunks = [c async for c in engine.chat(ASK, params, tools=TOOLS, chat_template=HERMES)]
+        with trio.move_on_after(0.2):
+            async for _ in engine.chat(ASK, SamplingParams(ignore_eos=True, max_tokens=400)):
+                pass
+        return "".join(c.text for c in chunks), chunks[-1].finish_reason or ""
+
+    text, finish = trio.run(main)
+    assert finish in ("stop", "length") and isinstance(text, str)
+    asyncio.run(wait_drained(engine, timeout=10))

@@ -78,11 +78,8 @@ def check_chat(
     elif not isinstance(params, SamplingParams):
         raise InvalidRequestError(f"params must be a SamplingParams or None, got {type(params).__name__}")
     checked = check_tools(tools, tool_choice, parallel_tool_calls)
-    if checked.active and params.structured is not None:
-        raise InvalidRequestError(
-            f"params.{params.structured.field} and tools cannot be combined: the tools' grammar is the reply's "
-            "constraint (call without tools, or with tool_choice='none', to constrain the reply yourself)"
-        )
+    if checked.active:
+        _check_params_with_tools(params)
     if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
         raise InvalidRequestError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
     template = template_of(tokenizer, chat_template, with_tools=checked.active)
@@ -94,6 +91,21 @@ def check_chat(
             "JSON, Mistral [TOOL_CALLS]): call without tools, or pass a chat_template that offers them"
         )
     return ChatRequest(tokenizer, messages, params, checked, template, dict(chat_template_kwargs or {}), parsers)
+
+
+def _check_params_with_tools(params: SamplingParams) -> None:
+    """The tools' grammar is the reply's constraint: what a constraint rules out is ruled out here, named."""
+    if params.structured is not None:
+        raise InvalidRequestError(
+            f"params.{params.structured.field} and tools cannot be combined: the tools' grammar is the reply's "
+            "constraint (call without tools, or with tool_choice='none', to constrain the reply yourself)"
+        )
+    for name, given in (("ignore_eos", params.ignore_eos), ("min_tokens", params.min_tokens)):
+        if given:
+            raise InvalidRequestError(
+                f"params.{name} and tools cannot be combined: a reply constrained by the tools' grammar ends with "
+                "EOS as soon as it is complete (use tool_choice='none', or no tools)"
+            )
 
 
 def plan_chat(request: ChatRequest) -> ChatPlan:
