@@ -3,7 +3,7 @@
 # side-by-side with nano-vllm (../shared/peers, copied to .peers and carried); ends with a short table.
 # Usage (device machine, repo root): bash bench/gpu_check.sh [STEPS]   STEPS: comma list of
 #   tests, kernels, startup, compare (default: all four); COMPARE_STEPS overrides compare.sh's steps;
-#   also abpeers (W1+W5 of AB_BASE against this tree, then nano-vllm), enginetests, quicktests, attntests, w12var, w2var, sampling, ab (W1 of AB_BASE against this tree), decodesweep, w1big, gemm, pa, w2ab (W1/W2 under graph and scheduling variants), w1prof (W1 plain + under
+#   also w6 (structured output's cost; carry .whl with xgrammar's wheels), abpeers (W1+W5 of AB_BASE against this tree, then nano-vllm), enginetests, quicktests, attntests, w12var, w2var, sampling, ab (W1 of AB_BASE against this tree), decodesweep, w1big, gemm, pa, w2ab (W1/W2 under graph and scheduling variants), w1prof (W1 plain + under
 #   torch.profiler, ~2 min), w4 (long-context prefill and decode, 16K/32K, two token budgets, ~1 min), and
 #   on two GPUs tptests, tpbench (tensor parallelism).
 # Set-up here first: rm -rf .peers && cp -r ../shared/peers .peers && cp -r ../shared/models/qwen3-tokenizer .peers/
@@ -115,6 +115,12 @@ if has abpeers; then  # W1 and W5 through the peers' w1_w5.py (same checkpoint a
   [ -n "${AB_NV:-1}" ] && PYTHONPATH=$PWD/.peers timeout 300 python3 .peers/w1_w5.py nanovllm $ck 2>&1 \
     | grep -E "RESULT|Error" | sed "s/^/nano-vllm /" | tee -a "$OUT/abpeers.log"
   while read -r line; do rows+=("abpeers: $line"); done < <(grep RESULT "$OUT/abpeers.log")
+fi
+if has w6; then  # issue 21: W1-style and batch-1 throughput with a JSON schema on every request against none
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+  (cd bench && timeout 300 python3 w6_structured.py 2>&1 | grep -E '^\{|Error|Traceback' | tail -3) | tee "$OUT/w6.log"
+  rows+=("w6: $(grep '^{' "$OUT/w6.log" | tail -1)")
 fi
 if has w1big; then  # W1 on the Qwen3-8B shape (limit 13,000 tok/s)
   (cd bench && timeout 150 python3 w1_throughput.py --shape qwen3-8b 2>&1 | grep -E '^\{|Error' | tail -1) | tee "$OUT/w1big.log"

@@ -1,0 +1,100 @@
+"""W6 (issue 21): what a JSON schema on every request costs. The W1 requests (256, prompts U[100, 1024],
+outputs up to U[100, 1024], temperature 0.6) and W5 (batch 1, 128 in / 512 out), each run unconstrained and
+with a JSON schema, on the same engine (random weights of the real shape, the real Qwen3 tokenizer). Also the
+first request's latency with a grammar the engine has not compiled yet against the same request warm.
+
+Constrained outputs end when their JSON closes (the schema's arrays have no bound, so they usually run to
+max_tokens); throughput counts the tokens each run produced. Targets: W1-style >= 0.9x and batch 1 >= 0.95x
+of unconstrained tokens/s. Prints one JSON line."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+
+from w1_throughput import add_w1_arguments, run_w1, w1_engine, w1_requests
+
+from asyncllm import LLM, SamplingParams
+
+SCHEMA = {  # a typical extraction schema: nested object, enum, bounded integer, bounded strings, arrays
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 1_000_000},
+        "name": {"type": "string", "maxLength": 48},
+        "kind": {"enum": ["person", "place", "thing"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}},
+        "scores": {"type": "array", "items": {"type": "object", "properties": {"v": {"type": "number"}}}},
+    },
+    "required": ["id", "name", "kind", "tags", "scores"],
+}
+
+
+def constrained(params: list[SamplingParams], schema: dict[str, object]) -> list[SamplingParams]:
+    return [dataclasses.replace(p, ignore_eos=False, json_schema=schema) for p in params]
+
+
+def batch1_ms_per_token(llm: LLM, params: SamplingParams, rounds: int = 3) -> float:
+    """Decode time per token at batch 1: (512-token run - 1-token run) / 511, median of `rounds`."""
+    prompt = [[(7 * i) % 10000 for i in range(128)]]
+    per_token = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        out = llm.generate(prompt, dataclasses.replace(params, max_tokens=512), use_tqdm=False)[0]
+        full = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        llm.generate(prompt, dataclasses.replace(params, max_tokens=1), use_tqdm=False)
+        one = time.perf_counter() - t0
+        per_token.append(1000 * (full - one) / max(len(out.token_ids) - 1, 1))
+    return sorted(per_token)[len(per_token) // 2]
+
+
+def first_request_ms(llm: LLM, schema: dict[str, object]) -> tuple[float, float]:
+    """A one-token request with a schema never compiled before, then the same request again (cached)."""
+    params = SamplingParams(max_tokens=1, json_schema=schema)
+    times = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        llm.generate([[1, 2, 3, 4]], params, use_tqdm=False)
+        times.append(1000 * (time.perf_counter() - t0))
+    return times[0], times[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    add_w1_arguments(ap)
+    args = ap.parse_args()
+    llm = w1_engine(args)
+    cold_ms, warm_ms = first_request_ms(llm, {**SCHEMA, "title": f"cold-{time.time_ns()}"})
+    prompts, params = w1_requests(args.num_seqs)
+    llm.generate(prompts[:4], constrained(params[:4], SCHEMA), use_tqdm=False)  # this schema compiled, kernels warm
+    plain = run_w1(llm, prompts, params)
+    schema = run_w1(llm, prompts, constrained(params, SCHEMA))
+    greedy1 = SamplingParams(temperature=0.6, ignore_eos=True)
+    b1_plain = batch1_ms_per_token(llm, greedy1)
+    b1_schema = batch1_ms_per_token(llm, dataclasses.replace(greedy1, ignore_eos=False, json_schema=SCHEMA))
+    plain_tps, schema_tps = plain.output_tokens / plain.seconds, schema.output_tokens / schema.seconds
+    print(
+        json.dumps(
+            {
+                "workload": "W6",
+                "shape": args.shape,
+                "w1_plain_tok_s": round(plain_tps, 1),
+                "w1_schema_tok_s": round(schema_tps, 1),
+                "w1_ratio": round(schema_tps / plain_tps, 3),
+                "w1_target_ratio": 0.9,
+                "w1_schema_output_tokens": schema.output_tokens,
+                "b1_plain_ms_per_token": round(b1_plain, 3),
+                "b1_schema_ms_per_token": round(b1_schema, 3),
+                "b1_ratio": round(b1_plain / b1_schema, 3),  # tokens/s constrained over unconstrained
+                "b1_target_ratio": 0.95,
+                "first_request_cold_grammar_ms": round(cold_ms, 1),
+                "first_request_warm_grammar_ms": round(warm_ms, 1),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
