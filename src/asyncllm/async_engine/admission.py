@@ -67,12 +67,11 @@ class Admission:
         """A request built in the caller's thread: to the core now, unless a request ahead is still being
         prepared or its own output constraint must compile (on the worker thread)."""
         slot.prompt_token_ids = tuple(request.prompt_token_ids)
-        job = _Job(slot, request, "", request.params, request.arrival_time)
         with self._cond:
-            if job.ready and not self._queue:
+            if request.params.structured is None and not self._queue:
                 self._client.add_request(request, slot)  # under the lock: the worker cannot pass it
                 return
-            self._enqueue(job)
+            self._enqueue(_Job(slot, request, "", request.params, request.arrival_time))
 
     def submit_text(self, slot: OutputSlot, prompt: str, params: SamplingParams, arrival_time: float) -> None:
         """A text prompt that passed the cheap checks: tokenized and checked on the worker thread."""

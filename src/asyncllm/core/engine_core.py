@@ -170,11 +170,10 @@ class EngineCore:
         now = self._clock()
         self.last_step = step.counts
         deltas: list[RequestDelta] = []
-        all_logprobs, failed = result.logprobs, result.failed
+        if result.failed:  # finished first, so their tokens are dropped below like any finished request's
+            deltas += self._fail(step.scheduled, result.failed)
+        all_logprobs = result.logprobs
         for request, token_id, index in self.scheduler.update_from_output(step.scheduled, result.sampled_token_ids):
-            if failed is not None and index in failed:
-                deltas.append(self._fail(request.request_id, failed[index]))
-                continue
             if request.first_token_time is None:
                 request.first_token_time = now
             text, reason = self.output_processor.process_token(request, token_id)
@@ -199,13 +198,17 @@ class EngineCore:
             return None
         return RequestDelta(request_id, [], text, reason, request_metrics(request, request.finish_time))
 
-    def _fail(self, request_id: str, error: str) -> RequestDelta:
-        """End a request the executor could not sample for (`ModelRunnerOutput.failed`): "abort" with its
-        error, without the token it was given; the text held back so far goes out."""
-        delta = self._finish(request_id, "abort", flush=True)
-        assert delta is not None, "a request with a sampled token is live"
-        delta.error = error
-        return delta
+    def _fail(self, scheduled: SchedulerOutput, failed: dict[int, str]) -> list[RequestDelta]:
+        """End the requests the executor could not sample for (`ModelRunnerOutput.failed`, by sample index):
+        "abort" with their error, without the token they were given; the text held back so far goes out."""
+        sampling = [seq.request_id for seq in scheduled.seqs if seq.sample]
+        deltas = []
+        for index, error in failed.items():
+            delta = self._finish(sampling[index], "abort", flush=True)
+            if delta is not None:  # else finished meanwhile (aborted, or stopped by the step before)
+                delta.error = error
+                deltas.append(delta)
+        return deltas
 
     def shutdown(self) -> None:
         self.executor.shutdown()

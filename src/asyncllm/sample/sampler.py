@@ -112,10 +112,11 @@ class Sampler:
     def remove(self, state: SamplingState) -> None:
         self.penalties.remove(state)
 
-    def draw_params(self, states: Sequence[SamplingState]) -> DrawParams | None:
-        """The draw's per-row parameters, on the host (None when every row is greedy and unconstrained: no
-        draw, an argmax). Uploaded before the step's forward pass; the draw itself (`__call__`) comes after."""
-        if all(s.greedy and s.grammar is None for s in states):
+    def draw_params(self, states: Sequence[SamplingState], masked: bool = False) -> DrawParams | None:
+        """The draw's per-row parameters, on the host (None when every row is greedy and none is `masked`:
+        no draw, an argmax). Uploaded before the step's forward pass; the draw itself (`__call__`) comes
+        after. `masked`: some row has a grammar (the draw applies its mask, greedy rows included)."""
+        if not masked and all(s.greedy for s in states):
             return None
         temperature = [0.0 if s.greedy else (1.0 if s.filters else s.params.temperature) for s in states]
         n = len(states)
@@ -145,7 +146,7 @@ class Sampler:
             token_ids = x.argmax(dim=-1)
         else:
             if draw is None:
-                params = self.draw_params(states)
+                params = self.draw_params(states, masked=mask is not None)
                 assert params is not None
                 draw = params.upload(self.device)
             if mask is None:  # today's launch, unchanged

@@ -100,6 +100,7 @@ class GrammarTable:
         self._copied = torch.cuda.Event() if device.type == "cuda" else None  # type: ignore[no-untyped-call]
         # The last sampling step's constrained rows, whose tokens the matchers have not accepted yet.
         self._pending: tuple[StepResult, list[tuple[int, RequestGrammar]]] | None = None
+        self._num_live = 0  # requests with a grammar: while none, a step looks at no state
 
     def add(self, state: SamplingState) -> None:
         spec = state.params.structured
@@ -110,14 +111,18 @@ class GrammarTable:
             state.grammar = RequestGrammar(spec.field, None, None, error)
         else:
             state.grammar = RequestGrammar(spec.field, self.backend, self.backend.compile_async(spec))
+        self._num_live += 1
 
     def remove(self, state: SamplingState) -> None:
-        state.grammar = None
+        if state.grammar is not None:
+            state.grammar = None
+            self._num_live -= 1
 
-    @staticmethod
-    def mask_rows(states: Sequence[SamplingState]) -> list[int] | None:
+    def mask_rows(self, states: Sequence[SamplingState]) -> list[int] | None:
         """Each sampled row's bitmask row (constrained rows numbered in order) or -1; None when no row is
         constrained. Known before the forward pass, so the runner stages it with the step's inputs."""
+        if not self._num_live:
+            return None
         rows, n = [], 0
         for state in states:
             if state.grammar is None:

@@ -112,11 +112,11 @@ class ModelRunner:
             feed = stage(self._latest.feed_index(x.placeholder_rows, x.placeholder_owners), torch.int64)
         if not sampling:
             return feed, None, None, None
-        params = self.sampler.draw_params(states)
+        rows = self.grammars.mask_rows(states)  # None unless a request with a grammar is live and sampled
+        params = self.sampler.draw_params(states, masked=rows is not None)
         draw = None
         if params is not None:
             draw = params.on_device(stage(params.counters, torch.int64), stage(params.temperatures, torch.float32))
-        rows = self.grammars.mask_rows(states)
         mask_rows = stage(rows, torch.int64) if rows is not None else None
         return feed, draw, stage(self._latest.slots(sampling), torch.int64), mask_rows
 
