@@ -71,7 +71,9 @@ def _gumbel_partial_kernel(
         mask = cols < hi
         x = tl.load(logits_ptr + row * stride_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
         h = _fmix32(_fmix32(cols.to(tl.uint32) ^ row_key) + row_key)
-        u = ((h >> 8).to(tl.float32) + 0.5) * 5.9604644775390625e-08  # (0, 1): 24 random bits, never 0 or 1
+        # (0, 1): 23 random bits. Never 1: with 24 bits the top value, 2**24 - 0.5, rounds to 2**24 in float32,
+        # u became 1.0 and that column's noise +inf (a random token won ~1 % of draws over a 150k vocabulary).
+        u = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
         noise = -tl.log(-tl.log(u))
         score = tl.where(greedy, x, x / safe_t + noise)
         score = tl.where(mask, score, float("-inf"))

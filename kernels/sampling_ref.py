@@ -14,7 +14,7 @@ import torch
 _GOLDEN = 0x9E3779B9
 _M1, _M2 = 0x85EBCA6B, 0xC2B2AE35  # murmur3's 32-bit finaliser constants
 _MASK32 = 0xFFFFFFFF
-_TO_UNIT = 5.9604644775390625e-08  # 2**-24
+_TO_UNIT = 1.1920928955078125e-07  # 2**-23: 23 bits + 0.5 stay below 1 in float32 (24 bits rounded up to 1)
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -38,7 +38,7 @@ def uniform_noise_ref(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int) ->
     row_key = _fmix32_ref(counter ^ _fmix32_ref(key_lo ^ _fmix32_ref(key_hi ^ _GOLDEN)))[:, None]  # [R, 1]
     cols = torch.arange(vocab, dtype=torch.int64, device=seeds.device)[None, :]
     h = _fmix32_ref((_fmix32_ref(cols ^ row_key) + row_key) & _MASK32)
-    return ((h >> 8).to(torch.float32) + 0.5) * _TO_UNIT
+    return ((h >> 9).to(torch.float32) + 0.5) * _TO_UNIT
 
 
 def check_token_bitmask(
