@@ -3,13 +3,12 @@ step's constrained rows.
 
 A request with a constraint gets a `RequestGrammar` (`GrammarTable.add`): its grammar compiled off the
 step's path (a cache hit when the front compiled it first) and an xgrammar matcher, which must have accepted
-every token the request sampled before its next row can be masked; the row also keeps the output valid UTF-8
-(`utf8.py`). With overlapped scheduling the previous
-step's tokens are still on the device when a step is submitted, so the runner asks for masks only after it
-has launched the step's forward pass: `settle` waits for the previous step's output (the `StepResult`, whose
-`result()` is cached, so the core's own read later costs nothing) and feeds the matchers, `fill` writes the
-rows on the host and uploads them in one copy. A step that samples no constrained row does none of this.
-Knows nothing of models or scheduling.
+every token the request sampled before its next row can be masked; the row also keeps the output valid
+UTF-8 (`utf8.py`). With overlapped scheduling the previous step's tokens are still on the device when a step
+is submitted, so the runner asks for masks only after it has launched the step's forward pass: `settle`
+waits for the previous step's output (the `StepResult`, whose `result()` is cached, so the core's own read
+later costs nothing) and feeds the matchers, `fill` writes the rows on the host and uploads them in one
+copy. A step that samples no constrained row does none of this. Knows nothing of models or scheduling.
 """
 
 from __future__ import annotations
