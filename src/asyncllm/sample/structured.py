@@ -96,6 +96,9 @@ class GrammarTable:
         self._host: torch.Tensor | None = None
         self._host_np: np.ndarray | None = None
         self._dev: torch.Tensor | None = None
+        self._stop_row = np.zeros(self._words, dtype=np.int32)  # the stop tokens alone, as a bitmask row
+        for token in backend.stop_token_ids if backend is not None else ():
+            self._stop_row[token >> 5] |= np.int32(np.uint32(1 << (token & 31)).view(np.int32))
         self._copied = torch.cuda.Event() if device.type == "cuda" else None  # type: ignore[no-untyped-call]
         # The last sampling step's constrained rows, whose tokens the matchers have not accepted yet.
         self._pending: tuple[StepResult, list[tuple[int, RequestGrammar]]] | None = None
@@ -155,8 +158,10 @@ class GrammarTable:
             if grammar is None:
                 continue
             matcher = grammar.ready()
-            if matcher is None or matcher.is_terminated():
-                host_np[n] = -1  # any token: a finished request's is dropped, a failed one's never output
+            if matcher is None:
+                host_np[n] = -1  # any token: a failed request's is never output
+            elif matcher.is_terminated():
+                host_np[n] = self._stop_row  # complete: EOS alone (its request has ended; the token is dropped)
             else:
                 assert grammar.utf8 is not None
                 matcher.fill_next_token_bitmask(host, n)
