@@ -148,9 +148,9 @@ class GrammarTable:
         """The step's bitmask (after `settle`), uploaded; and the rows whose request cannot go on, by row:
         its constraint failed to compile, or allows no token of the vocabulary here."""
         host, host_np, dev = self._buffers()
-        if self._copied is not None:
-            self._copied.synchronize()  # the last upload has read the host rows (long done: a constrained
-            # step waits for the step before it in `settle`)
+        # The last upload has read the host rows: long done, as `settle` waited for a later point of the stream.
+        if self._copied is not None and not self._copied.query():  # type: ignore[no-untyped-call]
+            self._copied.synchronize()
         failed: dict[int, str] | None = None
         n = 0
         for i, state in enumerate(states):
