@@ -103,6 +103,7 @@ class GrammarTable:
         # The last sampling step's constrained rows, whose tokens the matchers have not accepted yet.
         self._pending: tuple[StepResult, list[tuple[int, RequestGrammar]]] | None = None
         self._num_live = 0  # requests with a grammar: while none, a step looks at no state
+        self._batch: xgr.BatchGrammarMatcher | None = None
 
     def add(self, state: SamplingState) -> None:
         spec = state.params.structured
@@ -151,39 +152,51 @@ class GrammarTable:
         # The last upload has read the host rows: long done, as `settle` waited for a later point of the stream.
         if self._copied is not None and not self._copied.query():  # type: ignore[no-untyped-call]
             self._copied.synchronize()
-        failed: dict[int, str] | None = None
-        n = 0
+        constrained: list[tuple[int, RequestGrammar]] = []  # (batch row, its grammar), in bitmask-row order
+        to_fill: list[tuple[xgr.GrammarMatcher, int, RequestGrammar]] = []  # (matcher, bitmask row, grammar)
         for i, state in enumerate(states):
             grammar = state.grammar
             if grammar is None:
                 continue
+            n = len(constrained)
+            constrained.append((i, grammar))
             matcher = grammar.ready()
             if matcher is None:
                 host_np[n] = -1  # any token: a failed request's is never output
             elif matcher.is_terminated():
                 host_np[n] = self._stop_row  # complete: EOS alone (its request has ended; the token is dropped)
             else:
-                assert grammar.utf8 is not None
-                matcher.fill_next_token_bitmask(host, n)
-                host_np[n] &= grammar.utf8.allowed[grammar.utf8_state]
-                if not host_np[n].any():
-                    grammar.error = (
-                        f"SamplingParams.{grammar.field}: no token of the model's vocabulary can continue the "
-                        "output here (the constraint asks for text the vocabulary cannot spell, or allows none)"
-                    )
-            if grammar.error is not None:
-                failed = failed if failed is not None else {}
-                failed[i] = grammar.error
-            n += 1
+                to_fill.append((matcher, n, grammar))
+        if to_fill:  # xgrammar fills the rows on its threads, without the GIL
+            self._batch_matcher().batch_fill_next_token_bitmask(
+                [m for m, _, _ in to_fill], host, [n for _, n, _ in to_fill]
+            )
+        for _, n, grammar in to_fill:
+            assert grammar.utf8 is not None
+            host_np[n] &= grammar.utf8.allowed[grammar.utf8_state]
+            if not host_np[n].any():
+                grammar.error = (
+                    f"SamplingParams.{grammar.field}: no token of the model's vocabulary can continue the output "
+                    "here (the constraint asks for text the vocabulary cannot spell as valid UTF-8, or allows none)"
+                )
+        failed = {i: grammar.error for i, grammar in constrained if grammar.error is not None}
+        n = len(constrained)
         dev[:n].copy_(host[:n], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
-        return TokenMask(dev[:n], mask_rows), failed
+        return TokenMask(dev[:n], mask_rows), failed or None
 
     def sent(self, result: StepResult, states: Sequence[SamplingState]) -> None:
         """The step whose rows `fill` masked was sampled: its tokens go to the matchers at the next `settle`."""
         rows = [(i, s.grammar) for i, s in enumerate(states) if s.grammar is not None]
         self._pending = (result, rows)
+
+    def _batch_matcher(self) -> xgr.BatchGrammarMatcher:
+        if self._batch is None:
+            from xgrammar import BatchGrammarMatcher  # loaded by the compile of the grammars it fills for
+
+            self._batch = BatchGrammarMatcher()
+        return self._batch
 
     def _buffers(self) -> tuple[torch.Tensor, np.ndarray, torch.Tensor]:
         if self._host is None:
