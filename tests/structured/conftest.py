@@ -55,6 +55,7 @@ SCORES = {  # an array at the top level, numbers bounded both ways, optional pro
     "maxItems": 4,
 }
 REGEX = r"[a-z]{2,6}@[a-z]{2,5}\.(com|org|net)( #[0-9]{1,3})?"
+DOT_REGEX = r"<[^<>]{1,4}>.{2,5}"  # any characters (negated classes, `.`), counted
 CHOICES = ["yes", "no", "maybe so", "日本語", 'say "hi"\n']
 # Key-value pairs in parentheses: (ab=12,c=3)
 GRAMMAR = r"""
@@ -85,6 +86,10 @@ def _regex(text: str) -> None:
     assert re.fullmatch(REGEX, text), text
 
 
+def _dot_regex(text: str) -> None:
+    assert re.fullmatch(DOT_REGEX, text), text
+
+
 def _choice(text: str) -> None:
     assert text in CHOICES, text
 
@@ -98,6 +103,7 @@ CONSTRAINTS: dict[str, tuple[dict[str, Any], Checker]] = {
     "person": ({"json_schema": PERSON}, _schema_checker(PERSON)),
     "scores": ({"json_schema": json.dumps(SCORES)}, _schema_checker(SCORES)),
     "regex": ({"regex": REGEX}, _regex),
+    "dot_regex": ({"regex": DOT_REGEX}, _dot_regex),
     "choice": ({"choice": CHOICES}, _choice),
     "grammar": ({"grammar": GRAMMAR}, _grammar),
 }

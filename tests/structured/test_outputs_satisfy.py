@@ -6,12 +6,17 @@ ones get exactly the tokens they get alone."""
 
 from __future__ import annotations
 
+import codecs
 import itertools
 import json
+from typing import Literal
 
 import pytest
+from pydantic import BaseModel, Field
 
 from asyncllm import LLM, SamplingParams
+from asyncllm.core.byte_level import ByteLevelPieces
+from asyncllm.core.detokenizer import backend_tokenizer
 from tests.structured.conftest import CONSTRAINTS, DRAWS, MAX_TOKENS, check, constrained
 
 PROMPTS = ["Hello", [5, 6, 7, 8], "The capital of France is", "日本語のテキスト"]
@@ -26,6 +31,31 @@ def test_every_output_satisfies_its_constraint(llm: LLM) -> None:
         check(name, out.text)
     # The random model does use its freedom: not every seed writes the same thing.
     assert len({out.text for out in outputs}) > len(CONSTRAINTS) * 2
+
+
+def test_outputs_are_valid_utf8(llm: LLM) -> None:
+    """Regression: xgrammar lets a JSON string (and any free character) take UTF-8 encoded surrogates and
+    overlong forms, which the random model samples and the text then shows as U+FFFD; the engine's UTF-8
+    mask keeps every constrained output valid UTF-8."""
+    schema = {"type": "array", "items": {"type": "string"}, "minItems": 3, "maxItems": 3}
+    params = [SamplingParams(json_schema=schema, temperature=1.0, seed=s, max_tokens=60) for s in range(24)]
+    pieces = ByteLevelPieces(backend_tokenizer(llm.tokenizer))
+    for out in llm.generate(["Hello"] * len(params), params, use_tqdm=False):
+        data = b"".join(pieces[t] for t in out.token_ids)
+        # An output cut by max_tokens may end inside a character: only an invalid byte raises before the end.
+        codecs.getincrementaldecoder("utf-8")().decode(data, final=out.finish_reason != "length")
+
+
+def test_pydantic_model_class(llm: LLM) -> None:
+    class Point(BaseModel):
+        x: int = Field(ge=-9, le=9)
+        label: str = Field(max_length=4)
+        kind: Literal["a", "b"]
+
+    params = [SamplingParams(json_schema=Point, temperature=1.0, seed=s, max_tokens=MAX_TOKENS) for s in range(3)]
+    for out in llm.generate(["Hi"] * 3, params, use_tqdm=False):
+        assert out.finish_reason == "stop"
+        Point.model_validate_json(out.text, strict=True)
 
 
 def test_json_object_is_a_dict(llm: LLM) -> None:

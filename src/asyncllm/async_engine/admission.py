@@ -151,17 +151,17 @@ class Admission:
     def _make(self, job: _Job, encoded: list[int] | None) -> tuple[Request | None, str | None]:
         """The job's request, tokenized if its prompt is text, its output constraint compiled; or the error."""
         ip, rid = self._input_processor, job.slot.request_id
-        failed = "the tokenizer failed on this prompt"
+        failure = ("tokenizing", "the tokenizer failed on this prompt")
         try:
             request = job.request or ip.make_request(rid, job.prompt, job.params, job.arrival_time, encoded)
-            failed = "compiling this request's output constraint failed"
+            failure = ("compiling the output constraint of", "compiling this request's output constraint failed")
             ip.check_constraint(request.params)
             return request, None
         except InvalidRequestError as exc:
             return None, str(exc)
         except Exception as exc:  # the tokenizer's (or compiler's) own failure: it fails this request alone
-            logger.warning("asyncllm: request %r: %s", rid, failed, exc_info=exc)
-            return None, f"{failed}: {exc!r}"
+            logger.warning("asyncllm: %s request %r failed", failure[0], rid, exc_info=exc)
+            return None, f"{failure[1]}: {exc!r}"
 
     def _pass_on(self, job: _Job, request: Request | None, error: str | None) -> None:
         """Under the lock, in queue order: to the core, or ended here."""

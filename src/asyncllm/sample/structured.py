@@ -3,13 +3,12 @@ step's constrained rows.
 
 A request with a constraint gets a `RequestGrammar` (`GrammarTable.add`): its grammar compiled off the
 step's path (a cache hit when the front compiled it first) and an xgrammar matcher, which must have accepted
-every token the request sampled before its next row can be masked; the row also keeps the output valid UTF-8
-(`utf8.py`). With overlapped scheduling the previous
-step's tokens are still on the device when a step is submitted, so the runner asks for masks only after it
-has launched the step's forward pass: `settle` waits for the previous step's output (the `StepResult`, whose
-`result()` is cached, so the core's own read later costs nothing) and feeds the matchers, `fill` writes the
-rows on the host and uploads them in one copy. A step that samples no constrained row does none of this.
-Knows nothing of models or scheduling.
+every token the request sampled before its next row can be masked; the row also keeps the output valid
+UTF-8 (`utf8.py`). With overlapped scheduling the previous step's tokens are still on the device when a step
+is submitted, so the runner asks for masks only after it has launched the step's forward pass: `settle`
+waits for the previous step's output (the `StepResult`, whose `result()` is cached, so the core's own read
+later costs nothing) and feeds the matchers, `fill` writes the rows on the host and uploads them in one
+copy. A step that samples no constrained row does none of this. Knows nothing of models or scheduling.
 """
 
 from __future__ import annotations
@@ -97,10 +96,14 @@ class GrammarTable:
         self._host: torch.Tensor | None = None
         self._host_np: np.ndarray | None = None
         self._dev: torch.Tensor | None = None
+        self._stop_row = np.zeros(self._words, dtype=np.int32)  # the stop tokens alone, as a bitmask row
+        for token in backend.stop_token_ids if backend is not None else ():
+            self._stop_row[token >> 5] |= np.int32(np.uint32(1 << (token & 31)).view(np.int32))
         self._copied = torch.cuda.Event() if device.type == "cuda" else None  # type: ignore[no-untyped-call]
         # The last sampling step's constrained rows, whose tokens the matchers have not accepted yet.
         self._pending: tuple[StepResult, list[tuple[int, RequestGrammar]]] | None = None
         self._num_live = 0  # requests with a grammar: while none, a step looks at no state
+        self._batch: xgr.BatchGrammarMatcher | None = None
 
     def add(self, state: SamplingState) -> None:
         spec = state.params.structured
@@ -146,40 +149,54 @@ class GrammarTable:
         """The step's bitmask (after `settle`), uploaded; and the rows whose request cannot go on, by row:
         its constraint failed to compile, or allows no token of the vocabulary here."""
         host, host_np, dev = self._buffers()
-        if self._copied is not None:
-            self._copied.synchronize()  # the last upload has read the host rows (long done: a constrained
-            # step waits for the step before it in `settle`)
-        failed: dict[int, str] | None = None
-        n = 0
+        # The last upload has read the host rows: long done, as `settle` waited for a later point of the stream.
+        if self._copied is not None and not self._copied.query():  # type: ignore[no-untyped-call]
+            self._copied.synchronize()
+        constrained: list[tuple[int, RequestGrammar]] = []  # (batch row, its grammar), in bitmask-row order
+        to_fill: list[tuple[xgr.GrammarMatcher, int, RequestGrammar]] = []  # (matcher, bitmask row, grammar)
         for i, state in enumerate(states):
             grammar = state.grammar
             if grammar is None:
                 continue
+            n = len(constrained)
+            constrained.append((i, grammar))
             matcher = grammar.ready()
-            if matcher is None or matcher.is_terminated():
-                host_np[n] = -1  # any token: a finished request's is dropped, a failed one's never output
+            if matcher is None:
+                host_np[n] = -1  # any token: a failed request's is never output
+            elif matcher.is_terminated():
+                host_np[n] = self._stop_row  # complete: EOS alone (its request has ended; the token is dropped)
             else:
-                assert grammar.utf8 is not None
-                matcher.fill_next_token_bitmask(host, n)
-                host_np[n] &= grammar.utf8.allowed[grammar.utf8_state]
-                if not host_np[n].any():
-                    grammar.error = (
-                        f"SamplingParams.{grammar.field}: no token of the model's vocabulary can continue the "
-                        "output here (the constraint asks for text the vocabulary cannot spell, or allows none)"
-                    )
-            if grammar.error is not None:
-                failed = failed if failed is not None else {}
-                failed[i] = grammar.error
-            n += 1
+                to_fill.append((matcher, n, grammar))
+        if to_fill:  # xgrammar fills the rows on its threads, without the GIL
+            self._batch_matcher().batch_fill_next_token_bitmask(
+                [m for m, _, _ in to_fill], host, [n for _, n, _ in to_fill]
+            )
+        for _, n, grammar in to_fill:
+            assert grammar.utf8 is not None
+            host_np[n] &= grammar.utf8.allowed[grammar.utf8_state]
+            if not host_np[n].any():
+                grammar.error = (
+                    f"SamplingParams.{grammar.field}: no token of the model's vocabulary can continue the output "
+                    "here (the constraint asks for text the vocabulary cannot spell as valid UTF-8, or allows none)"
+                )
+        failed = {i: grammar.error for i, grammar in constrained if grammar.error is not None}
+        n = len(constrained)
         dev[:n].copy_(host[:n], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
-        return TokenMask(dev[:n], mask_rows), failed
+        return TokenMask(dev[:n], mask_rows), failed or None
 
     def sent(self, result: StepResult, states: Sequence[SamplingState]) -> None:
         """The step whose rows `fill` masked was sampled: its tokens go to the matchers at the next `settle`."""
         rows = [(i, s.grammar) for i, s in enumerate(states) if s.grammar is not None]
         self._pending = (result, rows)
+
+    def _batch_matcher(self) -> xgr.BatchGrammarMatcher:
+        if self._batch is None:
+            from xgrammar import BatchGrammarMatcher  # loaded by the compile of the grammars it fills for
+
+            self._batch = BatchGrammarMatcher()
+        return self._batch
 
     def _buffers(self) -> tuple[torch.Tensor, np.ndarray, torch.Tensor]:
         if self._host is None:
