@@ -21,7 +21,7 @@ from asyncllm.errors import EngineDeadError, InvalidRequestError, UnsupportedMod
 logger = logging.getLogger("asyncllm.server")
 
 # SamplingParams errors read "SamplingParams.<field>=<value> is invalid: ...": the field is the param.
-_SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+)=")
+_SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+)[= ]")  # "...field=value is invalid", "...field is not"
 _PYDANTIC_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "function-after"})
 
 
@@ -108,6 +108,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_invalid(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, (InvalidRequestError, UnsupportedModelError))
+        if isinstance(exc, InvalidRequestError):  # raised from a stream: a field of SamplingParams names itself
+            return invalid_request(exc).response()
         return OpenAIError(str(exc)).response()
 
     async def on_dead(request: Request, exc: Exception) -> JSONResponse:

@@ -26,6 +26,9 @@ _SAME_NAME = (
     "repetition_penalty",
     "min_tokens",
     "ignore_eos",
+    "regex",
+    "choice",
+    "grammar",
 )
 
 
@@ -38,21 +41,39 @@ def chat_sampling_params(request: ChatCompletionRequest) -> list[SamplingParams]
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     renames = {"max_tokens": max_field, "logprobs": "top_logprobs"}
-    return _per_sample(request, max_tokens, logprobs, renames)
+    renames |= {"json_schema": "response_format", "json_object": "response_format"}
+    return _per_sample(request, max_tokens, logprobs, renames, _response_format(request))
 
 
 def completion_sampling_params(request: CompletionRequest) -> list[SamplingParams]:
     return _per_sample(request, request.max_tokens, request.logprobs, {})
 
 
+def _response_format(request: ChatCompletionRequest) -> dict[str, Any]:
+    """`response_format` as SamplingParams fields: text is no constraint, json_object any JSON object,
+    json_schema its schema."""
+    fmt = request.response_format
+    if fmt is None or fmt.type == "text":
+        return {}
+    if fmt.type == "json_object":
+        return {"json_object": True}
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise OpenAIError("response_format of type json_schema needs json_schema.schema", param="response_format")
+    return {"json_schema": fmt.json_schema.schema_}
+
+
 def _per_sample(
-    request: _SamplingRequest, max_tokens: int | None, logprobs: int | None, renames: dict[str, str]
+    request: _SamplingRequest,
+    max_tokens: int | None,
+    logprobs: int | None,
+    renames: dict[str, str],
+    constraint: dict[str, Any] | None = None,
 ) -> list[SamplingParams]:
     """`n` samples of one prompt; with a seed, sample i gets seed + i: they differ and each is reproducible."""
     if request.stream_options is not None and not request.stream:
         raise OpenAIError("stream_options is only allowed when stream is true", param="stream_options")
     kwargs: dict[str, Any] = {name: getattr(request, name) for name in _SAME_NAME if getattr(request, name) is not None}
-    kwargs.update(max_tokens=max_tokens, stop=request.stop, logprobs=logprobs)
+    kwargs.update(max_tokens=max_tokens, stop=request.stop, logprobs=logprobs, **(constraint or {}))
     out = []
     for i in range(request.n):
         seed = None if request.seed is None else request.seed + i

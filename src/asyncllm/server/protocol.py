@@ -7,7 +7,7 @@ plain dicts built in `responses` (cheaper per streamed chunk than models).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -48,10 +48,31 @@ class _SamplingRequest(_Strict):
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
+    # Structured output beyond response_format (vLLM's guided_* under their engine's own names).
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`: `schema` is the JSON schema (`strict` is accepted: every
+    constrained output satisfies its schema whatever its value)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage]
+    response_format: ResponseFormat | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
