@@ -121,6 +121,8 @@ if has w6; then  # issue 21: W1-style and batch-1 throughput with a JSON schema 
     && export PYTHONPATH=$PYTHONPATH:/tmp/site
   (cd bench && timeout 300 python3 w6_structured.py 2>&1 | grep -E '^\{|Error|Traceback' | tail -3) | tee "$OUT/w6.log"
   rows+=("w6: $(grep '^{' "$OUT/w6.log" | tail -1)")
+  (cd bench && timeout 120 python3 w6_host.py 2>&1 | grep -E '^\{|Error|Traceback' | tail -3) | tee "$OUT/w6host.log"
+  rows+=("w6 host: $(grep '^{' "$OUT/w6host.log" | tail -1)")
 fi
 if has w1big; then  # W1 on the Qwen3-8B shape (limit 13,000 tok/s)
   (cd bench && timeout 150 python3 w1_throughput.py --shape qwen3-8b 2>&1 | grep -E '^\{|Error' | tail -1) | tee "$OUT/w1big.log"

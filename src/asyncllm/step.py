@@ -121,10 +121,16 @@ class RuntimeInfo:
 
 
 class StepResult(Protocol):
-    """A submitted step: `result()` waits for it (and every step submitted before it)."""
+    """A submitted step: `result()` waits for it (and every step submitted before it). A step may hold part
+    of its work back on the host (a constrained draw waiting for its mask, launched by the next submit):
+    it is not `done()` until something launched it, and `start()` or `result()` does."""
 
     def done(self) -> bool:
         """The output is ready: `result()` will not wait."""
+        ...
+
+    def start(self) -> None:
+        """Launch whatever of the step the host still holds back; never waits for the device. Idempotent."""
         ...
 
     def result(self) -> ModelRunnerOutput: ...
@@ -138,6 +144,9 @@ class ReadyStep:
 
     def done(self) -> bool:
         return True
+
+    def start(self) -> None:
+        pass
 
     def result(self) -> ModelRunnerOutput:
         return self.output

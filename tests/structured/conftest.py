@@ -141,6 +141,9 @@ class _InFlight:
     def done(self) -> bool:
         return False
 
+    def start(self) -> None:
+        self._inner.start()
+
     def result(self) -> ModelRunnerOutput:
         return self._inner.result()
 
@@ -168,14 +171,18 @@ class OverlappedExecutor:
         self.inner.watch_failure(callback)
 
 
-def overlapped_engine(path: Path, **engine_args: Any) -> AsyncLLMEngine:
-    """An `AsyncLLMEngine` whose core overlaps every step with the next, on CPU."""
+def overlapped_engine(path: Path, *, hold_masked_draws: bool = False, **engine_args: Any) -> AsyncLLMEngine:
+    """An `AsyncLLMEngine` whose core overlaps every step with the next, on CPU. `hold_masked_draws`: the
+    runner holds each constrained step's draw until the next submit, as it does on CUDA
+    (`ModelRunner.defer_masked_draw`)."""
     from asyncllm.build import build_engine
 
     config = EngineConfig.from_kwargs(str(path), **engine_args).resolved(streaming=True)
 
     def build() -> Any:
         built = build_engine(config, time.monotonic)
+        if hold_masked_draws:
+            built.core.executor.worker.runner.defer_masked_draw = True
         built.core.executor = OverlappedExecutor(built.core.executor)
         return built
 

@@ -1,7 +1,8 @@
 """Constrained requests through every path a step can take, on the async engine: overlapped scheduling (the
-step's mask waits for the previous step's tokens) gives the tokens serial scheduling gives; chunked prefill,
-preemption and prefix-cache hits change nothing; streamed deltas add up to the final text; a cancelled
-constrained stream frees every block."""
+step's mask waits for the previous step's tokens), with the draw launched at once or held until the next
+submit as on CUDA, gives the tokens serial scheduling gives; chunked prefill, preemption and prefix-cache
+hits change nothing; streamed deltas add up to the final text; a cancelled constrained stream frees every
+block; a row its constraint leaves empty fails its request without emitting the token drawn there."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from asyncllm import LLM, AsyncLLMEngine, SamplingParams
+from asyncllm import LLM, AsyncLLMEngine, InvalidRequestError, SamplingParams
 from tests.async_engine.conftest import wait_drained
 from tests.structured.conftest import CONSTRAINTS, ENGINE_ARGS, check, constrained, overlapped_engine
 
@@ -59,8 +60,12 @@ def serial(tiny_model: Path) -> Iterator[LLM]:
         {},  # overlapped, plenty of room
         {"max_num_batched_tokens": 16, "max_num_seqs": 6},  # chunked prefill, small batches
         {"num_kv_blocks": 48},  # preemption (and the prefix cache on resume)
+        # each constrained draw held until the next submit, as on CUDA: with every path above
+        {"hold_masked_draws": True},
+        {"hold_masked_draws": True, "max_num_batched_tokens": 16, "max_num_seqs": 6},
+        {"hold_masked_draws": True, "num_kv_blocks": 48},
     ],
-    ids=["overlap", "chunked", "preempted"],
+    ids=["overlap", "chunked", "preempted", "held", "held-chunked", "held-preempted"],
 )
 async def test_overlapped_engine_gives_serial_tokens(tiny_model: Path, serial: LLM, variant: dict[str, Any]) -> None:
     prompts, params, names = _workload()
@@ -105,5 +110,26 @@ async def test_streamed_deltas_add_up_and_cancel_frees_blocks(tiny_model: Path) 
         assert stats["num_free_blocks"] == stats["num_total_blocks"]
         again = await engine.generate("Hello", params)  # the engine carries on, with the same result
         assert again.text == whole.text
+    finally:
+        engine.shutdown()
+
+
+async def test_held_draw_fails_an_impossible_row_without_emitting_its_token(tiny_model: Path) -> None:
+    """A surrogate has no UTF-8 form: after its lead byte (a token both the grammar and UTF-8 allow so far)
+    the row's mask is empty, the draw takes token 0, and reading the step refuses it: the stream ends with
+    the error naming the field, and token 0 is never emitted."""
+    engine = overlapped_engine(tiny_model, hold_masked_draws=True, **ENGINE_ARGS)
+    try:
+        impossible = SamplingParams(grammar=r"root ::= [\ud800-\udfff]", max_tokens=8)
+        chunks = []
+        with pytest.raises(InvalidRequestError, match=r"SamplingParams\.grammar: no token"):
+            async for chunk in engine.stream([5, 6, 7], impossible):
+                chunks.append(chunk)
+        tokens = [t for c in chunks for t in c.token_ids]
+        assert 0 not in tokens and len(tokens) <= 1
+        neighbour = await engine.generate([5, 6, 7], constrained("choice", "t1", seed=2))
+        check("choice", neighbour.text)
+        stats = await wait_drained(engine, timeout=10)
+        assert stats["num_free_blocks"] == stats["num_total_blocks"]
     finally:
         engine.shutdown()

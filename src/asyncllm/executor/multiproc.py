@@ -243,7 +243,11 @@ class _WatchedStep:
     def done(self) -> bool:
         return self._inner.done()
 
+    def start(self) -> None:
+        self._inner.start()
+
     def result(self) -> ModelRunnerOutput:
+        self._inner.start()  # a draw held back for its mask (no collective: launching it cannot hang)
         while not self._inner.done():
             self._procs.check()
             time.sleep(0)  # yield the GIL and the core, like CUDA's own yielding wait

@@ -4,7 +4,8 @@ One per process, made by the worker (it knows the tokenizer, the embedding rows 
 the in-process executor hands its backend to the front (`build.py`), which compiles each constraint when the
 request is made, so a bad one raises `InvalidRequestError` naming its field before it reaches the core, and
 the runner's later compile is a cache hit. The vocabulary's `TokenizerInfo` is built at the first compile
-(it reads every token: most of a second for a large vocabulary). Knows nothing of requests, steps or devices.
+(it reads every token: most of a second for a large vocabulary), or ahead of it by `prepare_async` (the
+worker calls it at start-up on CUDA). Knows nothing of requests, steps or devices.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[12:00:00] /pa
 
 class GrammarBackend:
     """`compile(spec)` a constraint (cached), `check(spec)` it for the front, `compile_async(spec)` off the
-    calling thread; all three raise (or resolve to) `InvalidRequestError` naming the constraint's field."""
+    calling thread; all three raise (or resolve to) `InvalidRequestError` naming the constraint's field.
+    `prepare_async()` builds the vocabulary's tables ahead of the first compile."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Collection[int]) -> None:
         if not stop_token_ids:
@@ -48,7 +50,8 @@ class GrammarBackend:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size  # the model's embedding rows (the tokenizer may have fewer tokens)
         self.stop_token_ids = sorted(stop_token_ids)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # held while the vocabulary's tables are built
+        self._pool_lock = threading.Lock()  # never held long: compile_async must not wait for those tables
         self._compiler: xgr.GrammarCompiler | None = None
         self._utf8: Utf8Table | None = None
         self._pool: ThreadPoolExecutor | None = None
@@ -79,14 +82,22 @@ class GrammarBackend:
 
     def compile_async(self, spec: StructuredOutput) -> Future[xgr.CompiledGrammar]:
         """`compile(spec)` on the backend's thread (xgrammar releases the GIL while it compiles)."""
-        with self._lock:
+        return self._thread().submit(self.compile, spec)
+
+    def prepare_async(self) -> Future[object]:
+        """Build the vocabulary's tables (the compiler's and the UTF-8 table) on the backend's thread now, so
+        the first constraint does not wait for them; a compile queued meanwhile runs after. A failure here
+        is left for that compile to raise as well."""
+        return self._thread().submit(self._vocabulary)
+
+    def _thread(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncllm-grammar")
-            pool = self._pool
-        return pool.submit(self.compile, spec)
+            return self._pool
 
     def close(self) -> None:
-        with self._lock:
+        with self._pool_lock:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)

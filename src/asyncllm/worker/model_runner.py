@@ -8,10 +8,13 @@ draw's parameters, the sampled ids' slots) is handed over as host data by its ow
 sent in the step's one copy (`InputBuffers.flush`). Where steps differ (padding, static plan, graph replay,
 which rows reach the LM head) the step's `StepShape` says how.
 
-A step that samples constrained rows (structured output) also stages which rows its bitmask covers; once
-its forward pass is launched it waits for the previous step's tokens, feeds them to the requests' grammar
-matchers, fills the bitmask on the host and uploads it (`GrammarTable`): the one extra copy and the one
-extra wait, paid only by such steps and the step after the last of them.
+A step that samples constrained rows (structured output) also stages which rows its bitmask covers. Its
+draw needs the previous step's tokens fed to the requests' grammar matchers and the bitmask filled on the
+host (`GrammarTable`): the one extra copy and the one extra wait, paid only by such steps and the step
+after the last of them. Where the device runs steps asynchronously (`defer_masked_draw`) the draw is held
+back (`HeldDraw`) until the next `submit` (or whoever reads the step's result first): the mask is then
+filled while the device still runs the forward pass, after the core's own work for the step, so the host
+does both while the GPU computes instead of the GPU waiting for the fill and then for the core.
 
 Knows nothing of requests beyond the plain data the scheduler sends and the sampling state it keeps per
 request id; nothing of how the model was loaded or the cache sized. The step's only host sync is reading
@@ -19,6 +22,8 @@ the sampled ids back.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -46,6 +51,7 @@ class ModelRunner:
         eos_token_ids: frozenset[int],
         vocab_size: int,
         grammar: GrammarBackend | None = None,
+        defer_masked_draw: bool = False,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -61,6 +67,10 @@ class ModelRunner:
         # Each live request's latest sampled id, on the device, in a slot of its own: a PLACEHOLDER is filled
         # from it whichever earlier step sampled it (a decode starved of budget skips a step).
         self._latest = LatestTokens(device)
+        # Hold a constrained step's draw until the next submit (see the module docstring): where steps run
+        # asynchronously (CUDA). On CPU the host runs the forward pass itself: holding would only add a step.
+        self.defer_masked_draw = defer_masked_draw
+        self._held: HeldDraw | None = None
 
     def execute_model(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
         """`submit`, then wait for the step."""
@@ -68,6 +78,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def submit(self, scheduled: SchedulerOutput) -> StepResult:
+        # First the draw the last step held back: its tokens feed this step, and it reads staged regions
+        # (draw parameters, mask rows, slots) that this step's upload overwrites.
+        self._release_held()
         self._admit(scheduled)
         sampling = [s.request_id for s in scheduled.seqs if s.sample]
         states = [self.states[r] for r in sampling]
@@ -88,8 +101,26 @@ class ModelRunner:
         last_hidden = hidden[x.logits_indices] if shape.gathers_logits else hidden  # [shape.logit_rows, hidden]
         # The LM head runs at a padded row count (`Buckets.logit_rows`): warm-up ran every one of them.
         logits = self.model.compute_logits(last_hidden)[: len(sampling)]  # [S, vocab]
-        # The device has the step's work; the matchers take the previous step's tokens (a no-op unless it
-        # sampled constrained rows), then this step's constrained rows get their mask.
+
+        def sample() -> StepResult:
+            return self._sample(logits, states, draw, slots, mask_rows)
+
+        if mask_rows is not None and self.defer_masked_draw:
+            self._held = HeldDraw(sample)
+            return self._held
+        return sample()
+
+    @torch.inference_mode()
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        states: list[SamplingState],
+        draw: DrawInputs | None,
+        slots: torch.Tensor,
+        mask_rows: torch.Tensor | None,
+    ) -> StepResult:
+        """Draw the step's tokens (the forward pass is launched): the matchers take the previous step's
+        tokens (a no-op unless it sampled constrained rows), then this step's constrained rows get their mask."""
         self.grammars.settle()
         mask = failed = None
         if mask_rows is not None:
@@ -98,8 +129,13 @@ class ModelRunner:
         self._latest.record(slots, out.token_ids)
         result = self._outputs.send(out.token_ids, out.logprobs_output, failed)
         if mask is not None:
-            self.grammars.sent(result, states)
+            result = self.grammars.sent(result, states)
         return result
+
+    def _release_held(self) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            held.start()
 
     def _stage(
         self, x: ModelInputs, states: list[SamplingState], sampling: list[str]
@@ -132,6 +168,7 @@ class ModelRunner:
 
     def forget(self, request_ids: list[str]) -> None:
         """Drop the state of requests the scheduler will never mention again (finished, or warm-up's)."""
+        self._release_held()  # it samples rows of states about to go
         for request_id in request_ids:
             state = self.states.pop(request_id, None)
             if state is not None:
@@ -145,7 +182,39 @@ class ModelRunner:
         return self.grammars.backend
 
     def shutdown(self) -> None:
+        self._held = None
         self.graphs.release()
         self.states.clear()
         if self.grammars.backend is not None:
             self.grammars.backend.close()
+
+
+class HeldDraw:
+    """A step whose draw waits on the host for its bitmask: `start()` fills the mask and launches the draw
+    (once; the runner does it at the next submit), `result()` starts it if nobody has, then waits."""
+
+    __slots__ = ("_error", "_sample", "_sent")
+
+    def __init__(self, sample: Callable[[], StepResult]) -> None:
+        self._sample: Callable[[], StepResult] | None = sample
+        self._sent: StepResult | None = None
+        self._error: BaseException | None = None
+
+    def start(self) -> None:
+        if self._sample is not None:
+            sample, self._sample = self._sample, None
+            try:
+                self._sent = sample()
+            except BaseException as exc:  # whoever reads the result later gets it too
+                self._error = exc
+                raise
+
+    def done(self) -> bool:
+        return self._error is not None or (self._sent is not None and self._sent.done())
+
+    def result(self) -> ModelRunnerOutput:
+        self.start()
+        if self._error is not None:
+            raise self._error
+        assert self._sent is not None
+        return self._sent.result()

@@ -60,6 +60,9 @@ class _DeviceStep:
     def done(self) -> bool:
         return self._output is not None or bool(self._event.query())  # type: ignore[no-untyped-call]
 
+    def start(self) -> None:
+        pass
+
     def result(self) -> ModelRunnerOutput:
         if self._output is None:
             self._event.synchronize()  # the step's one wait: for its sampled ids, never a blocking copy

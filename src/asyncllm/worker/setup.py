@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from asyncllm.attention.backend import AttentionBackend
@@ -56,8 +57,15 @@ def build_worker(
     loaded = setup.load()
     num_blocks = agree(setup.num_blocks(loaded))
     runner = setup.runner(loaded, num_blocks)
+    # On CUDA the vocabulary's grammar tables (1-2 s of host work for a 150k vocabulary, holding the GIL)
+    # are built while the kernels warm up and graphs are captured, and waited for before the engine serves:
+    # neither the first constrained request nor the first steps of any request pay for them. On CPU they
+    # stay lazy: the host there is also the device, and most CPU engines never see a constraint.
+    tables = runner.grammar.prepare_async() if runner.grammar is not None and resolved.device.type == "cuda" else None
     setup.warm_up(runner, num_blocks)
     setup.capture(runner)
+    if tables is not None:
+        setup.wait_for_grammar_tables(tables)
     return Worker(runner, setup.runtime_info(loaded, runner, num_blocks))
 
 
@@ -185,6 +193,7 @@ class WorkerSetup:
             self.checkpoint.eos_token_ids,
             arch.vocab_size,
             self._grammar(arch.vocab_size),
+            defer_masked_draw=device.type == "cuda",
         )
         logger.info(
             "KV cache: %d blocks of %d tokens (%s, %s)", num_blocks, cache.block_size, device, self.resolved.dtype
@@ -204,6 +213,12 @@ class WorkerSetup:
             max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens,
         )
+
+    def wait_for_grammar_tables(self, tables: Future[object]) -> None:
+        t0 = time.perf_counter()
+        if tables.exception() is not None:  # left for the first constrained request to raise, naming its field
+            logger.warning("building the grammar tables failed: %s", tables.exception())
+        self.timings["grammar_tables_wait"] = time.perf_counter() - t0
 
     def capture(self, runner: ModelRunner) -> None:
         if not self._use_cuda_graphs(runner.backend):
