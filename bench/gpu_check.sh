@@ -16,6 +16,11 @@ mkdir -p .cache && [ -d .peers/qwen3-tokenizer ] && [ ! -d .cache/qwen3-tokenize
 # The installed layout without installing: src/asyncllm with top-level kernels/ as asyncllm.kernels.
 overlay=$(mktemp -d); cp -r src/asyncllm "$overlay/asyncllm"; cp -r kernels "$overlay/asyncllm/kernels"
 export PYTHONPATH="$overlay:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# Wheels carried in .whl (xgrammar and what structured output's tests use), installed beside the overlay.
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
 steps=${1:-tests,kernels,startup,compare}
@@ -33,7 +38,7 @@ if has graphtests; then  # the engine-level CUDA-graph tests alone (warm-up, com
 fi
 if has enginetests; then  # the engine-level GPU tests and the sampling kernel (what host-side changes touch)
   python3 -m pytest -q -s -p no:cacheprovider -o addopts="" tests/gpu tests/sample/test_sampler_cuda.py \
-    tests/kernels/test_sampling.py 2>&1 | tee "$OUT/engine_tests.log" | grep -E "passed|failed|Error|error" | tail -25
+    tests/kernels/test_sampling.py tests/structured/test_gpu.py 2>&1 | tee "$OUT/engine_tests.log" | grep -E "passed|failed|Error|error" | tail -25
   rows+=("gpu tests (engine): $(tail -1 "$OUT/engine_tests.log")")
 fi
 if has quicktests; then  # what changed since the full run: engine-level GPU tests and the sampling kernel
@@ -117,8 +122,6 @@ if has abpeers; then  # W1 and W5 through the peers' w1_w5.py (same checkpoint a
   while read -r line; do rows+=("abpeers: $line"); done < <(grep RESULT "$OUT/abpeers.log")
 fi
 if has w6; then  # issue 21: W1-style and batch-1 throughput with a JSON schema on every request against none
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=$PYTHONPATH:/tmp/site
   (cd bench && timeout 300 python3 w6_structured.py 2>&1 | grep -E '^\{|Error|Traceback' | tail -3) | tee "$OUT/w6.log"
   rows+=("w6: $(grep '^{' "$OUT/w6.log" | tail -1)")
   (cd bench && timeout 120 python3 w6_host.py 2>&1 | grep -E '^\{|Error|Traceback' | tail -3) | tee "$OUT/w6host.log"
