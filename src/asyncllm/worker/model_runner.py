@@ -8,13 +8,13 @@ draw's parameters, the sampled ids' slots) is handed over as host data by its ow
 sent in the step's one copy (`InputBuffers.flush`). Where steps differ (padding, static plan, graph replay,
 which rows reach the LM head) the step's `StepShape` says how.
 
-A step that samples constrained rows (structured output) also stages which rows its bitmask covers. Its
-draw needs the previous step's tokens fed to the requests' grammar matchers and the bitmask filled on the
-host (`GrammarTable`): the one extra copy and the one extra wait, paid only by such steps and the step
-after the last of them. Where the device runs steps asynchronously (`defer_masked_draw`) the draw is held
-back (`HeldDraw`) until the next `submit` (or whoever reads the step's result first): the mask is then
-filled while the device still runs the forward pass, after the core's own work for the step, so the host
-does both while the GPU computes instead of the GPU waiting for the fill and then for the core.
+A step that samples constrained rows (structured output) also stages which bitmask row each one reads
+(`GrammarTable.plan`): mostly rows already filled on the host by the previous constrained step's job, which
+took that step's tokens to the matchers as soon as they reached the host. Where the device runs steps
+asynchronously (`defer_masked_draw`) the draw itself is held back (`HeldDraw`) until the next `submit` (or
+whoever reads the step's result first): the masks are then ready, having been filled while the device ran
+the forward pass and the core did its work, and the draw goes out just before the next forward pass.
+Steps without constrained rows pay for none of this.
 
 Knows nothing of requests beyond the plain data the scheduler sends and the sampling state it keeps per
 request id; nothing of how the model was loaded or the cache sized. The step's only host sync is reading
@@ -32,7 +32,7 @@ from asyncllm.models.base import CausalLM
 from asyncllm.sample.grammar import GrammarBackend
 from asyncllm.sample.sampler import DrawInputs, Sampler
 from asyncllm.sample.state import SamplingState
-from asyncllm.sample.structured import GrammarTable
+from asyncllm.sample.structured import GrammarTable, MaskPlan
 from asyncllm.step import ModelRunnerOutput, ReadyStep, SchedulerOutput, StepResult
 from asyncllm.worker.cuda_graph import CudaGraphRunner
 from asyncllm.worker.input_batch import InputBuffers, ModelInputs
@@ -89,7 +89,7 @@ class ModelRunner:
         x = self.inputs.prepare(scheduled, shape.pad_to, shape.pad_tokens_to, shape.pad_logits_to, flush=False)
         plan = self.backend.plan(x.meta, shape.bounds)
         self.inputs.stage_plan(x.meta, plan, static=shape.bounds is not None)
-        feed, draw, slots, mask_rows = self._stage(x, states, sampling)
+        feed, draw, slots, masks = self._stage(x, states, sampling)
         self.inputs.flush()
         if feed is not None:
             # PLACEHOLDER inputs take the token last sampled for their request, on the device: the sampled
@@ -103,9 +103,9 @@ class ModelRunner:
         logits = self.model.compute_logits(last_hidden)[: len(sampling)]  # [S, vocab]
 
         def sample() -> StepResult:
-            return self._sample(logits, states, draw, slots, mask_rows)
+            return self._sample(logits, states, draw, slots, masks)
 
-        if mask_rows is not None and self.defer_masked_draw:
+        if masks is not None and self.defer_masked_draw:
             self._held = HeldDraw(sample)
             return self._held
         return sample()
@@ -117,19 +117,18 @@ class ModelRunner:
         states: list[SamplingState],
         draw: DrawInputs | None,
         slots: torch.Tensor,
-        mask_rows: torch.Tensor | None,
+        masks: tuple[MaskPlan, torch.Tensor] | None,
     ) -> StepResult:
-        """Draw the step's tokens (the forward pass is launched): the matchers take the previous step's
-        tokens (a no-op unless it sampled constrained rows), then this step's constrained rows get their mask."""
-        self.grammars.settle()
+        """Draw the step's tokens (the forward pass is launched); constrained rows get their masks first,
+        and the step's tokens go to their matchers when they reach the host (`GrammarTable`)."""
         mask = failed = None
-        if mask_rows is not None:
-            mask, failed = self.grammars.fill(states, mask_rows)
+        if masks is not None:
+            mask, failed = self.grammars.fill(*masks)
         out = self.sampler(logits, states, draw, mask)
         self._latest.record(slots, out.token_ids)
         result = self._outputs.send(out.token_ids, out.logprobs_output, failed)
-        if mask is not None:
-            result = self.grammars.sent(result, states)
+        if masks is not None:
+            result = self.grammars.sent(result, masks[0])
         return result
 
     def _release_held(self) -> None:
@@ -139,22 +138,23 @@ class ModelRunner:
 
     def _stage(
         self, x: ModelInputs, states: list[SamplingState], sampling: list[str]
-    ) -> tuple[torch.Tensor | None, DrawInputs | None, torch.Tensor | None, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor | None, DrawInputs | None, torch.Tensor | None, tuple[MaskPlan, torch.Tensor] | None]:
         """Stage the rest of what the step uploads: the PLACEHOLDER feed's indices, the draw's parameters,
-        the sampled ids' slots and the constrained rows' bitmask rows (None where the step has none)."""
+        the sampled ids' slots and the constrained rows' bitmask rows, with their plan (None where the step
+        has none)."""
         stage = self.inputs.staging.stage
         feed = None
         if x.placeholder_rows:
             feed = stage(self._latest.feed_index(x.placeholder_rows, x.placeholder_owners), torch.int64)
         if not sampling:
             return feed, None, None, None
-        rows = self.grammars.mask_rows(states)  # None unless a request with a grammar is live and sampled
-        params = self.sampler.draw_params(states, masked=rows is not None)
+        plan = self.grammars.plan(states)  # None unless a request with a grammar is live and sampled
+        params = self.sampler.draw_params(states, masked=plan is not None)
         draw = None
         if params is not None:
             draw = params.on_device(stage(params.counters, torch.int64), stage(params.temperatures, torch.float32))
-        mask_rows = stage(rows, torch.int64) if rows is not None else None
-        return feed, draw, stage(self._latest.slots(sampling), torch.int64), mask_rows
+        masks = (plan, stage(plan.rows, torch.int64)) if plan is not None else None
+        return feed, draw, stage(self._latest.slots(sampling), torch.int64), masks
 
     def _admit(self, scheduled: SchedulerOutput) -> None:
         """Drop finished requests' state, and make the new requests'."""
@@ -183,6 +183,7 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         self._held = None
+        self.grammars.close()
         self.graphs.release()
         self.states.clear()
         if self.grammars.backend is not None:

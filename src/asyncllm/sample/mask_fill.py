@@ -1,0 +1,162 @@
+"""The masks of constrained rows, filled ahead: as soon as a constrained step's tokens are on the host, a
+`FillJob` feeds them to the requests' matchers and fills each request's next bitmask row, on the grammar
+thread where the device runs steps asynchronously (CUDA), so the fill overlaps the core's work on that step
+and the next forward pass; on CPU it runs at once. `HostRows` are the rows it fills (pinned, two sets that
+alternate between jobs); `DeviceMasks` uploads them and ANDs each row with its UTF-8 table row on the device.
+Knows nothing of models or scheduling: rows are numbered by whoever plans the step.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from dataclasses import replace
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+import torch
+
+from asyncllm.sample.request_grammar import RequestGrammar
+from asyncllm.step import ModelRunnerOutput, StepResult
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
+
+class BatchFill(Protocol):
+    """xgrammar's `BatchGrammarMatcher.batch_fill_next_token_bitmask`: rows filled on its own threads."""
+
+    def __call__(self, matchers: list[xgr.GrammarMatcher], bitmask: torch.Tensor, indices: list[int]) -> None: ...
+
+
+class HostRows:
+    """Bitmask rows and each row's UTF-8 state on the host (pinned on CUDA); `writable()` waits until the
+    last upload from them has read them."""
+
+    def __init__(self, rows: int, words: int, pin: bool) -> None:
+        with torch.inference_mode(False):
+            self.bits = torch.zeros((rows, words), dtype=torch.int32, pin_memory=pin)
+            self.states = torch.zeros(rows, dtype=torch.int64, pin_memory=pin)
+        self.bits_np = self.bits.numpy()
+        self.states_np = self.states.numpy()
+        self.copied = torch.cuda.Event() if pin else None  # type: ignore[no-untyped-call]
+
+    def writable(self) -> None:
+        if self.copied is not None and not self.copied.query():  # type: ignore[no-untyped-call]
+            self.copied.synchronize()
+
+    def fill(self, batch: BatchFill, entries: Iterable[tuple[int, RequestGrammar]], stop_row: np.ndarray) -> None:
+        """Row r of each (r, grammar): the grammar's next mask (after `writable()`)."""
+        matchers: list[xgr.GrammarMatcher] = []
+        rows: list[int] = []
+        for row, grammar in entries:
+            self.states_np[row] = grammar.utf8_state
+            matcher = grammar.ready()
+            if matcher is None:
+                self.bits_np[row] = -1  # any token: a failed request's is never output
+            elif matcher.is_terminated():
+                self.bits_np[row] = stop_row  # complete: EOS alone (its request has ended; the token is dropped)
+            else:
+                matchers.append(matcher)
+                rows.append(row)
+        if matchers:  # xgrammar fills the rows on its threads, without the GIL
+            batch(matchers, self.bits, rows)
+
+
+class DeviceMasks:
+    """The device's bitmask rows and states, and the vocabulary's UTF-8 table, resident."""
+
+    def __init__(self, rows: int, words: int, utf8_allowed: np.ndarray, device: torch.device) -> None:
+        with torch.inference_mode(False):
+            self.bits = torch.zeros((rows, words), dtype=torch.int32, device=device)
+            self.states = torch.zeros(rows, dtype=torch.int64, device=device)
+            self.utf8 = torch.from_numpy(np.ascontiguousarray(utf8_allowed[:, :words])).to(device)
+
+    def upload(self, host: HostRows, n: int) -> torch.Tensor:
+        """Rows [0, n) to the device, each ANDed there with its state's UTF-8 row: the step's bitmask."""
+        bits, states = self.bits[:n], self.states[:n]
+        bits.copy_(host.bits[:n], non_blocking=True)
+        states.copy_(host.states[:n], non_blocking=True)
+        if host.copied is not None:
+            host.copied.record()
+        bits.bitwise_and_(self.utf8.index_select(0, states))
+        return bits
+
+
+class FillJob:
+    """One constrained step's follow-up: feed its tokens to its requests' matchers (a token one refuses
+    fails that request in this step's own output), then fill each request's next row in `host`: row i for
+    `grammars[i]`. `run` does both; `output()` waits for the first half, `wait_filled()` for both."""
+
+    def __init__(
+        self, step: StepResult, rows: list[tuple[int, RequestGrammar]], host: HostRows, stop_row: np.ndarray
+    ) -> None:
+        self.grammars = [grammar for _, grammar in rows]
+        self.index = {grammar: i for i, grammar in enumerate(self.grammars)}
+        self.host = host
+        self._step = step
+        self._rows = rows
+        self._stop_row = stop_row
+        self._output: ModelRunnerOutput | None = None
+        self._error: BaseException | None = None
+        self._accepted = threading.Event()
+        self._filled = threading.Event()
+
+    def run(self, batch: BatchFill) -> None:
+        try:
+            output = self._step.result()  # the one wait: the step's tokens on the host
+            tokens = output.sampled_token_ids
+            refused = {}
+            for row, grammar in self._rows:
+                error = grammar.accept(tokens[row])
+                if error is not None:
+                    refused[row] = error
+            if refused:
+                output = replace(output, failed={**(output.failed or {}), **refused})
+            self._output = output
+        except BaseException as exc:  # handed to the readers
+            self._error = exc
+        finally:
+            self._accepted.set()
+        try:
+            if self._error is None:
+                self.host.writable()
+                self.host.fill(batch, enumerate(self.grammars), self._stop_row)
+        except BaseException as exc:
+            self._error = exc
+        finally:
+            self._filled.set()
+
+    def accepted(self) -> bool:
+        return self._accepted.is_set()
+
+    def output(self) -> ModelRunnerOutput:
+        self._accepted.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._output is not None
+        return self._output
+
+    def wait_filled(self) -> None:
+        self._filled.wait()
+        if self._error is not None:
+            raise self._error
+
+
+class ConstrainedStep:
+    """A constrained step's result: its output once the matchers have taken its tokens (`FillJob`)."""
+
+    __slots__ = ("_inner", "_job")
+
+    def __init__(self, inner: StepResult, job: FillJob) -> None:
+        self._inner = inner
+        self._job = job
+
+    def done(self) -> bool:
+        return self._job.accepted()
+
+    def start(self) -> None:
+        self._inner.start()
+
+    def result(self) -> ModelRunnerOutput:
+        return self._job.output()
