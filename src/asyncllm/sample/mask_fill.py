@@ -1,15 +1,16 @@
-"""The masks of constrained rows, filled ahead: as soon as a constrained step's tokens are on the host, a
-`FillJob` feeds them to the requests' matchers and fills each request's next bitmask row, on the grammar
-thread where the device runs steps asynchronously (CUDA), so the fill overlaps the core's work on that step
-and the next forward pass; on CPU it runs at once. `HostRows` are the rows it fills (pinned, two sets that
-alternate between jobs); `DeviceMasks` uploads them and ANDs each row with its UTF-8 table row on the device.
-Knows nothing of models or scheduling: rows are numbered by whoever plans the step.
+"""The masks of constrained rows, filled ahead: when a constrained step's tokens are read on the host, its
+`FillJob` feeds them to the requests' matchers (in the reader's thread: it needs the GIL) and starts
+filling each request's next bitmask row. The fill is xgrammar's, on its own threads without the GIL; where
+the device runs steps asynchronously (CUDA) it is waited for on a helper thread, so it overlaps the core's
+work on those very tokens; the next step's draw waits for it. `HostRows` are the rows it fills (pinned, two
+sets that alternate between jobs); `DeviceMasks` uploads them and ANDs each row with its UTF-8 table row on
+the device. Knows nothing of models or scheduling: rows are numbered by whoever plans the step.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
@@ -45,8 +46,11 @@ class HostRows:
         if self.copied is not None and not self.copied.query():  # type: ignore[no-untyped-call]
             self.copied.synchronize()
 
-    def fill(self, batch: BatchFill, entries: Iterable[tuple[int, RequestGrammar]], stop_row: np.ndarray) -> None:
-        """Row r of each (r, grammar): the grammar's next mask (after `writable()`)."""
+    def prepare(
+        self, entries: Iterable[tuple[int, RequestGrammar]], stop_row: np.ndarray
+    ) -> tuple[list[xgr.GrammarMatcher], list[int]]:
+        """Row r of each (r, grammar) set where no matcher needs to run (after `writable()`): the rows
+        xgrammar must fill, with their matchers, are returned."""
         matchers: list[xgr.GrammarMatcher] = []
         rows: list[int] = []
         for row, grammar in entries:
@@ -59,8 +63,7 @@ class HostRows:
             else:
                 matchers.append(matcher)
                 rows.append(row)
-        if matchers:  # xgrammar fills the rows on its threads, without the GIL
-            batch(matchers, self.bits, rows)
+        return matchers, rows
 
 
 class DeviceMasks:
@@ -84,12 +87,18 @@ class DeviceMasks:
 
 
 class FillJob:
-    """One constrained step's follow-up: feed its tokens to its requests' matchers (a token one refuses
-    fails that request in this step's own output), then fill each request's next row in `host`: row i for
-    `grammars[i]`. `run` does both; `output()` waits for the first half, `wait_filled()` for both."""
+    """One constrained step's follow-up: `accept()` feeds its tokens to its requests' matchers (a token one
+    refuses fails that request in this step's own output), then starts filling each request's next row in
+    `host` (row i for `grammars[i]`); `wait_filled()` waits for the rows, accepting first if nobody has."""
 
     def __init__(
-        self, step: StepResult, rows: list[tuple[int, RequestGrammar]], host: HostRows, stop_row: np.ndarray
+        self,
+        step: StepResult,
+        rows: list[tuple[int, RequestGrammar]],
+        host: HostRows,
+        stop_row: np.ndarray,
+        batch: BatchFill,
+        helper: ThreadPoolExecutor | None,
     ) -> None:
         self.grammars = [grammar for _, grammar in rows]
         self.index = {grammar: i for i, grammar in enumerate(self.grammars)}
@@ -97,14 +106,15 @@ class FillJob:
         self._step = step
         self._rows = rows
         self._stop_row = stop_row
+        self._batch = batch
+        self._helper = helper
         self._output: ModelRunnerOutput | None = None
-        self._error: BaseException | None = None
-        self._accepted = threading.Event()
-        self._filled = threading.Event()
+        self._filling: Future[None] | None = None
 
-    def run(self, batch: BatchFill) -> None:
-        try:
-            output = self._step.result()  # the one wait: the step's tokens on the host
+    def accept(self) -> ModelRunnerOutput:
+        """The step's output with the matchers' refusals (waits for the step); the fill starts here."""
+        if self._output is None:
+            output = self._step.result()
             tokens = output.sampled_token_ids
             refused = {}
             for row, grammar in self._rows:
@@ -114,37 +124,27 @@ class FillJob:
             if refused:
                 output = replace(output, failed={**(output.failed or {}), **refused})
             self._output = output
-        except BaseException as exc:  # handed to the readers
-            self._error = exc
-        finally:
-            self._accepted.set()
-        try:
-            if self._error is None:
-                self.host.writable()
-                self.host.fill(batch, enumerate(self.grammars), self._stop_row)
-        except BaseException as exc:
-            self._error = exc
-        finally:
-            self._filled.set()
-
-    def accepted(self) -> bool:
-        return self._accepted.is_set()
-
-    def output(self) -> ModelRunnerOutput:
-        self._accepted.wait()
-        if self._error is not None:
-            raise self._error
-        assert self._output is not None
+            self._start_fill()
         return self._output
 
     def wait_filled(self) -> None:
-        self._filled.wait()
-        if self._error is not None:
-            raise self._error
+        self.accept()
+        if self._filling is not None:
+            self._filling.result()
+
+    def _start_fill(self) -> None:
+        self.host.writable()
+        matchers, rows = self.host.prepare(enumerate(self.grammars), self._stop_row)
+        if not matchers:
+            return
+        if self._helper is None:
+            self._batch(matchers, self.host.bits, rows)
+        else:  # waited for on the helper: xgrammar's threads run while this thread goes on
+            self._filling = self._helper.submit(self._batch, matchers, self.host.bits, rows)
 
 
 class ConstrainedStep:
-    """A constrained step's result: its output once the matchers have taken its tokens (`FillJob`)."""
+    """A constrained step's result: its output once the matchers have taken its tokens (`FillJob.accept`)."""
 
     __slots__ = ("_inner", "_job")
 
@@ -153,10 +153,10 @@ class ConstrainedStep:
         self._job = job
 
     def done(self) -> bool:
-        return self._job.accepted()
+        return self._inner.done()
 
     def start(self) -> None:
         self._inner.start()
 
     def result(self) -> ModelRunnerOutput:
-        return self._job.output()
+        return self._job.accept()

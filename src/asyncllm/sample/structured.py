@@ -1,13 +1,14 @@
 """Structured output in the runner: the constrained requests' grammars (`RequestGrammar`), and per step the
 token bitmask of the constrained rows it samples.
 
-A step's masks are mostly filled before the step is planned: each constrained step's `FillJob`
-(`mask_fill.py`) takes its tokens to the matchers and fills each of its requests' next row as soon as the
-tokens reach the host. So `plan` (when the step's inputs are staged) points each constrained row at the row
-the last job fills for its request, or at a row of its own after those for a request the job did not
-cover (new, or one that skipped a step); `fill` (just before the draw) waits for that job, fills those few,
-and uploads the lot; `sent` starts the step's own job. The matchers see every token in order: a job runs
-after the one before it has filled (the plan waited for it). Knows nothing of models or scheduling.
+A step's masks are mostly filled before its draw is due: when a constrained step's tokens are read (by the
+core, or by the next fill where nobody reads, as on tensor-parallel workers), its `FillJob`
+(`mask_fill.py`) takes them to the matchers and starts filling each of its requests' next row. So `plan`
+(when a step's inputs are staged) points each constrained row at the row the last job fills for its
+request, or at a row of its own after those for a request the job did not cover (new, or one that skipped
+a step); `fill` (just before the draw) waits for that job, fills those few, and uploads the lot; `sent`
+makes the step's own job. The matchers see every token in order: a job accepts only after the previous
+one's rows were drawn from. Knows nothing of models or scheduling.
 """
 
 from __future__ import annotations
@@ -127,21 +128,29 @@ class GrammarTable:
             host = self._hosts[self._flip]
             host.writable()
         if plan.extras:
-            host.fill(self._batch_fill(here=True), plan.extras, self._stop_row)
+            matchers, rows = host.prepare(plan.extras, self._stop_row)
+            if matchers:
+                self._batch_fill(here=True)(matchers, host.bits, rows)
         failed = {i: grammar.error for i, grammar in plan.constrained if grammar.error is not None}
         return TokenMask(device_masks.upload(host, plan.num_rows), mask_rows), failed or None
 
     def sent(self, result: StepResult, plan: MaskPlan) -> StepResult:
         """The step `plan` masked was sampled: start its job, and return its result as the job gives it."""
         self._flip ^= 1
-        job = FillJob(result, plan.constrained, self._hosts[self._flip], self._stop_row)
-        self._last = job
+        helper = None
         if self.threaded:
             if self._thread is None:
                 self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncllm-mask-fill")
-            self._thread.submit(job.run, self._batch_fill(here=False))
-        else:
-            job.run(self._batch_fill(here=True))
+            helper = self._thread
+        job = FillJob(
+            result,
+            plan.constrained,
+            self._hosts[self._flip],
+            self._stop_row,
+            self._batch_fill(here=helper is None),
+            helper,
+        )
+        self._last = job
         return ConstrainedStep(result, job)
 
     def close(self) -> None:
