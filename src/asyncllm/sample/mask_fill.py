@@ -9,6 +9,7 @@ the device. Knows nothing of models or scheduling: rows are numbered by whoever 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
@@ -22,6 +23,11 @@ from asyncllm.step import ModelRunnerOutput, StepResult
 
 if TYPE_CHECKING:
     import xgrammar as xgr
+
+
+# Fewer rows than this are filled in the reading thread: handing them to the helper costs more (thread
+# switches) than the fill it would hide.
+HELPER_MIN_ROWS = 16
 
 
 class BatchFill(Protocol):
@@ -99,6 +105,7 @@ class FillJob:
         stop_row: np.ndarray,
         batch: BatchFill,
         helper: ThreadPoolExecutor | None,
+        helper_min_rows: int = HELPER_MIN_ROWS,
     ) -> None:
         self.grammars = [grammar for _, grammar in rows]
         self.index = {grammar: i for i, grammar in enumerate(self.grammars)}
@@ -108,6 +115,7 @@ class FillJob:
         self._stop_row = stop_row
         self._batch = batch
         self._helper = helper
+        self._helper_min_rows = helper_min_rows
         self._output: ModelRunnerOutput | None = None
         self._filling: Future[None] | None = None
 
@@ -137,10 +145,20 @@ class FillJob:
         matchers, rows = self.host.prepare(enumerate(self.grammars), self._stop_row)
         if not matchers:
             return
-        if self._helper is None:
+        if self._helper is None or len(matchers) < self._helper_min_rows:
             self._batch(matchers, self.host.bits, rows)
-        else:  # waited for on the helper: xgrammar's threads run while this thread goes on
-            self._filling = self._helper.submit(self._batch, matchers, self.host.bits, rows)
+            return
+        # Waited for on the helper: xgrammar's threads fill while this thread goes on. The helper needs the
+        # GIL to reach xgrammar, and a thread waiting for the GIL gets it only when its holder blocks (or
+        # after the 5 ms switch interval): so this thread blocks until the helper is on its way in.
+        started = threading.Event()
+
+        def fill() -> None:
+            started.set()
+            self._batch(matchers, self.host.bits, rows)
+
+        self._filling = self._helper.submit(fill)
+        started.wait()
 
 
 class ConstrainedStep:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from asyncllm.sample.grammar import GrammarBackend
-from asyncllm.sample.mask_fill import BatchFill, ConstrainedStep, DeviceMasks, FillJob, HostRows
+from asyncllm.sample.mask_fill import HELPER_MIN_ROWS, BatchFill, ConstrainedStep, DeviceMasks, FillJob, HostRows
 from asyncllm.sample.request_grammar import RequestGrammar
 from asyncllm.sample.state import SamplingState
 from asyncllm.step import StepResult
@@ -66,14 +66,14 @@ class GrammarTable:
         self._last: FillJob | None = None  # the last constrained step's job
         # Allocated at the first constrained step: two sets of host rows that jobs alternate between (a job
         # fills one while the other's upload may still be in flight), each with room for a job's rows and
-        # as many more; the device's rows; xgrammar's batch fillers, one per thread that fills.
+        # as many more; the device's rows; xgrammar's batch filler.
         self._hosts: list[HostRows] = []
         self._flip = 0
         self._device_masks: DeviceMasks | None = None
-        self._fill_here: xgr.BatchGrammarMatcher | None = None
-        self._fill_there: xgr.BatchGrammarMatcher | None = None
-        # Where steps run asynchronously, jobs run on a thread of their own (see mask_fill.py).
-        self.threaded = device.type == "cuda"
+        self._fill: xgr.BatchGrammarMatcher | None = None
+        # Where steps run asynchronously, fills of this many rows or more are waited for on a helper thread
+        # (see mask_fill.py); None: never.
+        self.helper_min_rows: int | None = HELPER_MIN_ROWS if device.type == "cuda" else None
         self._thread: ThreadPoolExecutor | None = None
 
     def add(self, state: SamplingState) -> None:
@@ -130,26 +130,20 @@ class GrammarTable:
         if plan.extras:
             matchers, rows = host.prepare(plan.extras, self._stop_row)
             if matchers:
-                self._batch_fill(here=True)(matchers, host.bits, rows)
+                self._batch_fill()(matchers, host.bits, rows)
         failed = {i: grammar.error for i, grammar in plan.constrained if grammar.error is not None}
         return TokenMask(device_masks.upload(host, plan.num_rows), mask_rows), failed or None
 
     def sent(self, result: StepResult, plan: MaskPlan) -> StepResult:
         """The step `plan` masked was sampled: start its job, and return its result as the job gives it."""
         self._flip ^= 1
-        helper = None
-        if self.threaded:
+        helper, min_rows = None, self.helper_min_rows
+        if min_rows is not None:
             if self._thread is None:
                 self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncllm-mask-fill")
             helper = self._thread
-        job = FillJob(
-            result,
-            plan.constrained,
-            self._hosts[self._flip],
-            self._stop_row,
-            self._batch_fill(here=helper is None),
-            helper,
-        )
+        batch = self._batch_fill()
+        job = FillJob(result, plan.constrained, self._hosts[self._flip], self._stop_row, batch, helper, min_rows or 0)
         self._last = job
         return ConstrainedStep(result, job)
 
@@ -158,17 +152,13 @@ class GrammarTable:
             self._thread.shutdown(wait=False, cancel_futures=True)
             self._thread = None
 
-    def _batch_fill(self, here: bool) -> BatchFill:
-        """xgrammar's batch filler for this thread (`here`) or the job thread: one each, never shared."""
-        from xgrammar import BatchGrammarMatcher  # loaded by the compile of the grammars it fills for
+    def _batch_fill(self) -> BatchFill:
+        """xgrammar's batch filler: one, as fills never overlap (a job's fill ends before the next fill)."""
+        if self._fill is None:
+            from xgrammar import BatchGrammarMatcher  # loaded by the compile of the grammars it fills for
 
-        if here:
-            if self._fill_here is None:
-                self._fill_here = BatchGrammarMatcher()
-            return self._fill_here.batch_fill_next_token_bitmask
-        if self._fill_there is None:
-            self._fill_there = BatchGrammarMatcher()
-        return self._fill_there.batch_fill_next_token_bitmask
+            self._fill = BatchGrammarMatcher()
+        return self._fill.batch_fill_next_token_bitmask
 
     def _buffers(self) -> DeviceMasks:
         if self._device_masks is None:
