@@ -9,6 +9,7 @@ the device. Knows nothing of models or scheduling: rows are numbered by whoever 
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
-from asyncllm.sample.request_grammar import RequestGrammar
+from asyncllm.sample.request_grammar import RequestGrammar, accept_tokens
 from asyncllm.step import ModelRunnerOutput, StepResult
 
 if TYPE_CHECKING:
@@ -31,9 +32,25 @@ HELPER_MIN_ROWS = 16
 
 
 class BatchFill(Protocol):
-    """xgrammar's `BatchGrammarMatcher.batch_fill_next_token_bitmask`: rows filled on its own threads."""
+    """Fills the bitmask rows `indices` of `bitmask` with the matchers' next masks."""
 
     def __call__(self, matchers: list[xgr.GrammarMatcher], bitmask: torch.Tensor, indices: list[int]) -> None: ...
+
+
+class Filler:
+    """xgrammar's batch fill, its thread count chosen per call: xgrammar starts its threads anew on every
+    call (0.1-1 ms), so fewer than `HELPER_MIN_ROWS` rows are filled on one thread, more on most of the
+    host's cores (the step thread and the device's driver keep two)."""
+
+    def __init__(self) -> None:
+        from xgrammar import BatchGrammarMatcher  # loaded by the compile of the grammars it fills for
+
+        self._one = BatchGrammarMatcher(max_threads=1)
+        self._many = BatchGrammarMatcher(max_threads=max(1, min(16, len(os.sched_getaffinity(0)) - 2)))
+
+    def __call__(self, matchers: list[xgr.GrammarMatcher], bitmask: torch.Tensor, indices: list[int]) -> None:
+        batch = self._many if len(matchers) >= HELPER_MIN_ROWS else self._one
+        batch.batch_fill_next_token_bitmask(matchers, bitmask, indices)
 
 
 class HostRows:
@@ -64,7 +81,7 @@ class HostRows:
             matcher = grammar.ready()
             if matcher is None:
                 self.bits_np[row] = -1  # any token: a failed request's is never output
-            elif matcher.is_terminated():
+            elif grammar.terminated:
                 self.bits_np[row] = stop_row  # complete: EOS alone (its request has ended; the token is dropped)
             else:
                 matchers.append(matcher)
@@ -123,12 +140,7 @@ class FillJob:
         """The step's output with the matchers' refusals (waits for the step); the fill starts here."""
         if self._output is None:
             output = self._step.result()
-            tokens = output.sampled_token_ids
-            refused = {}
-            for row, grammar in self._rows:
-                error = grammar.accept(tokens[row])
-                if error is not None:
-                    refused[row] = error
+            refused = accept_tokens(self._rows, output.sampled_token_ids)
             if refused:
                 output = replace(output, failed={**(output.failed or {}), **refused})
             self._output = output

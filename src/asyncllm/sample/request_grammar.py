@@ -5,6 +5,7 @@ compiled grammar is first needed. Knows nothing of steps, rows or devices.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
@@ -19,9 +20,21 @@ if TYPE_CHECKING:
 
 
 class RequestGrammar:
-    """One request's matcher, made when its compiled grammar is first needed; `error` ends the request."""
+    """One request's matcher, made when its compiled grammar is first needed; `error` ends the request.
+    `terminated` mirrors the matcher's own flag (it accepted a stop token), read without a call into
+    xgrammar: every such call releases the GIL, and a step reads it for every constrained row."""
 
-    __slots__ = ("_backend", "_future", "error", "field", "matcher", "utf8", "utf8_state")
+    __slots__ = (
+        "_backend",
+        "_future",
+        "error",
+        "field",
+        "matcher",
+        "stop_token_ids",
+        "terminated",
+        "utf8",
+        "utf8_state",
+    )
 
     def __init__(
         self,
@@ -36,6 +49,8 @@ class RequestGrammar:
         self.matcher: xgr.GrammarMatcher | None = None
         self.utf8: Utf8Table | None = None
         self.utf8_state = BOUNDARY  # where the output's bytes stand within a character
+        self.stop_token_ids: frozenset[int] = frozenset(backend.stop_token_ids) if backend is not None else frozenset()
+        self.terminated = False
         self.error = error
 
     def ready(self) -> xgr.GrammarMatcher | None:
@@ -52,28 +67,49 @@ class RequestGrammar:
             self._future = None
         return None if self.error is not None else self.matcher
 
-    def accept(self, token_id: int) -> str | None:
-        """Feed a sampled token; the request's error if the matcher (or UTF-8) refuses it."""
-        matcher = self.ready()
-        if matcher is None or matcher.is_terminated():  # finished: a token sampled after it is dropped
-            return None
-        assert self.utf8 is not None
-        state = self.utf8.advance(self.utf8_state, token_id)
-        if state < 0 or not matcher.accept_token(token_id):
-            self.error = self._refusal(matcher, token_id)
-            return self.error
-        self.utf8_state = state
-        return None
-
-    def _refusal(self, matcher: xgr.GrammarMatcher, token_id: int) -> str:
-        """Why `token_id` was drawn against the constraint: its row allowed nothing (the draw then takes
-        token 0), or a bug. The matcher is still where the draw found it."""
-        assert self.utf8 is not None
+    def refuse(self, token_id: int) -> str:
+        """Fail the request for `token_id`, which its matcher (or UTF-8) refused: say why. The matcher is
+        still where the draw found it: either its row allowed nothing (the draw then takes token 0), or
+        this is a bug."""
+        assert self.utf8 is not None and self.matcher is not None
         row = np.zeros(self.utf8.allowed.shape[1], dtype=np.int32)
-        matcher.fill_next_token_bitmask(row)
+        self.matcher.fill_next_token_bitmask(row)
         if not (row & self.utf8.allowed[self.utf8_state]).any():
-            return (
+            self.error = (
                 f"SamplingParams.{self.field}: no token of the model's vocabulary can continue the output here "
                 "(the constraint asks for text the vocabulary cannot spell as valid UTF-8, or allows none)"
             )
-        return f"SamplingParams.{self.field}: token {token_id} was sampled against the constraint (a bug)"
+        else:
+            self.error = f"SamplingParams.{self.field}: token {token_id} was sampled against the constraint (a bug)"
+        return self.error
+
+
+def accept_tokens(rows: Sequence[tuple[int, RequestGrammar]], tokens: Sequence[int]) -> dict[int, str]:
+    """Feed each (row, grammar) its row's token, every matcher in one call into xgrammar; the refusals'
+    errors by row. A finished or failed request's token is dropped (never output)."""
+    from xgrammar import BatchGrammarMatcher  # loaded by the compile that made the matchers
+
+    refused: dict[int, str] = {}
+    live: list[tuple[int, RequestGrammar, int, int]] = []  # (row, grammar, token, UTF-8 state after it)
+    for row, grammar in rows:
+        if grammar.terminated or grammar.ready() is None:
+            continue
+        token = tokens[row]
+        assert grammar.utf8 is not None
+        state = int(grammar.utf8.next[grammar.utf8_state, token])
+        if state < 0:
+            refused[row] = grammar.refuse(token)
+        else:
+            live.append((row, grammar, token, state))
+    if not live:
+        return refused
+    matchers = [grammar.matcher for _, grammar, _, _ in live]
+    accepted = BatchGrammarMatcher.batch_accept_token(matchers, [token for _, _, token, _ in live])  # type: ignore[arg-type]
+    for (row, grammar, token, state), ok in zip(live, accepted):
+        if not ok:
+            refused[row] = grammar.refuse(token)
+            continue
+        grammar.utf8_state = state
+        if token in grammar.stop_token_ids:  # the matcher accepted a stop token: it has terminated
+            grammar.terminated = True
+    return refused

@@ -15,19 +15,23 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from asyncllm.sample.grammar import GrammarBackend
-from asyncllm.sample.mask_fill import HELPER_MIN_ROWS, BatchFill, ConstrainedStep, DeviceMasks, FillJob, HostRows
+from asyncllm.sample.mask_fill import (
+    HELPER_MIN_ROWS,
+    BatchFill,
+    ConstrainedStep,
+    DeviceMasks,
+    Filler,
+    FillJob,
+    HostRows,
+)
 from asyncllm.sample.request_grammar import RequestGrammar
 from asyncllm.sample.state import SamplingState
 from asyncllm.step import StepResult
-
-if TYPE_CHECKING:
-    import xgrammar as xgr
 
 __all__ = ["GrammarTable", "MaskPlan", "RequestGrammar", "TokenMask"]
 
@@ -70,7 +74,7 @@ class GrammarTable:
         self._hosts: list[HostRows] = []
         self._flip = 0
         self._device_masks: DeviceMasks | None = None
-        self._fill: xgr.BatchGrammarMatcher | None = None
+        self._fill: Filler | None = None
         # Where steps run asynchronously, fills of this many rows or more are waited for on a helper thread
         # (see mask_fill.py); None: never.
         self.helper_min_rows: int | None = HELPER_MIN_ROWS if device.type == "cuda" else None
@@ -155,10 +159,8 @@ class GrammarTable:
     def _batch_fill(self) -> BatchFill:
         """xgrammar's batch filler: one, as fills never overlap (a job's fill ends before the next fill)."""
         if self._fill is None:
-            from xgrammar import BatchGrammarMatcher  # loaded by the compile of the grammars it fills for
-
-            self._fill = BatchGrammarMatcher()
-        return self._fill.batch_fill_next_token_bitmask
+            self._fill = Filler()
+        return self._fill
 
     def _buffers(self) -> DeviceMasks:
         if self._device_masks is None:
