@@ -173,8 +173,7 @@ class OverlappedExecutor:
 
 def overlapped_engine(path: Path, *, hold_masked_draws: bool = False, **engine_args: Any) -> AsyncLLMEngine:
     """An `AsyncLLMEngine` whose core overlaps every step with the next, on CPU. `hold_masked_draws`: as on
-    CUDA, the runner holds each constrained step's draw until the next submit (`ModelRunner.defer_masked_draw`)
-    and every mask fill is waited for on a helper thread (`GrammarTable.helper_min_rows`)."""
+    CUDA, the runner holds each constrained step's draw until the next submit (`ModelRunner.defer_masked_draw`)."""
     from asyncllm.build import build_engine
 
     config = EngineConfig.from_kwargs(str(path), **engine_args).resolved(streaming=True)
@@ -184,7 +183,6 @@ def overlapped_engine(path: Path, *, hold_masked_draws: bool = False, **engine_a
         if hold_masked_draws:
             runner = built.core.executor.worker.runner
             runner.defer_masked_draw = True
-            runner.grammars.helper_min_rows = 1
         built.core.executor = OverlappedExecutor(built.core.executor)
         return built
 

@@ -1,18 +1,18 @@
-"""The masks of constrained rows, filled ahead: when a constrained step's tokens are read on the host, its
-`FillJob` feeds them to the requests' matchers (in the reader's thread: it needs the GIL) and starts
-filling each request's next bitmask row. The fill is xgrammar's, on its own threads without the GIL; where
-the device runs steps asynchronously (CUDA) it is waited for on a helper thread, so it overlaps the core's
-work on those very tokens; the next step's draw waits for it. `HostRows` are the rows it fills (pinned, two
+"""The masks of constrained rows, filled ahead: when a constrained step's tokens are read on the host (by the
+core, before it turns them into outputs), its `FillJob` feeds them to the requests' matchers and fills each
+request's next bitmask row, so the next step's draw finds its rows ready. Each is one call into xgrammar
+(every call releases the GIL: one per step, not one per row). `HostRows` are the rows it fills (pinned, two
 sets that alternate between jobs); `DeviceMasks` uploads them and ANDs each row with its UTF-8 table row on
 the device. Knows nothing of models or scheduling: rows are numbered by whoever plans the step.
+
+Measured on the H200 (bench/RESULTS.md, runs 40-47): waiting for the fill on a helper thread, to overlap it
+with the core's work, gained nothing measurable over filling here, so there is no helper.
 """
 
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
@@ -26,9 +26,8 @@ if TYPE_CHECKING:
     import xgrammar as xgr
 
 
-# Fewer rows than this are filled in the reading thread: handing them to the helper costs more (thread
-# switches) than the fill it would hide.
-HELPER_MIN_ROWS = 16
+# xgrammar starts its threads anew on every batch call (0.1-1 ms): fewer rows than this are filled on one.
+PARALLEL_MIN_ROWS = 16
 
 
 class BatchFill(Protocol):
@@ -38,9 +37,8 @@ class BatchFill(Protocol):
 
 
 class Filler:
-    """xgrammar's batch fill, its thread count chosen per call: xgrammar starts its threads anew on every
-    call (0.1-1 ms), so fewer than `HELPER_MIN_ROWS` rows are filled on one thread, more on most of the
-    host's cores (the step thread and the device's driver keep two)."""
+    """xgrammar's batch fill, its thread count chosen per call: fewer than `PARALLEL_MIN_ROWS` rows on one
+    thread, more on most of the host's cores (the step thread and the device's driver keep two)."""
 
     def __init__(self) -> None:
         from xgrammar import BatchGrammarMatcher  # loaded by the compile of the grammars it fills for
@@ -49,7 +47,7 @@ class Filler:
         self._many = BatchGrammarMatcher(max_threads=max(1, min(16, len(os.sched_getaffinity(0)) - 2)))
 
     def __call__(self, matchers: list[xgr.GrammarMatcher], bitmask: torch.Tensor, indices: list[int]) -> None:
-        batch = self._many if len(matchers) >= HELPER_MIN_ROWS else self._one
+        batch = self._many if len(matchers) >= PARALLEL_MIN_ROWS else self._one
         batch.batch_fill_next_token_bitmask(matchers, bitmask, indices)
 
 
@@ -111,8 +109,9 @@ class DeviceMasks:
 
 class FillJob:
     """One constrained step's follow-up: `accept()` feeds its tokens to its requests' matchers (a token one
-    refuses fails that request in this step's own output), then starts filling each request's next row in
-    `host` (row i for `grammars[i]`); `wait_filled()` waits for the rows, accepting first if nobody has."""
+    refuses fails that request in this step's own output), then fills each request's next row in `host`
+    (row i for `grammars[i]`); `wait_filled()` makes sure both happened (nobody reads the step's result on
+    a tensor-parallel worker)."""
 
     def __init__(
         self,
@@ -120,9 +119,7 @@ class FillJob:
         rows: list[tuple[int, RequestGrammar]],
         host: HostRows,
         stop_row: np.ndarray,
-        batch: BatchFill,
-        helper: ThreadPoolExecutor | None,
-        helper_min_rows: int = HELPER_MIN_ROWS,
+        fill: BatchFill,
     ) -> None:
         self.grammars = [grammar for _, grammar in rows]
         self.index = {grammar: i for i, grammar in enumerate(self.grammars)}
@@ -130,47 +127,25 @@ class FillJob:
         self._step = step
         self._rows = rows
         self._stop_row = stop_row
-        self._batch = batch
-        self._helper = helper
-        self._helper_min_rows = helper_min_rows
+        self._fill = fill
         self._output: ModelRunnerOutput | None = None
-        self._filling: Future[None] | None = None
 
     def accept(self) -> ModelRunnerOutput:
-        """The step's output with the matchers' refusals (waits for the step); the fill starts here."""
+        """The step's output with the matchers' refusals (waits for the step); the rows are filled here."""
         if self._output is None:
             output = self._step.result()
             refused = accept_tokens(self._rows, output.sampled_token_ids)
             if refused:
                 output = replace(output, failed={**(output.failed or {}), **refused})
             self._output = output
-            self._start_fill()
+            self.host.writable()
+            matchers, rows = self.host.prepare(enumerate(self.grammars), self._stop_row)
+            if matchers:
+                self._fill(matchers, self.host.bits, rows)
         return self._output
 
     def wait_filled(self) -> None:
         self.accept()
-        if self._filling is not None:
-            self._filling.result()
-
-    def _start_fill(self) -> None:
-        self.host.writable()
-        matchers, rows = self.host.prepare(enumerate(self.grammars), self._stop_row)
-        if not matchers:
-            return
-        if self._helper is None or len(matchers) < self._helper_min_rows:
-            self._batch(matchers, self.host.bits, rows)
-            return
-        # Waited for on the helper: xgrammar's threads fill while this thread goes on. The helper needs the
-        # GIL to reach xgrammar, and a thread waiting for the GIL gets it only when its holder blocks (or
-        # after the 5 ms switch interval): so this thread blocks until the helper is on its way in.
-        started = threading.Event()
-
-        def fill() -> None:
-            started.set()
-            self._batch(matchers, self.host.bits, rows)
-
-        self._filling = self._helper.submit(fill)
-        started.wait()
 
 
 class ConstrainedStep:

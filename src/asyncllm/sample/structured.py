@@ -13,7 +13,6 @@ one's rows were drawn from. Knows nothing of models or scheduling.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,7 +20,6 @@ import torch
 
 from asyncllm.sample.grammar import GrammarBackend
 from asyncllm.sample.mask_fill import (
-    HELPER_MIN_ROWS,
     BatchFill,
     ConstrainedStep,
     DeviceMasks,
@@ -75,10 +73,6 @@ class GrammarTable:
         self._flip = 0
         self._device_masks: DeviceMasks | None = None
         self._fill: Filler | None = None
-        # Where steps run asynchronously, fills of this many rows or more are waited for on a helper thread
-        # (see mask_fill.py); None: never.
-        self.helper_min_rows: int | None = HELPER_MIN_ROWS if device.type == "cuda" else None
-        self._thread: ThreadPoolExecutor | None = None
 
     def add(self, state: SamplingState) -> None:
         spec = state.params.structured
@@ -141,20 +135,9 @@ class GrammarTable:
     def sent(self, result: StepResult, plan: MaskPlan) -> StepResult:
         """The step `plan` masked was sampled: start its job, and return its result as the job gives it."""
         self._flip ^= 1
-        helper, min_rows = None, self.helper_min_rows
-        if min_rows is not None:
-            if self._thread is None:
-                self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncllm-mask-fill")
-            helper = self._thread
-        batch = self._batch_fill()
-        job = FillJob(result, plan.constrained, self._hosts[self._flip], self._stop_row, batch, helper, min_rows or 0)
+        job = FillJob(result, plan.constrained, self._hosts[self._flip], self._stop_row, self._batch_fill())
         self._last = job
         return ConstrainedStep(result, job)
-
-    def close(self) -> None:
-        if self._thread is not None:
-            self._thread.shutdown(wait=False, cancel_futures=True)
-            self._thread = None
 
     def _batch_fill(self) -> BatchFill:
         """xgrammar's batch filler: one, as fills never overlap (a job's fill ends before the next fill)."""

@@ -9,12 +9,12 @@ sent in the step's one copy (`InputBuffers.flush`). Where steps differ (padding,
 which rows reach the LM head) the step's `StepShape` says how.
 
 A step that samples constrained rows (structured output) also stages which bitmask row each one reads
-(`GrammarTable.plan`): mostly rows already filled on the host by the previous constrained step's job, which
-took that step's tokens to the matchers as soon as they reached the host. Where the device runs steps
-asynchronously (`defer_masked_draw`) the draw itself is held back (`HeldDraw`) until the next `submit` (or
-whoever reads the step's result first): the masks are then ready, having been filled while the device ran
-the forward pass and the core did its work, and the draw goes out just before the next forward pass.
-Steps without constrained rows pay for none of this.
+(`GrammarTable.plan`): mostly rows the previous constrained step's job filled when the core read that step's
+tokens (the matchers took them then). Where the device runs steps asynchronously (`defer_masked_draw`) the
+draw itself is held back (`HeldDraw`) until the next `submit` (or whoever reads the step's result first):
+the forward pass runs while the host feeds the matchers, fills the masks and does the core's work, and the
+draw goes out just before the next forward pass, its masks ready. Steps without constrained rows pay for
+none of this.
 
 Knows nothing of requests beyond the plain data the scheduler sends and the sampling state it keeps per
 request id; nothing of how the model was loaded or the cache sized. The step's only host sync is reading
@@ -183,7 +183,6 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         self._held = None
-        self.grammars.close()
         self.graphs.release()
         self.states.clear()
         if self.grammars.backend is not None:
