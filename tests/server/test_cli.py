@@ -95,6 +95,16 @@ def test_a_model_that_fails_to_load_is_one_line(tmp_path: Path, capsys: pytest.C
     assert "'GPT2LMHeadModel' is not supported" in _one_line(capsys.readouterr().err)
 
 
+def test_a_missing_device_is_one_line(tiny_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without a CUDA device")
+    argv = ["serve", str(tiny_model), "--device", "cuda", "--log-level", "warning", "--port", str(free_port())]
+    assert main(argv) == EXIT_FAILED
+    assert "device='cuda' was asked for but torch sees no CUDA device" in _one_line(capsys.readouterr().err)
+
+
 def test_max_model_len_beyond_the_model_is_a_usage_error(tiny_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["serve", str(tiny_model), "--device", "cpu", "--max-model-len", "100000", "--log-level", "warning"]
     assert main([*argv, "--port", str(free_port())]) == EXIT_USAGE
