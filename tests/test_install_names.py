@@ -14,9 +14,10 @@ from asyncllm.install import DISTRIBUTION, extra_install_hint
 ROOT = Path(__file__).resolve().parents[1]
 SCANNED = ("README.md", "docs", "examples", "src", "scripts", "bench", "kernels")
 SUFFIXES = {".md", ".py", ".sh", ".toml", ".txt", ".rst"}
-# `pip install [flags] asyncllm` or `... 'asyncllm[extra]'`, and the extra syntax on the taken name anywhere.
+# `pip install [flags] asyncllm` or `... 'asyncllm[extra]'` (its arguments: up to a comment or a closing
+# backtick), and the extra syntax on the taken name anywhere.
 TAKEN = re.compile(
-    r"pip3?\s+install\b[^\n]*?(?<![\w.-])['\"]?asyncllm(?![\w-])|(?<![\w./-])asyncllm\[\w+\]",
+    r"pip3?\s+install\b[^\n#`]*?(?<![\w.-])['\"]?asyncllm(?![\w-])|(?<![\w./-])asyncllm\[\w+\]",
 )
 
 
@@ -43,7 +44,13 @@ def test_the_scan_catches_the_taken_name(text: str) -> None:
 
 @pytest.mark.parametrize(
     "text",
-    ['pip install "asyncllm-engine[server]"', 'pip install -e ".[server]"', "asyncllm serve", "import asyncllm"],
+    [
+        'pip install "asyncllm-engine[server]"',
+        'pip install -e ".[server]"',
+        "asyncllm serve",
+        "import asyncllm",
+        "pip install -e .   # the engine: `asyncllm chat`",
+    ],
 )
 def test_the_scan_passes_our_name(text: str) -> None:
     assert not TAKEN.search(text)
