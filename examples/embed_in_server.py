@@ -2,7 +2,7 @@
 server-sent events. A client that disconnects cancels its handler, which aborts its request.
 
 python examples/embed_in_server.py [MODEL]   # one request in-process through httpx; or, with
-ASYNCLLM_MODEL set, serve it: `uvicorn embed_in_server:app`   (pip install 'asyncllm[dev]' for starlette)
+ASYNCLLM_MODEL set, serve it: `uvicorn embed_in_server:app`   (needs: pip install starlette httpx)
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from collections.abc import AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from asyncllm import AsyncLLMEngine, SamplingParams
+from asyncllm import AsyncLLMEngine, InvalidRequestError, SamplingParams
 
 
 @contextlib.asynccontextmanager
@@ -29,15 +29,26 @@ async def lifespan(app: Starlette) -> AsyncIterator[None]:
         yield
 
 
-async def generate(request: Request) -> StreamingResponse:
+async def generate(request: Request) -> Response:
     engine: AsyncLLMEngine = request.app.state.engine
-    body = await request.json()
-    params = SamplingParams(temperature=0.0, max_tokens=int(body.get("max_tokens", 32)))
-    stream = engine.stream(body["prompt"], params)  # a bad prompt raises here, before any byte is sent
+    try:  # the client's mistakes are a 400, found before any byte of the stream is sent
+        body = await request.json()
+        params = SamplingParams(temperature=0.0, max_tokens=body.get("max_tokens", 32))
+        stream = engine.stream(body.get("prompt"), params)
+        first = await anext(stream)  # a text prompt's length in tokens is checked here
+    except (InvalidRequestError, json.JSONDecodeError) as exc:
+        return JSONResponse({"error": str(exc)}, status_code=400)
 
     async def events() -> AsyncIterator[str]:
-        async for chunk in stream:
-            yield f"data: {json.dumps({'text': chunk.text, 'finish_reason': chunk.finish_reason})}\n\n"
+        try:
+            chunk = first
+            while True:
+                yield f"data: {json.dumps({'text': chunk.text, 'finish_reason': chunk.finish_reason})}\n\n"
+                if chunk.finish_reason is not None:
+                    return
+                chunk = await anext(stream)
+        finally:
+            stream.close()  # the client left early: abort the request (a no-op once it ended)
 
     return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -58,6 +69,8 @@ async def demo() -> None:
         async for line in response.aiter_lines():
             if line.startswith("data: "):
                 print(line[6:])  # one JSON object per chunk
+        refused = await client.post("/generate", json={"prompt": ""})  # a bad prompt: 400, naming it
+        print(json.dumps({"status": refused.status_code, **refused.json()}))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The OpenAI-compatible server, driven by the official `openai` client: a streamed chat answer and a
 completion with usage, against a server started here in a background thread (what `asyncllm serve` runs).
 
-python examples/openai_client.py [MODEL]   # default: the built-in SmolLM2; needs asyncllm[server] and openai
+python examples/openai_client.py [MODEL]   # default: the built-in SmolLM2
+Needs the server extra and openai: pip install -e ".[server]" openai (from a clone; docs/install.md).
 """
 
 from __future__ import annotations

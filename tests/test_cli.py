@@ -4,25 +4,31 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 import asyncllm.default_model as default_model
 from asyncllm import SamplingParams
-from asyncllm.cli import build_parser, main
+from asyncllm.cli import build_parser, chat_engine_args, main
+from asyncllm.console import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from tests.fixtures.default_model import smollm2_path
+
+
+def torch_has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def test_chat_defaults_and_commands() -> None:
     args = build_parser().parse_args(["chat", "--prompt", "hi", "--temperature", "0"])
-    assert (args.command, args.model, args.prompt, args.temperature, args.device) == (
-        "chat",
-        None,
-        "hi",
-        0.0,
-        "auto",
-    )
+    assert (args.command, args.model, args.prompt, args.temperature, args.seed) == ("chat", None, "hi", 0.0, None)
+    assert chat_engine_args(args) == {}  # the engine's own defaults apply (device "auto", ...)
+    args = build_parser().parse_args(["chat", "--device", "cpu", "--max-model-len", "256", "--seed", "3"])
+    assert chat_engine_args(args) == dict(device="cpu", max_model_len=256)
+    assert args.seed == 3  # chat's --seed seeds the answers, not the engine
     assert build_parser().parse_args(["fetch-model"]).command == "fetch-model"
     with pytest.raises(SystemExit):
         build_parser().parse_args([])
@@ -66,3 +72,70 @@ async def test_repl_survives_a_message_over_max_model_len(tiny_model: Path, monk
     out, err = capsys.readouterr()
     assert "max_model_len" in err and "/reset" in err
     assert out.count("bot> ") == 2
+
+
+# ---------------------------------------------------------------- exit codes and one-line errors (docs/cli.md)
+def _one_line(err: str) -> str:
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("asyncllm: ")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.mark.skipif(torch_has_cuda(), reason="needs a machine without a CUDA device")
+def test_chat_on_a_missing_device_is_one_line_and_exit_1(tiny_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Regression: `asyncllm chat --device cuda` without a GPU printed a traceback (DeviceError was not caught)."""
+    argv = ["chat", "--model", str(tiny_model), "--prompt", "hi", "--device", "cuda", "--log-level", "warning"]
+    assert main(argv) == EXIT_FAILED
+    assert "device='cuda'" in _one_line(capsys.readouterr().err)
+
+
+def test_chat_refused_engine_arguments_exit_2(tiny_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["chat", "--model", str(tiny_model), "--prompt", "hi", "--device", "cpu", "--log-level", "warning"]
+    start = time.monotonic()
+    assert main([*base, "--block-size", "3"]) == EXIT_USAGE  # the engine's own check, before loading
+    assert time.monotonic() - start < 5
+    assert "block_size=3 is invalid" in _one_line(capsys.readouterr().err)
+    assert main([*base, "--max-model-len", "100000"]) == EXIT_USAGE  # the model's limit (512), found at load
+    assert "max_model_len=100000 exceeds" in _one_line(capsys.readouterr().err)
+
+
+def test_chat_takes_engine_arguments_and_a_chat_template(
+    tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--chat-template` replaces the model's (a file or the text itself): a template that raises proves it
+    was used, and its refusal is one line with exit 2. Engine flags reach the engine (`--num-kv-blocks`)."""
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ raise_exception('custom template in use') }}")
+    base = ["chat", "--model", str(tiny_model), "--prompt", "hi", "--device", "cpu", "--log-level", "warning"]
+    base += ["--num-kv-blocks", "64", "--block-size", "4", "--max-tokens", "2"]
+    for given in (str(template), template.read_text()):
+        assert main([*base, "--chat-template", given]) == EXIT_USAGE
+        assert "custom template in use" in _one_line(capsys.readouterr().err)
+    assert main([*base, "--chat-template", "{% for m in messages %}{{ m['content'] }}{% endfor %}"]) == EXIT_OK
+
+
+@pytest.mark.parametrize("template", ["no_such_file.jinja", "{% for m in messages %}"])
+def test_a_bad_chat_template_is_a_usage_error(template: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["chat", "--chat-template", template])
+    assert info.value.code == EXIT_USAGE
+    assert "--chat-template" in capsys.readouterr().err
+
+
+def test_version_names_the_distribution(capsys: pytest.CaptureFixture[str]) -> None:
+    import asyncllm
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"asyncllm {asyncllm.__version__} (asyncllm-engine ")
+
+
+def test_dir_lists_the_lazy_names() -> None:
+    """Regression: `dir(asyncllm)` lacked AsyncLLMEngine and LLM (resolved lazily by __getattr__)."""
+    import asyncllm
+
+    assert {"AsyncLLMEngine", "LLM", "SamplingParams"} <= set(dir(asyncllm))
+    assert set(asyncllm.__all__) <= set(dir(asyncllm))

@@ -73,6 +73,7 @@ def test_unknown_argument_is_a_type_error_naming_it() -> None:
         ("dtype", "int8"),
         ("dtype", None),
         ("attention_backend", "flashinfer"),
+        ("attention_backend", "flash"),  # regression: accepted (and offered by `serve --help`), refused at start-up
         ("tensor_parallel_size", 0),
         ("tensor_parallel_size", 1.5),
         ("max_model_len", 0),

@@ -44,9 +44,11 @@ def test_embed_in_server_example(tiny_model: Path) -> None:
     pytest.importorskip("starlette")
     pytest.importorskip("httpx")
     lines = _run("embed_in_server.py", tiny_model)
-    events = [json.loads(line) for line in lines]
+    *events, refused = [json.loads(line) for line in lines]
     assert events and events[-1]["finish_reason"] in ("stop", "length")
     assert all(e["finish_reason"] is None for e in events[:-1])
+    # regression: a bad prompt was a 500 (the InvalidRequestError escaped the handler)
+    assert refused["status"] == 400 and "prompt" in refused["error"], refused
 
 
 def test_chat_example(tiny_model: Path) -> None:

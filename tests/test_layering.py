@@ -22,9 +22,9 @@ SRC = ROOT / "src" / "asyncllm"
 KERNELS = ROOT / "kernels"
 
 LAYERS: list[tuple[str, ...]] = [  # top to bottom; each entry: module prefixes of one layer
-    ("asyncllm", "asyncllm.llm", "asyncllm.cli", "asyncllm.default_model", "asyncllm.server"),
+    ("asyncllm", "asyncllm.llm", "asyncllm.cli", "asyncllm.console", "asyncllm.default_model", "asyncllm.server"),
     ("asyncllm.async_engine", "asyncllm.input_processor", "asyncllm.parsing"),  # the front side, below both fronts
-    ("asyncllm.build",),
+    ("asyncllm.build", "asyncllm.startup"),
     ("asyncllm.core",),
     ("asyncllm.executor", "asyncllm.distributed"),
     ("asyncllm.worker",),
@@ -37,6 +37,7 @@ LAYERS: list[tuple[str, ...]] = [  # top to bottom; each entry: module prefixes 
 FOUNDATION = {
     "asyncllm.chat",
     "asyncllm.errors",
+    "asyncllm.install",  # the distribution's name and the pip commands error messages print
     "asyncllm.validation",
     "asyncllm.config",
     "asyncllm.outputs",

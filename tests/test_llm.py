@@ -3,6 +3,9 @@ accepted is lost, the engine keeps serving; unknown engine arguments raise `Type
 
 from __future__ import annotations
 
+import re
+import time
+
 import pytest
 
 from asyncllm import LLM, InvalidRequestError, SamplingParams
@@ -56,6 +59,19 @@ def test_progress_bar_reports_token_rates(llm: LLM, capsys) -> None:
     llm.generate([[5, 6, 7], [8, 9]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=True)
     err = capsys.readouterr().err
     assert "2/2" in err and "prefill" in err and "decode" in err and "tok/s" in err
+
+
+def test_progress_bar_prefill_rate_is_over_the_prefill_steps(llm: LLM, capsys) -> None:
+    """Regression: the prefill rate was prompt tokens over the whole run, so the decode steps after the
+    prompts drove it towards 0 ("prefill 1 tok/s"). Over the steps that carried the prompts, it is far above
+    prompt tokens over the whole run when 39 decode-only steps follow one prefill step."""
+    prompts = [[5 + i] * 24 for i in range(4)]
+    start = time.perf_counter()
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=True)
+    wall = time.perf_counter() - start
+    shown = re.findall(r"prefill ([\d,]+) tok/s", capsys.readouterr().err)
+    assert shown, "no prefill rate shown"
+    assert int(shown[-1].replace(",", "")) > 3 * 96 / wall, (shown[-1], 96 / wall)
 
 
 def test_seeded_sampling_is_reproducible_across_batches(llm: LLM) -> None:

@@ -13,7 +13,7 @@ import asyncllm, asyncllm.core, asyncllm.async_engine
 from asyncllm import AsyncLLMEngine, LLM, SamplingParams, StreamOutput, RequestOutput
 names = ["asyncllm.chat", "asyncllm.cli", "asyncllm.config", "asyncllm.default_model", "asyncllm.errors",
          "asyncllm.step", "asyncllm.llm", "asyncllm.outputs", "asyncllm.sampling_params",
-         "asyncllm.validation", "asyncllm.build"]
+         "asyncllm.validation", "asyncllm.build", "asyncllm.console", "asyncllm.install", "asyncllm.startup"]
 for package in (asyncllm.core, asyncllm.async_engine):
     names += [m.name for m in pkgutil.walk_packages(package.__path__, package.__name__ + ".")]
 for name in names:

@@ -1,4 +1,6 @@
-"""The built wheel carries every subpackage, top-level kernels/ included as `asyncllm.kernels`."""
+"""The built wheel is the distribution `asyncllm-engine` (the name `asyncllm` on PyPI is another project's),
+carries every subpackage, top-level kernels/ included as `asyncllm.kernels`, and installs the `asyncllm`
+command, whose `--version` finds the distribution by that name."""
 
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ def test_wheel_installs_in_fresh_venv_with_kernels(tmp_path: Path) -> None:
         ],
         check=True,
     )
-    (wheel,) = tmp_path.glob("asyncllm-*.whl")
+    (wheel,) = tmp_path.glob("asyncllm_engine-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     shipped = {str(Path(n).parent).replace("/", ".") for n in names if n.endswith("__init__.py")}
     assert _source_packages() <= shipped, f"missing from the wheel: {_source_packages() - shipped}"
@@ -55,3 +57,10 @@ def test_wheel_installs_in_fresh_venv_with_kernels(tmp_path: Path) -> None:
     ).stdout.split()
     assert "site-packages/asyncllm/kernels/__init__.py" in out[0]
     assert out[1] == "False", "importing asyncllm must not import torch"
+    check = "import asyncllm, importlib.metadata as m; print(m.version('asyncllm-engine') == asyncllm.__version__)"
+    same = subprocess.run([str(py), "-c", check], check=True, capture_output=True, text=True, cwd=tmp_path).stdout
+    assert same.strip() == "True", "the distribution's version is asyncllm.__version__"
+    version = subprocess.run(
+        [str(env_dir / "bin" / "asyncllm"), "--version"], check=True, capture_output=True, text=True, cwd=tmp_path
+    ).stdout
+    assert version.startswith("asyncllm 0.1.0 (asyncllm-engine 0.1.0;"), version

@@ -45,7 +45,7 @@ __all__ = [
     "ToolCallDelta",
     "UnsupportedModelError",
 ]
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the distribution's version too (pyproject.toml reads it from here)
 
 
 def __getattr__(name: str) -> Any:
@@ -66,3 +66,8 @@ def __getattr__(name: str) -> Any:
 
         return RequestStream
     raise AttributeError(f"module 'asyncllm' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The lazily resolved names too (`dir(asyncllm)`, tab completion)."""
+    return sorted({*globals(), *__all__})

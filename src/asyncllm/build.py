@@ -10,6 +10,8 @@ This is the one place the torch-free layers meet the torch ones.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -17,12 +19,15 @@ from typing import TYPE_CHECKING, Any
 from asyncllm.config import EngineConfig
 from asyncllm.core.detokenizer import backend_tokenizer
 from asyncllm.core.engine_core import EngineCore
+from asyncllm.startup import Phases, log_banner
 from asyncllm.step import RuntimeInfo
 from asyncllm.structured import StructuredOutput
 
 if TYPE_CHECKING:
     from asyncllm.executor.multiproc import MultiProcExecutor
     from asyncllm.executor.uniproc import UniProcExecutor
+
+logger = logging.getLogger("asyncllm")
 
 
 @dataclass
@@ -39,15 +44,24 @@ class BuiltEngine:
 
 
 def build_engine(config: EngineConfig, clock: Callable[[], float]) -> BuiltEngine:
-    import torch
-
-    from asyncllm.model_loader.checkpoint import open_checkpoint
-
+    """The engine core for `config`, with `runtime.startup_seconds` timing every phase of this build; logs
+    what it loads as it starts and a banner of what it built (`asyncllm.startup`) at INFO."""
+    phases = Phases()
     config = config.resolved(streaming=False)  # a no-op for the entry points' configs, which settled it
     mc = config.model_config
-    # Host-side weights in float32 (lossless for 16-bit checkpoints); the worker casts as it copies them in.
-    checkpoint = open_checkpoint(mc.model, torch.float32, mc.tokenizer)
+    logger.info("loading %s (device %s)", mc.model, config.device_config.device.value)
+    with phases("import"):
+        import torch
+
+        from asyncllm.model_loader.checkpoint import open_checkpoint
+        from asyncllm.worker.device import resolve_device
+
+    resolve_device(config.device_config.device)  # no such device: fail before reading anything
+    with phases("open"):  # config, tokenizer, and a GGUF file's checks
+        # Host-side weights in float32 (lossless for 16-bit checkpoints); the worker casts as it copies them in.
+        checkpoint = open_checkpoint(mc.model, torch.float32, mc.tokenizer)
     executor = make_executor(config, checkpoint)
+    phases.add(executor.runtime.startup_seconds)  # the worker's steps: load, profile, kv_cache, warm_up, capture
     tokenizer = checkpoint.tokenizer
     sched = config.scheduler_config
     core = EngineCore(
@@ -75,7 +89,9 @@ def build_engine(config: EngineConfig, clock: Callable[[], float]) -> BuiltEngin
             return [e.ids for e in rust.encode_batch(texts, add_special_tokens=True)]
 
     check = executor.grammar.check if executor.grammar is not None else None
-    return BuiltEngine(core, tokenizer, executor.runtime, encode, encode_batch, check)
+    runtime = dataclasses.replace(executor.runtime, startup_seconds=phases.record())
+    log_banner(config, runtime)
+    return BuiltEngine(core, tokenizer, runtime, encode, encode_batch, check)
 
 
 def make_executor(config: EngineConfig, checkpoint: Any) -> UniProcExecutor | MultiProcExecutor:

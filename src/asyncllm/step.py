@@ -108,7 +108,10 @@ class RuntimeInfo:
     attention_backend: str = "torch"  # the backend that runs ("torch", "triton", ...), after "auto" resolved
     cuda_graph_sizes: tuple[int, ...] = ()  # decode batch sizes replayed from CUDA graphs; () when eager
     cuda_graph_token_sizes: tuple[int, ...] = ()  # token counts of the other steps' graphs; () when none
-    startup_seconds: tuple[tuple[str, float], ...] = ()  # (step, seconds): load, profile, warm_up, capture
+    # (phase, seconds) in order; from `build_engine` they cover the whole build (see asyncllm.startup).
+    startup_seconds: tuple[tuple[str, float], ...] = ()
+    architecture: str = ""  # the checkpoint's, e.g. "Qwen3ForCausalLM"
+    kv_cache_bytes: int = 0  # the KV cache's memory (one rank's share under tensor parallelism)
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import importlib.util
+import logging
 import os
 import random
 import signal
@@ -177,6 +178,20 @@ def test_two_engines_side_by_side(tiny_checkpoints: dict[str, Path]) -> None:
         engines.pop(0).shutdown()
         engines.clear()  # the last reference to the second engine
         gc.collect()
+
+
+def test_an_engine_warning_is_logged_once_not_per_rank(
+    tiny_checkpoints: dict[str, Path], caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Regression: the KV cache smaller than max_model_len was warned by every rank, the workers' copies bare
+    (no logger, no rank). Rank 0 logs it once; a worker's own warnings would name their rank."""
+    caplog.set_level(logging.WARNING, logger="asyncllm")
+    LLM(str(tiny_checkpoints["qwen3"]), tensor_parallel_size=2, **ENGINE_ARGS).shutdown()
+    warned = [r for r in caplog.records if "the KV cache holds 64 tokens" in r.getMessage()]
+    assert len(warned) == 1, [r.getMessage() for r in caplog.records]
+    err = capfd.readouterr().err
+    bare = [line for line in err.splitlines() if "KV cache holds" in line and "asyncllm" not in line]
+    assert not bare and "asyncllm rank 1" not in err, err
 
 
 def test_bad_size_is_refused_before_any_process_starts(tiny_checkpoints: dict[str, Path]) -> None:

@@ -1,9 +1,13 @@
-"""`asyncllm serve` end to end in a fresh process (the engine built and closed in the app's lifespan, Ctrl-C
-exits cleanly), its failures without a traceback, and the layer rule: the server never imports torch."""
+"""`asyncllm serve` end to end in a fresh process (the engine built before uvicorn starts and closed after it
+stops, Ctrl-C exits cleanly, the start-up banner and one log line per request), its failures in one line with
+the documented exit code (docs/cli.md), its port checked before the model loads, and the layer rule: the
+server never imports torch."""
 
 from __future__ import annotations
 
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,14 +18,18 @@ import openai
 import pytest
 
 from asyncllm.cli import main
+from asyncllm.console import EXIT_FAILED, EXIT_USAGE
+from asyncllm.server.cli import build_parser, served_model_name
 from tests.server.serving import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_serve_a_checkpoint_from_the_command_line(tiny_model: Path) -> None:
     port = free_port()
     cmd = [sys.executable, "-m", "asyncllm.cli", "serve", str(tiny_model), "--port", str(port)]
     cmd += ["--device", "cpu", "--num-kv-blocks", "64", "--block-size", "4", "--no-enable-prefix-caching"]
-    cmd += ["--api-key", "cli-key", "--log-level", "warning"]
+    cmd += ["--api-key", "cli-key", "--log-level", "info"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
@@ -45,13 +53,88 @@ def test_serve_a_checkpoint_from_the_command_line(tiny_model: Path) -> None:
         _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
+    # The banner: what was loaded, on what, the KV cache, the phases; where to send requests and which name.
+    assert "engine ready in " in err and "(Qwen3ForCausalLM)" in err, err
+    assert "cpu, float32, torch attention" in err and "KV cache 256 tokens (64 blocks of 4" in err, err
+    assert re.search(r"start-up: import [\d.]+ s, open [\d.]+ s, load [\d.]+ s, kv_cache [\d.]+ s, other", err), err
+    assert f'at http://127.0.0.1:{port}/v1: clients send "model": "{tiny_model.name}" (with the API key)' in err, err
+    assert re.search(r"ready in [\d.]+ s \(engine [\d.]+ s", err), err
+    # One line per finished request: id, tokens in and out, time to first token, duration, finish reason.
+    assert re.search(r"chatcmpl-\S+-0: length, \d+ prompt \+ 3 output tokens, TTFT [\d.]+ s, total [\d.]+ s", err), err
 
 
-def test_bad_arguments_fail_cleanly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["serve", str(tmp_path / "nowhere")]) == 1
-    assert "nowhere" in capsys.readouterr().err
-    assert main(["serve", str(tmp_path), "--block-size", "3"]) == 1  # the engine's own check, before loading
-    assert "block_size=3 is invalid" in capsys.readouterr().err
+def _one_line(err: str) -> str:
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("asyncllm: ")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def _unsupported_checkpoint(path: Path) -> Path:
+    """A GPT-2 config.json: it fails as soon as the engine opens it (after the port check)."""
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=1, n_head=2, n_embd=8, architectures=["GPT2LMHeadModel"]).save_pretrained(path)
+    return path
+
+
+def test_bad_arguments_fail_in_one_line_with_their_exit_code(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    quiet = ["--log-level", "warning", "--port", str(free_port())]
+    assert main(["serve", str(tmp_path / "nowhere"), *quiet]) == EXIT_FAILED
+    assert "nowhere" in _one_line(capsys.readouterr().err)
+    assert main(["serve", str(tmp_path), "--block-size", "3", *quiet]) == EXIT_USAGE  # before loading
+    assert "block_size=3 is invalid" in _one_line(capsys.readouterr().err)
+
+
+def test_a_model_that_fails_to_load_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Regression: a failed start-up printed uvicorn's ~40-line traceback of the app's lifespan."""
+    model = _unsupported_checkpoint(tmp_path / "gpt2")
+    assert main(["serve", str(model), "--device", "cpu", "--log-level", "warning", "--port", str(free_port())]) == 1
+    assert "'GPT2LMHeadModel' is not supported" in _one_line(capsys.readouterr().err)
+
+
+def test_a_missing_device_is_one_line(tiny_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without a CUDA device")
+    argv = ["serve", str(tiny_model), "--device", "cuda", "--log-level", "warning", "--port", str(free_port())]
+    assert main(argv) == EXIT_FAILED
+    assert "device='cuda' was asked for but torch sees no CUDA device" in _one_line(capsys.readouterr().err)
+
+
+def test_max_model_len_beyond_the_model_is_a_usage_error(tiny_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["serve", str(tiny_model), "--device", "cpu", "--max-model-len", "100000", "--log-level", "warning"]
+    assert main([*argv, "--port", str(free_port())]) == EXIT_USAGE
+    assert "max_model_len=100000 exceeds the model's max_position_embeddings (512)" in _one_line(
+        capsys.readouterr().err
+    )
+
+
+def test_a_busy_port_fails_before_the_model_loads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Regression: the server loaded the model (15-20 s) before finding its port taken. The model here would
+    fail to load (exit 1): exit 2 and the port's message prove the port was checked first."""
+    model = _unsupported_checkpoint(tmp_path / "gpt2")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        start = time.monotonic()
+        assert main(["serve", str(model), "--port", str(port), "--log-level", "warning"]) == EXIT_USAGE
+        assert time.monotonic() - start < 5
+    assert f"cannot listen on 127.0.0.1:{port}" in _one_line(capsys.readouterr().err)
+
+
+def test_the_built_in_model_is_served_under_the_name_the_docs_send() -> None:
+    """Regression: docs/server.md's curl sent "smollm2" and plain `asyncllm serve` served the file's name (404)."""
+    doc = (ROOT / "docs" / "server.md").read_text()
+    (curl,) = [b for b in re.findall(r"```bash\n(.*?)```", doc, flags=re.S) if "curl" in b]
+    sent = re.search(r'"model": "([^"]+)"', curl)
+    assert sent is not None and served_model_name(build_parser().parse_args([])) == sent.group(1)
+    assert served_model_name(build_parser().parse_args(["/models/Qwen3-0.6B"])) == "Qwen3-0.6B"
+    assert served_model_name(build_parser().parse_args(["m.gguf", "--served-model-name", "x"])) == "x"
 
 
 def test_server_import_leaves_torch_out() -> None:

@@ -3,11 +3,14 @@ counters that move as requests run and gauges read from engine.stats()."""
 
 from __future__ import annotations
 
+import logging
+
 import httpx
 import openai
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from asyncllm import AsyncLLMEngine
+from asyncllm import AsyncLLMEngine, RequestMetrics, StreamOutput
 from asyncllm.server import create_app
 from tests.server.conftest import MODEL, metric_value
 from tests.server.serving import RunningServer
@@ -58,3 +61,17 @@ def test_each_app_has_its_own_registry(engine: AsyncLLMEngine) -> None:
     a.track().end("stop")
     assert b'finish_reason="stop",model_name="a"} 1.0' in a.render()
     assert b"asyncllm_requests_total{" not in b.render()
+
+
+def test_each_finished_request_logs_one_line(engine: AsyncLLMEngine, caplog: pytest.LogCaptureFixture) -> None:
+    """The request log (`--log-level info`): one line per engine request, however it ended, never two."""
+    metrics = create_app(engine, served_model_name="m").state.asyncllm.metrics
+    caplog.set_level(logging.INFO, logger="asyncllm.server")
+    done = metrics.track("cmpl-1-0")
+    done.observe(StreamOutput("cmpl-1-0", "hi", (5, 6)))
+    done.observe(StreamOutput("cmpl-1-0", "!", (7,), "stop", RequestMetrics(0.012, 0.25, 9, 3, 0)))
+    done.end("abort")  # the stream closing afterwards: already ended, nothing more
+    metrics.track("cmpl-2-0").end("abort")  # the client left before any token
+    lines = [r.getMessage() for r in caplog.records if r.name == "asyncllm.server"]
+    assert lines[0] == "cmpl-1-0: stop, 9 prompt + 3 output tokens, TTFT 0.012 s, total 0.250 s"
+    assert lines[1].startswith("cmpl-2-0: abort, 0 output tokens, total ") and len(lines) == 2

@@ -17,6 +17,7 @@ import torch
 
 from asyncllm.attention.backend import AttentionBackend, AttentionMetadata, AttentionPlan, PlanBounds
 from asyncllm.errors import InvalidConfigError
+from asyncllm.install import extra_install_hint
 from asyncllm.kernels.paged_attention_plan import TILES_HEADER as _TILES_HEADER
 
 TILES_HEADER: int = _TILES_HEADER  # typed here: mypy does not see the kernels/ folder as asyncllm.kernels
@@ -32,7 +33,7 @@ def load_paged_attention() -> ModuleType:
     except ModuleNotFoundError as err:
         if err.name == "triton":
             raise InvalidConfigError(
-                f"attention_backend='triton' needs triton: pip install 'asyncllm[triton]', or {_FIX}"
+                f"attention_backend='triton' needs triton ({extra_install_hint('triton')}), or {_FIX}"
             ) from err
         raise
 

@@ -11,6 +11,7 @@ died). Knows nothing of scheduling.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -55,6 +56,7 @@ def main() -> None:
     from_parent = Connection(spec_fd, writable=False)
     spec = from_parent.recv()
     assert isinstance(spec, WorkerSpec)
+    _log_to_stderr(spec.rank)
     run_worker(spec, from_parent, Connection(report_fd, readable=False))
 
 
@@ -96,6 +98,18 @@ def run_worker(spec: WorkerSpec, parent_alive: Connection, status: Connection) -
             worker.shutdown()
         if parallel is not None:
             parallel.close()
+
+
+def _log_to_stderr(rank: int) -> None:
+    """This interpreter's warnings, each line naming its rank (the engine's process reports everything else,
+    once: without a handler, Python would print them bare)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        logging.Formatter(f"%(asctime)s %(levelname)-7s asyncllm rank {rank}: %(message)s", "%H:%M:%S")
+    )
+    logger = logging.getLogger("asyncllm")
+    logger.addHandler(handler)
+    logger.setLevel(logging.WARNING)
 
 
 def _send(status: Connection, kind: str, detail: str = "") -> None:

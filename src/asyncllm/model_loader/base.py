@@ -31,3 +31,4 @@ class Checkpoint:
     # Yields each tensor's selected slice, reading only that from disk; None where the format cannot (the
     # loader then slices whole tensors).
     iter_weight_shards: ShardIterator | None = None
+    num_tensors: int | None = None  # how many pairs `iter_weights` yields (load progress), None if unknown

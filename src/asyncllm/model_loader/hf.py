@@ -13,12 +13,14 @@ import torch
 
 from asyncllm.errors import ModelNotFoundError, UnsupportedModelError
 from asyncllm.model_loader.base import Checkpoint
-from asyncllm.model_loader.safetensors import iter_safetensors
+from asyncllm.model_loader.safetensors import count_safetensors, iter_safetensors
+from asyncllm.models.registry import resolve_architecture
 
 
 def open_hf_checkpoint(path: Path, dtype: torch.dtype, tokenizer_path: Path | None) -> Checkpoint:
     if not (path / "config.json").is_file():
         raise ModelNotFoundError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
+    check_architecture(path / "config.json")
     from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
@@ -29,7 +31,21 @@ def open_hf_checkpoint(path: Path, dtype: torch.dtype, tokenizer_path: Path | No
         eos_token_ids=eos_ids(path, hf_config),
         iter_weights=lambda: iter_safetensors(path, dtype),
         iter_weight_shards=lambda select: iter_safetensors(path, dtype, select),
+        num_tensors=count_safetensors(path),
     )
+
+
+def check_architecture(config_json: Path) -> None:
+    """UnsupportedModelError naming the checkpoint's architecture and the supported ones, before anything
+    else reads the config: another family's fields (GPT-2's n_embd, Phi's activation) would fail less clearly."""
+    try:
+        config = json.loads(config_json.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UnsupportedModelError(f"{config_json} is not a readable JSON config: {exc}") from exc
+    architectures = config.get("architectures") if isinstance(config, dict) else None
+    if not isinstance(architectures, list) or not architectures:
+        raise UnsupportedModelError(f"{config_json} names no `architectures`: asyncllm cannot tell which model it is")
+    resolve_architecture(architectures[0])
 
 
 def load_tokenizer(path: Path) -> Any | None:

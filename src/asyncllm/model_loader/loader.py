@@ -16,6 +16,7 @@ from asyncllm.config import LoadFormat
 from asyncllm.layers.parallel import TPGroup, WeightShard
 from asyncllm.model_loader.base import Checkpoint
 from asyncllm.model_loader.dummy import fill_dummy_weights
+from asyncllm.model_loader.progress import with_progress
 from asyncllm.models.base import CausalLM
 from asyncllm.models.config import ModelArchConfig
 from asyncllm.models.registry import resolve_model_class
@@ -48,7 +49,7 @@ def load_model(
     if load_format is LoadFormat.DUMMY:
         fill_dummy_weights(model, seed)  # the same draws on every rank: replicated weights agree
     elif parallel is None:
-        model.load_weights(checkpoint.iter_weights())
+        model.load_weights(with_progress(checkpoint.iter_weights(), checkpoint.num_tensors))
     else:
         rank, plan = parallel.rank, model_cls.family.weights
 
@@ -56,9 +57,10 @@ def load_model(
             return weight_shard(name, arch, rank, world_size, plan)
 
         if checkpoint.iter_weight_shards is not None:
-            model.load_weights(checkpoint.iter_weight_shards(select))
+            weights = checkpoint.iter_weight_shards(select)
         else:  # e.g. GGUF: tensors are dequantized whole, then sliced
-            model.load_weights(_sliced(checkpoint, select))
+            weights = _sliced(checkpoint, select)
+        model.load_weights(with_progress(weights, checkpoint.num_tensors))
     return model
 
 

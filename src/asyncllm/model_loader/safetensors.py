@@ -12,6 +12,17 @@ from asyncllm.errors import ModelNotFoundError
 from asyncllm.model_loader.base import ShardSelector
 
 
+def count_safetensors(path: Path) -> int:
+    """The tensors of the checkpoint directory `path` (each file's header only: nothing is read)."""
+    from safetensors import safe_open
+
+    count = 0
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            count += len(f.keys())
+    return count
+
+
 def iter_safetensors(
     path: Path, dtype: torch.dtype, select: ShardSelector | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:

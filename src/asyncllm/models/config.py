@@ -91,10 +91,21 @@ class ModelArchConfig:
 
     @classmethod
     def from_hf(cls, hf_config: Any, max_model_len: int | None) -> ModelArchConfig:
-        """Read a transformers config; `max_model_len=None` means the model's max_position_embeddings."""
+        """Read a transformers config; `max_model_len=None` means the model's max_position_embeddings.
+
+        The loaders check the architecture against the registry first (`model_loader.hf.check_architecture`);
+        a config lacking a field every supported family has still fails as `UnsupportedModelError`."""
         architectures = getattr(hf_config, "architectures", None) or []
         if not architectures:
             raise UnsupportedModelError("the checkpoint's config.json names no `architectures`")
+        architecture = architectures[0]
+
+        def required(name: str) -> Any:
+            value = getattr(hf_config, name, None)
+            if value is None:
+                raise UnsupportedModelError(f"the {architecture} config has no {name}: not a model asyncllm runs")
+            return value
+
         if getattr(hf_config, "quantization_config", None):
             raise UnsupportedModelError(
                 "quantized checkpoints (config.json has quantization_config) are not supported yet; "
@@ -103,9 +114,9 @@ class ModelArchConfig:
         hidden_act = getattr(hf_config, "hidden_act", "silu")
         if hidden_act != "silu":
             raise UnsupportedModelError(f"hidden_act={hidden_act!r} is not supported; only 'silu' is")
-        hidden = hf_config.hidden_size
-        heads = hf_config.num_attention_heads
-        max_pos = hf_config.max_position_embeddings
+        hidden = required("hidden_size")
+        heads = required("num_attention_heads")
+        max_pos = required("max_position_embeddings")
         model_len = max_pos if max_model_len is None else max_model_len
         if model_len > max_pos:
             # RoPE past the trained length gives silently degraded output, unless a scaling was trained in.
@@ -116,15 +127,15 @@ class ModelArchConfig:
         _check_sliding_window(hf_config, model_len)
         theta, scaling = _read_rope(hf_config, max_pos)
         return cls(
-            architecture=architectures[0],
-            vocab_size=hf_config.vocab_size,
+            architecture=architecture,
+            vocab_size=required("vocab_size"),
             hidden_size=hidden,
-            num_layers=hf_config.num_hidden_layers,
+            num_layers=required("num_hidden_layers"),
             num_heads=heads,
             num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
             head_dim=getattr(hf_config, "head_dim", None) or hidden // heads,
-            intermediate_size=hf_config.intermediate_size,
-            rms_norm_eps=float(hf_config.rms_norm_eps),
+            intermediate_size=required("intermediate_size"),
+            rms_norm_eps=float(required("rms_norm_eps")),
             rope_theta=theta,
             rope_scaling=scaling,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),

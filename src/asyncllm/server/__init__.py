@@ -1,7 +1,7 @@
 """`asyncllm serve`: an OpenAI-compatible HTTP server over the public `AsyncLLMEngine` API.
 
 Sits above the engine: uses only the public surface (engine, SamplingParams, outputs, errors) and never
-imports torch. `create_app` (FastAPI, the `asyncllm[server]` extra) is resolved lazily so that the
+imports torch. `create_app` (FastAPI, the `server` extra: docs/install.md) is resolved lazily so that the
 command line can parse arguments without the extra installed.
 """
 

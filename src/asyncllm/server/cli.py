@@ -1,21 +1,44 @@
 """`asyncllm serve [MODEL] [--host --port --api-key --served-model-name] [every engine argument]`.
 
-Owns the server's command line and running uvicorn (uvloop when installed). Parsing imports neither
-FastAPI nor torch, so `asyncllm serve --help` is instant and works without the `server` extra installed.
+Owns the server's command line and its start-up, cheapest check first: the arguments, then the address
+(bound now, handed to uvicorn later: a busy port fails in a second, not after the model loaded), then the
+engine, then uvicorn (uvloop when installed) on the bound socket. Every `AsyncLLMError` ends it with one line
+and an exit code (`asyncllm.console`). Parsing imports neither FastAPI nor torch, so `asyncllm serve --help`
+is instant and works without the `server` extra installed.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
+import socket
 import sys
+import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from asyncllm.default_model import DefaultModelMissingError, default_model_path
+from asyncllm.console import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    LOG_LEVELS,
+    configure_logging,
+    report,
+    report_error,
+)
+from asyncllm.default_model import DEFAULT_SERVED_NAME, default_model_path
+from asyncllm.errors import AsyncLLMError
+from asyncllm.install import extra_install_hint
 from asyncllm.server.engine_flags import add_engine_args, check_engine_args, engine_arg_specs, engine_args_from
 
+if TYPE_CHECKING:
+    from asyncllm import AsyncLLMEngine
+
 API_KEY_ENV = "ASYNCLLM_API_KEY"
+logger = logging.getLogger("asyncllm.server")
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,10 +54,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"require `Authorization: Bearer KEY` on every endpoint but /health (default: ${API_KEY_ENV})",
     )
     server.add_argument(
-        "--served-model-name", default=None, help="the model name clients send (default: the checkpoint's name)"
+        "--served-model-name",
+        default=None,
+        help=f"the model name clients send (default: the checkpoint's name; {DEFAULT_SERVED_NAME!r} for the built-in)",
     )
     server.add_argument(
-        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"]
+        "--log-level", default="info", choices=LOG_LEVELS, help="start-up banner and one line per request at info"
     )
     add_engine_args(parser.add_argument_group("engine (every AsyncLLMEngine argument; see asyncllm.config)"))
 
@@ -45,36 +70,79 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def served_model_name(args: argparse.Namespace) -> str:
+    """`--served-model-name`, else the checkpoint's directory name or .gguf file's stem, else (the built-in
+    model) `smollm2`, the name docs/server.md's examples send."""
+    if args.served_model_name:
+        return str(args.served_model_name)
+    if args.model is None:
+        return DEFAULT_SERVED_NAME
+    from asyncllm.server.app import default_served_name
+
+    return default_served_name(args.model)
+
+
 def run(args: argparse.Namespace) -> int:
-    """Serve until interrupted; returns the process exit status."""
+    """Serve until interrupted; returns the process exit status (docs/cli.md)."""
+    start = time.perf_counter()
+    configure_logging(args.log_level)
     try:
         model = args.model or str(default_model_path())
-    except DefaultModelMissingError as exc:
-        print(f"asyncllm: {exc}", file=sys.stderr)
-        return 1
-    if not os.path.exists(model):
-        print(f"asyncllm: no checkpoint directory or .gguf file at {model}", file=sys.stderr)
-        return 1
-    try:
-        import uvicorn
-
-        from asyncllm.server.app import create_app
-    except ImportError as exc:
-        print(f"asyncllm: the server needs its extra: pip install 'asyncllm[server]' ({exc})", file=sys.stderr)
-        return 1
-    engine_args = engine_args_from(args, engine_arg_specs())
-    try:
+        engine_args = engine_args_from(args, engine_arg_specs())
         check_engine_args(model, engine_args)
-    except (TypeError, ValueError) as exc:
-        print(f"asyncllm: {exc}", file=sys.stderr)
-        return 1
-    app = create_app(model, served_model_name=args.served_model_name, api_key=args.api_key, engine_args=engine_args)
-    # loop="auto" takes uvloop when installed; the engine is built in the app's lifespan, before binding.
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, loop="auto")
-    server = uvicorn.Server(config)
+    except AsyncLLMError as exc:
+        return report_error(exc)
+    if not os.path.exists(model):
+        return report(f"no checkpoint directory or .gguf file at {model}")
+    try:
+        import uvicorn  # noqa: F401 (the extra's presence, checked before anything loads)
+
+        from asyncllm.server.listen import bind
+    except ImportError as exc:
+        return report(f"the server needs its extra ({extra_install_hint('server')}): {exc}")
+    try:
+        sock = bind(args.host, args.port)
+    except OSError as exc:
+        return report(
+            f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}; choose another --port", EXIT_USAGE
+        )
+    with sock:
+        from asyncllm import AsyncLLMEngine
+
+        try:
+            engine = AsyncLLMEngine(model, **engine_args)
+        except AsyncLLMError as exc:
+            return report_error(exc)
+        except KeyboardInterrupt:
+            return EXIT_INTERRUPTED
+        try:
+            return _serve(engine, model, args, sock, start)
+        finally:
+            engine.shutdown()
+
+
+def _serve(engine: AsyncLLMEngine, model: str, args: argparse.Namespace, sock: socket.socket, start: float) -> int:
+    import uvicorn
+
+    from asyncllm.server.app import create_app
+    from asyncllm.server.listen import Server
+
+    name = served_model_name(args)
+    app = create_app(engine, served_model_name=name, api_key=args.api_key)
+    engine_seconds = sum(seconds for _, seconds in engine.runtime.startup_seconds)
+
+    def started() -> None:
+        url = f"http://{args.host}:{sock.getsockname()[1]}/v1"  # the port bound, should --port be 0
+        keyed = " (with the API key)" if args.api_key else ""
+        logger.info('serving %s at %s: clients send "model": "%s"%s', model, url, name, keyed)
+        total = time.perf_counter() - start
+        rest = total - engine_seconds
+        logger.info("ready in %.1f s (engine %.1f s, imports and server %.1f s)", total, engine_seconds, rest)
+
+    server = Server(uvicorn.Config(app, log_level=args.log_level, loop="auto"), started)
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn shut down gracefully, then re-raised Ctrl-C
-        server.run()
-    return 0 if server.started else 1  # a failed startup (e.g. the model failed to load) never started
+        server.run(sockets=[sock])
+    return EXIT_OK if server.started else EXIT_FAILED
 
 
 def main(argv: Sequence[str] | None = None) -> int:

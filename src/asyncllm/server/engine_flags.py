@@ -101,10 +101,13 @@ def _attribute_docstrings(cls: type) -> dict[str, str]:
     return docs
 
 
-def add_engine_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> list[EngineArgSpec]:
-    """Add one flag per engine argument. Flags the user leaves out are absent from the parsed namespace,
-    so the engine's own defaults apply (and stay the engine's business)."""
-    specs = engine_arg_specs()
+def add_engine_args(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, exclude: frozenset[str] = frozenset()
+) -> list[EngineArgSpec]:
+    """Add one flag per engine argument but those in `exclude` (a command whose own flag has that name), and
+    return their specs. Flags the user leaves out are absent from the parsed namespace, so the engine's own
+    defaults apply (and stay the engine's business)."""
+    specs = [spec for spec in engine_arg_specs() if spec.name not in exclude]
     for spec in specs:
         shown = "" if spec.default is dataclasses.MISSING else f" (default: {spec.default})"
         help_text = (spec.help + shown).replace("%", "%%")  # argparse formats help with %
@@ -124,6 +127,6 @@ def engine_args_from(namespace: argparse.Namespace, specs: list[EngineArgSpec]) 
 
 
 def check_engine_args(model: str, engine_args: dict[str, Any]) -> None:
-    """Raise the engine's own `TypeError` / `ValueError` for bad arguments now, before any loading: the
-    command line reports it in one line instead of a failed server startup."""
+    """Raise the engine's own `UnknownArgumentError` / `InvalidConfigError` for bad arguments now, before
+    any loading: the command line reports it in one line instead of a failed start-up."""
     EngineConfig.from_kwargs(model, **engine_args)

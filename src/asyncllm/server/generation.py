@@ -75,7 +75,7 @@ def submit(
     except BaseException:
         _close_all(streams)
         raise
-    return Submission(streams, [metrics.track() for _ in streams], len(prompts))
+    return Submission(streams, [metrics.track(f"{request_id}-{k}") for k in range(len(streams))], len(prompts))
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

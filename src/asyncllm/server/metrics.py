@@ -1,11 +1,13 @@
 """Prometheus metrics of one app, on its own registry (never the process-global one: two apps, two sets).
 
-Owns the metric names, the per-request tracker that feeds counters and latency histograms as chunks pass,
-and a collector that reads `engine.stats()` at scrape time for the gauges. Knows nothing of OpenAI shapes.
+Owns the metric names, the per-request tracker that feeds counters and latency histograms as chunks pass
+and logs one line when its request ends (INFO on `asyncllm.server`), and a collector that reads
+`engine.stats()` at scrape time for the gauges. Knows nothing of OpenAI shapes.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 
@@ -13,8 +15,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from asyncllm.outputs import StreamOutput
+from asyncllm.outputs import RequestMetrics, StreamOutput
 
+logger = logging.getLogger("asyncllm.server")
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
 _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 
@@ -62,8 +65,8 @@ class ServerMetrics:
         self.model_name = model_name
         reg.register(_EngineStatsCollector(stats, model_name))
 
-    def track(self) -> RequestTracker:
-        return RequestTracker(self)
+    def track(self, request_id: str = "") -> RequestTracker:
+        return RequestTracker(self, request_id)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -72,17 +75,21 @@ class ServerMetrics:
 class RequestTracker:
     """Feeds one engine request's chunks into the metrics; `end()` records how it ended, exactly once."""
 
-    __slots__ = ("_ended", "_last", "_metrics")
+    __slots__ = ("_ended", "_last", "_metrics", "_num_tokens", "_start", "request_id")
 
-    def __init__(self, metrics: ServerMetrics) -> None:
+    def __init__(self, metrics: ServerMetrics, request_id: str = "") -> None:
         self._metrics = metrics
+        self.request_id = request_id
+        self._start = time.perf_counter()
         self._last: float | None = None  # when the previous chunk with tokens arrived
+        self._num_tokens = 0
         self._ended = False
 
     def observe(self, chunk: StreamOutput) -> None:
         m = self._metrics
         n = len(chunk.token_ids)
         if n:
+            self._num_tokens += n
             m.generation_tokens.inc(n)
             now = time.perf_counter()
             if self._last is not None:
@@ -97,13 +104,32 @@ class RequestTracker:
                     m.ttft.observe(chunk.metrics.time_to_first_token)
                 if chunk.metrics.e2e_latency is not None:
                     m.e2e.observe(chunk.metrics.e2e_latency)
-            self.end(chunk.finish_reason)
+            self.end(chunk.finish_reason, chunk.metrics)
 
-    def end(self, reason: str) -> None:
+    def end(self, reason: str, metrics: RequestMetrics | None = None) -> None:
         """ "stop", "length", "abort" (the client left) or "error" (the engine died)."""
         if not self._ended:
             self._ended = True
             self._metrics.requests.labels(model_name=self._metrics.model_name, finish_reason=reason).inc()
+            if logger.isEnabledFor(logging.INFO):
+                self._log(reason, metrics)
+
+    def _log(self, reason: str, metrics: RequestMetrics | None) -> None:
+        if metrics is None:  # it ended before the engine finished it: what the server saw
+            seconds = time.perf_counter() - self._start
+            logger.info("%s: %s, %d output tokens, total %.3f s", self.request_id, reason, self._num_tokens, seconds)
+            return
+        ttft = "-" if metrics.time_to_first_token is None else f"{metrics.time_to_first_token:.3f} s"
+        e2e = "-" if metrics.e2e_latency is None else f"{metrics.e2e_latency:.3f} s"
+        logger.info(
+            "%s: %s, %d prompt + %d output tokens, TTFT %s, total %s",
+            self.request_id,
+            reason,
+            metrics.num_prompt_tokens,
+            metrics.num_generated_tokens,
+            ttft,
+            e2e,
+        )
 
 
 class _EngineStatsCollector(Collector):

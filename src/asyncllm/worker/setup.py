@@ -117,7 +117,7 @@ class WorkerSetup:
             start = time.perf_counter()
             transposed = tune_weight_layouts(module, device)
             self.timings["tune_gemm"] = time.perf_counter() - start
-            logger.info("linear weights stored [in, out] for shapes %s", [s for s, t in transposed.items() if t])
+            logger.debug("linear weights stored [in, out] for shapes %s", [s for s, t in transposed.items() if t])
         return LoadedModel(module, backend)
 
     def num_blocks(self, loaded: LoadedModel) -> int:
@@ -159,9 +159,10 @@ class WorkerSetup:
 
     def runner(self, loaded: LoadedModel, num_blocks: int) -> ModelRunner:
         """Allocate the cache and the step's input buffers, and the runner that uses them."""
+        start = time.perf_counter()
         cache, sched = self.config.cache_config, self.config.scheduler_config
         device, max_model_len = self.resolved.device, self.resolved.arch.max_model_len
-        if num_blocks * cache.block_size < max_model_len:
+        if num_blocks * cache.block_size < max_model_len and self._reports:
             logger.warning(
                 "the KV cache holds %d tokens, fewer than max_model_len=%d: longer requests are refused and "
                 "outputs stop ('length') when a sequence fills it; raise num_kv_blocks (or GPU memory) to avoid it",
@@ -195,9 +196,10 @@ class WorkerSetup:
             self._grammar(arch.vocab_size),
             defer_masked_draw=device.type == "cuda",
         )
-        logger.info(
+        logger.debug(
             "KV cache: %d blocks of %d tokens (%s, %s)", num_blocks, cache.block_size, device, self.resolved.dtype
         )
+        self.timings["kv_cache"] = time.perf_counter() - start
         return runner
 
     def warm_up(self, runner: ModelRunner, num_blocks: int) -> None:
@@ -248,7 +250,15 @@ class WorkerSetup:
             cuda_graph_sizes=tuple(runner.graphs.sizes("decode")),
             cuda_graph_token_sizes=tuple(runner.graphs.sizes("mixed")),
             startup_seconds=tuple(self.timings.items()),
+            architecture=arch.architecture,
+            kv_cache_bytes=num_blocks * self.kv_spec.bytes_per_block,
         )
+
+    @property
+    def _reports(self) -> bool:
+        """This worker reports the engine's facts (rank 0, or the only rank): warnings about the engine as a
+        whole are logged once, not once per rank."""
+        return self.parallel is None or self.parallel.rank == 0
 
     def _grammar(self, vocab_size: int) -> GrammarBackend | None:
         """This process's compiler of output constraints, over the checkpoint's tokenizer and the model's

@@ -8,6 +8,7 @@ the network.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,12 +25,15 @@ from asyncllm.model_loader.hf import load_given_tokenizer
 # eos_token_id names another token (e.g. <|endoftext|>), so they stop generation too.
 _TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
 
+logger = logging.getLogger("asyncllm.model_loader")
+
 
 def open_gguf_checkpoint(path: Path, dtype: torch.dtype, tokenizer_path: Path | None = None) -> Checkpoint:
     """Validate the whole file, then return its config, tokenizer and a weight iterator yielding `dtype`.
     `tokenizer_path`: a tokenizer directory the user named, used instead of the one the file describes."""
     from gguf import GGUFReader
 
+    logger.info("reading the GGUF metadata of %s (its vocabulary: seconds)", path.name)
     try:
         reader = GGUFReader(path)  # memory-mapped: tensors are read only when iterated
     except (ValueError, OSError, IndexError) as exc:  # gguf reports truncation and bad magic as these
@@ -61,6 +65,7 @@ def open_gguf_checkpoint(path: Path, dtype: torch.dtype, tokenizer_path: Path | 
         tokenizer=tokenizer,
         eos_token_ids=frozenset(eos),
         iter_weights=iter_weights,
+        num_tensors=len(reader.tensors),
     )
 
 
@@ -70,6 +75,7 @@ def _load_tokenizer(path: Path, reader: Any) -> Any | None:
         return None  # no tokenizer in the file: prompts must then be token ids
     from transformers import PreTrainedTokenizerFast
 
+    logger.info("building the tokenizer from the GGUF metadata (seconds for a large vocabulary)")
     # transformers rebuilds the backend tokenizer (BPE or sentencepiece) from the file's type and vocabulary
     # whichever class wraps it; AutoTokenizer would also re-derive a model config from the whole file first
     # (slow on a large vocabulary), which we already have.
