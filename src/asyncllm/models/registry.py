@@ -24,7 +24,6 @@ class GGUFForm:
     """How a GGUF file of this architecture is read."""
 
     names: tuple[str, ...]  # `general.architecture` values, e.g. ("llama",)
-    config_class: str  # the transformers config class the metadata becomes, e.g. "LlamaConfig"
     permuted_qk: bool  # llama.cpp reorders Q/K rows of llama-family weights for its rotary layout
     # The config's `attention_bias` is not in the metadata: read it from whether layer 0 has a q bias.
     attention_bias_from_tensors: bool = False
@@ -48,12 +47,12 @@ class Architecture:
 
 
 ARCHITECTURES: tuple[Architecture, ...] = (
-    Architecture("Qwen3ForCausalLM", Qwen3ForCausalLM, GGUFForm(("qwen3",), "Qwen3Config", permuted_qk=False)),
-    Architecture("Qwen2ForCausalLM", Qwen2ForCausalLM, GGUFForm(("qwen2",), "Qwen2Config", permuted_qk=False)),
+    Architecture("Qwen3ForCausalLM", Qwen3ForCausalLM, GGUFForm(("qwen3",), permuted_qk=False)),
+    Architecture("Qwen2ForCausalLM", Qwen2ForCausalLM, GGUFForm(("qwen2",), permuted_qk=False)),
     Architecture(
         "LlamaForCausalLM",
         LlamaForCausalLM,
-        GGUFForm(("llama",), "LlamaConfig", permuted_qk=True, attention_bias_from_tensors=True),
+        GGUFForm(("llama",), permuted_qk=True, attention_bias_from_tensors=True),
     ),
     Architecture("MistralForCausalLM", MistralForCausalLM),  # llama.cpp writes Mistral as "llama"
 )

@@ -1,9 +1,9 @@
 """Opening a single `.gguf` file as a `Checkpoint`: config, tokenizer, EOS ids and dequantized weights.
 
-Composes the metadata reader (config.py), the tensor reader (weights.py) with the family's GGUF names from
-its registry entry, and transformers' GGUF tokenizer support. Everything is checked at open time
-(architecture, tensor names and types), so a bad file fails before any weight is loaded. Nothing here touches
-the network.
+Composes the header reader (header.py), the metadata's config (config.py), the tensor reader (weights.py)
+with the family's GGUF names from its registry entry, and transformers' GGUF tokenizer support. Everything is
+checked at open time (architecture, tensor names and types), so a bad file fails before any weight is loaded.
+Nothing here touches the network.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 from asyncllm.errors import UnsupportedModelError
 from asyncllm.model_loader.base import Checkpoint
 from asyncllm.model_loader.gguf.config import architecture_of, build_hf_config, eos_token_ids, read_field
+from asyncllm.model_loader.gguf.header import GGUFHeader, read_gguf_header
 from asyncllm.model_loader.gguf.weights import check_tensor_sizes, check_tensor_types, hf_name, iter_gguf_weights
 from asyncllm.model_loader.hf import load_given_tokenizer
 
@@ -31,27 +32,24 @@ logger = logging.getLogger("asyncllm.model_loader")
 def open_gguf_checkpoint(path: Path, dtype: torch.dtype, tokenizer_path: Path | None = None) -> Checkpoint:
     """Validate the whole file, then return its config, tokenizer and a weight iterator yielding `dtype`.
     `tokenizer_path`: a tokenizer directory the user named, used instead of the one the file describes."""
-    from gguf import GGUFReader
-
-    logger.info("reading the GGUF metadata of %s (its vocabulary: seconds)", path.name)
     try:
-        reader = GGUFReader(path)  # memory-mapped: tensors are read only when iterated
-    except (ValueError, OSError, IndexError) as exc:  # gguf reports truncation and bad magic as these
-        raise UnsupportedModelError(f"{path} is not a readable GGUF file (truncated or corrupt?): {exc}") from exc
-    _, arch, form = architecture_of(reader)
-    tensor_names = {t.name for t in reader.tensors}
-    hf_config = build_hf_config(reader, tensor_names)
+        header = read_gguf_header(path)  # tensors are read (mapped) only when iterated
+    except OSError as exc:
+        raise UnsupportedModelError(f"{path} is not a readable GGUF file: {exc}") from exc
+    _, arch, form = architecture_of(header)
+    tensor_names = {t.name for t in header.tensors}
+    hf_config = build_hf_config(header, tensor_names)
     names = arch.gguf_names  # the family's GGUF tensor names
     for name in sorted(tensor_names):
         hf_name(name, names)  # raises on a tensor we would not know where to put
-    check_tensor_types(list(reader.tensors))
-    check_tensor_sizes(path, list(reader.tensors))
-    tokenizer = _load_tokenizer(path, reader) if tokenizer_path is None else load_given_tokenizer(tokenizer_path)
-    eos = eos_token_ids(reader) | _turn_end_ids(tokenizer)
+    check_tensor_types(header.tensors)
+    check_tensor_sizes(header)
+    tokenizer = _load_tokenizer(path, header) if tokenizer_path is None else load_given_tokenizer(tokenizer_path)
+    eos = eos_token_ids(header) | _turn_end_ids(tokenizer)
 
     def iter_weights() -> Iterator[tuple[str, torch.Tensor]]:
         return iter_gguf_weights(
-            reader,
+            header,
             dtype,
             names,
             num_heads=hf_config.num_attention_heads,
@@ -65,17 +63,17 @@ def open_gguf_checkpoint(path: Path, dtype: torch.dtype, tokenizer_path: Path | 
         tokenizer=tokenizer,
         eos_token_ids=frozenset(eos),
         iter_weights=iter_weights,
-        num_tensors=len(reader.tensors),
+        num_tensors=len(header.tensors),
     )
 
 
-def _load_tokenizer(path: Path, reader: Any) -> Any | None:
+def _load_tokenizer(path: Path, header: GGUFHeader) -> Any | None:
     """transformers' tokenizer rebuilt from the GGUF's vocabulary, merges and chat template."""
-    if read_field(reader, "tokenizer.ggml.model") is None:
+    if read_field(header, "tokenizer.ggml.model") is None:
         return None  # no tokenizer in the file: prompts must then be token ids
     from transformers import PreTrainedTokenizerFast
 
-    logger.info("building the tokenizer from the GGUF metadata (seconds for a large vocabulary)")
+    logger.info("building the tokenizer from the GGUF metadata of %s", path.name)
     # transformers rebuilds the backend tokenizer (BPE or sentencepiece) from the file's type and vocabulary
     # whichever class wraps it; AutoTokenizer would also re-derive a model config from the whole file first
     # (slow on a large vocabulary), which we already have.

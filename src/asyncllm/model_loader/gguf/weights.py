@@ -1,20 +1,23 @@
 """GGUF tensors as Hugging Face named torch tensors: names mapped, blocks dequantized, Q/K rows restored.
 
 Owns llama.cpp's naming convention (`blk.{i}.{name}.weight`), the supported tensor types and the inverse of
-llama.cpp's Q/K row permutation; each family's table of names is its `GGUFNames`, passed in. Knows nothing
+llama.cpp's Q/K row permutation; each family's table of names is its `GGUFNames`, passed in. The file is
+mapped only while its weights are read (`dequant.py` turns each tensor's bytes into floats). Knows nothing
 about configs or tokenizers: the caller passes head counts.
 """
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import re
 from collections.abc import Iterator
-from typing import Any
 
-import numpy as np
 import torch
 
 from asyncllm.errors import UnsupportedModelError
+from asyncllm.model_loader.gguf.dequant import TORCH_TYPES, dequantize
+from asyncllm.model_loader.gguf.header import GGUFHeader, GGUFTensorInfo, open_data
 from asyncllm.models.family import GGUFNames
 
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -33,39 +36,43 @@ def hf_name(gguf_name: str, names: GGUFNames) -> str:
     raise UnsupportedModelError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart in this architecture")
 
 
-def supported_tensor_types() -> frozenset[Any]:
-    """F32, F16 and every block type `gguf.quants` can dequantize (Q4_0..Q8_0, K-quants, BF16, ...)."""
+def supported_tensor_types() -> frozenset[str]:
+    """The type names we dequantize: F32, F16, BF16 and every block type `gguf.quants` knows (Q4_0..Q8_0,
+    K-quants, ...); the common ones in torch (`dequant.py`)."""
     import gguf.quants
     from gguf import GGMLQuantizationType as T
 
     # gguf.quants names one dequantizer class after each type it supports.
-    return frozenset({T.F32, T.F16} | {t for t in T if isinstance(getattr(gguf.quants, t.name, None), type)})
+    return TORCH_TYPES | {t.name for t in T if isinstance(getattr(gguf.quants, t.name, None), type)}
 
 
-def check_tensor_types(tensors: list[Any]) -> None:
+def type_name(info: GGUFTensorInfo) -> str:
+    from gguf import GGMLQuantizationType
+
+    return GGMLQuantizationType(info.ggml_type).name
+
+
+def check_tensor_types(tensors: tuple[GGUFTensorInfo, ...]) -> None:
     """Fail before loading anything when a tensor's type cannot be dequantized."""
     supported = supported_tensor_types()
     for tensor in tensors:
-        if tensor.tensor_type not in supported:
-            names = ", ".join(sorted(t.name for t in supported))
+        if type_name(tensor) not in supported:
+            names = ", ".join(sorted(supported))
             raise UnsupportedModelError(
-                f"GGUF tensor {tensor.name!r} has type {tensor.tensor_type.name}, which asyncllm cannot "
+                f"GGUF tensor {tensor.name!r} has type {type_name(tensor)}, which asyncllm cannot "
                 f"dequantize; supported types: {names}"
             )
 
 
-def check_tensor_sizes(path: Any, tensors: list[Any]) -> None:
-    """Every tensor's stored bytes must match its shape and type: a truncated file fails here, clearly,
-    rather than as a numpy reshape error halfway through loading."""
-    from gguf import GGML_QUANT_SIZES
-
-    for tensor in tensors:
-        block, type_size = GGML_QUANT_SIZES[tensor.tensor_type]
-        expected = int(tensor.n_elements) // block * type_size
-        if int(tensor.data.nbytes) != expected:
+def check_tensor_sizes(header: GGUFHeader) -> None:
+    """Every tensor's bytes must lie inside the file: a truncated file fails here, clearly, rather than
+    halfway through loading."""
+    for tensor in header.tensors:
+        if tensor.offset + tensor.nbytes > header.file_size:
             raise UnsupportedModelError(
-                f"{path}: tensor {tensor.name!r} holds {int(tensor.data.nbytes)} bytes, but its shape and type "
-                f"({tensor.tensor_type.name}) need {expected}: the file is truncated or corrupt"
+                f"{header.path}: tensor {tensor.name!r} needs bytes {tensor.offset}..{tensor.offset + tensor.nbytes} "
+                f"({type_name(tensor)}, shape {list(tensor.shape)}), but the file ends at {header.file_size}: "
+                "the file is truncated or corrupt"
             )
 
 
@@ -88,7 +95,7 @@ def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def iter_gguf_weights(
-    reader: Any,
+    header: GGUFHeader,
     dtype: torch.dtype,
     names: GGUFNames,
     *,
@@ -96,19 +103,24 @@ def iter_gguf_weights(
     num_kv_heads: int,
     permuted_qk: bool,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every weight of `reader` as (hf_name, tensor in `dtype`), one tensor dequantized at a time."""
-    from gguf.quants import dequantize
+    """Every weight of the file as (hf_name, tensor in `dtype`), one tensor dequantized at a time."""
+    data = open_data(header.path)
+    try:
+        for tensor in header.tensors:
+            weight = _read(data, tensor).to(dtype)
+            module = match[2] if permuted_qk and (match := _BLOCK_RE.fullmatch(tensor.name)) else None
+            if module == "attn_q":  # llama.cpp's query projection
+                weight = unpermute_qk(weight, num_heads)
+            elif module == "attn_k":
+                weight = unpermute_qk(weight, num_kv_heads)
+            yield hf_name(tensor.name, names), weight
+    finally:
+        # Every tensor yielded is a copy, so no view of the mapping outlives the loop; should a consumer stop
+        # mid-tensor, the mapping goes with the last view of it.
+        with contextlib.suppress(BufferError):
+            data.close()
 
-    for tensor in reader.tensors:
-        name = hf_name(tensor.name, names)
-        # GGUF lists dims innermost first; torch wants them outermost first.
-        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        # np.array copies: an F32 tensor would otherwise alias the reader's read-only memory map
-        array = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
-        weight = torch.from_numpy(array).to(dtype)
-        module = match[2] if permuted_qk and (match := _BLOCK_RE.fullmatch(tensor.name)) else None
-        if module == "attn_q":  # llama.cpp's query projection
-            weight = unpermute_qk(weight, num_heads)
-        elif module == "attn_k":
-            weight = unpermute_qk(weight, num_kv_heads)
-        yield name, weight
+
+def _read(data: mmap.mmap, tensor: GGUFTensorInfo) -> torch.Tensor:
+    raw = torch.frombuffer(data, dtype=torch.uint8, count=tensor.nbytes, offset=tensor.offset)
+    return dequantize(raw, type_name(tensor), tensor.shape)
