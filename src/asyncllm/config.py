@@ -214,8 +214,16 @@ class DeviceConfig:
         "steps replay graphs). Each count costs a capture at start-up; the largest sets the graphs' memory.",
     )
 
+    num_threads: int | None = arg(
+        None,
+        "torch's CPU threads for the model's ops (per rank under tensor parallelism), set in the thread that "
+        "runs steps (torch.set_num_threads: threads started later inherit it). None: on CPU, the physical cores "
+        "this process may use less one (at least 1), shared among the ranks; on CUDA, torch's default.",
+    )
+
     def __post_init__(self) -> None:
         _set(self, "device", check_enum(_fail, Device, "device", self.device))
+        check_optional_int(_fail, "num_threads", self.num_threads, "an integer >= 1, or None", lo=1)
         backend = check_enum(_fail, AttentionBackendName, "attention_backend", self.attention_backend)
         _set(self, "attention_backend", backend)
         check_bool(_fail, "enforce_eager", self.enforce_eager)

@@ -56,12 +56,16 @@ def banner(config: EngineConfig, runtime: RuntimeInfo) -> list[str]:
         else "no CUDA graphs (eager)"
     )
     parallel = f", tensor_parallel_size {world}" if world > 1 else ""
+    threads = ""
+    if runtime.num_threads is not None and runtime.device == "cpu":
+        threads = f", {runtime.num_threads} CPU thread{'s' if runtime.num_threads > 1 else ''}"
+        threads += " per rank" if world > 1 else ""
     per_rank = " per rank" if world > 1 else ""
     size = f", {_size(runtime.kv_cache_bytes)}{per_rank}" if runtime.kv_cache_bytes else ""
     sched = config.scheduler_config
     return [
         f"engine ready in {total:.1f} s: {config.model}{architecture}",
-        f"  {runtime.device}, {runtime.dtype}, {runtime.attention_backend} attention, {graphs}{parallel}",
+        f"  {runtime.device}, {runtime.dtype}, {runtime.attention_backend} attention, {graphs}{parallel}{threads}",
         f"  KV cache {runtime.kv_capacity_tokens:,} tokens ({runtime.num_kv_blocks:,} blocks of "
         f"{runtime.block_size}{size}); max_model_len {runtime.max_model_len:,}, max_num_seqs {sched.max_num_seqs}",
         "  start-up: " + ", ".join(f"{name} {s:.1f} s" for name, s in seconds),

@@ -112,6 +112,7 @@ class RuntimeInfo:
     startup_seconds: tuple[tuple[str, float], ...] = ()
     architecture: str = ""  # the checkpoint's, e.g. "Qwen3ForCausalLM"
     kv_cache_bytes: int = 0  # the KV cache's memory (one rank's share under tensor parallelism)
+    num_threads: int | None = None  # torch's CPU threads in the thread that runs steps (rank 0's)
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -32,6 +32,7 @@ from asyncllm.sample.grammar import GrammarBackend
 from asyncllm.step import ModelRunnerOutput, RuntimeInfo, SchedulerOutput, StepResult
 from asyncllm.worker.device import ResolvedModel
 from asyncllm.worker.setup import build_worker
+from asyncllm.worker.threads import resolve_num_threads
 from asyncllm.worker.worker import Worker
 
 _START_TIMEOUT_S = 600.0  # spawn, import torch, load a shard, profile, capture graphs: all ranks at once
@@ -96,7 +97,8 @@ class MultiProcExecutor:
         self.grammar: GrammarBackend | None = None
         try:
             store, rendezvous = open_rendezvous(world, _RENDEZVOUS_TIMEOUT_S)
-            threads = max(1, torch.get_num_threads() // world)
+            chosen = config.device_config.num_threads
+            threads = resolve_num_threads(chosen, device, world) or max(1, torch.get_num_threads() // world)
             specs = [
                 WorkerSpec(
                     config,

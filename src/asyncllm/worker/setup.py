@@ -35,6 +35,7 @@ from asyncllm.worker.input_batch import InputBuffers
 from asyncllm.worker.kv_cache import KVCacheSpec, allocate_kv_cache, blocks_for_budget
 from asyncllm.worker.memory import measure_graph_memory, profile_kv_budget_bytes
 from asyncllm.worker.model_runner import ModelRunner
+from asyncllm.worker.threads import apply_num_threads, resolve_num_threads
 from asyncllm.worker.warmup import warm_up
 from asyncllm.worker.worker import Worker
 
@@ -54,6 +55,7 @@ def build_worker(
     """A ready worker. `agree`: the KV block count every rank can hold, from this rank's (tensor parallelism:
     the smallest of the ranks'; it is a collective)."""
     setup = WorkerSetup(config, checkpoint, resolved, parallel)
+    setup.apply_threads()  # before loading: dequantizing and copying weights run on these threads too
     loaded = setup.load()
     num_blocks = agree(setup.num_blocks(loaded))
     runner = setup.runner(loaded, num_blocks)
@@ -97,6 +99,13 @@ class WorkerSetup:
             dtype=resolved.dtype,
         )
         self.timings: dict[str, float] = {}  # start-up seconds per step, reported in RuntimeInfo
+        self.num_threads: int | None = None
+
+    def apply_threads(self) -> None:
+        """torch's CPU threads, in the calling thread: the one that builds the worker runs its steps."""
+        world = 1 if self.parallel is None else self.parallel.world_size
+        chosen = self.config.device_config.num_threads
+        self.num_threads = apply_num_threads(resolve_num_threads(chosen, self.resolved.device, world))
 
     def load(self) -> LoadedModel:
         start = time.perf_counter()
@@ -252,6 +261,7 @@ class WorkerSetup:
             startup_seconds=tuple(self.timings.items()),
             architecture=arch.architecture,
             kv_cache_bytes=num_blocks * self.kv_spec.bytes_per_block,
+            num_threads=self.num_threads,
         )
 
     @property
