@@ -117,7 +117,12 @@ class CacheConfig:
     num_kv_blocks: int | None = arg(
         None, "Explicit KV block count; None sizes it from memory (GPU) or `cpu_kv_cache_gib` (CPU)."
     )
-    cpu_kv_cache_gib: float = arg(1.0, "KV cache budget on CPU when `num_kv_blocks` is None.")
+    cpu_kv_cache_gib: float | None = arg(
+        None,
+        "KV cache budget on CPU in GiB when `num_kv_blocks` is None. None: room for one `max_model_len` sequence "
+        "(shorter ones share it), at least 1/4 GiB and at most 1 GiB. Memory becomes resident only as blocks are "
+        "first written.",
+    )
     enable_prefix_caching: bool = arg(True, "Reuse KV blocks of identical prefixes across requests.")
 
     def __post_init__(self) -> None:
@@ -133,12 +138,13 @@ class CacheConfig:
             ),
         )
         check_optional_int(_fail, "num_kv_blocks", self.num_kv_blocks, "an integer >= 1, or None", lo=1)
-        gib = "a positive number of GiB"
-        _set(
-            self,
-            "cpu_kv_cache_gib",
-            check_float(_fail, "cpu_kv_cache_gib", self.cpu_kv_cache_gib, gib, lo=0.0, lo_open=True),
-        )
+        gib = "a positive number of GiB, or None"
+        if self.cpu_kv_cache_gib is not None:
+            _set(
+                self,
+                "cpu_kv_cache_gib",
+                check_float(_fail, "cpu_kv_cache_gib", self.cpu_kv_cache_gib, gib, lo=0.0, lo_open=True),
+            )
         check_bool(_fail, "enable_prefix_caching", self.enable_prefix_caching)
 
 

@@ -1,7 +1,8 @@
 """Sizing and allocating the paged KV cache.
 
 On CUDA the cache takes what `gpu_memory_utilization` leaves after weights and a profiled peak activation;
-on CPU a fixed budget. Either way it is capped at what `max_num_seqs` full-length sequences could use.
+on CPU `cpu_kv_cache_gib`, by default one full-length sequence's worth within [1/4, 1] GiB. Either way it is capped at
+what `max_num_seqs` full-length sequences could use.
 """
 
 from __future__ import annotations
@@ -37,15 +38,37 @@ def blocks_for_budget(spec: KVCacheSpec, budget_bytes: int, max_useful_blocks: i
     return int(num)
 
 
+# The CPU default's bounds, in bytes: at most the budget that used to be the default for every model; at least
+# a quarter GiB, so that a small model with a short context still batches many sequences.
+CPU_KV_DEFAULT_MAX = 2**30
+CPU_KV_DEFAULT_MIN = 2**28
+
+
+def cpu_kv_blocks(spec: KVCacheSpec, budget_gib: float | None, max_model_len: int, max_useful_blocks: int) -> int:
+    """The CPU block count: `budget_gib` of blocks, or by default room for one `max_model_len` sequence (a
+    prompt up to the model's limit is served; shorter ones share it), within [1/4, 1] GiB. A cache smaller
+    than one full sequence refuses longer prompts at once (InvalidRequestError naming its size), never
+    mid-generation, and the worker warns about it when the engine starts."""
+    if budget_gib is not None:
+        return blocks_for_budget(spec, int(budget_gib * 2**30), max_useful_blocks)
+    one_sequence = -(-max_model_len // spec.block_size) * spec.bytes_per_block
+    budget = min(max(one_sequence, CPU_KV_DEFAULT_MIN), CPU_KV_DEFAULT_MAX)
+    return blocks_for_budget(spec, budget, max_useful_blocks)
+
+
 def allocate_kv_cache(
     spec: KVCacheSpec, num_blocks: int, device: torch.device
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (key, value), each [num_blocks, block_size, num_kv_heads, head_dim].
 
     Zero-filled: the torch reference reads padded rows under a mask, and 0 * NaN from garbage memory would
-    still poison the result.
+    still poison the result. On CPU the zeros come from calloc (through numpy): the kernel maps zero pages on
+    first touch, so the cache costs resident memory only as blocks are written, and nothing at start-up
+    (torch.zeros writes every byte: ~3 s and 1 GiB resident for the old 1 GiB default).
     """
     shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    if device.type == "cpu":
+        return _calloc_cache(spec, shape)
     return [
         (
             torch.zeros(shape, dtype=spec.dtype, device=device),
@@ -53,3 +76,16 @@ def allocate_kv_cache(
         )
         for _ in range(spec.num_layers)
     ]
+
+
+_ALIGN = 64  # bytes: a cache line, and what torch's own CPU allocator gives
+
+
+def _calloc_cache(spec: KVCacheSpec, shape: tuple[int, int, int, int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    import numpy as np
+
+    per_tensor = spec.bytes_per_block // (2 * spec.num_layers) * shape[0]
+    raw = torch.from_numpy(np.zeros(2 * spec.num_layers * per_tensor + _ALIGN, dtype=np.uint8))
+    start = -raw.data_ptr() % _ALIGN
+    flat = raw[start : start + 2 * spec.num_layers * per_tensor].view(spec.dtype).view(2 * spec.num_layers, *shape)
+    return [(flat[2 * i], flat[2 * i + 1]) for i in range(spec.num_layers)]

@@ -32,7 +32,7 @@ from asyncllm.worker.cuda_graph import CudaGraphRunner
 from asyncllm.worker.device import ResolvedModel
 from asyncllm.worker.gemm_layout import tune_weight_layouts
 from asyncllm.worker.input_batch import InputBuffers
-from asyncllm.worker.kv_cache import KVCacheSpec, allocate_kv_cache, blocks_for_budget
+from asyncllm.worker.kv_cache import KVCacheSpec, allocate_kv_cache, blocks_for_budget, cpu_kv_blocks
 from asyncllm.worker.memory import measure_graph_memory, profile_kv_budget_bytes
 from asyncllm.worker.model_runner import ModelRunner
 from asyncllm.worker.threads import apply_num_threads, resolve_num_threads
@@ -139,7 +139,7 @@ class WorkerSetup:
         max_useful = sched.max_num_seqs * -(-max_model_len // cache.block_size)
         device = self.resolved.device
         if device.type == "cpu":
-            return blocks_for_budget(self.kv_spec, int(cache.cpu_kv_cache_gib * 2**30), max_useful)
+            return cpu_kv_blocks(self.kv_spec, cache.cpu_kv_cache_gib, max_model_len, max_useful)
         start = time.perf_counter()
         budget = profile_kv_budget_bytes(
             loaded.model,
