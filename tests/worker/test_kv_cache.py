@@ -45,11 +45,16 @@ def test_cpu_cache_is_zeros_in_disjoint_aligned_layers(dtype: torch.dtype) -> No
 
 def test_cpu_cache_is_resident_only_once_written() -> None:
     """Regression: torch.zeros wrote every byte of the 1 GiB default at start-up (seconds, and 1 GiB resident
-    before any request)."""
+    before any request); then numpy's calloc asked for transparent huge pages, and a first token committed
+    2 MiB of each layer's keys and values (118 MiB for SmolLM2)."""
     spec = KVCacheSpec(num_layers=4, num_kv_heads=4, head_dim=64, block_size=16, dtype=torch.float32)
     num_blocks = 2**28 // spec.bytes_per_block  # 256 MiB
     before = _rss_bytes()
     caches = allocate_kv_cache(spec, num_blocks, torch.device("cpu"))
     assert _rss_bytes() - before < 32 * 2**20
-    caches[0][0][:8].fill_(1.0)
-    assert float(caches[0][0][:8].sum()) == 8 * 16 * 4 * 64
+    before = _rss_bytes()
+    for k, v in caches:  # one block of every layer, as a first token writes
+        k[num_blocks // 2].fill_(1.0)
+        v[num_blocks // 2].fill_(1.0)
+    assert _rss_bytes() - before < 4 * 2**20  # 8 blocks of 16 KiB, in 4 KiB pages; huge pages: 16 MiB
+    assert float(caches[0][0][num_blocks // 2].sum()) == 16 * 4 * 64

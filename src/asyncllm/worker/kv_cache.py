@@ -1,12 +1,13 @@
 """Sizing and allocating the paged KV cache.
 
 On CUDA the cache takes what `gpu_memory_utilization` leaves after weights and a profiled peak activation;
-on CPU `cpu_kv_cache_gib`, by default one full-length sequence's worth within [1/4, 1] GiB. Either way it is capped at
-what `max_num_seqs` full-length sequences could use.
+on CPU `cpu_kv_cache_gib`, by default one full-length sequence's worth within [1/4, 1] GiB. Either way it is
+capped at what `max_num_seqs` full-length sequences could use.
 """
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -62,13 +63,13 @@ def allocate_kv_cache(
     """Per layer (key, value), each [num_blocks, block_size, num_kv_heads, head_dim].
 
     Zero-filled: the torch reference reads padded rows under a mask, and 0 * NaN from garbage memory would
-    still poison the result. On CPU the zeros come from calloc (through numpy): the kernel maps zero pages on
-    first touch, so the cache costs resident memory only as blocks are written, and nothing at start-up
-    (torch.zeros writes every byte: ~3 s and 1 GiB resident for the old 1 GiB default).
+    still poison the result. On CPU the zeros are an anonymous mapping's: the kernel backs a page only when it
+    is first written, so the cache costs resident memory as blocks fill, and nothing at start-up (torch.zeros
+    writes every byte: ~3 s and 1 GiB resident for the old 1 GiB default).
     """
     shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
     if device.type == "cpu":
-        return _calloc_cache(spec, shape)
+        return _zero_pages_cache(spec, shape)
     return [
         (
             torch.zeros(shape, dtype=spec.dtype, device=device),
@@ -78,14 +79,18 @@ def allocate_kv_cache(
     ]
 
 
-_ALIGN = 64  # bytes: a cache line, and what torch's own CPU allocator gives
-
-
-def _calloc_cache(spec: KVCacheSpec, shape: tuple[int, int, int, int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    import numpy as np
-
+def _zero_pages_cache(spec: KVCacheSpec, shape: tuple[int, int, int, int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One anonymous mapping for every layer's keys and values: the kernel's zero pages until written. Small
+    pages only: with transparent huge pages a first write would commit 2 MiB of each of the 2 x num_layers
+    tensors at once (numpy's calloc asks for huge pages: +118 MiB for SmolLM2's first token)."""
     per_tensor = spec.bytes_per_block // (2 * spec.num_layers) * shape[0]
-    raw = torch.from_numpy(np.zeros(2 * spec.num_layers * per_tensor + _ALIGN, dtype=np.uint8))
-    start = -raw.data_ptr() % _ALIGN
-    flat = raw[start : start + 2 * spec.num_layers * per_tensor].view(spec.dtype).view(2 * spec.num_layers, *shape)
+    size = 2 * spec.num_layers * per_tensor
+    if hasattr(mmap, "MAP_PRIVATE"):  # POSIX: private, not the default shared (shmem-backed) mapping
+        buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    else:
+        buffer = mmap.mmap(-1, size)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # Linux
+        buffer.madvise(mmap.MADV_NOHUGEPAGE)
+    # The tensors hold the mapping (through its buffer) and free it with the last of them.
+    flat = torch.frombuffer(buffer, dtype=torch.uint8).view(spec.dtype).view(2 * spec.num_layers, *shape)
     return [(flat[2 * i], flat[2 * i + 1]) for i in range(spec.num_layers)]
