@@ -44,7 +44,7 @@ def engine_part(threads: int | None, reference_draw: bool, repeats: int) -> dict
     out: dict[str, object] = {
         "build_s": round(time.perf_counter() - start, 2),
         "phases_s": {k: round(v, 2) for k, v in llm.runtime.startup_seconds},
-        "num_threads": llm.runtime.num_threads,
+        "num_threads": getattr(llm.runtime, "num_threads", None),  # absent before issue 23
         "kv_cache_tokens": llm.runtime.kv_capacity_tokens,
         "rss_after_build_mib": rss_mib(),
     }
