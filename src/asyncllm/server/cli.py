@@ -34,6 +34,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--served-model-name", default=None, help="the model name clients send (default: the checkpoint's name)"
     )
     server.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template (a file, or the text itself) replacing the model's own, e.g. one that lists tools",
+    )
+    server.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"]
     )
     add_engine_args(parser.add_argument_group("engine (every AsyncLLMEngine argument; see asyncllm.config)"))
@@ -68,7 +73,17 @@ def run(args: argparse.Namespace) -> int:
     except (TypeError, ValueError) as exc:
         print(f"asyncllm: {exc}", file=sys.stderr)
         return 1
-    app = create_app(model, served_model_name=args.served_model_name, api_key=args.api_key, engine_args=engine_args)
+    chat_template = args.chat_template
+    if chat_template is not None and os.path.isfile(chat_template):
+        with open(chat_template, encoding="utf-8") as f:
+            chat_template = f.read()
+    app = create_app(
+        model,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key,
+        engine_args=engine_args,
+        chat_template=chat_template,
+    )
     # loop="auto" takes uvloop when installed; the engine is built in the app's lifespan, before binding.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, loop="auto")
     server = uvicorn.Server(config)
