@@ -17,32 +17,11 @@ from asyncllm.async_engine.chat_session import check_chat
 from asyncllm.errors import InvalidRequestError, UnsupportedModelError
 from asyncllm.parsing import ReasoningParser, ReasoningTags, merge_tool_call_deltas
 from tests.async_engine.conftest import wait_drained
+from tests.fixtures.chat_templates import HERMES, THINKING
 from tests.fixtures.tiny_models import build_checkpoint
 
 # Tool schemas take many tokens of the tiny tokenizer: a checkpoint with room for them.
 ENGINE_ARGS: dict[str, Any] = dict(device="cpu", dtype="float32", block_size=8, num_kv_blocks=512, seed=3)
-# Qwen2.5's shape, cut down: tools listed in the system turn, calls as <tool_call> JSON, answers as user turns.
-HERMES = """\
-{%- if tools %}<|im_start|>system
-You may call these tools:
-<tools>
-{%- for t in tools %}
-{{ t | tojson }}
-{%- endfor %}
-</tools>
-Call one as <tool_call>
-{"name": <name>, "arguments": <arguments>}
-</tool_call><|im_end|>
-{% endif %}
-{%- for m in messages %}<|im_start|>{{ 'user' if m.role == 'tool' else m.role }}
-{% if m.role == 'tool' %}<tool_response>{{ m.content }}</tool_response>{% else %}{{ m.content }}{% endif %}
-{%- for c in m.tool_calls or [] %}<tool_call>
-{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}
-</tool_call>{% endfor %}<|im_end|>
-{% endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
-THINKING = HERMES.replace("<|im_start|>assistant\n{% endif %}", "<|im_start|>assistant\n<think>\n{% endif %}")
 WEATHER = {
     "type": "object",
     "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["c", "f"]}},

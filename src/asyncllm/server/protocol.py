@@ -26,6 +26,7 @@ class StreamOptions(_Strict):
 class ToolCallFunction(_Strict):
     name: str
     arguments: str  # JSON text, as OpenAI returns it
+    parsed_arguments: Any = None  # the openai client's `parse()` adds it when a reply is sent back: ignored
 
 
 class MessageToolCall(_Strict):
@@ -52,6 +53,8 @@ class ChatMessage(_Strict):
     refusal: str | None = None
     audio: Any = None
     function_call: Any = None
+    annotations: list[Any] | None = None  # citations about the content: change nothing
+    parsed: Any = None  # the openai client's `parse()` of the content, sent back with it: ignored
 
 
 class _SamplingRequest(_Strict):
