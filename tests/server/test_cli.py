@@ -47,6 +47,16 @@ def test_serve_a_checkpoint_from_the_command_line(tiny_model: Path) -> None:
     assert "Traceback" not in err, err[-3000:]
 
 
+def test_chat_template_flag_takes_a_file_or_the_text(tmp_path: Path) -> None:
+    from asyncllm.server.cli import build_parser, read_chat_template
+
+    path = tmp_path / "tools.jinja"
+    path.write_text("{{ messages[0].content }}", encoding="utf-8")
+    args = build_parser().parse_args(["m", "--chat-template", str(path)])
+    assert read_chat_template(args.chat_template) == "{{ messages[0].content }}"
+    assert read_chat_template("{{ x }}") == "{{ x }}" and read_chat_template(None) is None
+
+
 def test_bad_arguments_fail_cleanly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", str(tmp_path / "nowhere")]) == 1
     assert "nowhere" in capsys.readouterr().err

@@ -51,7 +51,12 @@ async def plan_chat_request(
         )
     except UnsupportedModelError as exc:  # no template, or tools offered to a model with no known call format
         if tools.active:
-            raise OpenAIError(f"{exc}; start the server with a chat_template that lists tools", param="tools") from None
+            raise OpenAIError(
+                "this model's chat template shows no tool-call format asyncllm can parse (Hermes/Qwen <tool_call>, "
+                "Llama 3 JSON, Mistral [TOOL_CALLS]): send no tools (or tool_choice 'none'), or serve the model "
+                "with a chat template that lists tools (asyncllm serve --chat-template)",
+                param="tools",
+            ) from None
         raise OpenAIError(f"{exc}; use /v1/completions with a prompt instead", param="messages") from None
     except InvalidRequestError as exc:
         raise _named(exc) from None

@@ -44,6 +44,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser.add_argument_group("engine (every AsyncLLMEngine argument; see asyncllm.config)"))
 
 
+def read_chat_template(value: str | None) -> str | None:
+    """`--chat-template`: the text of the file it names, or else the Jinja text itself."""
+    if value is None or not os.path.isfile(value):
+        return value
+    with open(value, encoding="utf-8") as f:
+        return f.read()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncllm serve", description="OpenAI-compatible HTTP server.")
     add_serve_arguments(parser)
@@ -73,10 +81,7 @@ def run(args: argparse.Namespace) -> int:
     except (TypeError, ValueError) as exc:
         print(f"asyncllm: {exc}", file=sys.stderr)
         return 1
-    chat_template = args.chat_template
-    if chat_template is not None and os.path.isfile(chat_template):
-        with open(chat_template, encoding="utf-8") as f:
-            chat_template = f.read()
+    chat_template = read_chat_template(args.chat_template)
     app = create_app(
         model,
         served_model_name=args.served_model_name,
