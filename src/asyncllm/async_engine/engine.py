@@ -184,9 +184,9 @@ class AsyncLLMEngine:
     ) -> ChatStream:
         """`async for chunk in engine.chat(messages, params, tools=..., tool_choice=...)`: the reply as
         `ChatChunk`s (`text`, `reasoning_text`, `tool_calls` deltas, `finish_reason`; "tool_calls" when it
-        called tools). `tools`: OpenAI function tools; `tool_choice`: "auto", "none" (tools left out of the
-        prompt), "required" or `{"type": "function", "function": {"name": ...}}` (the last two force calls
-        through a grammar); `parallel_tool_calls=False`: one call at most. `chat_template` replaces the
+        called tools). `tools`: OpenAI function tools; `tool_choice`: "auto", "none" (the prompt lists the
+        tools, the reply is text), "required" or `{"type": "function", "function": {"name": ...}}` (the last
+        two force calls through a grammar); `parallel_tool_calls=False`: one call at most. `chat_template` replaces the
         model's template, `chat_template_kwargs` adds variables to it. Bad messages, tools or params raise
         `InvalidRequestError` here; what needs the template raises from the first chunk (see `ChatStream`).
         Leaving the stream early aborts it."""

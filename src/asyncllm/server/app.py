@@ -42,12 +42,14 @@ def create_app(
     served_model_name: str | None = None,
     api_key: str | None = None,
     engine_args: dict[str, Any] | None = None,
+    chat_template: str | None = None,
 ) -> FastAPI:
     """The app serving one model under `served_model_name` (default: the checkpoint's name).
 
     `engine_or_model`: a running `AsyncLLMEngine` (mount the app anywhere; closing the engine stays
     yours), or a checkpoint path, built with `engine_args` in the app's lifespan and closed with it.
     `api_key`: when set, every endpoint but /health needs `Authorization: Bearer <api_key>`.
+    `chat_template`: Jinja text that replaces the model's own chat template (one that lists tools, say).
     """
     if isinstance(engine_or_model, (str, os.PathLike)):
         model: str | None = os.fspath(engine_or_model)
@@ -59,7 +61,9 @@ def create_app(
         name = served_model_name or (default_served_name(config.model) if config is not None else "asyncllm")
     if engine_args and given is not None:
         raise TypeError("engine_args apply to a model path only: this engine is already built")
-    state = ServerState(name, ServerMetrics(lambda: state.stats(), name))
+    if chat_template is not None and (not isinstance(chat_template, str) or not chat_template.strip()):
+        raise ValueError(f"chat_template must be non-empty Jinja text, got {chat_template!r}")
+    state = ServerState(name, ServerMetrics(lambda: state.stats(), name), chat_template=chat_template)
     if given is not None:
         state.attach(given)
 

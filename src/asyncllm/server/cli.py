@@ -25,6 +25,7 @@ from asyncllm.console import (
     EXIT_OK,
     EXIT_USAGE,
     LOG_LEVELS,
+    chat_template_arg,
     configure_logging,
     report,
     report_error,
@@ -57,6 +58,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--served-model-name",
         default=None,
         help=f"the model name clients send (default: the checkpoint's name; {DEFAULT_SERVED_NAME!r} for the built-in)",
+    )
+    server.add_argument(
+        "--chat-template",
+        default=None,
+        type=chat_template_arg,
+        help="a Jinja chat template (a file, or the text itself) replacing the model's own, e.g. one that lists tools",
     )
     server.add_argument(
         "--log-level", default="info", choices=LOG_LEVELS, help="start-up banner and one line per request at info"
@@ -128,7 +135,7 @@ def _serve(engine: AsyncLLMEngine, model: str, args: argparse.Namespace, sock: s
     from asyncllm.server.listen import Server
 
     name = served_model_name(args)
-    app = create_app(engine, served_model_name=name, api_key=args.api_key)
+    app = create_app(engine, served_model_name=name, api_key=args.api_key, chat_template=args.chat_template)
     engine_seconds = sum(seconds for _, seconds in engine.runtime.startup_seconds)
 
     def started() -> None:

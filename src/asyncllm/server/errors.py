@@ -55,11 +55,14 @@ def invalid_request(
     exc: InvalidRequestError, param: str | None = None, renames: dict[str, str] | None = None
 ) -> OpenAIError:
     """400 for an engine-side `InvalidRequestError`; a SamplingParams field names itself (renamed to its
-    OpenAI name, e.g. max_tokens -> max_completion_tokens), else `param` is the request field at fault."""
-    match = _SAMPLING_FIELD.search(str(exc))
+    OpenAI name, e.g. max_tokens -> max_completion_tokens, in the param and the text), else `param` is the
+    request field at fault."""
+    message = str(exc)
+    match = _SAMPLING_FIELD.search(message)
     if match is not None:
         param = (renames or {}).get(match.group(1), match.group(1))
-    return OpenAIError(str(exc), param=param)
+        message = message[: match.start()] + param + message[match.end(1) :]  # the request's own vocabulary
+    return OpenAIError(message, param=param)
 
 
 def engine_dead(exc: EngineDeadError) -> OpenAIError:

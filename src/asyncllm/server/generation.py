@@ -20,6 +20,7 @@ from asyncllm.server.errors import invalid_request
 from asyncllm.server.metrics import RequestTracker, ServerMetrics
 
 Prompt = str | list[int]
+MergedOutputs = AsyncGenerator[tuple[int, StreamOutput], None]  # (choice index, its next output)
 
 
 class RequestStream(Protocol):
@@ -89,7 +90,7 @@ def _close_all(streams: Sequence[RequestStream]) -> None:
         stream.close()  # synchronous and idempotent: the abort is in the engine's inbox on return
 
 
-async def merged(sub: Submission) -> AsyncGenerator[tuple[int, StreamOutput], None]:
+async def merged(sub: Submission) -> MergedOutputs:
     """(choice index, chunk) from every stream as chunks arrive, until each has ended.
 
     Leaving early in any way closes every unfinished stream; an engine failure raises `EngineDeadError`.
@@ -130,6 +131,28 @@ async def merged(sub: Submission) -> AsyncGenerator[tuple[int, StreamOutput], No
         for task in tasks:
             task.cancel()
         sub.close()
+
+
+async def first_read(sub: Submission) -> MergedOutputs:
+    """`merged(sub)` with its first output already read, so that what the engine checks off the loop (a
+    text prompt's length once tokenized, an output constraint's compile) raises here, before a streamed
+    response commits to a status. Closing what it returns closes `merged(sub)`."""
+    outputs = merged(sub)
+    try:
+        first = await outputs.__anext__()
+    except BaseException:
+        await outputs.aclose()
+        raise
+    return _after(first, outputs)
+
+
+async def _after(first: tuple[int, StreamOutput], rest: MergedOutputs) -> MergedOutputs:
+    try:
+        yield first
+        async for item in rest:
+            yield item
+    finally:
+        await rest.aclose()
 
 
 async def collect(sub: Submission) -> list[OutputAccumulator]:

@@ -39,7 +39,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     sub = submit(engine, prompts, params, request_id, state.metrics, prompt_param="prompt")
     top_k = body.logprobs
     if body.stream:
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
         return SSEResponse(_events(sub, head, top_k, state.token_strings, include_usage), on_close=sub.close)
     try:
         results = await cancel_on_disconnect(request, collect(sub))
