@@ -201,7 +201,9 @@ class AsyncLLMEngine:
             chat_template=chat_template,
             chat_template_kwargs=chat_template_kwargs,
             request_id=request_id,
-            architecture=None,  # the runtime facts do not name it yet: the template's markers decide
+            # The template's markers decide, not `runtime.architecture`: a Llama architecture (SmolLM2, say) does
+            # not mean a template that shows the model its tools, nor Llama 3's call format.
+            architecture=None,
         )
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
