@@ -9,9 +9,10 @@ Requests rank by priority (lower first), then arrival: the waiting queue admits 
 (`waiting_queue.py`) and the running list is kept in it. When blocks run out, the lowest-ranked running
 request is preempted (its KV is dropped and recomputed later; with one priority, the most recently
 admitted); a waiting request that outranks running ones and finds no seat or memory preempts the
-lowest-ranked of them before the step is planned (vLLM's priority policy). So the best-ranked live request
-is never a victim and progresses every step: a request waits only for those ranked before it. Plain
-Python, deterministic: the same calls give the same schedule.
+lowest-ranked of them before the step is planned (vLLM's priority policy). So no request is passed by a
+worse-ranked one or preempted for one: it waits only for those ranked before it (and for the step's token
+budget, which running requests use first, as they always did). Plain Python, deterministic: the same
+calls give the same schedule.
 """
 
 from __future__ import annotations
