@@ -36,6 +36,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"]
     )
+    server.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM, how long requests in flight may run on while new ones get 503; then they are "
+        "aborted and the server exits (default: 30)",
+    )
     add_engine_args(parser.add_argument_group("engine (every AsyncLLMEngine argument; see asyncllm.config)"))
 
 
@@ -59,8 +67,12 @@ def run(args: argparse.Namespace) -> int:
         import uvicorn
 
         from asyncllm.server.app import create_app
+        from asyncllm.server.drain import DrainingServer
     except ImportError as exc:
         print(f"asyncllm: the server needs its extra: pip install 'asyncllm[server]' ({exc})", file=sys.stderr)
+        return 1
+    if not args.drain_timeout >= 0:  # NaN too
+        print(f"asyncllm: --drain-timeout {args.drain_timeout} is invalid: give seconds >= 0", file=sys.stderr)
         return 1
     engine_args = engine_args_from(args, engine_arg_specs())
     try:
@@ -71,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(model, served_model_name=args.served_model_name, api_key=args.api_key, engine_args=engine_args)
     # loop="auto" takes uvloop when installed; the engine is built in the app's lifespan, before binding.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, loop="auto")
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, app.state.asyncllm, drain_timeout=args.drain_timeout)
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn shut down gracefully, then re-raised Ctrl-C
         server.run()
     return 0 if server.started else 1  # a failed startup (e.g. the model failed to load) never started
