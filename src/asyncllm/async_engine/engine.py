@@ -218,18 +218,20 @@ class AsyncLLMEngine:
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         request_id: str | None = None,
+        priority: int = 0,
     ) -> ChatStream:
         """`async for chunk in engine.chat(messages, params, tools=..., tool_choice=...)`: the reply as
         `ChatChunk`s (`text`, `reasoning_text`, `tool_calls` deltas, `finish_reason`; "tool_calls" when it
         called tools). `tools`: OpenAI function tools; `tool_choice`: "auto", "none" (tools left out of the
         prompt), "required" or `{"type": "function", "function": {"name": ...}}` (the last two force calls
         through a grammar); `parallel_tool_calls=False`: one call at most. `chat_template` replaces the
-        model's template, `chat_template_kwargs` adds variables to it. Bad messages, tools or params raise
-        `InvalidRequestError` here; what needs the template raises from the first chunk (see `ChatStream`).
-        Leaving the stream early aborts it."""
+        model's template, `chat_template_kwargs` adds variables to it; `priority` as in `add_request`. Bad
+        messages, tools, params or priority raise `InvalidRequestError` here; what needs the template raises
+        from the first chunk (see `ChatStream`). Leaving the stream early aborts it."""
+        priority = self._input_processor.check_priority(priority)
         return open_chat(
             self.tokenizer,
-            self.add_request,
+            functools.partial(self.add_request, priority=priority),
             messages,
             params,
             tools=tools,
