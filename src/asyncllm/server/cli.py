@@ -1,4 +1,4 @@
-"""`asyncllm serve [MODEL] [--host --port --api-key --served-model-name] [every engine argument]`.
+"""`asyncllm serve [MODEL] [--host --port --api-key --served-model-name --drain-timeout] [every engine argument]`.
 
 Owns the server's command line and running uvicorn (uvloop when installed). Parsing imports neither
 FastAPI nor torch, so `asyncllm serve --help` is instant and works without the `server` extra installed.
