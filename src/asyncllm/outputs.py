@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from asyncllm.errors import InvalidRequestError
+from asyncllm.errors import AsyncLLMError, InvalidRequestError
 
 FinishReason = Literal["stop", "length", "abort"]
 # Per generated token, when SamplingParams.logprobs is set: {token id: log-probability} holding the sampled
@@ -82,7 +82,7 @@ class OutputAccumulator:
         self.logprobs: list[TokenLogprobs] | None = None  # only for requests that asked for them
         self.finish_reason: FinishReason | None = None
         self.metrics: RequestMetrics | None = None  # set with the finish reason
-        self.error: str | None = None  # why this request alone failed, from its final delta
+        self.error: str | AsyncLLMError | None = None  # why this request alone failed (see `request_error`)
         self.finished = False  # a final delta was added (or the owner ended it): later deltas are ignored
 
     def add(
@@ -92,7 +92,7 @@ class OutputAccumulator:
         logprobs: Sequence[TokenLogprobs] | None,
         finish_reason: FinishReason | None = None,
         metrics: RequestMetrics | None = None,
-        error: str | None = None,
+        error: str | AsyncLLMError | None = None,
     ) -> None:
         """Join one delta (the fields by position: the stream's mailbox calls this per request per step)."""
         if self.finished:
@@ -140,9 +140,9 @@ class OutputAccumulator:
 
     def result(self, request_id: str, prompt_token_ids: list[int]) -> RequestOutput:
         """The whole output, once every delta was added (and none taken); raises `InvalidRequestError` for a
-        request that failed alone, as its stream does."""
+        request that failed alone (or `RequestFailedError`, see `request_error`), as its stream does."""
         if self.error is not None:
-            raise InvalidRequestError(self.error)
+            raise request_error(self.error)
         return RequestOutput(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
@@ -152,3 +152,14 @@ class OutputAccumulator:
             metrics=self.metrics,
             logprobs=self.logprobs,
         )
+
+
+def request_error(error: str | AsyncLLMError) -> AsyncLLMError:
+    """What a request that failed alone raises (a fresh instance per reader, so tracebacks stay apart): a
+    str says what was wrong with the request (`InvalidRequestError`); an error instance is raised as its own
+    kind, cause kept (`RequestFailedError`: the engine failed that request)."""
+    if isinstance(error, str):
+        return InvalidRequestError(error)
+    fresh = type(error)(*error.args)
+    fresh.__cause__ = error.__cause__
+    return fresh

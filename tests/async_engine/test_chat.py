@@ -323,3 +323,11 @@ def test_chat_runs_on_trio(engine: AsyncLLMEngine) -> None:
     text, finish = trio.run(main)
     assert finish in ("stop", "length") and isinstance(text, str)
     asyncio.run(wait_drained(engine, timeout=10))
+
+
+async def test_chat_takes_a_priority(engine: AsyncLLMEngine) -> None:
+    """`engine.chat(..., priority=...)` reaches the request (issue 22); a bad one is refused at the call."""
+    with pytest.raises(InvalidRequestError, match=r"priority='urgent' is invalid"):
+        engine.chat(ASK, SamplingParams(max_tokens=2), priority="urgent")  # type: ignore[arg-type]
+    chunks = [c async for c in engine.chat(ASK, SamplingParams(max_tokens=3, ignore_eos=True), priority=-2)]
+    assert chunks[-1].finish_reason == "length"

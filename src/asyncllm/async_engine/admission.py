@@ -32,14 +32,17 @@ _MAX_BATCH = 64  # texts tokenized per call: large enough to amortise, small eno
 
 
 class _Job:
-    __slots__ = ("arrival_time", "cancelled", "params", "prompt", "ready", "request", "slot")
+    __slots__ = ("arrival_time", "cancelled", "params", "priority", "prompt", "ready", "request", "slot")
 
-    def __init__(self, slot: OutputSlot, request: Request | None, prompt: str, params: SamplingParams, t: float):
+    def __init__(
+        self, slot: OutputSlot, request: Request | None, prompt: str, params: SamplingParams, t: float, priority: int
+    ) -> None:
         self.slot = slot
         self.request = request  # None until the worker has tokenized `prompt`
         self.prompt = prompt
         self.params = params
         self.arrival_time = t
+        self.priority = priority
         self.cancelled = False  # ended here (aborted): the worker drops it
         # Nothing left for the worker: a built request without an output constraint to compile.
         self.ready = request is not None and params.structured is None
@@ -71,12 +74,14 @@ class Admission:
             if request.params.structured is None and not self._queue:
                 self._client.add_request(request, slot)  # under the lock: the worker cannot pass it
                 return
-            self._enqueue(_Job(slot, request, "", request.params, request.arrival_time))
+            self._enqueue(_Job(slot, request, "", request.params, request.arrival_time, request.priority))
 
-    def submit_text(self, slot: OutputSlot, prompt: str, params: SamplingParams, arrival_time: float) -> None:
+    def submit_text(
+        self, slot: OutputSlot, prompt: str, params: SamplingParams, arrival_time: float, priority: int
+    ) -> None:
         """A text prompt that passed the cheap checks: tokenized and checked on the worker thread."""
         with self._cond:
-            self._enqueue(_Job(slot, None, prompt, params, arrival_time))
+            self._enqueue(_Job(slot, None, prompt, params, arrival_time, priority))
 
     def abort(self, slot: OutputSlot) -> None:
         """Any thread, idempotent. A request still here ends at once with "abort" and never reaches the core."""
@@ -153,7 +158,9 @@ class Admission:
         ip, rid = self._input_processor, job.slot.request_id
         failure = ("tokenizing", "the tokenizer failed on this prompt")
         try:
-            request = job.request or ip.make_request(rid, job.prompt, job.params, job.arrival_time, encoded)
+            request = job.request or ip.make_request(
+                rid, job.prompt, job.params, job.arrival_time, encoded, priority=job.priority
+            )
             failure = ("compiling the output constraint of", "compiling this request's output constraint failed")
             ip.check_constraint(request.params)
             return request, None

@@ -15,8 +15,8 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from asyncllm.async_engine.loops import EventLoop
-from asyncllm.errors import EngineDeadError, InvalidRequestError
-from asyncllm.outputs import OutputAccumulator, StreamOutput
+from asyncllm.errors import EngineDeadError
+from asyncllm.outputs import OutputAccumulator, StreamOutput, request_error
 
 if TYPE_CHECKING:
     from asyncllm.core.output_processor import RequestDelta
@@ -41,7 +41,7 @@ class OutputSlot(OutputAccumulator):
     def take_or_wait(self) -> StreamOutput | Any:
         """Consumer, on the slot's loop: the merged unread chunk, or a waiter the next wake-up resolves.
 
-        Raises EngineDeadError, or InvalidRequestError, once only that error is left.
+        Raises EngineDeadError, or the request's own error (`request_error`), once only that error is left.
         """
         with self.mailbox.lock:
             out = self._take_locked()
@@ -61,7 +61,7 @@ class OutputSlot(OutputAccumulator):
         if out is not None:
             return out
         if self.error is not None:  # this request failed alone: what it had was read first, now the error
-            raise InvalidRequestError(self.error)
+            raise request_error(self.error)
         if self.dead is not None:
             message, cause = self.dead
             raise EngineDeadError(message) from cause  # a fresh instance per stream: tracebacks stay apart

@@ -8,6 +8,7 @@ outputs); `close` from any thread. Knows nothing of the core nor of the loop lib
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from asyncllm.errors import EngineDeadError
@@ -27,6 +28,12 @@ class OutputRouter:
     def is_live(self, slot: OutputSlot) -> bool:
         """`slot` is still its id's live request: not finished, not ended by a failure or shutdown."""
         return self._live.get(slot.request_id) is slot
+
+    def started(self, request_ids: Sequence[str]) -> None:
+        """These requests' first step was planned: they stop counting against `max_waiting_requests`. A
+        client reports them before routing the outputs of the same steps (a request may start and end in one)."""
+        if request_ids:
+            self._live.started(request_ids)
 
     def route(self, deltas: list[RequestDelta]) -> list[OutputSlot]:
         """One step's outputs to their streams (those of requests no longer live are dropped); a request

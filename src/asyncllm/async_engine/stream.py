@@ -15,7 +15,7 @@ import weakref
 from collections.abc import Callable
 
 from asyncllm.async_engine.mailbox import OutputSlot
-from asyncllm.errors import EngineDeadError, InvalidRequestError, StreamInUseError
+from asyncllm.errors import AsyncLLMError, StreamInUseError
 from asyncllm.outputs import OutputAccumulator, RequestOutput, StreamOutput
 
 
@@ -32,7 +32,7 @@ class RequestStream:
 
     One task reads a stream at a time: a second reader raises `StreamInUseError`. A request that failed
     alone (its prompt turned out too long once tokenized, say) raises `InvalidRequestError` after the
-    chunks it produced.
+    chunks it produced, and `RequestFailedError` when the engine failed it (not the caller's fault).
     """
 
     def __init__(self, slot: OutputSlot, abort: Callable[[OutputSlot], None]) -> None:
@@ -82,7 +82,7 @@ class RequestStream:
                 raise StopAsyncIteration
             try:
                 out = slot.take_or_wait()
-            except (EngineDeadError, InvalidRequestError):
+            except AsyncLLMError:  # the engine died, or this request failed alone: it has ended
                 self._end()
                 raise
             if isinstance(out, StreamOutput):

@@ -84,6 +84,9 @@ class EngineCore:
         self.async_scheduling = async_scheduling
         self._in_flight: _Submitted | None = None
         self.last_step_idle = False
+        # Requests whose first step the last `step()` planned (their prompt started computing): the async
+        # front stops counting them as waiting. Replaced by every call, so nobody has to read it.
+        self.last_started: tuple[str, ...] = ()
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -122,6 +125,7 @@ class EngineCore:
         request gets no token from that step (tokens of requests finished after planning are dropped) and
         its blocks are freed exactly once.
         """
+        self.last_started = ()
         submitted = self._submit_next()
         ready = [self._in_flight] if self._in_flight is not None else []
         self._in_flight = None
@@ -154,6 +158,8 @@ class EngineCore:
             self.block_manager.discard_pending()
             raise
         self.num_steps += 1
+        if scheduled.new_requests:
+            self.last_started = tuple(new.request_id for new in scheduled.new_requests)
         counts = StepCounts(scheduled.num_batched_tokens - decode, decode)
         return _Submitted(scheduled, result, self.block_manager.pending_mark(), counts)
 

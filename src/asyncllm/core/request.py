@@ -32,6 +32,9 @@ class Request:
     arrival_time: float
     max_tokens: int  # resolved: params.max_tokens capped by max_model_len - prompt length
     eos_token_ids: frozenset[int] = frozenset()
+    priority: int = 0  # lower runs first (vLLM's convention)
+
+    arrival_index: int = 0  # set by the scheduler: requests added before this one (the order within a priority)
 
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from asyncllm import AsyncLLMEngine, SamplingParams, StreamOutput
-from asyncllm.errors import EngineDeadError, InvalidRequestError
+from asyncllm.errors import AsyncLLMError, InvalidRequestError
 from asyncllm.outputs import OutputAccumulator
 from asyncllm.server.errors import invalid_request
 from asyncllm.server.metrics import RequestTracker, ServerMetrics
@@ -93,7 +93,8 @@ def _close_all(streams: Sequence[RequestStream]) -> None:
 async def merged(sub: Submission) -> MergedOutputs:
     """(choice index, chunk) from every stream as chunks arrive, until each has ended.
 
-    Leaving early in any way closes every unfinished stream; an engine failure raises `EngineDeadError`.
+    Leaving early in any way closes every unfinished stream; an engine failure raises `EngineDeadError`, a
+    request that failed alone its own error (`InvalidRequestError`, `RequestFailedError`).
     """
     streams, trackers = sub.streams, sub.trackers
     tasks: list[asyncio.Task[None]] = []
@@ -109,7 +110,7 @@ async def merged(sub: Submission) -> MergedOutputs:
             try:
                 async for chunk in stream:
                     queue.put_nowait((index, chunk, None))
-            except Exception as exc:  # EngineDeadError; cancellation propagates (the stream aborts itself)
+            except Exception as exc:  # an AsyncLLMError; cancellation propagates (the stream aborts itself)
                 queue.put_nowait((index, None, exc))
 
         tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
@@ -123,7 +124,7 @@ async def merged(sub: Submission) -> MergedOutputs:
             if out.finish_reason is not None:
                 remaining -= 1
             yield index, out
-    except EngineDeadError:
+    except AsyncLLMError:  # counted as "error", not as a client that left
         for tracker in trackers:
             tracker.end("error")
         raise

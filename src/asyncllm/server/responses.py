@@ -11,9 +11,9 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from asyncllm.errors import EngineDeadError
+from asyncllm.errors import AsyncLLMError
 from asyncllm.outputs import OutputAccumulator, StreamOutput
-from asyncllm.server.errors import OpenAIError, engine_dead
+from asyncllm.server.errors import OpenAIError, engine_error
 from asyncllm.server.generation import MergedOutputs, Submission, merged, usage
 from asyncllm.server.streaming import DONE, sse
 
@@ -66,8 +66,8 @@ async def streamed_events(
         ):
             async for event in events:
                 yield event
-    except EngineDeadError as exc:  # headers are sent: the error travels as an event, as OpenAI does
-        yield sse(engine_dead(exc).body())
+    except AsyncLLMError as exc:  # headers are sent: the error travels as an event, as OpenAI does
+        yield sse(engine_error(exc).body())  # the engine died (503), failed this request (500), or refused it (400)
         return
     except Exception:
         logger.exception("asyncllm server: %s stream failed", endpoint)
