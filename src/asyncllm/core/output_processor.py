@@ -24,6 +24,10 @@ class RequestDelta:
     final (`finish_reason` is set too, "abort", and the core has freed the request), and its stream hands
     out the text and tokens it carries, then raises `InvalidRequestError(error)`. Every other request
     carries on. The message should say what was wrong with the request, in the caller's terms.
+
+    For a request of n > 1 samples (`core/sample_group.py`) `request_id` is the request's and `index` the
+    sample's; a sample's final delta says how many of its samples are still open (`open_samples`): the
+    request's output is final at 0, or with `error` (which ends every sample).
     """
 
     request_id: str
@@ -33,6 +37,8 @@ class RequestDelta:
     metrics: RequestMetrics | None = None
     logprobs: list[dict[int, float]] | None = None  # one per new token, when the request asked for them
     error: str | None = None
+    index: int = 0  # the sample (n > 1)
+    open_samples: int = 0  # on a sample's final delta: samples of its request still running
 
 
 class _TextState:
