@@ -25,7 +25,7 @@ from asyncllm.async_engine.ids import LiveRequests, check_request_id, new_reques
 from asyncllm.async_engine.inproc_client import Built, InProcClient
 from asyncllm.async_engine.loop_fanout import LoopFanout
 from asyncllm.async_engine.loops import current_loop_key, run_in_thread
-from asyncllm.async_engine.mailbox import OutputSlot
+from asyncllm.async_engine.mailbox import OutputSlot, new_slot
 from asyncllm.async_engine.router import OutputRouter
 from asyncllm.async_engine.stream import RequestStream, collect
 from asyncllm.chat import Message
@@ -135,10 +135,12 @@ class AsyncLLMEngine:
         if isinstance(prompt, str):
             text = (prompt, ip.check_params(params))
             ip.check_text(prompt, self._max_token_chars)
+            n = text[1].n
         else:
             request = ip.make_request(request_id, prompt, params, arrival)  # token ids: cheap, checked whole
+            n = request.params.n
         mailbox = self._fanout.attach(library, loop_key)
-        slot = OutputSlot(request_id, mailbox)
+        slot = new_slot(request_id, mailbox, n)
         try:
             self._live.register(request_id, slot)
         except BaseException:
