@@ -214,3 +214,9 @@ def test_bad_n_is_refused_naming_n(n: object, match: str) -> None:
 def test_best_of_is_not_offered() -> None:
     with pytest.raises(TypeError, match="best_of"):
         SamplingParams(best_of=2)  # type: ignore[call-arg]
+
+
+def test_chat_refuses_several_samples_naming_n(engine: AsyncLLMEngine) -> None:
+    """One chat reply is parsed at a time (reasoning, tool calls): n > 1 is refused rather than mixed."""
+    with pytest.raises(InvalidRequestError, match=r"SamplingParams\.n=2"):
+        engine.chat([{"role": "user", "content": "Hi"}], SamplingParams(n=2))

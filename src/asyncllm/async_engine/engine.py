@@ -30,7 +30,7 @@ from asyncllm.async_engine.router import OutputRouter
 from asyncllm.async_engine.stream import RequestStream, collect
 from asyncllm.chat import Message
 from asyncllm.config import EngineConfig
-from asyncllm.errors import EngineDeadError
+from asyncllm.errors import EngineDeadError, InvalidRequestError
 from asyncllm.input_processor import InputProcessor
 from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import SamplingParams
@@ -191,7 +191,10 @@ class AsyncLLMEngine:
         through a grammar); `parallel_tool_calls=False`: one call at most. `chat_template` replaces the
         model's template, `chat_template_kwargs` adds variables to it. Bad messages, tools or params raise
         `InvalidRequestError` here; what needs the template raises from the first chunk (see `ChatStream`).
-        Leaving the stream early aborts it."""
+        Leaving the stream early aborts it. One reply: `params.n` must be 1."""
+        if isinstance(params, SamplingParams) and params.n != 1:
+            # The chat parsers read one reply; n replies interleaved would be parsed as one.
+            raise InvalidRequestError(f"SamplingParams.n={params.n} is invalid here: engine.chat gives one reply (n=1)")
         return open_chat(
             self.tokenizer,
             self.add_request,

@@ -1,4 +1,5 @@
-"""OpenAI request parameters -> `SamplingParams`, one per sample (`n`), with errors naming the OpenAI field.
+"""OpenAI request parameters -> `SamplingParams` (chat: one per sample; completions: one with `n`), with
+errors naming the OpenAI field.
 
 Owns the mapping of names (max_completion_tokens, top_logprobs, ...) and of OpenAI's defaults onto the
 engine's. `SamplingParams` validates the values; its `InvalidRequestError` is turned into a 400 whose
@@ -46,7 +47,8 @@ def chat_sampling_params(request: ChatCompletionRequest) -> list[SamplingParams]
 
 
 def completion_sampling_params(request: CompletionRequest) -> list[SamplingParams]:
-    return _per_sample(request, request.max_tokens, request.logprobs, {})
+    """One `SamplingParams` with `n`: the samples run as one engine request (the prompt prefilled once)."""
+    return _per_sample(request, request.max_tokens, request.logprobs, {}, one_request=True)
 
 
 def _response_format(request: ChatCompletionRequest) -> dict[str, Any]:
@@ -68,14 +70,18 @@ def _per_sample(
     logprobs: int | None,
     renames: dict[str, str],
     constraint: dict[str, Any] | None = None,
+    one_request: bool = False,
 ) -> list[SamplingParams]:
-    """`n` samples of one prompt; with a seed, sample i gets seed + i: they differ and each is reproducible."""
+    """`n` samples of one prompt; with a seed, sample i gets seed + i: they differ and each is reproducible.
+    `one_request`: one SamplingParams with `n` (the engine derives the same seeds), else n of them."""
     if request.stream_options is not None and not request.stream:
         raise OpenAIError("stream_options is only allowed when stream is true", param="stream_options")
     kwargs: dict[str, Any] = {name: getattr(request, name) for name in _SAME_NAME if getattr(request, name) is not None}
     kwargs.update(max_tokens=max_tokens, stop=request.stop, logprobs=logprobs, **(constraint or {}))
+    if one_request:
+        kwargs["n"] = request.n
     out = []
-    for i in range(request.n):
+    for i in range(1 if one_request else request.n):
         seed = None if request.seed is None else request.seed + i
         try:
             out.append(SamplingParams(**kwargs, seed=seed))
