@@ -220,3 +220,26 @@ def test_chat_refuses_several_samples_naming_n(engine: AsyncLLMEngine) -> None:
     """One chat reply is parsed at a time (reasoning, tool calls): n > 1 is refused rather than mixed."""
     with pytest.raises(InvalidRequestError, match=r"SamplingParams\.n=2"):
         engine.chat([{"role": "user", "content": "Hi"}], SamplingParams(n=2))
+
+
+async def test_branching_mid_generation_reuses_the_parents_blocks(tiny_model: Path, engine: AsyncLLMEngine) -> None:
+    """The documented way to fork a running stream: a request for its prompt plus the tokens read so far.
+    With the prefix cache (the default) the parent's full blocks, registered as they fill, serve every full
+    block of the fork's prompt while the parent runs: the fork computes only its last partial block."""
+    cached = AsyncLLMEngine(str(tiny_model), **{**ENGINE_ARGS, "enable_prefix_caching": True})
+    try:
+        parent = cached.stream(PROMPT, SamplingParams(temperature=1.0, seed=1, max_tokens=200, ignore_eos=True))
+        read: list[int] = []
+        async for chunk in parent:
+            read += chunk.token_ids
+            if len(read) >= 10:
+                break
+        branch = [*PROMPT, *read]
+        greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        fork = await cached.generate(branch, greedy)
+        await parent.aclose()
+        assert fork.metrics is not None and fork.metrics.num_cached_tokens == (len(branch) - 1) // 4 * 4
+        assert fork.token_ids == (await engine.generate(branch, greedy)).token_ids  # the same as computed afresh
+        await wait_drained(cached)
+    finally:
+        cached.shutdown()

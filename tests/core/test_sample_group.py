@@ -7,6 +7,7 @@ sample reading a sibling's block that does not hold its prompt (or its own tail)
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter
 
@@ -275,3 +276,42 @@ def test_random_prompts_of_every_length_around_a_block_boundary() -> None:
         h.run()
         assert all(h.tokens["r", i] == h.expected("r") for i in range(3)), length
         assert h.core.stats().num_free_blocks == h.runtime.num_kv_blocks
+
+
+class _FailsOneSample(FakeExecutor):
+    """Reports that `victim` cannot go on (its constraint allows no token) the third time it samples."""
+
+    def __init__(self, runtime, victim: str) -> None:
+        super().__init__(runtime)
+        self.victim = victim
+        self.seen = 0
+
+    def execute_model(self, scheduled):
+        out = super().execute_model(scheduled)
+        rows = [s.request_id for s in scheduled.seqs if s.sample]
+        if self.victim in rows:
+            self.seen += 1
+            if self.seen == 3:
+                return dataclasses.replace(out, failed={rows.index(self.victim): "no token can continue"})
+        return out
+
+
+def test_a_sample_that_cannot_go_on_ends_the_whole_request_with_its_error() -> None:
+    h = Samples()
+    h.executor = _FailsOneSample(h.runtime, "r[1]")
+    h.core = make_engine_core(h.executor)
+    h.add("r", list(range(1, 10)), n=3, max_tokens=20, ignore_eos=True)
+    h.add("other", [4, 5, 6], n=1, max_tokens=8, ignore_eos=True)
+    deltas: list[RequestDelta] = []
+    while h.core.has_unfinished():
+        deltas += h.core.step()
+        h.check()
+    ends = [d for d in deltas if d.request_id == "r" and (d.finish_reason or d.error)]
+    assert [(d.index, d.finish_reason, d.error) for d in ends] == [
+        (0, "abort", None),
+        (2, "abort", None),
+        (1, "abort", "no token can continue"),
+    ]
+    assert [d.open_samples for d in ends] == [2, 1, 0]
+    assert sum(len(d.new_token_ids) for d in deltas if d.request_id == "other") == 8  # carries on
+    assert h.core.stats().num_free_blocks == h.runtime.num_kv_blocks
