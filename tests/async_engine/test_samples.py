@@ -243,3 +243,27 @@ async def test_branching_mid_generation_reuses_the_parents_blocks(tiny_model: Pa
         await wait_drained(cached)
     finally:
         cached.shutdown()
+
+
+async def test_a_prompt_too_long_once_tokenized_fails_every_sample(engine: AsyncLLMEngine) -> None:
+    stream = engine.stream("word " * 600, SamplingParams(n=3))  # too long: known once tokenized
+    with pytest.raises(InvalidRequestError, match="prompt has 1800 tokens"):
+        async for _ in stream:
+            pass
+    await wait_drained(engine)
+
+
+async def test_engine_death_reaches_a_stream_of_samples(make_engine: Any) -> None:
+    """Over the fake core (serial and overlapped): samples that ended keep their chunks, then the stream
+    raises EngineDeadError."""
+    from asyncllm import EngineDeadError
+
+    fake, built = make_engine(step_delay=0.002, max_model_len=4096)
+    stream = fake.stream([1, 5, 9], SamplingParams(n=3, max_tokens=4000, ignore_eos=True))
+    chunks = []
+    with pytest.raises(EngineDeadError):
+        async for chunk in stream:
+            chunks.append(chunk)
+            if len(chunks) == 6:
+                built.executor.fail_after_steps = built.executor.num_steps  # the next forward pass raises
+    assert {c.index for c in chunks} == {0, 1, 2} and not any(c.finished for c in chunks)
