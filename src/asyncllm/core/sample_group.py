@@ -1,20 +1,21 @@
-"""Several samples of one prompt (`SamplingParams.n` > 1): the prompt is prefilled once, its KV shared.
+"""Several samples of one prompt (`SamplingParams.n` > 1): the samples as requests of their own, the prompt
+blocks they share, and their deltas relabelled as the request's. Plain Python, like the rest of the core;
+knows nothing of streams, nor of how the runner computes KV.
 
-Each sample is a `Request` of its own, named `"{request_id}[{i}]"`, to the scheduler and the runner: its own
-seed, stops, length, grammar matcher and preemption. What the samples share is the prompt's KV: its full
-blocks but the one holding its last token (`num_shared_blocks`) are computed once, by the first sample
-admitted, and every other sample takes a reference on them (the block manager's ref counts, whatever the
-prefix-cache setting), then computes only the prompt's tail: 1 to `block_size` tokens, the last of which
-every sample must compute anyway, since its logits give that sample's first token. Recomputing the tail
-rather than copying the last partial block on the device keeps the runner and the step contract as they
-are (a copy would also need one row of logits drawn from n times with n seeds), and costs at most
-`block_size` tokens per sample beside a prompt computed once instead of n times. Each sample's first token
-is then drawn exactly as an independent request's.
+Each sample is a `Request` named `"{request_id}[{i}]"` to the scheduler and the runner: its own seed, stops,
+length, grammar matcher and preemption. What the samples share is the prompt's KV: its full blocks but the
+one holding its last token (`num_shared_blocks`) are computed once, by the first sample admitted, and every
+other sample takes a reference on them (the block manager's ref counts, whatever the prefix-cache setting),
+then computes only the prompt's tail: 1 to `block_size` tokens, the last of which every sample must compute
+anyway, since its logits draw that sample's first token. Why the tail is recomputed rather than its block
+copied on the device: the runner and the step contract stay as they are (a copy would also need one row of
+logits drawn from n times with n seeds), each sample's first token is drawn exactly as an independent
+request's, and the cost is at most `block_size` tokens per sample beside a prompt computed once, not n times.
 
 The group may hold the prompt's blocks itself (`held`) while samples wait for their first admission and no
 admitted sample holds them (say the first one finished before the others found a seat); it lets go once
 they are all admitted, and whenever memory is short and no sample of the group runs (`release_if_idle`),
-so a hold never blocks another request. Plain Python, like the rest of the core.
+so a hold never blocks another request.
 """
 
 from __future__ import annotations
