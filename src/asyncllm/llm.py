@@ -16,7 +16,7 @@ from typing import Any
 from asyncllm.config import EngineConfig
 from asyncllm.errors import InvalidRequestError
 from asyncllm.input_processor import InputProcessor
-from asyncllm.outputs import OutputAccumulator, RequestOutput
+from asyncllm.outputs import RequestOutput, new_accumulator
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.step import RuntimeInfo
 
@@ -93,7 +93,7 @@ class LLM:
         for request in requests:
             self._inputs.check_constraint(request.params)  # compiles each output constraint (cached by its text)
         core = self._engine.core
-        outputs = {r.request_id: OutputAccumulator() for r in requests}
+        outputs = {r.request_id: new_accumulator(r.params.n) for r in requests}
         num_finished = 0
         bar = _progress(len(requests)) if use_tqdm else None
         try:
@@ -106,8 +106,8 @@ class LLM:
                     bar.update_step(core.last_step, time.perf_counter() - t0)
                 for d in deltas:
                     output = outputs[d.request_id]
-                    output.add(d.new_text, d.new_token_ids, d.logprobs, d.finish_reason, d.metrics, d.error)
-                    if d.finish_reason is not None:
+                    output.add(d.new_text, d.new_token_ids, d.logprobs, d.finish_reason, d.metrics, d.error, d.index)
+                    if d.finish_reason is not None and not d.open_samples:  # the request's last sample ended
                         num_finished += 1
                         if bar is not None:
                             bar.update(1)

@@ -91,7 +91,8 @@ class Admission:
                 self._client.abort_request(slot)  # in the core (or finished): the client decides
                 return
             job.cancelled = True
-            self._client.end_request(slot, self._final(job, None))
+            for delta in self._finals(job, None):
+                self._client.end_request(slot, delta)
 
     def stop(self, timeout: float | None = None) -> None:
         with self._cond:
@@ -113,12 +114,17 @@ class Admission:
         self._queued[job.slot] = job
         self._cond.notify()
 
-    def _final(self, job: _Job, error: str | None) -> RequestDelta:
-        """The last output of a request that never reached the core: "abort", with `error` when refused."""
+    def _finals(self, job: _Job, error: str | None) -> list[RequestDelta]:
+        """The last outputs of a request that never reached the core: "abort" for each sample, or one
+        delta with `error` when refused (which ends every sample)."""
         n = len(job.slot.prompt_token_ids or ())
         now = self._clock()
         metrics = RequestMetrics(None, now - job.arrival_time, n, 0, 0)
-        return RequestDelta(job.slot.request_id, [], "", "abort", metrics, error=error)
+        rid = job.slot.request_id
+        if error is not None:
+            return [RequestDelta(rid, [], "", "abort", metrics, error=error)]
+        num = job.slot.num_samples
+        return [RequestDelta(rid, [], "", "abort", metrics, index=i, open_samples=num - 1 - i) for i in range(num)]
 
     # ------------------------------------------------------------------ the worker thread
     def _run(self) -> None:
@@ -179,7 +185,7 @@ class Admission:
             job.slot.prompt_token_ids = tuple(request.prompt_token_ids)
             self._client.add_request(request, job.slot)
         elif error is not None:
-            self._client.end_request(job.slot, self._final(job, error))
+            self._client.end_request(job.slot, *self._finals(job, error))
         # else: the engine failed or shut down meanwhile; its slot already holds that error
 
 

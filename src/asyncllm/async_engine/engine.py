@@ -25,12 +25,12 @@ from asyncllm.async_engine.ids import LiveRequests, check_request_id, new_reques
 from asyncllm.async_engine.inproc_client import Built, InProcClient
 from asyncllm.async_engine.loop_fanout import LoopFanout
 from asyncllm.async_engine.loops import current_loop_key, run_in_thread
-from asyncllm.async_engine.mailbox import OutputSlot
+from asyncllm.async_engine.mailbox import OutputSlot, new_slot
 from asyncllm.async_engine.router import OutputRouter
 from asyncllm.async_engine.stream import RequestStream, collect
 from asyncllm.chat import Message
 from asyncllm.config import DeviceConfig, EngineConfig, SchedulerConfig
-from asyncllm.errors import EngineDeadError, EngineDrainingError
+from asyncllm.errors import EngineDeadError, EngineDrainingError, InvalidRequestError
 from asyncllm.input_processor import InputProcessor
 from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import SamplingParams
@@ -172,10 +172,12 @@ class AsyncLLMEngine:
         if isinstance(prompt, str):
             text = (prompt, ip.check_params(params))
             ip.check_text(prompt, self._max_token_chars)
+            n = text[1].n
         else:  # token ids: cheap, checked whole
             request = ip.make_request(request_id, prompt, params, arrival, priority=priority)
+            n = request.params.n
         mailbox = self._fanout.attach(library, loop_key)
-        slot = OutputSlot(request_id, mailbox)
+        slot = new_slot(request_id, mailbox, n)
         try:
             self._live.register(request_id, slot)
         except BaseException:
@@ -227,8 +229,12 @@ class AsyncLLMEngine:
         two force calls through a grammar); `parallel_tool_calls=False`: one call at most. `chat_template`
         replaces the model's template, `chat_template_kwargs` adds variables to it; `priority` as in
         `add_request`. Bad messages, tools, params or priority raise `InvalidRequestError` here; what needs the
-        template raises from the first chunk (see `ChatStream`). Leaving the stream early aborts it."""
+        template raises from the first chunk (see `ChatStream`). Leaving the stream early aborts it. One
+        reply: `params.n` must be 1."""
         priority = self._input_processor.check_priority(priority)
+        if isinstance(params, SamplingParams) and params.n != 1:
+            # The chat parsers read one reply; n replies interleaved would be parsed as one.
+            raise InvalidRequestError(f"SamplingParams.n={params.n} is invalid here: engine.chat gives one reply (n=1)")
         return open_chat(
             self.tokenizer,
             functools.partial(self.add_request, priority=priority),

@@ -174,7 +174,7 @@ class InProcClient:
     def _drain(self) -> None:
         """Apply queued adds and aborts in arrival order; their final outputs join the current step's."""
         assert self._core is not None
-        self._inbox.drain(self._admit, self._core.abort_request, self._outputs)
+        self._inbox.drain(self._admit, self._core.abort, self._outputs)
 
     def _admit(self, request: Request) -> RequestDelta | None:
         assert self._core is not None

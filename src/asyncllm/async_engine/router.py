@@ -41,7 +41,8 @@ class OutputRouter:
         closed: nobody will read them, so their requests should be aborted rather than computed on."""
         if not deltas:
             return []
-        finished = [d.finish_reason is not None or d.error is not None for d in deltas]
+        # A sample's end is the request's once no sample of it is open (`open_samples`, 0 for n = 1).
+        finished = [(d.finish_reason is not None and not d.open_samples) or d.error is not None for d in deltas]
         slots = self._live.resolve([d.request_id for d in deltas], finished)
         items = [(slot, delta) for slot, delta in zip(slots, deltas) if slot is not None]
         orphans = self._fanout.deliver(items)

@@ -26,6 +26,10 @@ class RequestDelta:
     raises the error (`outputs.request_error`). Every other request carries on. A str says what was wrong
     with the request, in the caller's terms (`InvalidRequestError`); an `AsyncLLMError` instance is raised
     as its own kind (`RequestFailedError`: the engine failed it, not the caller).
+
+    For a request of n > 1 samples (`core/sample_group.py`) `request_id` is the request's and `index` the
+    sample's; a sample's final delta says how many of its samples are still open (`open_samples`): the
+    request's output is final at 0, or with `error` (which ends every sample).
     """
 
     request_id: str
@@ -35,6 +39,8 @@ class RequestDelta:
     metrics: RequestMetrics | None = None
     logprobs: list[dict[int, float]] | None = None  # one per new token, when the request asked for them
     error: str | AsyncLLMError | None = None
+    index: int = 0  # the sample (n > 1)
+    open_samples: int = 0  # on a sample's final delta: samples of its request still running
 
 
 class _TextState:

@@ -13,6 +13,9 @@ lowest-ranked of them before the step is planned (vLLM's priority policy). So no
 worse-ranked one or preempted for one: it waits only for those ranked before it (and for the step's token
 budget, which running requests use first, as they always did). Plain Python, deterministic: the same
 calls give the same schedule.
+
+The samples of a request with n > 1 are requests of their own that share the prompt's blocks
+(`sample_group.py`): admitting one takes them from a sibling, or waits while a sibling computes them.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 
 from asyncllm.core.block_manager import BlockManager
 from asyncllm.core.request import Request, RequestStatus
+from asyncllm.core.sample_group import SampleGroup
 from asyncllm.core.waiting_queue import WaitingQueue
 from asyncllm.errors import InvalidRequestError
 from asyncllm.outputs import FinishReason
@@ -50,6 +54,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_decodes_planned = 0  # sequences of the step last planned that decode (for the step's counts)
         self._num_added = 0
+        self._holds: list[SampleGroup] = []  # sample groups that may hold prompt blocks (sample_group.py)
 
     # ------------------------------------------------------------------ membership
     def add_request(self, request: Request, seed: int) -> None:
@@ -70,6 +75,8 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
+        if request.group is not None:
+            self._sample_finishing(request)
         self.block_manager.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
@@ -81,6 +88,10 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def held_block_ids(self) -> list[int]:
+        """Blocks that sample groups reference besides their samples (one entry per reference)."""
+        return [b for group in self._holds for b in group.held]
 
     @property
     def pending_finished_ids(self) -> list[str]:
@@ -115,6 +126,8 @@ class Scheduler:
                     continue
                 prefill_budget -= num_new
             while not allocate(request, num_new):
+                if self._holds and self._release_idle_holds():
+                    continue
                 victim = running.pop()  # the lowest-ranked (the list is in rank order)
                 self._preempt(victim, out)
                 preempted = True
@@ -138,15 +151,26 @@ class Scheduler:
             if request.num_pending_tokens:
                 break  # preempted with a token in flight: it resumes once that token is known (in order)
             cached = []
-            if request.num_computed_tokens == 0:
+            group = request.group
+            if group is not None:
+                found = group.shared_prefix(request, self.block_manager)
+                if found is None:
+                    break  # a sibling is computing the prompt's blocks: share them once planned
+                cached = found
+            shared = bool(cached)
+            if request.num_computed_tokens == 0 and not shared:
                 cached = self.block_manager.find_cached_prefix(request)
             num_cached_tokens = len(cached) * self.block_manager.block_size
             num_new = min(request.num_tokens - num_cached_tokens, budget, prefill_budget)
-            if not self.block_manager.allocate(request, num_new, cached):
+            if not self.block_manager.allocate(request, num_new, cached) and not (
+                self._holds and self._release_idle_holds() and self.block_manager.allocate(request, num_new, cached)
+            ):
                 break  # first come, first served: the head waits for memory
+            if group is not None:
+                group.admitted(request, self.block_manager)
             prefill_budget -= num_new
             self.waiting.popleft()
-            if self.block_manager.enable_prefix_caching and request.num_preemptions == 0:
+            if self.block_manager.enable_prefix_caching and request.num_preemptions == 0 and not shared:
                 # First admissions only: a resumed request re-finding its own blocks is not a prefix hit.
                 self.block_manager.record_prefix_query(request.num_tokens, num_cached_tokens)
             request.num_computed_tokens = num_cached_tokens
@@ -226,6 +250,19 @@ class Scheduler:
         request.num_computed_tokens = end
         if sample:
             request.num_pending_tokens += 1
+
+    def _sample_finishing(self, request: Request) -> None:
+        assert request.group is not None
+        if request.group.finishing(request, self.block_manager):
+            self._holds.append(request.group)
+        elif self._holds:
+            self._holds = [g for g in self._holds if g.held]
+
+    def _release_idle_holds(self) -> bool:
+        """Memory is short: sample groups none of whose samples run let go of their prompt blocks."""
+        released = [g for g in self._holds if g.release_if_idle(self.block_manager)]
+        self._holds = [g for g in self._holds if g.held]
+        return bool(released)
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.block_manager.free(request)

@@ -1,4 +1,5 @@
-"""OpenAI request parameters -> `SamplingParams`, one per sample (`n`), with errors naming the OpenAI field.
+"""OpenAI request parameters -> `SamplingParams` (chat: one per sample; completions: one with `n`), with
+errors naming the OpenAI field.
 
 Owns the mapping of names (max_completion_tokens, top_logprobs, ...) and of OpenAI's defaults and bounds
 onto the engine's (completions stop after 16 tokens unless told otherwise, temperature is at most 2).
@@ -56,6 +57,7 @@ def chat_renames(request: ChatCompletionRequest) -> dict[str, str]:
 
 
 def completion_sampling_params(request: CompletionRequest) -> list[SamplingParams]:
+    """One `SamplingParams` with `n`: the samples run as one engine request (the prompt prefilled once)."""
     check_neutral(request, COMPLETION_FIELDS)
     if request.best_of is not None and request.best_of != (request.n or 1):
         raise OpenAIError(
@@ -63,7 +65,7 @@ def completion_sampling_params(request: CompletionRequest) -> list[SamplingParam
             param="best_of",
         )
     max_tokens = COMPLETION_MAX_TOKENS if request.max_tokens is None else request.max_tokens
-    return _per_sample(request, max_tokens, request.logprobs, {})
+    return _per_sample(request, max_tokens, request.logprobs, {}, one_request=True)
 
 
 def _response_format(request: ChatCompletionRequest) -> dict[str, Any]:
@@ -85,8 +87,10 @@ def _per_sample(
     logprobs: int | None,
     renames: dict[str, str],
     constraint: dict[str, Any] | None = None,
+    one_request: bool = False,
 ) -> list[SamplingParams]:
-    """`n` samples of one prompt; with a seed, sample i gets seed + i: they differ and each is reproducible."""
+    """`n` samples of one prompt; with a seed, sample i gets seed + i: they differ and each is reproducible.
+    `one_request`: one SamplingParams with `n` (the engine derives the same seeds), else n of them."""
     if request.stream_options is not None and not request.stream:
         raise OpenAIError("stream_options is only allowed when stream is true", param="stream_options")
     if request.temperature is not None and not 0.0 <= request.temperature <= MAX_TEMPERATURE:
@@ -95,8 +99,10 @@ def _per_sample(
         )
     kwargs: dict[str, Any] = {name: getattr(request, name) for name in _SAME_NAME if getattr(request, name) is not None}
     kwargs.update(max_tokens=max_tokens, stop=request.stop, logprobs=logprobs, **(constraint or {}))
+    if one_request:
+        kwargs["n"] = request.n or 1
     out = []
-    for i in range(request.n or 1):
+    for i in range(1 if one_request else (request.n or 1)):
         seed = None if request.seed is None else request.seed + i
         try:
             out.append(SamplingParams(**kwargs, seed=seed))
