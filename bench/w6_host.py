@@ -1,8 +1,7 @@
 """W6's host side: what 256 constrained streams cost the host per decode step, on this machine's CPU. The
 grammar masks of 256 requests (W6's JSON schema, the real Qwen3 vocabulary) filled by xgrammar's threads,
 and each sampled token fed back to its matcher, along a random walk of allowed tokens (a random-weight
-model's outputs), through xgrammar's own batch calls and through `GrammarThreads` (the same calls split over
-threads kept alive). The device step these must hide behind is in W6's figures. Prints one JSON line."""
+model's outputs). The device step these must hide behind is in W6's figures. Prints one JSON line."""
 
 from __future__ import annotations
 
@@ -12,14 +11,12 @@ import random
 import time
 
 import numpy as np
-import torch
 from shapes import find_qwen3_tokenizer
 from transformers import AutoTokenizer
 from w6_structured import SCHEMA
 
 from asyncllm import SamplingParams
 from asyncllm.sample.grammar import GrammarBackend
-from asyncllm.sample.mask_fill import GrammarThreads
 
 ROWS, STEPS, VOCAB = 256, 40, 151_936
 
@@ -36,39 +33,41 @@ def main() -> None:
     tables_and_compile_s = time.perf_counter() - t0
     import xgrammar as xgr
 
-    figures: dict[str, object] = {"workload": "W6 host", "cpus": os.cpu_count(), "rows": ROWS}
-    threads = GrammarThreads()
-    xgr_batch = xgr.BatchGrammarMatcher()  # xgrammar's own: its threads started on every call
-    for name, fill, accept in (
-        ("xgrammar_batch", xgr_batch.batch_fill_next_token_bitmask, xgr.BatchGrammarMatcher.batch_accept_token),
-        ("asyncllm_threads", threads.fill, threads.accept),
-    ):
-        matchers = [xgr.GrammarMatcher(compiled) for _ in range(ROWS)]
-        host = torch.zeros((ROWS, backend.bitmask_words), dtype=torch.int32)
-        rng = random.Random(0)
-        fill_s = accept_s = 0.0
-        steps = 0
-        for _ in range(STEPS):
-            live = [i for i in range(ROWS) if not matchers[i].is_terminated()]
-            if not live:
-                break
-            t0 = time.perf_counter()
-            fill([matchers[i] for i in live], host, live)
-            fill_s += time.perf_counter() - t0
-            tokens = []
-            for i in live:
-                allowed = np.flatnonzero(np.unpackbits(host[i].numpy().view(np.uint8), bitorder="little")[:VOCAB])
-                tokens.append(int(allowed[rng.randrange(len(allowed))]))
-            t0 = time.perf_counter()
-            accept([matchers[i] for i in live], tokens)
-            accept_s += time.perf_counter() - t0
-            steps += 1
-        figures[f"{name}_fill_ms_per_step"] = round(1000 * fill_s / steps, 3)
-        figures[f"{name}_accept_ms_per_step"] = round(1000 * accept_s / steps, 3)
-        figures["steps"] = steps
-    threads.close()
-    figures["tables_and_first_compile_s"] = round(tables_and_compile_s, 3)
-    print(json.dumps(figures))
+    matchers = [xgr.GrammarMatcher(compiled) for _ in range(ROWS)]
+    host = np.zeros((ROWS, backend.bitmask_words), dtype=np.int32)
+    batch = xgr.BatchGrammarMatcher()
+    rng = random.Random(0)
+    fill_s = accept_s = 0.0
+    steps = 0
+    for _ in range(STEPS):
+        live = [i for i in range(ROWS) if not matchers[i].is_terminated()]
+        if not live:
+            break
+        t0 = time.perf_counter()
+        batch.batch_fill_next_token_bitmask([matchers[i] for i in live], host, live)
+        fill_s += time.perf_counter() - t0
+        tokens = []
+        for i in live:
+            allowed = np.flatnonzero(np.unpackbits(host[i].view(np.uint8), bitorder="little")[:VOCAB])
+            tokens.append(int(allowed[rng.randrange(len(allowed))]))
+        t0 = time.perf_counter()
+        for i, token in zip(live, tokens):
+            matchers[i].accept_token(token)
+        accept_s += time.perf_counter() - t0
+        steps += 1
+    print(
+        json.dumps(
+            {
+                "workload": "W6 host",
+                "cpus": os.cpu_count(),
+                "rows": ROWS,
+                "steps": steps,
+                "fill_ms_per_step": round(1000 * fill_s / steps, 3),
+                "accept_ms_per_step": round(1000 * accept_s / steps, 3),
+                "tables_and_first_compile_s": round(tables_and_compile_s, 3),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

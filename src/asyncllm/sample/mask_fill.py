@@ -1,22 +1,20 @@
 """The masks of constrained rows, filled ahead: when a constrained step's tokens are read on the host (by the
 core, before it turns them into outputs), its `FillJob` feeds them to the requests' matchers and fills each
-request's next bitmask row, so the next step's draw finds its rows ready. Both run on `GrammarThreads`
-(xgrammar's batch calls split over threads kept for the engine's life). `HostRows` are the rows it fills
-(pinned, two sets that alternate between jobs); `DeviceMasks` uploads them and ANDs each row with its UTF-8
-table row on the device. Knows nothing of models or scheduling: rows are numbered by whoever plans the step.
+request's next bitmask row, so the next step's draw finds its rows ready. Each is one call into xgrammar
+(every call releases the GIL: one per step, not one per row). `HostRows` are the rows it fills (pinned, two
+sets that alternate between jobs); `DeviceMasks` uploads them and ANDs each row with its UTF-8 table row on
+the device. Knows nothing of models or scheduling: rows are numbered by whoever plans the step.
 
 Measured on the H200 (bench/RESULTS.md, runs 40-47): waiting for the fill on a helper thread, to overlap it
-with the core's work, gained nothing measurable over filling here (the fill's threads all return before the
-core goes on).
+with the core's work, gained nothing measurable over filling here, so there is no helper.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -28,58 +26,29 @@ if TYPE_CHECKING:
     import xgrammar as xgr
 
 
-# Rows per thread, at least: below it a chunk's handover costs more than its share of the work.
-ROWS_PER_THREAD = 8
+# xgrammar starts its threads anew on every batch call (0.1-1 ms): fewer rows than this are filled on one.
+PARALLEL_MIN_ROWS = 16
 
 
-class GrammarThreads:
-    """xgrammar's batch fill and batch accept, split across threads kept for the engine's life.
+class BatchFill(Protocol):
+    """Fills the bitmask rows `indices` of `bitmask` with the matchers' next masks."""
 
-    xgrammar's own `BatchGrammarMatcher` starts its threads anew on every call (0.1-1 ms a call, measured:
-    bench/RESULTS.md run 44), more than filling 256 rows takes. Here each thread runs a single-threaded
-    batch call over its chunk: every call into xgrammar releases the GIL, so the chunks run at once; the
-    calling thread takes the first chunk itself. Fewer than `2 * ROWS_PER_THREAD` rows stay on one thread.
-    """
+    def __call__(self, matchers: list[xgr.GrammarMatcher], bitmask: torch.Tensor, indices: list[int]) -> None: ...
 
-    def __init__(self, threads: int | None = None) -> None:
-        from xgrammar import BatchGrammarMatcher  # loaded by the compile of the grammars it serves
 
-        n = threads or max(1, min(16, len(os.sched_getaffinity(0)) - 2))  # the step thread and the driver keep two
-        self._batches = [BatchGrammarMatcher(max_threads=1) for _ in range(n)]
-        self._accept = BatchGrammarMatcher.batch_accept_token
-        self._pool = ThreadPoolExecutor(n - 1, thread_name_prefix="asyncllm-grammar") if n > 1 else None
+class Filler:
+    """xgrammar's batch fill, its thread count chosen per call: fewer than `PARALLEL_MIN_ROWS` rows on one
+    thread, more on most of the host's cores (the step thread and the device's driver keep two)."""
 
-    def fill(self, matchers: list[xgr.GrammarMatcher], bitmask: torch.Tensor, indices: list[int]) -> None:
-        """Row `indices[i]` of `bitmask` gets `matchers[i]`'s next mask."""
-        self._split(
-            len(matchers),
-            lambda k, lo, hi: self._batches[k].batch_fill_next_token_bitmask(matchers[lo:hi], bitmask, indices[lo:hi]),
-        )
+    def __init__(self) -> None:
+        from xgrammar import BatchGrammarMatcher  # loaded by the compile of the grammars it fills for
 
-    def accept(self, matchers: list[xgr.GrammarMatcher], tokens: list[int]) -> list[bool]:
-        """Each matcher takes its token; whether it did."""
-        accepted: list[bool] = [False] * len(matchers)
+        self._one = BatchGrammarMatcher(max_threads=1)
+        self._many = BatchGrammarMatcher(max_threads=max(1, min(16, len(os.sched_getaffinity(0)) - 2)))
 
-        def chunk(_: int, lo: int, hi: int) -> None:
-            accepted[lo:hi] = self._accept(matchers[lo:hi], tokens[lo:hi])
-
-        self._split(len(matchers), chunk)
-        return accepted
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
-
-    def _split(self, count: int, run: Callable[[int, int, int], None]) -> None:
-        chunks = max(1, min(len(self._batches), count // ROWS_PER_THREAD))
-        if chunks == 1 or self._pool is None:
-            run(0, 0, count)
-            return
-        bounds = [count * k // chunks for k in range(chunks + 1)]
-        futures = [self._pool.submit(run, k, bounds[k], bounds[k + 1]) for k in range(1, chunks)]
-        run(0, bounds[0], bounds[1])  # into xgrammar, the GIL released: the pool's threads start theirs meanwhile
-        for future in futures:
-            future.result()
+    def __call__(self, matchers: list[xgr.GrammarMatcher], bitmask: torch.Tensor, indices: list[int]) -> None:
+        batch = self._many if len(matchers) >= PARALLEL_MIN_ROWS else self._one
+        batch.batch_fill_next_token_bitmask(matchers, bitmask, indices)
 
 
 class HostRows:
@@ -150,7 +119,7 @@ class FillJob:
         rows: list[tuple[int, RequestGrammar]],
         host: HostRows,
         stop_row: np.ndarray,
-        threads: GrammarThreads,
+        fill: BatchFill,
     ) -> None:
         self.grammars = [grammar for _, grammar in rows]
         self.index = {grammar: i for i, grammar in enumerate(self.grammars)}
@@ -158,21 +127,21 @@ class FillJob:
         self._step = step
         self._rows = rows
         self._stop_row = stop_row
-        self._threads = threads
+        self._fill = fill
         self._output: ModelRunnerOutput | None = None
 
     def accept(self) -> ModelRunnerOutput:
         """The step's output with the matchers' refusals (waits for the step); the rows are filled here."""
         if self._output is None:
             output = self._step.result()
-            refused = accept_tokens(self._rows, output.sampled_token_ids, self._threads.accept)
+            refused = accept_tokens(self._rows, output.sampled_token_ids)
             if refused:
                 output = replace(output, failed={**(output.failed or {}), **refused})
             self._output = output
             self.host.writable()
             matchers, rows = self.host.prepare(enumerate(self.grammars), self._stop_row)
             if matchers:
-                self._threads.fill(matchers, self.host.bits, rows)
+                self._fill(matchers, self.host.bits, rows)
         return self._output
 
     def wait_filled(self) -> None:

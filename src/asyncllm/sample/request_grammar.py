@@ -5,7 +5,7 @@ compiled grammar is first needed. Knows nothing of steps, rows or devices.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
@@ -84,14 +84,11 @@ class RequestGrammar:
         return self.error
 
 
-def accept_tokens(
-    rows: Sequence[tuple[int, RequestGrammar]],
-    tokens: Sequence[int],
-    accept: Callable[[list[xgr.GrammarMatcher], list[int]], list[bool]],
-) -> dict[int, str]:
-    """Feed each (row, grammar) its row's token, the matchers all at once through `accept` (xgrammar's
-    batch accept: one call releases the GIL once, not once a row); the refusals' errors by row. A finished
-    or failed request's token is dropped (never output)."""
+def accept_tokens(rows: Sequence[tuple[int, RequestGrammar]], tokens: Sequence[int]) -> dict[int, str]:
+    """Feed each (row, grammar) its row's token, every matcher in one call into xgrammar; the refusals'
+    errors by row. A finished or failed request's token is dropped (never output)."""
+    from xgrammar import BatchGrammarMatcher  # loaded by the compile that made the matchers
+
     refused: dict[int, str] = {}
     live: list[tuple[int, RequestGrammar, int, int]] = []  # (row, grammar, token, UTF-8 state after it)
     for row, grammar in rows:
@@ -107,7 +104,7 @@ def accept_tokens(
     if not live:
         return refused
     matchers = [grammar.matcher for _, grammar, _, _ in live]
-    accepted = accept(matchers, [token for _, _, token, _ in live])  # type: ignore[arg-type]
+    accepted = BatchGrammarMatcher.batch_accept_token(matchers, [token for _, _, token, _ in live])  # type: ignore[arg-type]
     for (row, grammar, token, state), ok in zip(live, accepted):
         if not ok:
             refused[row] = grammar.refuse(token)

@@ -20,10 +20,11 @@ import torch
 
 from asyncllm.sample.grammar import GrammarBackend
 from asyncllm.sample.mask_fill import (
+    BatchFill,
     ConstrainedStep,
     DeviceMasks,
+    Filler,
     FillJob,
-    GrammarThreads,
     HostRows,
 )
 from asyncllm.sample.request_grammar import RequestGrammar
@@ -67,11 +68,11 @@ class GrammarTable:
         self._last: FillJob | None = None  # the last constrained step's job
         # Allocated at the first constrained step: two sets of host rows that jobs alternate between (a job
         # fills one while the other's upload may still be in flight), each with room for a job's rows and
-        # as many more; the device's rows; the threads that run xgrammar.
+        # as many more; the device's rows; xgrammar's batch filler.
         self._hosts: list[HostRows] = []
         self._flip = 0
         self._device_masks: DeviceMasks | None = None
-        self._grammar_threads: GrammarThreads | None = None
+        self._fill: Filler | None = None
 
     def add(self, state: SamplingState) -> None:
         spec = state.params.structured
@@ -127,28 +128,22 @@ class GrammarTable:
         if plan.extras:
             matchers, rows = host.prepare(plan.extras, self._stop_row)
             if matchers:
-                self._threads().fill(matchers, host.bits, rows)
+                self._batch_fill()(matchers, host.bits, rows)
         failed = {i: grammar.error for i, grammar in plan.constrained if grammar.error is not None}
         return TokenMask(device_masks.upload(host, plan.num_rows), mask_rows), failed or None
 
     def sent(self, result: StepResult, plan: MaskPlan) -> StepResult:
         """The step `plan` masked was sampled: start its job, and return its result as the job gives it."""
         self._flip ^= 1
-        job = FillJob(result, plan.constrained, self._hosts[self._flip], self._stop_row, self._threads())
+        job = FillJob(result, plan.constrained, self._hosts[self._flip], self._stop_row, self._batch_fill())
         self._last = job
         return ConstrainedStep(result, job)
 
-    def _threads(self) -> GrammarThreads:
-        """xgrammar's fill and accept over threads kept for the engine's life: one set, as fills never overlap
-        (a job's fill ends before the next fill)."""
-        if self._grammar_threads is None:
-            self._grammar_threads = GrammarThreads()
-        return self._grammar_threads
-
-    def close(self) -> None:
-        if self._grammar_threads is not None:
-            self._grammar_threads.close()
-            self._grammar_threads = None
+    def _batch_fill(self) -> BatchFill:
+        """xgrammar's batch filler: one, as fills never overlap (a job's fill ends before the next fill)."""
+        if self._fill is None:
+            self._fill = Filler()
+        return self._fill
 
     def _buffers(self) -> DeviceMasks:
         if self._device_masks is None:

@@ -183,7 +183,6 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         self._held = None
-        self.grammars.close()
         self.graphs.release()
         self.states.clear()
         if self.grammars.backend is not None:
