@@ -2,7 +2,9 @@
 `parse(response_format=PydanticModel)` fills `message.parsed`; a forced call of `get_weather`, its result
 sent back, and the model's answer in words.
 
-python examples/openai_tools.py [MODEL]   # default: the built-in SmolLM2; needs asyncllm[server] and openai
+python examples/openai_tools.py [MODEL]   # default: the built-in SmolLM2
+
+Needs the server extra and openai: pip install -e ".[server]" openai (from a clone; docs/install.md).
 """
 
 from __future__ import annotations
