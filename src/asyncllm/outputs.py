@@ -242,7 +242,7 @@ class SamplesAccumulator:
         if self.error is not None:
             raise request_error(self.error)
         outputs = [sample.completion(i) for i, sample in enumerate(self.samples)]
-        return _request_output(request_id, prompt_token_ids, outputs, _request_metrics(outputs))
+        return _request_output(request_id, prompt_token_ids, outputs, merge_metrics([o.metrics for o in outputs]))
 
 
 def new_accumulator(n: int) -> OutputAccumulator | SamplesAccumulator:
@@ -259,9 +259,9 @@ def _request_output(
     )
 
 
-def _request_metrics(outputs: list[CompletionOutput]) -> RequestMetrics | None:
+def merge_metrics(samples: Sequence[RequestMetrics | None]) -> RequestMetrics | None:
     """A request's metrics from its samples': the first token of any, the end of the last, every token."""
-    known = [o.metrics for o in outputs if o.metrics is not None]
+    known = [m for m in samples if m is not None]
     if not known:
         return None
     ttfts = [m.time_to_first_token for m in known if m.time_to_first_token is not None]

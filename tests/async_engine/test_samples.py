@@ -216,12 +216,6 @@ def test_best_of_is_not_offered() -> None:
         SamplingParams(best_of=2)  # type: ignore[call-arg]
 
 
-def test_chat_refuses_several_samples_naming_n(engine: AsyncLLMEngine) -> None:
-    """One chat reply is parsed at a time (reasoning, tool calls): n > 1 is refused rather than mixed."""
-    with pytest.raises(InvalidRequestError, match=r"SamplingParams\.n=2"):
-        engine.chat([{"role": "user", "content": "Hi"}], SamplingParams(n=2))
-
-
 async def test_branching_mid_generation_reuses_the_parents_blocks(tiny_model: Path, engine: AsyncLLMEngine) -> None:
     """The documented way to fork a running stream: a request for its prompt plus the tokens read so far.
     With the prefix cache (the default) the parent's full blocks, registered as they fill, serve every full

@@ -3,8 +3,9 @@ request's constraint, the reply's text through the chat parsers, `ChatChunk`s ou
 
 What is cheap and needs no tokenizer is checked in the caller's thread (`check_chat`); templating, encoding
 and building the grammar (`plan_chat`) run in a worker thread, never on the loop. `engine.chat` and the
-server's chat endpoint share these two steps: the first streams one reply (`ChatStream`, on its first
-`__anext__`), the second submits a plan's samples itself. The request is an ordinary engine request
+server's chat endpoint share these two steps: the first streams a request's replies (`ChatStream`, on its
+first `__anext__`; n samples are one engine request, each reply read by its own parser), the second submits
+a plan's samples itself. The request is an ordinary engine request
 (`RequestStream`), which owns cancellation. Knows the parsers
 (`asyncllm.parsing`) and the grammar builder (`sample/tool_grammar.py`, imported in that thread: it brings
 in xgrammar, hence torch) only through their interfaces; nothing of the core.
@@ -30,7 +31,7 @@ from asyncllm.chat import (
     template_of,
 )
 from asyncllm.errors import InvalidRequestError, UnsupportedModelError
-from asyncllm.outputs import RequestMetrics
+from asyncllm.outputs import RequestMetrics, StreamOutput, merge_metrics
 from asyncllm.parsing import (
     ChatChunk,
     ChatStreamParser,
@@ -184,6 +185,10 @@ class ChatStream:
     does not compile, or a prompt too long raise `InvalidRequestError` there) and adds the request; chunks
     with nothing in them are skipped. Leaving early in any way (cancellation, `break`, `aclose()`, losing
     the last reference) aborts the request, as leaving a `RequestStream` does.
+
+    With `SamplingParams.n` > 1 the n replies' chunks interleave, each labelled with its reply's `index`
+    and read by a parser of its own; each reply ends with its own finish reason, and the stream ends once
+    every reply has ended.
     """
 
     def __init__(self, request: ChatRequest, submit: Submit, request_id: str) -> None:
@@ -191,9 +196,10 @@ class ChatStream:
         self._submit = submit
         self._request_id = request_id
         self._stream: RequestStream | None = None
-        self._parser: ChatStreamParser | None = None
+        self._parsers: list[ChatStreamParser] = []  # one per sample: a parser holds its reply's state
+        self._sample_metrics: list[RequestMetrics | None] = []  # n > 1: each ended sample's own
         self._done = False
-        self.metrics: RequestMetrics | None = None  # set with the final chunk
+        self.metrics: RequestMetrics | None = None  # set with the final chunk (n > 1: the whole request's)
 
     @property
     def request_id(self) -> str:
@@ -213,14 +219,15 @@ class ChatStream:
         try:
             if self._stream is None:
                 await self._start()
-            assert self._stream is not None and self._parser is not None
+            stream = self._stream
+            assert stream is not None
             while True:
-                out = await self._stream.__anext__()
+                out = await stream.__anext__()
                 if out.finish_reason is not None:
-                    self._done, self.metrics = True, out.metrics
-                chunk = self._parser.read(out.text, out.finish_reason)
+                    self._sample_ended(stream, out)
+                chunk = self._parsers[out.index].read(out.text, out.finish_reason)
                 if not chunk.empty:
-                    return chunk
+                    return chunk if out.index == 0 else dataclasses.replace(chunk, index=out.index)
         except BaseException:  # an error, or cancelled: the inner stream aborted itself if it was reading
             self.close()
             raise
@@ -232,8 +239,16 @@ class ChatStream:
         plan = await plan_chat(request)
         if self._done:  # closed from another thread meanwhile
             raise StopAsyncIteration
-        self._parser = plan.parser()
+        self._parsers = [plan.parser() for _ in range(request.params.n)]
         self._stream = self._submit(plan.prompt_token_ids, plan.constrain(request.params), self._request_id)
+
+    def _sample_ended(self, stream: RequestStream, out: StreamOutput) -> None:
+        if len(self._parsers) == 1:
+            self._done, self.metrics = True, out.metrics
+            return
+        self._sample_metrics.append(out.metrics)
+        if stream.finished:  # that was the last sample's final chunk
+            self._done, self.metrics = True, merge_metrics(self._sample_metrics)
 
     def close(self) -> None:
         """Stop reading; abort the request unless it already ended. Idempotent."""

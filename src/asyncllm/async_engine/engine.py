@@ -30,7 +30,7 @@ from asyncllm.async_engine.router import OutputRouter
 from asyncllm.async_engine.stream import RequestStream, collect
 from asyncllm.chat import Message
 from asyncllm.config import DeviceConfig, EngineConfig, SchedulerConfig
-from asyncllm.errors import EngineDeadError, EngineDrainingError, InvalidRequestError
+from asyncllm.errors import EngineDeadError, EngineDrainingError
 from asyncllm.input_processor import InputProcessor
 from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import SamplingParams
@@ -229,12 +229,10 @@ class AsyncLLMEngine:
         two force calls through a grammar); `parallel_tool_calls=False`: one call at most. `chat_template`
         replaces the model's template, `chat_template_kwargs` adds variables to it; `priority` as in
         `add_request`. Bad messages, tools, params or priority raise `InvalidRequestError` here; what needs the
-        template raises from the first chunk (see `ChatStream`). Leaving the stream early aborts it. One
-        reply: `params.n` must be 1."""
+        template raises from the first chunk (see `ChatStream`). Leaving the stream early aborts it.
+        `params.n` > 1: n replies as one request (the prompt prefilled once), their chunks labelled by
+        `ChatChunk.index`, each reply parsed on its own and ended by its own finish reason."""
         priority = self._input_processor.check_priority(priority)
-        if isinstance(params, SamplingParams) and params.n != 1:
-            # The chat parsers read one reply; n replies interleaved would be parsed as one.
-            raise InvalidRequestError(f"SamplingParams.n={params.n} is invalid here: engine.chat gives one reply (n=1)")
         return open_chat(
             self.tokenizer,
             functools.partial(self.add_request, priority=priority),

@@ -31,7 +31,7 @@ _CONSTRAINT_FIELDS = {"json_schema": "response_format", "json_object": "response
 async def plan_chat_request(
     engine: AsyncLLMEngine, body: ChatCompletionRequest, params: SamplingParams, chat_template: str | None
 ) -> ChatPlan:
-    """The plan every sample of `body` shares (`params`: the first sample's; the others differ in seed)."""
+    """The plan every sample of `body` shares (`params`: the request's, `n` samples of it)."""
     messages = chat_messages(body.messages)
     tool_choice = "auto" if body.tool_choice is None else body.tool_choice
     parallel = True if body.parallel_tool_calls is None else body.parallel_tool_calls

@@ -1,4 +1,4 @@
-"""OpenAI request parameters -> `SamplingParams` (chat: one per sample; completions: one with `n`), with
+"""OpenAI request parameters -> one `SamplingParams` with `n` (the samples run as one engine request), with
 errors naming the OpenAI field.
 
 Owns the mapping of names (max_completion_tokens, top_logprobs, ...) and of OpenAI's defaults and bounds
@@ -38,7 +38,8 @@ _SAME_NAME = (
 )
 
 
-def chat_sampling_params(request: ChatCompletionRequest) -> list[SamplingParams]:
+def chat_sampling_params(request: ChatCompletionRequest) -> SamplingParams:
+    """One `SamplingParams` with `n`: the samples run as one engine request (the conversation prefilled once)."""
     check_neutral(request, CHAT_FIELDS)
     if request.max_tokens is not None and request.max_completion_tokens is not None:
         raise OpenAIError("give max_completion_tokens or max_tokens, not both", param="max_completion_tokens")
@@ -46,7 +47,7 @@ def chat_sampling_params(request: ChatCompletionRequest) -> list[SamplingParams]
         raise OpenAIError("top_logprobs needs logprobs set to true", param="top_logprobs")
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    return _per_sample(request, max_tokens, logprobs, chat_renames(request), _response_format(request))
+    return _with_n(request, max_tokens, logprobs, chat_renames(request), _response_format(request))
 
 
 def chat_renames(request: ChatCompletionRequest) -> dict[str, str]:
@@ -56,7 +57,7 @@ def chat_renames(request: ChatCompletionRequest) -> dict[str, str]:
     return renames | {"json_schema": "response_format", "json_object": "response_format"}
 
 
-def completion_sampling_params(request: CompletionRequest) -> list[SamplingParams]:
+def completion_sampling_params(request: CompletionRequest) -> SamplingParams:
     """One `SamplingParams` with `n`: the samples run as one engine request (the prompt prefilled once)."""
     check_neutral(request, COMPLETION_FIELDS)
     if request.best_of is not None and request.best_of != (request.n or 1):
@@ -65,7 +66,7 @@ def completion_sampling_params(request: CompletionRequest) -> list[SamplingParam
             param="best_of",
         )
     max_tokens = COMPLETION_MAX_TOKENS if request.max_tokens is None else request.max_tokens
-    return _per_sample(request, max_tokens, request.logprobs, {}, one_request=True)
+    return _with_n(request, max_tokens, request.logprobs, {})
 
 
 def _response_format(request: ChatCompletionRequest) -> dict[str, Any]:
@@ -81,16 +82,15 @@ def _response_format(request: ChatCompletionRequest) -> dict[str, Any]:
     return {"json_schema": fmt.json_schema.schema_}
 
 
-def _per_sample(
+def _with_n(
     request: _SamplingRequest,
     max_tokens: int | None,
     logprobs: int | None,
     renames: dict[str, str],
     constraint: dict[str, Any] | None = None,
-    one_request: bool = False,
-) -> list[SamplingParams]:
-    """`n` samples of one prompt; with a seed, sample i gets seed + i: they differ and each is reproducible.
-    `one_request`: one SamplingParams with `n` (the engine derives the same seeds), else n of them."""
+) -> SamplingParams:
+    """`n` samples of one prompt; with a seed, the engine gives sample i seed + i: they differ and each is
+    reproducible (choice j equals a request of its own seeded seed + j)."""
     if request.stream_options is not None and not request.stream:
         raise OpenAIError("stream_options is only allowed when stream is true", param="stream_options")
     if request.temperature is not None and not 0.0 <= request.temperature <= MAX_TEMPERATURE:
@@ -99,13 +99,7 @@ def _per_sample(
         )
     kwargs: dict[str, Any] = {name: getattr(request, name) for name in _SAME_NAME if getattr(request, name) is not None}
     kwargs.update(max_tokens=max_tokens, stop=request.stop, logprobs=logprobs, **(constraint or {}))
-    if one_request:
-        kwargs["n"] = request.n or 1
-    out = []
-    for i in range(1 if one_request else (request.n or 1)):
-        seed = None if request.seed is None else request.seed + i
-        try:
-            out.append(SamplingParams(**kwargs, seed=seed))
-        except InvalidRequestError as exc:
-            raise invalid_request(exc, renames=renames) from None
-    return out
+    try:
+        return SamplingParams(**kwargs, n=request.n or 1, seed=request.seed)
+    except InvalidRequestError as exc:
+        raise invalid_request(exc, renames=renames) from None

@@ -1,11 +1,12 @@
 """POST /v1/chat/completions: the response shapes of chat, streamed and not, exactly as OpenAI writes them.
 
 Owns `chat.completion` and `chat.completion.chunk` objects. The conversation is planned once as
-`engine.chat` plans it (`chat_request`); its samples run as engine requests (`generation.submit`: one per
-sample today) and each choice's text goes through a parser of its own, which splits reasoning off and
-reads tool calls. Streamed, each choice opens with a delta carrying the role, reasoning, content and
-tool-call deltas follow (`chat_reply`), an empty delta carries the finish reason, then (with
-`stream_options.include_usage`) a usage chunk with no choices, then `data: [DONE]`.
+`engine.chat` plans it (`chat_request`); its `n` samples run as one engine request (`generation.submit`,
+`SamplingParams.n`: the prompt prefilled once, its blocks shared) and each choice's text goes through a
+parser of its own, which splits reasoning off and reads tool calls. Streamed, each choice opens with a
+delta carrying the role, reasoning, content and tool-call deltas follow (`chat_reply`), an empty delta
+carries the finish reason, then (with `stream_options.include_usage`) a usage chunk with no choices, then
+`data: [DONE]`.
 """
 
 from __future__ import annotations
@@ -40,13 +41,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     state = server_state(request)
     engine = state.engine_for(body.model)
     params = chat_sampling_params(body)
-    plan = await plan_chat_request(engine, body, params[0], state.chat_template)
+    plan = await plan_chat_request(engine, body, params, state.chat_template)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     head = {"id": request_id, "created": int(time.time()), "model": state.served_model_name}
-    samples = [plan.constrain(p) for p in params]
-    sub = submit(engine, [plan.prompt_token_ids], samples, request_id, state.metrics, prompt_param="messages")
-    parsers = [plan.parser() for _ in sub.streams]  # choice i's; OpenAI's choice index is the stream's
-    top_k = params[0].logprobs  # None unless logprobs were asked for
+    sub = submit(engine, [plan.prompt_token_ids], [plan.constrain(params)], request_id, state.metrics, "messages")
+    parsers = [plan.parser() for _ in range(sub.num_choices)]  # choice i's: OpenAI's choice index is the sample's
+    top_k = params.logprobs  # None unless logprobs were asked for
     renames = chat_renames(body)
     if body.stream:
         include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
@@ -94,7 +94,7 @@ async def _events(
         return sse({**base, "choices": [choice]})
 
     async def render(outputs: Outputs) -> AsyncGenerator[str, None]:
-        for index in range(len(sub.streams)):
+        for index in range(sub.num_choices):
             yield chunk(index, {"role": "assistant", "content": ""})
         async for index, out in outputs:
             logprobs = None
