@@ -3,7 +3,8 @@
 # side-by-side with nano-vllm (../shared/peers, copied to .peers and carried); ends with a short table.
 # Usage (device machine, repo root): bash bench/gpu_check.sh [STEPS]   STEPS: comma list of
 #   tests, kernels, startup, compare (default: all four); COMPARE_STEPS overrides compare.sh's steps;
-#   also w6 (structured output's cost; carry .whl with xgrammar's wheels), abpeers (W1+W5 of AB_BASE against this tree, then nano-vllm), enginetests, quicktests, attntests, w12var, w2var, sampling, ab (W1 of AB_BASE against this tree), decodesweep, w1big, gemm, pa, w2ab (W1/W2 under graph and scheduling variants), w1prof (W1 plain + under
+#   also w6 (structured output's cost; carry .whl with xgrammar's wheels), w7 (n=8 samples per prompt against
+#   8 separate requests, prefix cache on and off, ~3 min), abpeers (W1+W5 of AB_BASE against this tree, then nano-vllm), enginetests, quicktests, attntests, w12var, w2var, sampling, ab (W1 of AB_BASE against this tree), decodesweep, w1big, gemm, pa, w2ab (W1/W2 under graph and scheduling variants), w1prof (W1 plain + under
 #   torch.profiler, ~2 min), w4 (long-context prefill and decode, 16K/32K, two token budgets, ~1 min), and
 #   on two GPUs tptests, tpbench (tensor parallelism).
 # Set-up here first: rm -rf .peers && cp -r ../shared/peers .peers && cp -r ../shared/models/qwen3-tokenizer .peers/
@@ -126,6 +127,10 @@ if has w6; then  # issue 21: W1-style and batch-1 throughput with a JSON schema 
   rows+=("w6: $(grep '^{' "$OUT/w6.log" | tail -1)")
   (cd bench && timeout 120 python3 w6_host.py 2>&1 | grep -E '^\{|Error|Traceback' | tail -3) | tee "$OUT/w6host.log"
   rows+=("w6 host: $(grep '^{' "$OUT/w6host.log" | tail -1)")
+fi
+if has w7; then  # issue 22: 32 W1 prompts x n=8 as one request each against 256 separate requests, same tokens
+  (cd bench && timeout 500 python3 w7_n_samples.py 2>&1 | grep -E '^\{|Error|Traceback' | tail -3) | tee "$OUT/w7.log"
+  rows+=("w7: $(grep '^{' "$OUT/w7.log" | tail -1)")
 fi
 if has w1big; then  # W1 on the Qwen3-8B shape (limit 13,000 tok/s)
   (cd bench && timeout 150 python3 w1_throughput.py --shape qwen3-8b 2>&1 | grep -E '^\{|Error' | tail -1) | tee "$OUT/w1big.log"

@@ -11,7 +11,7 @@ import sys
 
 from asyncllm import AsyncLLMEngine, SamplingParams
 
-LONG = SamplingParams(temperature=0.7, ignore_eos=True, max_tokens=2000)
+LONG = SamplingParams(temperature=0.7, ignore_eos=True)  # no max_tokens: runs to max_model_len unless stopped
 
 
 def model_path() -> str:

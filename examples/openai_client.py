@@ -12,6 +12,7 @@ import socket
 import sys
 import threading
 import time
+from typing import Any
 
 import uvicorn
 from openai import AsyncOpenAI
@@ -19,11 +20,11 @@ from openai import AsyncOpenAI
 from asyncllm.server import create_app
 
 
-def start_server(model: str) -> tuple[uvicorn.Server, threading.Thread, str]:
+def start_server(model: str, **app_args: Any) -> tuple[uvicorn.Server, threading.Thread, str]:
     with socket.socket() as sock:  # a free port
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    app = create_app(model, served_model_name="local", engine_args={"num_kv_blocks": 512})
+    app = create_app(model, served_model_name="local", engine_args={"num_kv_blocks": 512}, **app_args)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run)
     thread.start()

@@ -56,6 +56,13 @@ def test_chat_example(tiny_model: Path) -> None:
     assert lines and any(line.strip() for line in lines), "the example printed no answer"
 
 
+def test_json_extraction_example(tiny_model: Path, structured_output_enforced: bool) -> None:
+    lines = _run("json_extraction.py", tiny_model)
+    assert lines[0].startswith("reply: {"), lines
+    if structured_output_enforced:  # even a random model's reply is a Person
+        assert lines[1].startswith("parsed: Person(name="), lines
+
+
 def test_tool_call_example(tmp_path: Path, structured_output_enforced: bool) -> None:
     model = build_checkpoint(tmp_path / "qwen3", "qwen3", max_position_embeddings=2048)  # room for the tools
     lines = _run("tool_call.py", model)

@@ -93,7 +93,18 @@ def test_max_tokens_resolution() -> None:
     prompt = _ids(10, seed=1)
     assert ip.make_request("a", prompt, None, 0.0).max_tokens == 54
     assert ip.make_request("b", prompt, SamplingParams(max_tokens=7), 0.0).max_tokens == 7
-    assert ip.make_request("c", prompt, SamplingParams(max_tokens=500), 0.0).max_tokens == 54
+    assert ip.make_request("c", prompt, SamplingParams(max_tokens=54), 0.0).max_tokens == 54
+
+
+def test_max_tokens_past_the_room_is_refused_not_clamped() -> None:
+    """Regression (issue 22): max_tokens larger than what the prompt leaves was silently cut to the room
+    (OpenAI and vLLM answer 400); now it is refused, naming the field, the prompt length and the room."""
+    ip = _processor(max_model_len=64)
+    prompt = _ids(10, seed=1)
+    with pytest.raises(InvalidRequestError, match=r"SamplingParams\.max_tokens=55 does not fit: the prompt has 10 "):
+        ip.make_request("c", prompt, SamplingParams(max_tokens=55), 0.0)
+    with pytest.raises(InvalidRequestError, match=r"max_model_len \(64\) leaves room for 54; lower max_tokens"):
+        ip.make_request("c", prompt, SamplingParams(max_tokens=500), 0.0)
 
 
 def test_valid_request_fields() -> None:

@@ -167,3 +167,22 @@ def test_prompts_in_one_batch_share_their_prefix(tiny_checkpoints) -> None:
         str(tiny_checkpoints["qwen3"]), device="cpu", block_size=4, num_kv_blocks=128, enable_prefix_caching=False
     )
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+
+
+def test_priorities_order_a_batch_that_does_not_fit_at_once(tiny_checkpoints) -> None:
+    """`LLM.generate(..., priority=[...])` (vLLM's offline form): with one sequence at a time, the prompts
+    run lowest priority value first (arrival order among equals); results stay in prompt order."""
+    llm = LLM(str(tiny_checkpoints["qwen3"]), device="cpu", block_size=4, num_kv_blocks=64, max_num_seqs=1)
+    try:
+        prompts = [[5, 6, 7 + i] for i in range(5)]
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        outs = llm.generate(prompts, params, use_tqdm=False, priority=[3, 1, 2, 1, 0])
+        assert [o.prompt_token_ids for o in outs] == prompts
+        ttft = [o.metrics.time_to_first_token for o in outs if o.metrics is not None]
+        assert sorted(range(5), key=lambda i: ttft[i]) == [4, 1, 3, 2, 0]
+        with pytest.raises(InvalidRequestError, match="2 priorities"):
+            llm.generate(prompts, params, use_tqdm=False, priority=[0, 1])
+        with pytest.raises(InvalidRequestError, match=r"priority=1\.5 is invalid"):
+            llm.generate(prompts[:1], params, use_tqdm=False, priority=[1.5])  # type: ignore[list-item]
+    finally:
+        llm.shutdown()

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from asyncllm.errors import InvalidRequestError
-from asyncllm.outputs import OutputAccumulator, RequestMetrics
+from asyncllm.outputs import CompletionOutput, OutputAccumulator, RequestMetrics, SamplesAccumulator
 
 METRICS = RequestMetrics(0.1, 0.5, 3, 4, 0)
 
@@ -69,3 +69,60 @@ def test_a_request_failing_alone_keeps_its_output_then_raises() -> None:
     assert acc.take_chunk("r") is None and acc.finished
     with pytest.raises(InvalidRequestError, match="bad sampling state"):
         acc.result("r", [])
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_samples_chunks_at_any_lag_keep_samples_apart_and_join_to_the_whole(seed: int) -> None:
+    """n > 1: deltas of the samples interleave; every chunk is one sample's, and each sample's chunks join
+    to its whole output; the stream's last chunk is the one after which nothing is left."""
+    rng = random.Random(seed)
+    n = rng.randrange(2, 5)
+    per_sample = [_deltas(rng) for _ in range(n)]
+    order = [i for i in range(n) for _ in per_sample[i]]
+    rng.shuffle(order)
+    whole, lagging = SamplesAccumulator(n), SamplesAccumulator(n)
+    cursor = [0] * n
+    chunks = []
+    for i in order:
+        text, ids, logprobs = per_sample[i][cursor[i]]
+        cursor[i] += 1
+        final = cursor[i] == len(per_sample[i])
+        for acc in (whole, lagging):
+            acc.add(text, ids, logprobs, "stop" if final else None, METRICS if final else None, None, i)
+        while rng.random() < 0.5 and (chunk := lagging.take_chunk("r")) is not None:
+            chunks.append(chunk)
+    while (chunk := lagging.take_chunk("r")) is not None:
+        chunks.append(chunk)
+    assert lagging.complete and lagging.is_last(chunks[-1]) and chunks[-1].finished
+    out = whole.result("r", [1])
+    for i in range(n):
+        mine = [c for c in chunks if c.index == i]
+        assert "".join(c.text for c in mine) == out.outputs[i].text == "".join(t for t, _, _ in per_sample[i])
+        assert [t for c in mine for t in c.token_ids] == out.outputs[i].token_ids
+        assert [c.finish_reason for c in mine].count("stop") == 1 and mine[-1].finish_reason == "stop"
+    assert out.text == out.outputs[0].text and out.token_ids == out.outputs[0].token_ids
+    assert out.metrics is not None and out.metrics.num_generated_tokens == n * METRICS.num_generated_tokens
+
+
+def test_samples_finish_when_the_last_sample_does_or_at_once_on_error() -> None:
+    acc = SamplesAccumulator(2)
+    acc.add("a", [1], None, "stop", METRICS, None, 0)
+    assert not acc.finished
+    acc.add("b", [2], None, "length", METRICS, None, 1)
+    assert acc.finished
+    failed = SamplesAccumulator(3)
+    failed.add("x", [1], None, "abort", METRICS, None, 1)
+    failed.add("y", [2], None, "abort", METRICS, "no token is allowed here", 0)
+    assert failed.finished
+    chunks = [failed.take_chunk("r"), failed.take_chunk("r")]
+    assert [(c.index, c.finish_reason) for c in chunks if c] == [(1, "abort"), (0, None)]
+    assert not failed.complete  # the error, not an end: the reader raises it next
+    with pytest.raises(InvalidRequestError, match="no token"):
+        failed.result("r", [])
+
+
+def test_one_sample_result_lists_itself_in_outputs() -> None:
+    acc = OutputAccumulator()
+    acc.add("hi", [1, 2], None, "stop", METRICS)
+    out = acc.result("r", [9])
+    assert out.outputs == [CompletionOutput(0, "hi", [1, 2], "stop", None, METRICS)]

@@ -11,8 +11,11 @@ from typing import TYPE_CHECKING, Any
 from asyncllm.errors import (
     AsyncLLMError,
     EngineDeadError,
+    EngineDrainingError,
+    EngineOverloadedError,
     EngineStalledError,
     InvalidRequestError,
+    RequestFailedError,
     StreamInUseError,
     UnsupportedModelError,
 )
@@ -33,8 +36,11 @@ __all__ = [
     "ChatChunk",
     "ChatStream",
     "EngineDeadError",
+    "EngineDrainingError",
+    "EngineOverloadedError",
     "EngineStalledError",
     "InvalidRequestError",
+    "RequestFailedError",
     "RequestMetrics",
     "RequestOutput",
     "RequestStream",

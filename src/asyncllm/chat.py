@@ -74,6 +74,7 @@ def apply_chat_template(
     model's template; `template_kwargs` are more template variables (Qwen3's `enable_thinking`, say).
     """
     check_messages(messages)
+    check_template_kwargs(template_kwargs)
     template = template_of(tokenizer, chat_template, with_tools=bool(tools))
     assert tokenizer is not None
     text = tokenizer.apply_chat_template(
@@ -109,6 +110,33 @@ def template_of(tokenizer: ChatTokenizer | None, chat_template: str | None = Non
             "defines one"
         )
     return template
+
+
+# `apply_chat_template`'s own arguments (transformers 4.4x-5.x): as template variables they would collide
+# with them or change what it returns.
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+        "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+        "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    }
+)  # fmt: skip
+
+
+def check_template_kwargs(template_kwargs: Mapping[str, Any] | None) -> None:
+    """`InvalidRequestError` unless `template_kwargs` is None or a dict of variable names (Qwen3's
+    `enable_thinking`, say) that are not `apply_chat_template`'s own arguments."""
+    if template_kwargs is None:
+        return
+    if not isinstance(template_kwargs, Mapping):
+        raise InvalidRequestError(f"chat_template_kwargs must be a dict, got {type(template_kwargs).__name__}")
+    for key in template_kwargs:
+        if not isinstance(key, str) or not key.isidentifier():
+            raise InvalidRequestError(f"chat_template_kwargs: {key!r} is not a template variable name")
+        if key in _RESERVED_TEMPLATE_KWARGS:
+            raise InvalidRequestError(
+                f"chat_template_kwargs: {key!r} is an argument of the templating itself, not a template variable"
+            )
 
 
 def check_messages(messages: Sequence[Message]) -> None:

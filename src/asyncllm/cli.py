@@ -16,7 +16,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from asyncllm.chat import Message
-from asyncllm.console import EXIT_INTERRUPTED, EXIT_OK, LOG_LEVELS, configure_logging, report, report_error
+from asyncllm.console import (
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    LOG_LEVELS,
+    chat_template_arg,
+    configure_logging,
+    report,
+    report_error,
+)
 from asyncllm.default_model import DefaultModelInstallError, default_model_path, fetch_default_model
 from asyncllm.errors import AsyncLLMError, InvalidRequestError
 from asyncllm.install import DISTRIBUTION
@@ -92,25 +100,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 def chat_engine_args(args: argparse.Namespace) -> dict[str, Any]:
     """The engine arguments `asyncllm chat` was given (its own flags of the same name left out)."""
     return engine_args_from(args, [spec for spec in engine_arg_specs() if spec.name not in _CHAT_OWN])
-
-
-def chat_template_arg(value: str) -> str:
-    """`--chat-template`: a file's contents when `value` names one, else the template text itself (which a
-    Jinja template shows by its `{{` or `{%`)."""
-    from jinja2 import Environment, TemplateSyntaxError  # what transformers renders templates with
-
-    path = Path(value).expanduser()
-    if path.is_file():
-        template = path.read_text()
-    elif "{{" in value or "{%" in value:
-        template = value
-    else:
-        raise argparse.ArgumentTypeError(f"{value!r} is neither a file nor a Jinja template (no {{{{ or {{% in it)")
-    try:
-        Environment().parse(template)  # a broken template fails now, not after the model has loaded
-    except TemplateSyntaxError as exc:
-        raise argparse.ArgumentTypeError(f"the template does not parse: {exc} (line {exc.lineno})") from None
-    return template
 
 
 class _Version(argparse.Action):

@@ -55,6 +55,9 @@ class AttentionBackendName(str, enum.Enum):
 # decodes, and the largest step carrying prompts that replays a graph (a capped step's prompt tokens fit it).
 STREAMING_PREFILL_CAP = 2048  # W2's p99 token gap 1.9x the median, 5.9x uncapped (bench/RESULTS.md, run 28)
 DEFAULT_GRAPH_TOKENS = 2048
+# A step running longer than this fails the health check: far above any real step (a GPU step takes
+# milliseconds, a long CPU prefill a few seconds), far below what a stuck device or kernel looks like.
+DEFAULT_MAX_STEP_SECONDS = 20.0
 
 
 def arg(default: Any, doc: str) -> Any:
@@ -166,6 +169,12 @@ class SchedulerConfig:
         "Plan step N+1 and process step N-1's outputs while the device runs step N (overlapped scheduling); "
         "False waits for each step before planning the next (the serial twin, same tokens).",
     )
+    max_waiting_requests: int | None = arg(
+        None,
+        "Most requests accepted that have not started computing (being tokenized, on their way to the core, "
+        "or waiting for a seat or memory; a preempted request does not count again). Beyond it add_request "
+        "raises EngineOverloadedError at once (the server answers 429). None: unbounded. AsyncLLMEngine only.",
+    )
 
     def __post_init__(self) -> None:
         check_int(_fail, "max_num_seqs", self.max_num_seqs, "an integer >= 1", lo=1)
@@ -178,6 +187,7 @@ class SchedulerConfig:
             lo=1,
         )
         check_bool(_fail, "async_scheduling", self.async_scheduling)
+        check_optional_int(_fail, "max_waiting_requests", self.max_waiting_requests, "an integer >= 1, or None", lo=1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -219,7 +229,11 @@ class DeviceConfig:
         "decode steps only. None: 2048, or max_num_seqs plus the prefill cap when that is larger (so capped "
         "steps replay graphs). Each count costs a capture at start-up; the largest sets the graphs' memory.",
     )
-
+    max_step_seconds: float = arg(
+        DEFAULT_MAX_STEP_SECONDS,
+        "A step running longer than this makes check_health() (and the server's /health) fail: a stuck device "
+        "or kernel. AsyncLLMEngine only.",
+    )
     num_threads: int | None = arg(
         None,
         "torch's CPU threads for the model's ops (per rank under tensor parallelism), set in the thread that "
@@ -234,6 +248,10 @@ class DeviceConfig:
         _set(self, "attention_backend", backend)
         check_bool(_fail, "enforce_eager", self.enforce_eager)
         check_optional_int(_fail, "cuda_graph_max_tokens", self.cuda_graph_max_tokens, "an integer >= 0, or None", lo=0)
+        seconds = check_float(
+            _fail, "max_step_seconds", self.max_step_seconds, "a positive number of seconds", lo=0.0, lo_open=True
+        )
+        _set(self, "max_step_seconds", seconds)
 
 
 _PARTS: dict[str, type] = {

@@ -5,8 +5,10 @@ and `server/cli.py`. Imports neither torch nor the engine.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
+from pathlib import Path
 from typing import TextIO
 
 from asyncllm.errors import AsyncLLMError, InvalidConfigError, InvalidRequestError, UnknownArgumentError
@@ -63,3 +65,22 @@ def configure_logging(level: str = "info") -> None:
     handler.setFormatter(logging.Formatter(_FORMAT, "%H:%M:%S"))
     logger.addHandler(handler)
     logger.setLevel(logging.DEBUG if level == "trace" else level.upper())
+
+
+def chat_template_arg(value: str) -> str:
+    """`--chat-template`: a file's contents when `value` names one, else the template text itself (which a
+    Jinja template shows by its `{{` or `{%`)."""
+    from jinja2 import Environment, TemplateSyntaxError  # what transformers renders templates with
+
+    path = Path(value).expanduser()
+    if path.is_file():
+        template = path.read_text()
+    elif "{{" in value or "{%" in value:
+        template = value
+    else:
+        raise argparse.ArgumentTypeError(f"{value!r} is neither a file nor a Jinja template (no {{{{ or {{% in it)")
+    try:
+        Environment().parse(template)  # a broken template fails now, not after the model has loaded
+    except TemplateSyntaxError as exc:
+        raise argparse.ArgumentTypeError(f"the template does not parse: {exc} (line {exc.lineno})") from None
+    return template

@@ -40,6 +40,21 @@ class EngineDeadError(AsyncLLMError, RuntimeError):
     """The step loop failed (cause chained) or the engine was shut down; no request can be served."""
 
 
+class EngineDrainingError(EngineDeadError):
+    """The engine is draining (`drain()`, or a server's SIGTERM): requests already in finish, new ones are
+    refused. Not a failure: go to another replica."""
+
+
+class EngineOverloadedError(AsyncLLMError, RuntimeError):
+    """`add_request` at once, when `max_waiting_requests` requests already wait to start: retry later (the
+    server answers 429 with Retry-After). Nothing of the refused request was kept."""
+
+
+class RequestFailedError(AsyncLLMError, RuntimeError):
+    """The engine failed this one request (an internal error, named in the message): not the caller's
+    fault, and not the engine's death: every other request carries on."""
+
+
 class EngineStalledError(EngineDeadError):
     """`check_health`: the step in flight has run past the bound (a stuck device or kernel). The engine
     is not serving, though it may recover if the step ever returns."""

@@ -18,6 +18,7 @@ from asyncllm.errors import InvalidRequestError
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.step import RuntimeInfo
 from asyncllm.structured import StructuredOutput
+from asyncllm.validation import is_int, short_repr
 
 Encode = Callable[[str], list[int]]
 EncodeBatch = Callable[[list[str]], list[list[int]]]
@@ -147,15 +148,23 @@ class InputProcessor:
         params: SamplingParams | None,
         arrival_time: float,
         encoded: list[int] | None = None,
+        priority: int = 0,
     ) -> Request:
-        """The checked `Request`; `encoded`: a text prompt's ids from `encode_texts`, to skip encoding it."""
+        """The checked `Request`; `encoded`: a text prompt's ids from `encode_texts`, to skip encoding it;
+        `priority` checked already (`check_priority`)."""
         params = self.check_params(params)
         if isinstance(prompt, (list, tuple)):
             self._check_length(len(prompt), params)  # before looking at a single id: cost bounded by the limit
         ids = self.tokenize(prompt, encoded)
         self._check_length(len(ids), params)
         room = self.runtime.max_seq_len - len(ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise InvalidRequestError(
+                f"SamplingParams.max_tokens={params.max_tokens} does not fit: the prompt has {len(ids)} tokens "
+                f"and {self._limit_name()} leaves room for {room}; lower max_tokens to at most {room}, or leave "
+                "it None to generate up to the limit"
+            )
+        max_tokens = room if params.max_tokens is None else params.max_tokens
         eos = frozenset() if params.ignore_eos else self.runtime.eos_token_ids
         return Request(
             request_id=request_id,
@@ -164,7 +173,24 @@ class InputProcessor:
             arrival_time=arrival_time,
             max_tokens=max_tokens,
             eos_token_ids=eos,
+            priority=priority,
         )
+
+    @staticmethod
+    def check_priority(priority: object) -> int:
+        """A request's priority: any integer, lower runs first."""
+        if not is_int(priority):
+            raise InvalidRequestError(
+                f"priority={short_repr(priority)} is invalid: give an integer (lower runs first; default 0)"
+            )
+        return priority  # type: ignore[return-value]
+
+    def _limit_name(self) -> str:
+        """The limit that binds a sequence's length: a small KV cache caps sequences below max_model_len."""
+        rt = self.runtime
+        if rt.max_seq_len == rt.max_model_len:
+            return f"max_model_len ({rt.max_model_len})"
+        return f"the KV cache capacity ({rt.max_seq_len} tokens; max_model_len is {rt.max_model_len})"
 
     def _check_length(self, n: int, params: SamplingParams) -> None:
         rt = self.runtime
@@ -174,15 +200,8 @@ class InputProcessor:
                 f"({rt.kv_capacity_tokens} tokens = "
                 f"{rt.num_kv_blocks} blocks x {rt.block_size}); raise num_kv_blocks or shorten the prompt"
             )
-        limit = rt.max_seq_len
-        if n + max(1, params.min_tokens) > limit:
-            # Name the limit that binds: a small KV cache caps sequences below max_model_len.
-            which = (
-                f"max_model_len ({limit})"
-                if limit == rt.max_model_len
-                else f"the KV cache capacity ({limit} tokens; max_model_len is {rt.max_model_len})"
-            )
+        if n + max(1, params.min_tokens) > rt.max_seq_len:
             raise InvalidRequestError(
                 f"prompt ({n} tokens) + min_tokens ({params.min_tokens}, at least 1 token to generate) "
-                f"exceeds {which}; shorten the prompt or lower min_tokens"
+                f"exceeds {self._limit_name()}; shorten the prompt or lower min_tokens"
             )

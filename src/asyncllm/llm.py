@@ -16,7 +16,7 @@ from typing import Any
 from asyncllm.config import EngineConfig
 from asyncllm.errors import InvalidRequestError
 from asyncllm.input_processor import InputProcessor
-from asyncllm.outputs import OutputAccumulator, RequestOutput
+from asyncllm.outputs import RequestOutput, new_accumulator
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.step import RuntimeInfo
 
@@ -67,7 +67,11 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        *,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
+        """One `RequestOutput` per prompt, in prompt order. `priority`: one per prompt (lower runs first; the
+        default 0 each): which prompts the engine starts first when they do not all fit at once."""
         prompt_list = self._as_prompt_list(prompts)
         if params is None or isinstance(params, SamplingParams):
             param_list = [params or SamplingParams()] * len(prompt_list)
@@ -77,15 +81,19 @@ class LLM:
                 raise InvalidRequestError(
                     f"got {len(prompt_list)} prompts but {len(param_list)} SamplingParams; give one or one each"
                 )
+        priorities = [0] * len(prompt_list) if priority is None else list(priority)
+        if len(priorities) != len(prompt_list):
+            raise InvalidRequestError(f"got {len(prompt_list)} prompts but {len(priorities)} priorities; give one each")
         # Validate everything before queuing anything, so one bad prompt leaves the engine untouched.
         now = time.monotonic()
         requests = [
-            self._inputs.make_request(f"llm-{next(self._ids)}", p, sp, now) for p, sp in zip(prompt_list, param_list)
+            self._inputs.make_request(f"llm-{next(self._ids)}", p, sp, now, priority=self._inputs.check_priority(pr))
+            for p, sp, pr in zip(prompt_list, param_list, priorities)
         ]
         for request in requests:
             self._inputs.check_constraint(request.params)  # compiles each output constraint (cached by its text)
         core = self._engine.core
-        outputs = {r.request_id: OutputAccumulator() for r in requests}
+        outputs = {r.request_id: new_accumulator(r.params.n) for r in requests}
         num_finished = 0
         bar = _progress(len(requests)) if use_tqdm else None
         try:
@@ -98,8 +106,8 @@ class LLM:
                     bar.update_step(core.last_step, time.perf_counter() - t0)
                 for d in deltas:
                     output = outputs[d.request_id]
-                    output.add(d.new_text, d.new_token_ids, d.logprobs, d.finish_reason, d.metrics, d.error)
-                    if d.finish_reason is not None:
+                    output.add(d.new_text, d.new_token_ids, d.logprobs, d.finish_reason, d.metrics, d.error, d.index)
+                    if d.finish_reason is not None and not d.open_samples:  # the request's last sample ended
                         num_finished += 1
                         if bar is not None:
                             bar.update(1)

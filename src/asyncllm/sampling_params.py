@@ -21,6 +21,9 @@ _MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024  # masked per step while min_tokens is not reached: the same shared cost
+# Samples of one request (`n`): each is a sequence of its own in every step, so one request could otherwise
+# fill the batch on its own; OpenAI's limit too.
+MAX_SAMPLES = 128
 
 
 def _fail(name: str, value: object, allowed: str) -> InvalidRequestError:
@@ -40,6 +43,10 @@ class SamplingParams:
     `repetition_penalty` in [0.01, 100] (beyond it a seen token is certain or impossible and the logits
     overflow); `presence_penalty` and `frequency_penalty` in [-2, 2]. At most `MAX_STOP_STRINGS` stop
     strings of at most `MAX_STOP_STRING_CHARS` characters each, and `MAX_STOP_TOKEN_IDS` stop token ids.
+
+    `n` samples of the prompt (1 to `MAX_SAMPLES`): the prompt is prefilled once and its KV shared; each
+    sample has its own stop and length, and with `seed=s` sample i draws as a request with `seed=s + i`
+    would (without a seed the samples differ, each from a seed of its own).
 
     Structured output, at most one of: `json_schema` (a dict, a JSON string, or a pydantic model class, kept
     as its schema dict so the request can cross a process), `regex`, `choice` (a non-empty list of strings),
@@ -62,6 +69,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
+    n: int = 1
     json_schema: dict[str, Any] | str | type | None = None
     regex: str | None = None
     choice: list[str] | None = None
@@ -94,6 +102,10 @@ class SamplingParams:
         check_optional_int(_fail, "logprobs", self.logprobs, allowed, lo=0)
         if self.logprobs is not None and self.logprobs > _MAX_LOGPROBS:
             raise _fail("logprobs", self.logprobs, allowed)
+        allowed = f"an integer in [1, {MAX_SAMPLES}]: how many samples of the prompt"
+        check_int(_fail, "n", self.n, allowed, lo=1)
+        if self.n > MAX_SAMPLES:
+            raise _fail("n", self.n, allowed)
         object.__setattr__(self, "structured", self._normalise_structured())
 
     def _normalise_structured(self) -> StructuredOutput | None:

@@ -17,32 +17,11 @@ from asyncllm.async_engine.chat_session import check_chat
 from asyncllm.errors import InvalidRequestError, UnsupportedModelError
 from asyncllm.parsing import ReasoningParser, ReasoningTags, merge_tool_call_deltas
 from tests.async_engine.conftest import wait_drained
+from tests.fixtures.chat_templates import HERMES, THINKING
 from tests.fixtures.tiny_models import build_checkpoint
 
 # Tool schemas take many tokens of the tiny tokenizer: a checkpoint with room for them.
 ENGINE_ARGS: dict[str, Any] = dict(device="cpu", dtype="float32", block_size=8, num_kv_blocks=512, seed=3)
-# Qwen2.5's shape, cut down: tools listed in the system turn, calls as <tool_call> JSON, answers as user turns.
-HERMES = """\
-{%- if tools %}<|im_start|>system
-You may call these tools:
-<tools>
-{%- for t in tools %}
-{{ t | tojson }}
-{%- endfor %}
-</tools>
-Call one as <tool_call>
-{"name": <name>, "arguments": <arguments>}
-</tool_call><|im_end|>
-{% endif %}
-{%- for m in messages %}<|im_start|>{{ 'user' if m.role == 'tool' else m.role }}
-{% if m.role == 'tool' %}<tool_response>{{ m.content }}</tool_response>{% else %}{{ m.content }}{% endif %}
-{%- for c in m.tool_calls or [] %}<tool_call>
-{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}
-</tool_call>{% endfor %}<|im_end|>
-{% endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
-THINKING = HERMES.replace("<|im_start|>assistant\n{% endif %}", "<|im_start|>assistant\n<think>\n{% endif %}")
 WEATHER = {
     "type": "object",
     "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["c", "f"]}},
@@ -112,15 +91,22 @@ async def test_tools_reach_the_template_and_past_calls_are_objects(engine: Async
     assert "<tool_response>sunny</tool_response>" in prompt
 
 
-async def test_tool_choice_none_leaves_tools_out_and_gives_plain_text(engine: AsyncLLMEngine) -> None:
+async def test_tool_choice_none_lists_the_tools_but_reads_no_call(engine: AsyncLLMEngine) -> None:
+    """As vLLM does: the prompt still lists the tools (the model knows them, and the conversation's prefix
+    stays the same turn after turn), but a reply is text, even one that looks like a call."""
     params = SamplingParams(temperature=0.0, max_tokens=10)
     stream = engine.chat(ASK, params, tools=TOOLS, tool_choice="none", chat_template=HERMES)
     chunks = await read(stream)
     assert engine.tokenizer is not None and stream.prompt_token_ids is not None
-    assert "<tools>" not in engine.tokenizer.decode(stream.prompt_token_ids)
+    assert "<tools>" in engine.tokenizer.decode(stream.prompt_token_ids)
     want = await engine.generate(list(stream.prompt_token_ids), params)
     assert joined(chunks) == (want.text, "")
     assert not any(c.tool_calls for c in chunks) and chunks[-1].finish_reason == want.finish_reason
+    lookalike = '<tool_call>\n{"name": "search", "arguments": {}}\n</tool_call>'
+    forced = SamplingParams(choice=[lookalike], max_tokens=200)  # a constraint is the caller's again
+    chunks = await read(engine.chat(ASK, forced, tools=TOOLS, tool_choice="none", chat_template=HERMES))
+    assert joined(chunks) == (lookalike, "") and chunks[-1].finish_reason == "stop"
+    assert not any(c.tool_calls for c in chunks)
 
 
 def _tool(**function: Any) -> dict[str, Any]:
@@ -175,6 +161,12 @@ async def test_other_bad_chat_arguments_raise_at_once(engine: AsyncLLMEngine) ->
         engine.chat(ASK, tools=TOOLS, parallel_tool_calls=None, chat_template=HERMES)  # type: ignore[arg-type]
     with pytest.raises(InvalidRequestError, match="chat_template_kwargs must be a dict"):
         engine.chat(ASK, chat_template_kwargs=["enable_thinking"])  # type: ignore[arg-type]
+    # Bug: `tokenize` (or `chat_template`) among the variables reached transformers as its own argument.
+    for key in ("tokenize", "chat_template", "return_dict"):
+        with pytest.raises(InvalidRequestError, match=f"chat_template_kwargs: '{key}' is an argument of the"):
+            engine.chat(ASK, chat_template_kwargs={key: True})
+    with pytest.raises(InvalidRequestError, match="chat_template_kwargs: 'a-b' is not a template variable"):
+        engine.chat(ASK, chat_template_kwargs={"a-b": 1})
     # The tiny model's own template is ChatML without a tool-call format.
     with pytest.raises(UnsupportedModelError, match="no tool-call format"):
         engine.chat(ASK, tools=TOOLS)
@@ -331,3 +323,11 @@ def test_chat_runs_on_trio(engine: AsyncLLMEngine) -> None:
     text, finish = trio.run(main)
     assert finish in ("stop", "length") and isinstance(text, str)
     asyncio.run(wait_drained(engine, timeout=10))
+
+
+async def test_chat_takes_a_priority(engine: AsyncLLMEngine) -> None:
+    """`engine.chat(..., priority=...)` reaches the request (issue 22); a bad one is refused at the call."""
+    with pytest.raises(InvalidRequestError, match=r"priority='urgent' is invalid"):
+        engine.chat(ASK, SamplingParams(max_tokens=2), priority="urgent")  # type: ignore[arg-type]
+    chunks = [c async for c in engine.chat(ASK, SamplingParams(max_tokens=3, ignore_eos=True), priority=-2)]
+    assert chunks[-1].finish_reason == "length"

@@ -11,7 +11,14 @@ from typing import Any
 
 import pytest
 
-from asyncllm import AsyncLLMEngine, InvalidRequestError, RequestStream, SamplingParams, StreamInUseError
+from asyncllm import (
+    AsyncLLMEngine,
+    InvalidRequestError,
+    RequestFailedError,
+    RequestStream,
+    SamplingParams,
+    StreamInUseError,
+)
 from asyncllm.core.output_processor import RequestDelta
 from tests.async_engine.conftest import wait_drained
 from tests.fixtures.fake_core import FakeBuilt, fake_built, offline_run
@@ -167,15 +174,17 @@ class _AdmitFails:
 
 async def test_a_request_the_core_cannot_admit_fails_alone(bpe_tokenizer: Any) -> None:
     """Second wall, at admission: a failure while the core builds one request's state killed the engine
-    (the step loop let it escape). That request ends with InvalidRequestError, whatever part of it the core
-    took is undone (every block free), and the engine serves on."""
+    (the step loop let it escape). That request ends with RequestFailedError (the engine failed it; it was
+    InvalidRequestError, which blamed the caller: issue 22), whatever part of it the core took is undone
+    (every block free), and the engine serves on."""
     built = fake_built(bpe_tokenizer, step_delay=0.001)
     wrapped = FakeBuilt(_AdmitFails(built.core, "bad"), *_rest(built))  # type: ignore[arg-type]
     engine = AsyncLLMEngine.from_builder(lambda: wrapped)
     try:
         good = engine.add_request([1, 2, 3], SamplingParams(max_tokens=10))
-        with pytest.raises(InvalidRequestError, match=r"could not admit this request.*DecodeStream refused"):
+        with pytest.raises(RequestFailedError, match=r"failed to admit this request.*DecodeStream refused") as info:
             await engine.generate([4, 5, 6], SamplingParams(max_tokens=10), request_id="bad")
+        assert not isinstance(info.value, InvalidRequestError) and info.value.__cause__ is not None
         assert [c async for c in good][-1].finish_reason == "length"
         await wait_drained(engine)
         assert engine.is_running

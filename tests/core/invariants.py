@@ -9,12 +9,14 @@ from asyncllm.core.block_manager import BlockManager
 from asyncllm.core.request import Request
 
 
-def check_block_invariants(bm: BlockManager, live: Iterable[Request]) -> None:
-    """No block both free and held; ref counts equal holders; the hash index is truthful; nothing leaks."""
+def check_block_invariants(bm: BlockManager, live: Iterable[Request], held: Iterable[int] = ()) -> None:
+    """No block both free and held; ref counts equal holders; the hash index is truthful; nothing leaks.
+    `held`: references taken by others than requests (`Scheduler.held_block_ids`)."""
     holders: Counter[int] = Counter()
     for request in live:
         assert len(set(request.block_ids)) == len(request.block_ids), f"{request.request_id} holds a block twice"
         holders.update(request.block_ids)
+    holders.update(held)
     free = set(bm.free_block_ids())
     cached = bm.cached_blocks()
     assert len(free) == bm.num_free_blocks

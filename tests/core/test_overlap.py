@@ -113,7 +113,7 @@ def test_a_request_stopped_at_step_n_streams_nothing_from_step_n_plus_1(tok) -> 
     """The step after a stop was already planned (and computed) with the stopped request in it: its token
     is dropped, the stream ends at the stop, and the runner hears the request finished."""
     core, executor, ip = _engine(tok, True)
-    core.add_request(ip.make_request("a", [5, 6, 7], SamplingParams(max_tokens=200), 0.0))
+    core.add_request(ip.make_request("a", [5, 6, 7], SamplingParams(max_tokens=150), 0.0))
     result = _run(core, executor)["a"]
     assert result["reason"] == "stop" and result["tokens"][-1] == EOS
     computed = sum(1 for step in executor.steps for s in step.seqs if s.request_id == "a" and s.sample)

@@ -336,3 +336,23 @@ def _alive(pids: set[int]) -> bool:
         if stat[stat.rindex(b")") + 2 :][:1] not in (b"Z", b"X"):
             return True
     return False
+
+
+def test_samples_over_tp2_equal_tp1(tiny_checkpoints: dict[str, Path]) -> None:
+    """`n` samples sharing their prompt's blocks reach every rank as requests of their own: TP=2 gives TP=1's
+    tokens and schedule under chunked prefill and preemption."""
+    params = SamplingParams(n=3, seed=5, temperature=1.0, max_tokens=10, ignore_eos=True)
+    prompts = _prompts()[:3]
+
+    def run(**args: Any) -> tuple[list[list[list[int]]], dict[str, float | int]]:
+        llm = LLM(str(tiny_checkpoints["qwen3"]), **ENGINE_ARGS, enable_prefix_caching=False, **args)
+        try:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            return [[s.token_ids for s in o.outputs] for o in outs], llm.stats()
+        finally:
+            llm.shutdown()
+
+    want, want_stats = run()
+    got, stats = run(tensor_parallel_size=2)
+    assert got == want and stats == want_stats
+    assert stats["num_preemptions"] > 0 and stats["num_free_blocks"] == stats["num_total_blocks"]

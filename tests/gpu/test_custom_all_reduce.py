@@ -194,7 +194,7 @@ async def main():
         tp_custom_all_reduce=sys.argv[2] == "custom",
     )
     (pid,) = workers()
-    streams = [engine.add_request([i + 3, 5, 9], SamplingParams(max_tokens=2000, ignore_eos=True)) for i in range(8)]
+    streams = [engine.add_request([i + 3, 5, 9], SamplingParams(ignore_eos=True)) for i in range(8)]  # to the limit
     iterators = [s.__aiter__() for s in streams]
     for it in iterators:
         await asyncio.wait_for(it.__anext__(), 120)

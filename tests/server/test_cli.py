@@ -137,6 +137,16 @@ def test_the_built_in_model_is_served_under_the_name_the_docs_send() -> None:
     assert served_model_name(build_parser().parse_args(["m.gguf", "--served-model-name", "x"])) == "x"
 
 
+def test_chat_template_flag_takes_a_file_or_the_text(tmp_path: Path) -> None:
+    from asyncllm.server.cli import build_parser
+
+    path = tmp_path / "tools.jinja"
+    path.write_text("{{ messages[0].content }}", encoding="utf-8")
+    assert build_parser().parse_args(["m", "--chat-template", str(path)]).chat_template == "{{ messages[0].content }}"
+    assert build_parser().parse_args(["m", "--chat-template", "{{ x }}"]).chat_template == "{{ x }}"
+    assert build_parser().parse_args(["m"]).chat_template is None
+
+
 def test_server_import_leaves_torch_out() -> None:
     check = (
         "import sys, asyncllm.server, asyncllm.server.app, asyncllm.server.cli\n"

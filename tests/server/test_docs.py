@@ -1,5 +1,5 @@
 """docs/server.md's snippets run as written (the port and model name swapped for the test server's), and
-examples/openai_client.py runs against the tiny checkpoint."""
+examples/openai_client.py and examples/openai_tools.py run against a tiny checkpoint."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.fixtures.tiny_models import build_checkpoint
 from tests.server.conftest import MODEL
 from tests.server.serving import RunningServer
 
@@ -47,3 +48,23 @@ def test_openai_client_example(tiny_model: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "completion_tokens=16" in proc.stdout.splitlines()[-1], proc.stdout  # the completion's usage
+
+
+def test_openai_tools_example(tmp_path: Path, structured_output_enforced: bool) -> None:
+    model = build_checkpoint(tmp_path / "qwen3", "qwen3", max_position_embeddings=2048)  # room for the tools
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "openai_tools.py"), str(model)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    if not structured_output_enforced:
+        return
+    assert lines[0].startswith("parsed: Person(name="), lines  # a random model's reply, parsed all the same
+    calls = [line for line in lines if line.startswith("tool call: get_weather(")]
+    assert calls and any(line.startswith("answer: ") for line in lines), lines
+    arguments = json.loads(calls[0].removeprefix("tool call: get_weather(").removesuffix(")"))
+    assert set(arguments) == {"city", "unit"} and arguments["unit"] in ("celsius", "fahrenheit")

@@ -32,14 +32,17 @@ _MAX_BATCH = 64  # texts tokenized per call: large enough to amortise, small eno
 
 
 class _Job:
-    __slots__ = ("arrival_time", "cancelled", "params", "prompt", "ready", "request", "slot")
+    __slots__ = ("arrival_time", "cancelled", "params", "priority", "prompt", "ready", "request", "slot")
 
-    def __init__(self, slot: OutputSlot, request: Request | None, prompt: str, params: SamplingParams, t: float):
+    def __init__(
+        self, slot: OutputSlot, request: Request | None, prompt: str, params: SamplingParams, t: float, priority: int
+    ) -> None:
         self.slot = slot
         self.request = request  # None until the worker has tokenized `prompt`
         self.prompt = prompt
         self.params = params
         self.arrival_time = t
+        self.priority = priority
         self.cancelled = False  # ended here (aborted): the worker drops it
         # Nothing left for the worker: a built request without an output constraint to compile.
         self.ready = request is not None and params.structured is None
@@ -71,12 +74,14 @@ class Admission:
             if request.params.structured is None and not self._queue:
                 self._client.add_request(request, slot)  # under the lock: the worker cannot pass it
                 return
-            self._enqueue(_Job(slot, request, "", request.params, request.arrival_time))
+            self._enqueue(_Job(slot, request, "", request.params, request.arrival_time, request.priority))
 
-    def submit_text(self, slot: OutputSlot, prompt: str, params: SamplingParams, arrival_time: float) -> None:
+    def submit_text(
+        self, slot: OutputSlot, prompt: str, params: SamplingParams, arrival_time: float, priority: int
+    ) -> None:
         """A text prompt that passed the cheap checks: tokenized and checked on the worker thread."""
         with self._cond:
-            self._enqueue(_Job(slot, None, prompt, params, arrival_time))
+            self._enqueue(_Job(slot, None, prompt, params, arrival_time, priority))
 
     def abort(self, slot: OutputSlot) -> None:
         """Any thread, idempotent. A request still here ends at once with "abort" and never reaches the core."""
@@ -86,7 +91,8 @@ class Admission:
                 self._client.abort_request(slot)  # in the core (or finished): the client decides
                 return
             job.cancelled = True
-            self._client.end_request(slot, self._final(job, None))
+            for delta in self._finals(job, None):
+                self._client.end_request(slot, delta)
 
     def stop(self, timeout: float | None = None) -> None:
         with self._cond:
@@ -108,12 +114,17 @@ class Admission:
         self._queued[job.slot] = job
         self._cond.notify()
 
-    def _final(self, job: _Job, error: str | None) -> RequestDelta:
-        """The last output of a request that never reached the core: "abort", with `error` when refused."""
+    def _finals(self, job: _Job, error: str | None) -> list[RequestDelta]:
+        """The last outputs of a request that never reached the core: "abort" for each sample, or one
+        delta with `error` when refused (which ends every sample)."""
         n = len(job.slot.prompt_token_ids or ())
         now = self._clock()
         metrics = RequestMetrics(None, now - job.arrival_time, n, 0, 0)
-        return RequestDelta(job.slot.request_id, [], "", "abort", metrics, error=error)
+        rid = job.slot.request_id
+        if error is not None:
+            return [RequestDelta(rid, [], "", "abort", metrics, error=error)]
+        num = job.slot.num_samples
+        return [RequestDelta(rid, [], "", "abort", metrics, index=i, open_samples=num - 1 - i) for i in range(num)]
 
     # ------------------------------------------------------------------ the worker thread
     def _run(self) -> None:
@@ -153,7 +164,9 @@ class Admission:
         ip, rid = self._input_processor, job.slot.request_id
         failure = ("tokenizing", "the tokenizer failed on this prompt")
         try:
-            request = job.request or ip.make_request(rid, job.prompt, job.params, job.arrival_time, encoded)
+            request = job.request or ip.make_request(
+                rid, job.prompt, job.params, job.arrival_time, encoded, priority=job.priority
+            )
             failure = ("compiling the output constraint of", "compiling this request's output constraint failed")
             ip.check_constraint(request.params)
             return request, None
@@ -172,7 +185,7 @@ class Admission:
             job.slot.prompt_token_ids = tuple(request.prompt_token_ids)
             self._client.add_request(request, job.slot)
         elif error is not None:
-            self._client.end_request(job.slot, self._final(job, error))
+            self._client.end_request(job.slot, *self._finals(job, error))
         # else: the engine failed or shut down meanwhile; its slot already holds that error
 
 

@@ -1,9 +1,12 @@
 """One chat request's flow: messages and tools through the chat template, the tool-call grammar as the
 request's constraint, the reply's text through the chat parsers, `ChatChunk`s out.
 
-What is cheap and needs no tokenizer is checked in the caller's thread (`open_chat`); templating, encoding
-and building the grammar run in a worker thread on the stream's first `__anext__`, never on the loop. The
-request itself is an ordinary engine request (`RequestStream`), which owns cancellation. Knows the parsers
+What is cheap and needs no tokenizer is checked in the caller's thread (`check_chat`); templating, encoding
+and building the grammar (`plan_chat`) run in a worker thread, never on the loop. `engine.chat` and the
+server's chat endpoint share these two steps: the first streams a request's replies (`ChatStream`, on its
+first `__anext__`; n samples are one engine request, each reply read by its own parser), the second submits
+a plan's samples itself. The request is an ordinary engine request
+(`RequestStream`), which owns cancellation. Knows the parsers
 (`asyncllm.parsing`) and the grammar builder (`sample/tool_grammar.py`, imported in that thread: it brings
 in xgrammar, hence torch) only through their interfaces; nothing of the core.
 """
@@ -19,9 +22,16 @@ from asyncllm.async_engine.chat_tools import ChatTools, check_tools
 from asyncllm.async_engine.ids import check_request_id, new_request_id
 from asyncllm.async_engine.loops import run_in_thread
 from asyncllm.async_engine.stream import RequestStream
-from asyncllm.chat import ChatTokenizer, Message, apply_chat_template, check_messages, template_of
+from asyncllm.chat import (
+    ChatTokenizer,
+    Message,
+    apply_chat_template,
+    check_messages,
+    check_template_kwargs,
+    template_of,
+)
 from asyncllm.errors import InvalidRequestError, UnsupportedModelError
-from asyncllm.outputs import RequestMetrics
+from asyncllm.outputs import RequestMetrics, StreamOutput, merge_metrics
 from asyncllm.parsing import (
     ChatChunk,
     ChatStreamParser,
@@ -39,7 +49,7 @@ Submit = Callable[[list[int], SamplingParams, str], RequestStream]
 
 @dataclass(frozen=True, slots=True)
 class ChatRequest:
-    """A chat request that passed the cheap checks; `plan_chat` turns it into a prompt, params and parser."""
+    """A chat request that passed the cheap checks; `plan_chat` turns it into a `ChatPlan`."""
 
     tokenizer: ChatTokenizer
     messages: Sequence[Message]
@@ -52,10 +62,23 @@ class ChatRequest:
 
 @dataclass(frozen=True, slots=True)
 class ChatPlan:
+    """What a chat request sends the engine and how its replies are read. One plan serves any number of
+    replies to the same conversation (the samples of one request): each gets `constrain(params)` and a
+    fresh `parser()`."""
+
     prompt: str  # the templated conversation
     prompt_token_ids: list[int]
-    params: SamplingParams  # the caller's, with the tool-call grammar when tools are in play
-    parser: ChatStreamParser
+    grammar: str | None  # the tool calls' grammar, when the reply may call tools
+    parsers: ParserChoice
+    with_tools: bool  # the reply is parsed for tool calls
+
+    def constrain(self, params: SamplingParams) -> SamplingParams:
+        """`params` with the tool calls' grammar as its constraint, when tools are in play."""
+        return params if self.grammar is None else dataclasses.replace(params, grammar=self.grammar)
+
+    def parser(self) -> ChatStreamParser:
+        """A fresh parser for one reply (parsers hold the state of the reply they read)."""
+        return chat_stream_parser(self.parsers, self.prompt, with_tools=self.with_tools)
 
 
 def check_chat(
@@ -80,9 +103,8 @@ def check_chat(
     checked = check_tools(tools, tool_choice, parallel_tool_calls)
     if checked.active:
         _check_params_with_tools(params)
-    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
-        raise InvalidRequestError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
-    template = template_of(tokenizer, chat_template, with_tools=checked.active)
+    check_template_kwargs(chat_template_kwargs)
+    template = template_of(tokenizer, chat_template, with_tools=checked.offered)
     assert tokenizer is not None
     parsers = choose_parsers(template, architecture)
     if checked.active and parsers.tool_parser is None:
@@ -108,8 +130,14 @@ def _check_params_with_tools(params: SamplingParams) -> None:
             )
 
 
-def plan_chat(request: ChatRequest) -> ChatPlan:
-    """Template, encode, and build the grammar: blocking work, for a worker thread."""
+async def plan_chat(request: ChatRequest) -> ChatPlan:
+    """`make_plan` in a worker thread (asyncio's or trio's): never on the loop."""
+    return await _in_thread(lambda: make_plan(request))
+
+
+def make_plan(request: ChatRequest) -> ChatPlan:
+    """Template, encode, and build the grammar: blocking work, for a worker thread. A template's refusal,
+    a tool schema that does not compile and a grammar too large raise `InvalidRequestError`."""
     from jinja2 import TemplateError  # transformers renders templates with jinja2
 
     tools = request.tools
@@ -117,7 +145,7 @@ def plan_chat(request: ChatRequest) -> ChatPlan:
         prompt = apply_chat_template(
             request.tokenizer,
             request.messages,
-            tools=tools.tools if tools.active else None,
+            tools=tools.tools if tools.offered else None,
             chat_template=request.template,
             template_kwargs=request.template_kwargs,
         )
@@ -126,11 +154,8 @@ def plan_chat(request: ChatRequest) -> ChatPlan:
     from asyncllm.core.detokenizer import backend_tokenizer
 
     ids = backend_tokenizer(request.tokenizer).encode(prompt, add_special_tokens=False).ids  # thread-safe: no state
-    params = request.params
-    if tools.active:
-        params = dataclasses.replace(params, grammar=_grammar(request, prompt))
-    parser = chat_stream_parser(request.parsers, prompt, with_tools=tools.active)
-    return ChatPlan(prompt, ids, params, parser)
+    grammar = _grammar(request, prompt) if tools.active else None
+    return ChatPlan(prompt, ids, grammar, request.parsers, tools.active)
 
 
 def _grammar(request: ChatRequest, prompt: str) -> str:
@@ -160,6 +185,10 @@ class ChatStream:
     does not compile, or a prompt too long raise `InvalidRequestError` there) and adds the request; chunks
     with nothing in them are skipped. Leaving early in any way (cancellation, `break`, `aclose()`, losing
     the last reference) aborts the request, as leaving a `RequestStream` does.
+
+    With `SamplingParams.n` > 1 the n replies' chunks interleave, each labelled with its reply's `index`
+    and read by a parser of its own; each reply ends with its own finish reason, and the stream ends once
+    every reply has ended.
     """
 
     def __init__(self, request: ChatRequest, submit: Submit, request_id: str) -> None:
@@ -167,9 +196,10 @@ class ChatStream:
         self._submit = submit
         self._request_id = request_id
         self._stream: RequestStream | None = None
-        self._parser: ChatStreamParser | None = None
+        self._parsers: list[ChatStreamParser] = []  # one per sample: a parser holds its reply's state
+        self._sample_metrics: list[RequestMetrics | None] = []  # n > 1: each ended sample's own
         self._done = False
-        self.metrics: RequestMetrics | None = None  # set with the final chunk
+        self.metrics: RequestMetrics | None = None  # set with the final chunk (n > 1: the whole request's)
 
     @property
     def request_id(self) -> str:
@@ -189,15 +219,15 @@ class ChatStream:
         try:
             if self._stream is None:
                 await self._start()
-            assert self._stream is not None and self._parser is not None
+            stream = self._stream
+            assert stream is not None
             while True:
-                out = await self._stream.__anext__()
+                out = await stream.__anext__()
                 if out.finish_reason is not None:
-                    self._done, self.metrics = True, out.metrics
-                    return _joined(self._parser.feed(out.text), self._parser.finish(out.finish_reason))
-                chunk = self._parser.feed(out.text)
+                    self._sample_ended(stream, out)
+                chunk = self._parsers[out.index].read(out.text, out.finish_reason)
                 if not chunk.empty:
-                    return chunk
+                    return chunk if out.index == 0 else dataclasses.replace(chunk, index=out.index)
         except BaseException:  # an error, or cancelled: the inner stream aborted itself if it was reading
             self.close()
             raise
@@ -206,11 +236,19 @@ class ChatStream:
         request = self._request
         assert request is not None
         self._request = None  # the messages are not needed again
-        plan = await _in_thread(lambda: plan_chat(request))
+        plan = await plan_chat(request)
         if self._done:  # closed from another thread meanwhile
             raise StopAsyncIteration
-        self._parser = plan.parser
-        self._stream = self._submit(plan.prompt_token_ids, plan.params, self._request_id)
+        self._parsers = [plan.parser() for _ in range(request.params.n)]
+        self._stream = self._submit(plan.prompt_token_ids, plan.constrain(request.params), self._request_id)
+
+    def _sample_ended(self, stream: RequestStream, out: StreamOutput) -> None:
+        if len(self._parsers) == 1:
+            self._done, self.metrics = True, out.metrics
+            return
+        self._sample_metrics.append(out.metrics)
+        if stream.finished:  # that was the last sample's final chunk
+            self._done, self.metrics = True, merge_metrics(self._sample_metrics)
 
     def close(self) -> None:
         """Stop reading; abort the request unless it already ended. Idempotent."""
@@ -225,10 +263,6 @@ class ChatStream:
         # A `break` out of `async for` ends here; the inner stream would abort on its own, later.
         if getattr(self, "_done", True) is False:
             self.close()
-
-
-def _joined(a: ChatChunk, b: ChatChunk) -> ChatChunk:
-    return ChatChunk(a.text + b.text, a.reasoning_text + b.reasoning_text, a.tool_calls + b.tool_calls, b.finish_reason)
 
 
 async def _in_thread(fn: Callable[[], T]) -> T:

@@ -23,9 +23,10 @@ _CHOICES = "'auto', 'none', 'required' or {'type': 'function', 'function': {'nam
 class ChatTools:
     """The tools a request offers (as given, for the template) and how it may use them.
 
-    `mode`: "auto" (the model decides), "none" (no call: tools are left out of the prompt), "required"
-    (one or more calls), "named" (exactly one call of `name`). `schemas`: (name, parameters schema as
-    JSON text) per tool, in the request's order. `parallel`: a reply may make several calls.
+    `mode`: "auto" (the model decides), "none" (no call: the prompt still lists the tools, as vLLM and
+    OpenAI do, but the reply is neither constrained nor parsed for calls), "required" (one or more calls),
+    "named" (exactly one call of `name`). `schemas`: (name, parameters schema as JSON text) per tool, in the
+    request's order. `parallel`: a reply may make several calls.
     """
 
     tools: tuple[Mapping[str, Any], ...] = ()
@@ -35,8 +36,14 @@ class ChatTools:
     parallel: bool = True
 
     @property
+    def offered(self) -> bool:
+        """The prompt lists the tools (whatever the mode: a model that sees the same tools on every turn of
+        a conversation keeps its prompt's prefix, and its cached blocks, when one turn forbids calls)."""
+        return bool(self.tools)
+
+    @property
     def active(self) -> bool:
-        """The request may call tools: the prompt lists them and the reply is parsed for calls."""
+        """The request may call tools: the reply is constrained by their grammar and parsed for calls."""
         return bool(self.tools) and self.mode != "none"
 
 

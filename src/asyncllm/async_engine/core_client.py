@@ -42,7 +42,9 @@ class EngineCoreClient(Protocol):
     """The front's handle on one engine core, in this process or elsewhere.
 
     A client is made around the engine's `OutputRouter` (see `ClientFactory`) and started once. From then
-    on every output of the core reaches its stream through that router (`route`, once per step), and the
+    on every output of the core reaches its stream through that router (`route`, once per step; before it,
+    `started` with the ids of the requests whose first step was planned, which keeps the front's count of
+    waiting requests, `max_waiting_requests`, exact), and the
     core's death, whatever its cause (a failed step, a worker or process lost while idle, a failed load),
     closes the router: every live stream and every later request gets `EngineDeadError`, cause chained.
 

@@ -25,12 +25,12 @@ from asyncllm.async_engine.ids import LiveRequests, check_request_id, new_reques
 from asyncllm.async_engine.inproc_client import Built, InProcClient
 from asyncllm.async_engine.loop_fanout import LoopFanout
 from asyncllm.async_engine.loops import current_loop_key, run_in_thread
-from asyncllm.async_engine.mailbox import OutputSlot
+from asyncllm.async_engine.mailbox import OutputSlot, new_slot
 from asyncllm.async_engine.router import OutputRouter
 from asyncllm.async_engine.stream import RequestStream, collect
 from asyncllm.chat import Message
-from asyncllm.config import EngineConfig
-from asyncllm.errors import EngineDeadError
+from asyncllm.config import DeviceConfig, EngineConfig, SchedulerConfig
+from asyncllm.errors import EngineDeadError, EngineDrainingError
 from asyncllm.input_processor import InputProcessor
 from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import SamplingParams
@@ -43,6 +43,8 @@ _SHUTDOWN_JOIN_S = 60.0  # longest a shutdown waits for a step in flight before 
 # tensor-parallel peer can block for good: the shutdown waits this long, then leaves the (daemon) thread.
 # Longer than the executor's own bound on that release (3 s) plus its stop of the workers (1 s).
 _DEAD_JOIN_S = 6.0
+_DRAIN_ABORT_S = 5.0  # after a drain's timeout, how long it waits for its aborts to land (within a step)
+_WAIT_SLICE_S = 0.25  # a drain waits in slices: cancelling it leaves a thread blocked this long at most
 
 
 class AsyncLLMEngine:
@@ -77,26 +79,51 @@ class AsyncLLMEngine:
             return build_engine(config, time.monotonic)
 
         self.config = config
-        self._start(functools.partial(InProcClient, build), time.monotonic)
+        sched, dev = config.scheduler_config, config.device_config
+        self._start(functools.partial(InProcClient, build), time.monotonic, sched, dev)
 
     @classmethod
-    def from_builder(cls, build: Callable[[], Built], *, clock: Callable[[], float] = time.monotonic) -> AsyncLLMEngine:
+    def from_builder(
+        cls,
+        build: Callable[[], Built],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        max_waiting_requests: int | None = None,
+        max_step_seconds: float = DEFAULT_MAX_STEP_SECONDS,
+    ) -> AsyncLLMEngine:
         """An engine around a core made by `build()` (called in the step thread). `clock` must be the one
-        the core was given: request arrival times come from it. For embedding and tests."""
-        return cls.from_client(functools.partial(InProcClient, build), clock=clock)
+        the core was given: request arrival times come from it. The other two are the engine arguments of
+        the same names (the front enforces them). For embedding and tests."""
+        client = functools.partial(InProcClient, build)
+        return cls.from_client(
+            client, clock=clock, max_waiting_requests=max_waiting_requests, max_step_seconds=max_step_seconds
+        )
 
     @classmethod
-    def from_client(cls, make_client: ClientFactory, *, clock: Callable[[], float] = time.monotonic) -> AsyncLLMEngine:
+    def from_client(
+        cls,
+        make_client: ClientFactory,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        max_waiting_requests: int | None = None,
+        max_step_seconds: float = DEFAULT_MAX_STEP_SECONDS,
+    ) -> AsyncLLMEngine:
         """An engine around the core that `make_client(router)` reaches (see `EngineCoreClient`): for a core
-        elsewhere (its own process, a Ray actor) and for tests. `clock` as in `from_builder`."""
+        elsewhere (its own process, a Ray actor) and for tests. The rest as in `from_builder`."""
+        # Checked as the engine arguments are (InvalidConfigError naming the argument).
+        sched = SchedulerConfig(max_waiting_requests=max_waiting_requests)
+        dev = DeviceConfig(max_step_seconds=max_step_seconds)
         engine = cls.__new__(cls)
         engine.config = None
-        engine._start(make_client, clock)
+        engine._start(make_client, clock, sched, dev)
         return engine
 
-    def _start(self, make_client: ClientFactory, clock: Callable[[], float]) -> None:
+    def _start(
+        self, make_client: ClientFactory, clock: Callable[[], float], sched: SchedulerConfig, dev: DeviceConfig
+    ) -> None:
         self._clock = clock
-        self._live: LiveRequests[OutputSlot] = LiveRequests()
+        self._max_step_seconds = dev.max_step_seconds
+        self._live: LiveRequests[OutputSlot] = LiveRequests(sched.max_waiting_requests)
         self._fanout = LoopFanout()
         client = self._client = make_client(OutputRouter(self._live, self._fanout))
         info = client.start()  # re-raises a load error here, in the constructor
@@ -115,13 +142,22 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------------ requests
     def add_request(
-        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        priority: int = 0,
     ) -> RequestStream:
         """Queue a request and return its stream at once; call it from the loop that will read the stream.
 
+        `priority`: lower runs first (FIFO within a priority); a waiting request may preempt running ones
+        of a lower priority when memory or seats run out.
+
         Raises at once: `InvalidRequestError` for a bad prompt (except its length in tokens, for text: see
-        the class), bad params or a duplicate live id, `EngineDeadError` when the engine has failed or was
-        shut down. Never runs the tokenizer.
+        the class), bad params or priority, or a duplicate live id; `EngineOverloadedError` when
+        `max_waiting_requests` requests already wait to start; `EngineDrainingError` while draining;
+        `EngineDeadError` when the engine has failed or was shut down. Never runs the tokenizer.
         """
         library, loop_key = current_loop_key()  # RuntimeError outside a running loop, saying so
         request_id = new_request_id() if request_id is None else check_request_id(request_id)
@@ -129,39 +165,42 @@ class AsyncLLMEngine:
         if dead is not None:
             raise dead
         ip = self._input_processor
+        priority = ip.check_priority(priority)
         arrival = self._clock()
         text: tuple[str, SamplingParams] | None = None
         request = None
         if isinstance(prompt, str):
             text = (prompt, ip.check_params(params))
             ip.check_text(prompt, self._max_token_chars)
-        else:
-            request = ip.make_request(request_id, prompt, params, arrival)  # token ids: cheap, checked whole
+            n = text[1].n
+        else:  # token ids: cheap, checked whole
+            request = ip.make_request(request_id, prompt, params, arrival, priority=priority)
+            n = request.params.n
         mailbox = self._fanout.attach(library, loop_key)
-        slot = OutputSlot(request_id, mailbox)
+        slot = new_slot(request_id, mailbox, n)
         try:
             self._live.register(request_id, slot)
         except BaseException:
             self._fanout.detach(mailbox)
             raise
         if text is not None:
-            self._admission.submit_text(slot, *text, arrival)
+            self._admission.submit_text(slot, *text, arrival, priority)
         else:
             assert request is not None
             self._admission.submit(slot, request)
         return RequestStream(slot, self._admission.abort)
 
     def stream(
-        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None, *, priority: int = 0
     ) -> RequestStream:
         """`async for chunk in engine.stream(prompt, params)`: the same as `add_request`."""
-        return self.add_request(prompt, params, request_id)
+        return self.add_request(prompt, params, request_id, priority=priority)
 
     async def generate(
-        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None, *, priority: int = 0
     ) -> RequestOutput:
         """The whole result of one request. Cancelling the awaiting task aborts the request."""
-        return await collect(self.add_request(prompt, params, request_id))
+        return await collect(self.add_request(prompt, params, request_id, priority=priority))
 
     async def abort(self, request_id: str) -> None:
         """End a live request; its stream then yields a final chunk with finish_reason "abort".
@@ -181,18 +220,22 @@ class AsyncLLMEngine:
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         request_id: str | None = None,
+        priority: int = 0,
     ) -> ChatStream:
         """`async for chunk in engine.chat(messages, params, tools=..., tool_choice=...)`: the reply as
         `ChatChunk`s (`text`, `reasoning_text`, `tool_calls` deltas, `finish_reason`; "tool_calls" when it
-        called tools). `tools`: OpenAI function tools; `tool_choice`: "auto", "none" (tools left out of the
-        prompt), "required" or `{"type": "function", "function": {"name": ...}}` (the last two force calls
-        through a grammar); `parallel_tool_calls=False`: one call at most. `chat_template` replaces the
-        model's template, `chat_template_kwargs` adds variables to it. Bad messages, tools or params raise
-        `InvalidRequestError` here; what needs the template raises from the first chunk (see `ChatStream`).
-        Leaving the stream early aborts it."""
+        called tools). `tools`: OpenAI function tools; `tool_choice`: "auto", "none" (the prompt lists the
+        tools, the reply is text), "required" or `{"type": "function", "function": {"name": ...}}` (the last
+        two force calls through a grammar); `parallel_tool_calls=False`: one call at most. `chat_template`
+        replaces the model's template, `chat_template_kwargs` adds variables to it; `priority` as in
+        `add_request`. Bad messages, tools, params or priority raise `InvalidRequestError` here; what needs the
+        template raises from the first chunk (see `ChatStream`). Leaving the stream early aborts it.
+        `params.n` > 1: n replies as one request (the prompt prefilled once), their chunks labelled by
+        `ChatChunk.index`, each reply parsed on its own and ended by its own finish reason."""
+        priority = self._input_processor.check_priority(priority)
         return open_chat(
             self.tokenizer,
-            self.add_request,
+            functools.partial(self.add_request, priority=priority),
             messages,
             params,
             tools=tools,
@@ -201,7 +244,9 @@ class AsyncLLMEngine:
             chat_template=chat_template,
             chat_template_kwargs=chat_template_kwargs,
             request_id=request_id,
-            architecture=None,  # the runtime facts do not name it yet: the template's markers decide
+            # The template's markers decide, not `runtime.architecture`: a Llama architecture (SmolLM2, say) does
+            # not mean a template that shows the model its tools, nor Llama 3's call format.
+            architecture=None,
         )
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
@@ -215,9 +260,12 @@ class AsyncLLMEngine:
     def stats(self) -> dict[str, float | int]:
         """num_running, num_waiting, num_free_blocks, num_total_blocks, prefix_cache_hit_rate, ...
 
-        A snapshot the step thread publishes after every step: never waits behind work in flight.
+        The core's part is a snapshot the step thread publishes after every step: never waits behind work
+        in flight. The front adds `num_queued` (requests accepted and not started, exact now: what
+        `max_waiting_requests` bounds) and `num_rejected` (requests refused with EngineOverloadedError).
         """
-        return self._client.stats()
+        live = self._live
+        return {**self._client.stats(), "num_queued": live.num_waiting, "num_rejected": live.num_rejected}
 
     @property
     def num_live_requests(self) -> int:
@@ -232,7 +280,12 @@ class AsyncLLMEngine:
     @property
     def is_running(self) -> bool:
         """The step thread is alive and new requests are accepted."""
-        return self._client.is_alive and not self._live.closed
+        return self._client.is_alive and self._live.admitting
+
+    @property
+    def is_draining(self) -> bool:
+        """`drain()` began: live requests finish, new ones are refused."""
+        return not self._live.closed and not self._live.admitting
 
     @property
     def step_thread_alive(self) -> bool:
@@ -249,16 +302,46 @@ class AsyncLLMEngine:
         """How long the step in flight has been running (0.0 between steps)."""
         return step_age(self._client.step_started)
 
-    async def check_health(self, max_step_seconds: float = DEFAULT_MAX_STEP_SECONDS) -> None:
-        """Raise `EngineDeadError` (cause chained) unless the engine is serving, and `EngineStalledError`
-        (an `EngineDeadError`) while one step has run longer than `max_step_seconds`. Reads flags: never
-        waits."""
+    async def check_health(self, max_step_seconds: float | None = None) -> None:
+        """Raise `EngineDeadError` (cause chained) unless the engine is serving: `EngineStalledError` while
+        one step has run longer than `max_step_seconds` (None: the engine argument, 20 s by default),
+        `EngineDrainingError` while draining (both are `EngineDeadError`s). Reads flags: never waits."""
         error = self._live.closed_error()
         if error is not None:
             raise error
         if not self._client.is_alive:
             raise EngineDeadError("engine step thread is not running")
-        check_step_age(self.step_seconds, max_step_seconds)
+        check_step_age(self.step_seconds, self._max_step_seconds if max_step_seconds is None else max_step_seconds)
+        if self.is_draining:
+            raise _draining()
+
+    async def drain(self, timeout: float | None = 30.0) -> int:
+        """Stop admitting, let live requests finish, then abort what is left; returns how many were aborted.
+
+        At once, `add_request` raises `EngineDrainingError` (an `EngineDeadError`; the server answers 503)
+        and so does `check_health`. Live streams run on for up to `timeout` seconds (None: until they end);
+        those still running then end with finish_reason "abort", within a step. The engine stays up,
+        refusing requests: close it next (`aclose`). Idempotent; safe to cancel (the refusal stays)."""
+        live = self._live
+        live.stop_admitting(_draining)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if await self._wait_empty(deadline):
+            return 0
+        slots = live.slots()
+        for slot in slots:
+            self._admission.abort(slot)
+        await self._wait_empty(time.monotonic() + _DRAIN_ABORT_S)
+        return len(slots)
+
+    async def _wait_empty(self, deadline: float | None) -> bool:
+        """Wait off the loop until no request is live (True) or `deadline` (time.monotonic()) passed."""
+        live = self._live
+        while len(live):
+            left = _WAIT_SLICE_S if deadline is None else min(_WAIT_SLICE_S, deadline - time.monotonic())
+            if left <= 0:
+                return False
+            await run_in_thread(functools.partial(live.wait_empty, left))
+        return True
 
     # ------------------------------------------------------------------ lifetime
     def shutdown(self) -> None:
@@ -277,6 +360,10 @@ class AsyncLLMEngine:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+
+def _draining() -> EngineDrainingError:
+    return EngineDrainingError("the engine is draining: it finishes the requests it has and takes no new ones")
 
 
 def _shutdown(client: EngineCoreClient, admission: Admission) -> None:

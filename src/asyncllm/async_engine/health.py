@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import time
 
+from asyncllm.config import DEFAULT_MAX_STEP_SECONDS
 from asyncllm.errors import EngineStalledError
 
 __all__ = ["DEFAULT_MAX_STEP_SECONDS", "EngineStalledError", "check_step_age", "step_age"]
-
-# A step running longer than this makes check_health fail: far above any real step (a GPU step takes
-# milliseconds, a long CPU prefill a few seconds), far below what a stuck device or kernel looks like.
-DEFAULT_MAX_STEP_SECONDS = 20.0
 
 
 def step_age(started: float | None) -> float:

@@ -90,12 +90,12 @@ class Inbox:
     def drain(
         self,
         admit: Callable[[Request], RequestDelta | None],
-        abort: Callable[[str], RequestDelta | None],
+        abort: Callable[[str], list[RequestDelta]],
         outputs: list[RequestDelta],
     ) -> None:
         """Apply the queued messages in arrival order, those of live requests only: `admit(request)` and
-        `abort(request_id)` hand them to the core; the final outputs they return (an abort's, a refused
-        admission's) and those of `end` join `outputs`."""
+        `abort(request_id)` hand them to the core; the final outputs they return (an abort's, one per sample
+        still running; a refused admission's) and those of `end` join `outputs`."""
         queue, is_live = self._queue, self._router.is_live
         while queue:
             message = queue.popleft()
@@ -107,6 +107,7 @@ class Inbox:
             elif isinstance(message, _End):
                 delta = message.delta
             else:
-                delta = abort(slot.request_id)
+                outputs += abort(slot.request_id)
+                continue
             if delta is not None:
                 outputs.append(delta)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 from asyncllm.async_engine.core_client import CoreInfo
 from asyncllm.async_engine.inbox import Inbox
 from asyncllm.core.output_processor import RequestDelta
+from asyncllm.errors import InvalidRequestError, RequestFailedError
 
 if TYPE_CHECKING:
     from asyncllm.async_engine.mailbox import OutputSlot
@@ -160,6 +161,7 @@ class InProcClient:
                 self.step_started = time.monotonic()  # real time, whatever clock the core was given
                 self._outputs.extend(core.step(after_execute=self._drain))  # mid-step aborts first
                 self.step_started = None
+                self._router.started(core.last_started)
                 idle = core.last_step_idle
             else:
                 idle = False
@@ -172,7 +174,7 @@ class InProcClient:
     def _drain(self) -> None:
         """Apply queued adds and aborts in arrival order; their final outputs join the current step's."""
         assert self._core is not None
-        self._inbox.drain(self._admit, self._core.abort_request, self._outputs)
+        self._inbox.drain(self._admit, self._core.abort, self._outputs)
 
     def _admit(self, request: Request) -> RequestDelta | None:
         assert self._core is not None
@@ -183,6 +185,9 @@ class InProcClient:
             logger.warning("asyncllm: request %r could not be admitted", request.request_id, exc_info=exc)
             undone = core.abort_request(request.request_id)  # whatever part of it the core took
             metrics = undone.metrics if undone is not None else None
-            error = f"the engine could not admit this request: {exc!r}"
+            error: str | RequestFailedError = str(exc)  # the core's own complaint about this request
+            if not isinstance(exc, InvalidRequestError):  # the engine's failure, not the caller's
+                error = RequestFailedError(f"the engine failed to admit this request: {exc!r}")
+                error.__cause__ = exc
             return RequestDelta(request.request_id, [], "", "abort", metrics, error=error)
         return None

@@ -4,19 +4,28 @@ The step thread merges each step's deltas into slots (each an `OutputAccumulator
 (merge-on-put, so a lagging consumer costs memory only for unread tokens and the engine never waits) and
 queues at most one wake-up callback on the loop; that wake-up hands each waiting consumer its merged chunk
 (asyncio), or the consumer takes it under the same lock (a reader that was busy, or trio). The lock and
-every piece of state it guards live here, and nowhere else takes it. Knows nothing of the engine core, nor
-which event loop library it serves (`loops.EventLoop` hides that).
+every piece of state it guards live here, and nowhere else takes it. A request of n > 1 samples has a
+`SamplesSlot`, which keeps each sample's output apart. Knows nothing of the engine core, nor which event
+loop library it serves (`loops.EventLoop` hides that).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from asyncllm.async_engine.loops import EventLoop
-from asyncllm.errors import EngineDeadError, InvalidRequestError
-from asyncllm.outputs import OutputAccumulator, StreamOutput
+from asyncllm.errors import AsyncLLMError, EngineDeadError
+from asyncllm.outputs import (
+    FinishReason,
+    OutputAccumulator,
+    RequestMetrics,
+    SamplesAccumulator,
+    StreamOutput,
+    TokenLogprobs,
+    request_error,
+)
 
 if TYPE_CHECKING:
     from asyncllm.core.output_processor import RequestDelta
@@ -38,10 +47,14 @@ class OutputSlot(OutputAccumulator):
         # own list never leaves it, so no caller can change what the scheduler counts.
         self.prompt_token_ids: tuple[int, ...] | None = None
 
+    @property
+    def num_samples(self) -> int:
+        return 1
+
     def take_or_wait(self) -> StreamOutput | Any:
         """Consumer, on the slot's loop: the merged unread chunk, or a waiter the next wake-up resolves.
 
-        Raises EngineDeadError, or InvalidRequestError, once only that error is left.
+        Raises EngineDeadError, or the request's own error (`request_error`), once only that error is left.
         """
         with self.mailbox.lock:
             out = self._take_locked()
@@ -61,11 +74,55 @@ class OutputSlot(OutputAccumulator):
         if out is not None:
             return out
         if self.error is not None:  # this request failed alone: what it had was read first, now the error
-            raise InvalidRequestError(self.error)
+            raise request_error(self.error)
         if self.dead is not None:
             message, cause = self.dead
             raise EngineDeadError(message) from cause  # a fresh instance per stream: tracebacks stay apart
         return None
+
+
+class SamplesSlot(OutputSlot):
+    """The slot of a request with n > 1 samples: the same calls, each delta joined to its own sample's
+    output (`SamplesAccumulator`), so a lagging consumer gets merged chunks per sample, one at a time; it is
+    finished once every sample is (or the request failed, or the engine died)."""
+
+    __slots__ = ("samples",)
+
+    def __init__(self, request_id: str, mailbox: LoopMailbox, n: int) -> None:
+        super().__init__(request_id, mailbox)
+        self.samples = SamplesAccumulator(n)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.samples.samples)
+
+    def add(
+        self,
+        text: str,
+        token_ids: Sequence[int],
+        logprobs: Sequence[TokenLogprobs] | None,
+        finish_reason: FinishReason | None = None,
+        metrics: RequestMetrics | None = None,
+        error: str | AsyncLLMError | None = None,
+        index: int = 0,
+    ) -> None:
+        if self.finished:  # every sample ended, or the engine died
+            return
+        samples = self.samples
+        samples.add(text, token_ids, logprobs, finish_reason, metrics, error, index)
+        self.error = samples.error
+        self.finished = samples.finished
+
+    def take_chunk(self, request_id: str, index: int = 0) -> StreamOutput | None:
+        return self.samples.take_chunk(request_id)
+
+    def is_last(self, chunk: StreamOutput) -> bool:
+        return self.samples.complete
+
+
+def new_slot(request_id: str, mailbox: LoopMailbox, n: int) -> OutputSlot:
+    """The slot for a request of `n` samples."""
+    return OutputSlot(request_id, mailbox) if n == 1 else SamplesSlot(request_id, mailbox, n)
 
 
 class LoopMailbox:
@@ -83,7 +140,7 @@ class LoopMailbox:
         """
         with self.lock:
             for slot, d in items:  # join each delta onto what the consumer has not read yet
-                slot.add(d.new_text, d.new_token_ids, d.logprobs, d.finish_reason, d.metrics, d.error)
+                slot.add(d.new_text, d.new_token_ids, d.logprobs, d.finish_reason, d.metrics, d.error, d.index)
                 self._ready[slot] = None
             return self._schedule_wake_locked()
 

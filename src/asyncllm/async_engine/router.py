@@ -8,6 +8,7 @@ outputs); `close` from any thread. Knows nothing of the core nor of the loop lib
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from asyncllm.errors import EngineDeadError
@@ -28,13 +29,20 @@ class OutputRouter:
         """`slot` is still its id's live request: not finished, not ended by a failure or shutdown."""
         return self._live.get(slot.request_id) is slot
 
+    def started(self, request_ids: Sequence[str]) -> None:
+        """These requests' first step was planned: they stop counting against `max_waiting_requests`. A
+        client reports them before routing the outputs of the same steps (a request may start and end in one)."""
+        if request_ids:
+            self._live.started(request_ids)
+
     def route(self, deltas: list[RequestDelta]) -> list[OutputSlot]:
         """One step's outputs to their streams (those of requests no longer live are dropped); a request
         whose output is final leaves the registry. Returns the slots still owed output whose event loop is
         closed: nobody will read them, so their requests should be aborted rather than computed on."""
         if not deltas:
             return []
-        finished = [d.finish_reason is not None or d.error is not None for d in deltas]
+        # A sample's end is the request's once no sample of it is open (`open_samples`, 0 for n = 1).
+        finished = [(d.finish_reason is not None and not d.open_samples) or d.error is not None for d in deltas]
         slots = self._live.resolve([d.request_id for d in deltas], finished)
         items = [(slot, delta) for slot, delta in zip(slots, deltas) if slot is not None]
         orphans = self._fanout.deliver(items)

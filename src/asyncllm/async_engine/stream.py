@@ -15,8 +15,8 @@ import weakref
 from collections.abc import Callable
 
 from asyncllm.async_engine.mailbox import OutputSlot
-from asyncllm.errors import EngineDeadError, InvalidRequestError, StreamInUseError
-from asyncllm.outputs import OutputAccumulator, RequestOutput, StreamOutput
+from asyncllm.errors import AsyncLLMError, StreamInUseError
+from asyncllm.outputs import RequestOutput, StreamOutput, new_accumulator
 
 
 class RequestStream:
@@ -32,7 +32,10 @@ class RequestStream:
 
     One task reads a stream at a time: a second reader raises `StreamInUseError`. A request that failed
     alone (its prompt turned out too long once tokenized, say) raises `InvalidRequestError` after the
-    chunks it produced.
+    chunks it produced, and `RequestFailedError` when the engine failed it (not the caller's fault).
+
+    With `SamplingParams.n` > 1 the chunks of the n samples interleave, each labelled with its sample's
+    `index` and ending that sample with its `finish_reason`; the stream ends once every sample has ended.
     """
 
     def __init__(self, slot: OutputSlot, abort: Callable[[OutputSlot], None]) -> None:
@@ -55,6 +58,11 @@ class RequestStream:
     @property
     def finished(self) -> bool:
         return self._done
+
+    @property
+    def num_samples(self) -> int:
+        """`SamplingParams.n`: the samples whose chunks this stream carries."""
+        return self._slot.num_samples
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -82,11 +90,11 @@ class RequestStream:
                 raise StopAsyncIteration
             try:
                 out = slot.take_or_wait()
-            except (EngineDeadError, InvalidRequestError):
+            except AsyncLLMError:  # the engine died, or this request failed alone: it has ended
                 self._end()
                 raise
             if isinstance(out, StreamOutput):
-                if out.finish_reason is not None:
+                if out.finish_reason is not None and slot.is_last(out):
                     self._end()
                 return out
             try:
@@ -97,7 +105,7 @@ class RequestStream:
             finally:
                 slot.waiter = None
             if isinstance(handed, StreamOutput):  # the wake-up brought the chunk: no take of our own
-                if handed.finish_reason is not None:
+                if handed.finish_reason is not None and slot.is_last(handed):
                     self._end()
                 return handed
 
@@ -168,12 +176,12 @@ class _ReaderWatch:
 
 async def collect(stream: RequestStream) -> RequestOutput:
     """The whole result of a stream, read to its end. Leaving early (cancellation, an error) aborts it."""
-    output = OutputAccumulator()
+    output = new_accumulator(stream.num_samples)
     try:
         async for chunk in stream:
             output.add_chunk(chunk)
     finally:
         stream.close()  # a no-op once finished; otherwise (an error) the request must not run on
-    assert output.finish_reason is not None, "a stream ends with a final chunk"
+    assert output.finished, "a stream ends with a final chunk"
     # prompt_token_ids is None only if the request was aborted before it was tokenized.
     return output.result(stream.request_id, list(stream.prompt_token_ids or ()))

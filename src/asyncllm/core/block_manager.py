@@ -153,14 +153,26 @@ class BlockManager:
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so a shared head outlives its private tail in the LRU."""
-        for block_id in reversed(request.block_ids):
+        self.release(request.block_ids)
+        request.block_ids.clear()
+        self._num_registered.pop(request.request_id, None)
+
+    def hold(self, block_ids: list[int]) -> None:
+        """One more reference on blocks a request holds, for a holder that is no request (a sample group
+        keeping its prompt's blocks for samples not admitted yet); `release` gives it back."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            assert block.ref_count > 0, f"block {block_id} held while free"
+            block.ref_count += 1
+
+    def release(self, block_ids: list[int]) -> None:
+        """Drop one reference on each block, tail first; a block nobody references is free again."""
+        for block_id in reversed(block_ids):
             block = self.blocks[block_id]
             assert block.ref_count > 0, f"block {block_id} freed twice"
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block_id] = block
-        request.block_ids.clear()
-        self._num_registered.pop(request.request_id, None)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (blocks stay where they are)."""

@@ -5,7 +5,9 @@ Owns the scheduler, block manager and output processing; drives a `ModelExecutor
 planning and output processing overlap the device's work; step N+1 feeds step N's tokens in on the device
 (PLACEHOLDER inputs), and a request that finished at N has its token of N+1 dropped. Serial scheduling, the
 slow twin, waits for each step before planning the next. The async layer calls it from its step thread,
-`LLM` from the caller's thread. No torch, no asyncio; time comes from the injected clock.
+`LLM` from the caller's thread. A request of n > 1 samples becomes n requests sharing its prompt's blocks
+(`sample_group.py`); their deltas go out under the request's id, by sample index. No torch, no asyncio;
+time comes from the injected clock.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from tokenizers import Tokenizer
 from asyncllm.core.block_manager import BlockManager
 from asyncllm.core.output_processor import OutputProcessor, RequestDelta, request_metrics
 from asyncllm.core.request import Request
+from asyncllm.core.sample_group import SampleGroups
 from asyncllm.core.scheduler import Scheduler, SchedulerLimits
+from asyncllm.errors import InvalidRequestError
 from asyncllm.outputs import FinishReason
 from asyncllm.step import ModelExecutor, SchedulerOutput, StepResult
 
@@ -77,6 +81,7 @@ class EngineCore:
             SchedulerLimits(max_num_seqs, max_num_batched_tokens, max_prefill_tokens_while_decoding), self.block_manager
         )
         self.output_processor = OutputProcessor(tokenizer)
+        self.groups = SampleGroups()
         self._clock = clock
         self._seed_rng = random.Random(seed)
         self.last_step = StepCounts(0, 0)
@@ -84,17 +89,44 @@ class EngineCore:
         self.async_scheduling = async_scheduling
         self._in_flight: _Submitted | None = None
         self.last_step_idle = False
+        # Requests whose first step the last `step()` planned (their prompt started computing): the async
+        # front stops counting them as waiting. Replaced by every call, so nobody has to read it.
+        self.last_started: tuple[str, ...] = ()
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
+        """Queue a checked request. With `params.n` > 1 it runs as n samples; with `params.seed=s`, sample i
+        draws from seed s + i (as a request of its own with that seed would); else each draws its own."""
         params = request.params
-        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        self.scheduler.add_request(request, seed)
+        if params.n > 1:
+            group = self.groups.create(request, self.block_manager.block_size, self.scheduler.requests)
+            for i, sample in enumerate(group.samples):
+                self.scheduler.add_request(sample, params.seed + i if params.seed is not None else self._draw_seed())
+                self.output_processor.add_request(sample)
+            return
+        if self.groups.get(request.request_id) is not None:
+            raise InvalidRequestError(f"request_id={request.request_id!r} is already live: give another id")
+        self.scheduler.add_request(request, params.seed if params.seed is not None else self._draw_seed())
         self.output_processor.add_request(request)
 
+    def _draw_seed(self) -> int:
+        return self._seed_rng.getrandbits(63)
+
+    def abort(self, request_id: str) -> list[RequestDelta]:
+        """End a live request with "abort" and free its blocks: its final deltas (one per sample still
+        running), none if it is unknown or already finished."""
+        group = self.groups.get(request_id)
+        if group is None:
+            delta = self._finish(request_id, "abort", flush=True)
+            return [] if delta is None else [delta]
+        deltas = [d for s in group.samples if (d := self._finish(s.request_id, "abort", flush=True)) is not None]
+        self.groups.label(deltas)
+        return deltas
+
     def abort_request(self, request_id: str) -> RequestDelta | None:
-        """End a live request with "abort" and free its blocks; None if it is unknown or already finished."""
-        return self._finish(request_id, "abort", flush=True)
+        """`abort`'s last delta (a request's only one, unless it has several samples); None if none."""
+        deltas = self.abort(request_id)
+        return deltas[-1] if deltas else None
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
@@ -122,6 +154,7 @@ class EngineCore:
         request gets no token from that step (tokens of requests finished after planning are dropped) and
         its blocks are freed exactly once.
         """
+        self.last_started = ()
         submitted = self._submit_next()
         ready = [self._in_flight] if self._in_flight is not None else []
         self._in_flight = None
@@ -154,6 +187,8 @@ class EngineCore:
             self.block_manager.discard_pending()
             raise
         self.num_steps += 1
+        if scheduled.new_requests:
+            self.last_started = tuple(new.request_id for new in scheduled.new_requests)
         counts = StepCounts(scheduled.num_batched_tokens - decode, decode)
         return _Submitted(scheduled, result, self.block_manager.pending_mark(), counts)
 
@@ -186,6 +221,8 @@ class EngineCore:
                 delta.finish_reason = reason
                 delta.metrics = request_metrics(request, now)
             deltas.append(delta)
+        if self.groups:
+            self.groups.label(deltas)
         return deltas
 
     def _finish(self, request_id: str, reason: FinishReason, *, flush: bool) -> RequestDelta | None:
@@ -204,10 +241,17 @@ class EngineCore:
         sampling = [seq.request_id for seq in scheduled.seqs if seq.sample]
         deltas = []
         for index, error in failed.items():
-            delta = self._finish(sampling[index], "abort", flush=True)
-            if delta is not None:  # else finished meanwhile (aborted, or stopped by the step before)
-                delta.error = error
-                deltas.append(delta)
+            request = self.scheduler.requests.get(sampling[index])
+            if request is None:
+                continue  # finished meanwhile (aborted, or stopped by the step before)
+            if request.group is not None:  # the constraint is the request's: every sample ends, this one last
+                for sample in request.group.samples:
+                    if sample is not request and (d := self._finish(sample.request_id, "abort", flush=True)):
+                        deltas.append(d)
+            delta = self._finish(request.request_id, "abort", flush=True)
+            assert delta is not None
+            delta.error = error
+            deltas.append(delta)
         return deltas
 
     def shutdown(self) -> None:

@@ -13,6 +13,7 @@ from tokenizers import Tokenizer
 from asyncllm.core.byte_level import ByteLevelPieces
 from asyncllm.core.detokenizer import IncrementalDetokenizer
 from asyncllm.core.request import Request
+from asyncllm.errors import AsyncLLMError
 from asyncllm.outputs import FinishReason, RequestMetrics
 
 
@@ -20,10 +21,15 @@ from asyncllm.outputs import FinishReason, RequestMetrics
 class RequestDelta:
     """What is new for one request after one step; the async layer merges these per consumer.
 
-    `error` set means this request failed alone (say its sampling state could not be built): the delta is
-    final (`finish_reason` is set too, "abort", and the core has freed the request), and its stream hands
-    out the text and tokens it carries, then raises `InvalidRequestError(error)`. Every other request
-    carries on. The message should say what was wrong with the request, in the caller's terms.
+    `error` set means this request failed alone: the delta is final (`finish_reason` is set too, "abort",
+    and the core has freed the request), and its stream hands out the text and tokens it carries, then
+    raises the error (`outputs.request_error`). Every other request carries on. A str says what was wrong
+    with the request, in the caller's terms (`InvalidRequestError`); an `AsyncLLMError` instance is raised
+    as its own kind (`RequestFailedError`: the engine failed it, not the caller).
+
+    For a request of n > 1 samples (`core/sample_group.py`) `request_id` is the request's and `index` the
+    sample's; a sample's final delta says how many of its samples are still open (`open_samples`): the
+    request's output is final at 0, or with `error` (which ends every sample).
     """
 
     request_id: str
@@ -32,7 +38,9 @@ class RequestDelta:
     finish_reason: FinishReason | None = None
     metrics: RequestMetrics | None = None
     logprobs: list[dict[int, float]] | None = None  # one per new token, when the request asked for them
-    error: str | None = None
+    error: str | AsyncLLMError | None = None
+    index: int = 0  # the sample (n > 1)
+    open_samples: int = 0  # on a sample's final delta: samples of its request still running
 
 
 class _TextState:

@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from asyncllm.outputs import FinishReason
 from asyncllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from asyncllm.core.sample_group import SampleGroup
 
 
 class RequestStatus(enum.Enum):
@@ -32,6 +36,9 @@ class Request:
     arrival_time: float
     max_tokens: int  # resolved: params.max_tokens capped by max_model_len - prompt length
     eos_token_ids: frozenset[int] = frozenset()
+    priority: int = 0  # lower runs first (vLLM's convention)
+
+    arrival_index: int = 0  # set by the scheduler: requests added before this one (the order within a priority)
 
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
@@ -44,6 +51,7 @@ class Request:
     num_preemptions: int = 0
     first_token_time: float | None = None
     finish_time: float | None = None
+    group: SampleGroup | None = None  # set on each sample of a request with n > 1 (sample_group.py)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

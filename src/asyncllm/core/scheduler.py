@@ -3,18 +3,30 @@
 One rule: every running request's computed tokens catch up with its planned tokens (known, plus one
 sampled by a step still in flight), within a per-step token budget and a cap on sequences. Prefill chunks,
 prefix-cache hits, decodes and resumed preemptions all fall out of it; so does overlapped scheduling: a
-step planned while the previous one runs feeds the in-flight token as a PLACEHOLDER. When blocks run out,
-the most recently admitted request is preempted (its KV is dropped and recomputed later) so the oldest
-always progress: nothing starves. Plain Python, deterministic: the same calls give the same schedule.
+step planned while the previous one runs feeds the in-flight token as a PLACEHOLDER.
+
+Requests rank by priority (lower first), then arrival: the waiting queue admits in rank order
+(`waiting_queue.py`) and the running list is kept in it. When blocks run out, the lowest-ranked running
+request is preempted (its KV is dropped and recomputed later; with one priority, the most recently
+admitted); a waiting request that outranks running ones and finds no seat or memory preempts the
+lowest-ranked of them before the step is planned (vLLM's priority policy). So no request is passed by a
+worse-ranked one or preempted for one: it waits only for those ranked before it (and for the step's token
+budget, which running requests use first, as they always did). Plain Python, deterministic: the same
+calls give the same schedule.
+
+The samples of a request with n > 1 are requests of their own that share the prompt's blocks
+(`sample_group.py`): admitting one takes them from a sibling, or waits while a sibling computes them.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
 from dataclasses import dataclass
 
 from asyncllm.core.block_manager import BlockManager
 from asyncllm.core.request import Request, RequestStatus
+from asyncllm.core.sample_group import SampleGroup
+from asyncllm.core.waiting_queue import WaitingQueue
 from asyncllm.errors import InvalidRequestError
 from asyncllm.outputs import FinishReason
 from asyncllm.step import PLACEHOLDER, NewRequestData, ScheduledSeq, SchedulerOutput
@@ -33,7 +45,7 @@ class Scheduler:
     def __init__(self, limits: SchedulerLimits, block_manager: BlockManager) -> None:
         self.limits = limits
         self.block_manager = block_manager
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._seeds: dict[str, int] = {}
@@ -41,6 +53,8 @@ class Scheduler:
         self._finished_since_last_step: list[str] = []
         self.num_preemptions = 0
         self.num_decodes_planned = 0  # sequences of the step last planned that decode (for the step's counts)
+        self._num_added = 0
+        self._holds: list[SampleGroup] = []  # sample groups that may hold prompt blocks (sample_group.py)
 
     # ------------------------------------------------------------------ membership
     def add_request(self, request: Request, seed: int) -> None:
@@ -48,6 +62,8 @@ class Scheduler:
             raise InvalidRequestError(f"request_id={request.request_id!r} is already live: give another id")
         self.requests[request.request_id] = request
         self._seeds[request.request_id] = seed
+        request.arrival_index = self._num_added
+        self._num_added += 1
         self.waiting.append(request)
 
     def finish_request(self, request_id: str, reason: FinishReason) -> Request | None:
@@ -59,6 +75,8 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
+        if request.group is not None:
+            self._sample_finishing(request)
         self.block_manager.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
@@ -70,6 +88,10 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def held_block_ids(self) -> list[int]:
+        """Blocks that sample groups reference besides their samples (one entry per reference)."""
+        return [b for group in self._holds for b in group.held]
 
     @property
     def pending_finished_ids(self) -> list[str]:
@@ -85,6 +107,8 @@ class Scheduler:
         prefill_budget = self._prefill_budget(budget)
         capped = prefill_budget < budget  # else no check per sequence: the common case costs nothing
         preempted = False
+        if self.waiting and self.running and self.waiting.peek().priority < self.running[-1].priority:
+            self._make_room_for(self.waiting.peek(), min(budget, prefill_budget), out)
 
         running, allocate, schedule_seq = self.running, self.block_manager.allocate, self._schedule  # hot loop
         i = 0
@@ -102,7 +126,9 @@ class Scheduler:
                     continue
                 prefill_budget -= num_new
             while not allocate(request, num_new):
-                victim = running.pop()  # the most recently admitted
+                if self._holds and self._release_idle_holds():
+                    continue
+                victim = running.pop()  # the lowest-ranked (the list is in rank order)
                 self._preempt(victim, out)
                 preempted = True
                 if victim is request:
@@ -114,33 +140,44 @@ class Scheduler:
                 continue
             break  # the request itself was preempted: everyone after it is gone too
 
-        # Admit waiting requests in arrival order, unless memory was just too short for the running ones.
+        # Admit waiting requests in rank order, unless memory was just too short for the running ones.
         while (
             self.waiting
             and not preempted
             and min(budget, prefill_budget) > 0
             and len(self.running) < self.limits.max_num_seqs
         ):
-            request = self.waiting[0]
+            request = self.waiting.peek()
             if request.num_pending_tokens:
                 break  # preempted with a token in flight: it resumes once that token is known (in order)
             cached = []
-            if request.num_computed_tokens == 0:
+            group = request.group
+            if group is not None:
+                found = group.shared_prefix(request, self.block_manager)
+                if found is None:
+                    break  # a sibling is computing the prompt's blocks: share them once planned
+                cached = found
+            shared = bool(cached)
+            if request.num_computed_tokens == 0 and not shared:
                 cached = self.block_manager.find_cached_prefix(request)
             num_cached_tokens = len(cached) * self.block_manager.block_size
             num_new = min(request.num_tokens - num_cached_tokens, budget, prefill_budget)
-            if not self.block_manager.allocate(request, num_new, cached):
+            if not self.block_manager.allocate(request, num_new, cached) and not (
+                self._holds and self._release_idle_holds() and self.block_manager.allocate(request, num_new, cached)
+            ):
                 break  # first come, first served: the head waits for memory
+            if group is not None:
+                group.admitted(request, self.block_manager)
             prefill_budget -= num_new
             self.waiting.popleft()
-            if self.block_manager.enable_prefix_caching and request.num_preemptions == 0:
+            if self.block_manager.enable_prefix_caching and request.num_preemptions == 0 and not shared:
                 # First admissions only: a resumed request re-finding its own blocks is not a prefix hit.
                 self.block_manager.record_prefix_query(request.num_tokens, num_cached_tokens)
             request.num_computed_tokens = num_cached_tokens
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_cached_tokens
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            self._add_running(request)
             self._schedule(request, num_new, out)
             budget -= num_new
         if out.is_empty:
@@ -149,6 +186,31 @@ class Scheduler:
             self._finished_since_last_step = out.finished_request_ids
             out.finished_request_ids = []
         return out
+
+    def _add_running(self, request: Request) -> None:
+        """Into the running list at its rank: with one priority, its end (requests start in arrival order)."""
+        running = self.running
+        if not running or _rank(running[-1]) <= _rank(request):
+            running.append(request)
+        else:
+            running.insert(bisect.bisect_right(running, _rank(request), key=_rank), request)
+
+    def _make_room_for(self, head: Request, max_chunk: int, out: SchedulerOutput) -> None:
+        """`head`, the first waiting request, outranks the last running one: while it finds no seat, or too
+        few free blocks for its first chunk (prefix hits not counted), preempt the lowest-ranked running
+        request below it. Before anything is planned, so no victim has work in this step. Running requests
+        may still take the freed blocks this step; each step that happens preempts at least one more below
+        `head`, so it starts within as many steps as there are running requests ranked below it."""
+        if head.num_pending_tokens:
+            return  # preempted with a token in flight: it cannot start before that token is known
+        running, bm, limits = self.running, self.block_manager, self.limits
+        needed = bm.blocks_needed(min(head.num_tokens, max_chunk))
+        while (
+            running
+            and head.priority < running[-1].priority
+            and (len(running) >= limits.max_num_seqs or bm.num_free_blocks < needed)
+        ):
+            self._preempt(running.pop(), out)
 
     def _prefill_budget(self, budget: int) -> int:
         """The step's budget for prompt tokens: capped while any running request decodes this step."""
@@ -189,6 +251,19 @@ class Scheduler:
         if sample:
             request.num_pending_tokens += 1
 
+    def _sample_finishing(self, request: Request) -> None:
+        assert request.group is not None
+        if request.group.finishing(request, self.block_manager):
+            self._holds.append(request.group)
+        elif self._holds:
+            self._holds = [g for g in self._holds if g.held]
+
+    def _release_idle_holds(self) -> bool:
+        """Memory is short: sample groups none of whose samples run let go of their prompt blocks."""
+        released = [g for g in self._holds if g.release_if_idle(self.block_manager)]
+        self._holds = [g for g in self._holds if g.held]
+        return bool(released)
+
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.block_manager.free(request)
         request.num_computed_tokens = 0
@@ -216,6 +291,11 @@ class Scheduler:
             request.append_token(token_id)
             results.append((request, token_id, index))
         return results
+
+
+def _rank(request: Request) -> tuple[int, int]:
+    """Lower runs first: priority, then arrival."""
+    return request.priority, request.arrival_index
 
 
 def _is_decode(request: Request, num_new: int) -> bool:

@@ -35,6 +35,19 @@ class ChatStreamParser:
         answer, calls = self._answer(content, last=False)
         return ChatChunk(answer, reasoning, calls)
 
+    def read(self, text: str, finish_reason: FinishReason | None = None) -> ChatChunk:
+        """One engine output: its text fed, and with its finish reason the last chunk joined on."""
+        chunk = self.feed(text)
+        if finish_reason is None:
+            return chunk
+        last = self.finish(finish_reason)
+        return ChatChunk(
+            chunk.text + last.text,
+            chunk.reasoning_text + last.reasoning_text,
+            chunk.tool_calls + last.tool_calls,
+            last.finish_reason,
+        )
+
     def finish(self, finish_reason: FinishReason) -> ChatChunk:
         """The last chunk: what was held back, and "stop" read as "tool_calls" when the reply called tools."""
         reasoning, content = self._reasoning.finish() if self._reasoning is not None else ("", "")

@@ -49,12 +49,15 @@ class ChatChunk:
 
     Concatenating every chunk's `text` gives the answer, every chunk's `reasoning_text` the reasoning.
     `finish_reason` is None until the last chunk; it reads "tool_calls" when the model called tools.
+    With `SamplingParams.n` > 1, `index` says which sample's reply (0..n-1) the chunk belongs to: a chunk
+    never mixes replies, and each reply's own last chunk carries its finish reason.
     """
 
     text: str
     reasoning_text: str
     tool_calls: tuple[ToolCallDelta, ...]
     finish_reason: ChatFinishReason | None = None
+    index: int = 0  # the sample (0..n-1) whose reply this is
 
     @property
     def empty(self) -> bool:

@@ -2,7 +2,8 @@
 
 Owns routing, the lifespan (given a model path, the app builds its engine at startup and closes it at
 shutdown; given an engine, it serves that one and leaves its lifetime to the caller) and the small
-endpoints (/v1/models, /health, /metrics). Generation lives in `serving_chat` and `serving_completion`.
+endpoints (/v1/models, /health and /health/live, /metrics). Generation lives in `serving_chat` and
+`serving_completion`; draining on SIGTERM in `drain`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from asyncllm import AsyncLLMEngine
-from asyncllm.errors import EngineDeadError
+from asyncllm.errors import EngineDeadError, EngineDrainingError
 from asyncllm.server.auth import APIKeyMiddleware
 from asyncllm.server.errors import OpenAIError, engine_dead, install_error_handlers
 from asyncllm.server.metrics import ServerMetrics
@@ -42,12 +43,14 @@ def create_app(
     served_model_name: str | None = None,
     api_key: str | None = None,
     engine_args: dict[str, Any] | None = None,
+    chat_template: str | None = None,
 ) -> FastAPI:
     """The app serving one model under `served_model_name` (default: the checkpoint's name).
 
     `engine_or_model`: a running `AsyncLLMEngine` (mount the app anywhere; closing the engine stays
     yours), or a checkpoint path, built with `engine_args` in the app's lifespan and closed with it.
-    `api_key`: when set, every endpoint but /health needs `Authorization: Bearer <api_key>`.
+    `api_key`: when set, every endpoint but the health probes needs `Authorization: Bearer <api_key>`.
+    `chat_template`: Jinja text that replaces the model's own chat template (one that lists tools, say).
     """
     if isinstance(engine_or_model, (str, os.PathLike)):
         model: str | None = os.fspath(engine_or_model)
@@ -59,7 +62,9 @@ def create_app(
         name = served_model_name or (default_served_name(config.model) if config is not None else "asyncllm")
     if engine_args and given is not None:
         raise TypeError("engine_args apply to a model path only: this engine is already built")
-    state = ServerState(name, ServerMetrics(lambda: state.stats(), name))
+    if chat_template is not None and (not isinstance(chat_template, str) or not chat_template.strip()):
+        raise ValueError(f"chat_template must be non-empty Jinja text, got {chat_template!r}")
+    state = ServerState(name, ServerMetrics(lambda: state.stats(), name), chat_template=chat_template)
     if given is not None:
         state.attach(given)
 
@@ -87,6 +92,7 @@ def create_app(
     app.get("/v1/models")(list_models)
     app.get("/v1/models/{model:path}")(retrieve_model)
     app.get("/health")(health)
+    app.get("/health/live")(liveness)
     app.get("/metrics")(metrics)
     return app
 
@@ -106,12 +112,28 @@ async def retrieve_model(model: str, request: Request) -> JSONResponse:
 
 
 async def health(request: Request) -> Response:
-    """200 while the engine serves, 503 once it is dead: reads a flag, never waits behind work."""
+    """Readiness: 200 while the engine takes requests; 503 while it loads, once it is dead, while a step is
+    stuck past the engine's `max_step_seconds`, and while it drains. Reads flags: never waits behind work."""
     engine = server_state(request).engine
     if engine is None:
         return OpenAIError("the engine is not started", status=503, type="service_unavailable").response()
     try:
         await engine.check_health()
+    except EngineDeadError as exc:
+        return engine_dead(exc).response()
+    return JSONResponse({"status": "ok"})
+
+
+async def liveness(request: Request) -> Response:
+    """Liveness: 503 only when the engine is dead or a step is stuck (restarting the process is the cure);
+    200 while it loads or drains, when restarting it would only lose work."""
+    engine = server_state(request).engine
+    if engine is None:
+        return JSONResponse({"status": "starting"})
+    try:
+        await engine.check_health()
+    except EngineDrainingError:
+        return JSONResponse({"status": "draining"})
     except EngineDeadError as exc:
         return engine_dead(exc).response()
     return JSONResponse({"status": "ok"})

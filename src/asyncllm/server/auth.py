@@ -1,4 +1,4 @@
-"""API-key check: every path but /health needs `Authorization: Bearer <key>` when the app has a key.
+"""API-key check: every path but the health probes needs `Authorization: Bearer <key>` when the app has a key.
 
 A pure ASGI middleware (not Starlette's BaseHTTPMiddleware, which buffers and detaches streamed
 responses from the client's disconnects). Keys are compared in constant time.
@@ -12,7 +12,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from asyncllm.server.errors import OpenAIError
 
-OPEN_PATHS = frozenset({"/health"})  # load balancers probe it without credentials
+OPEN_PATHS = frozenset({"/health", "/health/live"})  # load balancers and orchestrators probe without credentials
 
 
 def _app_path(scope: Scope) -> str:

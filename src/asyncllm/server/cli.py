@@ -1,4 +1,4 @@
-"""`asyncllm serve [MODEL] [--host --port --api-key --served-model-name] [every engine argument]`.
+"""`asyncllm serve [MODEL] [--host --port --api-key --served-model-name --drain-timeout] [every engine argument]`.
 
 Owns the server's command line and its start-up, cheapest check first: the arguments, then the address
 (bound now, handed to uvicorn later: a busy port fails in a second, not after the model loaded), then the
@@ -25,6 +25,7 @@ from asyncllm.console import (
     EXIT_OK,
     EXIT_USAGE,
     LOG_LEVELS,
+    chat_template_arg,
     configure_logging,
     report,
     report_error,
@@ -59,7 +60,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"the model name clients send (default: the checkpoint's name; {DEFAULT_SERVED_NAME!r} for the built-in)",
     )
     server.add_argument(
+        "--chat-template",
+        default=None,
+        type=chat_template_arg,
+        help="a Jinja chat template (a file, or the text itself) replacing the model's own, e.g. one that lists tools",
+    )
+    server.add_argument(
         "--log-level", default="info", choices=LOG_LEVELS, help="start-up banner and one line per request at info"
+    )
+    server.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM, how long requests in flight may run on while new ones get 503; then they are "
+        "aborted and the server exits (default: 30)",
     )
     add_engine_args(parser.add_argument_group("engine (every AsyncLLMEngine argument; see asyncllm.config)"))
 
@@ -86,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
     """Serve until interrupted; returns the process exit status (docs/cli.md)."""
     start = time.perf_counter()
     configure_logging(args.log_level)
+    if not args.drain_timeout >= 0:  # NaN too
+        return report(f"--drain-timeout {args.drain_timeout} is invalid: give seconds >= 0", EXIT_USAGE)
     try:
         model = args.model or str(default_model_path())
         engine_args = engine_args_from(args, engine_arg_specs())
@@ -125,10 +142,10 @@ def _serve(engine: AsyncLLMEngine, model: str, args: argparse.Namespace, sock: s
     import uvicorn
 
     from asyncllm.server.app import create_app
-    from asyncllm.server.listen import Server
+    from asyncllm.server.drain import DrainingServer
 
     name = served_model_name(args)
-    app = create_app(engine, served_model_name=name, api_key=args.api_key)
+    app = create_app(engine, served_model_name=name, api_key=args.api_key, chat_template=args.chat_template)
     engine_seconds = sum(seconds for _, seconds in engine.runtime.startup_seconds)
 
     def started() -> None:
@@ -139,7 +156,8 @@ def _serve(engine: AsyncLLMEngine, model: str, args: argparse.Namespace, sock: s
         rest = total - engine_seconds
         logger.info("ready in %.1f s (engine %.1f s, imports and server %.1f s)", total, engine_seconds, rest)
 
-    server = Server(uvicorn.Config(app, log_level=args.log_level, loop="auto"), started)
+    config = uvicorn.Config(app, log_level=args.log_level, loop="auto")
+    server = DrainingServer(config, started, app.state.asyncllm, drain_timeout=args.drain_timeout)
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn shut down gracefully, then re-raised Ctrl-C
         server.run(sockets=[sock])
     return EXIT_OK if server.started else EXIT_FAILED

@@ -1,8 +1,11 @@
 """OpenAI-shaped errors: the exception handlers raise and the body every failure answers with.
 
-Owns the mapping from each failure (a bad field, an engine-side `InvalidRequestError`, a dead engine, a
-validation error, an unexpected bug) to a status and `{"error": {message, type, param, code}}`. Never a
-traceback in a response: unexpected exceptions are logged here and answered with a generic 500.
+Owns the mapping from each failure to a status and `{"error": {message, type, param, code}}`: the client's
+(a bad field, an engine-side `InvalidRequestError`: 400), the engine's load (`EngineOverloadedError`: 429
+with Retry-After), the engine's failure of one request or of its device (`RequestFailedError`,
+`DeviceError`: 500 with the message), an engine that cannot serve (dead, stalled or draining: 503), and an
+unexpected bug (a generic 500, logged here, never a traceback in a response). `engine_error` is the one
+mapping, for handlers and for errors that arrive after a stream has started alike.
 """
 
 from __future__ import annotations
@@ -16,13 +19,26 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from asyncllm.errors import EngineDeadError, InvalidRequestError, UnsupportedModelError
+from asyncllm.errors import (
+    AsyncLLMError,
+    DeviceError,
+    EngineDeadError,
+    EngineDrainingError,
+    EngineOverloadedError,
+    EngineStalledError,
+    InvalidRequestError,
+    RequestFailedError,
+    UnsupportedModelError,
+)
 
 logger = logging.getLogger("asyncllm.server")
 
 # SamplingParams errors read "SamplingParams.<field>=<value> is invalid: ...": the field is the param.
 _SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+)[= ]")  # "...field=value is invalid", "...field is not"
 _PYDANTIC_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "function-after"})
+# Seconds a client told "overloaded" (429) should wait: about the time a step takes to start a few of the
+# waiting requests; the openai client honours it (and retries twice by default).
+RETRY_AFTER_S = 1
 
 
 class OpenAIError(Exception):
@@ -36,6 +52,7 @@ class OpenAIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -43,27 +60,58 @@ class OpenAIError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def invalid_request(
     exc: InvalidRequestError, param: str | None = None, renames: dict[str, str] | None = None
 ) -> OpenAIError:
     """400 for an engine-side `InvalidRequestError`; a SamplingParams field names itself (renamed to its
-    OpenAI name, e.g. max_tokens -> max_completion_tokens), else `param` is the request field at fault."""
-    match = _SAMPLING_FIELD.search(str(exc))
+    OpenAI name, e.g. max_tokens -> max_completion_tokens, in the param and the text), else `param` is the
+    request field at fault."""
+    message = str(exc)
+    match = _SAMPLING_FIELD.search(message)
     if match is not None:
         param = (renames or {}).get(match.group(1), match.group(1))
-    return OpenAIError(str(exc), param=param)
+        message = message[: match.start()] + param + message[match.end(1) :]  # the request's own vocabulary
+    return OpenAIError(message, param=param)
 
 
 def engine_dead(exc: EngineDeadError) -> OpenAIError:
-    return OpenAIError(f"the engine is not serving: {exc}", status=503, type="service_unavailable", code="engine_dead")
+    """503: dead, stalled (a stuck step) or draining (shutting down gracefully): try another replica."""
+    code = (
+        "engine_draining"
+        if isinstance(exc, EngineDrainingError)
+        else "engine_stalled"
+        if isinstance(exc, EngineStalledError)
+        else "engine_dead"
+    )
+    return OpenAIError(f"the engine is not serving: {exc}", status=503, type="service_unavailable", code=code)
+
+
+def engine_error(exc: AsyncLLMError) -> OpenAIError:
+    """The response to an error the engine raised on purpose (see the module's docstring)."""
+    if isinstance(exc, InvalidRequestError):
+        return invalid_request(exc)
+    if isinstance(exc, EngineDeadError):
+        return engine_dead(exc)
+    if isinstance(exc, EngineOverloadedError):
+        headers = {"Retry-After": str(RETRY_AFTER_S)}
+        return OpenAIError(str(exc), status=429, type="rate_limit_error", code="engine_overloaded", headers=headers)
+    if isinstance(exc, RequestFailedError):
+        return OpenAIError(str(exc), status=500, type="server_error", code="request_failed")
+    if isinstance(exc, DeviceError):
+        return OpenAIError(f"the device failed: {exc}", status=500, type="server_error", code="device_error")
+    if isinstance(exc, UnsupportedModelError):
+        return OpenAIError(str(exc))
+    logger.error("asyncllm server: unexpected engine error", exc_info=exc)
+    return OpenAIError(f"the engine failed: {exc}", status=500, type="server_error")
 
 
 def _param_from_loc(loc: tuple[Any, ...]) -> str | None:
@@ -106,15 +154,11 @@ def install_error_handlers(app: FastAPI) -> None:
         assert isinstance(exc, RequestValidationError)
         return validation_error(exc).response()
 
-    async def on_invalid(request: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, (InvalidRequestError, UnsupportedModelError))
-        if isinstance(exc, InvalidRequestError):  # raised from a stream: a field of SamplingParams names itself
-            return invalid_request(exc).response()
-        return OpenAIError(str(exc)).response()
-
-    async def on_dead(request: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, EngineDeadError)
-        return engine_dead(exc).response()
+    async def on_engine(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(
+            exc, AsyncLLMError
+        )  # from add_request, or from a stream (a SamplingParams field names itself)
+        return engine_error(exc).response()
 
     async def on_http(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
@@ -127,8 +171,6 @@ def install_error_handlers(app: FastAPI) -> None:
 
     app.add_exception_handler(OpenAIError, on_openai)
     app.add_exception_handler(RequestValidationError, on_validation)
-    app.add_exception_handler(InvalidRequestError, on_invalid)
-    app.add_exception_handler(UnsupportedModelError, on_invalid)
-    app.add_exception_handler(EngineDeadError, on_dead)
+    app.add_exception_handler(AsyncLLMError, on_engine)
     app.add_exception_handler(StarletteHTTPException, on_http)
     app.add_exception_handler(Exception, on_unexpected)

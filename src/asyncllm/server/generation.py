@@ -1,4 +1,5 @@
-"""One HTTP request's engine requests: submitted together (prompts x samples), read merged, closed together.
+"""One HTTP request's engine requests: submitted together (prompts x params), read merged, closed together;
+an engine request of `n` samples is n choices.
 
 Owns the invariant the field keeps breaking: however the reader leaves (client disconnect -> task
 cancelled, generator closed, engine failure), every engine stream of the request is closed, which aborts
@@ -14,12 +15,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from asyncllm import AsyncLLMEngine, SamplingParams, StreamOutput
-from asyncllm.errors import EngineDeadError, InvalidRequestError
+from asyncllm.errors import AsyncLLMError, InvalidRequestError
 from asyncllm.outputs import OutputAccumulator
 from asyncllm.server.errors import invalid_request
 from asyncllm.server.metrics import RequestTracker, ServerMetrics
 
 Prompt = str | list[int]
+MergedOutputs = AsyncGenerator[tuple[int, StreamOutput], None]  # (choice index, its next output)
 
 
 class RequestStream(Protocol):
@@ -35,11 +37,17 @@ class RequestStream(Protocol):
 
 @dataclass
 class Submission:
-    """`streams[i * n + j]` is sample j of prompt i: OpenAI's choice index."""
+    """Engine requests in choice order: prompt by prompt, and each prompt's in the order of its params.
+    Sample j of `streams[k]` is OpenAI's choice `first_choice[k] + j`; `trackers` go by choice."""
 
     streams: list[RequestStream]
     trackers: list[RequestTracker]
     num_prompts: int
+    first_choice: list[int]
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.trackers)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -50,9 +58,10 @@ class Submission:
 
     def close(self) -> None:
         """Abort every stream still running (the client left). Synchronous and idempotent."""
-        for stream, tracker in zip(self.streams, self.trackers):
+        for stream in self.streams:
             stream.close()  # a no-op for a stream that ended; else the abort is in the engine's inbox on return
-            tracker.end("abort")  # a no-op for a request whose end was recorded
+        for tracker in self.trackers:
+            tracker.end("abort")  # a no-op for a choice whose end was recorded
 
 
 def submit(
@@ -65,17 +74,22 @@ def submit(
 ) -> Submission:
     """Add every engine request, or none: a refused one (400 naming `prompt_param`) closes those added."""
     streams: list[RequestStream] = []
+    first_choice: list[int] = []
+    num_choices = 0
     try:
-        for i, prompt in enumerate(prompts):
-            for j, sp in enumerate(params):
-                streams.append(engine.add_request(prompt, sp, request_id=f"{request_id}-{i * len(params) + j}"))
+        for prompt in prompts:
+            for sp in params:
+                streams.append(engine.add_request(prompt, sp, request_id=f"{request_id}-{num_choices}"))
+                first_choice.append(num_choices)
+                num_choices += sp.n
     except InvalidRequestError as exc:
         _close_all(streams)
         raise invalid_request(exc, param=prompt_param) from None
     except BaseException:
         _close_all(streams)
         raise
-    return Submission(streams, [metrics.track(f"{request_id}-{k}") for k in range(len(streams))], len(prompts))
+    trackers = [metrics.track(f"{request_id}-{choice}") for choice in range(num_choices)]
+    return Submission(streams, trackers, len(prompts), first_choice)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -89,18 +103,19 @@ def _close_all(streams: Sequence[RequestStream]) -> None:
         stream.close()  # synchronous and idempotent: the abort is in the engine's inbox on return
 
 
-async def merged(sub: Submission) -> AsyncGenerator[tuple[int, StreamOutput], None]:
+async def merged(sub: Submission) -> MergedOutputs:
     """(choice index, chunk) from every stream as chunks arrive, until each has ended.
 
-    Leaving early in any way closes every unfinished stream; an engine failure raises `EngineDeadError`.
+    Leaving early in any way closes every unfinished stream; an engine failure raises `EngineDeadError`, a
+    request that failed alone its own error (`InvalidRequestError`, `RequestFailedError`).
     """
-    streams, trackers = sub.streams, sub.trackers
+    streams, trackers, first = sub.streams, sub.trackers, sub.first_choice
     tasks: list[asyncio.Task[None]] = []
     try:
         if len(streams) == 1:  # the common case: no helper task, no queue
             async for chunk in streams[0]:
-                trackers[0].observe(chunk)
-                yield 0, chunk
+                trackers[chunk.index].observe(chunk)
+                yield chunk.index, chunk
             return
         queue: asyncio.Queue[tuple[int, StreamOutput | None, Exception | None]] = asyncio.Queue()
 
@@ -108,21 +123,22 @@ async def merged(sub: Submission) -> AsyncGenerator[tuple[int, StreamOutput], No
             try:
                 async for chunk in stream:
                     queue.put_nowait((index, chunk, None))
-            except Exception as exc:  # EngineDeadError; cancellation propagates (the stream aborts itself)
+            except Exception as exc:  # an AsyncLLMError; cancellation propagates (the stream aborts itself)
                 queue.put_nowait((index, None, exc))
 
         tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-        remaining = len(streams)
+        remaining = sub.num_choices
         while remaining:
-            index, out, error = await queue.get()
+            k, out, error = await queue.get()
             if error is not None:
                 raise error
             assert out is not None
-            trackers[index].observe(out)
+            choice = first[k] + out.index
+            trackers[choice].observe(out)
             if out.finish_reason is not None:
                 remaining -= 1
-            yield index, out
-    except EngineDeadError:
+            yield choice, out
+    except AsyncLLMError:  # counted as "error", not as a client that left
         for tracker in trackers:
             tracker.end("error")
         raise
@@ -132,9 +148,31 @@ async def merged(sub: Submission) -> AsyncGenerator[tuple[int, StreamOutput], No
         sub.close()
 
 
+async def first_read(sub: Submission) -> MergedOutputs:
+    """`merged(sub)` with its first output already read, so that what the engine checks off the loop (a
+    text prompt's length once tokenized, an output constraint's compile) raises here, before a streamed
+    response commits to a status. Closing what it returns closes `merged(sub)`."""
+    outputs = merged(sub)
+    try:
+        first = await outputs.__anext__()
+    except BaseException:
+        await outputs.aclose()
+        raise
+    return _after(first, outputs)
+
+
+async def _after(first: tuple[int, StreamOutput], rest: MergedOutputs) -> MergedOutputs:
+    try:
+        yield first
+        async for item in rest:
+            yield item
+    finally:
+        await rest.aclose()
+
+
 async def collect(sub: Submission) -> list[OutputAccumulator]:
     """Each choice's whole output (`text`, `token_ids`, `logprobs`, `finish_reason`), for non-streamed responses."""
-    results = [OutputAccumulator() for _ in sub.streams]
+    results = [OutputAccumulator() for _ in range(sub.num_choices)]
     async with contextlib.aclosing(merged(sub)) as outputs:
         async for index, chunk in outputs:
             results[index].add_chunk(chunk)

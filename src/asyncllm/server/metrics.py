@@ -152,6 +152,11 @@ class _EngineStatsCollector(Collector):
         for name, doc, value in (
             ("asyncllm_num_requests_running", "Requests in the running batch", stats.get("num_running")),
             ("asyncllm_num_requests_waiting", "Requests waiting to be scheduled", stats.get("num_waiting")),
+            (
+                "asyncllm_num_requests_queued",
+                "Requests accepted and not started yet (what max_waiting_requests bounds)",
+                stats.get("num_queued"),
+            ),
             ("asyncllm_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use", usage),
             (
                 "asyncllm_prefix_cache_hit_rate",
@@ -163,7 +168,15 @@ class _EngineStatsCollector(Collector):
                 family = GaugeMetricFamily(name, doc, labels=["model_name"])
                 family.add_metric([self._model_name], float(value))
                 yield family
-        if stats.get("num_preemptions") is not None:
-            counter = CounterMetricFamily("asyncllm_num_preemptions", "Requests preempted", labels=["model_name"])
-            counter.add_metric([self._model_name], float(stats["num_preemptions"]))
-            yield counter
+        for name, doc, key in (
+            ("asyncllm_num_preemptions", "Requests preempted", "num_preemptions"),
+            (
+                "asyncllm_num_requests_rejected",
+                "Requests refused at once because max_waiting_requests waited (429)",
+                "num_rejected",
+            ),
+        ):
+            if stats.get(key) is not None:
+                counter = CounterMetricFamily(name, doc, labels=["model_name"])
+                counter.add_metric([self._model_name], float(stats[key]))
+                yield counter

@@ -1,8 +1,10 @@
-"""OpenAI request parameters -> `SamplingParams`, one per sample (`n`), with errors naming the OpenAI field.
+"""OpenAI request parameters -> one `SamplingParams` with `n` (the samples run as one engine request), with
+errors naming the OpenAI field.
 
-Owns the mapping of names (max_completion_tokens, top_logprobs, ...) and of OpenAI's defaults onto the
-engine's. `SamplingParams` validates the values; its `InvalidRequestError` is turned into a 400 whose
-param is the OpenAI name of the field. Knows nothing of HTTP beyond `OpenAIError`.
+Owns the mapping of names (max_completion_tokens, top_logprobs, ...) and of OpenAI's defaults and bounds
+onto the engine's (completions stop after 16 tokens unless told otherwise, temperature is at most 2).
+`SamplingParams` validates the values; its `InvalidRequestError` is turned into a 400 that names the field
+as the request does. Knows nothing of HTTP beyond `OpenAIError`.
 """
 
 from __future__ import annotations
@@ -12,7 +14,11 @@ from typing import Any
 from asyncllm.errors import InvalidRequestError
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.server.errors import OpenAIError, invalid_request
+from asyncllm.server.neutral_fields import CHAT_FIELDS, COMPLETION_FIELDS, check_neutral
 from asyncllm.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingRequest
+
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat's is "until the model stops")
+MAX_TEMPERATURE = 2.0  # OpenAI's bound: beyond it sampling is close to uniform noise
 
 # Request fields passed to SamplingParams under the same name when given (None keeps the engine default,
 # which for temperature and top_p is OpenAI's default, 1.0).
@@ -32,21 +38,35 @@ _SAME_NAME = (
 )
 
 
-def chat_sampling_params(request: ChatCompletionRequest) -> list[SamplingParams]:
+def chat_sampling_params(request: ChatCompletionRequest) -> SamplingParams:
+    """One `SamplingParams` with `n`: the samples run as one engine request (the conversation prefilled once)."""
+    check_neutral(request, CHAT_FIELDS)
     if request.max_tokens is not None and request.max_completion_tokens is not None:
         raise OpenAIError("give max_completion_tokens or max_tokens, not both", param="max_completion_tokens")
     if request.top_logprobs is not None and not request.logprobs:
         raise OpenAIError("top_logprobs needs logprobs set to true", param="top_logprobs")
-    max_field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    return _with_n(request, max_tokens, logprobs, chat_renames(request), _response_format(request))
+
+
+def chat_renames(request: ChatCompletionRequest) -> dict[str, str]:
+    """SamplingParams field -> the chat request's name for it, for errors."""
+    max_field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
     renames = {"max_tokens": max_field, "logprobs": "top_logprobs"}
-    renames |= {"json_schema": "response_format", "json_object": "response_format"}
-    return _per_sample(request, max_tokens, logprobs, renames, _response_format(request))
+    return renames | {"json_schema": "response_format", "json_object": "response_format"}
 
 
-def completion_sampling_params(request: CompletionRequest) -> list[SamplingParams]:
-    return _per_sample(request, request.max_tokens, request.logprobs, {})
+def completion_sampling_params(request: CompletionRequest) -> SamplingParams:
+    """One `SamplingParams` with `n`: the samples run as one engine request (the prompt prefilled once)."""
+    check_neutral(request, COMPLETION_FIELDS)
+    if request.best_of is not None and request.best_of != (request.n or 1):
+        raise OpenAIError(
+            f"best_of={request.best_of} is not supported: only best_of equal to n (every sample is returned)",
+            param="best_of",
+        )
+    max_tokens = COMPLETION_MAX_TOKENS if request.max_tokens is None else request.max_tokens
+    return _with_n(request, max_tokens, request.logprobs, {})
 
 
 def _response_format(request: ChatCompletionRequest) -> dict[str, Any]:
@@ -62,23 +82,24 @@ def _response_format(request: ChatCompletionRequest) -> dict[str, Any]:
     return {"json_schema": fmt.json_schema.schema_}
 
 
-def _per_sample(
+def _with_n(
     request: _SamplingRequest,
     max_tokens: int | None,
     logprobs: int | None,
     renames: dict[str, str],
     constraint: dict[str, Any] | None = None,
-) -> list[SamplingParams]:
-    """`n` samples of one prompt; with a seed, sample i gets seed + i: they differ and each is reproducible."""
+) -> SamplingParams:
+    """`n` samples of one prompt; with a seed, the engine gives sample i seed + i: they differ and each is
+    reproducible (choice j equals a request of its own seeded seed + j)."""
     if request.stream_options is not None and not request.stream:
         raise OpenAIError("stream_options is only allowed when stream is true", param="stream_options")
+    if request.temperature is not None and not 0.0 <= request.temperature <= MAX_TEMPERATURE:
+        raise OpenAIError(
+            f"temperature={request.temperature} is invalid: a number in [0, {MAX_TEMPERATURE:g}]", param="temperature"
+        )
     kwargs: dict[str, Any] = {name: getattr(request, name) for name in _SAME_NAME if getattr(request, name) is not None}
     kwargs.update(max_tokens=max_tokens, stop=request.stop, logprobs=logprobs, **(constraint or {}))
-    out = []
-    for i in range(request.n):
-        seed = None if request.seed is None else request.seed + i
-        try:
-            out.append(SamplingParams(**kwargs, seed=seed))
-        except InvalidRequestError as exc:
-            raise invalid_request(exc, renames=renames) from None
-    return out
+    try:
+        return SamplingParams(**kwargs, n=request.n or 1, seed=request.seed)
+    except InvalidRequestError as exc:
+        raise invalid_request(exc, renames=renames) from None

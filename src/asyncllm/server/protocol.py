@@ -1,8 +1,10 @@
 """Request bodies of the OpenAI endpoints, as pydantic models named and typed as OpenAI names them.
 
-Owns field names, types and bounds only; what a field means for sampling lives in `openai_params`. An
-unknown field is refused (400 naming it), as OpenAI does, rather than silently ignored. Responses are
-plain dicts built in `responses` (cheaper per streamed chunk than models).
+Owns field names, types and bounds only; what a field means for sampling lives in `openai_params`, which
+fields are accepted only with a value that changes nothing in `neutral_fields`. Every optional field
+accepts null (clients and frameworks send `"field": null` for "not set"). An unknown field is refused (400
+naming it), as OpenAI does, rather than silently ignored. Responses are plain dicts built in `responses`
+(cheaper per streamed chunk than models).
 """
 
 from __future__ import annotations
@@ -17,14 +19,42 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
+    include_usage: bool | None = False
+    include_obfuscation: bool | None = None  # OpenAI's side-channel padding: nothing to pad here, accepted
+
+
+class ToolCallFunction(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI returns it
+    parsed_arguments: Any = None  # the openai client's `parse()` adds it when a reply is sent back: ignored
+
+
+class MessageToolCall(_Strict):
+    """A call a past assistant turn made (OpenAI's `tool_calls[]` item)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
 
 
 class ChatMessage(_Strict):
-    role: str
+    """One message of any role; which fields a role may carry is checked in `prompts`."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     # A string, or OpenAI's list of content parts (text parts only: checked in `prompts`).
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+    # A past assistant turn's reasoning: DeepSeek's and vLLM's (older) name, and vLLM's newer one.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    # What OpenAI's own replies carry, sent back as history: accepted when null (checked in `prompts`).
+    refusal: str | None = None
+    audio: Any = None
+    function_call: Any = None
+    annotations: list[Any] | None = None  # citations about the content: change nothing
+    parsed: Any = None  # the openai client's `parse()` of the content, sent back with it: ignored
 
 
 class _SamplingRequest(_Strict):
@@ -34,14 +64,15 @@ class _SamplingRequest(_Strict):
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int = Field(1, ge=1, le=128)
-    stream: bool = False
+    n: int | None = Field(None, ge=1, le=128)
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    user: str | None = None  # accepted for compatibility: identifies the end user, changes nothing
+    user: str | None = None  # identifies the end user: changes nothing here
+    logit_bias: dict[str, float] | None = None  # null or {} only (checked in `neutral_fields`)
     # Extras beyond OpenAI's set (vLLM's names; the openai client sends them through `extra_body`).
     top_k: int | None = None
     min_p: float | None = None
@@ -74,12 +105,37 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage]
     response_format: ResponseFormat | None = None
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
+    # Tools: OpenAI function tools and tool choice, checked by the chat planning (`engine.chat`'s).
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # an extra (vLLM's): more template variables
+    # OpenAI's fields that change nothing here when null or neutral; others are refused naming the field
+    # (the values each accepts are listed in `neutral_fields`).
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    modalities: list[str] | None = None
+    audio: Any = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: Any = None
+    moderation: Any = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    functions: list[Any] | None = None  # deprecated in favour of tools
+    function_call: Any = None  # deprecated in favour of tool_choice
 
 
 class CompletionRequest(_SamplingRequest):
     # str, list[str], list[int] or list[list[int]]: checked in `prompts`, where the error can name it plainly.
     prompt: Any
     logprobs: int | None = None
-    echo: bool = False  # only False is supported (checked in `prompts`)
+    echo: bool | None = False  # only False is supported (checked in `prompts`)
+    suffix: str | None = None  # null or "" only
+    best_of: int | None = None  # null, or n (the n best of n are all n)

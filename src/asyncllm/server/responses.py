@@ -11,10 +11,10 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from asyncllm.errors import EngineDeadError
+from asyncllm.errors import AsyncLLMError
 from asyncllm.outputs import OutputAccumulator, StreamOutput
-from asyncllm.server.errors import OpenAIError, engine_dead
-from asyncllm.server.generation import Submission, merged, usage
+from asyncllm.server.errors import OpenAIError, engine_error
+from asyncllm.server.generation import MergedOutputs, Submission, merged, usage
 from asyncllm.server.streaming import DONE, sse
 
 logger = logging.getLogger("asyncllm.server")
@@ -46,9 +46,11 @@ async def streamed_events(
     include_usage: bool,
     endpoint: str,
     render: Callable[[Outputs], AsyncGenerator[str, None]],
+    outputs: MergedOutputs | None = None,
 ) -> AsyncGenerator[str, None]:
     """`render(outputs)` yields the endpoint's own events; this adds the frame. `base`: every chunk's common
-    fields (with `"usage": None` when usage is asked: every chunk carries the key, only the last fills it)."""
+    fields (with `"usage": None` when usage is asked: every chunk carries the key, only the last fills it).
+    `outputs`: `merged(sub)` (the default), or one already started (`first_read`)."""
     completion_tokens = 0
 
     async def counted(outputs: Outputs) -> Outputs:
@@ -59,13 +61,13 @@ async def streamed_events(
 
     try:
         async with (
-            contextlib.aclosing(merged(sub)) as outputs,
-            contextlib.aclosing(render(counted(outputs))) as events,
+            contextlib.aclosing(merged(sub) if outputs is None else outputs) as merged_outputs,
+            contextlib.aclosing(render(counted(merged_outputs))) as events,
         ):
             async for event in events:
                 yield event
-    except EngineDeadError as exc:  # headers are sent: the error travels as an event, as OpenAI does
-        yield sse(engine_dead(exc).body())
+    except AsyncLLMError as exc:  # headers are sent: the error travels as an event, as OpenAI does
+        yield sse(engine_error(exc).body())  # the engine died (503), failed this request (500), or refused it (400)
         return
     except Exception:
         logger.exception("asyncllm server: %s stream failed", endpoint)

@@ -1,8 +1,12 @@
 """POST /v1/chat/completions: the response shapes of chat, streamed and not, exactly as OpenAI writes them.
 
-Owns `chat.completion` and `chat.completion.chunk` objects: streamed, each choice opens with a delta
-carrying the role, content deltas follow, an empty delta carries the finish reason, then (with
-`stream_options.include_usage`) a usage chunk with no choices, then `data: [DONE]`.
+Owns `chat.completion` and `chat.completion.chunk` objects. The conversation is planned once as
+`engine.chat` plans it (`chat_request`); its `n` samples run as one engine request (`generation.submit`,
+`SamplingParams.n`: the prompt prefilled once, its blocks shared) and each choice's text goes through a
+parser of its own, which splits reasoning off and reads tool calls. Streamed, each choice opens with a
+delta carrying the role, reasoning, content and tool-call deltas follow (`chat_reply`), an empty delta
+carries the finish reason, then (with `stream_options.include_usage`) a usage chunk with no choices, then
+`data: [DONE]`.
 """
 
 from __future__ import annotations
@@ -16,10 +20,14 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from asyncllm.server.generation import Submission, collect, submit
+from asyncllm.errors import InvalidRequestError
+from asyncllm.parsing import ChatStreamParser
+from asyncllm.server.chat_reply import chunk_deltas, whole_message
+from asyncllm.server.chat_request import plan_chat_request
+from asyncllm.server.errors import invalid_request
+from asyncllm.server.generation import MergedOutputs, Submission, collect, first_read, submit
 from asyncllm.server.logprobs import TokenStrings, chat_logprobs
-from asyncllm.server.openai_params import chat_sampling_params
-from asyncllm.server.prompts import chat_prompt
+from asyncllm.server.openai_params import chat_renames, chat_sampling_params
 from asyncllm.server.protocol import ChatCompletionRequest
 from asyncllm.server.responses import Outputs, streamed_events, whole_response
 from asyncllm.server.state import server_state
@@ -33,32 +41,49 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     state = server_state(request)
     engine = state.engine_for(body.model)
     params = chat_sampling_params(body)
-    prompt = chat_prompt(engine, body.messages)
+    plan = await plan_chat_request(engine, body, params, state.chat_template)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     head = {"id": request_id, "created": int(time.time()), "model": state.served_model_name}
-    sub = submit(engine, [prompt], params, request_id, state.metrics, prompt_param="messages")
-    top_k = params[0].logprobs  # None unless logprobs were asked for
+    sub = submit(engine, [plan.prompt_token_ids], [plan.constrain(params)], request_id, state.metrics, "messages")
+    parsers = [plan.parser() for _ in range(sub.num_choices)]  # choice i's: OpenAI's choice index is the sample's
+    top_k = params.logprobs  # None unless logprobs were asked for
+    renames = chat_renames(body)
     if body.stream:
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return SSEResponse(_events(sub, head, top_k, state.token_strings, include_usage), on_close=sub.close)
+        include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
+        try:  # a request refused once compiled or tokenized is a 400 still, not an event after a 200
+            outputs = await cancel_on_disconnect(request, first_read(sub))
+        except ClientDisconnected:
+            return _gone()
+        except InvalidRequestError as exc:
+            raise invalid_request(exc, param="messages", renames=renames) from None
+        events = _events(sub, outputs, head, parsers, top_k, state.token_strings, include_usage)
+        return SSEResponse(events, on_close=sub.close)
     try:
         results = await cancel_on_disconnect(request, collect(sub))
     except ClientDisconnected:
         return _gone()
+    except InvalidRequestError as exc:
+        raise invalid_request(exc, param="messages", renames=renames) from None
     choices = []
-    for index, result in enumerate(results):
+    for index, (result, parser) in enumerate(zip(results, parsers)):
         logprobs = None
         if top_k is not None and result.logprobs is not None:
             logprobs = chat_logprobs(result.token_ids, result.logprobs, top_k, state.token_strings)
-        message = {"role": "assistant", "content": result.text}
-        choices.append(
-            {"index": index, "message": message, "logprobs": logprobs, "finish_reason": result.finish_reason}
-        )
+        assert result.finish_reason is not None
+        reply = parser.read(result.text, result.finish_reason)
+        message = whole_message(reply.text, reply.reasoning_text, parser.tool_calls)
+        choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": reply.finish_reason})
     return whole_response(head, "chat.completion", choices, sub, results)
 
 
 async def _events(
-    sub: Submission, head: dict[str, Any], top_k: int | None, strings: TokenStrings, include_usage: bool
+    sub: Submission,
+    outputs: MergedOutputs,
+    head: dict[str, Any],
+    parsers: list[ChatStreamParser],
+    top_k: int | None,
+    strings: TokenStrings,
+    include_usage: bool,
 ) -> AsyncGenerator[str, None]:
     base = {**head, "object": "chat.completion.chunk", "system_fingerprint": None}
     if include_usage:
@@ -69,16 +94,20 @@ async def _events(
         return sse({**base, "choices": [choice]})
 
     async def render(outputs: Outputs) -> AsyncGenerator[str, None]:
-        for index in range(len(sub.streams)):
+        for index in range(sub.num_choices):
             yield chunk(index, {"role": "assistant", "content": ""})
         async for index, out in outputs:
             logprobs = None
             if top_k is not None and out.logprobs:
                 logprobs = chat_logprobs(out.token_ids, out.logprobs, top_k, strings)
-            if out.text or logprobs is not None:
-                yield chunk(index, {"content": out.text}, logprobs)
-            if out.finish_reason is not None:
-                yield chunk(index, {}, finish_reason=out.finish_reason)
+            parsed = parsers[index].read(out.text, out.finish_reason)
+            deltas = chunk_deltas(parsed)
+            if logprobs is not None and not deltas:  # the parser holds the text back; the tokens go now
+                deltas = [{}]
+            for i, delta in enumerate(deltas):
+                yield chunk(index, delta, logprobs if i == 0 else None)
+            if parsed.finish_reason is not None:
+                yield chunk(index, {}, finish_reason=parsed.finish_reason)
 
-    async for event in streamed_events(sub, base, include_usage, "chat", render):
+    async for event in streamed_events(sub, base, include_usage, "chat", render, outputs):
         yield event

@@ -1,6 +1,7 @@
 """POST /v1/completions: the `text_completion` shapes, streamed and not, as OpenAI writes them.
 
-Owns completion choices (prompt i, sample j is choice i * n + j), their logprobs' running text offsets,
+Owns completion choices (prompt i, sample j is choice i * n + j; each prompt's n samples are one engine
+request, `SamplingParams.n`), their logprobs' running text offsets,
 and the streamed chunks: text as it comes, the finish reason on each choice's last chunk, an optional
 usage chunk with no choices, then `data: [DONE]`.
 """
@@ -36,10 +37,10 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     prompts = completion_prompts(body)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     head = {"id": request_id, "created": int(time.time()), "model": state.served_model_name}
-    sub = submit(engine, prompts, params, request_id, state.metrics, prompt_param="prompt")
+    sub = submit(engine, prompts, [params], request_id, state.metrics, prompt_param="prompt")
     top_k = body.logprobs
     if body.stream:
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
         return SSEResponse(_events(sub, head, top_k, state.token_strings, include_usage), on_close=sub.close)
     try:
         results = await cancel_on_disconnect(request, collect(sub))
@@ -62,7 +63,7 @@ async def _events(
     base = {**head, "object": "text_completion", "system_fingerprint": None}
     if include_usage:
         base["usage"] = None
-    offsets = [0] * len(sub.streams)  # characters of each choice sent so far, for logprobs' text_offset
+    offsets = [0] * sub.num_choices  # characters of each choice sent so far, for logprobs' text_offset
 
     async def render(outputs: Outputs) -> AsyncGenerator[str, None]:
         async for index, out in outputs:

@@ -22,6 +22,7 @@ class ServerState:
     served_model_name: str
     metrics: ServerMetrics
     engine: AsyncLLMEngine | None = None  # None until the lifespan has built it
+    chat_template: str | None = None  # replaces the model's own (create_app's `chat_template`)
     token_strings: TokenStrings = field(default_factory=lambda: TokenStrings(None))
 
     def attach(self, engine: AsyncLLMEngine) -> None:

@@ -1,0 +1,68 @@
+"""SIGTERM drains `asyncllm serve` (issue 22): a real server process on the tiny checkpoint keeps
+listening while it drains; the stream in flight completes whole, new requests and /health get 503, the
+log says it drains, and the process exits cleanly once the stream is done."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.server.serving import free_port
+
+
+def test_sigterm_drains_in_flight_streams_and_refuses_new_requests(tiny_model: Path) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "asyncllm.cli", "serve", str(tiny_model), "--port", str(port), "--device", "cpu"]
+    cmd += ["--num-kv-blocks", "256", "--block-size", "4", "--log-level", "info", "--drain-timeout", "60"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the server did not come up"
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        body = {"model": tiny_model.name, "prompt": [5, 6, 7], "max_tokens": 48, "ignore_eos": True, "stream": True}
+        body["stream_options"] = {"include_usage": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as stream:
+            lines = stream.iter_lines()
+            events = []
+            for line in lines:  # the first token is out: the request is in flight
+                if line.startswith("data: "):
+                    events.append(line)
+                    break
+            proc.send_signal(signal.SIGTERM)
+            t0 = time.monotonic()
+            while (health := httpx.get(f"{url}/health", timeout=5)).status_code == 200:
+                assert time.monotonic() - t0 < 5, "the drain did not begin"
+                time.sleep(0.02)
+            assert health.status_code == 503 and health.json()["error"]["code"] == "engine_draining"
+            assert httpx.get(f"{url}/health/live", timeout=5).json() == {"status": "draining"}
+            refused = httpx.post(
+                f"{url}/v1/completions", json={"model": tiny_model.name, "prompt": [1, 2], "max_tokens": 2}, timeout=5
+            )
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_draining"
+            events += [line for line in lines if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        chunks = [json.loads(e[len("data: ") :]) for e in events[:-1]]
+        assert all("error" not in c for c in chunks)
+        assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+        assert chunks[-1]["usage"]["completion_tokens"] == 48  # every token, none cut by the shutdown
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err[-3000:]
+    assert "SIGTERM: draining:" in err and "drained (every request finished)" in err, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
