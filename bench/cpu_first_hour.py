@@ -36,6 +36,7 @@ def engine_part(threads: int | None, reference_draw: bool, repeats: int) -> dict
 
     if reference_draw:  # the draw before issue 23, gumbel_argmax_ref (this imports torch before the build)
         from asyncllm.kernels.sampling_ref import gumbel_argmax_ref
+
         from asyncllm.sample import sampler
 
         sampler.load_draw = lambda device: gumbel_argmax_ref  # type: ignore[assignment]
@@ -164,9 +165,9 @@ def main() -> None:
             result = transformers_part(int(rest[0]))
         print(json.dumps(result))
         return
-    from asyncllm.worker.threads import available_cores, default_num_threads
-
     import torch
+
+    from asyncllm.worker.threads import available_cores, default_num_threads
 
     default_threads = default_num_threads(torch.device("cpu")) or 1
     chosen = "default" if args.threads is None else str(args.threads)
