@@ -110,7 +110,7 @@ class DeviceMasks:
 class FillJob:
     """One constrained step's follow-up: `accept()` feeds its tokens to its requests' matchers (a token one
     refuses fails that request in this step's own output), then fills each request's next row in `host`
-    (row i for `grammars[i]`); `wait_filled()` makes sure both happened (nobody reads the step's result on
+    (row i for `grammars[i]`); the next fill calls `accept()` itself where nobody read the step's result (on
     a tensor-parallel worker)."""
 
     def __init__(
@@ -143,9 +143,6 @@ class FillJob:
             if matchers:
                 self._fill(matchers, self.host.bits, rows)
         return self._output
-
-    def wait_filled(self) -> None:
-        self.accept()
 
 
 class ConstrainedStep:

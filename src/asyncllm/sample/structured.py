@@ -120,7 +120,7 @@ class GrammarTable:
         and the rows whose request cannot go on, by row (its constraint failed to compile, or before)."""
         device_masks = self._buffers()
         if plan.source is not None:
-            plan.source.wait_filled()  # its rows, and the matchers as they were after its step
+            plan.source.accept()  # its rows filled (here, if nobody read its step), the matchers past its tokens
             host = plan.source.host
         else:
             host = self._hosts[self._flip]
