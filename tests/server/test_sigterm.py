@@ -15,6 +15,12 @@ import httpx
 
 from tests.server.serving import free_port
 
+# The stream in flight must outlast the window between its first token and the refused request (the
+# signal, the drain starting at the server's next tick, two health checks: 0.12 s on an idle 2-core
+# machine, more on a busy one). 48 tokens of the tiny model fit inside it, so the drain had finished and
+# the server closed its socket before the refused request was sent (CI, once); 500 take ~1.7 s.
+_TOKENS = 500  # the prompt's 3 and these within the tiny model's 512 positions
+
 
 def test_sigterm_drains_in_flight_streams_and_refuses_new_requests(tiny_model: Path) -> None:
     port = free_port()
@@ -32,8 +38,8 @@ def test_sigterm_drains_in_flight_streams_and_refuses_new_requests(tiny_model: P
                     break
             except httpx.TransportError:
                 time.sleep(0.1)
-        body = {"model": tiny_model.name, "prompt": [5, 6, 7], "max_tokens": 48, "ignore_eos": True, "stream": True}
-        body["stream_options"] = {"include_usage": True}
+        body = {"model": tiny_model.name, "prompt": [5, 6, 7], "max_tokens": _TOKENS, "ignore_eos": True}
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as stream:
             lines = stream.iter_lines()
             events = []
@@ -57,7 +63,7 @@ def test_sigterm_drains_in_flight_streams_and_refuses_new_requests(tiny_model: P
         chunks = [json.loads(e[len("data: ") :]) for e in events[:-1]]
         assert all("error" not in c for c in chunks)
         assert chunks[-2]["choices"][0]["finish_reason"] == "length"
-        assert chunks[-1]["usage"]["completion_tokens"] == 48  # every token, none cut by the shutdown
+        assert chunks[-1]["usage"]["completion_tokens"] == _TOKENS  # every token, none cut by the shutdown
         _, err = proc.communicate(timeout=30)
     finally:
         if proc.poll() is None:
