@@ -95,6 +95,33 @@ async def test_overload_is_429_with_retry_after_and_counted(
     assert engine.stats()["num_rejected"] == 2
 
 
+async def test_priority_over_http_orders_the_queue(pressed: tuple[AsyncLLMEngine, FakeBuilt, RunningServer]) -> None:
+    """`priority` in the body (vLLM's extra) reaches the engine: with the one seat held by a priority-0
+    stream, a priority -1 request preempts it and finishes while a priority 3 one, sent first, waits for
+    the seat; a priority that is not an integer is a 400 naming it."""
+    engine, _, running = pressed
+    async with httpx.AsyncClient(base_url=running.url, timeout=30) as http:
+        body = {"model": "fake", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        async with http.stream("POST", "/v1/completions", json={**body, "prompt": [1, 2, 3]}) as seat:
+            await _wait(lambda: engine.stats()["num_running"] == 1)
+            short = {"model": "fake", "max_tokens": 2, "ignore_eos": True}
+            later = asyncio.create_task(http.post("/v1/completions", json={**short, "prompt": [4, 5], "priority": 3}))
+            await _wait(lambda: engine.stats()["num_queued"] == 1)
+            first = await http.post("/v1/completions", json={**short, "prompt": [6, 7], "priority": -1})
+            assert first.status_code == 200 and first.json()["choices"][0]["finish_reason"] == "length"
+            assert not later.done() and engine.stats()["num_queued"] == 1  # still behind the seat
+            await seat.aclose()
+        assert (await later).status_code == 200
+        bad = await http.post("/v1/completions", json={**short, "prompt": [1], "priority": "high"})
+        assert bad.status_code == 400 and "priority" in bad.text
+
+
+def test_chat_takes_a_priority(client: openai.OpenAI) -> None:
+    messages: Any = [{"role": "user", "content": "Hi"}]
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, extra_body={"priority": 7})
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+
 def test_engine_failure_of_one_request_is_500_naming_it(
     pressed: tuple[AsyncLLMEngine, FakeBuilt, RunningServer],
 ) -> None:

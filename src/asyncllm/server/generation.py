@@ -71,6 +71,7 @@ def submit(
     request_id: str,
     metrics: ServerMetrics,
     prompt_param: str,
+    priority: int = 0,
 ) -> Submission:
     """Add every engine request, or none: a refused one (400 naming `prompt_param`) closes those added."""
     streams: list[RequestStream] = []
@@ -79,7 +80,7 @@ def submit(
     try:
         for prompt in prompts:
             for sp in params:
-                streams.append(engine.add_request(prompt, sp, request_id=f"{request_id}-{num_choices}"))
+                streams.append(engine.add_request(prompt, sp, f"{request_id}-{num_choices}", priority=priority))
                 first_choice.append(num_choices)
                 num_choices += sp.n
     except InvalidRequestError as exc:

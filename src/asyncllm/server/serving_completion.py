@@ -37,7 +37,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     prompts = completion_prompts(body)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     head = {"id": request_id, "created": int(time.time()), "model": state.served_model_name}
-    sub = submit(engine, prompts, [params], request_id, state.metrics, prompt_param="prompt")
+    sub = submit(engine, prompts, [params], request_id, state.metrics, "prompt", body.priority or 0)
     top_k = body.logprobs
     if body.stream:
         include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
