@@ -101,17 +101,34 @@ def test_torch_backend_and_cpu_stay_eager(tiny_checkpoints) -> None:
 
 
 def test_first_request_pays_no_compilation(tiny_checkpoints) -> None:
-    """Warm-up compiled every kernel: the first request's time to first token is within 2x of a warm one."""
+    """Warm-up compiled every kernel: the first request compiles no Triton kernel, and its time to first
+    token is within 2x of a warm one plus 10 ms. The slack is for first-use costs that are not compiles (an
+    allocator's first block, a cuBLAS handle's first workspace: run 50 saw 5.5 ms against 1.7 warm, launches
+    only in its profile); a compile or a lazy graph capture costs tens to hundreds of ms."""
+    import triton.knobs
     from torch.profiler import ProfilerActivity, profile
 
     llm = LLM(str(tiny_checkpoints["llama"]), device="cuda", num_kv_blocks=256)
     params = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=4, ignore_eos=True)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:  # started before the first request: what it paid
-        first = llm.generate([[5, 6, 7, 8, 9] * 7], params, use_tqdm=False)[0].metrics.time_to_first_token
-        warm = min(
-            llm.generate([[9, 8, 7, 6, 5] * 7], params, use_tqdm=False)[0].metrics.time_to_first_token for _ in range(3)
-        )
-    if first > 2 * warm + 0.002:
+    compiled: list[str] = []
+    previous = triton.knobs.runtime.jit_post_compile_hook
+
+    def hook(**kwargs) -> bool:
+        compiled.append(str(kwargs.get("repr", "?")))
+        return False
+
+    triton.knobs.runtime.jit_post_compile_hook = hook
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:  # started before the first request: what it paid
+            first = llm.generate([[5, 6, 7, 8, 9] * 7], params, use_tqdm=False)[0].metrics.time_to_first_token
+            warm = min(
+                llm.generate([[9, 8, 7, 6, 5] * 7], params, use_tqdm=False)[0].metrics.time_to_first_token
+                for _ in range(3)
+            )
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = previous
+    assert compiled == [], f"the first request compiled {compiled}"
+    if first > 2 * warm + 0.010:
         top = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:8]
         paid = ", ".join(f"{e.key} {e.self_cpu_time_total / 1e3:.1f} ms x{e.count}" for e in top)
         pytest.fail(f"first TTFT {first * 1e3:.1f} ms vs warm {warm * 1e3:.1f} ms; host time went to: {paid}")
