@@ -17,17 +17,20 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from asyncllm.outputs import StreamOutput
 from asyncllm.server.generation import Submission, collect, submit
 from asyncllm.server.logprobs import TokenStrings, completion_logprobs
 from asyncllm.server.openai_params import completion_sampling_params
 from asyncllm.server.prompts import completion_prompts
 from asyncllm.server.protocol import CompletionRequest
-from asyncllm.server.responses import Outputs, streamed_events, whole_response
+from asyncllm.server.responses import streamed_events, whole_response
 from asyncllm.server.state import server_state
-from asyncllm.server.streaming import ClientDisconnected, SSEResponse, cancel_on_disconnect, sse
+from asyncllm.server.streaming import ChunkFrames, ClientDisconnected, SSEResponse, cancel_on_disconnect, encode_str
 from asyncllm.server.streaming import disconnected_response as _gone
 
 logger = logging.getLogger("asyncllm.server")
+# A choice with text only, as `ChunkFrames.frame` would encode it: a streamed token's chunk, built per token.
+_TEXT_CHOICE = '{"index":%d,"text":%s,"logprobs":null,"finish_reason":null}'
 
 
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
@@ -57,23 +60,25 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     return whole_response(head, "text_completion", choices, sub, results)
 
 
-async def _events(
+def _events(
     sub: Submission, head: dict[str, Any], top_k: int | None, strings: TokenStrings, include_usage: bool
-) -> AsyncGenerator[str, None]:
+) -> AsyncGenerator[bytes, None]:
     base = {**head, "object": "text_completion", "system_fingerprint": None}
     if include_usage:
         base["usage"] = None
+    frames = ChunkFrames(base)
     offsets = [0] * sub.num_choices  # characters of each choice sent so far, for logprobs' text_offset
 
-    async def render(outputs: Outputs) -> AsyncGenerator[str, None]:
-        async for index, out in outputs:
-            logprobs = None
-            if top_k is not None and out.logprobs:
-                logprobs = completion_logprobs(out.token_ids, out.logprobs, top_k, strings, offsets[index])
-            offsets[index] += len(out.text)
-            if out.text or logprobs is not None or out.finish_reason is not None:
-                choice = {"index": index, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}
-                yield sse({**base, "choices": [choice]})
+    def render(index: int, out: StreamOutput) -> bytes:
+        text, reason = out.text, out.finish_reason
+        logprobs = None
+        if top_k is not None and out.logprobs:
+            logprobs = completion_logprobs(out.token_ids, out.logprobs, top_k, strings, offsets[index])
+        offsets[index] += len(text)
+        if logprobs is None and reason is None:  # a token's text, the chunk nearly every event is
+            if not text:
+                return b""
+            return frames.frame_json(_TEXT_CHOICE % (index, encode_str(text)))
+        return frames.frame({"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason})
 
-    async for event in streamed_events(sub, base, include_usage, "completion", render):
-        yield event
+    return streamed_events(sub, base, include_usage, "completion", render)

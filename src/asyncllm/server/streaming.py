@@ -1,9 +1,11 @@
 """The wire: server-sent events and the client's connection.
 
-Owns SSE framing (`data: {json}\\n\\n`, a final `data: [DONE]`), a streaming response that always closes
-its event generator (so a client that leaves aborts its engine requests, whatever the ASGI server or
-Starlette version does with the half-read iterator), and cancelling non-streamed work when the client
-disconnects. Knows nothing of OpenAI's fields.
+Owns SSE framing (`data: {json}\\n\\n` as bytes, a final `data: [DONE]`), the frames of one streamed
+response made from a template (`ChunkFrames`: the fields every chunk repeats are encoded once, so a chunk
+costs the encoding of its own choice), a streaming response that always closes its event generator (so a
+client that leaves aborts its engine requests, whatever the ASGI server or Starlette version does with the
+half-read iterator), and cancelling non-streamed work when the client disconnects. Knows nothing of
+OpenAI's fields.
 """
 
 from __future__ import annotations
@@ -20,18 +22,41 @@ from starlette.types import Receive, Scope, Send
 
 T = TypeVar("T")
 
-DONE = "data: [DONE]\n\n"
+DONE = b"data: [DONE]\n\n"
+# json.dumps(..., ensure_ascii=False, separators=(",", ":")) without building an encoder per call.
+_encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+encode_str = json.encoder.encode_basestring  # a str as JSON, as `_encode` writes it
+_HOLE = "\x00choice\x00"
 
 
-def sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+def sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + _encode(payload).encode() + b"\n\n"
+
+
+class ChunkFrames:
+    """The SSE frames of one streamed response: `{**base, "choices": [choice]}` each, with `base` (id,
+    created, model, object, ...) encoded once. `frame(choice)` gives exactly the bytes `sse` would."""
+
+    __slots__ = ("_head", "_tail")
+
+    def __init__(self, base: dict[str, Any]) -> None:
+        head, tail = sse({**base, "choices": [_HOLE]}).split(_encode(_HOLE).encode())
+        self._head = head.decode()
+        self._tail = tail.decode()
+
+    def frame(self, choice: dict[str, Any]) -> bytes:
+        return (self._head + _encode(choice) + self._tail).encode()
+
+    def frame_json(self, choice_json: str) -> bytes:
+        """`frame` of a choice already encoded (by a caller's template for its common case)."""
+        return (self._head + choice_json + self._tail).encode()
 
 
 class SSEResponse(StreamingResponse):
-    """A text/event-stream response over an async generator of SSE strings; however sending ends, the
-    generator is closed and `on_close` runs (synchronously)."""
+    """A text/event-stream response over an async generator of SSE frames (bytes); however sending ends,
+    the generator is closed and `on_close` runs (synchronously)."""
 
-    def __init__(self, events: AsyncGenerator[str, None], on_close: Callable[[], None]) -> None:
+    def __init__(self, events: AsyncGenerator[bytes, None], on_close: Callable[[], None]) -> None:
         # no-cache and no proxy buffering: each event must reach the client as it is produced
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         super().__init__(events, media_type="text/event-stream", headers=headers)
