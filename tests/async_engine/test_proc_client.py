@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -187,6 +188,21 @@ def test_a_load_error_is_raised_in_the_front_with_its_type() -> None:
         AsyncLLMEngine.from_client(make)
     pid = made[0].pid
     assert pid is not None and _gone(pid, 5)
+
+
+def test_a_builder_that_cannot_reach_the_core_is_named() -> None:
+    """A builder that does not pickle is refused before any process starts; one the core process cannot
+    load (defined in a module only the front has) fails its start with the core's own error."""
+    with pytest.raises(TypeError, match="must pickle"):
+        _engine(lambda: fake_built(None))
+    ghost = types.ModuleType("asyncllm_ghost_module")
+    exec("def build():\n    raise AssertionError('never runs')\n", ghost.__dict__)
+    sys.modules[ghost.__name__] = ghost
+    try:
+        with pytest.raises(ModuleNotFoundError, match="asyncllm_ghost_module"):
+            _engine(ghost.build)
+    finally:
+        del sys.modules[ghost.__name__]
 
 
 @_ASYNCIO

@@ -16,6 +16,7 @@ import logging
 import math
 import mmap
 import os
+import pickle
 import signal
 import struct
 import sys
@@ -125,8 +126,13 @@ def main() -> None:
     from_front = Connection(from_fd, writable=False)
     sender = _Sender(Connection(to_fd, readable=False))
     step_clock = mmap.mmap(clock_fd, _STEP.size)
-    build, log_level = from_front.recv()
+    pickled, log_level = from_front.recv()
     _log_to_stderr(log_level)
+    try:
+        build = pickle.loads(pickled)
+    except BaseException as exc:  # e.g. a builder defined in the front's __main__, which this process lacks
+        sender.send((wire.FAILED, wire.portable_error(exc)))
+        raise SystemExit(1) from None
     router = _SendingRouter(sender)
     client = _CoreClient(build, router, step_clock)
     router.stats = client.stats

@@ -20,6 +20,7 @@ import logging
 import math
 import mmap
 import os
+import pickle
 import signal
 import struct
 import subprocess
@@ -174,6 +175,13 @@ class ProcClient:
 
     # ------------------------------------------------------------------ the core process
     def _launch(self) -> None:
+        try:
+            build = pickle.dumps(self._build)  # fail here, in the caller, not as a core that never starts
+        except Exception as exc:
+            raise TypeError(
+                f"the engine core's builder must pickle to run in a process of its own (a module-level function, "
+                f"or a functools.partial of one, with picklable arguments): {exc}"
+            ) from exc
         env = dict(os.environ)
         # The child finds asyncllm (and the module `build` comes from) where this process does.
         env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
@@ -190,12 +198,16 @@ class ProcClient:
                     env=env,
                 )
                 self._step_clock = mmap.mmap(clock.fileno(), _STEP.size)
+            except BaseException:
+                os.close(to_w)
+                os.close(from_r)
+                raise
             finally:
                 os.close(to_r)  # only the child holds these ends now: their closing means what it should
                 os.close(from_w)
         self._to_core = Connection(to_w, readable=False)
         self._from_core = Connection(from_r, writable=False)
-        self._send((self._build, logging.getLogger("asyncllm").getEffectiveLevel()))
+        self._send((build, logging.getLogger("asyncllm").getEffectiveLevel()))
 
     def _send(self, message: tuple[Any, ...]) -> None:
         assert self._to_core is not None

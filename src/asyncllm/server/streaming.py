@@ -26,7 +26,6 @@ DONE = b"data: [DONE]\n\n"
 # json.dumps(..., ensure_ascii=False, separators=(",", ":")) without building an encoder per call.
 _encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 encode_str = json.encoder.encode_basestring  # a str as JSON, as `_encode` writes it
-_HOLE = "\x00choice\x00"
 
 
 def sse(payload: dict[str, Any]) -> bytes:
@@ -40,9 +39,9 @@ class ChunkFrames:
     __slots__ = ("_head", "_tail")
 
     def __init__(self, base: dict[str, Any]) -> None:
-        head, tail = sse({**base, "choices": [_HOLE]}).split(_encode(_HOLE).encode())
-        self._head = head.decode()
-        self._tail = tail.decode()
+        assert base and "choices" not in base
+        self._head = "data: " + _encode(base)[:-1] + ',"choices":['  # "choices" comes last, as in `sse`
+        self._tail = "]}\n\n"
 
     def frame(self, choice: dict[str, Any]) -> bytes:
         return (self._head + _encode(choice) + self._tail).encode()
