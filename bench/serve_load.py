@@ -325,7 +325,8 @@ def table(results: dict[str, dict[int, Any]], args: argparse.Namespace) -> None:
             s, e = results["server"][streams][0], results["engine"][streams][0]
             ratio = {c: round(s[c] / e[c], 3) if e[c] else None for c in cols[:5]}
             same = results["server"][streams][1] == results["engine"][streams][1] if args.check_text else None
-            print(json.dumps({"bench": "serve_load", "streams": streams, "ratio": ratio, "identical_text": same}))
+            line = {"bench": "serve_load", "streams": streams, "server_flags": args.server_flags, "ratio": ratio}
+            print(json.dumps({**line, "identical_text": same}))
 
 
 def main() -> None:
