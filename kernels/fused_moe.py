@@ -26,23 +26,25 @@ _ALIGN_MIN_CHUNK = 256  # routed rows per grouping program, at least
 _ONE_HOT = 4096  # elements of a grouping program's [rows, experts] one-hot tile
 
 
-@triton.jit
-def _count_kernel(ids_ptr, counts_ptr, num_slots, CHUNK: tl.constexpr, SUB: tl.constexpr, BLOCK_E: tl.constexpr):
-    """counts[p, e]: how many of program p's CHUNK routed rows go to expert e."""
+# Sizes that change with the token count are plain arguments (not specialised on), so the kernels compile once
+# per model, dtype and BLOCK_M whatever the batch: no compile in the middle of serving.
+@triton.jit(do_not_specialize=["num_slots", "chunk"])
+def _count_kernel(ids_ptr, counts_ptr, num_slots, chunk, SUB: tl.constexpr, BLOCK_E: tl.constexpr):
+    """counts[p, e]: how many of program p's `chunk` routed rows go to expert e."""
     pid = tl.program_id(0)
     experts = tl.arange(0, BLOCK_E)
     acc = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for start in range(0, CHUNK, SUB):
-        slots = pid * CHUNK + start + tl.arange(0, SUB)
+    for start in range(0, chunk, SUB):
+        slots = pid * chunk + start + tl.arange(0, SUB)
         e = tl.load(ids_ptr + slots, mask=slots < num_slots, other=-1).to(tl.int32)
         acc += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
     tl.store(counts_ptr + pid * BLOCK_E + experts, acc)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots", "num_programs", "num_blocks", "chunk"])
 def _scatter_kernel(
-    ids_ptr, counts_ptr, sorted_ptr, block_experts_ptr, num_rows_ptr, num_slots, num_programs, num_blocks,
-    CHUNK: tl.constexpr, SUB: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
+    ids_ptr, counts_ptr, sorted_ptr, block_experts_ptr, num_rows_ptr, num_slots, num_programs, num_blocks, chunk,
+    SUB: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     experts = tl.arange(0, BLOCK_E)
@@ -56,8 +58,8 @@ def _scatter_kernel(
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded  # each expert's first row; empty experts take no room
     next_row = starts + before  # where this program's next row of each expert goes
-    for start in range(0, CHUNK, SUB):
-        slots = pid * CHUNK + start + tl.arange(0, SUB)
+    for start in range(0, chunk, SUB):
+        slots = pid * chunk + start + tl.arange(0, SUB)
         valid = slots < num_slots
         e = tl.load(ids_ptr + slots, mask=valid, other=-1).to(tl.int32)
         one_hot = (e[:, None] == experts[None, :]).to(tl.int32)  # [SUB, BLOCK_E]
@@ -81,7 +83,7 @@ def _scatter_kernel(
         tl.store(sorted_ptr + rows, tl.zeros([BLOCK_M], dtype=tl.int32) + num_slots, mask=rows - begin >= count)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"])
 def _gate_up_kernel(
     x_ptr, w_ptr, out_ptr, sorted_ptr, block_experts_ptr, num_slots, hidden, inter,
     stride_xt, stride_we, stride_wn, stride_ot,
@@ -125,7 +127,7 @@ def _gate_up_kernel(
     tl.store(out_ptrs, out, mask=row_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"])
 def _down_kernel(
     h_ptr, w_ptr, weights_ptr, out_ptr, sorted_ptr, block_experts_ptr, num_slots, hidden, inter,
     stride_ht, stride_we, stride_wn, stride_ot,
@@ -181,13 +183,13 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.
         return sorted_slots, block_experts, num_rows
     block_e = max(16, triton.next_power_of_2(num_experts))
     chunk = max(_ALIGN_MIN_CHUNK, triton.next_power_of_2(triton.cdiv(num_slots, _ALIGN_PROGRAMS)))
-    sub = min(chunk, max(16, _ONE_HOT // block_e))
+    sub = max(16, _ONE_HOT // block_e)  # divides chunk: both powers of two, sub <= 256 <= chunk
     programs = triton.cdiv(num_slots, chunk)
     counts = torch.empty(programs, block_e, dtype=torch.int32, device=device)
-    _count_kernel[(programs,)](ids, counts, num_slots, CHUNK=chunk, SUB=sub, BLOCK_E=block_e)
+    _count_kernel[(programs,)](ids, counts, num_slots, chunk, SUB=sub, BLOCK_E=block_e)
     _scatter_kernel[(programs,)](
-        ids, counts, sorted_slots, block_experts, num_rows, num_slots, programs, capacity // block_m,
-        CHUNK=chunk, SUB=sub, BLOCK_E=block_e, BLOCK_M=block_m,
+        ids, counts, sorted_slots, block_experts, num_rows, num_slots, programs, capacity // block_m, chunk,
+        SUB=sub, BLOCK_E=block_e, BLOCK_M=block_m,
     )  # fmt: skip
     return sorted_slots, block_experts, num_rows
 
