@@ -32,7 +32,9 @@ class ExpertLinear(nn.Module):
             raise ValueError(f"shards {shards} do not add up to out_features={out_features}")
         self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
         self.num_experts = num_experts
-        self.shard_sizes: dict[str | None, int] = {None: out_features} if shards is None else dict(shards)
+        self.shard_sizes: dict[str | None, int] = {None: out_features}  # None: one unpacked projection
+        if shards is not None:
+            self.shard_sizes = {name: size for name, size in shards.items()}
         self._offsets: dict[str | None, int] = {}
         offset = 0
         for name, size in self.shard_sizes.items():

@@ -69,7 +69,8 @@ def load_packed_weights(
                     f"checkpoint weight {hf_name!r} belongs to expert {expert}, but the config has "
                     f"{layer.num_experts} experts: the config and the weights disagree"
                 )
-            slots = {(name, shard, e) for e in (range(layer.num_experts) if expert is None else (expert,))}
+            experts_filled = range(layer.num_experts) if expert is None else (expert,)
+            slots: set[_Slot] = {(name, shard, e) for e in experts_filled}
         else:
             slots = {(name, shard, None)}
         if slots & loaded:
