@@ -178,9 +178,9 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.
     device = ids.device
     sorted_slots = torch.empty(capacity, dtype=torch.int32, device=device)
     block_experts = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
-    num_rows = torch.zeros(1, dtype=torch.int32, device=device)
     if num_slots == 0:
-        return sorted_slots, block_experts, num_rows
+        return sorted_slots, block_experts, torch.zeros(1, dtype=torch.int32, device=device)
+    num_rows = torch.empty(1, dtype=torch.int32, device=device)  # program 0 of the scatter writes it
     block_e = max(16, triton.next_power_of_2(num_experts))
     chunk = max(_ALIGN_MIN_CHUNK, triton.next_power_of_2(triton.cdiv(num_slots, _ALIGN_PROGRAMS)))
     sub = max(16, _ONE_HOT // block_e)  # divides chunk: both powers of two, sub <= 256 <= chunk
