@@ -46,6 +46,33 @@ SHAPES: dict[str, dict] = {
         bos_token_id=151643,
         hidden_act="silu",
     ),
+    # Qwen3-30B-A3B: 48 layers of 128 experts (top 8, renormalised; each expert's FFN 768), 30.5B parameters of
+    # which 3.3B are active per token; 61 GB in bfloat16.
+    "qwen3-30b-a3b": dict(
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+        eos_token_id=151645,
+        bos_token_id=151643,
+        hidden_act="silu",
+    ),
 }
 # Not a real model: the Qwen3 architecture at toy size (the real tokenizer, so its vocabulary), for CPU smoke
 # runs of the benchmark scripts (`--shape qwen3-tiny --device cpu`).
@@ -53,6 +80,11 @@ SHAPES["qwen3-tiny"] = (
     SHAPES["qwen3-0.6b"]
     | dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2)
     | dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+)
+SHAPES["qwen3-moe-tiny"] = (  # likewise for Qwen3-MoE: 8 experts, top 2
+    SHAPES["qwen3-30b-a3b"]
+    | dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)
+    | dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
 )
 # Physical limits on one H200 for W1 (output tok/s), from ../shared/PERF.md.
 W1_LIMIT = {"qwen3-0.6b": 36_400, "qwen3-8b": 13_000}

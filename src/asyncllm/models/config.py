@@ -7,6 +7,7 @@ about devices, dtypes, KV caches or the engine; plain Python, no torch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,27 @@ class Llama3RopeScaling:
 
 
 @dataclass(frozen=True)
+class MoEArch:
+    """A sparse mixture-of-experts MLP (Qwen3-MoE): each token's `top_k` of `num_experts` SiLU-gated experts."""
+
+    num_experts: int
+    top_k: int  # num_experts_per_tok
+    intermediate_size: int  # each expert's (moe_intermediate_size)
+    renormalize: bool  # norm_topk_prob: the top-k routing probabilities rescaled to sum to 1
+    dense_layers: frozenset[int] = frozenset()  # layers with the dense MLP instead (mlp_only_layers, sparse step)
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "top_k", "intermediate_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UnsupportedModelError(f"model config MoE {name}={value!r} is invalid: expected an int >= 1")
+        if self.top_k > self.num_experts:
+            raise UnsupportedModelError(
+                f"num_experts_per_tok={self.top_k} exceeds num_experts={self.num_experts}: the config is malformed"
+            )
+
+
+@dataclass(frozen=True)
 class ModelArchConfig:
     """One decoder-only architecture's shape and numerics; `max_model_len` bounds the positions served."""
 
@@ -55,6 +77,7 @@ class ModelArchConfig:
     # Numerics some families read from their config; None: not applied (see models/family.py).
     query_pre_attn_scalar: float | None = None  # softmax scale query_pre_attn_scalar ** -0.5 (Gemma)
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    moe: MoEArch | None = None  # None: every layer's MLP is dense
 
     def __post_init__(self) -> None:
         for name in (
@@ -126,11 +149,12 @@ class ModelArchConfig:
             )
         _check_sliding_window(hf_config, model_len)
         theta, scaling = _read_rope(hf_config, max_pos)
+        num_layers = required("num_hidden_layers")
         return cls(
             architecture=architecture,
             vocab_size=required("vocab_size"),
             hidden_size=hidden,
-            num_layers=required("num_hidden_layers"),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
             head_dim=getattr(hf_config, "head_dim", None) or hidden // heads,
@@ -145,12 +169,30 @@ class ModelArchConfig:
             max_model_len=model_len,
             query_pre_attn_scalar=_optional_float(hf_config, "query_pre_attn_scalar"),
             final_logit_softcapping=_optional_float(hf_config, "final_logit_softcapping"),
+            moe=_read_moe(hf_config, num_layers, required),
         )
 
 
 def _optional_float(hf_config: Any, name: str) -> float | None:
     value = getattr(hf_config, name, None)
     return None if value is None else float(value)
+
+
+def _read_moe(hf_config: Any, num_layers: int, required: Callable[[str], Any]) -> MoEArch | None:
+    """The experts of a MoE config (transformers' Qwen3-MoE fields), None for a dense model. A layer is dense
+    when listed in `mlp_only_layers` or off the `decoder_sparse_step` grid, as transformers builds it."""
+    num_experts = getattr(hf_config, "num_experts", None)
+    if not num_experts:  # absent, or 0: transformers then builds every layer dense
+        return None
+    step = getattr(hf_config, "decoder_sparse_step", None) or 1
+    only = set(getattr(hf_config, "mlp_only_layers", None) or ())
+    return MoEArch(
+        num_experts=num_experts,
+        top_k=required("num_experts_per_tok"),
+        intermediate_size=required("moe_intermediate_size"),
+        renormalize=bool(getattr(hf_config, "norm_topk_prob", False)),
+        dense_layers=frozenset(i for i in range(num_layers) if i in only or (i + 1) % step),
+    )
 
 
 def _read_rope(hf_config: Any, max_position_embeddings: int) -> tuple[float, Llama3RopeScaling | None]:

@@ -142,12 +142,14 @@ class LlamaAttention(nn.Module, Fusable):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArchConfig, self_attn: LlamaAttention, family: FamilySpec) -> None:
+    def __init__(
+        self, arch: ModelArchConfig, self_attn: LlamaAttention, family: FamilySpec, mlp: nn.Module | None = None
+    ) -> None:
         super().__init__()
         self.input_layernorm = family.norm(arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = self_attn
         self.post_attention_layernorm = family.norm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = LlamaMLP(arch, family)
+        self.mlp = LlamaMLP(arch, family) if mlp is None else mlp  # [T, hidden] -> [T, hidden]
 
     def forward(
         self,
@@ -189,8 +191,10 @@ class LlamaForCausalLM(CausalLM):
         qkv_bias = arch.attention_bias if family.qkv_bias is None else family.qkv_bias
         o_bias = arch.attention_bias if family.o_bias is None else family.o_bias
         layers = [
-            LlamaDecoderLayer(arch, self.attention_cls(arch, attn_backend, qkv_bias, o_bias), family)
-            for _ in range(arch.num_layers)
+            LlamaDecoderLayer(
+                arch, self.attention_cls(arch, attn_backend, qkv_bias, o_bias), family, self.layer_mlp(arch, i)
+            )
+            for i in range(arch.num_layers)
         ]
         self.model = LlamaModel(arch, layers, family)
         max_positions = max(arch.max_position_embeddings, arch.max_model_len)
@@ -201,6 +205,10 @@ class LlamaForCausalLM(CausalLM):
             self.register_buffer("embed_scale", torch.tensor(arch.hidden_size**0.5), persistent=False)
         else:
             self.embed_scale: torch.Tensor | None = None  # a plain attribute: embeddings used as they are
+
+    def layer_mlp(self, arch: ModelArchConfig, layer: int) -> nn.Module | None:
+        """Layer `layer`'s feed-forward block; None: the family's gated MLP (a MoE family returns its experts)."""
+        return None
 
     def forward(
         self,
