@@ -78,7 +78,7 @@ class ModelRunner:
         # asynchronously (CUDA). On CPU the host runs the forward pass itself: holding would only add a step.
         self.defer_masked_draw = defer_masked_draw
         self._held: HeldDraw | None = None
-        self.prompts = PromptScorer()  # requests whose prompt logprobs are still being scored
+        self.prompt_scorer = PromptScorer()  # requests whose prompt logprobs are still being scored
 
     def execute_model(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
         """`submit`, then wait for the step."""
@@ -92,7 +92,7 @@ class ModelRunner:
         self._admit(scheduled)
         sampling = [s.request_id for s in scheduled.seqs if s.sample]
         states = [self.states[r] for r in sampling]
-        scoring = self.prompts.plan(scheduled) if self.prompts else None
+        scoring = self.prompt_scorer.plan(scheduled) if self.prompt_scorer else None
         shape = self.buckets.shape(scheduled, len(sampling))
         # The inputs, padded to the shape, into their staged regions.
         x = self.inputs.prepare(scheduled, shape.pad_to, shape.pad_tokens_to, shape.pad_logits_to, flush=False)
@@ -182,14 +182,14 @@ class ModelRunner:
             self.states[new.request_id] = state
             self._latest.add(new.request_id)
             if new.params.prompt_logprobs is not None:
-                self.prompts.add(new.request_id, new.prompt_token_ids, new.params.prompt_logprobs)
+                self.prompt_scorer.add(new.request_id, new.prompt_token_ids, new.params.prompt_logprobs)
 
     def forget(self, request_ids: list[str]) -> None:
         """Drop the state of requests the scheduler will never mention again (finished, or warm-up's)."""
         self._release_held()  # it samples rows of states about to go
-        if self.prompts:
+        if self.prompt_scorer:
             for request_id in request_ids:
-                self.prompts.remove(request_id)
+                self.prompt_scorer.remove(request_id)
         for request_id in request_ids:
             state = self.states.pop(request_id, None)
             if state is not None:
