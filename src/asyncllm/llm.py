@@ -106,7 +106,16 @@ class LLM:
                     bar.update_step(core.last_step, time.perf_counter() - t0)
                 for d in deltas:
                     output = outputs[d.request_id]
-                    output.add(d.new_text, d.new_token_ids, d.logprobs, d.finish_reason, d.metrics, d.error, d.index)
+                    output.add(
+                        d.new_text,
+                        d.new_token_ids,
+                        d.logprobs,
+                        d.finish_reason,
+                        d.metrics,
+                        d.error,
+                        d.index,
+                        d.prompt_logprobs,
+                    )
                     if d.finish_reason is not None and not d.open_samples:  # the request's last sample ended
                         num_finished += 1
                         if bar is not None:

@@ -92,6 +92,9 @@ class ModelRunnerOutput:
     # Sample index -> why that request cannot go on (its output constraint allows no token here): the core
     # ends it with this error instead of outputting the token. None (the rule): every row went well.
     failed: dict[int, str] | None = None
+    # Request id -> {token id: logprob} for each prompt token this step scored, in prompt order
+    # (SamplingParams.prompt_logprobs: the prompt token and the top alternatives). None: no request asked.
+    prompt_logprobs: dict[str, list[dict[int, float]]] | None = None
 
 
 @dataclass(frozen=True)

@@ -356,3 +356,26 @@ def test_samples_over_tp2_equal_tp1(tiny_checkpoints: dict[str, Path]) -> None:
     got, stats = run(tensor_parallel_size=2)
     assert got == want and stats == want_stats
     assert stats["num_preemptions"] > 0 and stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_prompt_logprobs_over_tp2_equal_tp1(tiny_checkpoints: dict[str, Path]) -> None:
+    """The LM head over prompt rows gathers the vocabulary shards as sampling's does (every rank runs the same
+    slices): TP=2 scores every prompt token as TP=1 does, under chunked prefill and preemption."""
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, prompt_logprobs=3)
+    prompts = _prompts()
+
+    def run(**args: Any) -> tuple[list[Any], dict[str, float | int]]:
+        llm = LLM(str(tiny_checkpoints["qwen3"]), **ENGINE_ARGS, **args)
+        try:
+            return [o.prompt_logprobs for o in llm.generate(prompts, params, use_tqdm=False)], llm.stats()
+        finally:
+            llm.shutdown()
+
+    want, want_stats = run()
+    got, stats = run(tensor_parallel_size=2)
+    assert stats == want_stats and stats["num_preemptions"] > 0
+    for prompt, g, w in zip(prompts, got, want):
+        assert len(g) == len(w) == len(prompt) and g[0] is None
+        for mine, theirs in zip(g[1:], w[1:]):
+            assert mine.keys() == theirs.keys()
+            assert all(abs(mine[t] - theirs[t]) < 1e-5 for t in mine)

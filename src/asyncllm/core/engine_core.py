@@ -6,8 +6,9 @@ planning and output processing overlap the device's work; step N+1 feeds step N'
 (PLACEHOLDER inputs), and a request that finished at N has its token of N+1 dropped. Serial scheduling, the
 slow twin, waits for each step before planning the next. The async layer calls it from its step thread,
 `LLM` from the caller's thread. A request of n > 1 samples becomes n requests sharing its prompt's blocks
-(`sample_group.py`); their deltas go out under the request's id, by sample index. No torch, no asyncio;
-time comes from the injected clock.
+(`sample_group.py`); their deltas go out under the request's id, by sample index. A request asking for
+prompt logprobs keeps what each step scored of its prompt (`ModelRunnerOutput.prompt_logprobs`) and hands
+them out whole on its first token's delta. No torch, no asyncio; time comes from the injected clock.
 """
 
 from __future__ import annotations
@@ -207,15 +208,23 @@ class EngineCore:
         deltas: list[RequestDelta] = []
         if result.failed:  # finished first, so their tokens are dropped below like any finished request's
             deltas += self._fail(step.scheduled, result.failed)
+        if result.prompt_logprobs:  # before the tokens: a step that ends a prompt scores it and samples after it
+            self._add_prompt_logprobs(result.prompt_logprobs)
         all_logprobs = result.logprobs
         for request, token_id, index in self.scheduler.update_from_output(step.scheduled, result.sampled_token_ids):
             if request.first_token_time is None:
                 request.first_token_time = now
+                prompt_logprobs = request.prompt_logprobs  # they go out once, with the first token
+            else:
+                prompt_logprobs = None
             text, reason = self.output_processor.process_token(request, token_id)
             delta = RequestDelta(request.request_id, [token_id], text)
             token_logprobs = all_logprobs[index] if all_logprobs is not None else None
             if token_logprobs is not None:
                 delta.logprobs = [token_logprobs]
+            if prompt_logprobs is not None:
+                delta.prompt_logprobs = prompt_logprobs
+                request.prompt_logprobs = None  # whole: the runner scores each position once
             if reason is not None:
                 self._finish(request.request_id, reason, flush=False)
                 delta.finish_reason = reason
@@ -224,6 +233,14 @@ class EngineCore:
         if self.groups:
             self.groups.label(deltas)
         return deltas
+
+    def _add_prompt_logprobs(self, scored: dict[str, list[dict[int, float]]]) -> None:
+        """Keep what a step scored of each prompt (`ModelRunnerOutput.prompt_logprobs`) until its first token."""
+        requests = self.scheduler.requests
+        for request_id, entries in scored.items():
+            request = requests.get(request_id)
+            if request is not None and request.prompt_logprobs is not None:  # else it ended meanwhile
+                request.prompt_logprobs.extend(entries)
 
     def _finish(self, request_id: str, reason: FinishReason, *, flush: bool) -> RequestDelta | None:
         request = self.scheduler.finish_request(request_id, reason)

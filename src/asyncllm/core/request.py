@@ -52,9 +52,13 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     group: SampleGroup | None = None  # set on each sample of a request with n > 1 (sample_group.py)
+    # SamplingParams.prompt_logprobs: the prompt's logprobs scored so far (None for the first token), until
+    # they go out with the first sampled token; None for requests that did not ask, and once they went out.
+    prompt_logprobs: list[dict[int, float] | None] | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        self.prompt_logprobs = [None] if self.params.prompt_logprobs is not None else None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -79,6 +83,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Its prompt logprobs are still owed: every prompt position must be computed for it (no prefix hit)."""
+        return self.prompt_logprobs is not None
 
     @property
     def has_enough_tokens(self) -> bool:

@@ -152,13 +152,15 @@ class Scheduler:
                 break  # preempted with a token in flight: it resumes once that token is known (in order)
             cached = []
             group = request.group
-            if group is not None:
+            # One that scores its prompt (prompt logprobs) computes every position: no prefix of any kind.
+            scores = request.scores_prompt
+            if group is not None and not scores:
                 found = group.shared_prefix(request, self.block_manager)
                 if found is None:
                     break  # a sibling is computing the prompt's blocks: share them once planned
                 cached = found
             shared = bool(cached)
-            if request.num_computed_tokens == 0 and not shared:
+            if request.num_computed_tokens == 0 and not shared and not scores:
                 cached = self.block_manager.find_cached_prefix(request)
             num_cached_tokens = len(cached) * self.block_manager.block_size
             num_new = min(request.num_tokens - num_cached_tokens, budget, prefill_budget)
@@ -170,7 +172,7 @@ class Scheduler:
                 group.admitted(request, self.block_manager)
             prefill_budget -= num_new
             self.waiting.popleft()
-            if self.block_manager.enable_prefix_caching and request.num_preemptions == 0 and not shared:
+            if self.block_manager.enable_prefix_caching and request.num_preemptions == 0 and not (shared or scores):
                 # First admissions only: a resumed request re-finding its own blocks is not a prefix hit.
                 self.block_manager.record_prefix_query(request.num_tokens, num_cached_tokens)
             request.num_computed_tokens = num_cached_tokens
