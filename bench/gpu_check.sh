@@ -4,7 +4,7 @@
 # Usage (device machine, repo root): bash bench/gpu_check.sh [STEPS]   STEPS: comma list of
 #   tests, kernels, startup, compare (default: all four); COMPARE_STEPS overrides compare.sh's steps;
 #   also w6 (structured output's cost; carry .whl with xgrammar's wheels), w7 (n=8 samples per prompt against
-#   8 separate requests, prefix cache on and off, ~3 min), moe (Qwen3-30B-A3B shape, ~6 min), abpeers (W1+W5 of AB_BASE against this tree, then nano-vllm), enginetests, quicktests, attntests, w12var, w2var, sampling, ab (W1 of AB_BASE against this tree), decodesweep, w1big, gemm, pa, w2ab (W1/W2 under graph and scheduling variants), w1prof (W1 plain + under
+#   8 separate requests, prefix cache on and off, ~3 min), moe (Qwen3-30B-A3B shape, ~6 min), w8 (prompt logprobs), abpeers (W1+W5 of AB_BASE against this tree, then nano-vllm), enginetests, quicktests, attntests, w12var, w2var, sampling, ab (W1 of AB_BASE against this tree), decodesweep, w1big, gemm, pa, w2ab (W1/W2 under graph and scheduling variants), w1prof (W1 plain + under
 #   torch.profiler, ~2 min), w4 (long-context prefill and decode, 16K/32K, two token budgets, ~1 min), and
 #   on two GPUs tptests, tpbench (tensor parallelism).
 # Set-up here first: rm -rf .peers && cp -r ../shared/peers .peers && cp -r ../shared/models/qwen3-tokenizer .peers/
@@ -131,6 +131,10 @@ fi
 if has w7; then  # issue 22: 32 W1 prompts x n=8 as one request each against 256 separate requests, same tokens
   (cd bench && timeout 500 python3 w7_n_samples.py 2>&1 | grep -E '^\{|Error|Traceback' | tail -3) | tee "$OUT/w7.log"
   rows+=("w7: $(grep '^{' "$OUT/w7.log" | tail -1)")
+fi
+if has w8; then  # issue 22: prompt logprobs (scoring) against plain prefill of the same prompts
+  (cd bench && timeout 300 python3 w8_prompt_logprobs.py 2>&1 | grep -E '^\{|Error|Traceback' | tail -3) | tee "$OUT/w8.log"
+  rows+=("w8: $(grep '^{' "$OUT/w8.log" | tail -1)")
 fi
 if has moe; then  # issue 27: fused MoE experts (TP=1, a TP=2 slice), then W5 and W1 on the Qwen3-30B-A3B shape (~6 min)
   timeout 180 python3 bench/kernels/bench_fused_moe.py 2>&1 | tee "$OUT/bench_fused_moe.log" | tail -6
