@@ -37,6 +37,7 @@ class Request:
     max_tokens: int  # resolved: params.max_tokens capped by max_model_len - prompt length
     eos_token_ids: frozenset[int] = frozenset()
     priority: int = 0  # lower runs first (vLLM's convention)
+    lora_name: str | None = None  # the LoRA adapter the caller named; None: the base model
 
     arrival_index: int = 0  # set by the scheduler: requests added before this one (the order within a priority)
 
@@ -52,6 +53,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     group: SampleGroup | None = None  # set on each sample of a request with n > 1 (sample_group.py)
+    lora_id: int = 0  # `lora_name`'s adapter, resolved by the core (0: none); part of its prefix hashes
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
