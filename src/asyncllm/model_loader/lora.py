@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,9 +110,16 @@ def _read_tensors(directory: Path, rank: int) -> dict[str, tuple[torch.Tensor, t
     except SafetensorError as exc:
         raise LoRAError(f"{file} is not a readable safetensors file: {exc}") from None
     if strange:
+        kinds = sorted({re.sub(r"\.\d+\.", ".*.", key.removeprefix(_PREFIX)) for key in strange})
+        modules = sorted({m for m in map(_embedding_module, kinds) if m is not None})
+        if all(_embedding_module(k) for k in kinds):
+            raise LoRAError(
+                f"the adapter targets {', '.join(modules)}: asyncllm applies LoRA to linear layers only, not to "
+                "embeddings or the LM head"
+            )
         raise LoRAError(
-            f"{file} holds tensors asyncllm cannot apply: {', '.join(strange[:4])}"
-            + (f" and {len(strange) - 4} more" if len(strange) > 4 else "")
+            f"{file} holds tensors asyncllm cannot apply: {', '.join(kinds[:4])}"
+            + (f" and {len(kinds) - 4} more" if len(kinds) > 4 else "")
             + " (only lora_A / lora_B weights of linear layers: no embedding LoRA, DoRA magnitudes or saved modules)"
         )
     if not halves:
@@ -129,6 +137,14 @@ def _read_tensors(directory: Path, rank: int) -> dict[str, tuple[torch.Tensor, t
             )
         tensors[module] = (a, b)
     return tensors
+
+
+def _embedding_module(name: str) -> str | None:
+    """The embedding (or LM head) a tensor PEFT saves for LoRA on it belongs to; None for any other tensor."""
+    for marker in (".lora_embedding_A", ".lora_embedding_B", ".base_layer.weight"):
+        if marker in name:
+            return name[: name.index(marker)]
+    return None
 
 
 def _split_name(key: str) -> tuple[str | None, int]:

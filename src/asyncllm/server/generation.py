@@ -71,15 +71,17 @@ def submit(
     request_id: str,
     metrics: ServerMetrics,
     prompt_param: str,
+    lora: str | None = None,
 ) -> Submission:
-    """Add every engine request, or none: a refused one (400 naming `prompt_param`) closes those added."""
+    """Add every engine request, or none: a refused one (400 naming `prompt_param`) closes those added.
+    `lora`: the LoRA adapter every request runs through (None: the base model)."""
     streams: list[RequestStream] = []
     first_choice: list[int] = []
     num_choices = 0
     try:
         for prompt in prompts:
             for sp in params:
-                streams.append(engine.add_request(prompt, sp, request_id=f"{request_id}-{num_choices}"))
+                streams.append(engine.add_request(prompt, sp, request_id=f"{request_id}-{num_choices}", lora=lora))
                 first_choice.append(num_choices)
                 num_choices += sp.n
     except InvalidRequestError as exc:

@@ -32,12 +32,12 @@ logger = logging.getLogger("asyncllm.server")
 
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     state = server_state(request)
-    engine = state.engine_for(body.model)
+    engine, lora = state.resolve(body.model)
     params = completion_sampling_params(body)
     prompts = completion_prompts(body)
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    head = {"id": request_id, "created": int(time.time()), "model": state.served_model_name}
-    sub = submit(engine, prompts, [params], request_id, state.metrics, prompt_param="prompt")
+    head = {"id": request_id, "created": int(time.time()), "model": body.model}
+    sub = submit(engine, prompts, [params], request_id, state.metrics, prompt_param="prompt", lora=lora)
     top_k = body.logprobs
     if body.stream:
         include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
