@@ -114,10 +114,10 @@ def test_bad_adapters_are_refused_naming_why(tiny_model: Path, tiny_lora_adapter
             llm.add_lora("a", a)
         with pytest.raises(LoRAError, match="uses DoRA"):
             llm.add_lora("dora", with_config(tiny_lora_adapters["b"], tmp_path / "dora", use_dora=True))
-        with pytest.raises(LoRAError, match="adapter_config.json is missing"):
+        with pytest.raises(LoRAError, match=r"adapter_config\.json is missing"):
             llm.add_lora("none", tmp_path)
         embed = build_adapter(tmp_path / "embed", tiny_model, 4, r=4, target_modules=["embed_tokens"])
-        with pytest.raises(LoRAError, match="targets model.embed_tokens: asyncllm applies LoRA to linear layers only"):
+        with pytest.raises(LoRAError, match=r"targets model\.embed_tokens: asyncllm applies LoRA to linear layers only"):
             llm.add_lora("embed", embed)
         assert llm.list_loras() == []
         llm.add_lora("b", tiny_lora_adapters["b"])
