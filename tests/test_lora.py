@@ -117,7 +117,7 @@ def test_bad_adapters_are_refused_naming_why(tiny_model: Path, tiny_lora_adapter
         with pytest.raises(LoRAError, match=r"adapter_config\.json is missing"):
             llm.add_lora("none", tmp_path)
         embed = build_adapter(tmp_path / "embed", tiny_model, 4, r=4, target_modules=["embed_tokens"])
-        with pytest.raises(LoRAError, match=r"targets model\.embed_tokens: asyncllm applies LoRA to linear layers only"):
+        with pytest.raises(LoRAError, match=r"targets model\.embed_tokens: asyncllm applies LoRA to linear layers"):
             llm.add_lora("embed", embed)
         assert llm.list_loras() == []
         llm.add_lora("b", tiny_lora_adapters["b"])
