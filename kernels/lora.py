@@ -75,12 +75,12 @@ def _lora_expand_kernel(
     slot = tl.load(slots_ptr + block)
     if slot < 0:
         return
-    in1 = pid_n >= NB0
-    in2 = pid_n >= NB0 + NB1
-    shard = in1.to(tl.int32) + in2.to(tl.int32)
-    first_block = tl.where(in2, NB0 + NB1, tl.where(in1, NB0, 0))
-    first_col = tl.where(in2, N0 + N1, tl.where(in1, N0, 0))
-    width = tl.where(in2, N2, tl.where(in1, N1, N0))
+    in1 = (pid_n >= NB0).to(tl.int32)  # past shard 0's blocks
+    in2 = (pid_n >= NB0 + NB1).to(tl.int32)  # past shard 1's
+    shard = in1 + in2
+    first_block = in1 * NB0 + in2 * NB1
+    first_col = in1 * N0 + in2 * N1
+    width = N0 + in1 * (N1 - N0) + in2 * (N2 - N1)
     offs_n = (pid_n - first_block) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < width
     cols = first_col + offs_n

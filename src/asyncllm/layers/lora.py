@@ -80,10 +80,11 @@ class LoRALinear(nn.Module, Fusable):
             return base(x)  # type: ignore[no-any-return]
         row_parallel = self._row_parallel
         y = F.linear(x, base.weight) if row_parallel else base(x)  # [T, out]
-        self._add(x if x.stride(-1) == 1 else x.contiguous(), y)
+        self.add_adapters(x if x.stride(-1) == 1 else x.contiguous(), y)
         return base.reduce(y) if row_parallel else y  # type: ignore[operator]
 
-    def _add(self, x: torch.Tensor, y: torch.Tensor) -> None:
+    def add_adapters(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y += each row's adapter's x @ A^T @ B^T, in place, for the rows the batch names."""
         batch = self.batch
         if self._kernel is not None:
             assert batch.block_tokens is not None and batch.block_slot is not None, "LoRABatch not bound"

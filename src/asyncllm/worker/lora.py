@@ -17,7 +17,7 @@ import torch
 
 from asyncllm.errors import LoRAError
 from asyncllm.kernels.lora_plan import LORA_BLOCK_M, max_lora_blocks, plan_lora_blocks, token_slots
-from asyncllm.layers.lora import LoRABatch
+from asyncllm.layers.lora import LoRABatch, LoRALinear
 from asyncllm.model_loader.lora import read_peft_adapter
 from asyncllm.models.base import CausalLM
 from asyncllm.models.config import ModelArchConfig
@@ -120,6 +120,26 @@ class LoRAManager:
         if active:
             self._stage_rows([], [], num_tokens)
         self.batch.active = active
+
+    def compile_kernels(self) -> None:
+        """Launch every kind of LoRA layer's kernels once with no adapter row (block tables of their own), so
+        the first adapter step of an engine without CUDA graphs compiles nothing (capture does it otherwise)."""
+        if not self.batch.kernels:
+            return
+        device, dtype, rows = self.pool.device, self.pool.dtype, LORA_BLOCK_M
+        blocks = max_lora_blocks(rows, self.num_slots)
+        bound = self.batch.block_tokens, self.batch.block_slot
+        self.batch.block_tokens = torch.full((blocks * rows,), -1, dtype=torch.int32, device=device)
+        self.batch.block_slot = torch.full((blocks,), -1, dtype=torch.int32, device=device)
+        try:
+            seen: set[tuple[int, tuple[int, ...]]] = set()
+            for layer in self.model.modules():
+                if isinstance(layer, LoRALinear) and (layer.a.shape[2], layer.shard_sizes) not in seen:
+                    seen.add((layer.a.shape[2], layer.shard_sizes))
+                    x = torch.zeros(rows, layer.a.shape[2], dtype=dtype, device=device)
+                    layer.add_adapters(x, torch.zeros(rows, sum(layer.shard_sizes), dtype=dtype, device=device))
+        finally:
+            self.batch.block_tokens, self.batch.block_slot = bound
 
     def _stage_rows(self, seq_slots: list[int], query_lens: list[int], num_tokens: int) -> None:
         if self.batch.kernels:

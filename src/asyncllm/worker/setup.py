@@ -16,6 +16,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+import torch
+
 from asyncllm.attention.backend import AttentionBackend
 from asyncllm.attention.registry import make_attention_backend
 from asyncllm.config import EngineConfig
@@ -239,6 +241,9 @@ class WorkerSetup:
             max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens,
         )
+        if runner.loras is not None:
+            with torch.inference_mode():
+                runner.loras.compile_kernels()
 
     def wait_for_grammar_tables(self, tables: Future[object]) -> None:
         t0 = time.perf_counter()
