@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from asyncllm.attention.torch_ref import TorchAttentionBackend
 from asyncllm.errors import LoRAError
 from asyncllm.models.lora import LoRALayout, pack_adapter, padded_rank
-from asyncllm.attention.torch_ref import TorchAttentionBackend
 from asyncllm.models.tensor_parallel import shard_arch
 from tests.models.helpers import load_ours
 
