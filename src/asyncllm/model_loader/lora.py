@@ -107,8 +107,8 @@ def _read_tensors(directory: Path, rank: int) -> dict[str, tuple[torch.Tensor, t
                     strange.append(key)
                     continue
                 halves.setdefault(module, [None, None])[which] = f.get_tensor(key).float()
-    except SafetensorError as exc:
-        raise LoRAError(f"{file} is not a readable safetensors file: {exc}") from None
+    except (SafetensorError, OSError) as exc:
+        raise LoRAError(f"{file} cannot be read as safetensors: {exc}") from None
     if strange:
         kinds = sorted({re.sub(r"\.\d+\.", ".*.", key.removeprefix(_PREFIX)) for key in strange})
         modules = sorted({m for m in map(_embedding_module, kinds) if m is not None})
