@@ -140,4 +140,5 @@ def test_serve_lora_modules_from_the_command_line(tiny_model: Path, tiny_lora_ad
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err[-3000:]
+    assert "LoRA: 4 adapter slots, max_lora_rank 8" in err, err  # the banner
     assert f'LoRA adapter a from {tiny_lora_adapters["a"]}: clients send "model": "a"' in err, err
