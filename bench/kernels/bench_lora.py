@@ -9,6 +9,7 @@ per (layer, M)."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import torch
@@ -49,8 +50,8 @@ def main() -> None:
             tokens, blocks = plan_lora_blocks(seq_slots, lens, SLOTS, m)
             bt = torch.tensor(tokens, dtype=torch.int32, device="cuda")
             bs = torch.tensor(blocks, dtype=torch.int32, device="cuda")
-            gemm_us = graph_time_us(lambda x=x: F.linear(x, weight))
-            lora_us = graph_time_us(lambda x=x, y=y, bt=bt, bs=bs: lora_add(x, y, a, b, bt, bs, shards))
+            gemm_us = graph_time_us(functools.partial(F.linear, x, weight))
+            lora_us = graph_time_us(functools.partial(lora_add, x, y, a, b, bt, bs, shards))
             used = min(m, SLOTS)
             moved = used * (a[0].numel() + b[0].numel()) * 2 + m * (k + 2 * n) * 2
             row = {"layer": name, "m": m, "k": k, "n": n, "rank": RANK, "slots_used": used}
