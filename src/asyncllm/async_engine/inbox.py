@@ -56,8 +56,8 @@ class _Call(NamedTuple):
 
 
 class Inbox:
-    """`add`, `abort`, `end`, `stop` and `notify` from any thread; `wait`, `pause` and `drain` from the
-    driver's thread only."""
+    """`add`, `abort`, `end`, `call`, `stop` and `notify` from any thread; `wait`, `pause`, `drain` and
+    `fail_calls` from the driver's thread only."""
 
     def __init__(self, router: OutputRouter) -> None:
         self._router = router

@@ -110,7 +110,3 @@ class AdapterBudget:
             self._running[lora_id] = left
         else:
             del self._running[lora_id]
-
-    @property
-    def num_running_adapters(self) -> int:
-        return len(self._running)
