@@ -60,6 +60,24 @@ def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
     return _Lazy()
 
 
+@pytest.fixture(scope="session")
+def tiny_lora_adapters(tiny_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """name (a key of tests/fixtures/lora_adapters.ADAPTERS) -> a PEFT adapter directory for the tiny Qwen3
+    checkpoint, built lazily the first time each is asked for."""
+    from tests.fixtures.lora_adapters import ADAPTERS, build_adapter
+
+    root = tmp_path_factory.mktemp("lora")
+
+    class _Lazy(dict):
+        def __missing__(self, name: str) -> Path:
+            seed, config = ADAPTERS[name]
+            path = build_adapter(root / name, tiny_checkpoints["qwen3"], seed, **config)
+            self[name] = path
+            return path
+
+    return _Lazy()
+
+
 @pytest.fixture(scope="session", params=sorted(FAMILIES))
 def family(request: pytest.FixtureRequest) -> str:
     return request.param

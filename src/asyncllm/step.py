@@ -32,6 +32,18 @@ class NewRequestData:
     prompt_token_ids: list[int]
     params: SamplingParams
     seed: int  # params.seed, or one drawn from the engine seed: every request samples from its own generator
+    lora_id: int = 0  # the LoRA adapter its tokens go through (`LoRAAdapter.lora_id`); 0: the base model
+
+
+@dataclass(frozen=True)
+class LoRAAdapter:
+    """A LoRA adapter as the core hands it to an executor (`ModelExecutor.add_lora`): `lora_id` is unique for
+    the engine's lifetime (an adapter removed and added again under its name gets a new one, so no prefix
+    cached for the old weights is ever served for the new), `path` a PEFT adapter directory."""
+
+    lora_id: int
+    name: str
+    path: str
 
 
 # Not frozen: one is built per sequence per step, and a frozen dataclass's __init__ costs about three times a
@@ -116,6 +128,7 @@ class RuntimeInfo:
     architecture: str = ""  # the checkpoint's, e.g. "Qwen3ForCausalLM"
     kv_cache_bytes: int = 0  # the KV cache's memory (one rank's share under tensor parallelism)
     num_threads: int | None = None  # torch's CPU threads in the thread that runs steps (rank 0's)
+    max_loras: int = 0  # LoRA adapter slots (the most one batch mixes); 0: built without enable_lora
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -178,4 +191,14 @@ class ModelExecutor(Protocol):
     def watch_failure(self, callback: Callable[[BaseException], None]) -> None:
         """Have `callback` called, from any thread and at most once, when the executor fails between steps
         (a tensor-parallel worker dies while the engine idles); a failure during a step raises from it."""
+        ...
+
+    def add_lora(self, adapter: LoRAAdapter) -> None:
+        """Load `adapter` on every rank, between steps (steps submitted before it are unaffected; later ones
+        may name it in `NewRequestData.lora_id`). Raises `LoRAError`, changing nothing, for an adapter that
+        cannot serve this model (format, rank, target modules, shapes)."""
+        ...
+
+    def remove_lora(self, lora_id: int) -> None:
+        """Forget an adapter no live request uses (steps already submitted may still run with it)."""
         ...

@@ -111,6 +111,27 @@ def test_tp2_with_replicated_kv_heads_equals_tp1(tmp_path: Path) -> None:
     _check_tp2_equals_tp1(build_checkpoint(tmp_path / "qwen3-kv1", "qwen3", num_key_value_heads=1))
 
 
+def _lora_run(path: Path, adapters: dict[str, Path], **args: Any) -> list[list[int]]:
+    llm = LLM(str(path), **ENGINE_ARGS, enable_lora=True, max_loras=1, max_lora_rank=8, **args)
+    try:
+        for name in ("a", "c", "b"):
+            llm.add_lora(name, adapters[name])
+        llm.remove_lora("c")  # every rank forgets it
+        prompts = _prompts()[:3] * 3
+        loras = [name for name in ("a", "b", None) for _ in range(3)]
+        return [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False, lora=loras)]
+    finally:
+        llm.shutdown()
+
+
+def test_tp2_lora_equals_tp1(tiny_model: Path, tiny_lora_adapters: dict[str, Path]) -> None:
+    """LoRA adapters over two ranks (a row-parallel layer's A and a column-parallel one's B sharded like their
+    base weights; added and removed on every rank through the ring) give TP=1's tokens, one slot reloaded as
+    the adapters take turns."""
+    want = _lora_run(tiny_model, tiny_lora_adapters)
+    assert _lora_run(tiny_model, tiny_lora_adapters, tensor_parallel_size=2) == want
+
+
 def _scripted_run(executor: ModelExecutor) -> list[list[int]]:
     """Steps as overlapped scheduling plans them: PLACEHOLDER inputs fed on the device, a finished id reused
     by a new request in the same step as another request is preempted, and the preempted one resumed."""

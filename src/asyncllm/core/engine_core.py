@@ -8,7 +8,8 @@ slow twin, waits for each step before planning the next. The async layer calls i
 `LLM` from the caller's thread. A request of n > 1 samples becomes n requests sharing its prompt's blocks
 (`sample_group.py`); their deltas go out under the request's id, by sample index. A request asking for
 prompt logprobs keeps what each step scored of its prompt (`ModelRunnerOutput.prompt_logprobs`) and hands
-them out whole on its first token's delta. No torch, no asyncio; time comes from the injected clock.
+them out whole on its first token's delta. LoRA adapters are added and removed between
+steps (`add_lora`, `remove_lora`: `lora.py`). No torch, no asyncio; time comes from the injected clock.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from tokenizers import Tokenizer
 
 from asyncllm.core.block_manager import BlockManager
+from asyncllm.core.lora import AdapterBudget, LoRARegistry, LoRASettings
 from asyncllm.core.output_processor import OutputProcessor, RequestDelta, request_metrics
 from asyncllm.core.request import Request
 from asyncllm.core.sample_group import SampleGroups
@@ -74,12 +76,16 @@ class EngineCore:
         tokenizer: Tokenizer | None,
         clock: Callable[[], float],
         async_scheduling: bool = True,
+        max_cpu_loras: int | None = None,
     ) -> None:
         self.executor = executor
         rt = executor.runtime
         self.block_manager = BlockManager(rt.num_kv_blocks, rt.block_size, enable_prefix_caching)
+        self.loras = LoRARegistry(LoRASettings(rt.max_loras, max_cpu_loras))
         self.scheduler = Scheduler(
-            SchedulerLimits(max_num_seqs, max_num_batched_tokens, max_prefill_tokens_while_decoding), self.block_manager
+            SchedulerLimits(max_num_seqs, max_num_batched_tokens, max_prefill_tokens_while_decoding),
+            self.block_manager,
+            AdapterBudget(rt.max_loras) if rt.max_loras else None,
         )
         self.output_processor = OutputProcessor(tokenizer)
         self.groups = SampleGroups()
@@ -99,6 +105,8 @@ class EngineCore:
         """Queue a checked request. With `params.n` > 1 it runs as n samples; with `params.seed=s`, sample i
         draws from seed s + i (as a request of its own with that seed would); else each draws its own."""
         params = request.params
+        if request.lora_name is not None:
+            request.lora_id = self.loras.resolve(request.lora_name)  # an unknown name fails this request alone
         if params.n > 1:
             group = self.groups.create(request, self.block_manager.block_size, self.scheduler.requests)
             for i, sample in enumerate(group.samples):
@@ -109,6 +117,19 @@ class EngineCore:
             raise InvalidRequestError(f"request_id={request.request_id!r} is already live: give another id")
         self.scheduler.add_request(request, params.seed if params.seed is not None else self._draw_seed())
         self.output_processor.add_request(request)
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def add_lora(self, name: str, path: str) -> None:
+        """Load a PEFT adapter on every rank and register it as `name` (`LoRAError`: nothing changed)."""
+        self.loras.add(name, path, self.executor.add_lora)
+
+    def remove_lora(self, name: str) -> None:
+        """Forget adapter `name`; `LoRAError` while a live request (waiting or running) uses it."""
+        users = (r.lora_id for r in self.scheduler.requests.values())
+        self.loras.remove(name, users, self.executor.remove_lora)
+
+    def lora_names(self) -> list[str]:
+        return self.loras.names()
 
     def _draw_seed(self) -> int:
         return self._seed_rng.getrandbits(63)

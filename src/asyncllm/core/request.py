@@ -37,6 +37,7 @@ class Request:
     max_tokens: int  # resolved: params.max_tokens capped by max_model_len - prompt length
     eos_token_ids: frozenset[int] = frozenset()
     priority: int = 0  # lower runs first (vLLM's convention)
+    lora_name: str | None = None  # the LoRA adapter the caller named; None: the base model
 
     arrival_index: int = 0  # set by the scheduler: requests added before this one (the order within a priority)
 
@@ -55,6 +56,7 @@ class Request:
     # SamplingParams.prompt_logprobs: the prompt's logprobs scored so far (None for the first token), until
     # they go out with the first sampled token; None for requests that did not ask, and once they went out.
     prompt_logprobs: list[dict[int, float] | None] | None = field(init=False)
+    lora_id: int = 0  # `lora_name`'s adapter, resolved by the core (0: none); part of its prefix hashes
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

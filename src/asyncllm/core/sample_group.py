@@ -54,6 +54,8 @@ class SampleGroup:
                 request.eos_token_ids,
                 group=self,
                 priority=request.priority,
+                lora_name=request.lora_name,
+                lora_id=request.lora_id,
             )
             for i in range(request.params.n)
         ]

@@ -152,6 +152,16 @@ def _expert_shard(
     return WeightShard(dim + (1 if stacked else 0), start, stop, stop - start)
 
 
+def split_size(split: Split, arch: ModelArchConfig) -> int:
+    """The whole (unsharded) size of the dimension `split` cuts, in rows or columns."""
+    if split is Split.QUERY_HEADS:
+        return arch.num_heads * arch.head_dim
+    if split is Split.KV_HEADS:
+        return arch.num_kv_heads * arch.head_dim
+    assert split is Split.INTERMEDIATE, split
+    return arch.intermediate_size
+
+
 def _split_range(split: Split, arch: ModelArchConfig, rank: int, world_size: int) -> tuple[int, int]:
     """[start, stop) of `rank`'s rows (or columns) of a tensor cut along `split`."""
     d = arch.head_dim

@@ -34,12 +34,12 @@ logger = logging.getLogger("asyncllm.server")
 
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     state = server_state(request)
-    engine = state.engine_for(body.model)
+    engine, lora = state.resolve(body.model)
     params = completion_sampling_params(body)
     prompts = completion_prompts(body)
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    head = {"id": request_id, "created": int(time.time()), "model": state.served_model_name}
-    sub = submit(engine, prompts, [params], request_id, state.metrics, "prompt", body.priority or 0)
+    head = {"id": request_id, "created": int(time.time()), "model": body.model}
+    sub = submit(engine, prompts, [params], request_id, state.metrics, "prompt", body.priority or 0, lora)
     top_k = body.logprobs
     echo = None
     if body.echo:

@@ -22,6 +22,9 @@ padded to the counts warm-up ran), before the sampled rows' logits, and their lo
 tokens; such steps are never decode-only buckets, and a replayed graph's output rows are read before the next
 step runs. Steps without such a request check one empty dict.
 
+With LoRA adapters (`LoRAManager`) the step also stages which rows use which adapter slot, loading adapters
+into slots first; a step without adapter rows stages nothing more.
+
 Knows nothing of requests beyond the plain data the scheduler sends and the sampling state it keeps per
 request id; nothing of how the model was loaded or the cache sized. The step's only host sync is reading
 the sampled ids back.
@@ -44,6 +47,7 @@ from asyncllm.step import ModelRunnerOutput, ReadyStep, SchedulerOutput, StepRes
 from asyncllm.worker.cuda_graph import CudaGraphRunner
 from asyncllm.worker.input_batch import InputBuffers, ModelInputs
 from asyncllm.worker.latest_tokens import LatestTokens
+from asyncllm.worker.lora import LoRAManager
 from asyncllm.worker.sampled_outputs import SampledOutputs
 
 
@@ -59,6 +63,7 @@ class ModelRunner:
         vocab_size: int,
         grammar: GrammarBackend | None = None,
         defer_masked_draw: bool = False,
+        loras: LoRAManager | None = None,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -79,6 +84,7 @@ class ModelRunner:
         self.defer_masked_draw = defer_masked_draw
         self._held: HeldDraw | None = None
         self.prompt_scorer = PromptScorer()  # requests whose prompt logprobs are still being scored
+        self.loras = loras
 
     def execute_model(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
         """`submit`, then wait for the step."""
@@ -99,6 +105,8 @@ class ModelRunner:
         plan = self.backend.plan(x.meta, shape.bounds)
         self.inputs.stage_plan(x.meta, plan, static=shape.bounds is not None)
         feed, draw, slots, masks = self._stage(x, states, sampling)
+        if self.loras is not None:
+            self.loras.stage(scheduled, x.num_tokens)
         self.inputs.flush()
         if feed is not None:
             # PLACEHOLDER inputs take the token last sampled for their request, on the device: the sampled
@@ -183,6 +191,9 @@ class ModelRunner:
             self._latest.add(new.request_id)
             if new.params.prompt_logprobs is not None:
                 self.prompt_scorer.add(new.request_id, new.prompt_token_ids, new.params.prompt_logprobs)
+            if new.lora_id:
+                assert self.loras is not None, "a request with an adapter reached an engine without enable_lora"
+                self.loras.add_request(new.request_id, new.lora_id)
 
     def forget(self, request_ids: list[str]) -> None:
         """Drop the state of requests the scheduler will never mention again (finished, or warm-up's)."""
@@ -196,6 +207,8 @@ class ModelRunner:
                 self.sampler.remove(state)
                 self.grammars.remove(state)
                 self._latest.remove(request_id)
+                if self.loras is not None:
+                    self.loras.remove_request(request_id)
 
     @property
     def grammar(self) -> GrammarBackend | None:
