@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from asyncllm.errors import UnsupportedModelError
-from asyncllm.layers.linear import PackedLinear
+from asyncllm.layers.linear import Packed
 from asyncllm.models.family import WeightPlan
 
 # checkpoint module name -> (packed module name, shard)
@@ -63,7 +63,7 @@ def load_packed_weights(
         else:
             module_name, _, attr = name.rpartition(".")
             layer = modules[module_name]
-            assert isinstance(layer, PackedLinear), module_name
+            assert isinstance(layer, Packed), module_name
             layer.load_shard(attr, shard, tensor)
         loaded.add(slot)
     missing = sorted(_hf_name(s, unpacked) for s in _expected_slots(params, modules) - loaded)
@@ -96,7 +96,7 @@ def _expected_slots(params: dict[str, nn.Parameter], modules: dict[str, nn.Modul
     for name in params:
         module_name, _, _ = name.rpartition(".")
         layer = modules[module_name]
-        if isinstance(layer, PackedLinear):
+        if isinstance(layer, Packed):
             slots.update((name, shard) for shard in layer.shard_sizes)
         else:
             slots.add((name, None))
