@@ -43,6 +43,14 @@ class LoadFormat(str, enum.Enum):
     DUMMY = "dummy"  # random weights of the checkpoint's shape (benchmarks; needs config.json only)
 
 
+class Quantization(str, enum.Enum):
+    """How the weights are quantized on the device (`ModelConfig.quantization`); docs/quantization.md."""
+
+    FP8 = "fp8"  # e4m3 weights: an FP8 checkpoint's, or a 16-bit checkpoint's quantized at load
+    AWQ = "awq"  # an AWQ int4 checkpoint
+    GPTQ = "gptq"  # a GPTQ int4/int8 checkpoint
+
+
 class AttentionBackendName(str, enum.Enum):
     """Which attention implementation runs the model (`DeviceConfig.attention_backend`)."""
 
@@ -99,6 +107,12 @@ class ModelConfig:
         LoadFormat.AUTO, '"dummy" skips reading weights and fills them randomly: throughput benchmarks of real shapes.'
     )
     seed: int = arg(0, "Seed for weight-free randomness: requests without their own seed draw from it.")
+    quantization: Quantization | None = arg(
+        None,
+        "None: as the checkpoint says (its config.json `quantization_config`: AWQ, GPTQ, FP8), else unquantized. "
+        '"fp8" quantizes a 16-bit checkpoint\'s linear weights to e4m3 at load (one scale per output channel); '
+        '"awq" / "gptq" / "fp8" given for a quantized checkpoint must match it (docs/quantization.md).',
+    )
 
     def __post_init__(self) -> None:
         _set(self, "model", _path("model", self.model, optional=False))
@@ -107,6 +121,8 @@ class ModelConfig:
         check_optional_int(_fail, "max_model_len", self.max_model_len, "an integer >= 1, or None", lo=1)
         _set(self, "load_format", check_enum(_fail, LoadFormat, "load_format", self.load_format))
         check_int(_fail, "seed", self.seed, "an integer")
+        if self.quantization is not None:
+            _set(self, "quantization", check_enum(_fail, Quantization, "quantization", self.quantization))
 
 
 @dataclass(frozen=True, kw_only=True)

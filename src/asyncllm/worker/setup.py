@@ -115,7 +115,15 @@ class WorkerSetup:
         )
         mc = self.config.model_config
         module = load_model(
-            self.checkpoint, self.resolved.arch, backend, device, dtype, mc.load_format, mc.seed, self.parallel
+            self.checkpoint,
+            self.resolved.arch,
+            backend,
+            device,
+            dtype,
+            mc.load_format,
+            mc.seed,
+            self.parallel,
+            self.resolved.quant,
         )
         # Our Triton backend brings the fused kernels with it (norm + residual, q/k norm + rotary + KV write,
         # SiLU-and-mul); the torch backend keeps every layer in its pure-PyTorch form, the reference.
