@@ -15,7 +15,6 @@ from asyncllm.layers.linear import Packed
 from asyncllm.model_loader.checkpoint import open_checkpoint
 from asyncllm.model_loader.loader import load_model
 from asyncllm.models.config import ModelArchConfig
-from asyncllm.models.registry import resolve_model_class
 from asyncllm.quantization.linear import QuantLinear
 from asyncllm.quantization.scheme import resolve_quantization
 
@@ -30,7 +29,7 @@ def load_quantized(path: Path, requested: str | None = None) -> nn.Module:
 
 def dequantized_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     """{checkpoint weight name: float32 [N, K]} for every quantized layer, packed ones split by shard."""
-    packed = {ours: ckpt for ckpt, ours in resolve_model_class_of(model).family.weights.packed.items()}
+    packed = {ours: ckpt for ckpt, ours in model.family.weights.packed.items()}
     out = {}
     for name, module in model.named_modules():
         if not isinstance(module, QuantLinear):
@@ -43,7 +42,3 @@ def dequantized_weights(model: nn.Module) -> dict[str, torch.Tensor]:
         else:
             out[f"{name}.weight"] = w
     return out
-
-
-def resolve_model_class_of(model: nn.Module) -> type:
-    return resolve_model_class(type("Config", (), {"architectures": [model.arch.architecture]})())

@@ -13,8 +13,7 @@ import torch
 
 from asyncllm.errors import UnsupportedModelError
 from asyncllm.quantization.packing import awq_unpack, gptq_unpack_columns, gptq_unpack_rows
-from tests.fixtures.quantized import pack_awq, pack_gptq_columns, pack_gptq_rows
-from tests.quantization.conftest import VARIANTS
+from tests.fixtures.quantized import VARIANTS, pack_awq, pack_gptq_columns, pack_gptq_rows
 from tests.quantization.helpers import dequantized_weights, load_quantized
 
 

@@ -118,3 +118,17 @@ def test_tensor_parallel_cut_inside_a_group_is_refused(quantized_checkpoints) ->
     path, _, _ = quantized_checkpoints["awq"]
     with pytest.raises(InvalidConfigError, match=r"splits model.layers.0.self_attn.o_proj's inputs at 0..64"):
         _ours(path, [[5, 6]], tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize(("variant", "quantization"), [("awq", None), ("gptq-int8", None), (None, "fp8")])
+def test_dummy_weights_fill_quantized_layers(variant, quantization, quantized_checkpoints, tiny_checkpoints) -> None:
+    """load_format="dummy" (benchmarks of real shapes) draws codes and scales too: finite log-probabilities."""
+    path = tiny_checkpoints["qwen3"] if variant is None else quantized_checkpoints[variant][0]
+    llm = LLM(str(path), load_format="dummy", quantization=quantization, **ENGINE)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=4, logprobs=2, ignore_eos=True)
+        out = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0]
+    finally:
+        llm.shutdown()
+    values = [lp for step in out.logprobs for lp in step.values()]
+    assert len(out.token_ids) == 4 and all(v > -1e4 for v in values), values
