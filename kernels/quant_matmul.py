@@ -26,8 +26,8 @@ ACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 @triton.jit
 def _weight_tile(
-    w_ptr, s_ptr, z_ptr, offs_k, offs_n, mask, stride_wn, stride_sn, stride_zn,
-    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
+    w_ptr, s_ptr, z_ptr, m_ptr, offs_k, offs_n, mask, stride_wn, stride_sn, stride_zn, stride_mn,
+    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_MINS: tl.constexpr,
 ):  # fmt: skip
     """[BLOCK_K, BLOCK_N] float32: W^T's tile of inputs offs_k and outputs offs_n, dequantized (0 where masked)."""
     if BITS == 0:  # e4m3 values, one per byte
@@ -39,15 +39,18 @@ def _weight_tile(
             zeros = tl.load(z_ptr + offs_n[None, :] * stride_zn + (offs_k[:, None] // GROUP), mask=mask, other=0)
             codes = codes - zeros.to(tl.int32)
         q = codes.to(tl.float32)
-    scales = tl.load(s_ptr + offs_n[None, :] * stride_sn + (offs_k[:, None] // GROUP), mask=mask, other=0.0)
-    return q * scales.to(tl.float32)
+    groups = offs_k[:, None] // GROUP
+    w = q * tl.load(s_ptr + offs_n[None, :] * stride_sn + groups, mask=mask, other=0.0).to(tl.float32)
+    if HAS_MINS:
+        w += tl.load(m_ptr + offs_n[None, :] * stride_mn + groups, mask=mask, other=0.0).to(tl.float32)
+    return w
 
 
 @triton.jit(do_not_specialize=["split_k"])
 def _quant_matmul_kernel(
-    x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, split_k,
-    stride_xm, stride_wn, stride_sn, stride_zn, stride_om, stride_os,
-    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    x_ptr, w_ptr, s_ptr, z_ptr, m_ptr, b_ptr, out_ptr, M, N, K, split_k,
+    stride_xm, stride_wn, stride_sn, stride_zn, stride_mn, stride_om, stride_os,
+    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_MINS: tl.constexpr, HAS_BIAS: tl.constexpr,
     PARTIAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -62,8 +65,8 @@ def _quant_matmul_kernel(
         k_mask = offs_k < K
         x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
         w = _weight_tile(
-            w_ptr, s_ptr, z_ptr, offs_k, offs_n, k_mask[:, None] & n_mask[None, :], stride_wn, stride_sn, stride_zn,
-            BITS, GROUP, HAS_ZEROS,
+            w_ptr, s_ptr, z_ptr, m_ptr, offs_k, offs_n, k_mask[:, None] & n_mask[None, :], stride_wn, stride_sn,
+            stride_zn, stride_mn, BITS, GROUP, HAS_ZEROS, HAS_MINS,
         )  # fmt: skip
         acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION)  # [BM, BN]
     out_mask = m_mask[:, None] & n_mask[None, :]
@@ -79,19 +82,28 @@ def _quant_matmul_kernel(
 
 @triton.jit
 def _dequantize_kernel(
-    w_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_zn, stride_on,
-    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    w_ptr, s_ptr, z_ptr, m_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_zn, stride_mn, stride_on,
+    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_MINS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (offs_k < K)[:, None] & (offs_n < N)[None, :]
-    w = _weight_tile(w_ptr, s_ptr, z_ptr, offs_k, offs_n, mask, stride_wn, stride_sn, stride_zn, BITS, GROUP, HAS_ZEROS)
+    w = _weight_tile(
+        w_ptr, s_ptr, z_ptr, m_ptr, offs_k, offs_n, mask, stride_wn, stride_sn, stride_zn, stride_mn,
+        BITS, GROUP, HAS_ZEROS, HAS_MINS,
+    )  # fmt: skip
     out = out_ptr + offs_n.to(tl.int64)[None, :] * stride_on + offs_k[:, None]
     tl.store(out, w.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _check(
-    qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None, bits: int, group_size: int
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    qzeros: torch.Tensor | None,
+    mins: torch.Tensor | None,
+    bits: int,
+    group_size: int,
 ) -> tuple[int, int, int]:
     """(N, K, BITS constexpr) of a weight in the reference layout; raises naming what is wrong."""
     if qweight.dim() != 2 or qweight.stride(1) != 1:
@@ -113,6 +125,11 @@ def _check(
             raise ValueError("e4m3 weights have no zero points")
         if tuple(qzeros.shape) != (n, groups) or qzeros.dtype != torch.uint8 or qzeros.stride(1) != 1:
             raise ValueError(f"qzeros must be uint8 [N, ceil(K / group_size)] = {(n, groups)} with contiguous rows")
+    if mins is not None:
+        if qzeros is not None or kind == 0:
+            raise ValueError("mins go with integer codes without zero points")
+        if tuple(mins.shape) != (n, groups) or mins.stride(1) != 1:
+            raise ValueError(f"mins must be [N, ceil(K / group_size)] = {(n, groups)} with contiguous rows")
     return n, k, kind
 
 
@@ -148,11 +165,12 @@ def quant_matmul(
     bits: int,
     group_size: int,
     bias: torch.Tensor | None = None,  # [N]
+    mins: torch.Tensor | None = None,
     split_k: int | None = None,  # None: chosen from the launch's size and the GPU's SM count
 ) -> torch.Tensor:  # [M, N] in x's dtype
     """x W^T (+ b) for W in the reference layout (quant_matmul_ref.py). Launch shapes depend on shapes only,
     so a call can be captured in a CUDA graph."""
-    n, k, kind = _check(qweight, scales, qzeros, bits, group_size)
+    n, k, kind = _check(qweight, scales, qzeros, mins, bits, group_size)
     if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
         raise ValueError(f"x must be [M, K={k}] with contiguous rows; got shape {tuple(x.shape)}")
     if x.dtype not in ACT_DTYPES:
@@ -171,13 +189,14 @@ def quant_matmul(
     split_k = max(1, min(split_k, tiles_k))
     partial = split_k > 1
     target = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if partial else out
-    dummy = scales  # stands in for absent zero points / bias: never read
+    dummy = scales  # stands in for absent zero points, mins and bias: never read
     _quant_matmul_kernel[(grid_m, grid_n, split_k)](
-        x, qweight, scales, dummy if qzeros is None else qzeros, dummy if bias is None else bias, target,
-        m, n, k, split_k,
+        x, qweight, scales, dummy if qzeros is None else qzeros, dummy if mins is None else mins,
+        dummy if bias is None else bias, target, m, n, k, split_k,
         x.stride(0), qweight.stride(0), scales.stride(0), 0 if qzeros is None else qzeros.stride(0),
-        target.stride(-2), target.stride(0) if partial else 0,
-        BITS=kind, GROUP=group_size, HAS_ZEROS=qzeros is not None, HAS_BIAS=bias is not None, PARTIAL=partial,
+        0 if mins is None else mins.stride(0), target.stride(-2), target.stride(0) if partial else 0,
+        BITS=kind, GROUP=group_size, HAS_ZEROS=qzeros is not None, HAS_MINS=mins is not None,
+        HAS_BIAS=bias is not None, PARTIAL=partial,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PRECISION=_precision(x.dtype),
         num_warps=warps, num_stages=3,
     )  # fmt: skip
@@ -191,15 +210,17 @@ def quant_matmul(
 
 def dequantize(
     qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None, *, bits: int, group_size: int,
-    dtype: torch.dtype,
+    dtype: torch.dtype, mins: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """The weight [N, K] in `dtype`: `dequantize_ref` rounded once to `dtype`."""
-    n, k, kind = _check(qweight, scales, qzeros, bits, group_size)
+    n, k, kind = _check(qweight, scales, qzeros, mins, bits, group_size)
     out = torch.empty(n, k, dtype=dtype, device=qweight.device)
     block_n, block_k = 32, 128
     _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
-        qweight, scales, scales if qzeros is None else qzeros, out, n, k,
-        qweight.stride(0), scales.stride(0), 0 if qzeros is None else qzeros.stride(0), out.stride(0),
-        BITS=kind, GROUP=group_size, HAS_ZEROS=qzeros is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+        qweight, scales, scales if qzeros is None else qzeros, scales if mins is None else mins, out, n, k,
+        qweight.stride(0), scales.stride(0), 0 if qzeros is None else qzeros.stride(0),
+        0 if mins is None else mins.stride(0), out.stride(0),
+        BITS=kind, GROUP=group_size, HAS_ZEROS=qzeros is not None, HAS_MINS=mins is not None,
+        BLOCK_N=block_n, BLOCK_K=block_k,
     )  # fmt: skip
     return out

@@ -7,9 +7,11 @@ The layout: one row per output feature, groups of `group_size` consecutive input
   int32 (bits 4 or 8); or e4m3 values [N, K] float8_e4m3fn.
 - `scales`: [N, ceil(K / group_size)], one per group (any float dtype).
 - `qzeros`: [N, ceil(K / group_size)] uint8, integer zero points of integer codes, or None.
-The weight of (n, k) is (q - z) * s for integer codes with zero points, q * s otherwise, computed in float32
-(exact: a code times a 16-bit scale fits float32's mantissa). The quantized layers' torch path, the Triton
-kernel (quant_matmul.py) and the loaders' tests use these functions. Imports only torch.
+- `mins`: [N, ceil(K / group_size)] float, offsets added per group (GGUF's Q4_1), or None.
+The weight of (n, k) is (q - z) * s for integer codes with zero points, q * s + m with mins, q * s otherwise,
+computed in float32 (exact but for the + m: a code times a 16-bit scale fits float32's mantissa). The quantized
+layers' torch path, the Triton kernel (quant_matmul.py) and the loaders' tests use these functions. Imports only
+torch.
 """
 
 from __future__ import annotations
@@ -48,7 +50,13 @@ def unpack_codes(qweight: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def dequantize_ref(
-    qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None, *, bits: int, group_size: int
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    qzeros: torch.Tensor | None,
+    *,
+    bits: int,
+    group_size: int,
+    mins: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The float32 weight [N, K] of the layout above."""
     if qweight.dtype == FP8_DTYPE:
@@ -56,9 +64,14 @@ def dequantize_ref(
     else:
         q = unpack_codes(qweight, bits).float()
     k = q.shape[1]
+
+    def per_input(groups: torch.Tensor) -> torch.Tensor:  # [N, groups] -> [N, K] float32
+        return groups.float().repeat_interleave(group_size, dim=1)[:, :k]
+
     if qzeros is not None:
-        q = q - qzeros.float().repeat_interleave(group_size, dim=1)[:, :k]
-    return q * scales.float().repeat_interleave(group_size, dim=1)[:, :k]
+        q = q - per_input(qzeros)
+    w = q * per_input(scales)
+    return w if mins is None else w + per_input(mins)
 
 
 def quant_matmul_ref(
@@ -70,9 +83,10 @@ def quant_matmul_ref(
     bits: int,
     group_size: int,
     bias: torch.Tensor | None = None,  # [N]
+    mins: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [M, N] in x's dtype
     """x W^T (+ b) in float32 over the dequantized weight, rounded once to x's dtype."""
-    w = dequantize_ref(qweight, scales, qzeros, bits=bits, group_size=group_size)
+    w = dequantize_ref(qweight, scales, qzeros, bits=bits, group_size=group_size, mins=mins)
     y = F.linear(x.float(), w, None if bias is None else bias.float())
     return y.to(x.dtype)
 

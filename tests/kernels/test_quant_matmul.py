@@ -48,8 +48,20 @@ def qm():
 def random_weight(
     n: int, k: int, *, codes: str, group: int, zeros: bool, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
-    """(qweight, scales, qzeros, bits) on DEVICE; codes: "int4", "int8" or "fp8". Scales spread the weights
-    like N(0, 1/K) so outputs stay O(1) whatever K."""
+    """(qweight, scales, qzeros, bits) on DEVICE; codes: "int4", "int8" (float16 scales, as the layers keep
+    them) or "fp8" (float32 scales). Scales spread the weights like N(0, 1/K) so outputs stay O(1) whatever K."""
+    return _random_weight(n, k, codes=codes, group=group, zeros=zeros, seed=seed)[:4]
+
+
+def random_mins(scales: torch.Tensor, bits: int, seed: int) -> torch.Tensor:
+    """Per-group offsets of the order of a group's span (GGUF Q4_1's m = the group's minimum)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    return -(torch.rand(scales.shape, generator=gen, device=DEVICE) + 0.5) * scales * 2 ** (bits - 1)
+
+
+def _random_weight(
+    n: int, k: int, *, codes: str, group: int, zeros: bool, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     groups = -(-k // group)
     if codes == "fp8":
@@ -59,21 +71,23 @@ def random_weight(
     else:
         bits = int(codes[3:])
         qweight = pack_codes(torch.randint(0, 2**bits, (n, k), generator=gen, device=DEVICE), bits)
-        scales = (torch.rand(n, groups, generator=gen, device=DEVICE) + 0.5) / (2**bits * k**0.5)
+        scales = ((torch.rand(n, groups, generator=gen, device=DEVICE) + 0.5) / (2**bits * k**0.5)).half()
     qzeros = torch.randint(0, 2**bits, (n, groups), generator=gen, device=DEVICE, dtype=torch.uint8) if zeros else None
     return qweight, scales, qzeros, bits
 
 
 def check(qm, m: int, n: int, k: int, dtype: torch.dtype, seed: int, *, split_k: int | None = None,
-          x_pad: int = 0, bias: bool = True, **weight) -> None:  # fmt: skip
+          x_pad: int = 0, bias: bool = True, mins: bool = False, **weight) -> None:  # fmt: skip
     qweight, scales, qzeros, bits = random_weight(n, k, seed=seed, **weight)
+    offsets = random_mins(scales, bits, seed) if mins else None
     group = weight["group"]
     gen = torch.Generator(device=DEVICE).manual_seed(seed + 1)
     x = torch.randn(m, k + x_pad, generator=gen, device=DEVICE).to(dtype)[:, :k]  # strided rows when padded
     b = torch.randn(n, generator=gen, device=DEVICE).to(dtype) if bias else None
-    scales = scales.to(dtype) if qweight.dtype != FP8_DTYPE else scales
-    got = qm.quant_matmul(x, qweight, scales, qzeros, bits=bits, group_size=group, bias=b, split_k=split_k)
-    want = quant_matmul_ref(x, qweight, scales, qzeros, bits=bits, group_size=group, bias=b)
+    got = qm.quant_matmul(
+        x, qweight, scales, qzeros, bits=bits, group_size=group, bias=b, split_k=split_k, mins=offsets
+    )
+    want = quant_matmul_ref(x, qweight, scales, qzeros, bits=bits, group_size=group, bias=b, mins=offsets)
     assert got.shape == (m, n) and got.dtype == dtype
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
@@ -83,6 +97,7 @@ def check(qm, m: int, n: int, k: int, dtype: torch.dtype, seed: int, *, split_k:
     ("codes", "group", "zeros"),
     [
         ("int4", 128, True),
+        ("int4", 32, "mins"),
         ("int4", 32, False),
         ("int4", 256, True),
         ("int8", 32, True),
@@ -92,9 +107,11 @@ def check(qm, m: int, n: int, k: int, dtype: torch.dtype, seed: int, *, split_k:
     ],
 )
 def test_matches_ref(qm, codes: str, group: int, zeros: bool) -> None:
-    """Every CPU token count; 70 outputs (a partial output tile), 256 inputs (groups of 256: the whole row)."""
+    """Every CPU token count; 70 outputs (a partial output tile), 256 inputs (groups of 256: the whole row);
+    zero points, GGUF-style mins, or neither."""
+    mins = zeros == "mins"
     for m in CPU_TOKENS:
-        check(qm, m, 70, 256, torch.float32, seed=m, codes=codes, group=group, zeros=zeros)
+        check(qm, m, 70, 256, torch.float32, seed=m, codes=codes, group=group, zeros=zeros is True, mins=mins)
 
 
 @pytest.mark.parametrize("split_k", [2, 3])
@@ -105,11 +122,15 @@ def test_split_k_and_strided_rows(qm, split_k: int) -> None:
     check(qm, 2, 48, 384, torch.float32, seed=10, split_k=split_k, codes="fp8", group=128, zeros=False)
 
 
-@pytest.mark.parametrize(("codes", "zeros"), [("int4", True), ("int8", False), ("fp8", False)])
-def test_dequantize_is_the_reference_bit_for_bit(qm, codes: str, zeros: bool) -> None:
-    qweight, scales, qzeros, bits = random_weight(70, 256, codes=codes, group=64, zeros=zeros, seed=3)
-    got = qm.dequantize(qweight, scales, qzeros, bits=bits, group_size=64, dtype=torch.float32)
-    assert torch.equal(got, dequantize_ref(qweight, scales, qzeros, bits=bits, group_size=64))
+@pytest.mark.parametrize(("codes", "zeros"), [("int4", True), ("int8", False), ("fp8", False), ("int4", "mins")])
+def test_dequantize_is_the_reference_bit_for_bit(qm, codes: str, zeros: bool | str) -> None:
+    """Bit for bit; with mins within one float32 rounding on GPU (q * s + m may fuse into one FMA there)."""
+    qweight, scales, qzeros, bits = random_weight(70, 256, codes=codes, group=64, zeros=zeros is True, seed=3)
+    mins = random_mins(scales, bits, 3) if zeros == "mins" else None
+    got = qm.dequantize(qweight, scales, qzeros, bits=bits, group_size=64, dtype=torch.float32, mins=mins)
+    want = dequantize_ref(qweight, scales, qzeros, bits=bits, group_size=64, mins=mins)
+    tol = 1e-6 if mins is not None and HAS_CUDA else 0.0
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
 def test_empty_batch_and_launcher_checks(qm) -> None:
@@ -170,7 +191,6 @@ def test_gpu_model_shapes_every_graph_size(qm, model: str, codes: str, group: in
     for n, k in MODEL_SHAPES[model]:
         g = k if group == -1 or k % group else group  # SmolLM2's 576 inputs: per-channel groups
         qweight, scales, qzeros, bits = random_weight(n, k, codes=codes, group=g, zeros=zeros, seed=n + k)
-        scales = scales.to(torch.bfloat16) if codes != "fp8" else scales
         w = dequantize_ref(qweight, scales, qzeros, bits=bits, group_size=g)  # [N, K] float32, once per shape
         for m in GPU_TOKENS:
             if m > 512 and (n, k) != MODEL_SHAPES[model][0]:
@@ -221,9 +241,11 @@ def test_gpu_layer_paths_agree_at_every_switch(codes: str) -> None:
     from asyncllm.quantization.scheme import CheckpointFormat, QuantScheme
 
     fp8 = codes == "fp8"
-    scheme = QuantScheme("t", CheckpointFormat.FP8 if fp8 else CheckpointFormat.AWQ, fp8=fp8, bits=4 if not fp8 else 8,
-                         group_size=None if fp8 else 128, zero_point=not fp8)  # fmt: skip
-    layer = QuantLinear(4096, 2048, scheme, bias=None, dtype=torch.bfloat16, device=DEVICE)
+    scheme = QuantScheme(
+        "t", CheckpointFormat.FP8 if fp8 else CheckpointFormat.AWQ, fp8=fp8, bits=8 if fp8 else 4,
+        group_size=None if fp8 else 128, zero_point=not fp8, scale_dtype="float32" if fp8 else "float16",
+    )  # fmt: skip
+    layer = QuantLinear(4096, 2048, scheme, bias=None, device=DEVICE)
     qweight, scales, qzeros, _ = random_weight(2048, 4096, codes=codes, group=4096 if fp8 else 128, zeros=not fp8,
                                                seed=1)  # fmt: skip
     with torch.no_grad():

@@ -61,7 +61,7 @@ def load_model(
     plan = model_cls.family.weights
     quantized: frozenset[str] = frozenset()  # the checkpoint modules whose layers are quantized
     if quant is not None:
-        quantized = quantize_linear_layers(model, quant, plan.packed, dtype)
+        quantized = quantize_linear_layers(model, quant, plan.packed)
         logger.info("quantized linear layers: %s", quant.describe())
     if load_format is LoadFormat.DUMMY:
         fill_dummy_weights(model, seed)  # the same draws on every rank: replicated weights agree

@@ -21,7 +21,7 @@ from asyncllm.quantization.scheme import QuantScheme
 
 
 def quantize_linear_layers(
-    model: nn.Module, scheme: QuantScheme, packed: Mapping[str, tuple[str, str]], dtype: torch.dtype
+    model: nn.Module, scheme: QuantScheme, packed: Mapping[str, tuple[str, str]]
 ) -> frozenset[str]:
     """Swap the model's linear layers for quantized ones (parameters uninitialised, to be loaded); returns the
     checkpoint module names now quantized (e.g. model.layers.0.self_attn.q_proj)."""
@@ -45,7 +45,7 @@ def quantize_linear_layers(
                 f"{sorted(set(names) - set(skipped))}; asyncllm runs them as one packed layer ({name}), "
                 "which must be quantized whole"
             )
-        setattr(model.get_submodule(parent_name), attr, _quantized(module, scheme, dtype))
+        setattr(model.get_submodule(parent_name), attr, _quantized(module, scheme))
         quantized.update(names)
     if not quantized:
         raise UnsupportedModelError(f"the {scheme.method} scheme quantizes none of the model's linear layers")
@@ -55,10 +55,10 @@ def quantize_linear_layers(
     return frozenset(quantized)
 
 
-def _quantized(module: Linear, scheme: QuantScheme, dtype: torch.dtype) -> QuantLinear:
+def _quantized(module: Linear, scheme: QuantScheme) -> QuantLinear:
     out_features, in_features = module.weight.shape
     device = module.weight.device
     if isinstance(module, Packed):
-        return PackedQuantLinear(in_features, module.shard_sizes, scheme, bias=module.bias, dtype=dtype, device=device)
+        return PackedQuantLinear(in_features, module.shard_sizes, scheme, bias=module.bias, device=device)
     group = module.group if isinstance(module, RowParallelLinear) else None
-    return QuantLinear(in_features, out_features, scheme, bias=module.bias, dtype=dtype, device=device, group=group)
+    return QuantLinear(in_features, out_features, scheme, bias=module.bias, device=device, group=group)

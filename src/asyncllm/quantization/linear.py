@@ -1,5 +1,5 @@
 """Linear layers over quantized weights: `QuantLinear` and its packed form, in the layout of
-kernels/quant_matmul_ref.py (`qweight`, `scales`, `qzeros`, every one [out, ...]).
+kernels/quant_matmul_ref.py (`qweight`, `scales`, `qzeros` or `mins`, every one [out, ...]).
 
 The torch form computes the reference (dequantize in float32, then matmul); `enable_fused_kernels` (the Triton
 backend) switches to the kernels: the weight-only Triton GEMM up to `DEQUANT_MIN_TOKENS` tokens, then a
@@ -44,7 +44,6 @@ class QuantLinear(nn.Module, Fusable):
         scheme: QuantScheme,
         *,
         bias: nn.Parameter | None,
-        dtype: torch.dtype,
         device: torch.device,
         group: TPGroup | None = None,
     ) -> None:
@@ -55,7 +54,6 @@ class QuantLinear(nn.Module, Fusable):
         groups = -(-in_features // self.group_size)
         if scheme.fp8:
             codes = torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device)
-            scale_dtype = torch.float32  # e4m3 scales are float32 in every checkpoint format
         else:
             per = codes_per_word(scheme.bits)
             if in_features % per:
@@ -63,13 +61,16 @@ class QuantLinear(nn.Module, Fusable):
                     f"a layer with {in_features} inputs cannot hold {scheme.bits}-bit codes packed {per} a word"
                 )
             codes = torch.empty(out_features, in_features // per, dtype=torch.int32, device=device)
-            scale_dtype = dtype
         self.qweight = nn.Parameter(codes, requires_grad=False)
-        self.scales = nn.Parameter(
-            torch.empty(out_features, groups, dtype=scale_dtype, device=device), requires_grad=False
-        )
-        zeros = torch.empty(out_features, groups, dtype=torch.uint8, device=device) if scheme.zero_point else None
-        self.qzeros = None if zeros is None else nn.Parameter(zeros, requires_grad=False)
+        # Scales (and mins) keep the checkpoint's precision (float16, float32 for FP8), not the activations'.
+        scale_dtype = getattr(torch, scheme.scale_dtype)
+
+        def per_group(dtype: torch.dtype) -> nn.Parameter:
+            return nn.Parameter(torch.empty(out_features, groups, dtype=dtype, device=device), requires_grad=False)
+
+        self.scales = per_group(scale_dtype)
+        self.qzeros = per_group(torch.uint8) if scheme.zero_point else None
+        self.mins = per_group(scale_dtype) if scheme.mins else None
         self.bias = bias
         self.group = group  # set: row-parallel, partial sums all-reduced before the bias
         self.scale_ub = scheme.activation_scale_ub
@@ -89,6 +90,8 @@ class QuantLinear(nn.Module, Fusable):
             self.scales.fill_(std / spread)
             if self.qzeros is not None:
                 self.qzeros.fill_(2 ** (self.bits - 1))
+            if self.mins is not None:
+                self.mins.fill_(-std * 3**0.5)  # codes * scale span [0, 2 std 3**0.5): centred
         if self.bias is not None:
             self.bias.normal_(0.0, std, generator=gen)
 
@@ -105,8 +108,9 @@ class QuantLinear(nn.Module, Fusable):
 
     def _reference(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return quant_matmul_ref(
-            x, self.qweight, self.scales, self.qzeros, bits=self.bits, group_size=self.group_size, bias=bias
-        )
+            x, self.qweight, self.scales, self.qzeros, bits=self.bits, group_size=self.group_size, bias=bias,
+            mins=self.mins,
+        )  # fmt: skip
 
     def enable_fused_kernels(self) -> None:
         device = self.qweight.device
@@ -130,12 +134,13 @@ class QuantLinear(nn.Module, Fusable):
             return fp8_w8a8_matmul(x, self.qweight, self._scale_row, bias=bias, scale_ub=self.scale_ub)
         if x.is_cuda and m >= DEQUANT_MIN_TOKENS:
             w = qm.dequantize(
-                self.qweight, self.scales, self.qzeros, bits=self.bits, group_size=self.group_size, dtype=x.dtype
-            )
+                self.qweight, self.scales, self.qzeros, bits=self.bits, group_size=self.group_size, dtype=x.dtype,
+                mins=self.mins,
+            )  # fmt: skip
             return F.linear(x, w, bias)
         return qm.quant_matmul(
             x.contiguous(), self.qweight, self.scales, self.qzeros, bits=self.bits, group_size=self.group_size,
-            bias=bias,
+            bias=bias, mins=self.mins,
         )  # fmt: skip
 
 
@@ -149,8 +154,7 @@ class PackedQuantLinear(QuantLinear, Packed):
         scheme: QuantScheme,
         *,
         bias: nn.Parameter | None,
-        dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        super().__init__(in_features, sum(shards.values()), scheme, bias=bias, dtype=dtype, device=device)
+        super().__init__(in_features, sum(shards.values()), scheme, bias=bias, device=device)
         self._pack(shards)

@@ -37,6 +37,8 @@ class QuantScheme:
     bits: int  # 4 or 8
     group_size: int | None  # inputs sharing a scale along K; None: one scale per output channel
     zero_point: bool = False  # integer codes carry zero points (w = (q - z) * s); else w = q * s
+    mins: bool = False  # integer codes carry per-group offsets (w = q * s + m: GGUF's Q4_1)
+    scale_dtype: str = "float16"  # how scales (and mins) are kept: the checkpoint's own precision
     block_rows: int = 1  # FP8 block scales: output rows sharing a scale (expanded to one per row at load)
     activation_scale_ub: float | None = None  # W8A8: per-token activation scales are capped at this
     skip_substrings: tuple[str, ...] = ()  # checkpoint modules left unquantized: any containing one of these
@@ -52,12 +54,13 @@ class QuantScheme:
         groups = "one scale per output channel" if self.group_size is None else f"{self.group_size} inputs per scale"
         if self.block_rows > 1:
             groups = f"{self.block_rows}x{self.group_size} blocks"
-        return f"{self.method}: {codes}, {groups}" + (", zero points" if self.zero_point else "")
+        offsets = ", zero points" if self.zero_point else ", mins" if self.mins else ""
+        return f"{self.method}: {codes}, {groups}{offsets}"
 
 
 def fp8_at_load() -> QuantScheme:
     """`quantization="fp8"` on an unquantized checkpoint: e4m3 codes, one float32 scale per output channel."""
-    return QuantScheme("fp8", CheckpointFormat.FLOAT, fp8=True, bits=8, group_size=None)
+    return QuantScheme("fp8", CheckpointFormat.FLOAT, fp8=True, bits=8, group_size=None, scale_dtype="float32")
 
 
 def resolve_quantization(requested: str | None, quantization_config: Any) -> QuantScheme | None:
@@ -164,7 +167,7 @@ def _fbgemm_fp8(qc: Mapping[str, Any]) -> QuantScheme:
     if ub is not None and (isinstance(ub, bool) or not isinstance(ub, (int, float)) or ub <= 0):
         raise _refuse("fbgemm_fp8", "activation_scale_ub", ub, "a positive number")
     return QuantScheme(
-        "fbgemm_fp8", CheckpointFormat.FP8, fp8=True, bits=8, group_size=None,
+        "fbgemm_fp8", CheckpointFormat.FP8, fp8=True, bits=8, group_size=None, scale_dtype="float32",
         activation_scale_ub=None if ub is None else float(ub), skip_substrings=_not_converted(qc),
     )  # fmt: skip
 
@@ -184,7 +187,7 @@ def _fp8(qc: Mapping[str, Any]) -> QuantScheme:
         rows, group = block
     skip = _not_converted(qc) + _not_converted(qc, "ignored_layers")
     return QuantScheme("fp8", CheckpointFormat.FP8, fp8=True, bits=8, group_size=group, block_rows=rows,
-                       skip_substrings=skip)  # fmt: skip
+                       scale_dtype="float32", skip_substrings=skip)  # fmt: skip
 
 
 def _compressed_tensors(qc: Mapping[str, Any]) -> QuantScheme:
@@ -225,4 +228,4 @@ def _compressed_tensors(qc: Mapping[str, Any]) -> QuantScheme:
     ignore = _not_converted(qc, "ignore")
     patterns = tuple(p[3:] if p.startswith("re:") else re.escape(p) + "$" for p in ignore)
     return QuantScheme(method, CheckpointFormat.FP8, fp8=True, bits=8, group_size=columns, block_rows=rows,
-                       skip_patterns=patterns)  # fmt: skip
+                       scale_dtype="float32", skip_patterns=patterns)  # fmt: skip
