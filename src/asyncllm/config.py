@@ -49,6 +49,7 @@ class Quantization(str, enum.Enum):
     FP8 = "fp8"  # e4m3 weights: an FP8 checkpoint's, or a 16-bit checkpoint's quantized at load
     AWQ = "awq"  # an AWQ int4 checkpoint
     GPTQ = "gptq"  # a GPTQ int4/int8 checkpoint
+    GGUF = "gguf"  # a GGUF file's Q8_0 / Q4_0 / Q4_1 linear layers kept quantized (the default on CUDA)
 
 
 class AttentionBackendName(str, enum.Enum):
@@ -109,9 +110,11 @@ class ModelConfig:
     seed: int = arg(0, "Seed for weight-free randomness: requests without their own seed draw from it.")
     quantization: Quantization | None = arg(
         None,
-        "None: as the checkpoint says (its config.json `quantization_config`: AWQ, GPTQ, FP8), else unquantized. "
-        '"fp8" quantizes a 16-bit checkpoint\'s linear weights to e4m3 at load (one scale per output channel); '
-        '"awq" / "gptq" / "fp8" given for a quantized checkpoint must match it (docs/quantization.md).',
+        "None: as the checkpoint says (its config.json `quantization_config`: AWQ, GPTQ, FP8; a GGUF file's "
+        "Q8_0/Q4_0/Q4_1 linear layers stay quantized on CUDA, dequantized on CPU), else unquantized. "
+        '"fp8" quantizes a 16-bit (or GGUF) checkpoint\'s linear weights to e4m3 at load (one scale per output '
+        'channel); "awq" / "gptq" / "fp8" / "gguf" given for a quantized checkpoint must match it '
+        "(docs/quantization.md).",
     )
 
     def __post_init__(self) -> None:

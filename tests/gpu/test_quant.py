@@ -138,3 +138,53 @@ def test_tp2_float32_equals_tp1(variant: str, quantized_checkpoints) -> None:
     two = LLM(str(path), tensor_parallel_size=2, **args)
     assert _greedy(two, prompts) == want
     two.shutdown()
+
+
+def _prefill_logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    """[L, vocab] float32: one prefill of `ids` through a loaded model, paged cache on the GPU."""
+    from tests.fixtures.paged import PagedBatcher
+
+    arch, dtype = model.arch, next(model.parameters()).dtype
+    batcher = PagedBatcher(num_blocks=-(-len(ids) // 16) + 2, block_size=16)
+    caches = [
+        (k.cuda(), v.cuda()) for k, v in batcher.new_caches(arch.num_layers, arch.num_kv_heads, arch.head_dim, dtype)
+    ]
+    positions, meta = batcher.step([(0, len(ids))])
+    for name in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
+        setattr(meta, name, getattr(meta, name).cuda())
+    with torch.inference_mode():
+        return model.compute_logits(model(ids.cuda(), positions.cuda(), caches, meta)).float()
+
+
+def test_smollm2_gguf_kept_quantized_perplexity_within_one_percent() -> None:
+    """SmolLM2-135M's real Q4_1 file (when installed): perplexity of a fixed text, bfloat16, its linear layers
+    kept quantized (the Triton kernel) against the same file dequantized to bfloat16 at load."""
+    from asyncllm.attention.torch_ref import TorchAttentionBackend
+    from asyncllm.config import LoadFormat
+    from asyncllm.default_model import DefaultModelMissingError, default_model_path
+    from asyncllm.model_loader.checkpoint import open_checkpoint
+    from asyncllm.model_loader.loader import load_model
+    from asyncllm.models.config import ModelArchConfig
+    from asyncllm.quantization.linear import QuantLinear
+    from asyncllm.quantization.scheme import gguf_scheme
+
+    try:
+        path = default_model_path()
+    except DefaultModelMissingError:
+        pytest.skip("SmolLM2's GGUF is not installed (asyncllm fetch-model)")
+    ckpt = open_checkpoint(str(path), torch.float32)
+    arch = ModelArchConfig.from_hf(ckpt.hf_config, None)
+    text = " ".join(["The history of the city begins with a small settlement on the river."] * 3)
+    ids = torch.tensor(ckpt.tokenizer(text).input_ids)
+    ppl = {}
+    for name, quant in (("kept", gguf_scheme(ckpt.hf_config.quantization_config)), ("dequantized", None)):
+        model = load_model(
+            ckpt, arch, TorchAttentionBackend(), torch.device("cuda"), torch.bfloat16, LoadFormat.AUTO, 0, None, quant
+        )
+        for module in model.modules():
+            if isinstance(module, QuantLinear):
+                module.enable_fused_kernels()
+        logits = _prefill_logits(model, ids)
+        ppl[name] = torch.exp(torch.nn.functional.cross_entropy(logits[:-1], ids[1:].cuda())).item()
+    print(f"SmolLM2 Q4_1 perplexity: {ppl}")
+    assert abs(ppl["kept"] - ppl["dequantized"]) <= 0.01 * ppl["dequantized"], ppl

@@ -22,7 +22,7 @@ from asyncllm.quantization.scheme import resolve_quantization
 def load_quantized(path: Path, requested: str | None = None) -> nn.Module:
     ckpt = open_checkpoint(str(path), torch.float32)
     arch = ModelArchConfig.from_hf(ckpt.hf_config, None)
-    quant = resolve_quantization(requested, getattr(ckpt.hf_config, "quantization_config", None))
+    quant = resolve_quantization(requested, getattr(ckpt.hf_config, "quantization_config", None), "cpu")
     backend = TorchAttentionBackend()
     return load_model(ckpt, arch, backend, torch.device("cpu"), torch.float32, LoadFormat.AUTO, 0, None, quant)
 
@@ -34,7 +34,14 @@ def dequantized_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     for name, module in model.named_modules():
         if not isinstance(module, QuantLinear):
             continue
-        w = dequantize_ref(module.qweight, module.scales, module.qzeros, bits=module.bits, group_size=module.group_size)
+        w = dequantize_ref(
+            module.qweight,
+            module.scales,
+            module.qzeros,
+            bits=module.bits,
+            group_size=module.group_size,
+            mins=module.mins,
+        )
         parent, _, attr = name.rpartition(".")
         if isinstance(module, Packed):
             for shard in module.shard_sizes:

@@ -25,7 +25,7 @@ from asyncllm.models.registry import resolve_model_class
 from asyncllm.models.tensor_parallel import shard_arch, shard_model, weight_shard
 from asyncllm.quantization.apply import quantize_linear_layers
 from asyncllm.quantization.convert import CheckpointConverter
-from asyncllm.quantization.scheme import QuantScheme
+from asyncllm.quantization.scheme import CheckpointFormat, QuantScheme
 from asyncllm.quantization.sharding import quantized_shards
 
 logger = logging.getLogger("asyncllm")
@@ -72,6 +72,9 @@ def load_model(
         return weight_shard(name, arch, rank, world_size, plan)
 
     def whole() -> Weights:
+        if quant is not None and quant.checkpoint is CheckpointFormat.GGUF:  # repacked by the GGUF reader itself
+            assert checkpoint.iter_quantized_weights is not None
+            return with_progress(checkpoint.iter_quantized_weights(quantized), checkpoint.num_tensors)
         weights = with_progress(checkpoint.iter_weights(), checkpoint.num_tensors)
         return weights if quant is None else CheckpointConverter(quant, quantized, device).convert(weights)
 

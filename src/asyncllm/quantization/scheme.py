@@ -8,6 +8,7 @@ knows no tensor, file or model.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -15,6 +16,10 @@ from enum import Enum
 from typing import Any
 
 from asyncllm.errors import UnsupportedModelError
+
+logger = logging.getLogger("asyncllm")
+# GGUF types kept quantized -> (bits, zero point: codes carry one; else mins), all in blocks of 32
+GGUF_KEPT = {"Q8_0": (8, True), "Q4_0": (4, True), "Q4_1": (4, False)}
 
 
 class CheckpointFormat(Enum):
@@ -25,6 +30,7 @@ class CheckpointFormat(Enum):
     GPTQ_V2 = "gptq_v2"  # the same with the zero points themselves
     FP8 = "fp8"  # weight [N, K] e4m3 and weight_scale (or weight_scale_inv): per tensor, channel or block
     FLOAT = "float"  # an unquantized checkpoint, quantized to e4m3 per output channel at load
+    GGUF = "gguf"  # a GGUF file's blocks, repacked as the file is read (model_loader/gguf/repack.py)
 
 
 @dataclass(frozen=True)
@@ -63,9 +69,13 @@ def fp8_at_load() -> QuantScheme:
     return QuantScheme("fp8", CheckpointFormat.FLOAT, fp8=True, bits=8, group_size=None, scale_dtype="float32")
 
 
-def resolve_quantization(requested: str | None, quantization_config: Any) -> QuantScheme | None:
+def resolve_quantization(
+    requested: str | None, quantization_config: Any, device_type: str = "cuda"
+) -> QuantScheme | None:
     """The scheme for a checkpoint whose config.json holds `quantization_config` (None: unquantized), given the
-    `quantization` engine argument's value (None: follow the checkpoint)."""
+    `quantization` engine argument's value (None: follow the checkpoint) and the device type ("cuda", "cpu")."""
+    if isinstance(quantization_config, Mapping) and quantization_config.get("quant_method") == "gguf":
+        return _gguf_choice(requested, quantization_config, device_type)
     if not quantization_config:
         if requested is None:
             return None
@@ -85,6 +95,39 @@ def resolve_quantization(requested: str | None, quantization_config: Any) -> Qua
             f"pass quantization={wanted!r} or leave it unset"
         )
     return scheme
+
+
+def _gguf_choice(requested: str | None, qc: Mapping[str, Any], device_type: str) -> QuantScheme | None:
+    """A GGUF file: its linear layers kept quantized by default on CUDA (when their types allow), dequantized
+    at load on CPU (float32 weights are what the CPU's GEMMs read fastest) or when asked for FP8."""
+    if requested == "fp8":
+        return fp8_at_load()  # of the dequantized weights
+    if requested not in (None, "gguf"):
+        raise UnsupportedModelError(
+            f"quantization={requested!r}, but the checkpoint is a GGUF file: pass 'gguf' or 'fp8'"
+        )
+    if requested is None and device_type != "cuda":
+        return None
+    try:
+        return gguf_scheme(qc)
+    except UnsupportedModelError as exc:
+        if requested is not None:
+            raise
+        logger.info("GGUF linear layers dequantized at load: %s", exc)
+        return None
+
+
+def gguf_scheme(qc: Mapping[str, Any]) -> QuantScheme:
+    """The scheme of a GGUF file whose linear tensors all have one type asyncllm keeps quantized."""
+    types = qc.get("linear_types") or []
+    if len(types) != 1 or types[0] not in GGUF_KEPT:
+        raise UnsupportedModelError(
+            f"the GGUF file's linear layers are {', '.join(types) or 'absent'}; kept quantized are files whose "
+            f"linear layers all have one of the types {', '.join(GGUF_KEPT)}"
+        )
+    bits, zero_point = GGUF_KEPT[types[0]]
+    return QuantScheme(f"gguf {types[0]}", CheckpointFormat.GGUF, fp8=False, bits=bits, group_size=32,
+                       zero_point=zero_point, mins=not zero_point)  # fmt: skip
 
 
 def checkpoint_scheme(qc: Mapping[str, Any]) -> QuantScheme:

@@ -57,9 +57,8 @@ class ResolvedModel:
         dtype = resolve_dtype(mc.dtype, device, hf_config)
         arch = ModelArchConfig.from_hf(hf_config, mc.max_model_len)
         requested = None if mc.quantization is None else mc.quantization.value
-        return cls(
-            device, dtype, arch, resolve_quantization(requested, getattr(hf_config, "quantization_config", None))
-        )
+        quant = resolve_quantization(requested, getattr(hf_config, "quantization_config", None), device.type)
+        return cls(device, dtype, arch, quant)
 
     def on(self, device: torch.device) -> ResolvedModel:
         """The same model on another device (a tensor-parallel rank's)."""
