@@ -1,13 +1,16 @@
 """Quantized linear layers in Triton: y = x W^T (+ b) with W in the layout of quant_matmul_ref.py (integer codes
-packed along K with group scales and zero points, or e4m3 values with group scales), dequantized in registers.
+packed along K with group scales and zero points or mins, or e4m3 values with group scales), dequantized in
+registers.
 
-`quant_matmul` is the weight-only GEMM (W4A16 / W8A16): each program dequantizes a [BLOCK_K, BLOCK_N] tile of
-W in float32, rounds it to the activations' dtype and accumulates tl.dot in float32, splitting K over several
-programs when the output tiles alone would leave the GPU idle (decode-sized M); its bytes read are the packed
-weight's. `dequantize` writes the whole weight in the activations' dtype, for the large-M path (dequantize,
-then a cuBLAS GEMM): both paths round the same dequantized values, so they agree up to accumulation order.
-`quant_matmul_ref` / `dequantize_ref` (quant_matmul_ref.py) are the specification. Knows nothing of models.
-"""
+`quant_matmul` is the weight-only GEMM (W4A16 / W8A16): each program loads a K tile of packed words once,
+shifts the codes out, and accumulates tl.dot in float32. Where one scale covers the tile (groups of 128 and
+more, or one per row) the codes (less zero points) and e4m3 values enter the dot as they are, exact in 16
+bits, and the scale multiplies the dot's float32 result; smaller groups are dequantized in float32 group by
+group and rounded to the activations' dtype. K is split over several programs when the output tiles alone
+would leave the GPU idle (decode-sized M); the bytes read are the packed weight's. `dequantize` writes the
+whole weight in the activations' dtype for the large-M path (dequantize, then a cuBLAS GEMM). Both agree with
+`quant_matmul_ref` / `dequantize_ref` (quant_matmul_ref.py), the specification, within the rounding of the
+activations' dtype. Knows nothing of models."""
 
 from __future__ import annotations
 
@@ -46,13 +49,42 @@ def _weight_tile(
     return w
 
 
+# How a K tile meets the scale groups (the launcher picks one per layer): a row's one group, scaled after the
+# whole K loop; groups of whole tiles, scaled once per tile after its dot; tiles of whole groups, dequantized
+# group by group; anything else, per element.
+ROW, TILE, GROUPS, GATHER = 0, 1, 2, 3
+
+
+@triton.jit
+def _codes_tile(w_ptr, k0, offs_n, n_mask, K, stride_wn, BITS: tl.constexpr, BLOCK_K: tl.constexpr,
+                BLOCK_N: tl.constexpr):  # fmt: skip
+    """[BLOCK_K, BLOCK_N] codes of inputs k0 .. k0 + BLOCK_K - 1: int32 (each word loaded once, its fields
+    shifted out and laid along K) or float32 e4m3 values; 0 past K and past N."""
+    if BITS == 0:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask = (offs_k < K)[:, None] & n_mask[None, :]
+        return tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None], mask=mask, other=0.0).to(tl.float32)
+    offs_w = k0 // (32 // BITS) + tl.arange(0, BLOCK_K // (32 // BITS))
+    mask = (offs_w < K // (32 // BITS))[:, None] & n_mask[None, :]
+    words = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_w[:, None], mask=mask, other=0)  # [BK / P, BN]
+    shifts = tl.arange(0, 32 // BITS) * BITS
+    codes = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)  # [BK / P, P, BN], sign bits off
+    return tl.reshape(codes, (BLOCK_K, BLOCK_N))  # input k = word * P + field
+
+
+@triton.jit
+def _group_row(ptr, group, offs_n, n_mask, stride_n):
+    """[BLOCK_N] float32: one group's scale (or min) of each output."""
+    return tl.load(ptr + offs_n * stride_n + group, mask=n_mask, other=0.0).to(tl.float32)
+
+
 @triton.jit(do_not_specialize=["split_k"])
 def _quant_matmul_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, m_ptr, b_ptr, out_ptr, M, N, K, split_k,
     stride_xm, stride_wn, stride_sn, stride_zn, stride_mn, stride_om, stride_os,
-    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_MINS: tl.constexpr, HAS_BIAS: tl.constexpr,
-    PARTIAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    BITS: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_MINS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -60,15 +92,55 @@ def _quant_matmul_kernel(
     m_mask, n_mask = offs_m < M, offs_n < N
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    x_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)  # ROW with mins: sum of each row's inputs
     for k0 in range(pid_k * BLOCK_K, K, split_k * BLOCK_K):  # this program's share of K (every split_k-th tile)
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
-        w = _weight_tile(
-            w_ptr, s_ptr, z_ptr, m_ptr, offs_k, offs_n, k_mask[:, None] & n_mask[None, :], stride_wn, stride_sn,
-            stride_zn, stride_mn, BITS, GROUP, HAS_ZEROS, HAS_MINS,
-        )  # fmt: skip
-        acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION)  # [BM, BN]
+        if MODE == GATHER:
+            w = _weight_tile(
+                w_ptr, s_ptr, z_ptr, m_ptr, offs_k, offs_n, k_mask[:, None] & n_mask[None, :], stride_wn,
+                stride_sn, stride_zn, stride_mn, BITS, GROUP, HAS_ZEROS, HAS_MINS,
+            )  # fmt: skip
+            acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION)
+        elif MODE == GROUPS:  # BLOCK_K // GROUP whole groups: dequantize in float32, one scale row per group
+            q = tl.reshape(
+                _codes_tile(w_ptr, k0, offs_n, n_mask, K, stride_wn, BITS, BLOCK_K, BLOCK_N),
+                (BLOCK_K // GROUP, GROUP, BLOCK_N),
+            )  # fmt: skip
+            offs_g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+            g_mask = (offs_g * GROUP < K)[:, None] & n_mask[None, :]
+            at = offs_n[None, :] * stride_sn + offs_g[:, None]
+            if HAS_ZEROS:
+                zeros = tl.load(z_ptr + offs_n[None, :] * stride_zn + offs_g[:, None], mask=g_mask, other=0)
+                q = q - zeros.to(tl.int32)[:, None, :]
+            w = q.to(tl.float32) * tl.load(s_ptr + at, mask=g_mask, other=0.0).to(tl.float32)[:, None, :]
+            if HAS_MINS:
+                w += tl.load(m_ptr + offs_n[None, :] * stride_mn + offs_g[:, None], mask=g_mask, other=0.0).to(
+                    tl.float32
+                )[:, None, :]
+            w = tl.reshape(w, (BLOCK_K, BLOCK_N))
+            acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION)
+        else:  # ROW or TILE: one group over the tile; integer codes (less zero points) and e4m3 values are exact
+            # in 16 bits, so the dot reads them as they are and the scale multiplies its float32 result
+            q = _codes_tile(w_ptr, k0, offs_n, n_mask, K, stride_wn, BITS, BLOCK_K, BLOCK_N)
+            group = k0 // GROUP
+            if HAS_ZEROS:
+                q = q - tl.load(z_ptr + offs_n * stride_zn + group, mask=n_mask, other=0).to(tl.int32)[None, :]
+            part = tl.dot(x, q.to(x.dtype), input_precision=DOT_PRECISION)  # [BM, BN]
+            if MODE == ROW:
+                acc += part
+                if HAS_MINS:
+                    x_sum += tl.sum(x.to(tl.float32), axis=1)
+            else:
+                acc += part * _group_row(s_ptr, group, offs_n, n_mask, stride_sn)[None, :]
+                if HAS_MINS:
+                    row_sum = tl.sum(x.to(tl.float32), axis=1)
+                    acc += row_sum[:, None] * _group_row(m_ptr, group, offs_n, n_mask, stride_mn)[None, :]
+    if MODE == ROW:
+        acc = acc * _group_row(s_ptr, 0, offs_n, n_mask, stride_sn)[None, :]
+        if HAS_MINS:
+            acc += x_sum[:, None] * _group_row(m_ptr, 0, offs_n, n_mask, stride_mn)[None, :]
     out_mask = m_mask[:, None] & n_mask[None, :]
     if PARTIAL:  # float32 partial sums, one slab per split, added up by the launcher
         out = out_ptr + pid_k * stride_os + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
@@ -144,6 +216,17 @@ def _num_sms(device: torch.device) -> int:
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
+def _mode(k: int, group_size: int, block_k: int, kind: int) -> int:
+    """How this layer's groups meet the kernel's K tiles (ROW, TILE, GROUPS, GATHER above)."""
+    if group_size >= k:
+        return ROW
+    if group_size % block_k == 0:
+        return TILE
+    if block_k % group_size == 0 and (kind == 0 or group_size % (32 // kind) == 0):
+        return GROUPS
+    return GATHER
+
+
 def _config(m: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) by token count: decode sizes read the weight in long K strips;
     larger ones tile M for reuse. Starting points, to be tuned on the GPU (bench/quant_bench.py)."""
@@ -188,6 +271,7 @@ def quant_matmul(
         split_k = min(triton.next_power_of_2(triton.cdiv(want, grid_m * grid_n)), max(1, tiles_k // 2), 16)
     split_k = max(1, min(split_k, tiles_k))
     partial = split_k > 1
+    mode = _mode(k, group_size, block_k, kind)
     target = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if partial else out
     dummy = scales  # stands in for absent zero points, mins and bias: never read
     _quant_matmul_kernel[(grid_m, grid_n, split_k)](
@@ -195,7 +279,7 @@ def quant_matmul(
         dummy if bias is None else bias, target, m, n, k, split_k,
         x.stride(0), qweight.stride(0), scales.stride(0), 0 if qzeros is None else qzeros.stride(0),
         0 if mins is None else mins.stride(0), target.stride(-2), target.stride(0) if partial else 0,
-        BITS=kind, GROUP=group_size, HAS_ZEROS=qzeros is not None, HAS_MINS=mins is not None,
+        BITS=kind, GROUP=group_size, MODE=mode, HAS_ZEROS=qzeros is not None, HAS_MINS=mins is not None,
         HAS_BIAS=bias is not None, PARTIAL=partial,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PRECISION=_precision(x.dtype),
         num_warps=warps, num_stages=3,

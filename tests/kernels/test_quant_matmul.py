@@ -98,6 +98,8 @@ def check(qm, m: int, n: int, k: int, dtype: torch.dtype, seed: int, *, split_k:
     [
         ("int4", 128, True),
         ("int4", 32, "mins"),
+        ("int4", 128, "mins"),
+        ("int4", 256, "mins"),
         ("int4", 32, False),
         ("int4", 256, True),
         ("int8", 32, True),
@@ -107,8 +109,9 @@ def check(qm, m: int, n: int, k: int, dtype: torch.dtype, seed: int, *, split_k:
     ],
 )
 def test_matches_ref(qm, codes: str, group: int, zeros: bool) -> None:
-    """Every CPU token count; 70 outputs (a partial output tile), 256 inputs (groups of 256: the whole row);
-    zero points, GGUF-style mins, or neither."""
+    """Every CPU token count; 70 outputs (a partial output tile), 256 inputs; zero points, GGUF-style mins, or
+    neither; groups of 128 (one per K tile: scaled after the tile's dot), 32 and 64 (several per tile), 256 (the
+    whole row: scaled after the K loop); the split test's 40 covers groups that tiles cut (per element)."""
     mins = zeros == "mins"
     for m in CPU_TOKENS:
         check(qm, m, 70, 256, torch.float32, seed=m, codes=codes, group=group, zeros=zeros is True, mins=mins)
@@ -120,6 +123,7 @@ def test_split_k_and_strided_rows(qm, split_k: int) -> None:
     tile; activation rows padded to a stride."""
     check(qm, 5, 64, 200, torch.float32, seed=9, split_k=split_k, x_pad=8, codes="int8", group=40, zeros=True)
     check(qm, 2, 48, 384, torch.float32, seed=10, split_k=split_k, codes="fp8", group=128, zeros=False)
+    check(qm, 3, 40, 256, torch.float32, seed=11, split_k=split_k, codes="int4", group=256, zeros=False, mins=True)
 
 
 @pytest.mark.parametrize(("codes", "zeros"), [("int4", True), ("int8", False), ("fp8", False), ("int4", "mins")])
