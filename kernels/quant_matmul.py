@@ -49,9 +49,10 @@ def _weight_tile(
     return w
 
 
-# How a K tile meets the scale groups (the launcher picks one per layer): a row's one group, scaled after the
-# whole K loop; groups of whole tiles, scaled once per tile after its dot; tiles of whole groups, dequantized
-# group by group; anything else, per element.
+# How a K tile meets the scale groups (the launcher picks one per layer, the kernel's MODE): a row's one group,
+# scaled after the whole K loop; groups of whole tiles, scaled once per tile after its dot; tiles of whole
+# groups, dequantized group by group; anything else, per element. (Literals in the kernel: a jit function
+# reads no plain module global.)
 ROW, TILE, GROUPS, GATHER = 0, 1, 2, 3
 
 
@@ -63,13 +64,15 @@ def _codes_tile(w_ptr, k0, offs_n, n_mask, K, stride_wn, BITS: tl.constexpr, BLO
     if BITS == 0:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask = (offs_k < K)[:, None] & n_mask[None, :]
-        return tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None], mask=mask, other=0.0).to(tl.float32)
-    offs_w = k0 // (32 // BITS) + tl.arange(0, BLOCK_K // (32 // BITS))
-    mask = (offs_w < K // (32 // BITS))[:, None] & n_mask[None, :]
-    words = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_w[:, None], mask=mask, other=0)  # [BK / P, BN]
-    shifts = tl.arange(0, 32 // BITS) * BITS
-    codes = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)  # [BK / P, P, BN], sign bits off
-    return tl.reshape(codes, (BLOCK_K, BLOCK_N))  # input k = word * P + field
+        tile = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None], mask=mask, other=0.0).to(tl.float32)
+    else:
+        offs_w = k0 // (32 // BITS) + tl.arange(0, BLOCK_K // (32 // BITS))
+        mask = (offs_w < K // (32 // BITS))[:, None] & n_mask[None, :]
+        words = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_w[:, None], mask=mask, other=0)  # [BK / P, BN]
+        shifts = tl.arange(0, 32 // BITS) * BITS
+        codes = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)  # [BK / P, P, BN], sign bits off
+        tile = tl.reshape(codes, (BLOCK_K, BLOCK_N))  # input k = word * P + field
+    return tile
 
 
 @triton.jit
@@ -97,13 +100,13 @@ def _quant_matmul_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
-        if MODE == GATHER:
+        if MODE == 3:  # GATHER
             w = _weight_tile(
                 w_ptr, s_ptr, z_ptr, m_ptr, offs_k, offs_n, k_mask[:, None] & n_mask[None, :], stride_wn,
                 stride_sn, stride_zn, stride_mn, BITS, GROUP, HAS_ZEROS, HAS_MINS,
             )  # fmt: skip
             acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION)
-        elif MODE == GROUPS:  # BLOCK_K // GROUP whole groups: dequantize in float32, one scale row per group
+        elif MODE == 2:  # GROUPS: BLOCK_K // GROUP whole groups: dequantize in float32, one scale row per group
             q = tl.reshape(
                 _codes_tile(w_ptr, k0, offs_n, n_mask, K, stride_wn, BITS, BLOCK_K, BLOCK_N),
                 (BLOCK_K // GROUP, GROUP, BLOCK_N),
@@ -128,7 +131,7 @@ def _quant_matmul_kernel(
             if HAS_ZEROS:
                 q = q - tl.load(z_ptr + offs_n * stride_zn + group, mask=n_mask, other=0).to(tl.int32)[None, :]
             part = tl.dot(x, q.to(x.dtype), input_precision=DOT_PRECISION)  # [BM, BN]
-            if MODE == ROW:
+            if MODE == 0:  # ROW
                 acc += part
                 if HAS_MINS:
                     x_sum += tl.sum(x.to(tl.float32), axis=1)
@@ -137,7 +140,7 @@ def _quant_matmul_kernel(
                 if HAS_MINS:
                     row_sum = tl.sum(x.to(tl.float32), axis=1)
                     acc += row_sum[:, None] * _group_row(m_ptr, group, offs_n, n_mask, stride_mn)[None, :]
-    if MODE == ROW:
+    if MODE == 0:  # ROW
         acc = acc * _group_row(s_ptr, 0, offs_n, n_mask, stride_sn)[None, :]
         if HAS_MINS:
             acc += x_sum[:, None] * _group_row(m_ptr, 0, offs_n, n_mask, stride_mn)[None, :]

@@ -269,3 +269,22 @@ def test_gpu_layer_paths_agree_at_every_switch(codes: str) -> None:
             # only that it stays within e4m3's activation rounding of the weight-only result.
             tol = 0.1 if w8a8 else TOLERANCE[torch.bfloat16]
             torch.testing.assert_close(layer(x), want[m], atol=tol, rtol=tol)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(HAS_CUDA, reason="on CUDA the GPU tests compile and run the kernels themselves")
+def test_kernels_compile_for_hopper_without_a_gpu() -> None:
+    """Triton's compiler (not the interpreter) builds every kernel variant for sm_90: the interpreter accepts
+    kernels the compiler refuses (regression: the MODE constants were plain module globals)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("hopper_compile.py")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), str(root), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr[-2000:]
+    assert out.stdout.count("ok ") == 10, out.stdout
