@@ -10,7 +10,7 @@ tensor parallelism a row-parallel layer all-reduces its partial sums (`group`). 
 
 from __future__ import annotations
 
-import logging
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -23,8 +23,6 @@ from asyncllm.layers.fusion import Fusable
 from asyncllm.layers.linear import Packed
 from asyncllm.layers.parallel import TPGroup
 from asyncllm.quantization.scheme import QuantScheme
-
-logger = logging.getLogger("asyncllm")
 
 # Token counts from which a step takes the large-M paths (CUDA): starting points, to be measured on the GPU
 # (bench/quant_bench.py --kernels).
@@ -116,11 +114,15 @@ class QuantLinear(nn.Module, Fusable):
         device = self.qweight.device
         fp8 = self.qweight.dtype == FP8_DTYPE
         if fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-            logger.warning("FP8 weights on a GPU older than compute capability 8.9 run the reference path (slow)")
-            return  # Triton has no e4m3 conversion there
+            # Triton has no e4m3 conversion there; shown once per process, not once per layer
+            warnings.warn(
+                "FP8 weights on a GPU before compute capability 8.9 run the reference path (slow)", stacklevel=2
+            )
+            return
         from asyncllm.kernels.fp8_scaled_mm import supports_w8a8
 
-        if fp8 and self.group_size == self.in_features and supports_w8a8(device) and self.out_features % 16 == 0:
+        per_channel = self.group_size == self.in_features
+        if fp8 and per_channel and supports_w8a8(device) and self.out_features % 16 == 0 and self.in_features % 16 == 0:
             self._scale_row = self.scales.detach().reshape(1, -1).float().contiguous()  # [1, N]
         self._matmul = self._kernels
 
