@@ -25,7 +25,7 @@ from asyncllm.layers.parallel import TPGroup
 from asyncllm.quantization.scheme import QuantScheme
 
 # Token counts from which a step takes the large-M paths (CUDA): starting points, to be measured on the GPU
-# (bench/quant_bench.py --kernels).
+# (bench/kernels/bench_quant_matmul.py prints the fastest path per token count).
 DEQUANT_MIN_TOKENS = 1024  # dequantize the whole weight to 16 bits, then cuBLAS
 W8A8_MIN_TOKENS = 64  # FP8 with per-channel scales, bfloat16 activations, Hopper: torch._scaled_mm
 
