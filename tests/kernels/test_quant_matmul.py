@@ -282,9 +282,7 @@ def test_kernels_compile_for_hopper_without_a_gpu() -> None:
     from pathlib import Path
 
     script = Path(__file__).with_name("hopper_compile.py")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), str(root), env.get("PYTHONPATH", "")])
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # asyncllm as this process finds it
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr[-2000:]
     assert out.stdout.count("ok ") == 10, out.stdout
