@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.fixtures.quantized import VARIANTS, build_quantized
 from tests.fixtures.tiny_models import FAMILIES, build_checkpoint
 from tests.fixtures.triton_kernels import use_interpreter_without_cuda
 
@@ -74,6 +75,22 @@ def tiny_lora_adapters(tiny_checkpoints: dict[str, Path], tmp_path_factory: pyte
             path = build_adapter(root / name, tiny_checkpoints["qwen3"], seed, **config)
             self[name] = path
             return path
+
+    return _Lazy()
+
+
+@pytest.fixture(scope="session")
+def quantized_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path, dict]]:
+    """variant (tests/fixtures/quantized.py VARIANTS) -> (quantized checkpoint in a hub's layout, its float
+    twin holding the dequantized weights, {weight name: intended float32 weight}), built on first use."""
+    root = tmp_path_factory.mktemp("quantized")
+
+    class _Lazy(dict):
+        def __missing__(self, name: str) -> tuple[Path, Path, dict]:
+            fmt, options = VARIANTS[name]
+            built = build_quantized(root / name, fmt, **options)
+            self[name] = built
+            return built
 
     return _Lazy()
 

@@ -43,6 +43,15 @@ class LoadFormat(str, enum.Enum):
     DUMMY = "dummy"  # random weights of the checkpoint's shape (benchmarks; needs config.json only)
 
 
+class Quantization(str, enum.Enum):
+    """How the weights are quantized on the device (`ModelConfig.quantization`); docs/quantization.md."""
+
+    FP8 = "fp8"  # e4m3 weights: an FP8 checkpoint's, or a 16-bit checkpoint's quantized at load
+    AWQ = "awq"  # an AWQ int4 checkpoint
+    GPTQ = "gptq"  # a GPTQ int4/int8 checkpoint
+    GGUF = "gguf"  # a GGUF file's Q8_0 / Q4_0 / Q4_1 linear layers kept quantized (the default on CUDA)
+
+
 class AttentionBackendName(str, enum.Enum):
     """Which attention implementation runs the model (`DeviceConfig.attention_backend`)."""
 
@@ -99,6 +108,14 @@ class ModelConfig:
         LoadFormat.AUTO, '"dummy" skips reading weights and fills them randomly: throughput benchmarks of real shapes.'
     )
     seed: int = arg(0, "Seed for weight-free randomness: requests without their own seed draw from it.")
+    quantization: Quantization | None = arg(
+        None,
+        "None: as the checkpoint says (its config.json `quantization_config`: AWQ, GPTQ, FP8; a GGUF file's "
+        "Q8_0/Q4_0/Q4_1 linear layers stay quantized on CUDA, dequantized on CPU), else unquantized. "
+        '"fp8" quantizes a 16-bit (or GGUF) checkpoint\'s linear weights to e4m3 at load (one scale per output '
+        'channel); "awq" / "gptq" / "fp8" / "gguf" given for a quantized checkpoint must match it '
+        "(docs/quantization.md).",
+    )
 
     def __post_init__(self) -> None:
         _set(self, "model", _path("model", self.model, optional=False))
@@ -107,6 +124,8 @@ class ModelConfig:
         check_optional_int(_fail, "max_model_len", self.max_model_len, "an integer >= 1, or None", lo=1)
         _set(self, "load_format", check_enum(_fail, LoadFormat, "load_format", self.load_format))
         check_int(_fail, "seed", self.seed, "an integer")
+        if self.quantization is not None:
+            _set(self, "quantization", check_enum(_fail, Quantization, "quantization", self.quantization))
 
 
 @dataclass(frozen=True, kw_only=True)

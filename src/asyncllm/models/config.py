@@ -129,11 +129,6 @@ class ModelArchConfig:
                 raise UnsupportedModelError(f"the {architecture} config has no {name}: not a model asyncllm runs")
             return value
 
-        if getattr(hf_config, "quantization_config", None):
-            raise UnsupportedModelError(
-                "quantized checkpoints (config.json has quantization_config) are not supported yet; "
-                "use an unquantized bfloat16/float16/float32 checkpoint"
-            )
         hidden_act = getattr(hf_config, "hidden_act", "silu")
         if hidden_act != "silu":
             raise UnsupportedModelError(f"hidden_act={hidden_act!r} is not supported; only 'silu' is")

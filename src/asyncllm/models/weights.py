@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from asyncllm.errors import UnsupportedModelError
-from asyncllm.layers.linear import PackedLinear
+from asyncllm.layers.linear import Packed
 from asyncllm.layers.moe import ExpertLinear
 from asyncllm.models.family import WeightPlan
 
@@ -80,7 +80,7 @@ def load_packed_weights(
         elif shard is None:
             _copy(params[name], tensor, hf_name)
         else:
-            assert isinstance(layer, PackedLinear), module_name
+            assert isinstance(layer, Packed), module_name
             layer.load_shard(attr, shard, tensor)
         loaded |= slots
     missing = sorted(_hf_name(s, unpacked) for s in _expected_slots(params, modules) - loaded)
@@ -118,7 +118,7 @@ def _expected_slots(params: dict[str, nn.Parameter], modules: dict[str, nn.Modul
     for name in params:
         module_name, _, _ = name.rpartition(".")
         layer = modules[module_name]
-        if isinstance(layer, PackedLinear):
+        if isinstance(layer, Packed):
             slots.update((name, shard, None) for shard in layer.shard_sizes)
         elif isinstance(layer, ExpertLinear):
             slots.update((name, shard, e) for shard in layer.shard_sizes for e in range(layer.num_experts))

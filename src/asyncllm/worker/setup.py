@@ -120,7 +120,15 @@ class WorkerSetup:
         )
         mc = self.config.model_config
         module = load_model(
-            self.checkpoint, self.resolved.arch, backend, device, dtype, mc.load_format, mc.seed, self.parallel
+            self.checkpoint,
+            self.resolved.arch,
+            backend,
+            device,
+            dtype,
+            mc.load_format,
+            mc.seed,
+            self.parallel,
+            self.resolved.quant,
         )
         # The adapter slots are allocated with the model, before memory is profiled for the KV cache.
         loras = self._lora_manager(module)
