@@ -132,3 +132,11 @@ def test_dummy_weights_fill_quantized_layers(variant, quantization, quantized_ch
         llm.shutdown()
     values = [lp for step in out.logprobs for lp in step.values()]
     assert len(out.token_ids) == 4 and all(v > -1e4 for v in values), values
+
+
+def test_lora_on_a_quantized_model_is_refused_naming_why(quantized_checkpoints) -> None:
+    """LoRA wraps unquantized linear layers only: an engine asked for both fails at build, saying so, instead
+    of refusing every adapter later with an empty list of supported modules."""
+    path, _, _ = quantized_checkpoints["awq"]
+    with pytest.raises(InvalidConfigError, match=r"enable_lora=True.*quantized"):
+        LLM(str(path), **ENGINE, enable_lora=True)

@@ -105,10 +105,11 @@ class QuantLinear(nn.Module, Fusable):
         return y.reshape(*lead, self.out_features)
 
     def _reference(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return quant_matmul_ref(
+        y: torch.Tensor = quant_matmul_ref(
             x, self.qweight, self.scales, self.qzeros, bits=self.bits, group_size=self.group_size, bias=bias,
             mins=self.mins,
         )  # fmt: skip
+        return y
 
     def enable_fused_kernels(self) -> None:
         device = self.qweight.device
@@ -133,17 +134,19 @@ class QuantLinear(nn.Module, Fusable):
         if x.is_cuda and self._scale_row is not None and m >= W8A8_MIN_TOKENS and x.dtype == torch.bfloat16:
             from asyncllm.kernels.fp8_scaled_mm import fp8_w8a8_matmul
 
-            return fp8_w8a8_matmul(x, self.qweight, self._scale_row, bias=bias, scale_ub=self.scale_ub)
+            y: torch.Tensor = fp8_w8a8_matmul(x, self.qweight, self._scale_row, bias=bias, scale_ub=self.scale_ub)
+            return y
         if x.is_cuda and m >= DEQUANT_MIN_TOKENS:
             w = qm.dequantize(
                 self.qweight, self.scales, self.qzeros, bits=self.bits, group_size=self.group_size, dtype=x.dtype,
                 mins=self.mins,
             )  # fmt: skip
             return F.linear(x, w, bias)
-        return qm.quant_matmul(
+        out: torch.Tensor = qm.quant_matmul(
             x.contiguous(), self.qweight, self.scales, self.qzeros, bits=self.bits, group_size=self.group_size,
             bias=bias, mins=self.mins,
         )  # fmt: skip
+        return out
 
 
 class PackedQuantLinear(QuantLinear, Packed):

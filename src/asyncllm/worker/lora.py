@@ -15,7 +15,7 @@ from collections import OrderedDict
 
 import torch
 
-from asyncllm.errors import LoRAError
+from asyncllm.errors import InvalidConfigError, LoRAError
 from asyncllm.kernels.lora_plan import LORA_BLOCK_M, max_lora_blocks, plan_lora_blocks, token_slots
 from asyncllm.layers.lora import LoRABatch, LoRALinear
 from asyncllm.model_loader.lora import read_peft_adapter
@@ -45,6 +45,11 @@ class LoRAManager:
         self.num_slots = max_loras
         self.rank, self.world_size = rank, world_size
         self.layout = LoRALayout(model, padded_rank(max_lora_rank))
+        if not self.layout.targets:  # e.g. every linear layer quantized (AWQ, GPTQ, FP8): LoRA wraps plain ones
+            raise InvalidConfigError(
+                "enable_lora=True, but this model has no layer LoRA adapters can apply to: its linear layers are "
+                "quantized (docs/quantization.md); adapters apply to unquantized models only"
+            )
         self.pool = torch.zeros(max_loras, self.layout.numel, dtype=weight.dtype, device=weight.device)
         self.batch = LoRABatch()
         attach_lora(model, self.layout, self.pool, self.batch)
