@@ -73,9 +73,11 @@ def test_greedy_equals_transformers(family: str, variant: str, tiny_checkpoints,
     llm.shutdown()
 
 
-def test_prefix_cache_hits_keep_outputs(tiny_checkpoints) -> None:
-    """The same shared-prefix batch twice: the second pass hits the cache and gives the same tokens."""
-    path = tiny_checkpoints["qwen3"]
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "mistral_swa"])
+def test_prefix_cache_hits_keep_outputs(family: str, tiny_checkpoints) -> None:
+    """The same shared-prefix batch twice: the second pass hits the cache and gives the same tokens (also
+    for sliding-window models, whose prompts and outputs run past their 8-key window)."""
+    path = tiny_checkpoints[family]
     llm = LLM(str(path), device="cpu", block_size=4, num_kv_blocks=256)
     prompts = _prompts(2, llm.runtime.vocab_size, shared_prefix=True)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)

@@ -165,18 +165,21 @@ def _greedy(path: Path, backend: str, device: str, **engine_args) -> list[list[i
     return [o.token_ids for o in outs]
 
 
-def test_engine_greedy_equals_torch_backend_in_interpreter(kernels, tiny_model: Path) -> None:
-    """The whole engine on CPU with the interpreted kernels (chunked prefill forced by the token budget)."""
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_engine_greedy_equals_torch_backend_in_interpreter(kernels, tiny_checkpoints, family: str) -> None:
+    """The whole engine on CPU with the interpreted kernels (chunked prefill forced by the token budget): every
+    fused kernel in its family's form, and Gemma 3's 8-key sliding windows."""
     if HAS_CUDA:
         pytest.skip("covered on CUDA by test_engine_greedy_equals_torch_backend_on_cuda")
+    path = tiny_checkpoints[family]
     args = dict(block_size=16, num_kv_blocks=64, max_num_batched_tokens=32)
-    assert _greedy(tiny_model, "triton", "cpu", **args) == _greedy(tiny_model, "torch", "cpu", **args)
+    assert _greedy(path, "triton", "cpu", **args) == _greedy(path, "torch", "cpu", **args)
 
 
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.usefixtures("exact_fp32")
-@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama", "llama3", "mistral"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama", "llama3", "mistral", "mistral_swa", "gemma3"])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_engine_greedy_equals_torch_backend_on_cuda(kernels, tiny_checkpoints, family: str, block_size: int) -> None:
     args = dict(block_size=block_size, num_kv_blocks=128, max_num_batched_tokens=32)
