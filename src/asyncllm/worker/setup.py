@@ -262,6 +262,7 @@ class WorkerSetup:
             architecture=arch.architecture,
             kv_cache_bytes=num_blocks * self.kv_spec.bytes_per_block,
             num_threads=self.num_threads,
+            kv_window=arch.kv_window,
         )
 
     @property
