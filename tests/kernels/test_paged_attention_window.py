@@ -14,7 +14,7 @@ import torch
 from tests.fixtures.triton_kernels import TOLERANCE
 from tests.kernels.test_paged_attention import make_batch, run_decode, run_prefill
 
-WINDOWS = [1, 5, 16, 33, 1000]
+WINDOWS = [1, 5, 33, 1000]  # itself alone; inside one tile; across tiles and blocks, unaligned; past every sequence
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def test_decode_window_matches_ref(pa, window: int, block_size: int) -> None:
 
 
 @pytest.mark.parametrize("window", WINDOWS)
-@pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 16), (16, 32)])
+@pytest.mark.parametrize("block_m,block_n", [(32, 16), (16, 32)])
 def test_prefill_window_matches_ref(pa, window: int, block_m: int, block_n: int) -> None:
     """Whole prompts and chunks after cached keys (context not aligned to tiles or blocks); tiles taller than
     the key tiles, so a row can see no key of a whole tile."""
