@@ -52,7 +52,8 @@ class LoRAAdapter:
 class ScheduledSeq:
     """One request's slice of a step: compute KV for `input_token_ids` at positions `start_pos`...
 
-    `block_ids` is the request's whole block table after this step's allocation. `sample` is True when the
+    `block_ids` is the request's whole block table after this step's allocation (when every layer slides, its
+    leading entries may name blocks already given back: no kernel reads them again). `sample` is True when the
     slice reaches the end of the request's tokens (those known and the one in flight), so its last logits
     give the next token. The last input id may be `PLACEHOLDER`.
     """
@@ -129,6 +130,10 @@ class RuntimeInfo:
     kv_cache_bytes: int = 0  # the KV cache's memory (one rank's share under tensor parallelism)
     num_threads: int | None = None  # torch's CPU threads in the thread that runs steps (rank 0's)
     max_loras: int = 0  # LoRA adapter slots (the most one batch mixes); 0: built without enable_lora
+    # When every layer of the model slides over at most this many keys (Mistral's sliding_window): keys that
+    # far behind a sequence's next token are never read again, and their blocks can be given back early.
+    # None: some layer reads every key.
+    kv_window: int | None = None
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -65,6 +65,10 @@ class BlockManager:
         """A copy of the prefix index: block hash -> the block holding exactly that prefix."""
         return dict(self._cached)
 
+    def held_block_ids(self, request: Request) -> list[int]:
+        """The blocks `request` references: its whole table (a windowed manager gives some back early)."""
+        return request.block_ids
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

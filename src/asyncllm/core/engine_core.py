@@ -26,6 +26,7 @@ from asyncllm.core.output_processor import OutputProcessor, RequestDelta, reques
 from asyncllm.core.request import Request
 from asyncllm.core.sample_group import SampleGroups
 from asyncllm.core.scheduler import Scheduler, SchedulerLimits
+from asyncllm.core.window_blocks import WindowedBlockManager
 from asyncllm.errors import InvalidRequestError
 from asyncllm.outputs import FinishReason
 from asyncllm.step import ModelExecutor, SchedulerOutput, StepResult
@@ -80,7 +81,11 @@ class EngineCore:
     ) -> None:
         self.executor = executor
         rt = executor.runtime
-        self.block_manager = BlockManager(rt.num_kv_blocks, rt.block_size, enable_prefix_caching)
+        self.block_manager = (
+            BlockManager(rt.num_kv_blocks, rt.block_size, enable_prefix_caching)
+            if rt.kv_window is None
+            else WindowedBlockManager(rt.num_kv_blocks, rt.block_size, enable_prefix_caching, rt.kv_window)
+        )
         self.loras = LoRARegistry(LoRASettings(rt.max_loras, max_cpu_loras))
         self.scheduler = Scheduler(
             SchedulerLimits(max_num_seqs, max_num_batched_tokens, max_prefill_tokens_while_decoding),

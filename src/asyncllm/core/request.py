@@ -45,7 +45,7 @@ class Request:
     num_computed_tokens: int = 0
     num_pending_tokens: int = 0  # sampled by submitted steps whose outputs are not processed yet
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)  # token t's KV in entry t // block_size (window_blocks.py)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks, computed lazily
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None

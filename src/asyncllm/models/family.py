@@ -126,6 +126,7 @@ class FamilySpec:
     weights: WeightPlan
     norm: Callable[[int, float], nn.Module] = RMSNorm  # (dim, eps) -> a norm; Gemma: its (1 + w) form
     activation: Callable[[], nn.Module] = SiluAndMul  # the gated MLP's [gate | up] -> [I]; Gemma: GELU-tanh
+    hidden_act: str = "silu"  # transformers' name for what `activation` computes; a config naming another is refused
     embedding_scale: EmbeddingScale | None = None
     # Bias on the q/k/v and on the o projections; None: the config's `attention_bias` (Qwen2 forces q/k/v).
     qkv_bias: bool | None = None

@@ -15,6 +15,7 @@ from typing import Any
 from asyncllm.errors import UnsupportedModelError
 from asyncllm.models.base import CausalLM
 from asyncllm.models.family import GGUFNames
+from asyncllm.models.gemma3 import Gemma3ForCausalLM
 from asyncllm.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from asyncllm.models.qwen3 import Qwen3ForCausalLM
 from asyncllm.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -64,6 +65,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         GGUFForm(("llama",), permuted_qk=True, attention_bias_from_tensors=True),
     ),
     Architecture("MistralForCausalLM", MistralForCausalLM),  # llama.cpp writes Mistral as "llama"
+    Architecture("Gemma3ForCausalLM", Gemma3ForCausalLM),  # no GGUF form (docs/models.md says why)
 )
 _BY_NAME = {a.name: a for a in ARCHITECTURES}
 _BY_GGUF = {gguf: a for a in ARCHITECTURES if a.gguf is not None for gguf in a.gguf.names}

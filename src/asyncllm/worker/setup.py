@@ -291,6 +291,7 @@ class WorkerSetup:
             kv_cache_bytes=num_blocks * self.kv_spec.bytes_per_block,
             num_threads=self.num_threads,
             max_loras=loaded.loras.num_slots if loaded.loras is not None else 0,
+            kv_window=arch.kv_window,
         )
 
     @property
