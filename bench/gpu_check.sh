@@ -4,7 +4,7 @@
 # Usage (device machine, repo root): bash bench/gpu_check.sh [STEPS]   STEPS: comma list of
 #   tests, kernels, startup, compare (default: all four); COMPARE_STEPS overrides compare.sh's steps;
 #   also w6 (structured output's cost; carry .whl with xgrammar's wheels), w7 (n=8 samples per prompt against
-#   8 separate requests, prefix cache on and off, ~3 min), moe (Qwen3-30B-A3B shape, ~6 min), w8 (prompt logprobs), lora (~5 min), quant (~15 min), abpeers (W1+W5 of AB_BASE against this tree, then nano-vllm), enginetests, quicktests, attntests, w12var, w2var, sampling, ab (W1 of AB_BASE against this tree), decodesweep, w1big, gemm, pa, w2ab (W1/W2 under graph and scheduling variants), w1prof (W1 plain + under
+#   8 separate requests, prefix cache on and off, ~3 min), moe (Qwen3-30B-A3B shape, ~6 min), gemma3 (Gemma 3 4B shape, ~3 min), w8 (prompt logprobs), lora (~5 min), quant (~15 min), abpeers (W1+W5 of AB_BASE against this tree, then nano-vllm), enginetests, quicktests, attntests, w12var, w2var, sampling, ab (W1 of AB_BASE against this tree), decodesweep, w1big, gemm, pa, w2ab (W1/W2 under graph and scheduling variants), w1prof (W1 plain + under
 #   torch.profiler, ~2 min), w4 (long-context prefill and decode, 16K/32K, two token budgets, ~1 min), and
 #   on two GPUs tptests, tpbench (tensor parallelism).
 # Set-up here first: rm -rf .peers && cp -r ../shared/peers .peers && cp -r ../shared/models/qwen3-tokenizer .peers/
@@ -148,6 +148,10 @@ if has quant; then  # issue 26: quantized weights' GPU tests, GEMM paths per sha
   timeout 240 python3 bench/kernels/bench_quant_matmul.py 2>&1 | tee "$OUT/quant_kernels.log" | grep -E '"summary"|Error'
   for s in qwen3-0.6b qwen3-8b; do timeout 400 python3 bench/quant_bench.py --shapes $s --peers 2>&1 | grep -E '^\{|Error'; done | tee "$OUT/quant_bench.log"
   while read -r line; do rows+=("quant: $line"); done < <(grep '"W5"\|"W1"' "$OUT/quant_bench.log")
+fi
+if has gemma3; then  # issue 27: Gemma 3 4B shape (random weights): W5 and W1 beside their byte-count limits (~3 min)
+  timeout 580 python3 bench/gemma3_w1_w5.py 2>&1 | tee "$OUT/gemma3.log" | grep -E '^\{|Error'
+  while read -r line; do rows+=("gemma3: $line"); done < <(grep '^{' "$OUT/gemma3.log")
 fi
 if has moe; then  # issue 27: fused MoE experts (TP=1, a TP=2 slice), then W5 and W1 on the Qwen3-30B-A3B shape (~6 min)
   timeout 180 python3 bench/kernels/bench_fused_moe.py 2>&1 | tee "$OUT/bench_fused_moe.log" | tail -6
