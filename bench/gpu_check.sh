@@ -4,7 +4,7 @@
 # Usage (device machine, repo root): bash bench/gpu_check.sh [STEPS]   STEPS: comma list of
 #   tests, kernels, startup, compare (default: all four); COMPARE_STEPS overrides compare.sh's steps;
 #   also w6 (structured output's cost; carry .whl with xgrammar's wheels), w7 (n=8 samples per prompt against
-#   8 separate requests, prefix cache on and off, ~3 min), abpeers (W1+W5 of AB_BASE against this tree, then nano-vllm), enginetests, quicktests, attntests, w12var, w2var, sampling, ab (W1 of AB_BASE against this tree), decodesweep, w1big, gemm, pa, w2ab (W1/W2 under graph and scheduling variants), w1prof (W1 plain + under
+#   8 separate requests, prefix cache on and off, ~3 min), moe (Qwen3-30B-A3B shape, ~6 min), gemma3 (Gemma 3 4B shape, ~3 min), w8 (prompt logprobs), lora (~5 min), quant (~15 min), abpeers (W1+W5 of AB_BASE against this tree, then nano-vllm), enginetests, quicktests, attntests, w12var, w2var, sampling, ab (W1 of AB_BASE against this tree), decodesweep, w1big, gemm, pa, w2ab (W1/W2 under graph and scheduling variants), w1prof (W1 plain + under
 #   torch.profiler, ~2 min), w4 (long-context prefill and decode, 16K/32K, two token budgets, ~1 min), and
 #   on two GPUs tptests, tpbench (tensor parallelism).
 # Set-up here first: rm -rf .peers && cp -r ../shared/peers .peers && cp -r ../shared/models/qwen3-tokenizer .peers/
@@ -131,6 +131,34 @@ fi
 if has w7; then  # issue 22: 32 W1 prompts x n=8 as one request each against 256 separate requests, same tokens
   (cd bench && timeout 500 python3 w7_n_samples.py 2>&1 | grep -E '^\{|Error|Traceback' | tail -3) | tee "$OUT/w7.log"
   rows+=("w7: $(grep '^{' "$OUT/w7.log" | tail -1)")
+fi
+if has w8; then  # issue 22: prompt logprobs (scoring) against plain prefill of the same prompts
+  (cd bench && timeout 300 python3 w8_prompt_logprobs.py 2>&1 | grep -E '^\{|Error|Traceback' | tail -3) | tee "$OUT/w8.log"
+  rows+=("w8: $(grep '^{' "$OUT/w8.log" | tail -1)")
+fi
+if has lora; then  # issue 27: LoRA kernels and GPU tests, the kernels against their GEMMs, W1 with 8 adapters mixed vs the base (~5 min)
+  python3 -m pytest -q -s -p no:cacheprovider -o addopts="" tests/kernels/test_lora.py tests/gpu/test_lora.py 2>&1 | tee "$OUT/lora_tests.log" | tail -3
+  timeout 120 python3 bench/kernels/bench_lora.py | tee "$OUT/bench_lora.jsonl" | tail -4
+  timeout 300 python3 bench/w1_lora.py | tee "$OUT/w1_lora.json" | tail -2
+  rows+=("lora tests: $(tail -1 "$OUT/lora_tests.log")" "W1 LoRA: $(tail -1 "$OUT/w1_lora.json" | cut -c1-240)")
+fi
+if has quant; then  # issue 26: quantized weights' GPU tests, GEMM paths per shape and size, W5/W1 bf16 vs FP8 vs int4 beside nano-vllm
+  python3 -m pytest -q -s -p no:cacheprovider -o addopts="" tests/gpu/test_quant.py tests/kernels/test_quant_matmul.py 2>&1 | tee "$OUT/quant_tests.log" | grep -E "passed|failed|Error|perplexity" | tail -20
+  rows+=("quant tests: $(tail -1 "$OUT/quant_tests.log")")
+  timeout 240 python3 bench/kernels/bench_quant_matmul.py 2>&1 | tee "$OUT/quant_kernels.log" | grep -E '"summary"|Error'
+  for s in qwen3-0.6b qwen3-8b; do timeout 400 python3 bench/quant_bench.py --shapes $s --peers 2>&1 | grep -E '^\{|Error'; done | tee "$OUT/quant_bench.log"
+  while read -r line; do rows+=("quant: $line"); done < <(grep '"W5"\|"W1"' "$OUT/quant_bench.log")
+fi
+if has gemma3; then  # issue 27: Gemma 3 4B shape (random weights): W5 and W1 beside their byte-count limits (~3 min)
+  timeout 580 python3 bench/gemma3_w1_w5.py 2>&1 | tee "$OUT/gemma3.log" | grep -E '^\{|Error'
+  while read -r line; do rows+=("gemma3: $line"); done < <(grep '^{' "$OUT/gemma3.log")
+fi
+if has moe; then  # issue 27: fused MoE experts (TP=1, a TP=2 slice), then W5 and W1 on the Qwen3-30B-A3B shape (~6 min)
+  timeout 180 python3 bench/kernels/bench_fused_moe.py 2>&1 | tee "$OUT/bench_fused_moe.log" | tail -6
+  timeout 120 python3 bench/kernels/bench_fused_moe.py --tp 2 2>&1 | tee -a "$OUT/bench_fused_moe.log" | tail -6
+  while read -r line; do rows+=("moe kernel: $(echo "$line" | cut -c1-200)"); done < <(grep '^{' "$OUT/bench_fused_moe.log")
+  (cd bench && timeout 540 python3 moe_bench.py 2>&1 | grep -E '^\{|Error' | tail -3) | tee "$OUT/moe.log"
+  while read -r line; do rows+=("qwen3-30b-a3b: $(echo "$line" | cut -c1-260)"); done < <(grep '^{' "$OUT/moe.log")
 fi
 if has w1big; then  # W1 on the Qwen3-8B shape (limit 13,000 tok/s)
   (cd bench && timeout 150 python3 w1_throughput.py --shape qwen3-8b 2>&1 | grep -E '^\{|Error' | tail -1) | tee "$OUT/w1big.log"

@@ -24,7 +24,7 @@ CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("memcpy_memset", ("memcpy", "memset")),
     ("qk_norm_rope", ("qk_norm_rope",)),
     ("rms_norm", ("rms_norm",)),
-    ("silu_mul", ("silu",)),
+    ("silu_mul", ("silu", "gated_act")),  # the gated MLP activation: SiLU or GELU-tanh times up
     ("decode_attention", ("decode",)),
     ("prefill_attention", ("prefill", "flash", "fmha", "attention")),
     ("sampling", ("gumbel", "argmax")),

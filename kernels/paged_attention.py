@@ -3,9 +3,12 @@ A decode launch of one split (a full batch fills the GPU without splitting) norm
 in the split kernel; more splits leave partials that a second launch merges.
 
 Both read keys/values through each sequence's block table, token by token, so any power-of-two block size
-works. `paged_attention_ref` (paged_attention_ref.py) is the specification, in pure PyTorch. Knows nothing
-of the engine: the caller hands in packed queries, the cache, and the per-step plans (paged_attention_plan.py,
-re-exported here: `plan_prefill_tiles`, `tile_buffer`, `choose_num_splits`).
+works. A sliding-window layer (`window` given) reads only the keys inside its queries' windows: a decode
+program walks the last `window` keys, a prefill tile starts at its first row's window (a constexpr switch, so
+global layers run the kernels they always ran). `paged_attention_ref` (paged_attention_ref.py) is the
+specification, in pure PyTorch. Knows nothing of the engine: the caller hands in packed queries, the cache,
+and the per-step plans (paged_attention_plan.py, re-exported here: `plan_prefill_tiles`, `tile_buffer`,
+`choose_num_splits`).
 
 Both kernels also run inside CUDA graphs whose launch shapes are fixed for any step of up to N tokens: a
 decode entry of -1 is no work (its programs exit at once), and prefill programs walk the tiles with a
@@ -18,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .paged_attention_checks import check_inputs, check_window
 from .paged_attention_plan import (
     MAX_SPLITS,
     TILES_HEADER,
@@ -55,16 +59,17 @@ def _dim_mask(offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 # num_splits is a plain argument, not specialised (1 / multiple of 16 / other would be three compilations), so
-# warm-up compiles one variant and a CUDA graph may bake in any split count.
-@triton.jit(do_not_specialize=["num_splits"])
+# warm-up compiles one variant and a CUDA graph may bake in any split count; the window likewise.
+@triton.jit(do_not_specialize=["num_splits", "window"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, seqs_ptr, out_ptr,
     acc_ptr, m_ptr, l_ptr,  # partials: acc [B, H, S, D] fp32, m/l [B, H, S] fp32 (unused with one split)
-    qk_scale, num_splits,
+    qk_scale, num_splits, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):  # fmt: skip
     # KV heads vary fastest: the programs of one sequence run together and read whole cache rows between
     # them ([block, slot, all heads, D] is contiguous), and the sequences go in work-list order (longest first).
@@ -74,10 +79,15 @@ def _decode_split_kernel(
         return
     row = tl.load(qsl_ptr + seq)
     seq_len = tl.load(seq_lens_ptr + seq)
-    # Each sequence splits its own length (read on the device, so a CUDA graph replays any lengths); splits
-    # past the end stay empty (m = -inf, l = 0) and weigh nothing in the reduction.
-    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * tokens_per_split
+    # Each sequence splits its own keys (read on the device, so a CUDA graph replays any lengths): all of
+    # them, or with a window the last `window` (the query, at seq_len - 1, sees exactly those, so no mask).
+    # Splits past the end stay empty (m = -inf, l = 0) and weigh nothing in the reduction.
+    if SLIDING:
+        lo = tl.maximum(seq_len - window, 0)
+    else:
+        lo = seq_len * 0
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+    start = lo + split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -159,13 +169,19 @@ def _decode_reduce_kernel(
 
 @triton.jit
 def _prefill_tile(
-    q, m_i, l_i, acc, pos, offs_m, context, kv_hi, table, k_base, v_base, qk_scale,
+    q, m_i, l_i, acc, pos, offs_m, context, kv_lo, kv_hi, window, table, k_base, v_base, qk_scale,
     stride_kb, stride_kt, stride_vb, stride_vt, d_mask,
-    BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, SLIDING: tl.constexpr,
 ):  # fmt: skip
-    """One step of the online softmax over the keys at `pos` [N]; MASKED applies causality and the end."""
+    """One step of the online softmax over the keys at `pos` [N]; MASKED applies causality, the end and, when
+    SLIDING, each row's window."""
     if MASKED:
-        in_seq = pos < kv_hi  # never read past the sequence: unwritten slots may hold NaN
+        # Never read past the sequence (unwritten slots may hold NaN), nor before the first row's window
+        # (those blocks may belong to another sequence by now).
+        if SLIDING:
+            in_seq = (pos < kv_hi) & (pos >= kv_lo)
+        else:
+            in_seq = pos < kv_hi
         block = tl.load(table + pos // BLOCK_SIZE, mask=in_seq, other=0).to(tl.int64)
         kv_mask = in_seq[:, None] & d_mask[None, :]
     else:
@@ -176,23 +192,33 @@ def _prefill_tile(
     v = tl.load(v_base + block[:, None] * stride_vb + slot * stride_vt, mask=kv_mask, other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, N], log2 domain
     if MASKED:
-        s = tl.where((pos[None, :] <= context + offs_m[:, None]) & in_seq[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: key 0 is visible to every row, in the first tile
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+        q_pos = context + offs_m[:, None]
+        visible = (pos[None, :] <= q_pos) & in_seq[None, :]
+        if SLIDING:
+            visible = visible & (pos[None, :] > q_pos - window)
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    if SLIDING:
+        # A row may see no key of this tile yet (its window starts further on): shift by 0 instead of
+        # -inf, so its alpha and p are 0 rather than NaN.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_ref = m_new  # finite: key 0 is visible to every row, in the first tile
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, tiles_ptr, qk_scale,
+    q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, tiles_ptr, qk_scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TILES_HEADER: tl.constexpr,
+    TILES_HEADER: tl.constexpr, SLIDING: tl.constexpr,
 ):  # fmt: skip
     head = tl.program_id(0)  # heads vary fastest: a GQA group shares K/V in L2
     kv_head = head // GROUP
@@ -224,16 +250,34 @@ def _prefill_kernel(
         # Keys before context + q_start are visible to every row of the tile: no causal mask there.
         full_hi = ((context + q_start) // BLOCK_N) * BLOCK_N
         kv_hi = tl.minimum(seq_len, context + q_start + BLOCK_M)
-        for n0 in range(0, full_hi, BLOCK_N):
+        if SLIDING:
+            # Keys before the first row's window are read by no row; from full_lo on, every real row's window
+            # (the last one's starts at kv_hi - window) holds them: masked tiles only between the two.
+            kv_lo = tl.maximum(context + q_start - window + 1, 0)
+            lo = (kv_lo // BLOCK_N) * BLOCK_N
+            full_lo = tl.cdiv(tl.maximum(kv_hi - window, 0), BLOCK_N) * BLOCK_N
+            full_lo = tl.minimum(tl.maximum(full_lo, lo), full_hi)
+            for n0 in range(lo, full_lo, BLOCK_N):
+                m_i, l_i, acc = _prefill_tile(
+                    q, m_i, l_i, acc, n0 + offs_n, offs_m, context, kv_lo, kv_hi, window, table, k_base, v_base,
+                    qk_scale, stride_kb, stride_kt, stride_vb, stride_vt, d_mask, BLOCK_SIZE, True, DOT_PRECISION,
+                    SLIDING,
+                )  # fmt: skip
+        else:
+            kv_lo = 0
+            full_lo = full_hi * 0
+        for n0 in range(full_lo, full_hi, BLOCK_N):
             m_i, l_i, acc = _prefill_tile(
-                q, m_i, l_i, acc, n0 + offs_n, offs_m, context, kv_hi, table, k_base, v_base, qk_scale,
-                stride_kb, stride_kt, stride_vb, stride_vt, d_mask, BLOCK_SIZE, False, DOT_PRECISION,
+                q, m_i, l_i, acc, n0 + offs_n, offs_m, context, kv_lo, kv_hi, window, table, k_base, v_base, qk_scale,
+                stride_kb, stride_kt, stride_vb, stride_vt, d_mask, BLOCK_SIZE, False, DOT_PRECISION, SLIDING,
             )  # fmt: skip
         for n0 in range(full_hi, kv_hi, BLOCK_N):
             m_i, l_i, acc = _prefill_tile(
-                q, m_i, l_i, acc, n0 + offs_n, offs_m, context, kv_hi, table, k_base, v_base, qk_scale,
-                stride_kb, stride_kt, stride_vb, stride_vt, d_mask, BLOCK_SIZE, True, DOT_PRECISION,
+                q, m_i, l_i, acc, n0 + offs_n, offs_m, context, kv_lo, kv_hi, window, table, k_base, v_base, qk_scale,
+                stride_kb, stride_kt, stride_vb, stride_vt, d_mask, BLOCK_SIZE, True, DOT_PRECISION, SLIDING,
             )  # fmt: skip
+        if SLIDING:  # padding rows past the sequence may have no key in their window: 0, not 0 / 0
+            l_i = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_i[:, None]
         tl.store(
             out_ptr + (row0 + offs_m[:, None]) * stride_ot + head * stride_oh + offs_d[None, :],
@@ -248,46 +292,6 @@ def runs_in_interpreter() -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- launchers
-def _check(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    out: torch.Tensor,
-) -> tuple[int, int, int]:
-    """Validates the shared inputs; returns (group, head_dim, block_size)."""
-    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(
-            f"expected q [T, H, D] and k/v caches [num_blocks, block_size, Hkv, D] of one shape; got q "
-            f"{tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
-        )
-    num_heads, head_dim = q.shape[1:]
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    if k_cache.shape[3] != head_dim or num_heads % num_kv_heads:
-        raise ValueError(f"q heads/dim {num_heads}/{head_dim} do not fit the cache's {num_kv_heads}/{k_cache.shape[3]}")
-    if block_size & (block_size - 1):
-        raise ValueError(f"block_size={block_size} must be a power of two (e.g. 16)")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype == out.dtype):
-        raise TypeError(f"q, caches and out must share one dtype; got {q.dtype}, {k_cache.dtype}, {out.dtype}")
-    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise TypeError(f"dtype {q.dtype} is not supported; use float32, float16 or bfloat16")
-    if out.shape != q.shape:
-        raise ValueError(f"out shape {tuple(out.shape)} must equal q shape {tuple(q.shape)}")
-    for name, t in (("q", q), ("out", out), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in head_dim (stride(-1) == 1); got strides {t.stride()}")
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device}, q on {q.device}: all inputs must share one device")
-    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
-        if t.dtype != torch.int32 or t.device != q.device:
-            raise TypeError(f"{name} must be int32 on {q.device}; got {t.dtype} on {t.device}")
-    if block_tables.dim() != 2 or block_tables.stride(1) != 1:
-        raise ValueError(f"block_tables must be [B, max_blocks] with unit column stride; got {block_tables.stride()}")
-    return num_heads // num_kv_heads, head_dim, block_size
-
-
 def _pow2(n: int, floor: int = 16) -> int:
     return max(floor, triton.next_power_of_2(n))
 
@@ -311,8 +315,10 @@ def paged_decode_attention(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int | None = None,
+    window: int | None = None,  # a sliding window: each query reads its last `window` keys; None: all
 ) -> None:
-    group, head_dim, block_size = _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
+    group, head_dim, block_size = check_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
+    check_window(window)
     if num_stages is None:
         # Two stages: half the shared memory of four, so an SM holds more programs, which beats a deeper
         # pipeline once lengths vary (H200, batch 256, lengths U[200, 2048], longest first: 0.372 against
@@ -330,11 +336,11 @@ def paged_decode_attention(
     l_sum = torch.empty_like(m)
     _decode_split_kernel[(num_kv_heads, num_decode, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, decode_seqs, out, acc, m, l_sum,
-        scale * _LOG2E, num_splits,
+        scale * _LOG2E, num_splits, window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=_pow2(group),
-        BLOCK_D=_pow2(head_dim), BLOCK_N=block_n, DOT_PRECISION=_precision(q.dtype),
+        BLOCK_D=_pow2(head_dim), BLOCK_N=block_n, DOT_PRECISION=_precision(q.dtype), SLIDING=window is not None,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits == 1:
@@ -361,8 +367,10 @@ def paged_prefill_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    window: int | None = None,  # a sliding window: query at position p reads keys p - window + 1..p; None: 0..p
 ) -> None:
-    group, head_dim, block_size = _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
+    group, head_dim, block_size = check_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
+    check_window(window)
     if tiles.dtype != torch.int32 or tiles.dim() != 1 or not tiles.is_contiguous() or tiles.device != q.device:
         raise TypeError(
             f"tiles must be a contiguous 1-D int32 buffer on {q.device}; got {tiles.dtype} {tuple(tiles.shape)}"
@@ -378,10 +386,10 @@ def paged_prefill_attention(
     num_warps = num_warps or (4 if block_m <= 64 else 8)
     num_stages = num_stages or (2 if big else 3)
     _prefill_kernel[(q.shape[1], num_programs)](
-        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, tiles, scale * _LOG2E,
+        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, tiles, scale * _LOG2E, window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_D=_pow2(head_dim),
-        BLOCK_N=block_n, DOT_PRECISION=_precision(q.dtype), TILES_HEADER=TILES_HEADER,
+        BLOCK_N=block_n, DOT_PRECISION=_precision(q.dtype), TILES_HEADER=TILES_HEADER, SLIDING=window is not None,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip

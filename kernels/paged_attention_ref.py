@@ -16,9 +16,11 @@ def paged_attention_ref(
     query_lens: list[int],
     seq_lens: list[int],
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:  # [T, H, D]
     """The specification of both kernels: query j of a sequence with query_len Q and seq_len L sits at
-    position L - Q + j and attends keys 0..L - Q + j of its own blocks; softmax in float32."""
+    position p = L - Q + j and attends keys 0..p of its own blocks, or with a sliding `window` keys
+    p - window + 1..p (transformers' `kv_idx > q_idx - window`); softmax in float32."""
     block_size, group = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
     out = torch.empty_like(q)
     row = 0
@@ -28,7 +30,10 @@ def paged_attention_ref(
         v = v_cache[blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(group, dim=1)
         qs = q[row : row + q_len].float()  # [Q, H, D]
         scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
-        visible = torch.arange(seq_len)[None, :] <= torch.arange(q_len)[:, None] + (seq_len - q_len)  # [Q, L]
+        kpos, qpos = torch.arange(seq_len)[None, :], torch.arange(q_len)[:, None] + (seq_len - q_len)
+        visible = kpos <= qpos  # [Q, L]
+        if window is not None:
+            visible &= kpos > qpos - window
         scores = scores.masked_fill(~visible.to(q.device), float("-inf"))
         out[row : row + q_len] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v).to(q.dtype)
         row += q_len

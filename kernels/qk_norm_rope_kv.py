@@ -1,5 +1,6 @@
 """Everything between the qkv projection and attention, in one Triton pass: split the packed qkv, per-head
-RMSNorm of q and k (Qwen3; skipped without weights), rotate-half rotary embeddings, and the paged KV store.
+RMSNorm of q and k (Qwen3, or Gemma 3's (1 + w) form with `unit_offset`; skipped without weights), rotate-half
+rotary embeddings, and the paged KV store.
 
 `qk_norm_rope_kv_ref` (qk_norm_rope_kv_ref.py) is the specification, the model code op for op (RMSNorm as
 transformers orders it, rotary with cos/sin cast to the activations' dtype, every elementwise op rounded to it,
@@ -20,15 +21,20 @@ __all__ = ["qk_norm_rope_kv", "qk_norm_rope_kv_ref"]
 
 
 @triton.jit
-def _norm_halves(x1, x2, w1, w2, eps, HEAD_DIM: tl.constexpr):
+def _norm_halves(x1, x2, w1, w2, eps, HEAD_DIM: tl.constexpr, UNIT_OFFSET: tl.constexpr):
     """RMSNorm of each row of a tile split in halves x1, x2 [R, BH] (padding holds 0), weights w1, w2 [R, BH]
-    float32; rounded like transformers: normalise in float32, cast to x's dtype, multiply by the weight."""
+    float32; rounded like transformers: normalise in float32, cast to x's dtype, multiply by the weight; or
+    (UNIT_OFFSET, Gemma) multiply by 1 + weight in float32 and cast once."""
     dtype = x1.dtype
     f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
     var = (tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / HEAD_DIM  # [R]
     rstd = tl.math.rsqrt(var + eps)[:, None]
-    n1 = (w1 * (f1 * rstd).to(dtype).to(tl.float32)).to(dtype)
-    n2 = (w2 * (f2 * rstd).to(dtype).to(tl.float32)).to(dtype)
+    if UNIT_OFFSET:
+        n1 = (f1 * rstd * (1.0 + w1)).to(dtype)
+        n2 = (f2 * rstd * (1.0 + w2)).to(dtype)
+    else:
+        n1 = (w1 * (f1 * rstd).to(dtype).to(tl.float32)).to(dtype)
+        n2 = (w2 * (f2 * rstd).to(dtype).to(tl.float32)).to(dtype)
     return n1, n2
 
 
@@ -51,6 +57,7 @@ def _qk_norm_rope_kv_kernel(
     stride_qo_t, stride_qo_h,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr,
 ):  # fmt: skip
     # One program per (token, KV head). Its GQA group's query heads and its key head form one tile of GROUP + 1
     # rows (queries first, the key last), normed and rotated together; the value head is copied alongside.
@@ -72,7 +79,8 @@ def _qk_norm_rope_kv_kernel(
         q_w2 = tl.load(q_w_ptr + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)
         k_w1 = tl.load(k_w_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
         k_w2 = tl.load(k_w_ptr + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-        x1, x2 = _norm_halves(x1, x2, tl.where(is_q, q_w1, k_w1), tl.where(is_q, q_w2, k_w2), eps, HEAD_DIM)
+        q_or_k_w1, q_or_k_w2 = tl.where(is_q, q_w1, k_w1), tl.where(is_q, q_w2, k_w2)
+        x1, x2 = _norm_halves(x1, x2, q_or_k_w1, q_or_k_w2, eps, HEAD_DIM, UNIT_OFFSET)
     pos = tl.load(pos_ptr + token)
     cos = tl.load(cos_ptr + pos * stride_cos + offs_d, mask=d_mask, other=0.0)  # [1, BH] float32 or dtype
     sin = tl.load(sin_ptr + pos * stride_sin + offs_d, mask=d_mask, other=0.0)
@@ -166,6 +174,7 @@ def qk_norm_rope_kv(
     k_norm_weight: torch.Tensor | None = None,  # [D]
     eps: float | None = None,  # the norm's epsilon; required with the weights
     q_out: torch.Tensor | None = None,  # [T, H, D]
+    unit_offset: bool = False,  # Gemma's q/k norm: scale by (1 + weight) in float32 (gemma_rms_norm_ref)
 ) -> torch.Tensor:
     """Normed (when weights are given) and rotated queries into `q_out` (allocated when None, the only
     allocation), returned; normed and rotated keys and the raw values stored at slot_mapping. Every token gets
@@ -195,6 +204,7 @@ def qk_norm_rope_kv(
         q_out.stride(0), q_out.stride(1),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_R=block_r, BLOCK_HALF=block_half, HAS_NORM=has_norm,
+        UNIT_OFFSET=unit_offset,
         num_warps=1 if block_r * block_half <= 128 else 2 if block_r * block_half <= 512 else 4,
         enable_fp_fusion=False,  # no fused multiply-add: x1*cos - x2*sin rounds each product, as torch does
     )  # fmt: skip

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .rms_norm_ref import rms_norm_ref
+from .rms_norm_ref import gemma_rms_norm_ref, rms_norm_ref
 from .rotary_ref import apply_rotary_ref
 
 
@@ -22,9 +22,11 @@ def qk_norm_rope_kv_ref(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     eps: float | None = None,
+    unit_offset: bool = False,
 ) -> torch.Tensor:
-    """Same contract as `qk_norm_rope_kv`: the model's split, per-head RMSNorm (Qwen3), apply_rotary and
-    store_kv. Skipping padding slots needs a boolean index, i.e. a host sync: not for graphs."""
+    """Same contract as `qk_norm_rope_kv`: the model's split, per-head RMSNorm (Qwen3's, or Gemma's with
+    `unit_offset`), apply_rotary and store_kv. Skipping padding slots needs a boolean index, i.e. a host sync:
+    not for graphs."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     num_tokens, num_heads = qkv.shape[0], qkv.shape[1] // head_dim - 2 * num_kv_heads
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
@@ -32,7 +34,8 @@ def qk_norm_rope_kv_ref(
     k = k.view(num_tokens, num_kv_heads, head_dim)
     v = v.view(num_tokens, num_kv_heads, head_dim)
     if q_norm_weight is not None:
-        q, k = rms_norm_ref(q, q_norm_weight, eps), rms_norm_ref(k, k_norm_weight, eps)  # over D
+        norm = gemma_rms_norm_ref if unit_offset else rms_norm_ref
+        q, k = norm(q, q_norm_weight, eps), norm(k, k_norm_weight, eps)  # over D
     cos, sin = cos_cache[positions], sin_cache[positions]  # [T, D/2] float32
     q, k = apply_rotary_ref(q, cos, sin), apply_rotary_ref(k, cos, sin)
     keep = slot_mapping >= 0

@@ -1,9 +1,9 @@
 """RMSNorm in Triton, optionally fused with the residual add before it (vLLM's fused_add_rms_norm).
 
 `rms_norm_ref` (rms_norm_ref.py) is the specification: transformers' RMSNorm op order (normalise in float32,
-cast to the input dtype, then scale by the weight), after `x + residual` in the input dtype. The kernel
-reproduces every one of those roundings; only the order of the sum of squares differs. Knows nothing of models
-or layers.
+cast to the input dtype, then scale by the weight), after `x + residual` in the input dtype; with
+`unit_offset`, `gemma_rms_norm_ref` (scale by 1 + weight in float32, one rounding). The kernel reproduces
+every one of those roundings; only the order of the sum of squares differs. Knows nothing of models or layers.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .rms_norm_ref import rms_norm_ref
+from .rms_norm_ref import gemma_rms_norm_ref, rms_norm_ref
 
-__all__ = ["DTYPES", "launch_config", "rms_norm", "rms_norm_ref"]
+__all__ = ["DTYPES", "gemma_rms_norm_ref", "launch_config", "rms_norm", "rms_norm_ref"]
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -25,6 +25,7 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, num_rows, eps, stride_x, stride_res, stride_out,
     HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [R]: small hidden sizes take several rows
     cols = tl.arange(0, BLOCK_H)
@@ -39,9 +40,12 @@ def _rms_norm_kernel(
         tl.store(res_ptr + rows * stride_res + cols[None, :], x, mask=mask)  # the new residual stream
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=1) / HIDDEN  # [R]; padded columns hold 0
-    normed = (xf * tl.math.rsqrt(var + eps)[:, None]).to(dtype)  # transformers casts before the weight
+    normed = xf * tl.math.rsqrt(var + eps)[:, None]
     w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-    out = (w[None, :] * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)  # weight * x in dtype: one rounding
+    if UNIT_OFFSET:  # Gemma: (1 + w) times the float32 norm, rounded once
+        out = (normed * (1.0 + w[None, :])).to(out_ptr.dtype.element_ty)
+    else:  # transformers casts before the weight; weight * x in dtype: one more rounding
+        out = (w[None, :] * normed.to(dtype).to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + rows * stride_out + cols[None, :], out, mask=mask)
 
 
@@ -84,6 +88,7 @@ def rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,  # [T, H]: becomes x + residual, in place
     out: torch.Tensor | None = None,  # [T, H]; may be x itself
+    unit_offset: bool = False,  # Gemma's form: scale by (1 + weight) in float32 (gemma_rms_norm_ref)
 ) -> torch.Tensor:
     """RMSNorm(x), or with `residual`: residual <- x + residual (in place), then RMSNorm(residual).
 
@@ -100,6 +105,7 @@ def rms_norm(
     res = residual if residual is not None else x  # unused without HAS_RESIDUAL; any valid pointer
     _rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
         x, res, weight, out, num_rows, eps, x.stride(0), res.stride(0), out.stride(0),
-        HIDDEN=hidden, BLOCK_H=block_h, ROWS=rows, HAS_RESIDUAL=residual is not None, num_warps=num_warps,
+        HIDDEN=hidden, BLOCK_H=block_h, ROWS=rows, HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset,
+        num_warps=num_warps,
     )  # fmt: skip
     return out

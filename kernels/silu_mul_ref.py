@@ -1,6 +1,7 @@
-"""The specification of the gated-MLP activation, in pure PyTorch: silu(gate) * up over a packed [gate | up]
-projection output. The layer's torch path (`layers/activation.py`) calls it, the Triton kernel (`silu_mul.py`)
-is tested against it. Imports only torch. Another gate (Gemma's GELU-tanh) gets its own function here.
+"""The specification of the gated-MLP activations, in pure PyTorch: silu(gate) * up (Llama, Qwen) or
+gelu_tanh(gate) * up (Gemma's GeGLU) over a packed [gate | up] projection output. The layers' torch path
+(`layers/activation.py`) calls them, the Triton kernels (`silu_mul.py`) are tested against them. Imports only
+torch.
 """
 
 from __future__ import annotations
@@ -14,3 +15,10 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     (silu in float32 rounded to x's dtype, then the product rounded)."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2 * I] -> [..., I]: gelu(gate, approximate="tanh") * up, transformers' `gelu_pytorch_tanh` gate
+    with torch's roundings (the GELU in float32 rounded to x's dtype, then the product rounded)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.fixtures.quantized import VARIANTS, build_quantized
 from tests.fixtures.tiny_models import FAMILIES, build_checkpoint
 from tests.fixtures.triton_kernels import use_interpreter_without_cuda
 
@@ -57,6 +58,40 @@ def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
             path = build_checkpoint(root / family, family)
             self[family] = path
             return path
+
+    return _Lazy()
+
+
+@pytest.fixture(scope="session")
+def tiny_lora_adapters(tiny_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """name (a key of tests/fixtures/lora_adapters.ADAPTERS) -> a PEFT adapter directory for the tiny Qwen3
+    checkpoint, built lazily the first time each is asked for."""
+    from tests.fixtures.lora_adapters import ADAPTERS, build_adapter
+
+    root = tmp_path_factory.mktemp("lora")
+
+    class _Lazy(dict):
+        def __missing__(self, name: str) -> Path:
+            seed, config = ADAPTERS[name]
+            path = build_adapter(root / name, tiny_checkpoints["qwen3"], seed, **config)
+            self[name] = path
+            return path
+
+    return _Lazy()
+
+
+@pytest.fixture(scope="session")
+def quantized_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path, dict]]:
+    """variant (tests/fixtures/quantized.py VARIANTS) -> (quantized checkpoint in a hub's layout, its float
+    twin holding the dequantized weights, {weight name: intended float32 weight}), built on first use."""
+    root = tmp_path_factory.mktemp("quantized")
+
+    class _Lazy(dict):
+        def __missing__(self, name: str) -> tuple[Path, Path, dict]:
+            fmt, options = VARIANTS[name]
+            built = build_quantized(root / name, fmt, **options)
+            self[name] = built
+            return built
 
     return _Lazy()
 

@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, ...]] = [  # top to bottom; each entry: module prefixes 
     ("asyncllm.sample", "asyncllm.model_loader"),
     ("asyncllm.models",),
     ("asyncllm.attention",),
-    ("asyncllm.layers",),
+    ("asyncllm.layers", "asyncllm.quantization"),  # quantized layers beside the layers they replace
     ("asyncllm.kernels",),
 ]
 FOUNDATION = {

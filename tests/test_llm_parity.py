@@ -18,7 +18,7 @@ MAX_NEW = 10
 ENGINE_VARIANTS = {
     "plain": dict(block_size=4, num_kv_blocks=512),
     "chunked": dict(block_size=4, num_kv_blocks=512, max_num_batched_tokens=7),
-    "preempt": dict(block_size=4, num_kv_blocks=16, max_num_batched_tokens=32),
+    "preempt": dict(block_size=4, num_kv_blocks=14, max_num_batched_tokens=16),  # preempts with windows too
     "few_seqs": dict(block_size=8, num_kv_blocks=256, max_num_seqs=2),
 }
 
@@ -73,9 +73,11 @@ def test_greedy_equals_transformers(family: str, variant: str, tiny_checkpoints,
     llm.shutdown()
 
 
-def test_prefix_cache_hits_keep_outputs(tiny_checkpoints) -> None:
-    """The same shared-prefix batch twice: the second pass hits the cache and gives the same tokens."""
-    path = tiny_checkpoints["qwen3"]
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "mistral_swa"])
+def test_prefix_cache_hits_keep_outputs(family: str, tiny_checkpoints) -> None:
+    """The same shared-prefix batch twice: the second pass hits the cache and gives the same tokens (also
+    for sliding-window models, whose prompts and outputs run past their 8-key window)."""
+    path = tiny_checkpoints[family]
     llm = LLM(str(path), device="cpu", block_size=4, num_kv_blocks=256)
     prompts = _prompts(2, llm.runtime.vocab_size, shared_prefix=True)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -99,3 +101,20 @@ def test_results_in_prompt_order_and_text(tiny_checkpoints) -> None:
     for o in outs:
         assert o.text == llm.tokenizer.decode(o.token_ids, skip_special_tokens=True)
         assert o.metrics is not None and o.metrics.time_to_first_token is not None
+
+
+def test_sliding_window_blocks_are_given_back(tiny_checkpoints) -> None:
+    """Every layer of the Mistral model slides over 8 keys, so a sequence's blocks behind its window go back
+    to the pool while it runs. Four 40-token sequences would need 40 blocks of 4 tokens without that: in 24 they
+    run without a single preemption, and give transformers' tokens."""
+    path = tiny_checkpoints["mistral_swa"]
+    llm = LLM(str(path), device="cpu", dtype="float32", block_size=4, num_kv_blocks=24, max_num_batched_tokens=64)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, llm.runtime.vocab_size) for _ in range(20)] for _ in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == _hf_greedy(path, prompts, 20)
+    stats = llm.stats()
+    assert stats["num_preemptions"] == 0
+    assert stats["num_free_blocks"] == stats["num_total_blocks"] == 24
+    llm.shutdown()

@@ -126,3 +126,39 @@ def test_one_sample_result_lists_itself_in_outputs() -> None:
     acc.add("hi", [1, 2], None, "stop", METRICS)
     out = acc.result("r", [9])
     assert out.outputs == [CompletionOutput(0, "hi", [1, 2], "stop", None, METRICS)]
+
+
+def test_prompt_logprobs_go_out_once_on_the_first_chunk() -> None:
+    prompt = [None, {5: -1.0, 6: -0.5}]
+    acc, whole = OutputAccumulator(), OutputAccumulator()
+    for a in (acc, whole):
+        a.add("a", [1], None, None, None, None, 0, prompt)
+    first = acc.take_chunk("r")
+    assert first is not None and first.prompt_logprobs == tuple(prompt)
+    for a in (acc, whole):
+        a.add("b", [2], None, "length", METRICS)
+    last = acc.take_chunk("r")
+    assert last is not None and last.prompt_logprobs is None
+    assert whole.result("r", [5, 6]).prompt_logprobs == prompt
+    rejoined = OutputAccumulator()
+    rejoined.add_chunk(first)
+    rejoined.add_chunk(last)
+    assert rejoined.result("r", [5, 6]).prompt_logprobs == prompt
+    plain = OutputAccumulator()
+    plain.add("a", [1], None, "length", METRICS)
+    assert plain.result("r", [5]).prompt_logprobs is None
+
+
+def test_samples_prompt_logprobs_are_the_requests() -> None:
+    """With n > 1 they come with one sample's delta and go out on the next chunk taken, whichever sample's."""
+    prompt = [None, {7: -2.0}]
+    acc, whole = SamplesAccumulator(2), SamplesAccumulator(2)
+    for a in (acc, whole):
+        a.add("x", [1], None, None, None, None, 1)
+        a.add("y", [2], None, "length", METRICS, None, 0, prompt)
+        a.add("z", [3], None, "length", METRICS, None, 1)
+    first, second = acc.take_chunk("r"), acc.take_chunk("r")
+    assert first is not None and first.index == 1 and first.prompt_logprobs == tuple(prompt)
+    assert second is not None and second.prompt_logprobs is None
+    out = whole.result("r", [6, 7])
+    assert out.prompt_logprobs == prompt and len(out.outputs) == 2

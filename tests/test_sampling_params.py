@@ -75,6 +75,10 @@ def test_normalised_forms() -> None:
         ("logprobs", -1),
         ("logprobs", 21),
         ("logprobs", 2.0),
+        ("prompt_logprobs", -1),
+        ("prompt_logprobs", 21),
+        ("prompt_logprobs", 2.0),
+        ("prompt_logprobs", True),
     ],
 )
 def test_invalid_field_is_named(field: str, value: object) -> None:

@@ -74,6 +74,7 @@ def build_engine(config: EngineConfig, clock: Callable[[], float]) -> BuiltEngin
         tokenizer=backend_tokenizer(tokenizer) if tokenizer is not None else None,
         clock=clock,
         async_scheduling=sched.async_scheduling,
+        max_cpu_loras=config.lora_config.max_cpu_loras,
     )
     encode = encode_batch = None
     if tokenizer is not None:

@@ -1,4 +1,4 @@
-"""Engine configuration: small frozen parts (model, cache, scheduler, parallel, device), composed.
+"""Engine configuration: small frozen parts (model, cache, scheduler, parallel, device, LoRA), composed.
 
 Users pass flat keyword arguments (`AsyncLLMEngine(model, block_size=32)`); `EngineConfig.from_kwargs`
 routes each to the part that owns it, and every part validates its fields at construction with an
@@ -41,6 +41,15 @@ class LoadFormat(str, enum.Enum):
 
     AUTO = "auto"  # read the checkpoint's weights
     DUMMY = "dummy"  # random weights of the checkpoint's shape (benchmarks; needs config.json only)
+
+
+class Quantization(str, enum.Enum):
+    """How the weights are quantized on the device (`ModelConfig.quantization`); docs/quantization.md."""
+
+    FP8 = "fp8"  # e4m3 weights: an FP8 checkpoint's, or a 16-bit checkpoint's quantized at load
+    AWQ = "awq"  # an AWQ int4 checkpoint
+    GPTQ = "gptq"  # a GPTQ int4/int8 checkpoint
+    GGUF = "gguf"  # a GGUF file's Q8_0 / Q4_0 / Q4_1 linear layers kept quantized (the default on CUDA)
 
 
 class AttentionBackendName(str, enum.Enum):
@@ -99,6 +108,14 @@ class ModelConfig:
         LoadFormat.AUTO, '"dummy" skips reading weights and fills them randomly: throughput benchmarks of real shapes.'
     )
     seed: int = arg(0, "Seed for weight-free randomness: requests without their own seed draw from it.")
+    quantization: Quantization | None = arg(
+        None,
+        "None: as the checkpoint says (its config.json `quantization_config`: AWQ, GPTQ, FP8; a GGUF file's "
+        "Q8_0/Q4_0/Q4_1 linear layers stay quantized on CUDA, dequantized on CPU), else unquantized. "
+        '"fp8" quantizes a 16-bit (or GGUF) checkpoint\'s linear weights to e4m3 at load (one scale per output '
+        'channel); "awq" / "gptq" / "fp8" / "gguf" given for a quantized checkpoint must match it '
+        "(docs/quantization.md).",
+    )
 
     def __post_init__(self) -> None:
         _set(self, "model", _path("model", self.model, optional=False))
@@ -107,6 +124,8 @@ class ModelConfig:
         check_optional_int(_fail, "max_model_len", self.max_model_len, "an integer >= 1, or None", lo=1)
         _set(self, "load_format", check_enum(_fail, LoadFormat, "load_format", self.load_format))
         check_int(_fail, "seed", self.seed, "an integer")
+        if self.quantization is not None:
+            _set(self, "quantization", check_enum(_fail, Quantization, "quantization", self.quantization))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -261,12 +280,47 @@ class DeviceConfig:
         _set(self, "max_step_seconds", seconds)
 
 
+# A LoRA rank padded for the kernels stays within a Triton tile; vLLM's largest supported rank is the same.
+MAX_LORA_RANK = 512
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoRAConfig:
+    """LoRA adapters served beside the base model (docs/lora.md)."""
+
+    enable_lora: bool = arg(
+        False,
+        "Serve LoRA adapters (add_lora, then add_request(..., lora=name)). Off: no adapter memory, no cost per step.",
+    )
+    max_loras: int = arg(
+        4,
+        "Adapters one batch may mix: the adapter slots kept on the device. An adapter takes a slot while a "
+        "running request uses it; a waiting request whose adapter finds none waits (in its turn) for one to "
+        "free. Idle adapters stay in their slot until another needs it (least recently used first).",
+    )
+    max_lora_rank: int = arg(16, "The largest adapter rank accepted; every slot holds this rank (zero-padded).")
+    max_cpu_loras: int | None = arg(
+        None,
+        "Most adapters added at once (kept in host memory; those in slots too): add_lora beyond it raises "
+        "LoRAError. None: no limit.",
+    )
+
+    def __post_init__(self) -> None:
+        check_bool(_fail, "enable_lora", self.enable_lora)
+        check_int(_fail, "max_loras", self.max_loras, "an integer >= 1", lo=1)
+        check_int(_fail, "max_lora_rank", self.max_lora_rank, f"an integer in [1, {MAX_LORA_RANK}]", lo=1)
+        if self.max_lora_rank > MAX_LORA_RANK:
+            raise _fail("max_lora_rank", self.max_lora_rank, f"an integer in [1, {MAX_LORA_RANK}]")
+        check_optional_int(_fail, "max_cpu_loras", self.max_cpu_loras, "an integer >= 1, or None", lo=1)
+
+
 _PARTS: dict[str, type] = {
     "model_config": ModelConfig,
     "cache_config": CacheConfig,
     "scheduler_config": SchedulerConfig,
     "parallel_config": ParallelConfig,
     "device_config": DeviceConfig,
+    "lora_config": LoRAConfig,
 }
 
 
@@ -282,7 +336,7 @@ class EngineArgument:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Every engine argument of the public API, validated, in five parts.
+    """Every engine argument of the public API, validated, in six parts.
 
     Build it with `EngineConfig.from_kwargs(model, **engine_args)`; an unknown name raises
     `UnknownArgumentError` (a `TypeError`) naming it.
@@ -293,6 +347,7 @@ class EngineConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
+    lora_config: LoRAConfig = field(default_factory=LoRAConfig)
 
     @classmethod
     def from_kwargs(cls, model: str | Path, **engine_args: Any) -> EngineConfig:

@@ -16,6 +16,11 @@ class InvalidRequestError(AsyncLLMError, ValueError):
     """A bad prompt or bad sampling values. The engine and every other request carry on."""
 
 
+class LoRAError(InvalidRequestError):
+    """A LoRA adapter that cannot be added, removed or used: a bad or unsupported adapter, a name taken or
+    unknown, one still in use, or an engine without `enable_lora`. Nothing changed; the engine carries on."""
+
+
 class InvalidConfigError(AsyncLLMError, ValueError):
     """A bad engine argument (the message names it, its value and the fix); nothing was started."""
 

@@ -10,7 +10,7 @@ model-specific parts; knows no event loop.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from asyncllm.core.request import Request
@@ -149,9 +149,10 @@ class InputProcessor:
         arrival_time: float,
         encoded: list[int] | None = None,
         priority: int = 0,
+        lora: str | None = None,
     ) -> Request:
         """The checked `Request`; `encoded`: a text prompt's ids from `encode_texts`, to skip encoding it;
-        `priority` checked already (`check_priority`)."""
+        `priority` and `lora` checked already (`check_priority`, `check_lora`)."""
         params = self.check_params(params)
         if isinstance(prompt, (list, tuple)):
             self._check_length(len(prompt), params)  # before looking at a single id: cost bounded by the limit
@@ -174,7 +175,22 @@ class InputProcessor:
             max_tokens=max_tokens,
             eos_token_ids=eos,
             priority=priority,
+            lora_name=lora,
         )
+
+    def check_lora(self, lora: object, known: Collection[str] | None = None) -> str | None:
+        """A request's LoRA adapter name (None: the base model); refused when the engine serves no adapters
+        or, given the names `known` to be added, when it is not one of them."""
+        if lora is None:
+            return None
+        if not isinstance(lora, str) or not lora:
+            raise InvalidRequestError(f"lora={short_repr(lora)} is invalid: give an added adapter's name, or None")
+        if not self.runtime.max_loras:
+            raise InvalidRequestError(f"lora={lora!r}: this engine was built without enable_lora=True")
+        if known is not None and lora not in known:
+            added = ", ".join(repr(n) for n in known) or "none"
+            raise InvalidRequestError(f"lora={lora!r} is not an added LoRA adapter (added: {added}); add_lora it first")
+        return lora
 
     @staticmethod
     def check_priority(priority: object) -> int:

@@ -9,12 +9,13 @@ from __future__ import annotations
 import atexit
 import gc
 import itertools
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from asyncllm.config import EngineConfig
-from asyncllm.errors import InvalidRequestError
+from asyncllm.errors import InvalidRequestError, LoRAError
 from asyncllm.input_processor import InputProcessor
 from asyncllm.outputs import RequestOutput, new_accumulator
 from asyncllm.sampling_params import SamplingParams
@@ -53,6 +54,23 @@ class LLM:
     def stats(self) -> dict[str, float | int]:
         return self._engine.core.stats().as_dict()
 
+    def add_lora(self, name: str, path: str | os.PathLike[str]) -> None:
+        """Load the PEFT LoRA adapter in `path` and serve it as `name` (`generate(..., lora=name)`); raises
+        `LoRAError` as `AsyncLLMEngine.add_lora` does (docs/lora.md)."""
+        if not isinstance(name, str) or not name.strip():
+            raise LoRAError(f"name={name!r} is invalid: give the LoRA adapter a non-empty name")
+        if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+            raise LoRAError(f"path={path!r} is invalid: give the adapter's directory")
+        self._engine.core.add_lora(name, os.fspath(path))
+
+    def remove_lora(self, name: str) -> None:
+        """Stop serving adapter `name` (`LoRAError` for an unknown name)."""
+        self._engine.core.remove_lora(name)
+
+    def list_loras(self) -> list[str]:
+        """The adapters added, in the order they were."""
+        return self._engine.core.lora_names()
+
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         """The conversation as prompt token ids through the model's chat template (ids, not text: encoding the
         text again would add a second BOS for templates that write their own)."""
@@ -69,9 +87,11 @@ class LLM:
         use_tqdm: bool = True,
         *,
         priority: Sequence[int] | None = None,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """One `RequestOutput` per prompt, in prompt order. `priority`: one per prompt (lower runs first; the
-        default 0 each): which prompts the engine starts first when they do not all fit at once."""
+        default 0 each): which prompts the engine starts first when they do not all fit at once. `lora`: an
+        added adapter's name for every prompt, or one name (or None: the base model) per prompt."""
         prompt_list = self._as_prompt_list(prompts)
         if params is None or isinstance(params, SamplingParams):
             param_list = [params or SamplingParams()] * len(prompt_list)
@@ -84,11 +104,20 @@ class LLM:
         priorities = [0] * len(prompt_list) if priority is None else list(priority)
         if len(priorities) != len(prompt_list):
             raise InvalidRequestError(f"got {len(prompt_list)} prompts but {len(priorities)} priorities; give one each")
+        loras = [lora] * len(prompt_list) if lora is None or isinstance(lora, str) else list(lora)
+        if len(loras) != len(prompt_list):
+            raise InvalidRequestError(
+                f"got {len(prompt_list)} prompts but {len(loras)} lora names; give one or one each"
+            )
         # Validate everything before queuing anything, so one bad prompt leaves the engine untouched.
         now = time.monotonic()
+        known = self._engine.core.lora_names() if any(loras) else []
+        ip = self._inputs
         requests = [
-            self._inputs.make_request(f"llm-{next(self._ids)}", p, sp, now, priority=self._inputs.check_priority(pr))
-            for p, sp, pr in zip(prompt_list, param_list, priorities)
+            ip.make_request(
+                f"llm-{next(self._ids)}", p, sp, now, priority=ip.check_priority(pr), lora=ip.check_lora(name, known)
+            )
+            for p, sp, pr, name in zip(prompt_list, param_list, priorities, loras)
         ]
         for request in requests:
             self._inputs.check_constraint(request.params)  # compiles each output constraint (cached by its text)
@@ -106,7 +135,16 @@ class LLM:
                     bar.update_step(core.last_step, time.perf_counter() - t0)
                 for d in deltas:
                     output = outputs[d.request_id]
-                    output.add(d.new_text, d.new_token_ids, d.logprobs, d.finish_reason, d.metrics, d.error, d.index)
+                    output.add(
+                        d.new_text,
+                        d.new_token_ids,
+                        d.logprobs,
+                        d.finish_reason,
+                        d.metrics,
+                        d.error,
+                        d.index,
+                        d.prompt_logprobs,
+                    )
                     if d.finish_reason is not None and not d.open_samples:  # the request's last sample ended
                         num_finished += 1
                         if bar is not None:

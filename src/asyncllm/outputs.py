@@ -7,7 +7,7 @@ engine core or of event loops.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from asyncllm.errors import AsyncLLMError, InvalidRequestError
@@ -16,6 +16,9 @@ FinishReason = Literal["stop", "length", "abort"]
 # Per generated token, when SamplingParams.logprobs is set: {token id: log-probability} holding the sampled
 # token and the `logprobs` most likely alternatives, over the model's raw (unprocessed) distribution.
 TokenLogprobs = dict[int, float]
+# When SamplingParams.prompt_logprobs is set: one entry per prompt token, None for the first (nothing precedes
+# it), then {token id: log-probability} holding that prompt token and the `prompt_logprobs` most likely ones.
+PromptLogprobs = list[TokenLogprobs | None]
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,8 @@ class StreamOutput:
     Concatenating every chunk's `text` gives the final text exactly; a lagging consumer receives several
     steps merged into one chunk. With `SamplingParams.n` > 1, `index` says which sample (0..n-1) the chunk
     belongs to (a chunk never mixes samples); `finish_reason` ends that sample, and the stream ends once
-    every sample has ended.
+    every sample has ended. `prompt_logprobs` (when asked for) arrive once, whole, on the stream's first chunk
+    (with n > 1: whichever sample's it is; they are the request's); every other chunk has None.
     """
 
     request_id: str
@@ -46,6 +50,7 @@ class StreamOutput:
     metrics: RequestMetrics | None = None  # set on the final chunk only
     logprobs: tuple[TokenLogprobs, ...] | None = None  # one per token in `token_ids`, if asked for
     index: int = 0  # the sample (0..n-1) this chunk belongs to
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # on the first chunk only, if asked for
 
     @property
     def finished(self) -> bool:
@@ -71,7 +76,8 @@ class RequestOutput:
     `outputs` holds every sample (`SamplingParams.n` of them, by index). `text`, `token_ids`,
     `finish_reason` and `logprobs` are sample 0's, so code written for one sample reads the same fields;
     `metrics` covers the whole request (for n > 1: the first token of any sample, the end of the last, every
-    sample's tokens counted, the prompt counted once).
+    sample's tokens counted, the prompt counted once). `prompt_logprobs` are the request's (one per prompt
+    token, None first), whatever `n` is.
     """
 
     request_id: str
@@ -82,22 +88,25 @@ class RequestOutput:
     metrics: RequestMetrics | None
     logprobs: list[TokenLogprobs] | None = None  # one per token in `token_ids`, if asked for
     outputs: list[CompletionOutput] = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None  # if asked for (SamplingParams.prompt_logprobs)
 
 
 class OutputAccumulator:
     """One request's output, joined from its deltas in order: the one place where streamed pieces add up.
 
-    `add` joins one delta: its text, token ids and logprobs (when asked for) are appended; a final delta
-    closes the request, with its finish reason and metrics, or with the `error` that ended this request
+    `add` joins one delta: its text, token ids and logprobs (when asked for) are appended, and its prompt
+    logprobs (on the request's first delta, when asked for) kept; a final delta closes the request, with
+    its finish reason and metrics, or with the `error` that ended this request
     alone (then no finish reason is kept: the reader raises the error after the output before it). What
     is added after that is ignored: the first final output wins (an abort that raced a finish). Read it
-    whole (`text`, `token_ids`, `logprobs`, `result`), or in chunks: `take_chunk` hands out what was joined
-    since the previous take as one `StreamOutput`, so a consumer that lags gets several deltas merged.
+    whole (`text`, `token_ids`, `logprobs`, `prompt_logprobs`, `result`), or in chunks: `take_chunk` hands out
+    what was joined since the previous take as one `StreamOutput`, so a consumer that lags gets several deltas
+    merged (the prompt logprobs go out with the first chunk taken after they came).
 
     Not thread-safe: the owner guards it (a stream's mailbox takes its lock around `add` and `take_chunk`).
     """
 
-    __slots__ = ("error", "finish_reason", "finished", "logprobs", "metrics", "texts", "token_ids")
+    __slots__ = ("error", "finish_reason", "finished", "logprobs", "metrics", "prompt_logprobs", "texts", "token_ids")
 
     def __init__(self) -> None:
         self.texts: list[str] = []  # text pieces not yet taken (every piece, if never taken), joined on read
@@ -107,6 +116,7 @@ class OutputAccumulator:
         self.metrics: RequestMetrics | None = None  # set with the finish reason
         self.error: str | AsyncLLMError | None = None  # why this request alone failed (see `request_error`)
         self.finished = False  # a final delta was added (or the owner ended it): later deltas are ignored
+        self.prompt_logprobs: PromptLogprobs | None = None  # not taken yet, for requests that asked for them
 
     def add(
         self,
@@ -117,11 +127,14 @@ class OutputAccumulator:
         metrics: RequestMetrics | None = None,
         error: str | AsyncLLMError | None = None,
         index: int = 0,
+        prompt_logprobs: Sequence[TokenLogprobs | None] | None = None,
     ) -> None:
         """Join one delta (the fields by position: the stream's mailbox calls this per request per step).
         `index`, the delta's sample, is for `SamplesAccumulator`: one accumulator holds one sample."""
         if self.finished:
             return
+        if prompt_logprobs is not None:
+            self.prompt_logprobs = list(prompt_logprobs)
         self.token_ids.extend(token_ids)
         if logprobs is not None:
             if self.logprobs is None:
@@ -139,7 +152,16 @@ class OutputAccumulator:
 
     def add_chunk(self, chunk: StreamOutput) -> None:
         """Join a chunk a stream handed out."""
-        self.add(chunk.text, chunk.token_ids, chunk.logprobs, chunk.finish_reason, chunk.metrics)
+        self.add(
+            chunk.text,
+            chunk.token_ids,
+            chunk.logprobs,
+            chunk.finish_reason,
+            chunk.metrics,
+            None,
+            0,
+            chunk.prompt_logprobs,
+        )
 
     @property
     def text(self) -> str:
@@ -150,7 +172,8 @@ class OutputAccumulator:
         metrics), or None when nothing new is there; the text, token ids and logprobs taken are dropped.
         `index`: the sample the chunk is labelled with."""
         if not (self.token_ids or self.texts or self.finish_reason is not None):
-            return None
+            return None  # (prompt logprobs come with a token: never alone)
+        prompt, self.prompt_logprobs = self.prompt_logprobs, None
         out = StreamOutput(
             request_id=request_id,
             text="".join(self.texts),
@@ -159,6 +182,7 @@ class OutputAccumulator:
             metrics=self.metrics,
             logprobs=tuple(self.logprobs) if self.logprobs is not None else None,
             index=index,
+            prompt_logprobs=tuple(prompt) if prompt is not None else None,
         )
         self.token_ids = []
         self.texts = []
@@ -170,7 +194,7 @@ class OutputAccumulator:
         request that failed alone (or `RequestFailedError`, see `request_error`), as its stream does."""
         if self.error is not None:
             raise request_error(self.error)
-        return _request_output(request_id, prompt_token_ids, [self.completion(0)], self.metrics)
+        return _request_output(request_id, prompt_token_ids, [self.completion(0)], self.metrics, self.prompt_logprobs)
 
     def completion(self, index: int) -> CompletionOutput:
         """The whole output as sample `index` of a `RequestOutput`."""
@@ -186,10 +210,11 @@ class SamplesAccumulator:
     samples. The same calls as `OutputAccumulator` (`add` routes a delta by its `index`); `take_chunk` hands
     out one sample's merged chunk at a time, samples in the order their output arrived. Finished once every
     sample has finished, or at once when a delta carries the `error` that ends the whole request (every
-    sample's output so far stays readable first; the failing sample's keeps no finish reason).
+    sample's output so far stays readable first; the failing sample's keeps no finish reason). The prompt
+    logprobs are the request's, whichever sample's delta brought them: the next chunk taken carries them.
     """
 
-    __slots__ = ("complete", "error", "finished", "num_open", "pending", "samples")
+    __slots__ = ("complete", "error", "finished", "num_open", "pending", "prompt_logprobs", "samples")
 
     def __init__(self, n: int) -> None:
         self.samples = [OutputAccumulator() for _ in range(n)]
@@ -198,6 +223,7 @@ class SamplesAccumulator:
         self.error: str | AsyncLLMError | None = None
         self.finished = False
         self.complete = False  # every sample finished and every chunk was taken: the stream is over
+        self.prompt_logprobs: PromptLogprobs | None = None  # the request's, not taken yet
 
     def add(
         self,
@@ -208,10 +234,13 @@ class SamplesAccumulator:
         metrics: RequestMetrics | None = None,
         error: str | AsyncLLMError | None = None,
         index: int = 0,
+        prompt_logprobs: Sequence[TokenLogprobs | None] | None = None,
     ) -> None:
         sample = self.samples[index]
         if self.finished or sample.finished:
             return
+        if prompt_logprobs is not None:
+            self.prompt_logprobs = list(prompt_logprobs)
         sample.add(text, token_ids, logprobs, None if error is not None else finish_reason, metrics)
         self.pending[index] = None
         if error is not None:
@@ -222,7 +251,16 @@ class SamplesAccumulator:
             self.finished = self.num_open == 0
 
     def add_chunk(self, chunk: StreamOutput) -> None:
-        self.add(chunk.text, chunk.token_ids, chunk.logprobs, chunk.finish_reason, chunk.metrics, None, chunk.index)
+        self.add(
+            chunk.text,
+            chunk.token_ids,
+            chunk.logprobs,
+            chunk.finish_reason,
+            chunk.metrics,
+            None,
+            chunk.index,
+            chunk.prompt_logprobs,
+        )
 
     def take_chunk(self, request_id: str) -> StreamOutput | None:
         pending = self.pending
@@ -232,6 +270,9 @@ class SamplesAccumulator:
             chunk = self.samples[index].take_chunk(request_id, index)
             if chunk is not None:
                 self.complete = not pending and self.num_open == 0
+                if self.prompt_logprobs is not None:
+                    chunk = replace(chunk, prompt_logprobs=tuple(self.prompt_logprobs))
+                    self.prompt_logprobs = None
                 return chunk
         return None
 
@@ -242,7 +283,8 @@ class SamplesAccumulator:
         if self.error is not None:
             raise request_error(self.error)
         outputs = [sample.completion(i) for i, sample in enumerate(self.samples)]
-        return _request_output(request_id, prompt_token_ids, outputs, merge_metrics([o.metrics for o in outputs]))
+        metrics = merge_metrics([o.metrics for o in outputs])
+        return _request_output(request_id, prompt_token_ids, outputs, metrics, self.prompt_logprobs)
 
 
 def new_accumulator(n: int) -> OutputAccumulator | SamplesAccumulator:
@@ -251,11 +293,23 @@ def new_accumulator(n: int) -> OutputAccumulator | SamplesAccumulator:
 
 
 def _request_output(
-    request_id: str, prompt_token_ids: list[int], outputs: list[CompletionOutput], metrics: RequestMetrics | None
+    request_id: str,
+    prompt_token_ids: list[int],
+    outputs: list[CompletionOutput],
+    metrics: RequestMetrics | None,
+    prompt_logprobs: PromptLogprobs | None,
 ) -> RequestOutput:
     first = outputs[0]
     return RequestOutput(
-        request_id, prompt_token_ids, first.text, first.token_ids, first.finish_reason, metrics, first.logprobs, outputs
+        request_id,
+        prompt_token_ids,
+        first.text,
+        first.token_ids,
+        first.finish_reason,
+        metrics,
+        first.logprobs,
+        outputs,
+        prompt_logprobs,
     )
 
 

@@ -52,6 +52,12 @@ class SamplingParams:
     as its schema dict so the request can cross a process), `regex`, `choice` (a non-empty list of strings),
     `grammar` (EBNF/GBNF text with a `root` rule), `json_object=True` (any JSON object). Every finished
     output satisfies it; whether it compiles is checked when the request is made (`InvalidRequestError`).
+
+    `logprobs=k` (0 to 20): each generated token's logprob and the k most likely alternatives.
+    `prompt_logprobs=k` (0 to 20): the same for every prompt token after the first, scored as the model reads
+    the prompt (`RequestOutput.prompt_logprobs`; 0: only the prompt token's own). Such a request takes no
+    prefix-cache hit: it computes its whole prompt. `max_tokens` is at least 1: to score a prompt alone, ask
+    `max_tokens=1` and leave the token (what the server does for `echo` with `max_tokens=0`).
     """
 
     temperature: float = 1.0
@@ -75,6 +81,7 @@ class SamplingParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    prompt_logprobs: int | None = None
     # Normalised forms, derived once so hot paths never re-check types.
     stop_strings: tuple[str, ...] = field(init=False, repr=False, compare=False)
     stop_token_set: frozenset[int] = field(init=False, repr=False, compare=False)
@@ -86,7 +93,8 @@ class SamplingParams:
         number("top_p", lo=0.0, lo_open=True, hi=1.0, allowed="a number in (0, 1], non-zero in float32")
         check_int(_fail, "top_k", self.top_k, "an integer >= 1, or 0 / -1 to disable", lo=-1)
         number("min_p", lo=0.0, hi=1.0, allowed="a number in [0, 1]")
-        check_optional_int(_fail, "max_tokens", self.max_tokens, "an integer >= 1, or None", lo=1)
+        allowed = "an integer >= 1, or None (to score a prompt alone: max_tokens=1 with prompt_logprobs)"
+        check_optional_int(_fail, "max_tokens", self.max_tokens, allowed, lo=1)
         check_int(_fail, "min_tokens", self.min_tokens, "an integer >= 0", lo=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise _fail("min_tokens", self.min_tokens, f"at most max_tokens ({self.max_tokens})")
@@ -98,10 +106,11 @@ class SamplingParams:
         number("repetition_penalty", lo=0.01, hi=100.0, allowed="a number in [0.01, 100] (1 disables it)")
         number("presence_penalty", lo=-2.0, hi=2.0, allowed="a number in [-2, 2]")
         number("frequency_penalty", lo=-2.0, hi=2.0, allowed="a number in [-2, 2]")
-        allowed = f"an integer in [0, {_MAX_LOGPROBS}], or None"
-        check_optional_int(_fail, "logprobs", self.logprobs, allowed, lo=0)
-        if self.logprobs is not None and self.logprobs > _MAX_LOGPROBS:
-            raise _fail("logprobs", self.logprobs, allowed)
+        for name in ("logprobs", "prompt_logprobs"):  # alternatives per token (0: the token's own logprob only)
+            value, allowed = getattr(self, name), f"an integer in [0, {_MAX_LOGPROBS}], or None"
+            check_optional_int(_fail, name, value, allowed, lo=0)
+            if value is not None and value > _MAX_LOGPROBS:
+                raise _fail(name, value, allowed)
         allowed = f"an integer in [1, {MAX_SAMPLES}]: how many samples of the prompt"
         check_int(_fail, "n", self.n, allowed, lo=1)
         if self.n > MAX_SAMPLES:

@@ -63,11 +63,16 @@ def banner(config: EngineConfig, runtime: RuntimeInfo) -> list[str]:
     per_rank = " per rank" if world > 1 else ""
     size = f", {_size(runtime.kv_cache_bytes)}{per_rank}" if runtime.kv_cache_bytes else ""
     sched = config.scheduler_config
+    lora = config.lora_config
+    loras = (
+        [f"  LoRA: {runtime.max_loras} adapter slots, max_lora_rank {lora.max_lora_rank}"] if runtime.max_loras else []
+    )
     return [
         f"engine ready in {total:.1f} s: {config.model}{architecture}",
         f"  {runtime.device}, {runtime.dtype}, {runtime.attention_backend} attention, {graphs}{parallel}{threads}",
         f"  KV cache {runtime.kv_capacity_tokens:,} tokens ({runtime.num_kv_blocks:,} blocks of "
         f"{runtime.block_size}{size}); max_model_len {runtime.max_model_len:,}, max_num_seqs {sched.max_num_seqs}",
+        *loras,
         "  start-up: " + ", ".join(f"{name} {s:.1f} s" for name, s in seconds),
     ]
 

@@ -32,6 +32,18 @@ class NewRequestData:
     prompt_token_ids: list[int]
     params: SamplingParams
     seed: int  # params.seed, or one drawn from the engine seed: every request samples from its own generator
+    lora_id: int = 0  # the LoRA adapter its tokens go through (`LoRAAdapter.lora_id`); 0: the base model
+
+
+@dataclass(frozen=True)
+class LoRAAdapter:
+    """A LoRA adapter as the core hands it to an executor (`ModelExecutor.add_lora`): `lora_id` is unique for
+    the engine's lifetime (an adapter removed and added again under its name gets a new one, so no prefix
+    cached for the old weights is ever served for the new), `path` a PEFT adapter directory."""
+
+    lora_id: int
+    name: str
+    path: str
 
 
 # Not frozen: one is built per sequence per step, and a frozen dataclass's __init__ costs about three times a
@@ -40,7 +52,8 @@ class NewRequestData:
 class ScheduledSeq:
     """One request's slice of a step: compute KV for `input_token_ids` at positions `start_pos`...
 
-    `block_ids` is the request's whole block table after this step's allocation. `sample` is True when the
+    `block_ids` is the request's whole block table after this step's allocation (when every layer slides, its
+    leading entries may name blocks already given back: no kernel reads them again). `sample` is True when the
     slice reaches the end of the request's tokens (those known and the one in flight), so its last logits
     give the next token. The last input id may be `PLACEHOLDER`.
     """
@@ -92,6 +105,9 @@ class ModelRunnerOutput:
     # Sample index -> why that request cannot go on (its output constraint allows no token here): the core
     # ends it with this error instead of outputting the token. None (the rule): every row went well.
     failed: dict[int, str] | None = None
+    # Request id -> {token id: logprob} for each prompt token this step scored, in prompt order
+    # (SamplingParams.prompt_logprobs: the prompt token and the top alternatives). None: no request asked.
+    prompt_logprobs: dict[str, list[dict[int, float]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -113,6 +129,11 @@ class RuntimeInfo:
     architecture: str = ""  # the checkpoint's, e.g. "Qwen3ForCausalLM"
     kv_cache_bytes: int = 0  # the KV cache's memory (one rank's share under tensor parallelism)
     num_threads: int | None = None  # torch's CPU threads in the thread that runs steps (rank 0's)
+    max_loras: int = 0  # LoRA adapter slots (the most one batch mixes); 0: built without enable_lora
+    # When every layer of the model slides over at most this many keys (Mistral's sliding_window): keys that
+    # far behind a sequence's next token are never read again, and their blocks can be given back early.
+    # None: some layer reads every key.
+    kv_window: int | None = None
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -175,4 +196,14 @@ class ModelExecutor(Protocol):
     def watch_failure(self, callback: Callable[[BaseException], None]) -> None:
         """Have `callback` called, from any thread and at most once, when the executor fails between steps
         (a tensor-parallel worker dies while the engine idles); a failure during a step raises from it."""
+        ...
+
+    def add_lora(self, adapter: LoRAAdapter) -> None:
+        """Load `adapter` on every rank, between steps (steps submitted before it are unaffected; later ones
+        may name it in `NewRequestData.lora_id`). Raises `LoRAError`, changing nothing, for an adapter that
+        cannot serve this model (format, rank, target modules, shapes)."""
+        ...
+
+    def remove_lora(self, lora_id: int) -> None:
+        """Forget an adapter no live request uses (steps already submitted may still run with it)."""
         ...

@@ -157,6 +157,8 @@ async def test_other_bad_chat_arguments_raise_at_once(engine: AsyncLLMEngine) ->
         engine.chat([{"role": "user", "content": None}])
     with pytest.raises(InvalidRequestError, match="params must be a SamplingParams"):
         engine.chat(ASK, {"temperature": 0})  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match=r"params\.prompt_logprobs is not offered by chat"):
+        engine.chat(ASK, SamplingParams(prompt_logprobs=1))
     with pytest.raises(InvalidRequestError, match="parallel_tool_calls must be a bool"):
         engine.chat(ASK, tools=TOOLS, parallel_tool_calls=None, chat_template=HERMES)  # type: ignore[arg-type]
     with pytest.raises(InvalidRequestError, match="chat_template_kwargs must be a dict"):

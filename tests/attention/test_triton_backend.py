@@ -47,11 +47,13 @@ def _compare_steps(
     dtype,
     graph_tokens: int = 0,
     graph_decode: bool = False,
+    window: int | None = None,
 ) -> None:
     """Runs each step's (seq_id, new tokens) through both backends, each with its own cache; outputs and
     caches must agree after every step. `graph_tokens`: the Triton side plans every step for one CUDA-graph
     shape of that many rows (queries padded with rows of no sequence), as a captured mixed step replays.
-    `graph_decode`: decode-only steps are planned as a captured decode graph replays them."""
+    `graph_decode`: decode-only steps are planned as a captured decode graph replays them. `window`: both
+    attend as a sliding-window layer."""
     gen = torch.Generator().manual_seed(block_size * group)
     num_kv_heads, scale = 2, head_dim**-0.5
     # Room for the longest steps (about 2,300 tokens over six sequences) at every block size.
@@ -71,7 +73,7 @@ def _compare_steps(
         q = torch.randn(num_tokens, num_kv_heads * group, head_dim, generator=gen).to(dtype).to(DEVICE)
         k, v = (torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE) for _ in "kv")
         torch_backend.plan_and_upload(meta)
-        expected = torch_backend.forward(q, k, v, k_ref, v_ref, meta, scale)
+        expected = torch_backend.forward(q, k, v, k_ref, v_ref, meta, scale, window)
         if graph_tokens:
             triton_backend.plan_and_upload(meta, PlanBounds(graph_tokens, 9, 4096), into=work)
             plan = meta.plan
@@ -79,7 +81,7 @@ def _compare_steps(
                 (plan.num_splits, plan.prefill_programs, plan.decode_seqs.data_ptr(), plan.prefill_tiles.data_ptr())
             )
             pad = torch.randn(graph_tokens - num_tokens, *q.shape[1:], generator=gen).to(dtype).to(DEVICE)
-            out = triton_backend.forward(torch.cat([q, pad]), k, v, k_tri, v_tri, meta, scale)
+            out = triton_backend.forward(torch.cat([q, pad]), k, v, k_tri, v_tri, meta, scale, window)
             assert out[num_tokens:].eq(0).all(), "padding rows are zero, never garbage"
             out = out[:num_tokens]
         elif graph_decode and num_tokens == len(chunks):
@@ -87,10 +89,10 @@ def _compare_steps(
             launches.add((meta.plan.num_splits, meta.plan.decode_seqs.data_ptr()))
             lens = meta.seq_lens_cpu  # programs start longest first (ties in batch order): the last wave is short
             assert meta.plan.decode_seqs.tolist() == sorted(range(len(lens)), key=lambda i: (-lens[i], i))
-            out = triton_backend.forward(q, k, v, k_tri, v_tri, meta, scale)
+            out = triton_backend.forward(q, k, v, k_tri, v_tri, meta, scale, window)
         else:
             triton_backend.plan_and_upload(meta)
-            out = triton_backend.forward(q, k, v, k_tri, v_tri, meta, scale)
+            out = triton_backend.forward(q, k, v, k_tri, v_tri, meta, scale, window)
         assert not out.isnan().any(), "a query row was left unwritten"
         torch.testing.assert_close(out, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
         assert torch.equal(k_tri.nan_to_num(7.0), k_ref.nan_to_num(7.0)), "stored keys differ"
@@ -128,6 +130,19 @@ def test_graph_planned_decode_steps_match_torch_backend(kernels) -> None:
     _compare_steps(steps, 16, 2, 64, torch.float32, graph_decode=True)
 
 
+@pytest.mark.parametrize("window", [1, 7, 20])
+def test_sliding_window_steps_match_torch_backend(kernels, window: int) -> None:
+    """A sliding-window layer's steps, eager, planned as a captured mixed step, and as a captured decode step
+    (the window's own split count is fixed by the bounds: one launch shape throughout)."""
+    many_short = [(i, 2) for i in range(9, 17)] + [(6, 1)]
+    steps = [*MIXED_STEPS, [(6, 30), (0, 1), (1, 1), (4, 9), (7, 2), (8, 1)], many_short]
+    _compare_steps(steps, 4, 2, 16, torch.float32, window=window)
+    _compare_steps(steps, 16, 2, 16, torch.float32, graph_tokens=96, window=window)
+    decode = [(0, 1), (1, 1), (2, 1), (3, 1)]
+    _compare_steps([[(0, 17), (1, 3), (2, 40), (3, 16)], decode, decode], 16, 2, 16, torch.float32, graph_decode=True,
+                   window=window)  # fmt: skip
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
@@ -136,6 +151,8 @@ def test_gpu_mixed_steps_match_torch_backend(kernels, dtype: torch.dtype, block_
     long_steps = [[(0, 300), (1, 1), (2, 1000)], [(0, 1), (1, 700), (2, 1), (3, 129)], [(i, 1) for i in range(4)]]
     _compare_steps(MIXED_STEPS + long_steps, block_size, 2, 128, dtype)
     _compare_steps(MIXED_STEPS + long_steps, block_size, 2, 128, dtype, graph_tokens=1536)
+    _compare_steps(MIXED_STEPS + long_steps, block_size, 2, 128, dtype, window=512)
+    _compare_steps(MIXED_STEPS + long_steps, block_size, 2, 128, dtype, graph_tokens=1536, window=100)
 
 
 def _greedy(path: Path, backend: str, device: str, **engine_args) -> list[list[int]]:
@@ -148,18 +165,21 @@ def _greedy(path: Path, backend: str, device: str, **engine_args) -> list[list[i
     return [o.token_ids for o in outs]
 
 
-def test_engine_greedy_equals_torch_backend_in_interpreter(kernels, tiny_model: Path) -> None:
-    """The whole engine on CPU with the interpreted kernels (chunked prefill forced by the token budget)."""
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_engine_greedy_equals_torch_backend_in_interpreter(kernels, tiny_checkpoints, family: str) -> None:
+    """The whole engine on CPU with the interpreted kernels (chunked prefill forced by the token budget): every
+    fused kernel in its family's form, and Gemma 3's 8-key sliding windows."""
     if HAS_CUDA:
         pytest.skip("covered on CUDA by test_engine_greedy_equals_torch_backend_on_cuda")
+    path = tiny_checkpoints[family]
     args = dict(block_size=16, num_kv_blocks=64, max_num_batched_tokens=32)
-    assert _greedy(tiny_model, "triton", "cpu", **args) == _greedy(tiny_model, "torch", "cpu", **args)
+    assert _greedy(path, "triton", "cpu", **args) == _greedy(path, "torch", "cpu", **args)
 
 
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.usefixtures("exact_fp32")
-@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama", "llama3", "mistral"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama", "llama3", "mistral", "mistral_swa", "gemma3"])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_engine_greedy_equals_torch_backend_on_cuda(kernels, tiny_checkpoints, family: str, block_size: int) -> None:
     args = dict(block_size=block_size, num_kv_blocks=128, max_num_batched_tokens=32)

@@ -67,7 +67,7 @@ def test_union_gaps_and_histogram(bench: dict[str, ModuleType]) -> None:
     ("name", "category"),
     [
         ("_qk_norm_rope_kv_kernel", "qk_norm_rope"),
-        ("_silu_and_mul_kernel", "silu_mul"),
+        ("_gated_act_mul_kernel", "silu_mul"),
         ("_decode_reduce_kernel", "decode_attention"),
         ("_prefill_kernel", "prefill_attention"),
         ("_argmax_reduce_kernel", "sampling"),

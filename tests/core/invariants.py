@@ -14,8 +14,9 @@ def check_block_invariants(bm: BlockManager, live: Iterable[Request], held: Iter
     `held`: references taken by others than requests (`Scheduler.held_block_ids`)."""
     holders: Counter[int] = Counter()
     for request in live:
-        assert len(set(request.block_ids)) == len(request.block_ids), f"{request.request_id} holds a block twice"
-        holders.update(request.block_ids)
+        blocks = bm.held_block_ids(request)
+        assert len(set(blocks)) == len(blocks), f"{request.request_id} holds a block twice"
+        holders.update(blocks)
     holders.update(held)
     free = set(bm.free_block_ids())
     cached = bm.cached_blocks()

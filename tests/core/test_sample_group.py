@@ -139,6 +139,18 @@ def test_samples_wait_for_the_chunked_prefill_then_share_it() -> None:
     assert all(h.tokens["r", i] == h.expected("r") for i in range(3))
 
 
+def test_prompt_logprobs_are_scored_by_sample_0_alone() -> None:
+    """The request's prompt logprobs: sample 0 asks for them and computes the whole prompt; the others do not
+    ask, and share its blocks as usual."""
+    h = Samples(block_size=4, max_num_batched_tokens=8)
+    h.add("r", list(range(1, 22)), n=3, max_tokens=2, ignore_eos=True, prompt_logprobs=2)
+    h.run()
+    assert h.first_seqs("r") == {"r[0]": (0, 8), "r[1]": (20, 1), "r[2]": (20, 1)}
+    asked = {new.request_id: new.params.prompt_logprobs for step in h.executor.steps for new in step.new_requests}
+    assert asked == {"r[0]": 2, "r[1]": None, "r[2]": None}
+    assert all(h.tokens["r", i] == h.expected("r") for i in range(3))
+
+
 def test_samples_admitted_after_the_first_one_finished_still_share_its_blocks() -> None:
     """One seat: the first sample runs (and ends) before the others are admitted; the group keeps the
     prompt's blocks for them (the prefix cache is off), and lets go once the last is admitted."""

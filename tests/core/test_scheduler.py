@@ -268,6 +268,28 @@ def test_prefix_hit_skips_cached_tokens() -> None:
     assert h.requests["b"].num_cached_tokens == 8
 
 
+def test_a_request_scoring_its_prompt_takes_no_prefix_hit() -> None:
+    """Prompt logprobs need every prompt position computed: a cached prefix is not taken (nor counted as a
+    lookup), and the request's own blocks still enter the cache for the next one."""
+    rng = random.Random(8)
+    h = Harness(max_num_batched_tokens=64)
+    prompt = _prompt(rng, 12)
+    h.add("a", prompt, max_tokens=2)
+    h.run()
+    request = h.inputs.make_request("b", list(prompt), SamplingParams(max_tokens=2, prompt_logprobs=1), 0.0)
+    h.core.add_request(request)
+    h.tokens["b"] = []
+    h.step()
+    (seq,) = h.executor.steps[-1].seqs
+    assert seq.start_pos == 0 and seq.input_token_ids == prompt
+    assert request.num_cached_tokens == 0 and h.core.stats().prefix_cache_hit_rate == 0.0
+    h.run()
+    assert h.tokens["b"] == h.expected("a")
+    h.add("c", list(prompt), max_tokens=2)
+    h.step()
+    assert h.executor.steps[-1].seqs[0].start_pos == 8  # the cache still serves others
+
+
 def test_duplicate_live_request_id_is_rejected() -> None:
     h = Harness()
     h.add("a", [1, 2, 3], max_tokens=2)

@@ -39,8 +39,9 @@ from tests.fixtures.tiny_models import build_checkpoint
 
 # 16 blocks of 4 tokens for six prompts sharing a 13-token prefix, 8 tokens per step: chunked prefill,
 # preemption, and prefix hits (the second pass hits the first's blocks).
+# 14 blocks: the sliding-window Mistral, which gives blocks back behind its window, preempts too.
 ENGINE_ARGS: dict[str, Any] = dict(
-    device="cpu", dtype="float32", block_size=4, num_kv_blocks=16, max_num_batched_tokens=8
+    device="cpu", dtype="float32", block_size=4, num_kv_blocks=14, max_num_batched_tokens=8
 )
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
@@ -109,6 +110,27 @@ def test_tp2_equals_tp1(family: str, tiny_checkpoints: dict[str, Path]) -> None:
 def test_tp2_with_replicated_kv_heads_equals_tp1(tmp_path: Path) -> None:
     """One KV head over two ranks: each holds a replica; tokens and stats still equal TP=1's."""
     _check_tp2_equals_tp1(build_checkpoint(tmp_path / "qwen3-kv1", "qwen3", num_key_value_heads=1))
+
+
+def _lora_run(path: Path, adapters: dict[str, Path], **args: Any) -> list[list[int]]:
+    llm = LLM(str(path), **ENGINE_ARGS, enable_lora=True, max_loras=1, max_lora_rank=8, **args)
+    try:
+        for name in ("a", "c", "b"):
+            llm.add_lora(name, adapters[name])
+        llm.remove_lora("c")  # every rank forgets it
+        prompts = _prompts()[:3] * 3
+        loras = [name for name in ("a", "b", None) for _ in range(3)]
+        return [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False, lora=loras)]
+    finally:
+        llm.shutdown()
+
+
+def test_tp2_lora_equals_tp1(tiny_model: Path, tiny_lora_adapters: dict[str, Path]) -> None:
+    """LoRA adapters over two ranks (a row-parallel layer's A and a column-parallel one's B sharded like their
+    base weights; added and removed on every rank through the ring) give TP=1's tokens, one slot reloaded as
+    the adapters take turns."""
+    want = _lora_run(tiny_model, tiny_lora_adapters)
+    assert _lora_run(tiny_model, tiny_lora_adapters, tensor_parallel_size=2) == want
 
 
 def _scripted_run(executor: ModelExecutor) -> list[list[int]]:
@@ -187,7 +209,8 @@ def test_an_engine_warning_is_logged_once_not_per_rank(
     (no logger, no rank). Rank 0 logs it once; a worker's own warnings would name their rank."""
     caplog.set_level(logging.WARNING, logger="asyncllm")
     LLM(str(tiny_checkpoints["qwen3"]), tensor_parallel_size=2, **ENGINE_ARGS).shutdown()
-    warned = [r for r in caplog.records if "the KV cache holds 64 tokens" in r.getMessage()]
+    tokens = ENGINE_ARGS["num_kv_blocks"] * ENGINE_ARGS["block_size"]
+    warned = [r for r in caplog.records if f"the KV cache holds {tokens} tokens" in r.getMessage()]
     assert len(warned) == 1, [r.getMessage() for r in caplog.records]
     err = capfd.readouterr().err
     bare = [line for line in err.splitlines() if "KV cache holds" in line and "asyncllm" not in line]
@@ -356,3 +379,26 @@ def test_samples_over_tp2_equal_tp1(tiny_checkpoints: dict[str, Path]) -> None:
     got, stats = run(tensor_parallel_size=2)
     assert got == want and stats == want_stats
     assert stats["num_preemptions"] > 0 and stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_prompt_logprobs_over_tp2_equal_tp1(tiny_checkpoints: dict[str, Path]) -> None:
+    """The LM head over prompt rows gathers the vocabulary shards as sampling's does (every rank runs the same
+    slices): TP=2 scores every prompt token as TP=1 does, under chunked prefill and preemption."""
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, prompt_logprobs=3)
+    prompts = _prompts()
+
+    def run(**args: Any) -> tuple[list[Any], dict[str, float | int]]:
+        llm = LLM(str(tiny_checkpoints["qwen3"]), **ENGINE_ARGS, **args)
+        try:
+            return [o.prompt_logprobs for o in llm.generate(prompts, params, use_tqdm=False)], llm.stats()
+        finally:
+            llm.shutdown()
+
+    want, want_stats = run()
+    got, stats = run(tensor_parallel_size=2)
+    assert stats == want_stats and stats["num_preemptions"] > 0
+    for prompt, g, w in zip(prompts, got, want):
+        assert len(g) == len(w) == len(prompt) and g[0] is None
+        for mine, theirs in zip(g[1:], w[1:]):
+            assert mine.keys() == theirs.keys()
+            assert all(abs(mine[t] - theirs[t]) < 1e-5 for t in mine)

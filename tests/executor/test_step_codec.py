@@ -8,9 +8,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from asyncllm.executor.step_codec import StepCodecError, StepDecoder, StepEncoder
+from asyncllm.executor.step_codec import AddLoRA, RemoveLoRA, StepCodecError, StepDecoder, StepEncoder, encode_lora
 from asyncllm.sampling_params import SamplingParams
-from asyncllm.step import PLACEHOLDER, NewRequestData, ScheduledSeq, SchedulerOutput
+from asyncllm.step import PLACEHOLDER, LoRAAdapter, NewRequestData, ScheduledSeq, SchedulerOutput
 
 _PARAMS = [
     SamplingParams(temperature=0.0),
@@ -40,7 +40,8 @@ def runs(draw: st.DrawFn) -> list[SchedulerOutput]:
                 continue
             prompt = draw(st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=20))
             params = draw(st.sampled_from(_PARAMS))
-            out.new_requests.append(NewRequestData(rid, prompt, params, draw(st.integers(-(2**70), 2**70))))
+            seed, lora_id = draw(st.integers(-(2**70), 2**70)), draw(st.sampled_from([0, 0, 1, 7]))
+            out.new_requests.append(NewRequestData(rid, prompt, params, seed, lora_id))
             known.add(rid)
             live[rid] = []
         preempted = {rid for rid in sorted(known) if draw(st.integers(0, 6)) == 0 and live[rid]}
@@ -108,3 +109,15 @@ def test_a_table_that_changes_other_than_by_growing_is_refused() -> None:
         encoder.encode(SchedulerOutput([ScheduledSeq("a", [1], 1, [4, 6], True)]))
     with pytest.raises(StepCodecError, match="twice"):
         encoder.encode(SchedulerOutput(new_requests=[NewRequestData("a", [1], _PARAMS[0], 0)]))
+
+
+def test_lora_messages_between_steps() -> None:
+    """Adapters added and removed travel in order with the steps, and a step after them still decodes."""
+    encoder, decoder = StepEncoder(), StepDecoder()
+    add = AddLoRA(LoRAAdapter(3, "sql", "/adapters/sql"))
+    assert decoder.decode_message(encode_lora(add)) == add
+    assert decoder.decode_message(encode_lora(RemoveLoRA(3))) == RemoveLoRA(3)
+    step = SchedulerOutput(
+        [ScheduledSeq("r", [1, 2], 0, [4], True)], [NewRequestData("r", [1, 2], SamplingParams(), 5, lora_id=3)]
+    )
+    assert decoder.decode_message(encoder.encode(step)) == step

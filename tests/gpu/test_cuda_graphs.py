@@ -40,9 +40,10 @@ def _workload(vocab: int) -> tuple[list[list[int]], list[SamplingParams]]:
     ids=["roomy", "preempting"],
 )
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])  # gemma3: sliding-window kernels inside the graphs
 @pytest.mark.usefixtures("exact_fp32")
-def test_graphs_equal_eager(tiny_checkpoints, engine_args: dict, dtype: str) -> None:
-    path = str(tiny_checkpoints["qwen3"])
+def test_graphs_equal_eager(tiny_checkpoints, engine_args: dict, dtype: str, family: str) -> None:
+    path = str(tiny_checkpoints[family])
     common = dict(device="cuda", dtype=dtype, block_size=4, max_num_seqs=40, **engine_args)
     graphs = LLM(path, **common)
     eager = LLM(path, enforce_eager=True, **common)

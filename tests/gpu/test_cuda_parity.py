@@ -39,7 +39,7 @@ def _our_prefix_logprobs(llm: LLM, ids: list[int]) -> list[dict[int, float]]:
     return [out.logprobs[0] for out in outs]
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama", "llama3", "mistral"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama", "llama3", "mistral", "mistral_swa", "gemma3"])
 def test_bf16_logits_and_greedy_prefix(family: str, tiny_checkpoints) -> None:
     """bf16 rounding differs between any two implementations, so greedy paths may part at a near-tie.
 
@@ -91,9 +91,10 @@ def test_bf16_logits_and_greedy_prefix(family: str, tiny_checkpoints) -> None:
         dict(block_size=4, num_kv_blocks=20, max_num_batched_tokens=16),  # chunked prefill + preemption
     ],
 )
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "mistral_swa"])  # sliding windows, Gemma's fused kernels
 @pytest.mark.usefixtures("exact_fp32")
-def test_fp32_greedy_exact_on_cuda(engine_args, tiny_checkpoints) -> None:
-    path = tiny_checkpoints["qwen3"]
+def test_fp32_greedy_exact_on_cuda(engine_args, family: str, tiny_checkpoints) -> None:
+    path = tiny_checkpoints[family]
     llm = LLM(str(path), device="cuda", dtype="float32", **engine_args)
     hf = _hf(path, torch.float32)
     prompts = _prompts(llm.runtime.vocab_size)

@@ -1,4 +1,4 @@
-"""The registry: one entry per architecture, read by the Hugging Face and the GGUF loader alike; the four
+"""The registry: one entry per architecture, read by the Hugging Face and the GGUF loader alike; the
 supported architectures, and a helpful error for any other."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from asyncllm.errors import UnsupportedModelError
+from asyncllm.models.gemma3 import Gemma3ForCausalLM
 from asyncllm.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from asyncllm.models.qwen3 import Qwen3ForCausalLM
 from asyncllm.models.registry import (
@@ -20,7 +21,9 @@ from asyncllm.models.registry import (
 
 
 @pytest.mark.parametrize(
-    "cls", [Qwen3ForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM, MistralForCausalLM], ids=lambda c: c.__name__
+    "cls",
+    [Qwen3ForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM, MistralForCausalLM, Gemma3ForCausalLM],
+    ids=lambda c: c.__name__,
 )
 def test_supported_architectures_resolve(cls: type) -> None:
     assert cls.__name__ in SUPPORTED_ARCHITECTURES

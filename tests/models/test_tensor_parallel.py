@@ -74,9 +74,10 @@ def _check_ranks_match(path: Path, world: int) -> None:
                     assert abs(g[token] - logprob) < 1e-4
 
 
-def test_gguf_tensors_are_sliced_after_dequantizing(tmp_path: Path) -> None:
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe"])  # Qwen3-MoE: every expert of a projection stacked
+def test_gguf_tensors_are_sliced_after_dequantizing(tmp_path: Path, family: str) -> None:
     """GGUF cannot read a slice from disk: whole tensors are dequantized, then each rank keeps its slice."""
-    path = write_gguf(tmp_path / "qwen2.gguf", "qwen2", build_hf_model("qwen2", seed=3))
+    path = write_gguf(tmp_path / f"{family}.gguf", family, build_hf_model(family, seed=3))
     _check_ranks_match(path, 2)
 
 

@@ -67,7 +67,7 @@ def test_chat_400_names_the_field(client: openai.OpenAI, kwargs: dict[str, Any],
         ([[1, 2], "mixed"], {}, "prompt"),
         ([], {}, "prompt"),
         ("Hi", {"logprobs": 50}, "logprobs"),
-        ("Hi", {"echo": True}, "echo"),
+        ("Hi", {"echo": True, "logprobs": 50}, "logprobs"),  # the prompt's logprobs are checked as the completion's
     ],
 )
 def test_completion_400_names_the_field(client: openai.OpenAI, prompt: Any, extra: dict[str, Any], param: str) -> None:

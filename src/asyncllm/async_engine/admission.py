@@ -32,12 +32,20 @@ _MAX_BATCH = 64  # texts tokenized per call: large enough to amortise, small eno
 
 
 class _Job:
-    __slots__ = ("arrival_time", "cancelled", "params", "priority", "prompt", "ready", "request", "slot")
+    __slots__ = ("arrival_time", "cancelled", "lora", "params", "priority", "prompt", "ready", "request", "slot")
 
     def __init__(
-        self, slot: OutputSlot, request: Request | None, prompt: str, params: SamplingParams, t: float, priority: int
+        self,
+        slot: OutputSlot,
+        request: Request | None,
+        prompt: str,
+        params: SamplingParams,
+        t: float,
+        priority: int,
+        lora: str | None = None,
     ) -> None:
         self.slot = slot
+        self.lora = lora
         self.request = request  # None until the worker has tokenized `prompt`
         self.prompt = prompt
         self.params = params
@@ -77,11 +85,17 @@ class Admission:
             self._enqueue(_Job(slot, request, "", request.params, request.arrival_time, request.priority))
 
     def submit_text(
-        self, slot: OutputSlot, prompt: str, params: SamplingParams, arrival_time: float, priority: int
+        self,
+        slot: OutputSlot,
+        prompt: str,
+        params: SamplingParams,
+        arrival_time: float,
+        priority: int,
+        lora: str | None = None,
     ) -> None:
         """A text prompt that passed the cheap checks: tokenized and checked on the worker thread."""
         with self._cond:
-            self._enqueue(_Job(slot, None, prompt, params, arrival_time, priority))
+            self._enqueue(_Job(slot, None, prompt, params, arrival_time, priority, lora))
 
     def abort(self, slot: OutputSlot) -> None:
         """Any thread, idempotent. A request still here ends at once with "abort" and never reaches the core."""
@@ -165,7 +179,7 @@ class Admission:
         failure = ("tokenizing", "the tokenizer failed on this prompt")
         try:
             request = job.request or ip.make_request(
-                rid, job.prompt, job.params, job.arrival_time, encoded, priority=job.priority
+                rid, job.prompt, job.params, job.arrival_time, encoded, priority=job.priority, lora=job.lora
             )
             failure = ("compiling the output constraint of", "compiling this request's output constraint failed")
             ip.check_constraint(request.params)

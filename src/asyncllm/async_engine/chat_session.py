@@ -100,6 +100,11 @@ def check_chat(
         params = SamplingParams()
     elif not isinstance(params, SamplingParams):
         raise InvalidRequestError(f"params must be a SamplingParams or None, got {type(params).__name__}")
+    if params.prompt_logprobs is not None:  # chat chunks carry the reply only: they would be computed and lost
+        raise InvalidRequestError(
+            "params.prompt_logprobs is not offered by chat: score a conversation with "
+            "generate(engine.apply_chat_template(messages), params)"
+        )
     checked = check_tools(tools, tool_choice, parallel_tool_calls)
     if checked.active:
         _check_params_with_tools(params)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -83,6 +84,16 @@ class EngineCoreClient(Protocol):
 
     def stats(self) -> dict[str, float | int]:
         """The latest snapshot the core published (num_running, num_free_blocks, ...); never waits on work."""
+        ...
+
+    def add_lora(self, name: str, path: str) -> Future[None]:
+        """Have the core add the LoRA adapter at `path` as `name` between steps (`EngineCore.add_lora`); the
+        future resolves once every rank loaded it, or with its `LoRAError` (`EngineDeadError` if the core
+        stops first). Any thread; returns at once."""
+        ...
+
+    def remove_lora(self, name: str) -> Future[None]:
+        """`add_lora`'s twin for `EngineCore.remove_lora` (`LoRAError` while a live request uses it)."""
         ...
 
     @property

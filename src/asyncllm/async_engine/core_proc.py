@@ -12,6 +12,7 @@ front asks, and at once when the front's pipe closes (the front died). Knows not
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import mmap
@@ -21,7 +22,7 @@ import signal
 import struct
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, cast
 
@@ -172,8 +173,13 @@ def _serve(
                 client.abort_request(slot)
         elif kind == wire.END:
             client.end_request(router.register(message[1]), message[2])
-        elif kind == wire.CHECK:
-            checker.submit(_check, sender, check, message[1], message[2])
+        elif kind == wire.CALL:
+            _, call, what, args = message
+            if what == wire.CHECK_CONSTRAINT:  # may take a while: never in the way of adds and aborts
+                checker.submit(_check, sender, check, call, *args)
+            else:  # run by the step thread between two steps, in order with the requests before it
+                future = client.add_lora(*args) if what == wire.ADD_LORA else client.remove_lora(*args)
+                future.add_done_callback(functools.partial(_returned, sender, call))
         elif kind == wire.STOP:
             return
 
@@ -182,9 +188,14 @@ def _check(sender: _Sender, check: Any, call: int, spec: Any) -> None:
     try:
         check(spec)
     except Exception as exc:  # the caller's error (InvalidRequestError naming the field) or the compiler's
-        sender.send((wire.CHECKED, call, wire.portable_error(exc)))
+        sender.send((wire.RETURNED, call, wire.portable_error(exc)))
         return
-    sender.send((wire.CHECKED, call, None))
+    sender.send((wire.RETURNED, call, None))
+
+
+def _returned(sender: _Sender, call: int, future: Future[None]) -> None:
+    error = future.exception()
+    sender.send((wire.RETURNED, call, None if error is None else wire.portable_error(error)))
 
 
 def _log_to_stderr(level: int) -> None:

@@ -22,13 +22,15 @@ from asyncllm.errors import AsyncLLMError, RequestFailedError
 ADD = "add"  # (ADD, request)
 ABORT = "abort"  # (ABORT, request_id)
 END = "end"  # (END, request_id, delta): routed back in order, for a request that never reached the core
-CHECK = "check"  # (CHECK, call id, structured output spec): compile it, answer CHECKED
+CALL = "call"  # (CALL, call id, what, args): CHECK_CONSTRAINT(spec), ADD_LORA(name, path), REMOVE_LORA(name)
 STOP = "stop"  # (STOP,): stop after the step in flight, release the device, exit
 # core -> front
 READY = "ready"  # (READY, runtime, tokenizer, encode, encode_batch, can check constraints)
 FAILED = "failed"  # (FAILED, error): the build failed
 STEP = "step"  # (STEP, started ids, stats, ids, tokens, texts, others): see `encode_step`
-CHECKED = "checked"  # (CHECKED, call id, error or None)
+RETURNED = "returned"  # (RETURNED, call id, error or None)
+# What a CALL asks for: a constraint compiled on a thread of its own; adapters changed between two steps.
+CHECK_CONSTRAINT, ADD_LORA, REMOVE_LORA = "check_constraint", "add_lora", "remove_lora"
 DEAD = "dead"  # (DEAD, message, cause): the core is gone (failed, or shut down); streams end with it
 
 STATS_KEYS = (

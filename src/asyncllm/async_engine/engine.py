@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import functools
 import gc
+import os
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -26,6 +27,7 @@ from asyncllm.async_engine.ids import LiveRequests, check_request_id, new_reques
 from asyncllm.async_engine.inproc_client import Built, InProcClient
 from asyncllm.async_engine.loop_fanout import LoopFanout
 from asyncllm.async_engine.loops import current_loop_key, run_in_thread
+from asyncllm.async_engine.lora_front import LoRAFront
 from asyncllm.async_engine.mailbox import OutputSlot, new_slot
 from asyncllm.async_engine.proc_client import ProcClient
 from asyncllm.async_engine.router import OutputRouter
@@ -131,6 +133,7 @@ class AsyncLLMEngine:
         self.runtime = info.runtime
         self._max_token_chars = max_token_chars_of(info.tokenizer)
         self._admission = Admission(client, self._input_processor, clock)
+        self._loras = LoRAFront(client, info.runtime.max_loras > 0, self._live.closed_error)
         # An engine dropped without shutdown still stops its threads and frees the device.
         self._finalizer = weakref.finalize(self, _shutdown, client, self._admission)
         gc.collect()  # garbage now would otherwise be frozen for good
@@ -147,14 +150,16 @@ class AsyncLLMEngine:
         request_id: str | None = None,
         *,
         priority: int = 0,
+        lora: str | None = None,
     ) -> RequestStream:
         """Queue a request and return its stream at once; call it from the loop that will read the stream.
 
         `priority`: lower runs first (FIFO within a priority); a waiting request may preempt running ones
-        of a lower priority when memory or seats run out.
+        of a lower priority when memory or seats run out. `lora`: the name of an adapter added with
+        `add_lora`, whose weights the request runs through (None: the base model).
 
         Raises at once: `InvalidRequestError` for a bad prompt (except its length in tokens, for text: see
-        the class), bad params or priority, or a duplicate live id; `EngineOverloadedError` when
+        the class), bad params, priority or adapter name, or a duplicate live id; `EngineOverloadedError` when
         `max_waiting_requests` requests already wait to start; `EngineDrainingError` while draining;
         `EngineDeadError` when the engine has failed or was shut down. Never runs the tokenizer.
         """
@@ -165,6 +170,7 @@ class AsyncLLMEngine:
             raise dead
         ip = self._input_processor
         priority = ip.check_priority(priority)
+        lora = ip.check_lora(lora, self._loras.added)
         arrival = self._clock()
         text: tuple[str, SamplingParams] | None = None
         request = None
@@ -173,7 +179,7 @@ class AsyncLLMEngine:
             ip.check_text(prompt, self._max_token_chars)
             n = text[1].n
         else:  # token ids: cheap, checked whole
-            request = ip.make_request(request_id, prompt, params, arrival, priority=priority)
+            request = ip.make_request(request_id, prompt, params, arrival, priority=priority, lora=lora)
             n = request.params.n
         mailbox = self._fanout.attach(library, loop_key)
         slot = new_slot(request_id, mailbox, n)
@@ -183,23 +189,25 @@ class AsyncLLMEngine:
             self._fanout.detach(mailbox)
             raise
         if text is not None:
-            self._admission.submit_text(slot, *text, arrival, priority)
+            self._admission.submit_text(slot, *text, arrival, priority, lora)
         else:
             assert request is not None
             self._admission.submit(slot, request)
         return RequestStream(slot, self._admission.abort)
 
-    def stream(
-        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None, *, priority: int = 0
-    ) -> RequestStream:
-        """`async for chunk in engine.stream(prompt, params)`: the same as `add_request`."""
-        return self.add_request(prompt, params, request_id, priority=priority)
+    stream = add_request  # `async for chunk in engine.stream(prompt, params)`: the same call
 
     async def generate(
-        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None, *, priority: int = 0
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        priority: int = 0,
+        lora: str | None = None,
     ) -> RequestOutput:
         """The whole result of one request. Cancelling the awaiting task aborts the request."""
-        return await collect(self.add_request(prompt, params, request_id, priority=priority))
+        return await collect(self.add_request(prompt, params, request_id, priority=priority, lora=lora))
 
     async def abort(self, request_id: str) -> None:
         """End a live request; its stream then yields a final chunk with finish_reason "abort".
@@ -220,21 +228,23 @@ class AsyncLLMEngine:
         chat_template_kwargs: Mapping[str, Any] | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        lora: str | None = None,
     ) -> ChatStream:
         """`async for chunk in engine.chat(messages, params, tools=..., tool_choice=...)`: the reply as
         `ChatChunk`s (`text`, `reasoning_text`, `tool_calls` deltas, `finish_reason`; "tool_calls" when it
         called tools). `tools`: OpenAI function tools; `tool_choice`: "auto", "none" (the prompt lists the
         tools, the reply is text), "required" or `{"type": "function", "function": {"name": ...}}` (the last
         two force calls through a grammar); `parallel_tool_calls=False`: one call at most. `chat_template`
-        replaces the model's template, `chat_template_kwargs` adds variables to it; `priority` as in
-        `add_request`. Bad messages, tools, params or priority raise `InvalidRequestError` here; what needs the
-        template raises from the first chunk (see `ChatStream`). Leaving the stream early aborts it.
+        replaces the model's template, `chat_template_kwargs` adds variables to it; `priority` and `lora` as in
+        `add_request`. Bad messages, tools, params, priority or adapter raise `InvalidRequestError` here; what
+        needs the template raises from the first chunk (see `ChatStream`). Leaving the stream early aborts it.
         `params.n` > 1: n replies as one request (the prompt prefilled once), their chunks labelled by
         `ChatChunk.index`, each reply parsed on its own and ended by its own finish reason."""
         priority = self._input_processor.check_priority(priority)
+        lora = self._input_processor.check_lora(lora, self._loras.added)
         return open_chat(
             self.tokenizer,
-            functools.partial(self.add_request, priority=priority),
+            functools.partial(self.add_request, priority=priority, lora=lora),
             messages,
             params,
             tools=tools,
@@ -254,6 +264,23 @@ class AsyncLLMEngine:
         from asyncllm.chat import apply_chat_template
 
         return apply_chat_template(self.tokenizer, messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+
+    # ------------------------------------------------------------------ LoRA adapters
+    async def add_lora(self, name: str, path: str | os.PathLike[str]) -> None:
+        """Load the PEFT LoRA adapter in directory `path` and serve it as `name`: requests pick it with
+        `lora=name`. Loaded on every rank between two steps: running streams lose nothing. Raises `LoRAError`,
+        adding nothing, for an engine without `enable_lora`, a name taken, `max_cpu_loras` reached, or an
+        adapter that cannot serve this model (docs/lora.md). Cancelling the wait does not undo the addition."""
+        await self._loras.add(name, path)
+
+    async def remove_lora(self, name: str) -> None:
+        """Stop serving adapter `name`. Raises `LoRAError` for an unknown name, and while live requests use
+        it (naming how many): abort them or let them finish first."""
+        await self._loras.remove(name)
+
+    def list_loras(self) -> list[str]:
+        """The adapters added, in the order they were."""
+        return self._loras.names()
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict[str, float | int]:

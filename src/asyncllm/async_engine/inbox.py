@@ -1,10 +1,12 @@
-"""The inbox: what the front sends a core (adds, aborts, ends), from any thread, applied in arrival order.
+"""The inbox: what the front sends a core (adds, aborts, ends, calls), from any thread, applied in arrival order.
 
 Sending never waits on the core: an append to a deque (atomic) and a wake-up of the driver, which drains
 the inbox at its own pace (the in-process step thread: at the start of every step and again right after the
 forward pass). A message whose request is no longer live (finished, or the engine failed or shut down
 meanwhile) is dropped, so aborts are idempotent and a stale one never hits a later request reusing its id.
-Knows nothing of event loops, nor of the core beyond the two calls its driver hands `drain`.
+A call (adding or removing a LoRA adapter) runs in the driver's thread between steps, its result or error set
+on the caller's future; one the driver never runs (it stopped) fails with `EngineDeadError`. Knows nothing of
+event loops, nor of the core beyond the calls its driver and callers hand it.
 """
 
 from __future__ import annotations
@@ -12,7 +14,10 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from asyncllm.errors import EngineDeadError
 
 if TYPE_CHECKING:
     from asyncllm.async_engine.mailbox import OutputSlot
@@ -35,13 +40,28 @@ class _End(NamedTuple):
     delta: RequestDelta
 
 
+class _Call(NamedTuple):
+    fn: Callable[[], Any]  # runs in the driver's thread, between steps
+    future: Future[Any]
+
+    def run(self) -> None:
+        if not self.future.set_running_or_notify_cancel():
+            return
+        try:
+            result = self.fn()
+        except Exception as exc:  # the call's own failure: its caller's, the engine carries on
+            self.future.set_exception(exc)
+        else:
+            self.future.set_result(result)
+
+
 class Inbox:
-    """`add`, `abort`, `end`, `stop` and `notify` from any thread; `wait`, `pause` and `drain` from the
-    driver's thread only."""
+    """`add`, `abort`, `end`, `call`, `stop` and `notify` from any thread; `wait`, `pause`, `drain` and
+    `fail_calls` from the driver's thread only."""
 
     def __init__(self, router: OutputRouter) -> None:
         self._router = router
-        self._queue: deque[_Add | _Abort | _End] = deque()  # append/popleft are atomic: no lock to enqueue
+        self._queue: deque[_Add | _Abort | _End | _Call] = deque()  # append/popleft are atomic: no lock to enqueue
         # Reentrant: a stream garbage-collected inside the driver's own locked region may enqueue an abort.
         # Admission shares it, for the same reason (see admission.py).
         self.lock = threading.RLock()
@@ -65,6 +85,24 @@ class Inbox:
             return
         self._queue.append(_End(slot, delta))
         self.notify()
+
+    def call(self, fn: Callable[[], Any], future: Future[Any]) -> None:
+        """Run `fn()` in the driver's thread, in order with the other messages; its result or exception goes
+        to `future` (`EngineDeadError` once the driver stopped)."""
+        with self.lock:  # against `fail_calls`: a call is either run, failed there, or refused here
+            if self.stopping:
+                future.set_exception(EngineDeadError("the engine is not running"))
+                return
+            self._queue.append(_Call(fn, future))
+        self.notify()
+
+    def fail_calls(self, message: str) -> None:
+        """The driver stopped: fail every call it will never run (after `stop`, so none is queued later)."""
+        with self.lock:
+            calls = [m for m in list(self._queue) if isinstance(m, _Call)]  # list(): one step under the GIL
+        for call in calls:
+            if call.future.set_running_or_notify_cancel():
+                call.future.set_exception(EngineDeadError(message))
 
     def stop(self) -> None:
         """Refuse later aborts and ends (the streams are closed by now) and wake the driver, which exits."""
@@ -99,6 +137,9 @@ class Inbox:
         queue, is_live = self._queue, self._router.is_live
         while queue:
             message = queue.popleft()
+            if isinstance(message, _Call):
+                message.run()
+                continue
             slot = message.slot
             if not is_live(slot):
                 continue  # finished or never admitted (an abort is a no-op), or failed or shut down meanwhile

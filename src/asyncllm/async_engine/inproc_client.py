@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Protocol
 
 from asyncllm.async_engine.core_client import CoreInfo
@@ -85,6 +86,20 @@ class InProcClient:
     def stats(self) -> dict[str, float | int]:
         return dict(self._stats)
 
+    def add_lora(self, name: str, path: str) -> Future[None]:
+        future: Future[None] = Future()
+        self._inbox.call(lambda: self._started_core().add_lora(name, path), future)
+        return future
+
+    def remove_lora(self, name: str) -> Future[None]:
+        future: Future[None] = Future()
+        self._inbox.call(lambda: self._started_core().remove_lora(name), future)
+        return future
+
+    def _started_core(self) -> EngineCore:
+        assert self._core is not None, "a call before the core was built"
+        return self._core
+
     @property
     def is_alive(self) -> bool:
         return self._thread.is_alive()
@@ -131,6 +146,7 @@ class InProcClient:
             logger.error("asyncllm step loop failed; the engine is dead", exc_info=exc)
         finally:
             self._inbox.stop()
+            self._inbox.fail_calls("the engine stopped before it could run this call")
             self._router.close(f"engine step loop failed: {cause!r}", cause)  # no-op after shutdown closed it
             try:
                 core.shutdown()

@@ -105,11 +105,12 @@ class SamplesSlot(OutputSlot):
         metrics: RequestMetrics | None = None,
         error: str | AsyncLLMError | None = None,
         index: int = 0,
+        prompt_logprobs: Sequence[TokenLogprobs | None] | None = None,
     ) -> None:
         if self.finished:  # every sample ended, or the engine died
             return
         samples = self.samples
-        samples.add(text, token_ids, logprobs, finish_reason, metrics, error, index)
+        samples.add(text, token_ids, logprobs, finish_reason, metrics, error, index, prompt_logprobs)
         self.error = samples.error
         self.finished = samples.finished
 
@@ -140,7 +141,16 @@ class LoopMailbox:
         """
         with self.lock:
             for slot, d in items:  # join each delta onto what the consumer has not read yet
-                slot.add(d.new_text, d.new_token_ids, d.logprobs, d.finish_reason, d.metrics, d.error, d.index)
+                slot.add(
+                    d.new_text,
+                    d.new_token_ids,
+                    d.logprobs,
+                    d.finish_reason,
+                    d.metrics,
+                    d.error,
+                    d.index,
+                    d.prompt_logprobs,
+                )
                 self._ready[slot] = None
             return self._schedule_wake_locked()
 

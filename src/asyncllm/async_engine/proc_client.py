@@ -78,8 +78,8 @@ class ProcClient:
         self._stopping = False
         self.failure: BaseException | None = None  # what killed the core (None: serving, or shut down)
         self._stats: dict[str, float | int] = {}  # replaced (never mutated) by every step's message
-        self._checks: dict[int, Future[BaseException | None]] = {}
-        self._check_ids = itertools.count()
+        self._calls: dict[int, Future[None]] = {}  # calls into the core awaiting its answer
+        self._call_ids = itertools.count()
         self._proc: subprocess.Popen[bytes] | None = None
         self._to_core: Connection | None = None
         self._from_core: Connection | None = None
@@ -215,19 +215,28 @@ class ProcClient:
         with contextlib.suppress(OSError):
             self._to_core.send(message)
 
+    def add_lora(self, name: str, path: str) -> Future[None]:
+        return self._call(wire.ADD_LORA, name, path)
+
+    def remove_lora(self, name: str) -> Future[None]:
+        return self._call(wire.REMOVE_LORA, name)
+
     def _check_constraint(self, spec: StructuredOutput) -> None:
         """`check_constraint` for the front: compiled in the core process (its compiler's cache is the one
         the steps use), the error raised here. Called off the event loops (the tokenizer thread)."""
-        future: Future[BaseException | None] = Future()
+        self._call(wire.CHECK_CONSTRAINT, spec).result()
+
+    def _call(self, what: str, *args: Any) -> Future[None]:
+        """Ask the core to run `what(*args)`; the future gets its error, or `EngineDeadError` if it stops first."""
+        future: Future[None] = Future()
         with self._lock:
-            if self._stopping or self.failure is not None:
-                raise EngineDeadError("the engine is not running")
-            call = next(self._check_ids)
-            self._checks[call] = future
-            self._send((wire.CHECK, call, spec))
-        error = future.result()
-        if error is not None:
-            raise error
+            if self._stopping:
+                future.set_exception(EngineDeadError("the engine is not running"))
+                return future
+            call = next(self._call_ids)
+            self._calls[call] = future
+            self._send((wire.CALL, call, what, args))
+        return future
 
     def _read(self) -> None:
         """The reader thread: route each step's outputs, answer checks, until the core's pipe closes."""
@@ -246,8 +255,12 @@ class ProcClient:
                     self._stats = stats  # before routing: a finished stream sees its blocks freed
                     for slot in router.route(deltas):  # their event loop is closed: stop computing them
                         self.abort_request(slot)
-                elif kind == wire.CHECKED:
-                    self._checks.pop(message[1]).set_result(message[2])
+                elif kind == wire.RETURNED:
+                    future, error = self._calls.pop(message[1]), message[2]
+                    if error is None:
+                        future.set_result(None)
+                    else:
+                        future.set_exception(error)
                 elif kind == wire.DEAD and not self._stopping:  # the core failed; it has released the device
                     self.failure = message[2]
                     router.close(message[1], message[2])
@@ -273,10 +286,11 @@ class ProcClient:
             self._router.close(router_message, self.failure)  # a no-op once closed (DEAD, or a shutdown)
         with self._lock:
             self._stopping = True
-        for future in self._checks.values():
+        with self._lock:
+            calls, self._calls = self._calls, {}
+        for future in calls.values():
             if not future.done():
-                future.set_result(EngineDeadError("the engine stopped before the check was done"))
-        self._checks.clear()
+                future.set_exception(EngineDeadError("the engine stopped before it could run this call"))
 
     def _describe_exit(self) -> str:
         proc = self._proc

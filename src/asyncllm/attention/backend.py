@@ -1,9 +1,9 @@
 """The attention backend interface: every implementation (torch reference, Triton, flash-attn) fits it.
 
 A backend does two things per layer: `write_kv` stores this step's keys and values into the paged cache,
-`attend` attends each query token to its sequence's cached keys causally. They are separate so a fused
-kernel (rotary + KV write) can replace the first. Inputs come per step in `AttentionMetadata`; nothing is
-global.
+`attend` attends each query token to its sequence's cached keys causally, or only to the last `window` of
+them for a sliding-window layer. They are separate so a fused kernel (rotary + KV write) can replace the
+first. Inputs come per step in `AttentionMetadata`; the window comes per layer; nothing is global.
 
 Per step, before the forward pass, `plan` derives on the host what every layer reuses (an `AttentionPlan`)
 as plain ints, its work list; the caller uploads that list (the worker stages it in the step's one copy)
@@ -11,7 +11,9 @@ and `bind`s the plan to the device tensor. A backend never uploads on its own in
 staging.
 
 KV cache layout, per layer: key and value tensors of shape [num_blocks, block_size, num_kv_heads, head_dim].
-Token `t` of a sequence lives in block `block_table[t // block_size]`, row `t % block_size`.
+Token `t` of a sequence lives in block `block_table[t // block_size]`, row `t % block_size`. A sliding-window
+layer never reads a key outside its window: when every layer slides, the block manager may hand the blocks
+behind every window to other sequences while the block table still names them.
 """
 
 from __future__ import annotations
@@ -134,8 +136,11 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        """Causal attention of each query over its sequence's cached keys (this step's included)."""
+        """Causal attention of each query over its sequence's cached keys (this step's included). With a
+        `window`, the query at position p sees keys p - window + 1 .. p only (transformers' sliding window:
+        `kv_idx > q_idx - window`), and no key before them is read."""
 
     def forward(
         self,
@@ -146,7 +151,8 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         """`write_kv` then `attend`: the whole op for callers that hold k and v."""
         self.write_kv(k, v, k_cache, v_cache, meta)
-        return self.attend(q, k_cache, v_cache, meta, scale)
+        return self.attend(q, k_cache, v_cache, meta, scale, window)

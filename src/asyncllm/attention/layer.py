@@ -1,7 +1,8 @@
 """The attention op of a decoder layer: hands q/k/v and this layer's paged cache to the backend.
 
-Owns head bookkeeping and the softmax scale only. Which kernel runs, and how the cache is laid out, belong
-to the `AttentionBackend` given at construction; the per-step batch layout arrives as an argument.
+Owns head bookkeeping, the softmax scale and the layer's sliding window only. Which kernel runs, and how the
+cache is laid out, belong to the `AttentionBackend` given at construction; the per-step batch layout arrives
+as an argument.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ class Attention(nn.Module):
         head_dim: int,
         backend: AttentionBackend,
         scale: float | None = None,  # the softmax scale; None: head_dim ** -0.5 (Gemma passes its own)
+        window: int | None = None,  # this layer's sliding window (keys within it, the query's own included); None: all
     ) -> None:
         super().__init__()
         assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
@@ -29,6 +31,9 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5 if scale is None else scale
+        if window is not None and window < 1:
+            raise ValueError(f"sliding window={window} must be >= 1 (or None: global attention)")
+        self.window = window
         self.backend = backend  # stateless and shared by every layer; not a submodule
 
     def forward(
@@ -46,11 +51,11 @@ class Attention(nn.Module):
     def attend_cached(self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """Attention alone, for callers whose fused kernel already wrote this step's KV into the cache."""
         k_cache, v_cache = kv_cache
-        out = self.backend.attend(q, k_cache, v_cache, meta, self.scale)
+        out = self.backend.attend(q, k_cache, v_cache, meta, self.scale, self.window)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:
         return (
             f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-            f"backend={self.backend.name}"
+            f"window={self.window}, backend={self.backend.name}"
         )

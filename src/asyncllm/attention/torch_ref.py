@@ -1,8 +1,9 @@
 """Pure-PyTorch paged attention: the specification every faster backend is tested against.
 
 Written for clarity over speed: gather each sequence's keys from its blocks, attend in float32, causal
-within the sequence (query row j of a sequence of length L sits at position L - query_len + j).
-Decode-only sequences are batched with padding so the reference stays usable as a GPU baseline.
+within the sequence (query row j of a sequence of length L sits at position L - query_len + j) and, for a
+sliding-window layer, within the window (transformers' `kv_idx > q_idx - window`). Decode-only sequences are
+batched with padding so the reference stays usable as a GPU baseline.
 """
 
 from __future__ import annotations
@@ -16,15 +17,27 @@ from asyncllm.attention.backend import AttentionBackend, AttentionMetadata, Atte
 __all__ = ["TorchAttentionBackend", "attend", "gather_kv", "store_kv"]
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """[seq_len, num_kv_heads, head_dim]: one sequence's cached rows in token order."""
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, start: int = 0) -> torch.Tensor:
+    """[seq_len - start, num_kv_heads, head_dim]: one sequence's cached rows `start..seq_len` in token order
+    (the blocks before `start` are not read: a sliding window may have given them away)."""
     block_size = cache.shape[1]
-    num_blocks = -(-seq_len // block_size)
-    return cache[block_table[:num_blocks].long()].flatten(0, 1)[:seq_len]
+    first, num_blocks = start // block_size, -(-seq_len // block_size)
+    rows = cache[block_table[first:num_blocks].long()].flatten(0, 1)
+    return rows[start - first * block_size : seq_len - first * block_size]
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int) -> torch.Tensor:
-    """q [Q, H, D], k/v [K, Hkv, D] -> [Q, H, D]; query j may see keys 0..causal_offset + j. float32 maths."""
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal_offset: int,
+    window: int | None = None,
+    key_start: int = 0,
+) -> torch.Tensor:
+    """q [Q, H, D], k/v [K, Hkv, D] -> [Q, H, D]; query j sits at position causal_offset + j and key i at
+    key_start + i; a query sees the keys at or before its position (and, with a window, after position -
+    window). float32 maths. Every query must see at least one key."""
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     group = num_heads // num_kv_heads
     qf = q.float().transpose(0, 1)  # [H, Q, D]
@@ -32,8 +45,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, caus
     vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
     scores = torch.matmul(qf, kf.transpose(1, 2)) * scale  # [H, Q, K]
     qpos = torch.arange(q.shape[0], device=q.device)[:, None] + causal_offset
-    kpos = torch.arange(k.shape[0], device=q.device)[None, :]
-    scores = scores.masked_fill(kpos > qpos, float("-inf"))
+    kpos = torch.arange(k.shape[0], device=q.device)[None, :] + key_start
+    hidden = kpos > qpos
+    if window is not None:
+        hidden |= kpos <= qpos - window
+    scores = scores.masked_fill(hidden, float("-inf"))
     out = torch.matmul(torch.softmax(scores, dim=-1), vf)  # [H, Q, D]
     return out.transpose(0, 1).to(q.dtype)
 
@@ -80,7 +96,13 @@ class TorchAttentionBackend(AttentionBackend):
         return 3 * min(bounds.max_tokens, bounds.max_seqs)
 
     def attend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         if not isinstance(meta.plan, _Plan):
             self.plan_and_upload(meta)
@@ -90,11 +112,14 @@ class TorchAttentionBackend(AttentionBackend):
         starts = plan.starts
         for i in plan.prefill_seqs:
             qlen, slen = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
-            kk = gather_kv(k_cache, meta.block_tables[i], slen)
-            vv = gather_kv(v_cache, meta.block_tables[i], slen)
-            out[starts[i] : starts[i + 1]] = attend(q[starts[i] : starts[i + 1]], kk, vv, scale, slen - qlen)
+            # The first query's window starts here; keys before it are read by no query of this step.
+            lo = 0 if window is None else max(0, slen - qlen - window + 1)
+            kk = gather_kv(k_cache, meta.block_tables[i], slen, lo)
+            vv = gather_kv(v_cache, meta.block_tables[i], slen, lo)
+            rows = q[starts[i] : starts[i + 1]]
+            out[starts[i] : starts[i + 1]] = attend(rows, kk, vv, scale, slen - qlen, window, lo)
         if plan.decode_seqs:
-            out[plan.decode_rows] = self._decode(q, k_cache, v_cache, meta, plan, scale)
+            out[plan.decode_rows] = self._decode(q, k_cache, v_cache, meta, plan, scale, window)
         return out
 
     @staticmethod
@@ -105,8 +130,10 @@ class TorchAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         plan: _Plan,
         scale: float,
+        window: int | None,
     ) -> torch.Tensor:
-        """Single-token queries, batched: pad every sequence's keys to the longest and mask the rest."""
+        """Single-token queries, batched: pad every sequence's keys to the longest and mask the rest (and,
+        with a window, the keys before it: their blocks may hold another sequence's rows by now)."""
         assert plan.decode_rows is not None and plan.decode_seq_idx is not None and plan.decode_lens is not None
         block_size = k_cache.shape[1]
         max_len = plan.decode_max_len
@@ -118,7 +145,10 @@ class TorchAttentionBackend(AttentionBackend):
         group = qq.shape[1] // kk.shape[2]
         qg = qq.view(qq.shape[0], kk.shape[2], group, qq.shape[2])  # [B, Hkv, G, D]
         scores = torch.einsum("bkgd,blkd->bkgl", qg, kk) * scale  # [B, Hkv, G, L]
-        valid = torch.arange(max_len, device=q.device)[None, :] < plan.decode_lens[:, None]  # [B, L]
+        pos = torch.arange(max_len, device=q.device)[None, :]
+        valid = pos < plan.decode_lens[:, None]  # [B, L]
+        if window is not None:
+            valid &= pos >= plan.decode_lens[:, None] - window
         scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
         # Padded rows may hold garbage (even NaN in never-written cache memory) and 0 * NaN is NaN.
         vv = vv.masked_fill(~valid[:, :, None, None], 0.0)

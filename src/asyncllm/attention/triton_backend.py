@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
@@ -48,10 +48,12 @@ class TritonPlan(AttentionPlan):
     tiles_offset: int | None  # where the tile buffer starts in `work`; None: no prefill tiles
     decode_max_len: int  # bound on the decode sequences' lengths (keys), host side: sets the split count
     num_splits: int  # KV splits per decode sequence and KV head
+    split_seqs: int  # the decode count the split count was chosen for (a window's split count uses it too)
     prefill_programs: int = 0  # prefill programs per head: one per tile eagerly, fixed in a graph
     padded: bool = False  # rows of no sequence follow the step's: their output is zeroed, never garbage
     decode_seqs: torch.Tensor | None = None  # [num_decode] int32 on the device (`bind`)
     prefill_tiles: torch.Tensor | None = None  # int32 tile buffer (kernels.tile_buffer): live count, then tiles
+    window_splits: dict[int, int] = field(default_factory=dict)  # sliding window -> its decode split count
 
     def bind(self, work: torch.Tensor) -> None:
         n = self.num_decode
@@ -131,6 +133,7 @@ class TritonAttentionBackend(AttentionBackend):
             tiles_offset=offset if tiles else None,
             decode_max_len=max_len,
             num_splits=self._kernels.choose_num_splits(max_len, len(decode), self.num_kv_heads, self.num_sms),
+            split_seqs=len(decode),
             prefill_programs=len(tiles),
         )
 
@@ -148,14 +151,14 @@ class TritonAttentionBackend(AttentionBackend):
         # of one long chunk and to fill the GPU, striding over the tiles when there are more.
         fill = -(-2 * self.num_sms // self.num_kv_heads)  # per query head, counting KV heads (fewer) for it
         max_seq_len = bounds.max_seq_len
+        split_seqs = min(layout.decode_capacity, _FEW_DECODES)
         return TritonPlan(
             work=decode + [-1] * pad + kernels.tile_buffer(tiles, layout.tile_capacity),
             num_decode=layout.decode_capacity,
             tiles_offset=layout.tiles_offset,
             decode_max_len=max_seq_len,
-            num_splits=kernels.choose_num_splits(
-                max_seq_len, min(layout.decode_capacity, _FEW_DECODES), self.num_kv_heads, self.num_sms
-            ),
+            num_splits=kernels.choose_num_splits(max_seq_len, split_seqs, self.num_kv_heads, self.num_sms),
+            split_seqs=split_seqs,
             prefill_programs=min(layout.tile_capacity, max(-(-bounds.max_tokens // self.block_m), fill)),
             padded=True,
         )
@@ -181,10 +184,17 @@ class TritonAttentionBackend(AttentionBackend):
             tiles_offset=None,
             decode_max_len=bounds.max_seq_len,
             num_splits=self._kernels.choose_num_splits(bounds.max_seq_len, num_seqs, self.num_kv_heads, self.num_sms),
+            split_seqs=num_seqs,
         )
 
     def attend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         if not isinstance(meta.plan, TritonPlan):
             self.plan_and_upload(meta)
@@ -194,12 +204,29 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.zeros_like(q) if plan.padded else torch.empty_like(q)
         args = (q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc)
         if plan.decode_seqs is not None:
-            self._kernels.paged_decode_attention(*args, plan.decode_seqs, out, scale, num_splits=plan.num_splits)
+            splits = plan.num_splits if window is None else self._window_splits(plan, window)
+            self._kernels.paged_decode_attention(*args, plan.decode_seqs, out, scale, num_splits=splits, window=window)
         if plan.prefill_tiles is not None:
             self._kernels.paged_prefill_attention(
-                *args, plan.prefill_tiles, out, scale, block_m=self.block_m, num_programs=plan.prefill_programs
+                *args,
+                plan.prefill_tiles,
+                out,
+                scale,
+                block_m=self.block_m,
+                num_programs=plan.prefill_programs,
+                window=window,
             )
         return out
+
+    def _window_splits(self, plan: TritonPlan, window: int) -> int:
+        """A sliding layer's decode splits: chosen as the plan's, for the keys its window leaves (a function of
+        the plan's bounds alone, so a captured graph keeps it)."""
+        splits = plan.window_splits.get(window)
+        if splits is None:
+            keys = min(plan.decode_max_len, window)
+            splits = self._kernels.choose_num_splits(keys, plan.split_seqs, self.num_kv_heads, self.num_sms)
+            plan.window_splits[window] = splits
+        return splits
 
 
 def _aligned4(n: int) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 
-from asyncllm.core.block_hash import extend_block_hashes
+from asyncllm.core.block_hash import ROOT_HASH, extend_block_hashes, root_hash
 from asyncllm.core.request import Request
 
 
@@ -65,6 +65,10 @@ class BlockManager:
         """A copy of the prefix index: block hash -> the block holding exactly that prefix."""
         return dict(self._cached)
 
+    def held_block_ids(self, request: Request) -> list[int]:
+        """The blocks `request` references: its whole table (a windowed manager gives some back early)."""
+        return request.block_ids
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -77,7 +81,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, max_blocks)
+        root = root_hash(request.lora_id) if request.lora_id else ROOT_HASH  # an adapter's KV is its own
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, max_blocks, root)
         hits: list[KVBlock] = []
         for block_hash in request.block_hashes[:max_blocks]:
             block = self._cached.get(block_hash)
@@ -198,7 +203,8 @@ class BlockManager:
         start = self._num_registered.get(request.request_id, 0)
         if num_full <= start:
             return
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, num_full)
+        root = root_hash(request.lora_id) if request.lora_id else ROOT_HASH
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, num_full, root)
         self._pending_counts.setdefault(request.request_id, start)
         for i in range(start, num_full):
             block = self.blocks[request.block_ids[i]]

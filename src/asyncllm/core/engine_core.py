@@ -6,8 +6,10 @@ planning and output processing overlap the device's work; step N+1 feeds step N'
 (PLACEHOLDER inputs), and a request that finished at N has its token of N+1 dropped. Serial scheduling, the
 slow twin, waits for each step before planning the next. The async layer calls it from its step thread,
 `LLM` from the caller's thread. A request of n > 1 samples becomes n requests sharing its prompt's blocks
-(`sample_group.py`); their deltas go out under the request's id, by sample index. No torch, no asyncio;
-time comes from the injected clock.
+(`sample_group.py`); their deltas go out under the request's id, by sample index. A request asking for
+prompt logprobs keeps what each step scored of its prompt (`ModelRunnerOutput.prompt_logprobs`) and hands
+them out whole on its first token's delta. LoRA adapters are added and removed between
+steps (`add_lora`, `remove_lora`: `lora.py`). No torch, no asyncio; time comes from the injected clock.
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ from dataclasses import dataclass
 from tokenizers import Tokenizer
 
 from asyncllm.core.block_manager import BlockManager
+from asyncllm.core.lora import AdapterBudget, LoRARegistry, LoRASettings
 from asyncllm.core.output_processor import OutputProcessor, RequestDelta, request_metrics
 from asyncllm.core.request import Request
 from asyncllm.core.sample_group import SampleGroups
 from asyncllm.core.scheduler import Scheduler, SchedulerLimits
+from asyncllm.core.window_blocks import WindowedBlockManager
 from asyncllm.errors import InvalidRequestError
 from asyncllm.outputs import FinishReason
 from asyncllm.step import ModelExecutor, SchedulerOutput, StepResult
@@ -73,12 +77,20 @@ class EngineCore:
         tokenizer: Tokenizer | None,
         clock: Callable[[], float],
         async_scheduling: bool = True,
+        max_cpu_loras: int | None = None,
     ) -> None:
         self.executor = executor
         rt = executor.runtime
-        self.block_manager = BlockManager(rt.num_kv_blocks, rt.block_size, enable_prefix_caching)
+        self.block_manager = (
+            BlockManager(rt.num_kv_blocks, rt.block_size, enable_prefix_caching)
+            if rt.kv_window is None
+            else WindowedBlockManager(rt.num_kv_blocks, rt.block_size, enable_prefix_caching, rt.kv_window)
+        )
+        self.loras = LoRARegistry(LoRASettings(rt.max_loras, max_cpu_loras))
         self.scheduler = Scheduler(
-            SchedulerLimits(max_num_seqs, max_num_batched_tokens, max_prefill_tokens_while_decoding), self.block_manager
+            SchedulerLimits(max_num_seqs, max_num_batched_tokens, max_prefill_tokens_while_decoding),
+            self.block_manager,
+            AdapterBudget(rt.max_loras) if rt.max_loras else None,
         )
         self.output_processor = OutputProcessor(tokenizer)
         self.groups = SampleGroups()
@@ -98,6 +110,8 @@ class EngineCore:
         """Queue a checked request. With `params.n` > 1 it runs as n samples; with `params.seed=s`, sample i
         draws from seed s + i (as a request of its own with that seed would); else each draws its own."""
         params = request.params
+        if request.lora_name is not None:
+            request.lora_id = self.loras.resolve(request.lora_name)  # an unknown name fails this request alone
         if params.n > 1:
             group = self.groups.create(request, self.block_manager.block_size, self.scheduler.requests)
             for i, sample in enumerate(group.samples):
@@ -108,6 +122,19 @@ class EngineCore:
             raise InvalidRequestError(f"request_id={request.request_id!r} is already live: give another id")
         self.scheduler.add_request(request, params.seed if params.seed is not None else self._draw_seed())
         self.output_processor.add_request(request)
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def add_lora(self, name: str, path: str) -> None:
+        """Load a PEFT adapter on every rank and register it as `name` (`LoRAError`: nothing changed)."""
+        self.loras.add(name, path, self.executor.add_lora)
+
+    def remove_lora(self, name: str) -> None:
+        """Forget adapter `name`; `LoRAError` while a live request (waiting or running) uses it."""
+        users = (r.lora_id for r in self.scheduler.requests.values())
+        self.loras.remove(name, users, self.executor.remove_lora)
+
+    def lora_names(self) -> list[str]:
+        return self.loras.names()
 
     def _draw_seed(self) -> int:
         return self._seed_rng.getrandbits(63)
@@ -207,15 +234,23 @@ class EngineCore:
         deltas: list[RequestDelta] = []
         if result.failed:  # finished first, so their tokens are dropped below like any finished request's
             deltas += self._fail(step.scheduled, result.failed)
+        if result.prompt_logprobs:  # before the tokens: a step that ends a prompt scores it and samples after it
+            self._add_prompt_logprobs(result.prompt_logprobs)
         all_logprobs = result.logprobs
         for request, token_id, index in self.scheduler.update_from_output(step.scheduled, result.sampled_token_ids):
             if request.first_token_time is None:
                 request.first_token_time = now
+                prompt_logprobs = request.prompt_logprobs  # they go out once, with the first token
+            else:
+                prompt_logprobs = None
             text, reason = self.output_processor.process_token(request, token_id)
             delta = RequestDelta(request.request_id, [token_id], text)
             token_logprobs = all_logprobs[index] if all_logprobs is not None else None
             if token_logprobs is not None:
                 delta.logprobs = [token_logprobs]
+            if prompt_logprobs is not None:
+                delta.prompt_logprobs = prompt_logprobs
+                request.prompt_logprobs = None  # whole: the runner scores each position once
             if reason is not None:
                 self._finish(request.request_id, reason, flush=False)
                 delta.finish_reason = reason
@@ -224,6 +259,14 @@ class EngineCore:
         if self.groups:
             self.groups.label(deltas)
         return deltas
+
+    def _add_prompt_logprobs(self, scored: dict[str, list[dict[int, float]]]) -> None:
+        """Keep what a step scored of each prompt (`ModelRunnerOutput.prompt_logprobs`) until its first token."""
+        requests = self.scheduler.requests
+        for request_id, entries in scored.items():
+            request = requests.get(request_id)
+            if request is not None and request.prompt_logprobs is not None:  # else it ended meanwhile
+                request.prompt_logprobs.extend(entries)
 
     def _finish(self, request_id: str, reason: FinishReason, *, flush: bool) -> RequestDelta | None:
         request = self.scheduler.finish_request(request_id, reason)

@@ -41,6 +41,8 @@ class RequestDelta:
     error: str | AsyncLLMError | None = None
     index: int = 0  # the sample (n > 1)
     open_samples: int = 0  # on a sample's final delta: samples of its request still running
+    # On the request's first token's delta, when it asked for them: one per prompt token, None first.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class _TextState:

@@ -37,6 +37,7 @@ class Request:
     max_tokens: int  # resolved: params.max_tokens capped by max_model_len - prompt length
     eos_token_ids: frozenset[int] = frozenset()
     priority: int = 0  # lower runs first (vLLM's convention)
+    lora_name: str | None = None  # the LoRA adapter the caller named; None: the base model
 
     arrival_index: int = 0  # set by the scheduler: requests added before this one (the order within a priority)
 
@@ -44,7 +45,7 @@ class Request:
     num_computed_tokens: int = 0
     num_pending_tokens: int = 0  # sampled by submitted steps whose outputs are not processed yet
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)  # token t's KV in entry t // block_size (window_blocks.py)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks, computed lazily
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
@@ -52,9 +53,14 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     group: SampleGroup | None = None  # set on each sample of a request with n > 1 (sample_group.py)
+    # SamplingParams.prompt_logprobs: the prompt's logprobs scored so far (None for the first token), until
+    # they go out with the first sampled token; None for requests that did not ask, and once they went out.
+    prompt_logprobs: list[dict[int, float] | None] | None = field(init=False)
+    lora_id: int = 0  # `lora_name`'s adapter, resolved by the core (0: none); part of its prefix hashes
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        self.prompt_logprobs = [None] if self.params.prompt_logprobs is not None else None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -79,6 +85,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Its prompt logprobs are still owed: every prompt position must be computed for it (no prefix hit)."""
+        return self.prompt_logprobs is not None
 
     @property
     def has_enough_tokens(self) -> bool:

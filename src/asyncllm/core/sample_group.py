@@ -11,6 +11,8 @@ anyway, since its logits draw that sample's first token. Why the tail is recompu
 copied on the device: the runner and the step contract stay as they are (a copy would also need one row of
 logits drawn from n times with n seeds), each sample's first token is drawn exactly as an independent
 request's, and the cost is at most `block_size` tokens per sample beside a prompt computed once, not n times.
+Prompt logprobs are the request's: sample 0 alone asks for them, so it computes the whole prompt (it shares
+nothing) and the others share its blocks as usual.
 
 The group may hold the prompt's blocks itself (`held`) while samples wait for their first admission and no
 admitted sample holds them (say the first one finished before the others found a seat); it lets go once
@@ -19,6 +21,8 @@ so a hold never blocks another request.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from asyncllm.core.block_manager import BlockManager, KVBlock
 from asyncllm.core.output_processor import RequestDelta
@@ -38,16 +42,20 @@ class SampleGroup:
 
     def __init__(self, request: Request, block_size: int) -> None:
         self.request_id = request.request_id
+        params = request.params
+        others = replace(params, prompt_logprobs=None) if params.prompt_logprobs is not None else params
         self.samples = [
             Request(
                 sample_id(request.request_id, i),
                 request.prompt_token_ids,
-                request.params,
+                params if i == 0 else others,
                 request.arrival_time,
                 request.max_tokens,
                 request.eos_token_ids,
                 group=self,
                 priority=request.priority,
+                lora_name=request.lora_name,
+                lora_id=request.lora_id,
             )
             for i in range(request.params.n)
         ]

@@ -16,6 +16,10 @@ calls give the same schedule.
 
 The samples of a request with n > 1 are requests of their own that share the prompt's blocks
 (`sample_group.py`): admitting one takes them from a sibling, or waits while a sibling computes them.
+
+With LoRA adapters, running requests use at most `max_loras` distinct ones (the device's slots,
+`lora.AdapterBudget`): a waiting request whose adapter does not fit waits like one short of memory, and one
+that outranks running requests preempts them until it fits.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import bisect
 from dataclasses import dataclass
 
 from asyncllm.core.block_manager import BlockManager
+from asyncllm.core.lora import AdapterBudget
 from asyncllm.core.request import Request, RequestStatus
 from asyncllm.core.sample_group import SampleGroup
 from asyncllm.core.waiting_queue import WaitingQueue
@@ -42,9 +47,12 @@ class SchedulerLimits:
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits, block_manager: BlockManager) -> None:
+    def __init__(
+        self, limits: SchedulerLimits, block_manager: BlockManager, adapters: AdapterBudget | None = None
+    ) -> None:
         self.limits = limits
         self.block_manager = block_manager
+        self.adapters = adapters  # None: no LoRA (no check anywhere)
         self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -73,6 +81,8 @@ class Scheduler:
             return None
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+            if request.lora_id:
+                self._release_adapter(request)
         else:
             self.waiting.remove(request)
         if request.group is not None:
@@ -152,13 +162,17 @@ class Scheduler:
                 break  # preempted with a token in flight: it resumes once that token is known (in order)
             cached = []
             group = request.group
-            if group is not None:
+            # One that scores its prompt (prompt logprobs) computes every position: no prefix of any kind.
+            scores = request.scores_prompt
+            if group is not None and not scores:
                 found = group.shared_prefix(request, self.block_manager)
                 if found is None:
                     break  # a sibling is computing the prompt's blocks: share them once planned
                 cached = found
+            if request.lora_id and not self._adapter_fits(request):
+                break  # its adapter waits for a slot, as the head waits for memory
             shared = bool(cached)
-            if request.num_computed_tokens == 0 and not shared:
+            if request.num_computed_tokens == 0 and not shared and not scores:
                 cached = self.block_manager.find_cached_prefix(request)
             num_cached_tokens = len(cached) * self.block_manager.block_size
             num_new = min(request.num_tokens - num_cached_tokens, budget, prefill_budget)
@@ -170,13 +184,16 @@ class Scheduler:
                 group.admitted(request, self.block_manager)
             prefill_budget -= num_new
             self.waiting.popleft()
-            if self.block_manager.enable_prefix_caching and request.num_preemptions == 0 and not shared:
+            if self.block_manager.enable_prefix_caching and request.num_preemptions == 0 and not (shared or scores):
                 # First admissions only: a resumed request re-finding its own blocks is not a prefix hit.
                 self.block_manager.record_prefix_query(request.num_tokens, num_cached_tokens)
             request.num_computed_tokens = num_cached_tokens
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_cached_tokens
             request.status = RequestStatus.RUNNING
+            if request.lora_id:
+                assert self.adapters is not None
+                self.adapters.acquire(request.lora_id)
             self._add_running(request)
             self._schedule(request, num_new, out)
             budget -= num_new
@@ -208,7 +225,11 @@ class Scheduler:
         while (
             running
             and head.priority < running[-1].priority
-            and (len(running) >= limits.max_num_seqs or bm.num_free_blocks < needed)
+            and (
+                len(running) >= limits.max_num_seqs
+                or bm.num_free_blocks < needed
+                or (head.lora_id and not self._adapter_fits(head))
+            )
         ):
             self._preempt(running.pop(), out)
 
@@ -234,6 +255,7 @@ class Scheduler:
                     request.prompt_token_ids,
                     request.params,
                     self._seeds[request.request_id],
+                    request.lora_id,
                 )
             )
         end = start + num_new
@@ -264,7 +286,16 @@ class Scheduler:
         self._holds = [g for g in self._holds if g.held]
         return bool(released)
 
+    def _adapter_fits(self, request: Request) -> bool:
+        return self.adapters is None or self.adapters.fits(request.lora_id)
+
+    def _release_adapter(self, request: Request) -> None:
+        assert self.adapters is not None
+        self.adapters.release(request.lora_id)
+
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        if request.lora_id:
+            self._release_adapter(request)
         self.block_manager.free(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1

@@ -23,13 +23,13 @@ from asyncllm.distributed.shm_ring import RingTimeoutError
 from asyncllm.distributed.shm_writer import ShmRingWriter
 from asyncllm.distributed.symm_all_reduce import buffer_bytes
 from asyncllm.errors import InvalidConfigError
-from asyncllm.executor.step_codec import StepEncoder
+from asyncllm.executor.step_codec import AddLoRA, RemoveLoRA, StepEncoder, encode_lora
 from asyncllm.executor.worker_main import ATTACHED, READY, WorkerSpec
 from asyncllm.executor.worker_procs import WorkerProcesses
 from asyncllm.model_loader.base import Checkpoint
 from asyncllm.models.tensor_parallel import check_tensor_parallel
 from asyncllm.sample.grammar import GrammarBackend
-from asyncllm.step import ModelRunnerOutput, RuntimeInfo, SchedulerOutput, StepResult
+from asyncllm.step import LoRAAdapter, ModelRunnerOutput, RuntimeInfo, SchedulerOutput, StepResult
 from asyncllm.worker.device import ResolvedModel
 from asyncllm.worker.setup import build_worker
 from asyncllm.worker.threads import resolve_num_threads
@@ -159,6 +159,20 @@ class MultiProcExecutor:
                 raise died from exc
             raise
         return result if result.done() else _WatchedStep(result, procs)
+
+    def add_lora(self, adapter: LoRAAdapter) -> None:
+        """Rank 0 loads it first (a bad adapter raises here, before any worker sees it), then every worker
+        does, before the next step."""
+        procs, worker = self._procs, self._worker
+        assert procs is not None and worker is not None, "add_lora after shutdown"
+        procs.check()
+        worker.add_lora(adapter)
+        self._broadcast(encode_lora(AddLoRA(adapter)))
+
+    def remove_lora(self, lora_id: int) -> None:
+        assert self._worker is not None, "remove_lora after shutdown"
+        self._worker.remove_lora(lora_id)
+        self._broadcast(encode_lora(RemoveLoRA(lora_id)))
 
     def _broadcast(self, message: bytes) -> None:
         assert self._procs is not None

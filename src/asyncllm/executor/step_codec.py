@@ -10,7 +10,11 @@ byte order (both ends share one host), parameters pickled once per request. Plai
     int32    finished indices | preempted indices
     int32    per seq: index | start_pos | number of inputs | number of new blocks;  uint8 per seq: sample
     int32    every seq's inputs, concatenated (PLACEHOLDER is -1) | every seq's new block ids, concatenated
-    bytes    per new request: index, prompt length, blob length (int32 x 3) | prompt | pickle((id, params, seed))
+    bytes    per new request: index, prompt length, blob length (int32 x 3) | prompt | pickle((id, params, seed,
+             lora_id))
+
+Between steps the ring also carries LoRA adapters added and removed (`encode_lora`: a magic of its own, then
+the pickled command), in order with the steps: every rank loads an adapter before any step naming it.
 """
 
 from __future__ import annotations
@@ -18,10 +22,12 @@ from __future__ import annotations
 import pickle
 import struct
 from array import array
+from dataclasses import dataclass
 
-from asyncllm.step import NewRequestData, ScheduledSeq, SchedulerOutput
+from asyncllm.step import LoRAAdapter, NewRequestData, ScheduledSeq, SchedulerOutput
 
 MAGIC = b"ATP1"
+LORA_MAGIC = b"ALR1"
 _HEADER = struct.Struct("<4s7I")
 _NEW = struct.Struct("<3i")
 assert array("i").itemsize == 4 and array("B").itemsize == 1
@@ -33,6 +39,20 @@ class StepCodecError(AssertionError):
 
 def _int32(values: list[int]) -> bytes:
     return array("i", values).tobytes()
+
+
+@dataclass(frozen=True)
+class AddLoRA:
+    adapter: LoRAAdapter
+
+
+@dataclass(frozen=True)
+class RemoveLoRA:
+    lora_id: int
+
+
+def encode_lora(command: AddLoRA | RemoveLoRA) -> bytes:
+    return LORA_MAGIC + pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 class StepEncoder:
@@ -54,7 +74,7 @@ class StepEncoder:
         news: list[bytes] = []
         for new in out.new_requests:
             i = self._assign(new.request_id)
-            blob = pickle.dumps((new.request_id, new.params, new.seed), protocol=pickle.HIGHEST_PROTOCOL)
+            blob = pickle.dumps((new.request_id, new.params, new.seed, new.lora_id), protocol=pickle.HIGHEST_PROTOCOL)
             prompt = _int32(new.prompt_token_ids)
             news += (_NEW.pack(i, len(new.prompt_token_ids), len(blob)), prompt, blob)
         preempted = [i for r in out.preempted_request_ids if (i := self._index.get(r)) is not None]
@@ -112,6 +132,15 @@ class StepDecoder:
         self._ids: list[str] = []  # by index
         self._tables: list[list[int]] = []  # by index: the request's whole block table
 
+    def decode_message(self, data: bytes) -> SchedulerOutput | AddLoRA | RemoveLoRA:
+        """What one ring message carries: a step, or a LoRA adapter added or removed between steps."""
+        if data[:4] == LORA_MAGIC:
+            command = pickle.loads(data[4:])
+            if not isinstance(command, (AddLoRA, RemoveLoRA)):
+                raise StepCodecError(f"a LoRA message holds {type(command).__name__}")
+            return command
+        return self.decode(data)
+
     def decode(self, data: bytes) -> SchedulerOutput:
         """The step `data` encodes. Its `ScheduledSeq.block_ids` are this decoder's own tables: valid until
         the next `decode` (the runner reads them within the step)."""
@@ -164,12 +193,12 @@ class StepDecoder:
             prompt = array("i")
             prompt.frombytes(data[at : at + 4 * prompt_len])
             at += 4 * prompt_len
-            request_id, params, seed = pickle.loads(data[at : at + blob_len])
+            request_id, params, seed, lora_id = pickle.loads(data[at : at + blob_len])
             at += blob_len
             while len(self._ids) <= i:
                 self._ids.append("")
                 self._tables.append([])
             self._ids[i] = request_id
             self._tables[i] = []
-            out.append(NewRequestData(request_id, prompt.tolist(), params, seed))
+            out.append(NewRequestData(request_id, prompt.tolist(), params, seed, lora_id))
         return out

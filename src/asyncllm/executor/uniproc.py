@@ -11,7 +11,7 @@ from collections.abc import Callable
 from asyncllm.config import EngineConfig
 from asyncllm.model_loader.base import Checkpoint
 from asyncllm.sample.grammar import GrammarBackend
-from asyncllm.step import RuntimeInfo, SchedulerOutput, StepResult
+from asyncllm.step import LoRAAdapter, RuntimeInfo, SchedulerOutput, StepResult
 from asyncllm.worker.device import ResolvedModel
 from asyncllm.worker.setup import build_worker
 
@@ -33,3 +33,9 @@ class UniProcExecutor:
 
     def watch_failure(self, callback: Callable[[BaseException], None]) -> None:
         """In-process: nothing fails between steps."""
+
+    def add_lora(self, adapter: LoRAAdapter) -> None:
+        self.worker.add_lora(adapter)
+
+    def remove_lora(self, lora_id: int) -> None:
+        self.worker.remove_lora(lora_id)

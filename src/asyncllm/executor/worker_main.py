@@ -25,7 +25,8 @@ import torch
 from asyncllm.config import EngineConfig
 from asyncllm.distributed.parallel_state import ParallelContext, Rendezvous
 from asyncllm.distributed.shm_ring import RingClosedError, RingHandle
-from asyncllm.executor.step_codec import StepDecoder
+from asyncllm.executor.step_codec import AddLoRA, StepDecoder
+from asyncllm.step import SchedulerOutput
 from asyncllm.worker.device import ResolvedModel
 from asyncllm.worker.worker import Worker
 
@@ -89,7 +90,13 @@ def run_worker(spec: WorkerSpec, parent_alive: Connection, status: Connection) -
                     data = reader.read()
                 except RingClosedError:
                     break  # the engine shut down (or died): every step before was run
-                worker.submit(decoder.decode(data))
+                message = decoder.decode_message(data)
+                if isinstance(message, SchedulerOutput):
+                    worker.submit(message)
+                elif isinstance(message, AddLoRA):
+                    worker.add_lora(message.adapter)  # rank 0 loaded it first: the same file loads here
+                else:
+                    worker.remove_lora(message.lora_id)
     except BaseException:
         _send(status, FAILED, traceback.format_exc())
         raise SystemExit(1) from None

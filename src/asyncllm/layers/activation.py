@@ -1,6 +1,7 @@
-"""The gated MLP activation: silu(gate) * up over a packed [gate | up] projection output, in torch (the
-specification, `asyncllm.kernels.silu_mul_ref`) or through the fused Triton kernel (`asyncllm.kernels.silu_mul`).
-Another gate (Gemma's GELU-tanh) is another class beside this one, chosen by `FamilySpec.activation`."""
+"""The gated MLP activations over a packed [gate | up] projection output: silu(gate) * up (`SiluAndMul`) and
+Gemma's GeGLU, gelu_tanh(gate) * up (`GeluTanhAndMul`), each in torch (the specification,
+`asyncllm.kernels.silu_mul_ref`) or through its fused Triton kernel (`asyncllm.kernels.silu_mul`). A family
+picks one with `FamilySpec.activation`."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from asyncllm.kernels.silu_mul_ref import silu_and_mul_ref
+from asyncllm.kernels.silu_mul_ref import gelu_tanh_and_mul_ref, silu_and_mul_ref
 from asyncllm.layers.fusion import Fusable
 
 
@@ -27,3 +28,21 @@ class SiluAndMul(nn.Module, Fusable):
         if self._kernel is not None and x.dim() == 2:
             return self._kernel(x)
         return silu_and_mul_ref(x)
+
+
+class GeluTanhAndMul(nn.Module, Fusable):
+    """transformers' `gelu_pytorch_tanh` gate times up (Gemma's MLP)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._kernel: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def enable_fused_kernels(self) -> None:
+        from asyncllm.kernels.silu_mul import gelu_tanh_and_mul
+
+        self._kernel = gelu_tanh_and_mul
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._kernel is not None and x.dim() == 2:
+            return self._kernel(x)
+        return gelu_tanh_and_mul_ref(x)

@@ -1,8 +1,9 @@
 """Linear layers whose weight packs several checkpoint tensors (q/k/v, gate/up) into one matmul.
 
-A packed layer knows the row range of each named shard and copies checkpoint tensors into it, recording
-which shards arrived so a model can report any it never received. Parameters are uninitialised: every one
-is loaded. Knows nothing about checkpoint names; models map Hugging Face names to (layer, shard).
+A packed layer (`Packed`: plain or quantized) knows the row range of each named shard and copies checkpoint
+tensors into it, recording which shards arrived so a model can report any it never received. Parameters are
+uninitialised: every one is loaded. Knows nothing about checkpoint names; models map Hugging Face names to
+(layer, shard).
 """
 
 from __future__ import annotations
@@ -30,13 +31,18 @@ class Linear(nn.Module):
             self.weight.data = self.weight.data.t().contiguous().t()
 
 
-class PackedLinear(Linear):
-    """Several projections of the same input stacked along the output dim, in `shards` order."""
+class Packed:
+    """The shard bookkeeping of a layer whose output rows stack several projections of the same input, in
+    `shards` order. Every parameter of such a layer is [out, ...] (the quantized forms' codes, scales and zero
+    points too), so a shard's rows are the same slice of each; the weight loader asks any `Packed` layer."""
 
-    def __init__(self, in_features: int, shards: dict[str, int], bias: bool) -> None:
-        super().__init__(in_features, sum(shards.values()), bias)
+    shard_sizes: dict[str, int]
+    _offsets: dict[str, int]
+    bias: nn.Parameter | None
+
+    def _pack(self, shards: dict[str, int]) -> None:
         self.shard_sizes = dict(shards)
-        self._offsets: dict[str, int] = {}
+        self._offsets = {}
         offset = 0
         for name, size in shards.items():
             self._offsets[name] = offset
@@ -49,8 +55,8 @@ class PackedLinear(Linear):
         return slice(start, start + self.shard_sizes[shard])
 
     def load_shard(self, param_name: str, shard: str, loaded: torch.Tensor) -> None:
-        """Copy a checkpoint tensor into `param_name` ("weight" or "bias") rows of `shard`."""
-        param = getattr(self, param_name)
+        """Copy a checkpoint tensor into `param_name` ("weight", "bias", ...) rows of `shard`."""
+        param = getattr(self, param_name, None)
         if not isinstance(param, nn.Parameter):
             raise ValueError(f"{param_name!r} is not a parameter of this layer (bias={self.bias is not None})")
         target = param.data[self.shard_rows(shard)]
@@ -60,6 +66,14 @@ class PackedLinear(Linear):
                 f"expected {tuple(target.shape)}; the config and the weights disagree"
             )
         target.copy_(loaded)
+
+
+class PackedLinear(Linear, Packed):
+    """Several projections of the same input stacked along the output dim, in `shards` order."""
+
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool) -> None:
+        super().__init__(in_features, sum(shards.values()), bias)
+        self._pack(shards)
 
 
 def qkv_shards(num_heads: int, num_kv_heads: int, head_dim: int) -> dict[str, int]:

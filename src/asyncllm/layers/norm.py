@@ -4,23 +4,30 @@ fused Triton kernel (`asyncllm.kernels.rms_norm`). The torch form calls the spec
 `asyncllm.kernels.rms_norm_ref`.
 
 Knows nothing about where it sits in a model; the weight is loaded from a checkpoint, never initialised here.
-Another norm form (Gemma's `x * (1 + w)`) is another class beside this one, chosen by a model family's
-`FamilySpec.norm`.
+`GemmaRMSNorm` is Gemma's form (`x * (1 + w)` in float32, rounded once), chosen by a model family's
+`FamilySpec.norm`; the same kernel computes either (`unit_offset`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, overload
+from typing import Any, ClassVar, overload
 
 import torch
 from torch import nn
 
-from asyncllm.kernels.rms_norm_ref import add_rms_norm_ref, rms_norm_ref
+from asyncllm.kernels.rms_norm_ref import (
+    add_rms_norm_ref,
+    gemma_add_rms_norm_ref,
+    gemma_rms_norm_ref,
+    rms_norm_ref,
+)
 from asyncllm.layers.fusion import Fusable
 
 
 class RMSNorm(nn.Module, Fusable):
+    unit_offset: ClassVar[bool] = False  # scale by (1 + weight) in float32, rounded once (Gemma's form)
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim))
@@ -46,11 +53,18 @@ class RMSNorm(nn.Module, Fusable):
         caller continues with the returned pair.
         """
         if self._kernel is not None and x.dim() == 2:
-            out = self._kernel(x, self.weight, self.eps, residual=residual)
+            out = self._kernel(x, self.weight, self.eps, residual=residual, unit_offset=self.unit_offset)
             return out if residual is None else (out, residual)
         if residual is None:
-            return rms_norm_ref(x, self.weight, self.eps)
-        return add_rms_norm_ref(x, residual, self.weight, self.eps)
+            return (gemma_rms_norm_ref if self.unit_offset else rms_norm_ref)(x, self.weight, self.eps)
+        return (gemma_add_rms_norm_ref if self.unit_offset else add_rms_norm_ref)(x, residual, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, fused={self._kernel is not None}"
+
+
+class GemmaRMSNorm(RMSNorm):
+    """transformers' Gemma3RMSNorm: normalise in float32, scale by (1 + weight) there, cast once; the weight
+    is stored zero-centred, as the checkpoint holds it. Its fused form is the same kernel (`unit_offset`)."""
+
+    unit_offset = True

@@ -74,7 +74,12 @@ class RowParallelLinear(Linear):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.group.all_reduce(F.linear(x, self.weight))  # [T, out]: the partial sums, then their total
+        return self.reduce(F.linear(x, self.weight))
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """[T, out] partial sums of this rank's columns -> the layer's output: their total over the ranks, plus
+        the bias (a LoRA adds its own partial sums first: they sum the same way)."""
+        y = self.group.all_reduce(partial)
         return y if self.bias is None else y + self.bias
 
 

@@ -1,4 +1,4 @@
-"""Rotary position embeddings (rotate-half convention) with optional Llama 3.1 frequency scaling.
+"""Rotary position embeddings (rotate-half convention) with optional Llama 3.1 or linear frequency scaling.
 
 Cos/sin tables are computed once in float32 the way transformers computes them per call, so indexing the
 table gives bit-identical values; they are non-persistent buffers (never in a checkpoint) that follow
@@ -9,7 +9,7 @@ fused q/k kernel is held to. Knows nothing about attention or caches: positions 
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 from torch import nn
@@ -22,6 +22,8 @@ class Llama3RopeScaling(Protocol):
     models)."""
 
     @property
+    def rope_type(self) -> Literal["llama3"]: ...
+    @property
     def factor(self) -> float: ...
     @property
     def low_freq_factor(self) -> float: ...
@@ -31,11 +33,28 @@ class Llama3RopeScaling(Protocol):
     def original_max_position_embeddings(self) -> int: ...
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: Llama3RopeScaling | None) -> torch.Tensor:
-    """[head_dim / 2] float32 inverse frequencies theta^(-2i/d), rescaled for llama3 when asked."""
+class LinearRopeScaling(Protocol):
+    """Linear scaling (models.config.LinearRopeScaling): every frequency divided by `factor`."""
+
+    @property
+    def rope_type(self) -> Literal["linear"]: ...
+    @property
+    def factor(self) -> float: ...
+
+
+RopeScaling = Llama3RopeScaling | LinearRopeScaling
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """[head_dim / 2] float32 inverse frequencies theta^(-2i/d), rescaled when asked (as transformers does:
+    llama3's blend, or linear's `inv_freq /= factor`)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
     inv_freq = 1.0 / (theta**exponents)
-    return inv_freq if scaling is None else _llama3_scale(inv_freq, scaling)
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    return _llama3_scale(inv_freq, scaling)
 
 
 def _llama3_scale(inv_freq: torch.Tensor, s: Llama3RopeScaling) -> torch.Tensor:
@@ -54,7 +73,7 @@ def _llama3_scale(inv_freq: torch.Tensor, s: Llama3RopeScaling) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Holds cos/sin tables for positions [0, max_positions); forward looks up a batch of positions."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: Llama3RopeScaling | None) -> None:
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         # Explicit float32 whatever the default dtype: the tables must not be built in bf16.

@@ -32,3 +32,6 @@ class Checkpoint:
     # loader then slices whole tensors).
     iter_weight_shards: ShardIterator | None = None
     num_tensors: int | None = None  # how many pairs `iter_weights` yields (load progress), None if unknown
+    # GGUF: `iter_weights` with the given checkpoint modules' weights kept quantized, in the quantized layers'
+    # layout (model_loader/gguf/repack.py); None for formats whose quantized tensors come through `iter_weights`.
+    iter_quantized_weights: Callable[[frozenset[str]], Iterator[tuple[str, torch.Tensor]]] | None = None

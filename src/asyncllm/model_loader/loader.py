@@ -1,12 +1,14 @@
 """Building a model on its device and filling its weights, from a checkpoint or at random.
 
 Knows which model class serves a checkpoint (through the registry) and how weights reach it; under tensor
-parallelism it builds this rank's shard and reads only its slices of the weights. Knows nothing of KV
-caches, batching or the engine.
+parallelism it builds this rank's shard and reads only its slices of the weights; with a quantization scheme
+it swaps the linear layers for quantized ones and converts the checkpoint's tensors to their layout (the
+`quantization` package). Knows nothing of KV caches, batching or the engine.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 
 import torch
@@ -21,6 +23,14 @@ from asyncllm.models.base import CausalLM
 from asyncllm.models.config import ModelArchConfig
 from asyncllm.models.registry import resolve_model_class
 from asyncllm.models.tensor_parallel import shard_arch, shard_model, weight_shard
+from asyncllm.quantization.apply import quantize_linear_layers
+from asyncllm.quantization.convert import CheckpointConverter
+from asyncllm.quantization.scheme import CheckpointFormat, QuantScheme
+from asyncllm.quantization.sharding import quantized_shards
+
+logger = logging.getLogger("asyncllm")
+
+Weights = Iterator[tuple[str, torch.Tensor]]
 
 
 def load_model(
@@ -32,11 +42,13 @@ def load_model(
     load_format: LoadFormat,
     seed: int,
     parallel: TPGroup | None = None,
+    quant: QuantScheme | None = None,
 ) -> CausalLM:
     """The checkpoint's model in eval mode on `device` in `dtype`, every weight loaded (or random for "dummy").
 
     With `parallel`, this rank's shard: built at the per-rank size (never the whole model first), its
-    communicating layers swapped in, and only its slices of the weights read.
+    communicating layers swapped in, and only its slices of the weights read. With `quant`, its linear layers
+    quantized (swapped after sharding; the checkpoint's tensors converted to their layout as they are read).
     """
     model_cls = resolve_model_class(checkpoint.hf_config)
     world_size = 1 if parallel is None else parallel.world_size
@@ -46,25 +58,38 @@ def load_model(
         shard_model(model, arch, parallel)
     # Cast before loading: weights are copied (and cast) into place, never held twice on the device.
     model = model.to(dtype=dtype).eval()
+    plan = model_cls.family.weights
+    quantized: frozenset[str] = frozenset()  # the checkpoint modules whose layers are quantized
+    if quant is not None:
+        quantized = quantize_linear_layers(model, quant, plan.packed)
+        logger.info("quantized linear layers: %s", quant.describe())
     if load_format is LoadFormat.DUMMY:
         fill_dummy_weights(model, seed)  # the same draws on every rank: replicated weights agree
-    elif parallel is None:
-        model.load_weights(with_progress(checkpoint.iter_weights(), checkpoint.num_tensors))
-    else:
-        rank, plan = parallel.rank, model_cls.family.weights
+        return model
+    rank = 0 if parallel is None else parallel.rank
 
-        def select(name: str) -> WeightShard | None:
-            return weight_shard(name, arch, rank, world_size, plan)
+    def select(name: str) -> WeightShard | None:
+        return weight_shard(name, arch, rank, world_size, plan)
 
-        if checkpoint.iter_weight_shards is not None:
-            weights = checkpoint.iter_weight_shards(select)
-        else:  # e.g. GGUF: tensors are dequantized whole, then sliced
-            weights = _sliced(checkpoint, select)
-        model.load_weights(with_progress(weights, checkpoint.num_tensors))
+    def whole() -> Weights:
+        if quant is not None and quant.checkpoint is CheckpointFormat.GGUF:  # repacked by the GGUF reader itself
+            assert checkpoint.iter_quantized_weights is not None
+            return with_progress(checkpoint.iter_quantized_weights(quantized), checkpoint.num_tensors)
+        weights = with_progress(checkpoint.iter_weights(), checkpoint.num_tensors)
+        return weights if quant is None else CheckpointConverter(quant, quantized, device).convert(weights)
+
+    if parallel is None:
+        model.load_weights(whole())
+    elif quant is not None:  # converted whole, then sliced in the layout's units
+        model.load_weights(_sliced(whole(), quantized_shards(select, quant, quantized)))
+    elif checkpoint.iter_weight_shards is not None:
+        model.load_weights(with_progress(checkpoint.iter_weight_shards(select), checkpoint.num_tensors))
+    else:  # e.g. GGUF: tensors are dequantized whole, then sliced
+        model.load_weights(_sliced(whole(), select))
     return model
 
 
-def _sliced(checkpoint: Checkpoint, select: Callable[[str], WeightShard | None]) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, tensor in checkpoint.iter_weights():
+def _sliced(weights: Weights, select: Callable[[str], WeightShard | None]) -> Weights:
+    for name, tensor in weights:
         shard = select(name)
         yield name, tensor if shard is None else shard.take(tensor)

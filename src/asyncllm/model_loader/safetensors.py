@@ -26,8 +26,8 @@ def count_safetensors(path: Path) -> int:
 def iter_safetensors(
     path: Path, dtype: torch.dtype, select: ShardSelector | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the checkpoint directory `path`, floating ones cast to `dtype`; with `select`, only
-    the slice it names of each tensor is read from the file."""
+    """Every tensor of the checkpoint directory `path`, 16/32-bit floating ones cast to `dtype`; with `select`,
+    only the slice it names of each tensor is read from the file."""
     from safetensors import safe_open
 
     files = sorted(path.glob("*.safetensors"))
@@ -42,4 +42,6 @@ def iter_safetensors(
                 else:
                     index = (slice(None),) * shard.dim + (slice(shard.start, shard.stop),)
                     tensor = shard.pad(f.get_slice(name)[index])
-                yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
+                # 8-bit floats are quantized weights (e4m3): their bytes are kept for the quantized layers
+                cast = tensor.is_floating_point() and tensor.element_size() > 1
+                yield name, tensor.to(dtype) if cast else tensor

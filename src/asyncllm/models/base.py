@@ -1,8 +1,8 @@
 """`CausalLM`: what the worker drives in every model family, and the one place a family's spec meets loading.
 
 A family is one file: a `CausalLM` subclass (maths only) with its `FamilySpec`, plus one entry in
-`models/registry.py`. Gemma 3 would be `models/gemma3.py` (its decoder layer with four norms; its spec naming
-a (1 + w) norm and a GELU-tanh activation, new classes in `layers/`, and the embedding scale). A MoE family
+`models/registry.py`. Gemma 3 is `models/gemma3.py` (its decoder layer with four norms; its spec naming
+a (1 + w) norm and a GELU-tanh activation, classes in `layers/`, and the embedding scale). A MoE family
 (Qwen3-MoE) would be `models/qwen3_moe.py` reusing Llama's attention, its expert layer in `layers/moe.py` with
 a grouped-GEMM kernel in `kernels/` beside its `*_ref.py`, and an experts `Split` in `models/family.py`.
 Knows no file format, device or process group.

@@ -28,11 +28,12 @@ from asyncllm.layers.norm import RMSNorm
 class Split(Enum):
     """The architecture dimension a tensor-parallel tensor is cut along: a column-parallel layer's output
     rows (weight and bias), a row-parallel layer's input columns (weight only; its bias is added once after
-    the all-reduce). A MoE family would add its experts here."""
+    the all-reduce)."""
 
     QUERY_HEADS = "num_heads"  # this rank's query heads, head_dim rows each
     KV_HEADS = "num_kv_heads"  # this rank's KV heads, or the one its query heads share when ranks outnumber them
     INTERMEDIATE = "intermediate_size"  # this rank's slice of the MLP
+    EXPERT_INTERMEDIATE = "moe_intermediate_size"  # this rank's slice of every expert's MLP
 
 
 class EmbeddingScale(Enum):
@@ -60,6 +61,36 @@ class GGUFNames:
 
 
 @dataclass(frozen=True)
+class ExpertsPlan:
+    """Where a MoE layer's experts are in a checkpoint, and how their projections split over ranks.
+
+    A Hugging Face checkpoint holds one tensor per expert, `{module}.{e}.{proj}.weight` (mlp.experts.3.gate_proj);
+    a GGUF file one tensor per projection with every expert stacked, `{module}.{proj}.weight` [E, ...]. Both
+    load into our stacked `{module}.{proj}.weight` [E, out, in], packed as the plan's `packed` says (gate_proj
+    and up_proj into gate_up_proj). `column_parallel` / `row_parallel` as in `WeightPlan`, for one expert's
+    [out, in] (a stacked tensor is cut one dimension further in)."""
+
+    module: str  # the last component of a layer's expert list, e.g. "experts"
+    column_parallel: Mapping[str, Split]
+    row_parallel: Mapping[str, Split]
+
+    def __post_init__(self) -> None:
+        for name in ("column_parallel", "row_parallel"):
+            object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
+
+    def projection(self, module_path: str) -> tuple[str, bool] | None:
+        """(the projection's name, whether the tensor is stacked) for a checkpoint module path inside an
+        expert list: `....experts.3.gate_proj` -> ("gate_proj", False), `....experts.gate_proj` -> ("gate_proj",
+        True); None for any other path."""
+        parts = module_path.split(".")
+        if len(parts) >= 3 and parts[-3] == self.module and parts[-2].isdigit():
+            return parts[-1], False
+        if len(parts) >= 2 and parts[-2] == self.module:
+            return parts[-1], True
+        return None
+
+
+@dataclass(frozen=True)
 class WeightPlan:
     """A family's checkpoint names and how they become our parameters, whole or one rank's shard.
 
@@ -77,10 +108,12 @@ class WeightPlan:
     lm_head: str  # the output head's path, absent from the model when tied; vocab-parallel, all-gathered
     gguf: GGUFNames | None = None  # None: the family has no GGUF form
     ignored_suffixes: tuple[str, ...] = ()  # checkpoint extras that carry nothing (old rotary buffers)
+    experts: ExpertsPlan | None = None  # None: no MoE layers
 
     def __post_init__(self) -> None:
         # Row-parallel layers are swapped for their communicating form by name, so they must keep theirs.
-        if packed := sorted(set(self.row_parallel) & set(self.packed)):
+        row_parallel = set(self.row_parallel) | set(self.experts.row_parallel if self.experts else ())
+        if packed := sorted(row_parallel & set(self.packed)):
             raise ValueError(f"WeightPlan: row-parallel modules {packed} cannot be packed; pack column-parallel ones")
         for name in ("packed", "column_parallel", "row_parallel"):
             object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
@@ -93,6 +126,7 @@ class FamilySpec:
     weights: WeightPlan
     norm: Callable[[int, float], nn.Module] = RMSNorm  # (dim, eps) -> a norm; Gemma: its (1 + w) form
     activation: Callable[[], nn.Module] = SiluAndMul  # the gated MLP's [gate | up] -> [I]; Gemma: GELU-tanh
+    hidden_act: str = "silu"  # transformers' name for what `activation` computes; a config naming another is refused
     embedding_scale: EmbeddingScale | None = None
     # Bias on the q/k/v and on the o projections; None: the config's `attention_bias` (Qwen2 forces q/k/v).
     qkv_bias: bool | None = None

@@ -17,6 +17,7 @@ from torch import nn
 
 from asyncllm.attention.backend import AttentionBackend, AttentionMetadata
 from asyncllm.attention.layer import Attention, KVCache
+from asyncllm.errors import UnsupportedModelError
 from asyncllm.layers.embedding import LMHead, VocabEmbedding
 from asyncllm.layers.fusion import Fusable
 from asyncllm.layers.linear import Linear, PackedLinear, gate_up_shards, qkv_shards
@@ -77,14 +78,23 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module, Fusable):
-    def __init__(self, arch: ModelArchConfig, backend: AttentionBackend, qkv_bias: bool, o_bias: bool) -> None:
+    qk_unit_offset: ClassVar[bool] = False  # the q/k norms' form in the fused kernel: Gemma's scales by (1 + w)
+
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        backend: AttentionBackend,
+        qkv_bias: bool,
+        o_bias: bool,
+        window: int | None = None,  # this layer's sliding window (arch.layer_window); None: global attention
+    ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         shards = qkv_shards(arch.num_heads, arch.num_kv_heads, arch.head_dim)
         self.qkv_proj = PackedLinear(arch.hidden_size, shards, bias=qkv_bias)
         self.o_proj = Linear(arch.num_heads * arch.head_dim, arch.hidden_size, bias=o_bias)
         scale = None if arch.query_pre_attn_scalar is None else arch.query_pre_attn_scalar**-0.5
-        self.attn = Attention(arch.num_heads, arch.num_kv_heads, arch.head_dim, backend, scale)
+        self.attn = Attention(arch.num_heads, arch.num_kv_heads, arch.head_dim, backend, scale, window)
         self.rms_norm_eps = arch.rms_norm_eps
         self._fused_qkv: Callable[..., torch.Tensor] | None = None  # q/k norm + rotary + KV write, one kernel
 
@@ -127,6 +137,7 @@ class LlamaAttention(nn.Module, Fusable):
                 q_norm,
                 k_norm,
                 eps=self.rms_norm_eps,
+                unit_offset=self.qk_unit_offset,
             )  # [T, H, D]; this step's k/v are in the cache now
             return self.o_proj(self.attn.attend_cached(q, kv_cache, meta))
         num_tokens = x.shape[0]
@@ -142,12 +153,14 @@ class LlamaAttention(nn.Module, Fusable):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArchConfig, self_attn: LlamaAttention, family: FamilySpec) -> None:
+    def __init__(
+        self, arch: ModelArchConfig, self_attn: LlamaAttention, family: FamilySpec, mlp: nn.Module | None = None
+    ) -> None:
         super().__init__()
         self.input_layernorm = family.norm(arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = self_attn
         self.post_attention_layernorm = family.norm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = LlamaMLP(arch, family)
+        self.mlp = LlamaMLP(arch, family) if mlp is None else mlp  # [T, hidden] -> [T, hidden]
 
     def forward(
         self,
@@ -186,11 +199,17 @@ class LlamaForCausalLM(CausalLM):
         super().__init__()
         self.arch = arch
         family = self.family
+        check_activation(arch, family)
         qkv_bias = arch.attention_bias if family.qkv_bias is None else family.qkv_bias
         o_bias = arch.attention_bias if family.o_bias is None else family.o_bias
         layers = [
-            LlamaDecoderLayer(arch, self.attention_cls(arch, attn_backend, qkv_bias, o_bias), family)
-            for _ in range(arch.num_layers)
+            LlamaDecoderLayer(
+                arch,
+                self.attention_cls(arch, attn_backend, qkv_bias, o_bias, window=arch.layer_window(i)),
+                family,
+                self.layer_mlp(arch, i),
+            )
+            for i in range(arch.num_layers)
         ]
         self.model = LlamaModel(arch, layers, family)
         max_positions = max(arch.max_position_embeddings, arch.max_model_len)
@@ -201,6 +220,10 @@ class LlamaForCausalLM(CausalLM):
             self.register_buffer("embed_scale", torch.tensor(arch.hidden_size**0.5), persistent=False)
         else:
             self.embed_scale: torch.Tensor | None = None  # a plain attribute: embeddings used as they are
+
+    def layer_mlp(self, arch: ModelArchConfig, layer: int) -> nn.Module | None:
+        """Layer `layer`'s feed-forward block; None: the family's gated MLP (a MoE family returns its experts)."""
+        return None
 
     def forward(
         self,
@@ -222,20 +245,34 @@ class LlamaForCausalLM(CausalLM):
         return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] through the LM head or, when tied, the embedding matrix; then the
-        config's final-logit softcap, when it has one: cap * tanh(logits / cap)."""
-        if self.lm_head is None:
-            logits = torch.nn.functional.linear(hidden, self.model.embed_tokens.weight)
-        else:
-            logits = self.lm_head(hidden)
-        cap = self.arch.final_logit_softcapping
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        return lm_logits(hidden, self.lm_head, self.model.embed_tokens, self.arch.final_logit_softcapping)
+
+
+def lm_logits(hidden: torch.Tensor, lm_head: nn.Module | None, embed: nn.Module, cap: float | None) -> torch.Tensor:
+    """[N, hidden] -> [N, vocab] through the LM head or, when tied (`lm_head` None), the embedding matrix;
+    then the config's final-logit softcap, when it has one: cap * tanh(logits / cap)."""
+    if lm_head is None:
+        weight = embed.weight
+        assert isinstance(weight, torch.Tensor)
+        logits = torch.nn.functional.linear(hidden, weight)
+    else:
+        logits = lm_head(hidden)
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def check_activation(arch: ModelArchConfig, family: FamilySpec) -> None:
+    """The config's MLP activation must be the one the family computes."""
+    if arch.hidden_act != family.hidden_act:
+        raise UnsupportedModelError(
+            f"{arch.architecture} computes hidden_act={family.hidden_act!r}, but the config asks for "
+            f"{arch.hidden_act!r}: not a variant asyncllm supports"
+        )
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral is Llama's maths; its sliding window is vetted (and refused if effective) by the config."""
+    """Mistral is Llama's maths; its sliding window (every layer's, when configured) is its attention's."""
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

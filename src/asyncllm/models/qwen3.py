@@ -20,8 +20,15 @@ QWEN3_FAMILY = dataclasses.replace(LLAMA_FAMILY, weights=dataclasses.replace(LLA
 
 
 class Qwen3Attention(LlamaAttention):
-    def __init__(self, arch: ModelArchConfig, backend: AttentionBackend, qkv_bias: bool, o_bias: bool) -> None:
-        super().__init__(arch, backend, qkv_bias, o_bias)
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        backend: AttentionBackend,
+        qkv_bias: bool,
+        o_bias: bool,
+        window: int | None = None,
+    ) -> None:
+        super().__init__(arch, backend, qkv_bias, o_bias, window)
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
 

@@ -15,8 +15,10 @@ from typing import Any
 from asyncllm.errors import UnsupportedModelError
 from asyncllm.models.base import CausalLM
 from asyncllm.models.family import GGUFNames
+from asyncllm.models.gemma3 import Gemma3ForCausalLM
 from asyncllm.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from asyncllm.models.qwen3 import Qwen3ForCausalLM
+from asyncllm.models.qwen3_moe import Qwen3MoeForCausalLM
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,9 @@ class GGUFForm:
     permuted_qk: bool  # llama.cpp reorders Q/K rows of llama-family weights for its rotary layout
     # The config's `attention_bias` is not in the metadata: read it from whether layer 0 has a q bias.
     attention_bias_from_tensors: bool = False
+    # llama.cpp's graph renormalises the top-k routing weights (the metadata does not say, unless it carries
+    # `{arch}.expert_weights_norm`): the config's `norm_topk_prob`.
+    renormalizes_experts: bool = False
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,11 @@ class Architecture:
 
 ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture("Qwen3ForCausalLM", Qwen3ForCausalLM, GGUFForm(("qwen3",), permuted_qk=False)),
+    Architecture(
+        "Qwen3MoeForCausalLM",
+        Qwen3MoeForCausalLM,
+        GGUFForm(("qwen3moe",), permuted_qk=False, renormalizes_experts=True),
+    ),
     Architecture("Qwen2ForCausalLM", Qwen2ForCausalLM, GGUFForm(("qwen2",), permuted_qk=False)),
     Architecture(
         "LlamaForCausalLM",
@@ -55,6 +65,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         GGUFForm(("llama",), permuted_qk=True, attention_bias_from_tensors=True),
     ),
     Architecture("MistralForCausalLM", MistralForCausalLM),  # llama.cpp writes Mistral as "llama"
+    Architecture("Gemma3ForCausalLM", Gemma3ForCausalLM),  # no GGUF form (docs/models.md says why)
 )
 _BY_NAME = {a.name: a for a in ARCHITECTURES}
 _BY_GGUF = {gguf: a for a in ARCHITECTURES if a.gguf is not None for gguf in a.gguf.names}

@@ -2,8 +2,8 @@
 
 All pure functions of the architecture, the plan, the rank and the world size: `check_tensor_parallel` (which
 sizes divide), `shard_arch` (the per-rank shape a model is built at: its query heads, KV heads, MLP slice and
-vocabulary rows), `shard_model` (swaps the plan's row-parallel layers, embedding and head for
-their communicating forms) and `weight_shard` (the slice of each checkpoint tensor a rank loads). KV heads are
+vocabulary rows), `shard_model` (swaps the plan's row-parallel layers, MoE layers, embedding and
+head for their communicating forms) and `weight_shard` (the slice of each checkpoint tensor a rank loads). KV heads are
 split across ranks, or replicated when there are fewer KV heads than ranks. Knows no family's module names
 and no process group beyond `TPGroup`.
 """
@@ -17,6 +17,7 @@ from torch import nn
 from asyncllm.errors import InvalidConfigError
 from asyncllm.layers.embedding import LMHead, VocabEmbedding
 from asyncllm.layers.linear import Linear
+from asyncllm.layers.moe import ParallelSparseMoE, SparseMoE
 from asyncllm.layers.parallel import (
     ParallelLMHead,
     RowParallelLinear,
@@ -49,6 +50,11 @@ def check_tensor_parallel(arch: ModelArchConfig, world_size: int) -> None:
             f"tensor_parallel_size={world_size} does not divide the model's intermediate_size="
             f"{arch.intermediate_size}: {fix}"
         )
+    if arch.moe is not None and arch.moe.intermediate_size % world_size:
+        raise InvalidConfigError(
+            f"tensor_parallel_size={world_size} does not divide the model's moe_intermediate_size="
+            f"{arch.moe.intermediate_size}: {fix}"
+        )
 
 
 def local_vocab_size(vocab_size: int, world_size: int) -> int:
@@ -67,6 +73,9 @@ def shard_arch(arch: ModelArchConfig, world_size: int) -> ModelArchConfig:
         num_kv_heads=max(1, arch.num_kv_heads // world_size),
         intermediate_size=arch.intermediate_size // world_size,
         vocab_size=local_vocab_size(arch.vocab_size, world_size),
+        moe=None
+        if arch.moe is None
+        else dataclasses.replace(arch.moe, intermediate_size=arch.moe.intermediate_size // world_size),
     )
 
 
@@ -79,6 +88,8 @@ def shard_model(model: nn.Module, arch: ModelArchConfig, group: TPGroup) -> None
         parent_name, _, attr = name.rpartition(".")
         if attr in plan.row_parallel and isinstance(module, Linear):
             setattr(model.get_submodule(parent_name), attr, RowParallelLinear(module, group))
+        elif isinstance(module, SparseMoE):  # its experts' down projections are row-parallel: one all-reduce
+            setattr(model.get_submodule(parent_name), attr, ParallelSparseMoE(module, group))
     parent, attr = _parent(model, plan.embedding)
     embed = getattr(parent, attr)
     assert isinstance(embed, VocabEmbedding), plan.embedding
@@ -109,6 +120,8 @@ def weight_shard(
         plan = resolve_architecture(arch.architecture).model_class.family.weights
     module_path, _, param = name.rpartition(".")
     module = module_path.rpartition(".")[2]
+    if plan.experts is not None and (projection := plan.experts.projection(module_path)) is not None:
+        return _expert_shard(projection, param, plan, arch, rank, world_size)
     if module_path in (plan.embedding, plan.lm_head):
         rows = local_vocab_size(arch.vocab_size, world_size)
         start = min(rank * rows, arch.vocab_size)
@@ -122,6 +135,33 @@ def weight_shard(
     return None  # norms: replicated
 
 
+def _expert_shard(
+    projection: tuple[str, bool], param: str, plan: WeightPlan, arch: ModelArchConfig, rank: int, world_size: int
+) -> WeightShard | None:
+    """An expert's projection (one expert's [out, in], or every expert's stacked [E, out, in]) cut as the
+    plan's experts say."""
+    assert plan.experts is not None
+    module, stacked = projection
+    if module in plan.experts.column_parallel:
+        dim, split = 0, plan.experts.column_parallel[module]
+    elif module in plan.experts.row_parallel and param == "weight":
+        dim, split = 1, plan.experts.row_parallel[module]
+    else:
+        return None
+    start, stop = _split_range(split, arch, rank, world_size)
+    return WeightShard(dim + (1 if stacked else 0), start, stop, stop - start)
+
+
+def split_size(split: Split, arch: ModelArchConfig) -> int:
+    """The whole (unsharded) size of the dimension `split` cuts, in rows or columns."""
+    if split is Split.QUERY_HEADS:
+        return arch.num_heads * arch.head_dim
+    if split is Split.KV_HEADS:
+        return arch.num_kv_heads * arch.head_dim
+    assert split is Split.INTERMEDIATE, split
+    return arch.intermediate_size
+
+
 def _split_range(split: Split, arch: ModelArchConfig, rank: int, world_size: int) -> tuple[int, int]:
     """[start, stop) of `rank`'s rows (or columns) of a tensor cut along `split`."""
     d = arch.head_dim
@@ -131,6 +171,9 @@ def _split_range(split: Split, arch: ModelArchConfig, rank: int, world_size: int
     if split is Split.KV_HEADS:
         start, stop = kv_head_range(arch.num_kv_heads, rank, world_size)
         return start * d, stop * d
+    if split is Split.EXPERT_INTERMEDIATE:
+        assert arch.moe is not None, "an experts split needs a MoE config"
+        return shard_range(arch.moe.intermediate_size, rank, world_size)
     assert split is Split.INTERMEDIATE, split
     return shard_range(arch.intermediate_size, rank, world_size)
 

@@ -2,7 +2,8 @@
 
 `gather_logprobs` launches the maths (log_softmax of the raw logits, the sampled token's value and the top
 alternatives) without waiting; `LogprobsOutput.to_dicts` turns the one packed tensor into per-row dicts
-once the caller has synchronised (with the step's sampled ids). Knows nothing of how tokens were chosen.
+once the caller has synchronised (with the step's sampled ids). The packing (`pack_logprobs`, `to_pinned`,
+`unpack`) is shared with the prompt's logprobs (`prompt_logprobs.py`). Knows nothing of how tokens were chosen.
 """
 
 from __future__ import annotations
@@ -26,21 +27,41 @@ class LogprobsOutput:
 
     def to_host(self) -> LogprobsOutput:
         """Start the device-to-host copy (pinned, non-blocking); read with `to_dicts` after a sync."""
-        if self.packed.device.type == "cuda":
-            host = torch.empty(self.packed.shape, dtype=self.packed.dtype, pin_memory=True)
-            host.copy_(self.packed, non_blocking=True)
-            self.packed = host
+        self.packed = to_pinned(self.packed)
         return self
 
     def to_dicts(self) -> list[dict[int, float] | None]:
         result: list[dict[int, float] | None] = [None] * self.num_rows
         for row, n, values in zip(self.rows, self.counts, self.packed.tolist()):
-            entry = {int(values[0]): values[1]}
-            ids, lps = values[2 : 2 + self.num_top], values[2 + self.num_top :]
-            for token, lp in zip(ids[:n], lps[:n]):
-                entry.setdefault(int(token), lp)
-            result[row] = entry
+            result[row] = unpack(values, self.num_top, n)
         return result
+
+
+def pack_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, num_top: int) -> torch.Tensor:
+    """[R, vocab] float32 log-probabilities and [R, 1] int64 chosen ids -> [R, 2 + 2 * num_top] float64: each
+    row's chosen id, its logprob, the top ids, their logprobs. One tensor to copy back: ids ride along as
+    float64, exact for any vocabulary size."""
+    top_values, top_ids = logprobs.topk(num_top, dim=-1)  # [R, num_top]
+    parts = [chosen, logprobs.gather(1, chosen), top_ids, top_values]
+    return torch.cat([part.to(torch.float64) for part in parts], dim=1)
+
+
+def to_pinned(packed: torch.Tensor) -> torch.Tensor:
+    """Start a CUDA tensor's copy to pinned host memory (non-blocking: read it after a sync); others as they are."""
+    if packed.device.type != "cuda":
+        return packed
+    host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+    host.copy_(packed, non_blocking=True)
+    return host
+
+
+def unpack(values: list[float], num_top: int, n: int) -> dict[int, float]:
+    """One packed row as {token id: logprob}: the chosen token, then its row's first `n` top alternatives."""
+    entry = {int(values[0]): values[1]}
+    ids, lps = values[2 : 2 + num_top], values[2 + num_top :]
+    for token, lp in zip(ids[:n], lps[:n]):
+        entry.setdefault(int(token), lp)
+    return entry
 
 
 def gather_logprobs(
@@ -55,8 +76,4 @@ def gather_logprobs(
     logprobs = logits.index_select(0, row_index).float().log_softmax(dim=-1)  # [R, vocab]
     sampled = token_ids.index_select(0, row_index).unsqueeze(1)  # [R, 1]
     num_top = min(max(counts), logprobs.shape[1])
-    top_values, top_ids = logprobs.topk(num_top, dim=-1)  # [R, num_top]
-    # One tensor to copy back: ids ride along as float64, exact for any vocabulary size.
-    parts = [sampled, logprobs.gather(1, sampled), top_ids, top_values]
-    packed = torch.cat([part.to(torch.float64) for part in parts], dim=1)
-    return LogprobsOutput(rows, counts, num_top, packed, len(states))
+    return LogprobsOutput(rows, counts, num_top, pack_logprobs(logprobs, sampled, num_top), len(states))

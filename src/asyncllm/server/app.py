@@ -44,13 +44,17 @@ def create_app(
     api_key: str | None = None,
     engine_args: dict[str, Any] | None = None,
     chat_template: str | None = None,
+    lora_modules: dict[str, str] | None = None,
 ) -> FastAPI:
-    """The app serving one model under `served_model_name` (default: the checkpoint's name).
+    """The app serving one model under `served_model_name` (default: the checkpoint's name), and each of
+    its LoRA adapters under the adapter's name (`engine.list_loras()`, as they are added and removed).
 
     `engine_or_model`: a running `AsyncLLMEngine` (mount the app anywhere; closing the engine stays
     yours), or a checkpoint path, built with `engine_args` in the app's lifespan and closed with it.
     `api_key`: when set, every endpoint but the health probes needs `Authorization: Bearer <api_key>`.
     `chat_template`: Jinja text that replaces the model's own chat template (one that lists tools, say).
+    `lora_modules`: {name: adapter directory} added to the engine the lifespan builds (give a model path
+    and `enable_lora=True` in `engine_args`); with an engine, add them with `engine.add_lora` yourself.
     """
     if isinstance(engine_or_model, (str, os.PathLike)):
         model: str | None = os.fspath(engine_or_model)
@@ -60,8 +64,8 @@ def create_app(
         model, given = None, engine_or_model
         config = getattr(given, "config", None)  # None for engines built by AsyncLLMEngine.from_builder
         name = served_model_name or (default_served_name(config.model) if config is not None else "asyncllm")
-    if engine_args and given is not None:
-        raise TypeError("engine_args apply to a model path only: this engine is already built")
+    if (engine_args or lora_modules) and given is not None:
+        raise TypeError("engine_args and lora_modules apply to a model path only: this engine is already built")
     if chat_template is not None and (not isinstance(chat_template, str) or not chat_template.strip()):
         raise ValueError(f"chat_template must be non-empty Jinja text, got {chat_template!r}")
     state = ServerState(name, ServerMetrics(lambda: state.stats(), name), chat_template=chat_template)
@@ -75,8 +79,10 @@ def create_app(
             return
         # Loading takes seconds to minutes: off the event loop (the engine is bound to no loop).
         engine = await asyncio.to_thread(lambda: AsyncLLMEngine(model, **(engine_args or {})))
-        state.attach(engine)
         try:
+            for adapter, path in (lora_modules or {}).items():
+                await engine.add_lora(adapter, path)
+            state.attach(engine)
             yield
         finally:
             await engine.aclose()
@@ -97,18 +103,22 @@ def create_app(
     return app
 
 
-def _model_card(request: Request) -> dict[str, Any]:
-    name = server_state(request).served_model_name
-    return {"id": name, "object": "model", "created": request.app.state.created, "owned_by": "asyncllm"}
+def _model_card(request: Request, name: str) -> dict[str, Any]:
+    """The base model's card, or a LoRA adapter's (naming the base as its `parent`, as vLLM does)."""
+    base = server_state(request).served_model_name
+    card = {"id": name, "object": "model", "created": request.app.state.created, "owned_by": "asyncllm"}
+    return card if name == base else {**card, "parent": base}
 
 
 async def list_models(request: Request) -> JSONResponse:
-    return JSONResponse({"object": "list", "data": [_model_card(request)]})
+    state = server_state(request)
+    names = [state.served_model_name, *state.adapters()]
+    return JSONResponse({"object": "list", "data": [_model_card(request, name) for name in names]})
 
 
 async def retrieve_model(model: str, request: Request) -> JSONResponse:
-    server_state(request).engine_for(model)  # 404 model_not_found unless it is the served one
-    return JSONResponse(_model_card(request))
+    server_state(request).resolve(model)  # 404 model_not_found unless it is the base model or an adapter
+    return JSONResponse(_model_card(request, model))
 
 
 async def health(request: Request) -> Response:

@@ -1,4 +1,5 @@
-"""`asyncllm serve [MODEL] [--host --port --api-key --served-model-name --drain-timeout] [every engine argument]`.
+"""`asyncllm serve [MODEL] [--host --port --api-key --served-model-name --lora-modules --drain-timeout] [every engine
+argument]`.
 
 Owns the server's command line and its start-up, cheapest check first: the arguments, then the address
 (bound now, handed to uvicorn later: a busy port fails in a second, not after the model loaded), then the
@@ -10,6 +11,7 @@ is instant and works without the `server` extra installed.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import os
@@ -17,7 +19,7 @@ import socket
 import sys
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from asyncllm.console import (
     EXIT_FAILED,
@@ -31,7 +33,7 @@ from asyncllm.console import (
     report_error,
 )
 from asyncllm.default_model import DEFAULT_SERVED_NAME, default_model_path
-from asyncllm.errors import AsyncLLMError
+from asyncllm.errors import AsyncLLMError, InvalidConfigError
 from asyncllm.install import extra_install_hint
 from asyncllm.server.engine_flags import add_engine_args, check_engine_args, engine_arg_specs, engine_args_from
 
@@ -60,6 +62,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"the model name clients send (default: the checkpoint's name; {DEFAULT_SERVED_NAME!r} for the built-in)",
     )
     server.add_argument(
+        "--lora-modules",
+        nargs="+",
+        action="extend",
+        default=[],
+        type=lora_module_arg,
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT directories) to serve beside the model, each as its own model name; implies "
+        "--enable-lora (see docs/lora.md)",
+    )
+    server.add_argument(
         "--chat-template",
         default=None,
         type=chat_template_arg,
@@ -77,6 +89,32 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "aborted and the server exits (default: 30)",
     )
     add_engine_args(parser.add_argument_group("engine (every AsyncLLMEngine argument; see asyncllm.config)"))
+
+
+def lora_module_arg(value: str) -> tuple[str, str]:
+    """`--lora-modules NAME=PATH`: an adapter's served name and its directory."""
+    name, sep, path = value.partition("=")
+    if not sep or not name.strip() or not path:
+        raise argparse.ArgumentTypeError(f"{value!r} is not NAME=PATH (an adapter's name and its directory)")
+    return name, path
+
+
+def lora_modules(args: argparse.Namespace, engine_args: dict[str, Any]) -> dict[str, str]:
+    """`--lora-modules` as {name: path}, turning `enable_lora` on in `engine_args` (UsageError: a name given
+    twice or the model's own, or `--no-enable-lora` beside them)."""
+    modules = dict(args.lora_modules)
+    if not modules:
+        return modules
+    if len(modules) < len(args.lora_modules):
+        raise InvalidConfigError("--lora-modules names an adapter twice: give each adapter its own name")
+    if served_model_name(args) in modules:
+        raise InvalidConfigError(
+            f"--lora-modules names an adapter {served_model_name(args)!r}, the model's own served name: rename one"
+        )
+    if engine_args.get("enable_lora") is False:
+        raise InvalidConfigError("--lora-modules needs LoRA: drop --no-enable-lora")
+    engine_args["enable_lora"] = True
+    return modules
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         model = args.model or str(default_model_path())
         engine_args = engine_args_from(args, engine_arg_specs())
+        adapters = lora_modules(args, engine_args)
         check_engine_args(model, engine_args)
     except AsyncLLMError as exc:
         return report_error(exc)
@@ -133,9 +172,21 @@ def run(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             return EXIT_INTERRUPTED
         try:
+            if adapters:
+                asyncio.run(_add_adapters(engine, adapters))  # the engine serves any loop: this one is brief
             return _serve(engine, model, args, sock, start)
+        except AsyncLLMError as exc:  # an adapter that cannot be served
+            return report_error(exc)
+        except KeyboardInterrupt:
+            return EXIT_INTERRUPTED
         finally:
             engine.shutdown()
+
+
+async def _add_adapters(engine: AsyncLLMEngine, adapters: dict[str, str]) -> None:
+    for name, path in adapters.items():
+        await engine.add_lora(name, path)
+        logger.info('LoRA adapter %s from %s: clients send "model": "%s"', name, path, name)
 
 
 def _serve(engine: AsyncLLMEngine, model: str, args: argparse.Namespace, sock: socket.socket, start: float) -> int:

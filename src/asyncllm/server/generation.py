@@ -72,15 +72,19 @@ def submit(
     metrics: ServerMetrics,
     prompt_param: str,
     priority: int = 0,
+    lora: str | None = None,
 ) -> Submission:
-    """Add every engine request, or none: a refused one (400 naming `prompt_param`) closes those added."""
+    """Add every engine request, or none: a refused one (400 naming `prompt_param`) closes those added.
+    `lora`: the LoRA adapter every request runs through (None: the base model)."""
     streams: list[RequestStream] = []
     first_choice: list[int] = []
     num_choices = 0
     try:
         for prompt in prompts:
             for sp in params:
-                streams.append(engine.add_request(prompt, sp, f"{request_id}-{num_choices}", priority=priority))
+                streams.append(
+                    engine.add_request(prompt, sp, f"{request_id}-{num_choices}", priority=priority, lora=lora)
+                )
                 first_choice.append(num_choices)
                 num_choices += sp.n
     except InvalidRequestError as exc:

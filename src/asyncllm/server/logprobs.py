@@ -91,15 +91,35 @@ def chat_logprobs(
 
 
 def completion_logprobs(
-    token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs], k: int, strings: TokenStrings, offset: int
+    token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs | None], k: int, strings: TokenStrings, offset: int
 ) -> dict[str, Any]:
-    """`choices[].logprobs` of a completion; `offset` is where this text starts in the choice's text."""
-    tokens, token_logprobs, top, offsets = [], [], [], []
+    """`choices[].logprobs` of a completion; `offset` is where this text starts in the choice's text. A token
+    without logprobs (an echoed prompt's first) has null for its logprob and its top logprobs, as in OpenAI's."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top: list[dict[str, float] | None] = []
+    offsets: list[int] = []
     for token_id, dist in zip(token_ids, logprobs):
         text = strings(token_id)
         tokens.append(text)
-        token_logprobs.append(_lp(dist[token_id]))
-        top.append({strings(t): _lp(lp) for t, lp in _top(dist, k)})
+        token_logprobs.append(_lp(dist[token_id]) if dist is not None else None)
+        top.append(_top_by_string(dist, k, strings) if dist is not None else None)
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def _top_by_string(logprobs: TokenLogprobs, k: int, strings: TokenStrings) -> dict[str, float]:
+    """Completions key the top tokens by their strings: two that read alike (pieces of one character, U+FFFD)
+    keep the likelier one's value."""
+    top: dict[str, float] = {}
+    for token_id, lp in _top(logprobs, k):
+        top.setdefault(strings(token_id), _lp(lp))
+    return top
+
+
+def join_logprobs(first: dict[str, Any] | None, then: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Two runs of a completion's logprobs as one (each list after the other)."""
+    if first is None or then is None:
+        return first if then is None else then
+    return {key: first[key] + then[key] for key in first}

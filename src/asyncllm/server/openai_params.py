@@ -66,7 +66,25 @@ def completion_sampling_params(request: CompletionRequest) -> SamplingParams:
             param="best_of",
         )
     max_tokens = COMPLETION_MAX_TOKENS if request.max_tokens is None else request.max_tokens
-    return _with_n(request, max_tokens, request.logprobs, {})
+    logprobs, prompt_logprobs, renames = request.logprobs, None, {}
+    if max_tokens == 0 and not request.echo:
+        raise OpenAIError(
+            "max_tokens=0 is invalid: at least 1, or 0 with echo=true (the prompt alone)", param="max_tokens"
+        )
+    if request.echo:  # the prompt's logprobs too, before the completion's (`echo.py`)
+        prompt_logprobs, renames = request.logprobs, {"prompt_logprobs": "logprobs"}
+        if echoes_prompt_only(request):  # one token is drawn and left out: the engine ends after a draw
+            if request.min_tokens:
+                raise OpenAIError(
+                    f"min_tokens={request.min_tokens} is invalid: at most max_tokens (0)", param="min_tokens"
+                )
+            max_tokens, logprobs = 1, None
+    return _with_n(request, max_tokens, logprobs, renames, prompt_logprobs=prompt_logprobs)
+
+
+def echoes_prompt_only(request: CompletionRequest) -> bool:
+    """`echo` with `max_tokens=0`: the response is the prompt (scored, with `logprobs`), as OpenAI allowed."""
+    return bool(request.echo) and request.max_tokens == 0
 
 
 def _response_format(request: ChatCompletionRequest) -> dict[str, Any]:
@@ -88,6 +106,7 @@ def _with_n(
     logprobs: int | None,
     renames: dict[str, str],
     constraint: dict[str, Any] | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """`n` samples of one prompt; with a seed, the engine gives sample i seed + i: they differ and each is
     reproducible (choice j equals a request of its own seeded seed + j)."""
@@ -99,6 +118,8 @@ def _with_n(
         )
     kwargs: dict[str, Any] = {name: getattr(request, name) for name in _SAME_NAME if getattr(request, name) is not None}
     kwargs.update(max_tokens=max_tokens, stop=request.stop, logprobs=logprobs, **(constraint or {}))
+    if prompt_logprobs is not None:
+        kwargs["prompt_logprobs"] = prompt_logprobs
     try:
         return SamplingParams(**kwargs, n=request.n or 1, seed=request.seed)
     except InvalidRequestError as exc:

@@ -81,8 +81,6 @@ def _text_content(message: ChatMessage, index: int) -> str | None:
 
 def completion_prompts(request: CompletionRequest) -> list[Prompt]:
     """A string, token ids, or a list of either (each its own choices, as OpenAI does)."""
-    if request.echo:
-        raise OpenAIError("echo=true is not supported: the response holds the completion only", param="echo")
     prompt = request.prompt
     if isinstance(prompt, str):
         return [prompt]

@@ -137,6 +137,6 @@ class CompletionRequest(_SamplingRequest):
     # str, list[str], list[int] or list[list[int]]: checked in `prompts`, where the error can name it plainly.
     prompt: Any
     logprobs: int | None = None
-    echo: bool | None = False  # only False is supported (checked in `prompts`)
+    echo: bool | None = False  # the prompt (and with `logprobs` its logprobs) before the completion: `echo.py`
     suffix: str | None = None  # null or "" only
     best_of: int | None = None  # null, or n (the n best of n are all n)

@@ -42,13 +42,13 @@ _CONTENT_CHOICE = '{"index":%d,"delta":{"content":%s},"logprobs":null,"finish_re
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     state = server_state(request)
-    engine = state.engine_for(body.model)
+    engine, lora = state.resolve(body.model)
     params = chat_sampling_params(body)
     plan = await plan_chat_request(engine, body, params, state.chat_template)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    head = {"id": request_id, "created": int(time.time()), "model": state.served_model_name}
+    head = {"id": request_id, "created": int(time.time()), "model": body.model}
     prompts, constrained = [plan.prompt_token_ids], [plan.constrain(params)]
-    sub = submit(engine, prompts, constrained, request_id, state.metrics, "messages", body.priority or 0)
+    sub = submit(engine, prompts, constrained, request_id, state.metrics, "messages", body.priority or 0, lora)
     parsers = [plan.parser() for _ in range(sub.num_choices)]  # choice i's: OpenAI's choice index is the sample's
     top_k = params.logprobs  # None unless logprobs were asked for
     renames = chat_renames(body)

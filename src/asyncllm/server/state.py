@@ -1,7 +1,7 @@
 """What every handler of one app shares: the engine, the served model name, metrics and token strings.
 
 Owns the two checks every generation endpoint starts with: the engine is there (else 503),
-and the request names the served model (else 404 model_not_found).
+and the request names the served model or one of its LoRA adapters (else 404 model_not_found).
 """
 
 from __future__ import annotations
@@ -29,10 +29,13 @@ class ServerState:
         self.engine = engine
         self.token_strings = TokenStrings(engine.tokenizer)
 
-    def engine_for(self, model: str) -> AsyncLLMEngine:
-        if model != self.served_model_name:
+    def resolve(self, model: str) -> tuple[AsyncLLMEngine, str | None]:
+        """The engine, and the LoRA adapter `model` names (None: the base model)."""
+        adapters = self.adapters()
+        if model != self.served_model_name and model not in adapters:
+            served = ", ".join(f"`{name}`" for name in [self.served_model_name, *adapters])
             raise OpenAIError(
-                f"The model `{model}` does not exist; this server serves `{self.served_model_name}`.",
+                f"The model `{model}` does not exist; this server serves {served}.",
                 status=404,
                 param="model",
                 code="model_not_found",
@@ -40,7 +43,12 @@ class ServerState:
         engine = self.engine
         if engine is None:
             raise OpenAIError("the engine is not started", status=503, type="service_unavailable")
-        return engine  # a dead one refuses the request itself: add_request raises EngineDeadError (503)
+        # A dead engine refuses the request itself: add_request raises EngineDeadError (503).
+        return engine, None if model == self.served_model_name else model
+
+    def adapters(self) -> list[str]:
+        """The LoRA adapters served beside the base model, by name (the engine's, as added)."""
+        return self.engine.list_loras() if self.engine is not None else []
 
     def stats(self) -> dict[str, float | int]:
         if self.engine is None:

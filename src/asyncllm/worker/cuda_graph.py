@@ -4,8 +4,9 @@ captured (one launch for the whole forward pass), running the model eagerly othe
 Owns capture and replay. Each graph reads the step's inputs from the persistent `InputBuffers` (the same
 device tensors every step fills, the attention work list included) and writes the final hidden states into
 one shared static buffer; all graphs share one memory pool, captured largest first so smaller ones reuse its
-blocks. Which bucket a step takes, and how it is padded and planned: `Buckets`. Knows nothing of requests or
-sampling.
+blocks. With LoRA adapters each bucket has a second graph with the adapter layers active, replayed by steps
+with adapter rows (the others replay the plain one: requests without adapters launch nothing of LoRA). Which
+bucket a step takes, and how it is padded and planned: `Buckets`. Knows nothing of requests or sampling.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from asyncllm.models.base import CausalLM
 from asyncllm.step import ScheduledSeq, SchedulerOutput
 from asyncllm.worker.buckets import Buckets, GraphKey, StepShape
 from asyncllm.worker.input_batch import InputBuffers, ModelInputs
+from asyncllm.worker.lora import LoRAManager
 from asyncllm.worker.step_staging import PrefixViews
 
 if TYPE_CHECKING:
@@ -36,25 +38,28 @@ class CudaGraphRunner:
         hidden_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        loras: LoRAManager | None = None,
     ) -> None:
         self.model = model
+        self.loras = loras
         self.kv_caches = kv_caches
         self.buffers = buffers
         self.buckets = buckets
         self.device = device
-        self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[GraphKey, bool], torch.cuda.CUDAGraph] = {}  # (bucket, LoRA active) -> graph
         self._pool: _POOL_HANDLE | None = None
         self._hidden_shape = (hidden_size, dtype)
         self._hidden = PrefixViews(torch.empty(0, hidden_size, dtype=dtype, device=device))  # [rows, hidden]
 
     def sizes(self, kind: str) -> list[int]:
         """The captured sizes of one kind ("decode": batch sizes, "mixed": token counts), ascending."""
-        return sorted(n for k, n in self._graphs if k == kind)
+        return sorted(n for (k, n), lora in self._graphs if k == kind and not lora)
 
     def run(self, shape: StepShape, x: ModelInputs) -> torch.Tensor:
         """The step's final hidden states, [x.num_tokens, hidden] (padding rows included); its inputs, and its
         attention plan, already sent."""
-        graph = None if shape.graph is None else self._graphs.get(shape.graph)
+        lora = self.loras is not None and self.loras.batch.active
+        graph = None if shape.graph is None else self._graphs.get((shape.graph, lora))
         if graph is None:
             hidden: torch.Tensor = self.model(x.input_ids, x.positions, self.kv_caches, x.meta)
             return hidden
@@ -73,7 +78,8 @@ class CudaGraphRunner:
         rows = max((n for _, n in keys), default=0)  # the largest graph's rows, not the step budget's
         hidden = torch.empty(rows, hidden_size, dtype=dtype, device=self.device)
         self._hidden = PrefixViews(hidden)
-        for key in keys:
+        variants = (False, True) if self.loras is not None else (False,)
+        for key, lora in ((key, lora) for key in keys for lora in variants):
             kind, size = key
             if kind == "decode":
                 x = buffers.prepare(_dummy_decode(size), pad_to=size, flush=False)
@@ -81,6 +87,8 @@ class CudaGraphRunner:
                 x = buffers.prepare(_dummy_mixed(buffers.block_size), pad_tokens_to=size, flush=False)
             bounds = buckets.bounds(key)
             buffers.stage_plan(x.meta, buckets.backend.plan(x.meta, bounds), static=True)
+            if self.loras is not None:  # adapter layers active or not, with no adapter row: compiled, no work
+                self.loras.stage_idle(x.num_tokens, active=lora)
             buffers.flush()
 
             def forward(x: ModelInputs = x, size: int = size) -> None:
@@ -96,7 +104,9 @@ class CudaGraphRunner:
                 forward()
             if self._pool is None:
                 self._pool = graph.pool()
-            self._graphs[key] = graph
+            self._graphs[key, lora] = graph
+        if self.loras is not None:
+            self.loras.stage_idle(0, active=False)
         for graph in self._graphs.values():
             graph.replay()  # a graph's first launch uploads it: the first request must not pay that
         torch.cuda.synchronize(self.device)

@@ -1,5 +1,6 @@
 """Resolving the user's device and dtype choices into torch objects, and the checkpoint's config into its
-architecture: `ResolvedModel`, made once per engine. Knows nothing of loading or running the model."""
+architecture and quantization: `ResolvedModel`, made once per engine. Knows nothing of loading or running the
+model."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from asyncllm.config import Device, DType, EngineConfig
 from asyncllm.errors import DeviceError
 from asyncllm.models.config import ModelArchConfig
+from asyncllm.quantization.scheme import QuantScheme, resolve_quantization
 
 _DTYPES = {DType.BFLOAT16: torch.bfloat16, DType.FLOAT16: torch.float16, DType.FLOAT32: torch.float32}
 
@@ -46,12 +48,17 @@ class ResolvedModel:
     device: torch.device
     dtype: torch.dtype
     arch: ModelArchConfig
+    quant: QuantScheme | None = None  # None: unquantized linear layers
 
     @classmethod
     def resolve(cls, config: EngineConfig, hf_config: Any) -> ResolvedModel:
+        mc = config.model_config
         device = resolve_device(config.device_config.device)
-        dtype = resolve_dtype(config.model_config.dtype, device, hf_config)
-        return cls(device, dtype, ModelArchConfig.from_hf(hf_config, config.model_config.max_model_len))
+        dtype = resolve_dtype(mc.dtype, device, hf_config)
+        arch = ModelArchConfig.from_hf(hf_config, mc.max_model_len)
+        requested = None if mc.quantization is None else mc.quantization.value
+        quant = resolve_quantization(requested, getattr(hf_config, "quantization_config", None), device.type)
+        return cls(device, dtype, arch, quant)
 
     def on(self, device: torch.device) -> ResolvedModel:
         """The same model on another device (a tensor-parallel rank's)."""

@@ -16,6 +16,15 @@ the forward pass runs while the host feeds the matchers, fills the masks and doe
 draw goes out just before the next forward pass, its masks ready. Steps without constrained rows pay for
 none of this.
 
+A step that computes prompt positions of a request asking for prompt logprobs also runs the LM head over
+those rows (`sample/prompt_logprobs.py`: in slices of at most `max_num_seqs` rows, the sampler's own size,
+padded to the counts warm-up ran), before the sampled rows' logits, and their logprobs travel with the step's
+tokens; such steps are never decode-only buckets, and a replayed graph's output rows are read before the next
+step runs. Steps without such a request check one empty dict.
+
+With LoRA adapters (`LoRAManager`) the step also stages which rows use which adapter slot, loading adapters
+into slots first; a step without adapter rows stages nothing more.
+
 Knows nothing of requests beyond the plain data the scheduler sends and the sampling state it keeps per
 request id; nothing of how the model was loaded or the cache sized. The step's only host sync is reading
 the sampled ids back.
@@ -30,6 +39,7 @@ import torch
 from asyncllm.attention.backend import AttentionBackend
 from asyncllm.models.base import CausalLM
 from asyncllm.sample.grammar import GrammarBackend
+from asyncllm.sample.prompt_logprobs import PromptLogprobsOutput, PromptScorer, score_prompts
 from asyncllm.sample.sampler import DrawInputs, Sampler
 from asyncllm.sample.state import SamplingState
 from asyncllm.sample.structured import GrammarTable, MaskPlan
@@ -37,6 +47,7 @@ from asyncllm.step import ModelRunnerOutput, ReadyStep, SchedulerOutput, StepRes
 from asyncllm.worker.cuda_graph import CudaGraphRunner
 from asyncllm.worker.input_batch import InputBuffers, ModelInputs
 from asyncllm.worker.latest_tokens import LatestTokens
+from asyncllm.worker.lora import LoRAManager
 from asyncllm.worker.sampled_outputs import SampledOutputs
 
 
@@ -52,6 +63,7 @@ class ModelRunner:
         vocab_size: int,
         grammar: GrammarBackend | None = None,
         defer_masked_draw: bool = False,
+        loras: LoRAManager | None = None,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -71,6 +83,8 @@ class ModelRunner:
         # asynchronously (CUDA). On CPU the host runs the forward pass itself: holding would only add a step.
         self.defer_masked_draw = defer_masked_draw
         self._held: HeldDraw | None = None
+        self.prompt_scorer = PromptScorer()  # requests whose prompt logprobs are still being scored
+        self.loras = loras
 
     def execute_model(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
         """`submit`, then wait for the step."""
@@ -84,26 +98,35 @@ class ModelRunner:
         self._admit(scheduled)
         sampling = [s.request_id for s in scheduled.seqs if s.sample]
         states = [self.states[r] for r in sampling]
+        scoring = self.prompt_scorer.plan(scheduled) if self.prompt_scorer else None
         shape = self.buckets.shape(scheduled, len(sampling))
         # The inputs, padded to the shape, into their staged regions.
         x = self.inputs.prepare(scheduled, shape.pad_to, shape.pad_tokens_to, shape.pad_logits_to, flush=False)
         plan = self.backend.plan(x.meta, shape.bounds)
         self.inputs.stage_plan(x.meta, plan, static=shape.bounds is not None)
         feed, draw, slots, masks = self._stage(x, states, sampling)
+        if self.loras is not None:
+            self.loras.stage(scheduled, x.num_tokens)
         self.inputs.flush()
         if feed is not None:
             # PLACEHOLDER inputs take the token last sampled for their request, on the device: the sampled
             # ids never wait for the host before they are fed back.
             self._latest.feed(self.inputs.input_ids.dev, feed)
         hidden = self.graphs.run(shape, x)  # [x.num_tokens, hidden], padding rows included
+        prompt = None
+        if scoring is not None:
+            compute = self.model.compute_logits
+            prompt = score_prompts(scoring, hidden, compute, self.inputs.max_num_seqs, self.buckets.logit_rows)
         if slots is None:
+            if prompt is not None:  # prompt chunks that sample nothing yet
+                return self._outputs.send(None, None, prompt=prompt)
             return ReadyStep(ModelRunnerOutput(sampled_token_ids=[]))
         last_hidden = hidden[x.logits_indices] if shape.gathers_logits else hidden  # [shape.logit_rows, hidden]
         # The LM head runs at a padded row count (`Buckets.logit_rows`): warm-up ran every one of them.
         logits = self.model.compute_logits(last_hidden)[: len(sampling)]  # [S, vocab]
 
         def sample() -> StepResult:
-            return self._sample(logits, states, draw, slots, masks)
+            return self._sample(logits, states, draw, slots, masks, prompt)
 
         if masks is not None and self.defer_masked_draw:
             self._held = HeldDraw(sample)
@@ -118,6 +141,7 @@ class ModelRunner:
         draw: DrawInputs | None,
         slots: torch.Tensor,
         masks: tuple[MaskPlan, torch.Tensor] | None,
+        prompt: PromptLogprobsOutput | None = None,
     ) -> StepResult:
         """Draw the step's tokens (the forward pass is launched); constrained rows get their masks first,
         and the step's tokens go to their matchers when they reach the host (`GrammarTable`)."""
@@ -126,7 +150,7 @@ class ModelRunner:
             mask, failed = self.grammars.fill(*masks)
         out = self.sampler(logits, states, draw, mask)
         self._latest.record(slots, out.token_ids)
-        result = self._outputs.send(out.token_ids, out.logprobs_output, failed)
+        result = self._outputs.send(out.token_ids, out.logprobs_output, failed, prompt)
         if masks is not None:
             result = self.grammars.sent(result, masks[0])
         return result
@@ -165,16 +189,26 @@ class ModelRunner:
             self.grammars.add(state)
             self.states[new.request_id] = state
             self._latest.add(new.request_id)
+            if new.params.prompt_logprobs is not None:
+                self.prompt_scorer.add(new.request_id, new.prompt_token_ids, new.params.prompt_logprobs)
+            if new.lora_id:
+                assert self.loras is not None, "a request with an adapter reached an engine without enable_lora"
+                self.loras.add_request(new.request_id, new.lora_id)
 
     def forget(self, request_ids: list[str]) -> None:
         """Drop the state of requests the scheduler will never mention again (finished, or warm-up's)."""
         self._release_held()  # it samples rows of states about to go
+        if self.prompt_scorer:
+            for request_id in request_ids:
+                self.prompt_scorer.remove(request_id)
         for request_id in request_ids:
             state = self.states.pop(request_id, None)
             if state is not None:
                 self.sampler.remove(state)
                 self.grammars.remove(state)
                 self._latest.remove(request_id)
+                if self.loras is not None:
+                    self.loras.remove_request(request_id)
 
     @property
     def grammar(self) -> GrammarBackend | None:

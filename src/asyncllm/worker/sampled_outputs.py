@@ -1,4 +1,5 @@
-"""Getting a step's sampled ids (and any logprobs) to the host without making the host wait for them.
+"""Getting a step's sampled ids (and any logprobs, of its tokens or of prompts) to the host without making the
+host wait for them.
 
 On CUDA the ids are copied into one of two pinned buffers (two: a step's copy may land while the previous
 step's output is still unread) behind an event that `result()` waits on; on CPU they are ready at once.
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from asyncllm.sample.logprobs import LogprobsOutput
+from asyncllm.sample.prompt_logprobs import PromptLogprobsOutput
 from asyncllm.step import ModelRunnerOutput, ReadyStep, StepResult
 from asyncllm.worker.step_staging import PrefixViews
 
@@ -25,22 +27,31 @@ class SampledOutputs:
         self._next = 0
 
     def send(
-        self, token_ids: torch.Tensor, logprobs: LogprobsOutput | None, failed: dict[int, str] | None = None
+        self,
+        token_ids: torch.Tensor | None,
+        logprobs: LogprobsOutput | None,
+        failed: dict[int, str] | None = None,
+        prompt: PromptLogprobsOutput | None = None,
     ) -> StepResult:
-        """Start moving `token_ids` ([S] int64 on the device) and `logprobs` to the host; `failed`, known on
-        the host already, rides along (`ModelRunnerOutput.failed`)."""
+        """Start moving `token_ids` ([S] int64 on the device; None: the step samples nothing), `logprobs` and
+        the `prompt` logprobs to the host; `failed`, known on the host already, rides along
+        (`ModelRunnerOutput.failed`)."""
         if self.device.type != "cuda":
             dicts = logprobs.to_dicts() if logprobs is not None else None
-            return ReadyStep(ModelRunnerOutput(token_ids.tolist(), dicts, failed))
+            ids = token_ids.tolist() if token_ids is not None else []
+            return ReadyStep(ModelRunnerOutput(ids, dicts, failed, prompt.to_dicts() if prompt is not None else None))
         i = self._next
         self._next ^= 1
-        host = self._buffers[i](token_ids.shape[0])
-        host.copy_(token_ids, non_blocking=True)
+        host = self._buffers[i](token_ids.shape[0] if token_ids is not None else 0)
+        if token_ids is not None:
+            host.copy_(token_ids, non_blocking=True)
         if logprobs is not None:
             logprobs.to_host()
+        if prompt is not None:
+            prompt.to_host()
         event = self._events[i]
         event.record()
-        return _DeviceStep(host, logprobs, event, failed)
+        return _DeviceStep(host, logprobs, event, failed, prompt)
 
 
 class _DeviceStep:
@@ -50,11 +61,13 @@ class _DeviceStep:
         logprobs: LogprobsOutput | None,
         event: torch.cuda.Event,
         failed: dict[int, str] | None,
+        prompt: PromptLogprobsOutput | None,
     ) -> None:
         self._host = host
         self._logprobs = logprobs
         self._event = event
         self._failed = failed
+        self._prompt = prompt
         self._output: ModelRunnerOutput | None = None
 
     def done(self) -> bool:
@@ -67,5 +80,6 @@ class _DeviceStep:
         if self._output is None:
             self._event.synchronize()  # the step's one wait: for its sampled ids, never a blocking copy
             dicts = self._logprobs.to_dicts() if self._logprobs is not None else None
-            self._output = ModelRunnerOutput(self._host.tolist(), dicts, self._failed)
+            prompt = self._prompt.to_dicts() if self._prompt is not None else None
+            self._output = ModelRunnerOutput(self._host.tolist(), dicts, self._failed, prompt)
         return self._output

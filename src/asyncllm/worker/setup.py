@@ -16,6 +16,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+import torch
+
 from asyncllm.attention.backend import AttentionBackend
 from asyncllm.attention.registry import make_attention_backend
 from asyncllm.config import EngineConfig
@@ -33,6 +35,7 @@ from asyncllm.worker.device import ResolvedModel
 from asyncllm.worker.gemm_layout import tune_weight_layouts
 from asyncllm.worker.input_batch import InputBuffers
 from asyncllm.worker.kv_cache import KVCacheSpec, allocate_kv_cache, blocks_for_budget, cpu_kv_blocks
+from asyncllm.worker.lora import LoRAManager
 from asyncllm.worker.memory import measure_graph_memory, profile_kv_budget_bytes
 from asyncllm.worker.model_runner import ModelRunner
 from asyncllm.worker.threads import apply_num_threads, resolve_num_threads
@@ -73,10 +76,12 @@ def build_worker(
 
 @dataclass(frozen=True)
 class LoadedModel:
-    """The model on its device, and the attention backend its layers call."""
+    """The model on its device, the attention backend its layers call, and its LoRA adapters' manager (None
+    without `enable_lora`)."""
 
     model: CausalLM
     backend: AttentionBackend
+    loras: LoRAManager | None = None
 
 
 class WorkerSetup:
@@ -115,10 +120,20 @@ class WorkerSetup:
         )
         mc = self.config.model_config
         module = load_model(
-            self.checkpoint, self.resolved.arch, backend, device, dtype, mc.load_format, mc.seed, self.parallel
+            self.checkpoint,
+            self.resolved.arch,
+            backend,
+            device,
+            dtype,
+            mc.load_format,
+            mc.seed,
+            self.parallel,
+            self.resolved.quant,
         )
+        # The adapter slots are allocated with the model, before memory is profiled for the KV cache.
+        loras = self._lora_manager(module)
         # Our Triton backend brings the fused kernels with it (norm + residual, q/k norm + rotary + KV write,
-        # SiLU-and-mul); the torch backend keeps every layer in its pure-PyTorch form, the reference.
+        # SiLU-and-mul, batched LoRA); the torch backend keeps every layer in its pure-PyTorch form, the reference.
         if backend.name == "triton":
             use_fused_kernels(module)
         self.timings["load"] = time.perf_counter() - start
@@ -127,7 +142,14 @@ class WorkerSetup:
             transposed = tune_weight_layouts(module, device)
             self.timings["tune_gemm"] = time.perf_counter() - start
             logger.debug("linear weights stored [in, out] for shapes %s", [s for s, t in transposed.items() if t])
-        return LoadedModel(module, backend)
+        return LoadedModel(module, backend, loras)
+
+    def _lora_manager(self, module: CausalLM) -> LoRAManager | None:
+        lora = self.config.lora_config
+        if not lora.enable_lora:
+            return None
+        rank, world = (0, 1) if self.parallel is None else (self.parallel.rank, self.parallel.world_size)
+        return LoRAManager(module, self.resolved.arch, lora.max_loras, lora.max_lora_rank, rank, world)
 
     def num_blocks(self, loaded: LoadedModel) -> int:
         """The KV block count: the explicit `num_kv_blocks`, else what memory allows, capped at what
@@ -190,9 +212,11 @@ class WorkerSetup:
             device,
             buckets.work_room(),
         )
+        if loaded.loras is not None:
+            loaded.loras.bind(buffers.staging, buffers.max_num_tokens)
         arch = self.resolved.arch
         graphs = CudaGraphRunner(
-            loaded.model, kv_caches, buffers, buckets, arch.hidden_size, self.resolved.dtype, device
+            loaded.model, kv_caches, buffers, buckets, arch.hidden_size, self.resolved.dtype, device, loaded.loras
         )
         runner = ModelRunner(
             loaded.model,
@@ -204,6 +228,7 @@ class WorkerSetup:
             arch.vocab_size,
             self._grammar(arch.vocab_size),
             defer_masked_draw=device.type == "cuda",
+            loras=loaded.loras,
         )
         logger.debug(
             "KV cache: %d blocks of %d tokens (%s, %s)", num_blocks, cache.block_size, device, self.resolved.dtype
@@ -224,6 +249,9 @@ class WorkerSetup:
             max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens,
         )
+        if runner.loras is not None:
+            with torch.inference_mode():
+                runner.loras.compile_kernels()
 
     def wait_for_grammar_tables(self, tables: Future[object]) -> None:
         t0 = time.perf_counter()
@@ -262,6 +290,8 @@ class WorkerSetup:
             architecture=arch.architecture,
             kv_cache_bytes=num_blocks * self.kv_spec.bytes_per_block,
             num_threads=self.num_threads,
+            max_loras=loaded.loras.num_slots if loaded.loras is not None else 0,
+            kv_window=arch.kv_window,
         )
 
     @property

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from asyncllm.errors import LoRAError
 from asyncllm.sample.grammar import GrammarBackend
-from asyncllm.step import RuntimeInfo, SchedulerOutput, StepResult
+from asyncllm.step import LoRAAdapter, RuntimeInfo, SchedulerOutput, StepResult
 from asyncllm.worker.model_runner import ModelRunner
 
 
@@ -26,6 +27,17 @@ class Worker:
     def submit(self, scheduled: SchedulerOutput) -> StepResult:
         assert self.runner is not None, "submit after shutdown"
         return self.runner.submit(scheduled)
+
+    def add_lora(self, adapter: LoRAAdapter) -> None:
+        """Load an adapter between steps (`LoRAError` for one that cannot serve this model)."""
+        assert self.runner is not None, "add_lora after shutdown"
+        if self.runner.loras is None:
+            raise LoRAError("this engine was built without enable_lora=True: it serves no adapters")
+        self.runner.loras.add(adapter)
+
+    def remove_lora(self, lora_id: int) -> None:
+        if self.runner is not None and self.runner.loras is not None:
+            self.runner.loras.remove(lora_id)
 
     def shutdown(self) -> None:
         """Release the device: graphs, KV cache and model (idempotent)."""

@@ -1,4 +1,5 @@
-"""Opening a single `.gguf` file as a `Checkpoint`: config, tokenizer, EOS ids and dequantized weights.
+"""Opening a single `.gguf` file as a `Checkpoint`: config, tokenizer, EOS ids and weights (dequantized, or the
+linear layers' kept quantized: the config's `quantization_config` names their tensor types for the scheme).
 
 Composes the header reader (header.py), the metadata's config (config.py), the tensor reader (weights.py)
 with the family's GGUF names from its registry entry, and transformers' GGUF tokenizer support. Everything is
@@ -19,7 +20,13 @@ from asyncllm.errors import UnsupportedModelError
 from asyncllm.model_loader.base import Checkpoint
 from asyncllm.model_loader.gguf.config import architecture_of, build_hf_config, eos_token_ids, read_field
 from asyncllm.model_loader.gguf.header import GGUFHeader, read_gguf_header
-from asyncllm.model_loader.gguf.weights import check_tensor_sizes, check_tensor_types, hf_name, iter_gguf_weights
+from asyncllm.model_loader.gguf.weights import (
+    check_tensor_sizes,
+    check_tensor_types,
+    hf_name,
+    iter_gguf_weights,
+    type_name,
+)
 from asyncllm.model_loader.hf import load_given_tokenizer
 
 # Turn-end markers of common chat templates: a chat answer ends with one even when the GGUF's
@@ -47,7 +54,13 @@ def open_gguf_checkpoint(path: Path, dtype: torch.dtype, tokenizer_path: Path | 
     tokenizer = _load_tokenizer(path, header) if tokenizer_path is None else load_given_tokenizer(tokenizer_path)
     eos = eos_token_ids(header) | _turn_end_ids(tokenizer)
 
-    def iter_weights() -> Iterator[tuple[str, torch.Tensor]]:
+    # The linear layers' tensor types: `quantization` decides from them whether they stay quantized.
+    plan = arch.model_class.family.weights
+    linear = set(plan.column_parallel) | set(plan.row_parallel)
+    types = {type_name(t) for t in header.tensors if _module(hf_name(t.name, names)) in linear}
+    hf_config.quantization_config = {"quant_method": "gguf", "linear_types": sorted(types)}
+
+    def iter_quantized_weights(keep: frozenset[str]) -> Iterator[tuple[str, torch.Tensor]]:
         return iter_gguf_weights(
             header,
             dtype,
@@ -55,6 +68,7 @@ def open_gguf_checkpoint(path: Path, dtype: torch.dtype, tokenizer_path: Path | 
             num_heads=hf_config.num_attention_heads,
             num_kv_heads=hf_config.num_key_value_heads,
             permuted_qk=form.permuted_qk,
+            keep=keep,
         )
 
     return Checkpoint(
@@ -62,9 +76,15 @@ def open_gguf_checkpoint(path: Path, dtype: torch.dtype, tokenizer_path: Path | 
         hf_config=hf_config,
         tokenizer=tokenizer,
         eos_token_ids=frozenset(eos),
-        iter_weights=iter_weights,
+        iter_weights=lambda: iter_quantized_weights(frozenset()),
         num_tensors=len(header.tensors),
+        iter_quantized_weights=iter_quantized_weights,
     )
+
+
+def _module(name: str) -> str:
+    """model.layers.0.self_attn.q_proj.weight -> q_proj"""
+    return name.rpartition(".")[0].rpartition(".")[2]
 
 
 def _load_tokenizer(path: Path, header: GGUFHeader) -> Any | None:

@@ -86,6 +86,15 @@ def build_hf_config(header: GGUFHeader, tensor_names: set[str]) -> Any:
             "this GGUF has per-frequency RoPE scaling (rope_freqs, e.g. Llama 3.1+), which asyncllm cannot "
             "read from GGUF yet; load the model's Hugging Face checkpoint directory instead"
         )
+    experts = read_field(header, f"{name}.expert_count")
+    if experts:  # a MoE file: every layer's MLP is its experts (llama.cpp writes no dense layers beside them)
+        renormalize = read_field(header, f"{name}.expert_weights_norm")
+        kwargs.update(
+            num_experts=int(experts),
+            num_experts_per_tok=int(required("expert_used_count")),
+            moe_intermediate_size=int(required("expert_feed_forward_length")),
+            norm_topk_prob=form.renormalizes_experts if renormalize is None else bool(renormalize),
+        )
     if form.attention_bias_from_tensors:
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
     for key in ("bos", "eos", "padding"):

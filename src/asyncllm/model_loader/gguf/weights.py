@@ -2,7 +2,8 @@
 
 Owns llama.cpp's naming convention (`blk.{i}.{name}.weight`), the supported tensor types and the inverse of
 llama.cpp's Q/K row permutation; each family's table of names is its `GGUFNames`, passed in. The file is
-mapped only while its weights are read (`dequant.py` turns each tensor's bytes into floats). Knows nothing
+mapped only while its weights are read (`dequant.py` turns each tensor's bytes into floats; `repack.py` keeps
+the linear layers' blocks quantized when asked). Knows nothing
 about configs or tokenizers: the caller passes head counts.
 """
 
@@ -18,6 +19,7 @@ import torch
 from asyncllm.errors import UnsupportedModelError
 from asyncllm.model_loader.gguf.dequant import TORCH_TYPES, dequantize
 from asyncllm.model_loader.gguf.header import GGUFHeader, GGUFTensorInfo, open_data
+from asyncllm.model_loader.gguf.repack import repack
 from asyncllm.models.family import GGUFNames
 
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -102,18 +104,25 @@ def iter_gguf_weights(
     num_heads: int,
     num_kv_heads: int,
     permuted_qk: bool,
+    keep: frozenset[str] = frozenset(),
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every weight of the file as (hf_name, tensor in `dtype`), one tensor dequantized at a time."""
+    """Every weight of the file as (hf_name, tensor in `dtype`), one tensor dequantized at a time; the weights
+    of the modules in `keep` (checkpoint module names) repacked instead, as `{module}.qweight`, `.scales` and
+    `.qzeros` or `.mins` (repack.py)."""
     data = open_data(header.path)
     try:
         for tensor in header.tensors:
-            weight = _read(data, tensor).to(dtype)
+            name = hf_name(tensor.name, names)
             module = match[2] if permuted_qk and (match := _BLOCK_RE.fullmatch(tensor.name)) else None
-            if module == "attn_q":  # llama.cpp's query projection
-                weight = unpermute_qk(weight, num_heads)
-            elif module == "attn_k":
-                weight = unpermute_qk(weight, num_kv_heads)
-            yield hf_name(tensor.name, names), weight
+            heads = {"attn_q": num_heads, "attn_k": num_kv_heads}.get(module or "")  # llama.cpp's Q/K rows
+            module_name, _, kind = name.rpartition(".")
+            if module_name in keep and kind == "weight":
+                raw = torch.frombuffer(data, dtype=torch.uint8, count=tensor.nbytes, offset=tensor.offset)
+                for param, part in repack(raw, type_name(tensor), tensor.shape).items():
+                    yield f"{module_name}.{param}", part if heads is None else unpermute_qk(part, heads)
+                continue
+            weight = _read(data, tensor).to(dtype)
+            yield name, weight if heads is None else unpermute_qk(weight, heads)
     finally:
         # Every tensor yielded is a copy, so no view of the mapping outlives the loop; should a consumer stop
         # mid-tensor, the mapping goes with the last view of it.

@@ -1,0 +1,39 @@
+"""bench/w1_lora.py on CPU (toy `qwen3-tiny` shape, a few short requests), so the device run does not find its
+bugs first: the adapters it writes load (PEFT's format, every projection of the shape), and the mixed run
+makes as many tokens as the base one."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture(scope="module")
+def w1_lora() -> Iterator[ModuleType]:
+    sys.path.insert(0, str(BENCH))  # the scripts import their neighbours as top-level modules
+    try:
+        try:
+            importlib.import_module("shapes").find_qwen3_tokenizer()
+        except FileNotFoundError as e:
+            pytest.skip(str(e))
+        yield importlib.import_module("w1_lora")
+    finally:
+        sys.path.remove(str(BENCH))
+        for name in ("w1_lora", "w1_throughput", "shapes"):
+            sys.modules.pop(name, None)
+
+
+def test_measure_runs_on_cpu(w1_lora: ModuleType) -> None:
+    argv = ["--shape", "qwen3-tiny", "--device", "cpu", "--num-seqs", "4", "--max-tokens", "3", "--rounds", "1"]
+    args = w1_lora.parser().parse_args([*argv, "--num-adapters", "2", "--max-model-len", "1100"])
+    base = w1_lora.measure(args, "base")
+    lora = w1_lora.measure(args, "lora")
+    assert base["output_tokens"] == lora["output_tokens"] == 4 * 3
+    assert lora["lora_tok_s"] > 0
