@@ -8,6 +8,7 @@ contract shared with the in-process client runs in the tests marked `core_proces
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import os
 import signal
@@ -299,7 +300,10 @@ def test_a_front_that_dies_takes_its_core_with_it() -> None:
 
 
 def test_the_wire_keeps_a_steps_order_and_its_errors_causes() -> None:
-    from asyncllm.async_engine.core_wire import decode_step, encode_step
+    from asyncllm.async_engine.core_wire import EXTRA_FIELDS, decode_step, encode_step
+
+    columns = {"request_id", "new_token_ids", "new_text"}
+    assert {f.name for f in dataclasses.fields(RequestDelta)} == columns | set(EXTRA_FIELDS)  # a new field: wire it
 
     failed = RequestFailedError("the engine failed to admit this request")
     failed.__cause__ = ValueError("DecodeStream refused this prompt")
@@ -309,12 +313,12 @@ def test_the_wire_keeps_a_steps_order_and_its_errors_causes() -> None:
         RequestDelta("a", [6, 7], "yz"),
         RequestDelta("c", [8], "w", index=1),
         RequestDelta("d", [9], "v"),
+        RequestDelta("e", [3], "u", prompt_logprobs=[None, {3: -0.5}]),
     ]
     import pickle
 
     started, stats, back = decode_step(pickle.loads(pickle.dumps(encode_step(["c"], {"num_running": 3}, deltas))))
     assert started == ["c"] and stats["num_running"] == 3
-    assert [(d.request_id, d.new_token_ids, d.new_text, d.index) for d in back] == [
-        (d.request_id, d.new_token_ids, d.new_text, d.index) for d in deltas
-    ]
+    assert back == deltas[:1] + back[1:2] + deltas[2:]  # every field of every delta, in order
+    assert back[-1].prompt_logprobs == [None, {3: -0.5}]
     assert isinstance(back[1].error, RequestFailedError) and isinstance(back[1].error.__cause__, ValueError)

@@ -26,6 +26,11 @@ from tests.server.test_disconnect import (  # noqa: F401
     test_raw_stream_closed_after_the_role_chunk_aborts,
     test_streaming_client_that_disconnects_aborts,
 )
+from tests.server.test_echo import (  # noqa: F401
+    reference,
+    test_echo_streamed_equals_whole,
+    test_echo_with_a_completion_as_harnesses_ask,
+)
 from tests.server.test_metrics import test_metrics_parse_and_move  # noqa: F401
 from tests.server.test_openai_client import (  # noqa: F401
     test_chat_logprobs,

@@ -33,6 +33,9 @@ RETURNED = "returned"  # (RETURNED, call id, error or None)
 CHECK_CONSTRAINT, ADD_LORA, REMOVE_LORA = "check_constraint", "add_lora", "remove_lora"
 DEAD = "dead"  # (DEAD, message, cause): the core is gone (failed, or shut down); streams end with it
 
+# `RequestDelta`'s fields beyond the columns a plain delta travels as: `encode_step` checks each is at its
+# default (a test fails when the dataclass gains a field this list and that check do not know).
+EXTRA_FIELDS = ("finish_reason", "metrics", "logprobs", "error", "index", "open_samples", "prompt_logprobs")
 STATS_KEYS = (
     "num_running",
     "num_waiting",
@@ -54,13 +57,15 @@ def encode_step(started: list[str], stats: dict[str, float | int], deltas: list[
     others: list[tuple[int, RequestDelta, BaseException | None]] = []
     for position, d in enumerate(deltas):
         new = d.new_token_ids
-        if (
+        if (  # every field but the three columns at its default (`EXTRA_FIELDS`)
             len(new) == 1
             and d.finish_reason is None
+            and d.metrics is None
             and d.logprobs is None
             and d.error is None
             and d.index == 0
-            and d.metrics is None
+            and d.open_samples == 0
+            and d.prompt_logprobs is None
         ):
             ids.append(d.request_id)
             tokens.append(new[0])
