@@ -51,8 +51,11 @@ class ScriptedEngine:
         self.tokens = tokens
         self.tokenizer = tokenizer
 
-    def add_request(self, prompt: Any, params: SamplingParams, request_id: str, priority: int = 0) -> _Stream:
+    def add_request(self, prompt: Any, params: SamplingParams, request_id: str, **_: Any) -> _Stream:
         return _Stream(request_id, prompt, self.tokens)
+
+    def list_loras(self) -> list[str]:
+        return []
 
     def stats(self) -> dict[str, float | int]:
         return {}
