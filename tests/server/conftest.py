@@ -1,8 +1,12 @@
 """Shared fixtures: one engine on the tiny Qwen3 checkpoint (CPU) behind two real uvicorn servers, one open
-and one with an API key, started once per session; tests talk to them over HTTP with the openai client."""
+and one with an API key, started once per session; tests talk to them over HTTP with the openai client.
+
+With ASYNCLLM_TEST_REPLICAS=N in the environment the engine is a `ReplicaPool` of N replicas on Ray (on the
+cluster at $RAY_ADDRESS, else a local one): tests/ray/test_server_replicas.py runs this folder so."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,9 +25,19 @@ API_KEY = "test-secret-key"
 ENGINE_ARGS: dict[str, Any] = dict(device="cpu", dtype="float32", block_size=4, num_kv_blocks=1024, max_model_len=512)
 
 
+REPLICAS = int(os.environ.get("ASYNCLLM_TEST_REPLICAS", "0"))
+
+
 @pytest.fixture(scope="session")
 def engine(tiny_model: Path) -> Iterator[AsyncLLMEngine]:
-    engine = AsyncLLMEngine(str(tiny_model), **ENGINE_ARGS)
+    if REPLICAS:
+        from asyncllm.ray import ReplicaPool
+
+        engine: AsyncLLMEngine = ReplicaPool(
+            str(tiny_model), num_replicas=REPLICAS, ray_actor_options={"num_cpus": 0}, **ENGINE_ARGS
+        )
+    else:
+        engine = AsyncLLMEngine(str(tiny_model), **ENGINE_ARGS)
     yield engine
     engine.shutdown()
 

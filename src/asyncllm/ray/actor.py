@@ -67,7 +67,9 @@ class ReplicaActor:
         gc.freeze()
         node = ray.get_runtime_context().get_node_id()
         checks = built.check_constraint is not None
-        return ReplicaInfo(built.runtime, built.tokenizer, built.encode, built.encode_batch, checks, os.getpid(), node)
+        return ReplicaInfo(
+            built.runtime, built.tokenizer, built.encode, built.encode_batch, checks, os.getpid(), node, client.stats()
+        )
 
     async def submit(self, seq: int, messages: list[Message]) -> None:
         """The front's batch number `seq` (from 0), applied once every earlier one is."""

@@ -135,6 +135,8 @@ class Replica:
         try:
             while not self._stopping.is_set():
                 outcome = self._launch()
+                if self._stopping.is_set():
+                    return
                 if not self._first.is_set():
                     self._first_outcome = outcome if isinstance(outcome, BaseException) else outcome[0]
                     self._first.set()
@@ -146,6 +148,7 @@ class Replica:
                 else:
                     pause = _RESTART_BACKOFF_S[0]
                     self.info = outcome[0]
+                    self.stats, self.busy = self.info.stats, False
                     self._owner.on_ready(self)
                     message, cause = self._receive(outcome[1])
                     if self._stopping.is_set():

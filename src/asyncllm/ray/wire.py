@@ -53,6 +53,7 @@ class ReplicaInfo:
     checks_constraints: bool  # the replica can compile output constraints (`check_constraint`)
     pid: int  # the replica's process, on node `node_id`
     node_id: str
+    stats: dict[str, float | int]  # its engine's stats once built (later ones come with its batches)
 
 
 def portable(error: BaseException | None) -> BaseException | None:
