@@ -2,7 +2,8 @@
 and one with an API key, started once per session; tests talk to them over HTTP with the openai client.
 
 With ASYNCLLM_TEST_REPLICAS=N in the environment the engine is a `ReplicaPool` of N replicas on Ray (on the
-cluster at $RAY_ADDRESS, else a local one): tests/ray/test_server_replicas.py runs this folder so."""
+cluster at $RAY_ADDRESS, else a local one), and only the tests that use it run: tests/ray/test_server_replicas.py
+runs this folder so."""
 
 from __future__ import annotations
 
@@ -26,6 +27,15 @@ ENGINE_ARGS: dict[str, Any] = dict(device="cpu", dtype="float32", block_size=4, 
 
 
 REPLICAS = int(os.environ.get("ASYNCLLM_TEST_REPLICAS", "0"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Against a pool, only the tests that reach the shared engine (directly or through a server) run: the
+    others build engines of their own, which a pool would not change."""
+    if REPLICAS:
+        chosen = [item for item in items if "engine" in getattr(item, "fixturenames", ())]
+        config.hook.pytest_deselected(items=[item for item in items if item not in chosen])
+        items[:] = chosen
 
 
 @pytest.fixture(scope="session")

@@ -27,7 +27,11 @@ def connect(ray_address: str | None) -> None:
     a new local cluster), unless this process already joined one (`ray.init` called before): that one is used."""
     if ray.is_initialized():
         return
-    ray.init(address=ray_address)
+    try:
+        ray.init(address=ray_address)
+    except ConnectionError as exc:
+        where = ray_address or "$RAY_ADDRESS"
+        raise ConnectionError(f"cannot join the Ray cluster at {where}: {exc}; check the address") from exc
 
 
 def cluster_has_gpus() -> bool:
