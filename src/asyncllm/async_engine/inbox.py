@@ -22,18 +22,18 @@ if TYPE_CHECKING:
     from asyncllm.core.request import Request
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Add(Generic[S]):
     request: Request
     slot: S
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Abort(Generic[S]):
     slot: S  # which incarnation of the id: a stale abort never hits a later request reusing it
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _End(Generic[S]):
     slot: S  # a request that never reached the core (aborted or refused before): its last output
     delta: RequestDelta

@@ -73,7 +73,8 @@ class OutputRouter:
         closed: nobody will read them, so their requests should be aborted rather than computed on."""
         if not deltas:
             return []
-        finished = [ends_request(d) for d in deltas]
+        # `ends_request`, inlined: this runs for every sequence of every step.
+        finished = [(d.finish_reason is not None and not d.open_samples) or d.error is not None for d in deltas]
         slots = self._live.resolve([d.request_id for d in deltas], finished)
         items = [(slot, delta) for slot, delta in zip(slots, deltas) if slot is not None]
         orphans = self._fanout.deliver(items)
