@@ -11,6 +11,8 @@ host), so a chunk's delivery latency is its arrival at the consumer less the end
   front     --streams streams of --tokens tokens: CPU of the caller's process per token delivered
   prefix    W3-like traffic (--prefixes shared prompts of 256 tokens, 16 requests each, all at once): the
             prefix-cache hit rate of one engine and of a pool of 2
+  death     a replica's process killed (SIGKILL) under a running stream: until that stream raises
+            EngineDeadError, and until the replacement takes requests (pool of 2)
   cancel    task.cancel() of a running stream: the replica's steps that end after it, and the time until it
             is gone
 
@@ -143,6 +145,7 @@ async def measure_pool(args: argparse.Namespace, step_s: float, replicas: int, s
             out["cancel"] = await cancel_steps(pool, step_s, stamps)
         else:
             out["prefix_hit_rate"] = await hit_rate(pool, args.prefixes, seed=5)
+            out["death"] = await death(pool)
     replica_ends(stamps, remove=True)
     return out
 
@@ -161,6 +164,31 @@ async def hit_rate(engine: AsyncLLMEngine, prefixes: int, seed: int) -> float:
     after = engine.stats()
     queried = after["prefix_cache_queried_tokens"] - before["prefix_cache_queried_tokens"]
     return round((after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"]) / queried, 4)
+
+
+async def death(pool: Any, repeat: int = 3) -> dict[str, Any]:
+    import signal
+
+    from asyncllm.errors import EngineDeadError
+
+    raised, back = [], []
+    for _ in range(repeat):
+        while pool.stats()["num_ready_replicas"] < 2:
+            await asyncio.sleep(0.01)
+        stream = pool.stream([31, 32], SamplingParams(max_tokens=2000, ignore_eos=True))
+        await stream.__anext__()
+        victim = next(r for r in pool.replica_stats() if r["num_running"])
+        start = time.monotonic()
+        os.kill(victim["pid"], signal.SIGKILL)
+        try:
+            async for _ in stream:
+                pass
+        except EngineDeadError:
+            raised.append(time.monotonic() - start)
+        while not pool.replica_stats()[victim["index"]]["ready"]:
+            await asyncio.sleep(0.005)
+        back.append(time.monotonic() - start)
+    return {"stream_raised_ms": ms(raised), "replacement_ready_s": round(statistics.median(back), 2)}
 
 
 async def cancel_steps(pool: Any, step_s: float, stamps: str, repeat: int = 30) -> dict[str, Any]:

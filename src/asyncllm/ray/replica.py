@@ -24,7 +24,7 @@ from asyncllm.ray.wire import Batch, Message, ReplicaInfo
 
 logger = logging.getLogger("asyncllm.ray")
 
-_RESTART_BACKOFF_S = (0.5, 30.0)  # the pause before a replacement after a failed one: doubling, capped
+_RESTART_BACKOFF_S = (0.5, 30.0)  # the pause before a replacement after failed starts: doubling, capped
 _STOP_S = 10.0  # how long a stopping replica may take to release its device before its actor is killed
 
 
@@ -130,7 +130,7 @@ class Replica:
 
     # ------------------------------------------------------------------ the replica's thread
     def _run(self) -> None:
-        pause = _RESTART_BACKOFF_S[0]
+        pause = 0.0  # before a replacement: none after a replica that served; doubling after failed starts
         cause: BaseException | None = None
         try:
             while not self._stopping.is_set():
@@ -144,9 +144,10 @@ class Replica:
                         return  # the pool's constructor raises it
                 if isinstance(outcome, BaseException):
                     cause = outcome
+                    pause = min(max(2 * pause, _RESTART_BACKOFF_S[0]), _RESTART_BACKOFF_S[1])
                     logger.error("asyncllm: replica %d failed to start again: %r", self.index, outcome)
                 else:
-                    pause = _RESTART_BACKOFF_S[0]
+                    pause = 0.0
                     self.info = outcome[0]
                     self.stats, self.busy = self.info.stats, False
                     self._owner.on_ready(self)
@@ -161,7 +162,6 @@ class Replica:
                 self.restarts += 1
                 if self._stopping.wait(pause):
                     return
-                pause = min(2 * pause, _RESTART_BACKOFF_S[1])
             if not self._stopping.is_set():
                 self.gone = True
                 self._owner.on_gone(self, cause)
