@@ -165,5 +165,9 @@ def test_bad_pool_arguments_are_named(ray_cluster: str) -> None:
             ReplicaPool.from_builder(builders.reference, num_replicas=bad)
     with pytest.raises(InvalidConfigError, match="max_restarts"):
         ReplicaPool.from_builder(builders.reference, max_restarts=-2)
+    with pytest.raises(InvalidConfigError, match="ray_actor_options may not set max_restarts"):
+        ReplicaPool.from_builder(builders.reference, ray_actor_options={"max_restarts": 3})
+    with pytest.raises(InvalidConfigError, match="ray_actor_options"):
+        ReplicaPool.from_builder(builders.reference, ray_actor_options=["num_gpus", 1])  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="unknown_arg"):
         ReplicaPool("model", unknown_arg=1)

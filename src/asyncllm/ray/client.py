@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+from ray.exceptions import RayError
 
 from asyncllm.async_engine.inbox import Inbox
 from asyncllm.async_engine.inproc_client import Built
@@ -38,6 +39,7 @@ logger = logging.getLogger("asyncllm.ray")
 
 _START_NOTICE_S = 30.0  # a replica still starting after this long is logged (then again each period)
 _STOP_ON_FAILED_START_S = 10.0
+_CONSTRAINT_CHECK_S = 60.0  # a compile on a replica taking longer fails that request, not the tokenizer thread
 _SUMMED_OUT = frozenset({"prefix_cache_hit_rate"})  # stats recomputed from the replicas' sums, not summed
 
 
@@ -78,6 +80,7 @@ class PoolClient:
         self._placed: dict[str, Replica] = {}  # live request id -> the replica holding it
         self._sender = threading.Thread(target=self._send_loop, name="asyncllm-pool-send", daemon=True)
         self._stopped = False
+        self._released = False  # the replicas were stopped and their reservations removed
         self.failure: BaseException | None = None
 
     # ------------------------------------------------------------------ EngineCoreClient
@@ -159,15 +162,22 @@ class PoolClient:
         self._inbox.stop()
 
     def shutdown(self, timeout: float | None) -> None:
-        """Stop every replica's engine (in parallel), then end its actor; then the placement groups."""
+        """Stop every replica's engine (in parallel), then end its actor; then the placement groups.
+        Idempotent; after Ray itself shut down (at interpreter exit) there is nothing left to release."""
         self.request_stop()
         if self._sender.is_alive() and threading.current_thread() is not self._sender:
             self._sender.join(timeout)
-        stops = [ref for ref in (r.stop() for r in self.replicas) if ref is not None]
-        if stops:
-            ray.wait(stops, num_returns=len(stops), timeout=timeout)
-        for replica in self.replicas:
-            replica.kill(5.0)
+        if self._released or not ray.is_initialized():
+            return
+        self._released = True
+        try:
+            stops = [ref for ref in (r.stop() for r in self.replicas) if ref is not None]
+            if stops:
+                ray.wait(stops, num_returns=len(stops), timeout=timeout)
+            for replica in self.replicas:
+                replica.kill(5.0)
+        except RayError as exc:  # the cluster went away under us: its actors went with it
+            logger.warning("asyncllm: stopping the replicas failed: %r", exc)
         self._spec.cleanup()
 
     # ------------------------------------------------------------------ the sender thread
@@ -232,7 +242,7 @@ class PoolClient:
             actors = [r.actor for r in self.replicas if r.ready]
         if not actors:
             raise self._no_replica()
-        error = ray.get(actors[0].check_constraint.remote(structured))
+        error = ray.get(actors[0].check_constraint.remote(structured), timeout=_CONSTRAINT_CHECK_S)
         if error is not None:
             raise InvalidRequestError(error)
 

@@ -130,6 +130,11 @@ class ReplicaPool(AsyncLLMEngine):
             raise InvalidConfigError(
                 f"ray_actor_options={short_repr(ray_actor_options)} is invalid: give a dict of Ray actor options"
             )
+        if ray_actor_options is not None and {"max_restarts", "max_task_retries"} & set(ray_actor_options):
+            raise InvalidConfigError(
+                "ray_actor_options may not set max_restarts or max_task_retries: the pool replaces replicas itself "
+                "(ReplicaPool's own max_restarts)"
+            )
         try:
             import ray  # noqa: F401 (the extra's presence, before anything starts)
         except ImportError as exc:
