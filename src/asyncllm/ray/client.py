@@ -38,7 +38,7 @@ from asyncllm.structured import StructuredOutput
 logger = logging.getLogger("asyncllm.ray")
 
 _START_NOTICE_S = 30.0  # a replica still starting after this long is logged (then again each period)
-_STOP_ON_FAILED_START_S = 10.0
+_STOP_ON_FAILED_START_S = 10.0  # after a failed start, how long the other replicas get to release their engines
 _CONSTRAINT_CHECK_S = 60.0  # a compile on a replica taking longer fails that request, not the tokenizer thread
 _SUMMED_OUT = frozenset({"prefix_cache_hit_rate"})  # stats recomputed from the replicas' sums, not summed
 
