@@ -23,6 +23,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "needs_structured_output: needs the engine to enforce SamplingParams constraints (else skipped)"
     )
+    config.addinivalue_line("markers", "core_process: make_engine also runs the test against a core in its own process")
 
 
 @pytest.fixture(scope="session")

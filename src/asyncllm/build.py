@@ -78,21 +78,35 @@ def build_engine(config: EngineConfig, clock: Callable[[], float]) -> BuiltEngin
     )
     encode = encode_batch = None
     if tokenizer is not None:
-        rust = backend_tokenizer(tokenizer)
-
-        def encode(text: str) -> list[int]:
-            return list(tokenizer(text).input_ids)
-
-        def encode_batch(texts: list[str]) -> list[list[int]]:
-            # The Rust batch call releases the GIL while it encodes (one call per text holds it): the
-            # event loops keep running while a burst of text prompts is tokenized. Same ids as `encode`
-            # (same post-processor: special tokens added as the tokenizer's __call__ adds them).
-            return [e.ids for e in rust.encode_batch(texts, add_special_tokens=True)]
+        encode, encode_batch = Encode(tokenizer), EncodeBatch(tokenizer)
 
     check = executor.grammar.check if executor.grammar is not None else None
     runtime = dataclasses.replace(executor.runtime, startup_seconds=phases.record())
     log_banner(config, runtime)
     return BuiltEngine(core, tokenizer, runtime, encode, encode_batch, check)
+
+
+class Encode:
+    """Text to prompt ids with the checkpoint's tokenizer (a class: a core in another process pickles it
+    to its front)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def __call__(self, text: str) -> list[int]:
+        return list(self.tokenizer(text).input_ids)
+
+
+class EncodeBatch:
+    """`Encode`'s ids for many texts in one call. The Rust batch call releases the GIL while it encodes (one
+    call per text holds it): the event loops keep running while a burst of text prompts is tokenized. Same
+    post-processor, so special tokens are added as the tokenizer's __call__ adds them."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def __call__(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in backend_tokenizer(self.tokenizer).encode_batch(texts, add_special_tokens=True)]
 
 
 def make_executor(config: EngineConfig, checkpoint: Any) -> UniProcExecutor | MultiProcExecutor:

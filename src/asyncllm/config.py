@@ -253,6 +253,12 @@ class DeviceConfig:
         "A step running longer than this makes check_health() (and the server's /health) fail: a stuck device "
         "or kernel. AsyncLLMEngine only.",
     )
+    core_process: bool = arg(
+        False,
+        "Run the engine core (scheduling, detokenizing, the model) in a process of its own, fed through pipes, "
+        "so its Python work shares no GIL with the event loops that stream its outputs (a server's HTTP work). "
+        "False: a step thread in this process (the default; for embedding). AsyncLLMEngine only.",
+    )
     num_threads: int | None = arg(
         None,
         "torch's CPU threads for the model's ops (per rank under tensor parallelism), set in the thread that "
@@ -266,6 +272,7 @@ class DeviceConfig:
         backend = check_enum(_fail, AttentionBackendName, "attention_backend", self.attention_backend)
         _set(self, "attention_backend", backend)
         check_bool(_fail, "enforce_eager", self.enforce_eager)
+        check_bool(_fail, "core_process", self.core_process)
         check_optional_int(_fail, "cuda_graph_max_tokens", self.cuda_graph_max_tokens, "an integer >= 0, or None", lo=0)
         seconds = check_float(
             _fail, "max_step_seconds", self.max_step_seconds, "a positive number of seconds", lo=0.0, lo_open=True

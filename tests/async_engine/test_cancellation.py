@@ -37,6 +37,7 @@ async def _consume(stream: RequestStream, mode: str, n_chunks: int, log: list[St
         await asyncio.sleep(0)
 
 
+@pytest.mark.core_process
 async def test_cancellation_storm_frees_everything(make_engine: EngineFactory) -> None:
     """500 streams ended at random points by a random mix of every way out (and a few finishing)."""
     rng = random.Random()
@@ -138,6 +139,7 @@ async def test_abort_is_idempotent_and_unknown_ids_are_no_ops(make_engine: Engin
     assert engine.is_running
 
 
+@pytest.mark.core_process
 async def test_abort_before_the_step_thread_saw_the_request(make_engine: EngineFactory) -> None:
     engine, _ = make_engine(**{**_LONG, "step_delay": 0.005})
     busy = engine.add_request([9] * 8, _UNBOUNDED)  # keeps the step thread in steps
@@ -150,6 +152,7 @@ async def test_abort_before_the_step_thread_saw_the_request(make_engine: EngineF
     await wait_drained(engine, timeout=2)
 
 
+@pytest.mark.core_process
 async def test_abort_waiting_request(make_engine: EngineFactory) -> None:
     engine, _ = make_engine(**_LONG, max_num_seqs=1)
     running = engine.add_request([5, 6], _UNBOUNDED)
@@ -174,6 +177,7 @@ async def test_cancelling_generate_aborts(make_engine: EngineFactory) -> None:
     await wait_drained(engine, timeout=2)
 
 
+@pytest.mark.core_process
 async def test_break_and_garbage_collection_abort(make_engine: EngineFactory) -> None:
     engine, _ = make_engine(**_LONG)
     async for _ in engine.stream([1, 2, 3], _UNBOUNDED):
@@ -208,6 +212,7 @@ async def test_stream_iterated_from_another_loop_is_refused(make_engine: EngineF
     assert len(await _collect(stream)) >= 1
 
 
+@pytest.mark.core_process
 async def test_reader_cancelled_in_its_loop_body_aborts_while_the_task_lives(make_engine: EngineFactory) -> None:
     """Regression: a task cancelled outside `__anext__` (in the body of its `async for`) keeps the stream
     alive through the CancelledError's traceback for as long as someone holds the task; it must abort

@@ -26,6 +26,7 @@ def _random_requests(rng: random.Random, n: int) -> tuple[list[list[int]], list[
     return prompts, params
 
 
+@pytest.mark.core_process
 async def test_200_concurrent_streams_equal_offline(make_engine: EngineFactory, bpe_tokenizer: object) -> None:
     rng = random.Random()
     prompts, params = _random_requests(rng, 200)
@@ -70,6 +71,7 @@ async def test_multibyte_text_split_across_tokens_concatenates_exactly(
         assert stream.finished
 
 
+@pytest.mark.core_process
 async def test_generate_returns_whole_result_with_metrics(make_engine: EngineFactory) -> None:
     engine, built = make_engine()
     out = await engine.generate("Hello world", SamplingParams(max_tokens=17), request_id="r1")
@@ -99,6 +101,7 @@ async def test_generated_ids_are_unique_and_caller_ids_kept(make_engine: EngineF
         assert all(c.request_id == s.request_id for c in await _collect(s))
 
 
+@pytest.mark.core_process
 async def test_duplicate_live_id_raises_at_once_and_is_reusable_after(make_engine: EngineFactory) -> None:
     engine, _ = make_engine(step_delay=0.002)
     first = engine.add_request([3, 4, 5], SamplingParams(max_tokens=30), request_id="dup")
@@ -153,6 +156,7 @@ def test_add_request_outside_a_loop_says_why(make_engine: EngineFactory) -> None
         engine.add_request([1, 2])
 
 
+@pytest.mark.core_process
 async def test_stats_snapshot_and_health(make_engine: EngineFactory) -> None:
     engine, built = make_engine(step_delay=0.01)
     await engine.check_health()

@@ -100,6 +100,7 @@ async def test_executor_failure_between_steps_kills_an_idle_engine(make_engine: 
         engine.add_request([1, 2, 3])
 
 
+@pytest.mark.core_process
 async def test_shutdown_ends_pending_streams(make_engine: EngineFactory) -> None:
     engine, built = make_engine(step_delay=0.002, max_model_len=4096)
     streams = [engine.add_request([i + 1, 7], SamplingParams()) for i in range(10)]

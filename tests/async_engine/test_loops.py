@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import uvloop
 
 from asyncllm import AsyncLLMEngine, SamplingParams
@@ -25,6 +26,7 @@ async def _generate_all(engine: AsyncLLMEngine, prompts: list[list[int]], params
     return [(o.token_ids, o.text) for o in outs]
 
 
+@pytest.mark.core_process
 async def test_loops_in_two_threads_share_one_engine(make_engine: EngineFactory, bpe_tokenizer: object) -> None:
     rng = random.Random()
     prompts = [[rng.randrange(1, 384) for _ in range(rng.randrange(1, 20))] for _ in range(90)]

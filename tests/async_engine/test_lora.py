@@ -35,10 +35,19 @@ async def _tokens(stream: Any) -> list[int]:
     return [t async for chunk in stream for t in chunk.token_ids]
 
 
+@pytest.fixture(params=[False, True], ids=["step-thread", "core-process"])
+def core_process(request: pytest.FixtureRequest) -> bool:
+    """The calls cross a core process's pipe too (their errors with their types and messages); on asyncio
+    only, the loop library being the front's business."""
+    if request.param and "uvloop" in request.node.name:
+        pytest.skip("the core process is tested on asyncio")
+    return bool(request.param)
+
+
 async def test_adding_and_removing_adapters_while_streams_run_loses_nothing(
-    tiny_model: Path, tiny_lora_adapters: dict[str, Path], expected
+    tiny_model: Path, tiny_lora_adapters: dict[str, Path], expected, core_process: bool
 ) -> None:
-    engine = AsyncLLMEngine(str(tiny_model), **ARGS)
+    engine = AsyncLLMEngine(str(tiny_model), **ARGS, core_process=core_process)
     try:
         await engine.add_lora("a", tiny_lora_adapters["a"])
         await engine.add_lora("c", tiny_lora_adapters["c"])
@@ -76,8 +85,10 @@ async def test_adding_and_removing_adapters_while_streams_run_loses_nothing(
         await engine.aclose()
 
 
-async def test_requests_and_calls_are_checked_in_the_callers_thread(tiny_model: Path, tiny_lora_adapters) -> None:
-    engine = AsyncLLMEngine(str(tiny_model), **ARGS)
+async def test_requests_and_calls_are_checked_in_the_callers_thread(
+    tiny_model: Path, tiny_lora_adapters, core_process: bool
+) -> None:
+    engine = AsyncLLMEngine(str(tiny_model), **ARGS, core_process=core_process)
     try:
         with pytest.raises(InvalidRequestError, match="lora=5 is invalid"):
             engine.add_request(PROMPT, GREEDY, lora=5)  # type: ignore[arg-type]

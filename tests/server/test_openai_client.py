@@ -100,7 +100,10 @@ def test_chat_logprobs(client: openai.OpenAI) -> None:
         model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3, stream=True
     )
     tokens = [t for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content or []]
-    assert [(t.token, t.logprob) for t in tokens] == [(t.token, t.logprob) for t in content]
+    # The same tokens; their logprobs to float32's rounding (the second request's prompt comes from the prefix
+    # cache, so its last position is computed against cached KV: equal only to the last bits).
+    assert [t.token for t in tokens] == [t.token for t in content]
+    assert all(math.isclose(a.logprob, b.logprob, rel_tol=1e-5) for a, b in zip(tokens, content))
     plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, logprobs=True)
     assert plain.choices[0].logprobs.content[0].top_logprobs == []  # type: ignore[union-attr,index]
 

@@ -5,6 +5,7 @@ log says it drains, and the process exits cleanly once the stream is done."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.server.serving import free_port
 
@@ -22,12 +24,17 @@ from tests.server.serving import free_port
 _TOKENS = 500  # the prompt's 3 and these within the tiny model's 512 positions
 
 
-def test_sigterm_drains_in_flight_streams_and_refuses_new_requests(tiny_model: Path) -> None:
+@pytest.mark.parametrize("core_process", [False, True], ids=["step-thread", "core-process"])
+def test_sigterm_drains_in_flight_streams_and_refuses_new_requests(tiny_model: Path, core_process: bool) -> None:
+    """With --core-process the signal goes to the whole process group, as a service manager sends it: the
+    core ignores it, serves the drain, and exits with the server."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "asyncllm.cli", "serve", str(tiny_model), "--port", str(port), "--device", "cpu"]
     cmd += ["--num-kv-blocks", "256", "--block-size", "4", "--log-level", "info", "--drain-timeout", "60"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cmd += ["--core-process"] if core_process else []
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    core: list[int] = []
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -47,7 +54,12 @@ def test_sigterm_drains_in_flight_streams_and_refuses_new_requests(tiny_model: P
                 if line.startswith("data: "):
                     events.append(line)
                     break
-            proc.send_signal(signal.SIGTERM)
+            if core_process:
+                core = _children(proc.pid)
+                assert len(core) == 1
+                os.killpg(proc.pid, signal.SIGTERM)
+            else:
+                proc.send_signal(signal.SIGTERM)
             t0 = time.monotonic()
             while (health := httpx.get(f"{url}/health", timeout=5)).status_code == 200:
                 assert time.monotonic() - t0 < 5, "the drain did not begin"
@@ -72,3 +84,10 @@ def test_sigterm_drains_in_flight_streams_and_refuses_new_requests(tiny_model: P
     assert proc.returncode == 0, err[-3000:]
     assert "SIGTERM: draining:" in err and "drained (every request finished)" in err, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
+    for pid in core:
+        with pytest.raises(ProcessLookupError):  # the core left with its server
+            os.kill(pid, 0)
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]

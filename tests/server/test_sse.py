@@ -5,12 +5,19 @@ every chunk and filled on a final choice-less one when asked for, then `data: [D
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
+from asyncllm import AsyncLLMEngine
+from asyncllm.core.detokenizer import backend_tokenizer
+from asyncllm.server import create_app
+from tests.fixtures.fake_core import fake_built
+from tests.fixtures.tiny_models import build_tokenizer
 from tests.server.conftest import MODEL
-from tests.server.serving import RunningServer
+from tests.server.serving import RunningServer, start_server
 
 
 def _events(server: RunningServer, path: str, body: dict[str, Any]) -> list[Any]:
@@ -58,3 +65,48 @@ def test_completion_stream_shape(server: RunningServer) -> None:
     assert all(set(c) == {"index", "text", "logprobs", "finish_reason"} for c in choices)
     assert [c["finish_reason"] for c in choices][-1] == "length"
     assert all(c["finish_reason"] is None for c in choices[:-1])
+
+
+class _Spell:
+    """A next-token function that spells `ids` over and over (picked by how many tokens follow the prompt)."""
+
+    def __init__(self, ids: list[int], prompt_len: int) -> None:
+        self.ids, self.prompt_len = ids, prompt_len
+
+    def __call__(self, tokens: Any) -> int:
+        return self.ids[(len(tokens) - self.prompt_len) % len(self.ids)]
+
+
+@pytest.mark.parametrize("path", ["/completions", "/chat/completions"])
+def test_every_frame_is_the_canonical_json_of_its_chunk(path: str, tmp_path: Path) -> None:
+    """Chunks are written from a template, not by encoding each chunk whole: a frame's bytes must still be
+    exactly what `json.dumps(chunk, ensure_ascii=False, separators=(",", ":"))` writes, quotes, backslashes,
+    newlines, control characters, line separators and emoji included, and the texts must add up."""
+    tokenizer = build_tokenizer(tmp_path)
+    text = 'say "hi"\\n, a\ttab\nnew line \u2028 \x01 😀 café 日本'
+    ids = tokenizer(text).input_ids
+    messages = [{"role": "user", "content": "Hello"}]
+    prompt = tokenizer("Hello").input_ids if path == "/completions" else None
+    spell = _Spell(ids, len(prompt or []))
+    built = fake_built(backend_tokenizer(tokenizer), next_token=spell, max_model_len=4096)
+    engine = AsyncLLMEngine.from_builder(lambda: built)
+    engine.tokenizer = tokenizer  # the chat template comes from the front's tokenizer
+    if prompt is None:
+        spell.prompt_len = len(engine.apply_chat_template(messages))
+    running = start_server(create_app(engine, served_model_name="spell"))
+    try:
+        body: dict[str, Any] = {"model": "spell", "max_tokens": 3 * len(ids), "stream": True, "ignore_eos": True}
+        body |= {"prompt": prompt} if prompt else {"messages": messages}
+        with httpx.stream("POST", f"{running.base_url}{path}", json=body, timeout=30) as response:
+            raw = b"".join(response.iter_bytes())
+    finally:
+        running.stop()
+        engine.shutdown()
+    frames = raw.split(b"\n\n")[:-2]  # the last two: [DONE] and the empty tail
+    got = ""
+    for frame in frames:
+        chunk = json.loads(frame[len(b"data: ") :])
+        assert frame == b"data: " + json.dumps(chunk, ensure_ascii=False, separators=(",", ":")).encode()
+        choice = chunk["choices"][0]
+        got += choice["text"] if "text" in choice else choice["delta"].get("content", "")
+    assert got == text * 3

@@ -3,7 +3,8 @@
 Owns the public API: the cheap checks in the caller's thread (bad requests raise at once and leave nothing
 behind), binding each stream to the caller's running loop (asyncio, uvloop or trio), and the engine's
 lifetime. Text prompts are tokenized off the loop (`admission`); the core is reached only through an
-`EngineCoreClient` (`core_client`), by default the in-process step thread (`inproc_client`). Never imports
+`EngineCoreClient` (`core_client`): by default the in-process step thread (`inproc_client`), with
+`core_process=True` a process of its own (`proc_client`). Never imports
 torch, and never waits on the device or the tokenizer from a loop.
 """
 
@@ -28,6 +29,7 @@ from asyncllm.async_engine.loop_fanout import LoopFanout
 from asyncllm.async_engine.loops import current_loop_key, run_in_thread
 from asyncllm.async_engine.lora_front import LoRAFront
 from asyncllm.async_engine.mailbox import OutputSlot, new_slot
+from asyncllm.async_engine.proc_client import ProcClient
 from asyncllm.async_engine.router import OutputRouter
 from asyncllm.async_engine.stream import RequestStream, collect
 from asyncllm.chat import Message
@@ -75,14 +77,11 @@ class AsyncLLMEngine:
     def __init__(self, model: str, **engine_args: Any) -> None:
         config = EngineConfig.from_kwargs(model, **engine_args).resolved(streaming=True)  # bad ones raise here
 
-        def build() -> Built:
-            from asyncllm.build import build_engine  # torch loads only now, in the step thread
-
-            return build_engine(config, time.monotonic)
-
         self.config = config
         sched, dev = config.scheduler_config, config.device_config
-        self._start(functools.partial(InProcClient, build), time.monotonic, sched, dev)
+        build = functools.partial(_build, config)  # picklable: a core process builds it too
+        client: ClientFactory = functools.partial(ProcClient if dev.core_process else InProcClient, build)
+        self._start(client, time.monotonic, sched, dev)
 
     @classmethod
     def from_builder(
@@ -387,6 +386,12 @@ class AsyncLLMEngine:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+
+def _build(config: EngineConfig) -> Built:
+    from asyncllm.build import build_engine  # torch loads only now, where the core runs
+
+    return build_engine(config, time.monotonic)
 
 
 def _draining() -> EngineDrainingError:

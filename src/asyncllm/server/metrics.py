@@ -2,18 +2,23 @@
 
 Owns the metric names, the per-request tracker that feeds counters and latency histograms as chunks pass
 and logs one line when its request ends (INFO on `asyncllm.server`), and a collector that reads
-`engine.stats()` at scrape time for the gauges. Knows nothing of OpenAI shapes.
+`engine.stats()` at scrape time for the gauges. The two metrics fed per chunk (generated tokens, the gap
+between tokens) are plain counts under one lock (`TokenMetrics`), rendered at scrape time: prometheus_client's
+own histogram walks its buckets in Python, a cost paid per token. Knows nothing of OpenAI shapes.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from asyncllm.outputs import RequestMetrics, StreamOutput
 
@@ -38,9 +43,6 @@ class ServerMetrics:
         self.prompt_tokens = Counter("asyncllm_prompt_tokens", "Prompt tokens", ["model_name"], registry=reg).labels(
             **labels
         )
-        self.generation_tokens = Counter(
-            "asyncllm_generation_tokens", "Generated tokens", ["model_name"], registry=reg
-        ).labels(**labels)
         self.ttft = Histogram(
             "asyncllm_time_to_first_token_seconds",
             "Time from request arrival in the engine to its first token",
@@ -48,13 +50,8 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=reg,
         ).labels(**labels)
-        self.itl = Histogram(
-            "asyncllm_inter_token_latency_seconds",
-            "Time between tokens as the server receives them (a merged chunk's gap is shared by its tokens)",
-            ["model_name"],
-            buckets=_LATENCY_BUCKETS,
-            registry=reg,
-        ).labels(**labels)
+        self.tokens = TokenMetrics(_LATENCY_BUCKETS)
+        reg.register(_TokenMetricsCollector(self.tokens, model_name))
         self.e2e = Histogram(
             "asyncllm_e2e_request_latency_seconds",
             "Time from request arrival in the engine to its last token",
@@ -90,12 +87,8 @@ class RequestTracker:
         n = len(chunk.token_ids)
         if n:
             self._num_tokens += n
-            m.generation_tokens.inc(n)
             now = time.perf_counter()
-            if self._last is not None:
-                gap = (now - self._last) / n
-                for _ in range(n):
-                    m.itl.observe(gap)
+            m.tokens.add(n, None if self._last is None else (now - self._last) / n)
             self._last = now
         if chunk.finish_reason is not None:
             if chunk.metrics is not None:
@@ -130,6 +123,56 @@ class RequestTracker:
             ttft,
             e2e,
         )
+
+
+class TokenMetrics:
+    """Generated tokens and the inter-token latency histogram (a merged chunk's gap shared by its tokens),
+    counted under one lock from any thread; `_TokenMetricsCollector` renders them."""
+
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self._lock = threading.Lock()
+        self.bounds = buckets  # upper bounds, ascending; +Inf is implied
+        self.counts = [0] * (len(buckets) + 1)  # per bucket, not cumulative; the last is +Inf
+        self.gap_sum = 0.0
+        self.num_tokens = 0
+
+    def add(self, n: int, gap: float | None) -> None:
+        """`n` more tokens; with `gap`, n observations of it (the first chunk of a request has none)."""
+        with self._lock:
+            self.num_tokens += n
+            if gap is not None:
+                self.counts[bisect.bisect_left(self.bounds, gap)] += n
+                self.gap_sum += gap * n
+
+    def snapshot(self) -> tuple[int, list[int], float]:
+        with self._lock:
+            return self.num_tokens, list(self.counts), self.gap_sum
+
+
+class _TokenMetricsCollector(Collector):
+    def __init__(self, tokens: TokenMetrics, model_name: str) -> None:
+        self._tokens = tokens
+        self._model_name = model_name
+
+    def describe(self) -> list[Metric]:
+        return list(self.collect())  # fixed names: the registry checks them for clashes once
+
+    def collect(self) -> Iterator[Metric]:
+        num_tokens, counts, gap_sum = self._tokens.snapshot()
+        generated = CounterMetricFamily("asyncllm_generation_tokens", "Generated tokens", labels=["model_name"])
+        generated.add_metric([self._model_name], float(num_tokens))
+        yield generated
+        itl = HistogramMetricFamily(
+            "asyncllm_inter_token_latency_seconds",
+            "Time between tokens as the server receives them (a merged chunk's gap is shared by its tokens)",
+            labels=["model_name"],
+        )
+        cumulative, buckets = 0, []
+        for bound, count in zip((*map(floatToGoString, self._tokens.bounds), "+Inf"), counts):
+            cumulative += count
+            buckets.append((bound, float(cumulative)))
+        itl.add_metric([self._model_name], buckets, gap_sum)
+        yield itl
 
 
 class _EngineStatsCollector(Collector):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from starlette.responses import JSONResponse
@@ -19,7 +19,7 @@ from asyncllm.server.streaming import DONE, sse
 
 logger = logging.getLogger("asyncllm.server")
 
-Outputs = AsyncIterator[tuple[int, StreamOutput]]  # (choice index, its next output), as they come
+Render = Callable[[int, StreamOutput], bytes]  # (choice index, its next output) -> the SSE frames it sends
 
 
 def whole_response(
@@ -45,27 +45,26 @@ async def streamed_events(
     base: dict[str, Any],
     include_usage: bool,
     endpoint: str,
-    render: Callable[[Outputs], AsyncGenerator[str, None]],
+    render: Render,
     outputs: MergedOutputs | None = None,
-) -> AsyncGenerator[str, None]:
-    """`render(outputs)` yields the endpoint's own events; this adds the frame. `base`: every chunk's common
-    fields (with `"usage": None` when usage is asked: every chunk carries the key, only the last fills it).
-    `outputs`: `merged(sub)` (the default), or one already started (`first_read`)."""
+    opening: bytes = b"",
+) -> AsyncGenerator[bytes, None]:
+    """The frame of a streamed response: `opening` (frames sent before any output), then `render(index,
+    out)` of each output (its frames joined, one write; b"" sends nothing), then the usage chunk when asked
+    and `data: [DONE]`. `base`: every chunk's common fields (with `"usage": None` when usage is asked: every
+    chunk carries the key, only the last fills it). `outputs`: `merged(sub)` (the default), or one already
+    started (`first_read`). One generator between the engine's streams and the response: this runs per
+    token."""
     completion_tokens = 0
-
-    async def counted(outputs: Outputs) -> Outputs:
-        nonlocal completion_tokens
-        async for index, out in outputs:
-            completion_tokens += len(out.token_ids)
-            yield index, out
-
     try:
-        async with (
-            contextlib.aclosing(merged(sub) if outputs is None else outputs) as merged_outputs,
-            contextlib.aclosing(render(counted(merged_outputs))) as events,
-        ):
-            async for event in events:
-                yield event
+        if opening:
+            yield opening
+        async with contextlib.aclosing(merged(sub) if outputs is None else outputs) as merged_outputs:
+            async for index, out in merged_outputs:
+                completion_tokens += len(out.token_ids)
+                frames = render(index, out)
+                if frames:
+                    yield frames
     except AsyncLLMError as exc:  # headers are sent: the error travels as an event, as OpenAI does
         yield sse(engine_error(exc).body())  # the engine died (503), failed this request (500), or refused it (400)
         return

@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from asyncllm.errors import InvalidRequestError
+from asyncllm.outputs import StreamOutput
 from asyncllm.parsing import ChatStreamParser
 from asyncllm.server.chat_reply import chunk_deltas, whole_message
 from asyncllm.server.chat_request import plan_chat_request
@@ -29,12 +30,14 @@ from asyncllm.server.generation import MergedOutputs, Submission, collect, first
 from asyncllm.server.logprobs import TokenStrings, chat_logprobs
 from asyncllm.server.openai_params import chat_renames, chat_sampling_params
 from asyncllm.server.protocol import ChatCompletionRequest
-from asyncllm.server.responses import Outputs, streamed_events, whole_response
+from asyncllm.server.responses import streamed_events, whole_response
 from asyncllm.server.state import server_state
-from asyncllm.server.streaming import ClientDisconnected, SSEResponse, cancel_on_disconnect, sse
+from asyncllm.server.streaming import ChunkFrames, ClientDisconnected, SSEResponse, cancel_on_disconnect, encode_str
 from asyncllm.server.streaming import disconnected_response as _gone
 
 logger = logging.getLogger("asyncllm.server")
+# A choice whose delta is content only, as `ChunkFrames.frame` would encode it: a streamed token's chunk.
+_CONTENT_CHOICE = '{"index":%d,"delta":{"content":%s},"logprobs":null,"finish_reason":null}'
 
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
@@ -77,7 +80,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     return whole_response(head, "chat.completion", choices, sub, results)
 
 
-async def _events(
+def _events(
     sub: Submission,
     outputs: MergedOutputs,
     head: dict[str, Any],
@@ -85,30 +88,29 @@ async def _events(
     top_k: int | None,
     strings: TokenStrings,
     include_usage: bool,
-) -> AsyncGenerator[str, None]:
+) -> AsyncGenerator[bytes, None]:
     base = {**head, "object": "chat.completion.chunk", "system_fingerprint": None}
     if include_usage:
         base["usage"] = None
+    frames = ChunkFrames(base)
 
-    def chunk(index: int, delta: dict[str, Any], logprobs: Any = None, finish_reason: str | None = None) -> str:
-        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-        return sse({**base, "choices": [choice]})
+    def chunk(index: int, delta: dict[str, Any], logprobs: Any = None, finish_reason: str | None = None) -> bytes:
+        if logprobs is None and finish_reason is None and len(delta) == 1 and "content" in delta:
+            return frames.frame_json(_CONTENT_CHOICE % (index, encode_str(delta["content"])))
+        return frames.frame({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason})
 
-    async def render(outputs: Outputs) -> AsyncGenerator[str, None]:
-        for index in range(sub.num_choices):
-            yield chunk(index, {"role": "assistant", "content": ""})
-        async for index, out in outputs:
-            logprobs = None
-            if top_k is not None and out.logprobs:
-                logprobs = chat_logprobs(out.token_ids, out.logprobs, top_k, strings)
-            parsed = parsers[index].read(out.text, out.finish_reason)
-            deltas = chunk_deltas(parsed)
-            if logprobs is not None and not deltas:  # the parser holds the text back; the tokens go now
-                deltas = [{}]
-            for i, delta in enumerate(deltas):
-                yield chunk(index, delta, logprobs if i == 0 else None)
-            if parsed.finish_reason is not None:
-                yield chunk(index, {}, finish_reason=parsed.finish_reason)
+    def render(index: int, out: StreamOutput) -> bytes:
+        logprobs = None
+        if top_k is not None and out.logprobs:
+            logprobs = chat_logprobs(out.token_ids, out.logprobs, top_k, strings)
+        parsed = parsers[index].read(out.text, out.finish_reason)
+        deltas = chunk_deltas(parsed)
+        if logprobs is not None and not deltas:  # the parser holds the text back; the tokens go now
+            deltas = [{}]
+        parts = [chunk(index, delta, logprobs if i == 0 else None) for i, delta in enumerate(deltas)]
+        if parsed.finish_reason is not None:
+            parts.append(chunk(index, {}, finish_reason=parsed.finish_reason))
+        return b"".join(parts)
 
-    async for event in streamed_events(sub, base, include_usage, "chat", render, outputs):
-        yield event
+    opening = b"".join(chunk(index, {"role": "assistant", "content": ""}) for index in range(sub.num_choices))
+    return streamed_events(sub, base, include_usage, "chat", render, outputs, opening)

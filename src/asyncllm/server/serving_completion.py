@@ -18,18 +18,21 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from asyncllm.outputs import StreamOutput
 from asyncllm.server.echo import Echo, without_completions
 from asyncllm.server.generation import Submission, collect, merged, submit
 from asyncllm.server.logprobs import TokenStrings, completion_logprobs, join_logprobs
 from asyncllm.server.openai_params import completion_sampling_params, echoes_prompt_only
 from asyncllm.server.prompts import completion_prompts
 from asyncllm.server.protocol import CompletionRequest
-from asyncllm.server.responses import Outputs, streamed_events, whole_response
+from asyncllm.server.responses import streamed_events, whole_response
 from asyncllm.server.state import server_state
-from asyncllm.server.streaming import ClientDisconnected, SSEResponse, cancel_on_disconnect, sse
+from asyncllm.server.streaming import ChunkFrames, ClientDisconnected, SSEResponse, cancel_on_disconnect, encode_str
 from asyncllm.server.streaming import disconnected_response as _gone
 
 logger = logging.getLogger("asyncllm.server")
+# A choice with text only, as `ChunkFrames.frame` would encode it: a streamed token's chunk, built per token.
+_TEXT_CHOICE = '{"index":%d,"text":%s,"logprobs":null,"finish_reason":null}'
 
 
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
@@ -70,37 +73,37 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     return whole_response(head, "text_completion", choices, sub, results)
 
 
-async def _events(
+def _events(
     sub: Submission,
     head: dict[str, Any],
     top_k: int | None,
     strings: TokenStrings,
     include_usage: bool,
     echo: Echo | None,
-) -> AsyncGenerator[str, None]:
+) -> AsyncGenerator[bytes, None]:
     base = {**head, "object": "text_completion", "system_fingerprint": None}
     if include_usage:
         base["usage"] = None
+    frames = ChunkFrames(base)
     offsets = [0] * sub.num_choices  # characters of each choice sent so far, for logprobs' text_offset
     echoed = [False] * sub.num_choices
 
-    async def render(outputs: Outputs) -> AsyncGenerator[str, None]:
-        async for index, out in outputs:
-            text, logprobs = "", None
-            if echo is not None and not echoed[index]:  # the choice's first chunk: its prompt first
-                echoed[index] = True
-                echo.note(index, out.prompt_logprobs)  # the request's first chunk brings them
-                text, logprobs = echo.prefix(index)
-                offsets[index] += len(text)
-            if top_k is not None and out.logprobs:
-                mine = completion_logprobs(out.token_ids, out.logprobs, top_k, strings, offsets[index])
-                logprobs = join_logprobs(logprobs, mine)
-            offsets[index] += len(out.text)
-            text += out.text
-            if text or logprobs is not None or out.finish_reason is not None:
-                choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason}
-                yield sse({**base, "choices": [choice]})
+    def render(index: int, out: StreamOutput) -> bytes:
+        text, logprobs = "", None
+        if echo is not None and not echoed[index]:  # the choice's first chunk: its prompt first
+            echoed[index] = True
+            echo.note(index, out.prompt_logprobs)  # the request's first chunk brings them
+            text, logprobs = echo.prefix(index)
+            offsets[index] += len(text)
+        if top_k is not None and out.logprobs:
+            mine = completion_logprobs(out.token_ids, out.logprobs, top_k, strings, offsets[index])
+            logprobs = join_logprobs(logprobs, mine)
+        offsets[index] += len(out.text)
+        text += out.text
+        reason = out.finish_reason
+        if logprobs is None and reason is None:  # a token's text, the chunk nearly every event is
+            return frames.frame_json(_TEXT_CHOICE % (index, encode_str(text))) if text else b""
+        return frames.frame({"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason})
 
     outputs = without_completions(merged(sub)) if echo is not None and echo.prompt_only else None
-    async for event in streamed_events(sub, base, include_usage, "completion", render, outputs):
-        yield event
+    return streamed_events(sub, base, include_usage, "completion", render, outputs)

@@ -1,9 +1,11 @@
 """The wire: server-sent events and the client's connection.
 
-Owns SSE framing (`data: {json}\\n\\n`, a final `data: [DONE]`), a streaming response that always closes
-its event generator (so a client that leaves aborts its engine requests, whatever the ASGI server or
-Starlette version does with the half-read iterator), and cancelling non-streamed work when the client
-disconnects. Knows nothing of OpenAI's fields.
+Owns SSE framing (`data: {json}\\n\\n` as bytes, a final `data: [DONE]`), the frames of one streamed
+response made from a template (`ChunkFrames`: the fields every chunk repeats are encoded once, so a chunk
+costs the encoding of its own choice), a streaming response that always closes its event generator (so a
+client that leaves aborts its engine requests, whatever the ASGI server or Starlette version does with the
+half-read iterator), and cancelling non-streamed work when the client disconnects. Knows nothing of
+OpenAI's fields.
 """
 
 from __future__ import annotations
@@ -20,18 +22,40 @@ from starlette.types import Receive, Scope, Send
 
 T = TypeVar("T")
 
-DONE = "data: [DONE]\n\n"
+DONE = b"data: [DONE]\n\n"
+# json.dumps(..., ensure_ascii=False, separators=(",", ":")) without building an encoder per call.
+_encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+encode_str = json.encoder.encode_basestring  # a str as JSON, as `_encode` writes it
 
 
-def sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+def sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + _encode(payload).encode() + b"\n\n"
+
+
+class ChunkFrames:
+    """The SSE frames of one streamed response: `{**base, "choices": [choice]}` each, with `base` (id,
+    created, model, object, ...) encoded once. `frame(choice)` gives exactly the bytes `sse` would."""
+
+    __slots__ = ("_head", "_tail")
+
+    def __init__(self, base: dict[str, Any]) -> None:
+        assert base and "choices" not in base
+        self._head = "data: " + _encode(base)[:-1] + ',"choices":['  # "choices" comes last, as in `sse`
+        self._tail = "]}\n\n"
+
+    def frame(self, choice: dict[str, Any]) -> bytes:
+        return (self._head + _encode(choice) + self._tail).encode()
+
+    def frame_json(self, choice_json: str) -> bytes:
+        """`frame` of a choice already encoded (by a caller's template for its common case)."""
+        return (self._head + choice_json + self._tail).encode()
 
 
 class SSEResponse(StreamingResponse):
-    """A text/event-stream response over an async generator of SSE strings; however sending ends, the
-    generator is closed and `on_close` runs (synchronously)."""
+    """A text/event-stream response over an async generator of SSE frames (bytes); however sending ends,
+    the generator is closed and `on_close` runs (synchronously)."""
 
-    def __init__(self, events: AsyncGenerator[str, None], on_close: Callable[[], None]) -> None:
+    def __init__(self, events: AsyncGenerator[bytes, None], on_close: Callable[[], None]) -> None:
         # no-cache and no proxy buffering: each event must reach the client as it is produced
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         super().__init__(events, media_type="text/event-stream", headers=headers)
@@ -39,16 +63,38 @@ class SSEResponse(StreamingResponse):
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # Starlette's own streaming runs the sending and a disconnect listener in an anyio task group: its
+        # cancel scopes and named tasks cost as much per request as the first dozen frames. The same two
+        # tasks in plain asyncio (the server runs on asyncio or uvloop): whichever ends first ends the other.
+        sender = asyncio.ensure_future(self._send_all(send))
+        listener = asyncio.ensure_future(_disconnected(receive))
         try:
-            await super().__call__(scope, receive, send)
+            await asyncio.wait((sender, listener), return_when=asyncio.FIRST_COMPLETED)
         finally:
-            # On a disconnect Starlette cancels the sending task, which may have been awaiting `send` with
-            # the generator suspended at a `yield`: close it here rather than whenever it is collected. An
-            # unstarted generator runs no `finally` when closed, hence `on_close` (it aborts the requests).
+            listener.cancel()
+            if not sender.done():  # the client left, or the server is shutting down: stop sending
+                sender.cancel()
+                await asyncio.wait((sender,))
+            # The sender may have been cancelled while awaiting `send`, the generator suspended at a
+            # `yield`: close it here rather than whenever it is collected. An unstarted generator runs no
+            # `finally` when closed, hence `on_close` (it aborts the requests).
             try:
                 await self._events.aclose()
             finally:
                 self._on_close()
+        if not sender.cancelled():
+            sender.result()  # what sending raised (a write to a connection already gone, say)
+
+    async def _send_all(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for frame in self._events:
+            await send({"type": "http.response.body", "body": frame, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 class ClientDisconnected(Exception):
