@@ -4,7 +4,7 @@
 # Usage (device machine, repo root): bash bench/gpu_check.sh [STEPS]   STEPS: comma list of
 #   tests, kernels, startup, compare (default: all four); COMPARE_STEPS overrides compare.sh's steps;
 #   also w6 (structured output's cost; carry .whl with xgrammar's wheels), w7 (n=8 samples per prompt against
-#   8 separate requests, prefix cache on and off, ~3 min), moe (Qwen3-30B-A3B shape, ~6 min), gemma3 (Gemma 3 4B shape, ~3 min), w8 (prompt logprobs), lora (~5 min), quant (~15 min), abpeers (W1+W5 of AB_BASE against this tree, then nano-vllm), enginetests, quicktests, attntests, w12var, w2var, sampling, ab (W1 of AB_BASE against this tree), decodesweep, w1big, gemm, pa, w2ab (W1/W2 under graph and scheduling variants), w1prof (W1 plain + under
+#   8 separate requests, prefix cache on and off, ~3 min), moe (Qwen3-30B-A3B shape, ~6 min), gemma3 (Gemma 3 4B shape, ~3 min), serve (issue 24, ~6 min), w8 (prompt logprobs), lora (~5 min), quant (~15 min), abpeers (W1+W5 of AB_BASE against this tree, then nano-vllm), enginetests, quicktests, attntests, w12var, w2var, sampling, ab (W1 of AB_BASE against this tree), decodesweep, w1big, gemm, pa, w2ab (W1/W2 under graph and scheduling variants), w1prof (W1 plain + under
 #   torch.profiler, ~2 min), w4 (long-context prefill and decode, 16K/32K, two token budgets, ~1 min), and
 #   on two GPUs tptests, tpbench (tensor parallelism).
 # Set-up here first: rm -rf .peers && cp -r ../shared/peers .peers && cp -r ../shared/models/qwen3-tokenizer .peers/
@@ -152,6 +152,14 @@ fi
 if has gemma3; then  # issue 27: Gemma 3 4B shape (random weights): W5 and W1 beside their byte-count limits (~3 min)
   timeout 580 python3 bench/gemma3_w1_w5.py 2>&1 | tee "$OUT/gemma3.log" | grep -E '^\{|Error'
   while read -r line; do rows+=("gemma3: $line"); done < <(grep '^{' "$OUT/gemma3.log")
+fi
+if has serve; then  # issue 24: the HTTP server against the in-process engine, step thread and --core-process (~6 min;
+  # carry .whl with fastapi, uvicorn, prometheus_client, httpx)
+  for flags in "" "--server-flags=--core-process"; do
+    (cd bench && timeout 280 python3 serve_load.py --shape qwen3-0.6b --device cuda --requests-per-stream 4 $flags 2>&1 \
+      | grep -E '^\{|ratio|Error|Traceback' | tail -6) | tee -a "$OUT/serve_load.log"
+  done
+  while read -r line; do rows+=("serve: $(echo "$line" | cut -c1-240)"); done < <(grep -E 'ratio' "$OUT/serve_load.log")
 fi
 if has moe; then  # issue 27: fused MoE experts (TP=1, a TP=2 slice), then W5 and W1 on the Qwen3-30B-A3B shape (~6 min)
   timeout 180 python3 bench/kernels/bench_fused_moe.py 2>&1 | tee "$OUT/bench_fused_moe.log" | tail -6

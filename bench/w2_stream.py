@@ -5,6 +5,10 @@ and inter-token gap percentiles as consumers see them, event-loop lag (a 1 ms ti
 
     python bench/w2_stream.py [--shape qwen3-0.6b] [--streams 256] [--engine-arg NAME=VALUE ...]
         [--switch-interval SECONDS] [--device cuda] [--lag-trace] [--gpu-profile] [--host-timing]
+        [--replicas N]
+
+--replicas N streams through a `ReplicaPool` of N engines on a local Ray cluster (one GPU each; needs Ray)
+instead of one engine: `--replicas 2 --streams 512` on two GPUs against the default on one (docs/ray.md).
 
 --lag-trace adds where the loop stalled (lag_trace.py): the longest stalls, garbage collections, and the
 most sampled thread stacks during stalls. --gpu-profile records the GPU's kernels (CUDA activity only, so the
@@ -41,11 +45,15 @@ def pct_ms(xs: list[float], q: float) -> float | None:
 
 async def run(args: argparse.Namespace, extra: dict) -> dict:
     model_dir = write_shape_dir(args.shape, Path(tempfile.mkdtemp()) / args.shape)
-    prompts, params = w1_requests(256)
+    prompts, params = w1_requests(max(256, args.streams))  # 256: W1's own draws
     prompts, params = prompts[: args.streams], params[: args.streams]
-    engine = AsyncLLMEngine(
-        str(model_dir), device=args.device, load_format="dummy", max_model_len=args.max_model_len, **extra
-    )
+    engine_args = dict(device=args.device, load_format="dummy", max_model_len=args.max_model_len, **extra)
+    if args.replicas:
+        from asyncllm.ray import ReplicaPool
+
+        engine: AsyncLLMEngine = ReplicaPool(str(model_dir), num_replicas=args.replicas, **engine_args)
+    else:
+        engine = AsyncLLMEngine(str(model_dir), **engine_args)
     async with engine:
         async for _ in engine.stream([1, 2, 3], SamplingParams(max_tokens=16)):
             pass
@@ -92,6 +100,7 @@ async def run(args: argparse.Namespace, extra: dict) -> dict:
     return {
         "workload": f"W2-stream-{args.streams}",
         "shape": args.shape,
+        "replicas": args.replicas,
         "engine_args": extra,
         "switch_interval_s": sys.getswitchinterval(),
         "output_tokens": total,
@@ -145,8 +154,11 @@ def main() -> None:
     ap.add_argument("--lag-trace", action="store_true", help="sample thread stacks while the loop stalls")
     ap.add_argument("--gpu-profile", action="store_true", help="the GPU's busy time and idle gaps (CUDA only)")
     ap.add_argument("--host-timing", action="store_true", help="the step thread's time per step, by phase")
+    ap.add_argument("--replicas", type=int, default=None, help="a ReplicaPool of N engines on Ray (needs Ray)")
     add_engine_arg_option(ap)
     args = ap.parse_args()
+    if args.replicas and (args.gpu_profile or args.host_timing):
+        ap.error("--gpu-profile and --host-timing see this process only: not with --replicas")
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     print(json.dumps(asyncio.run(run(args, engine_kwargs(args.engine_arg)))), flush=True)

@@ -1,8 +1,8 @@
 """The layer rules, read from the source (ast), so an arrow running the wrong way fails CI.
 
-Layers, top to bottom (README's layout table): the public surface; the async layer with input processing
-(the front side, shared by `AsyncLLMEngine` and `LLM`); the composition root;
-the engine core; executors; the worker; sampling and model loading; models; attention; layers; kernels.
+Layers, top to bottom (README's layout table): the public surface; replicas on Ray; the async layer with
+input processing (the front side, shared by `AsyncLLMEngine` and `LLM`); the composition root; the engine
+core; executors; the worker; sampling and model loading; models; attention; layers; kernels.
 A module imports its own layer or lower ones, plus the foundation modules every layer shares (errors,
 validation, config, outputs, sampling_params, chat templating and the step contract `asyncllm.step`), which
 import only each other. The core and the foundation never import torch (or numpy, triton, transformers), not even
@@ -23,6 +23,7 @@ KERNELS = ROOT / "kernels"
 
 LAYERS: list[tuple[str, ...]] = [  # top to bottom; each entry: module prefixes of one layer
     ("asyncllm", "asyncllm.llm", "asyncllm.cli", "asyncllm.console", "asyncllm.default_model", "asyncllm.server"),
+    ("asyncllm.ray",),  # replicas on Ray behind the async front (the server's --replicas)
     ("asyncllm.async_engine", "asyncllm.input_processor", "asyncllm.parsing"),  # the front side, below both fronts
     ("asyncllm.build", "asyncllm.startup"),
     ("asyncllm.core",),
@@ -48,7 +49,7 @@ FOUNDATION = {
 HEAVY = ("torch", "numpy", "triton", "transformers")
 # Besides the foundation: never import HEAVY, not even inside a function.
 TORCH_FREE = ("asyncllm.core", "asyncllm.parsing")
-LAZY_ONLY = (*LAYERS[1], *LAYERS[0])  # may import torch layers only inside functions
+LAZY_ONLY = (*LAYERS[2], *LAYERS[1], *LAYERS[0])  # may import torch layers only inside functions
 
 
 def _module_name(path: Path) -> str:

@@ -8,13 +8,17 @@ import subprocess
 import sys
 
 _CHECK = """
-import importlib, pkgutil, sys
+import importlib, importlib.util, pkgutil, sys
 import asyncllm, asyncllm.core, asyncllm.async_engine
 from asyncllm import AsyncLLMEngine, LLM, SamplingParams, StreamOutput, RequestOutput
 names = ["asyncllm.chat", "asyncllm.cli", "asyncllm.config", "asyncllm.default_model", "asyncllm.errors",
          "asyncllm.step", "asyncllm.llm", "asyncllm.outputs", "asyncllm.sampling_params",
          "asyncllm.validation", "asyncllm.build", "asyncllm.console", "asyncllm.install", "asyncllm.startup"]
-for package in (asyncllm.core, asyncllm.async_engine):
+packages = [asyncllm.core, asyncllm.async_engine]
+if importlib.util.find_spec("ray") is not None:  # the `ray` extra: its modules import Ray, never torch
+    import asyncllm.ray
+    packages.append(asyncllm.ray)
+for package in packages:
     names += [m.name for m in pkgutil.walk_packages(package.__path__, package.__name__ + ".")]
 for name in names:
     importlib.import_module(name)

@@ -1,8 +1,13 @@
 """Shared fixtures: one engine on the tiny Qwen3 checkpoint (CPU) behind two real uvicorn servers, one open
-and one with an API key, started once per session; tests talk to them over HTTP with the openai client."""
+and one with an API key, started once per session; tests talk to them over HTTP with the openai client.
+
+With ASYNCLLM_TEST_REPLICAS=N in the environment the engine is a `ReplicaPool` of N replicas on Ray (on the
+cluster at $RAY_ADDRESS, else a local one), and only the tests that use it run: tests/ray/test_server_replicas.py
+runs this folder so."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,9 +26,28 @@ API_KEY = "test-secret-key"
 ENGINE_ARGS: dict[str, Any] = dict(device="cpu", dtype="float32", block_size=4, num_kv_blocks=1024, max_model_len=512)
 
 
+REPLICAS = int(os.environ.get("ASYNCLLM_TEST_REPLICAS", "0"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Against a pool, only the tests that reach the shared engine (directly or through a server) run: the
+    others build engines of their own, which a pool would not change."""
+    if REPLICAS:
+        chosen = [item for item in items if "engine" in getattr(item, "fixturenames", ())]
+        config.hook.pytest_deselected(items=[item for item in items if item not in chosen])
+        items[:] = chosen
+
+
 @pytest.fixture(scope="session")
 def engine(tiny_model: Path) -> Iterator[AsyncLLMEngine]:
-    engine = AsyncLLMEngine(str(tiny_model), **ENGINE_ARGS)
+    if REPLICAS:
+        from asyncllm.ray import ReplicaPool
+
+        engine: AsyncLLMEngine = ReplicaPool(
+            str(tiny_model), num_replicas=REPLICAS, ray_actor_options={"num_cpus": 0}, **ENGINE_ARGS
+        )
+    else:
+        engine = AsyncLLMEngine(str(tiny_model), **ENGINE_ARGS)
     yield engine
     engine.shutdown()
 

@@ -99,7 +99,7 @@ class _SendingRouter:
         self._sender.send((wire.DEAD, message, None if cause is None else wire.portable_error(cause)))
 
 
-class _CoreClient(InProcClient):
+class _CoreClient(InProcClient[Any]):
     """The in-process client, publishing the start of each step where the front can read it."""
 
     def __init__(self, build: Any, router: Any, step_clock: mmap.mmap) -> None:
@@ -154,7 +154,7 @@ def main() -> None:
 
 
 def _serve(
-    from_front: Connection, sender: _Sender, router: _SendingRouter, client: InProcClient, check: Any, checker: Any
+    from_front: Connection, sender: _Sender, router: _SendingRouter, client: InProcClient[Any], check: Any, checker: Any
 ) -> None:
     """Feed the front's messages to the core until it says stop (or its pipe closes: it died)."""
     while True:

@@ -15,28 +15,31 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, NamedTuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple
 
+from asyncllm.async_engine.router import S, StepRouter
 from asyncllm.errors import EngineDeadError
 
 if TYPE_CHECKING:
-    from asyncllm.async_engine.mailbox import OutputSlot
-    from asyncllm.async_engine.router import OutputRouter
     from asyncllm.core.output_processor import RequestDelta
     from asyncllm.core.request import Request
 
 
-class _Add(NamedTuple):
+@dataclass(slots=True)
+class _Add(Generic[S]):
     request: Request
-    slot: OutputSlot
+    slot: S
 
 
-class _Abort(NamedTuple):
-    slot: OutputSlot  # which incarnation of the id: a stale abort never hits a later request reusing it
+@dataclass(slots=True)
+class _Abort(Generic[S]):
+    slot: S  # which incarnation of the id: a stale abort never hits a later request reusing it
 
 
-class _End(NamedTuple):
-    slot: OutputSlot  # a request that never reached the core (aborted or refused before): its last output
+@dataclass(slots=True)
+class _End(Generic[S]):
+    slot: S  # a request that never reached the core (aborted or refused before): its last output
     delta: RequestDelta
 
 
@@ -55,31 +58,32 @@ class _Call(NamedTuple):
             self.future.set_result(result)
 
 
-class Inbox:
+class Inbox(Generic[S]):
     """`add`, `abort`, `end`, `call`, `stop` and `notify` from any thread; `wait`, `pause`, `drain` and
-    `fail_calls` from the driver's thread only."""
+    `fail_calls` from the driver's thread only. `S`: the router's handle on a request's output (`OutputSlot`
+    in the front)."""
 
-    def __init__(self, router: OutputRouter) -> None:
+    def __init__(self, router: StepRouter[S]) -> None:
         self._router = router
-        self._queue: deque[_Add | _Abort | _End | _Call] = deque()  # append/popleft are atomic: no lock to enqueue
+        self._queue: deque[_Add[S] | _Abort[S] | _End[S] | _Call] = deque()  # append/popleft: atomic, no lock
         # Reentrant: a stream garbage-collected inside the driver's own locked region may enqueue an abort.
         # Admission shares it, for the same reason (see admission.py).
         self.lock = threading.RLock()
         self._cond = threading.Condition(self.lock)
         self.stopping = False  # set once: the driver exits, and aborts and ends are no-ops
 
-    def add(self, request: Request, slot: OutputSlot) -> None:
+    def add(self, request: Request, slot: S) -> None:
         self._queue.append(_Add(request, slot))
         self.notify()
 
-    def abort(self, slot: OutputSlot) -> None:
+    def abort(self, slot: S) -> None:
         """Synchronous and idempotent: an unknown, finished or already aborted request is a no-op."""
         if self.stopping:
             return
         self._queue.append(_Abort(slot))
         self.notify()
 
-    def end(self, slot: OutputSlot, delta: RequestDelta) -> None:
+    def end(self, slot: S, delta: RequestDelta) -> None:
         """The last output of a request that never reached the core, routed in inbox order."""
         if self.stopping:
             return

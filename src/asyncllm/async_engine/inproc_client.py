@@ -15,16 +15,15 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Generic, Protocol
 
 from asyncllm.async_engine.core_client import CoreInfo
 from asyncllm.async_engine.inbox import Inbox
+from asyncllm.async_engine.router import S, StepRouter
 from asyncllm.core.output_processor import RequestDelta
 from asyncllm.errors import InvalidRequestError, RequestFailedError
 
 if TYPE_CHECKING:
-    from asyncllm.async_engine.mailbox import OutputSlot
-    from asyncllm.async_engine.router import OutputRouter
     from asyncllm.core.engine_core import EngineCore
     from asyncllm.core.request import Request
 
@@ -41,13 +40,14 @@ class Built(CoreInfo, Protocol):
     def core(self) -> EngineCore: ...
 
 
-class InProcClient:
-    """`EngineCoreClient` over a core that `build()` makes in the client's own step thread."""
+class InProcClient(Generic[S]):
+    """`EngineCoreClient` over a core that `build()` makes in the client's own step thread. `S`: the
+    router's handle on a request's output (the front's `OutputSlot`; a ticket behind a Ray actor)."""
 
-    def __init__(self, build: Callable[[], Built], router: OutputRouter) -> None:
+    def __init__(self, build: Callable[[], Built], router: StepRouter[S]) -> None:
         self._build = build
         self._router = router
-        self._inbox = Inbox(router)
+        self._inbox: Inbox[S] = Inbox(router)
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
         self.failure: BaseException | None = None  # what killed the loop (None: running, or shut down)
@@ -74,13 +74,13 @@ class InProcClient:
         assert self._built is not None
         return self._built
 
-    def add_request(self, request: Request, slot: OutputSlot) -> None:
+    def add_request(self, request: Request, slot: S) -> None:
         self._inbox.add(request, slot)
 
-    def abort_request(self, slot: OutputSlot) -> None:
+    def abort_request(self, slot: S) -> None:
         self._inbox.abort(slot)
 
-    def end_request(self, slot: OutputSlot, delta: RequestDelta) -> None:
+    def end_request(self, slot: S, delta: RequestDelta) -> None:
         self._inbox.end(slot, delta)
 
     def stats(self) -> dict[str, float | int]:

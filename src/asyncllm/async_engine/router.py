@@ -3,13 +3,15 @@
 The registry of live requests (`ids.LiveRequests`) says which slot an output feeds and when a request
 leaves; the fanout (`loop_fanout.LoopFanout`) hands each event loop its share of a step at once. `route`
 runs on the thread that drives a core (the step thread; for a core elsewhere, the thread that receives its
-outputs); `close` from any thread. Knows nothing of the core nor of the loop libraries.
+outputs); `close` from any thread. `StepRouter` is what a core's driver needs of it (`InProcClient` behind
+a Ray actor routes through another one: `asyncllm.ray.outbox`). Knows nothing of the core nor of the loop
+libraries.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from asyncllm.errors import EngineDeadError
 
@@ -18,6 +20,36 @@ if TYPE_CHECKING:
     from asyncllm.async_engine.loop_fanout import LoopFanout
     from asyncllm.async_engine.mailbox import OutputSlot
     from asyncllm.core.output_processor import RequestDelta
+
+
+class Addressed(Protocol):
+    """What a driver knows of the place a request's outputs go: only its request id."""
+
+    @property
+    def request_id(self) -> str: ...
+
+
+S = TypeVar("S", bound=Addressed)
+
+
+class StepRouter(Protocol[S]):
+    """Where a core's driver sends what it learns, with `S` the handle of one request's output."""
+
+    def is_live(self, slot: S) -> bool:
+        """`slot` is still its id's live request (messages about any other incarnation are dropped)."""
+        ...
+
+    def started(self, request_ids: Sequence[str]) -> None:
+        """These requests' first step was planned (reported before the same steps' outputs)."""
+        ...
+
+    def route(self, deltas: list[RequestDelta]) -> Sequence[S]:
+        """One step's outputs; returns the slots nobody will read, whose requests should be aborted."""
+        ...
+
+    def close(self, message: str, cause: BaseException | None) -> None:
+        """The core is gone (failed, or shut down): every live request ends with `EngineDeadError`."""
+        ...
 
 
 class OutputRouter:
@@ -41,7 +73,7 @@ class OutputRouter:
         closed: nobody will read them, so their requests should be aborted rather than computed on."""
         if not deltas:
             return []
-        # A sample's end is the request's once no sample of it is open (`open_samples`, 0 for n = 1).
+        # `ends_request`, inlined: this runs for every sequence of every step.
         finished = [(d.finish_reason is not None and not d.open_samples) or d.error is not None for d in deltas]
         slots = self._live.resolve([d.request_id for d in deltas], finished)
         items = [(slot, delta) for slot, delta in zip(slots, deltas) if slot is not None]
@@ -64,3 +96,9 @@ class OutputRouter:
         self._fanout.fail(slots, message, cause)
         for slot in slots:
             self._fanout.detach(slot.mailbox)
+
+
+def ends_request(delta: RequestDelta) -> bool:
+    """`delta` is its request's last: a sample's end is the request's once no sample of it is open
+    (`open_samples`, 0 for n = 1); an error ends every sample."""
+    return (delta.finish_reason is not None and not delta.open_samples) or delta.error is not None

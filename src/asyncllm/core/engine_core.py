@@ -41,6 +41,9 @@ class EngineStats:
     prefix_cache_hit_rate: float
     num_preemptions: int
     num_steps: int  # steps that ran the model
+    # The hit rate's terms (prompt tokens looked up, and found cached), so engines' rates can be pooled.
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
 
     def as_dict(self) -> dict[str, float | int]:
         return dict(self.__dict__)
@@ -168,6 +171,8 @@ class EngineCore:
             prefix_cache_hit_rate=bm.prefix_cache_hit_rate,
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self.num_steps,
+            prefix_cache_queried_tokens=bm.num_queried_tokens,
+            prefix_cache_hit_tokens=bm.num_hit_tokens,
         )
 
     # ------------------------------------------------------------------ the step

@@ -1,11 +1,12 @@
-"""`asyncllm serve [MODEL] [--host --port --api-key --served-model-name --lora-modules --drain-timeout] [every engine
-argument]`.
+"""`asyncllm serve [MODEL] [--host --port --api-key --served-model-name --lora-modules --drain-timeout]
+[--replicas N [--ray-address ADDR]] [every engine argument]`.
 
 Owns the server's command line and its start-up, cheapest check first: the arguments, then the address
 (bound now, handed to uvicorn later: a busy port fails in a second, not after the model loaded), then the
-engine, then uvicorn (uvloop when installed) on the bound socket. Every `AsyncLLMError` ends it with one line
-and an exit code (`asyncllm.console`). Parsing imports neither FastAPI nor torch, so `asyncllm serve --help`
-is instant and works without the `server` extra installed.
+engine (one in this process, or with `--replicas` a `ReplicaPool` of engines on Ray: the same app serves
+either), then uvicorn (uvloop when installed) on the bound socket. Every `AsyncLLMError` ends it with one
+line and an exit code (`asyncllm.console`). Parsing imports neither FastAPI nor torch nor Ray, so
+`asyncllm serve --help` is instant and works without the `server` extra installed.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import logging
 import os
 import socket
@@ -88,6 +90,22 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="on SIGTERM, how long requests in flight may run on while new ones get 503; then they are "
         "aborted and the server exits (default: 30)",
     )
+    scale = parser.add_argument_group("replicas on Ray (the `ray` extra; docs/ray.md)")
+    scale.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        metavar="N",
+        help="serve from N engines, each a Ray actor with its own GPU (or tensor-parallel group), requests routed "
+        "to the least busy or to the one holding the prompt's prefix (default: one engine in this process)",
+    )
+    scale.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDR",
+        help="the Ray cluster the replicas run on: 'auto' (the one `ray start` began on this machine), "
+        "'HOST:6379', 'ray://HOST:10001' (default: $RAY_ADDRESS, else a local cluster started by this server)",
+    )
     add_engine_args(parser.add_argument_group("engine (every AsyncLLMEngine argument; see asyncllm.config)"))
 
 
@@ -141,6 +159,10 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
     if not args.drain_timeout >= 0:  # NaN too
         return report(f"--drain-timeout {args.drain_timeout} is invalid: give seconds >= 0", EXIT_USAGE)
+    if args.replicas is not None and args.replicas < 1:
+        return report(f"--replicas {args.replicas} is invalid: give a number of engines >= 1", EXIT_USAGE)
+    if args.ray_address is not None and args.replicas is None:
+        return report("--ray-address places replicas on a Ray cluster: give --replicas N too", EXIT_USAGE)
     try:
         model = args.model or str(default_model_path())
         engine_args = engine_args_from(args, engine_arg_specs())
@@ -156,6 +178,8 @@ def run(args: argparse.Namespace) -> int:
         from asyncllm.server.listen import bind
     except ImportError as exc:
         return report(f"the server needs its extra ({extra_install_hint('server')}): {exc}")
+    if args.replicas is not None and importlib.util.find_spec("ray") is None:
+        return report(f"--replicas needs Ray ({extra_install_hint('ray')})")
     try:
         sock = bind(args.host, args.port)
     except OSError as exc:
@@ -163,12 +187,12 @@ def run(args: argparse.Namespace) -> int:
             f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}; choose another --port", EXIT_USAGE
         )
     with sock:
-        from asyncllm import AsyncLLMEngine
-
         try:
-            engine = AsyncLLMEngine(model, **engine_args)
+            engine = _make_engine(model, engine_args, args)
         except AsyncLLMError as exc:
             return report_error(exc)
+        except ConnectionError as exc:  # the Ray cluster could not be joined
+            return report(exc)
         except KeyboardInterrupt:
             return EXIT_INTERRUPTED
         try:
@@ -187,6 +211,17 @@ async def _add_adapters(engine: AsyncLLMEngine, adapters: dict[str, str]) -> Non
     for name, path in adapters.items():
         await engine.add_lora(name, path)
         logger.info('LoRA adapter %s from %s: clients send "model": "%s"', name, path, name)
+
+
+def _make_engine(model: str, engine_args: dict[str, Any], args: argparse.Namespace) -> AsyncLLMEngine:
+    """One engine in this process, or `--replicas` engines on Ray behind the same API."""
+    if args.replicas is None:
+        from asyncllm import AsyncLLMEngine
+
+        return AsyncLLMEngine(model, **engine_args)
+    from asyncllm.ray import ReplicaPool
+
+    return ReplicaPool(model, num_replicas=args.replicas, ray_address=args.ray_address, **engine_args)
 
 
 def _serve(engine: AsyncLLMEngine, model: str, args: argparse.Namespace, sock: socket.socket, start: float) -> int:
