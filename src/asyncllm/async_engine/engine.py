@@ -21,10 +21,13 @@ from typing import Any
 
 from asyncllm.async_engine.admission import Admission, max_token_chars_of
 from asyncllm.async_engine.chat_session import ChatStream, open_chat
-from asyncllm.async_engine.core_client import ClientFactory, EngineCoreClient
+from asyncllm.async_engine.core_client import ClientFactory
 from asyncllm.async_engine.health import DEFAULT_MAX_STEP_SECONDS, EngineStalledError, check_step_age, step_age
 from asyncllm.async_engine.ids import LiveRequests, check_request_id, new_request_id
 from asyncllm.async_engine.inproc_client import Built, InProcClient
+from asyncllm.async_engine.lifetime import build_core as _build
+from asyncllm.async_engine.lifetime import draining_error as _draining
+from asyncllm.async_engine.lifetime import shutdown as _shutdown
 from asyncllm.async_engine.loop_fanout import LoopFanout
 from asyncllm.async_engine.loops import current_loop_key, run_in_thread
 from asyncllm.async_engine.lora_front import LoRAFront
@@ -34,7 +37,7 @@ from asyncllm.async_engine.router import OutputRouter
 from asyncllm.async_engine.stream import RequestStream, collect
 from asyncllm.chat import Message
 from asyncllm.config import DeviceConfig, EngineConfig, SchedulerConfig
-from asyncllm.errors import EngineDeadError, EngineDrainingError
+from asyncllm.errors import EngineDeadError
 from asyncllm.input_processor import InputProcessor
 from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import SamplingParams
@@ -42,11 +45,6 @@ from asyncllm.sampling_params import SamplingParams
 Prompt = str | list[int]
 __all__ = ["DEFAULT_MAX_STEP_SECONDS", "AsyncLLMEngine", "EngineStalledError", "Prompt"]
 
-_SHUTDOWN_JOIN_S = 60.0  # longest a shutdown waits for a step in flight before giving up on the join
-# A dead engine has no step in flight, only its release of the device, which a kernel stuck on a dead
-# tensor-parallel peer can block for good: the shutdown waits this long, then leaves the (daemon) thread.
-# Longer than the executor's own bound on that release (3 s) plus its stop of the workers (1 s).
-_DEAD_JOIN_S = 6.0
 _DRAIN_ABORT_S = 5.0  # after a drain's timeout, how long it waits for its aborts to land (within a step)
 _WAIT_SLICE_S = 0.25  # a drain waits in slices: cancelling it leaves a thread blocked this long at most
 
@@ -386,19 +384,3 @@ class AsyncLLMEngine:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
-
-
-def _build(config: EngineConfig) -> Built:
-    from asyncllm.build import build_engine  # torch loads only now, where the core runs
-
-    return build_engine(config, time.monotonic)
-
-
-def _draining() -> EngineDrainingError:
-    return EngineDrainingError("the engine is draining: it finishes the requests it has and takes no new ones")
-
-
-def _shutdown(client: EngineCoreClient, admission: Admission) -> None:
-    client.request_stop()  # streams fail first, so the tokenizer thread skips what is left in its queue
-    admission.stop(_SHUTDOWN_JOIN_S)
-    client.shutdown(_DEAD_JOIN_S if client.failure is not None else _SHUTDOWN_JOIN_S)
