@@ -32,6 +32,12 @@ if has tests; then
     tests/kernels tests/attention/test_triton_backend.py 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error|error" | tail -25
   rows+=("gpu tests: $(tail -1 "$OUT/gpu_tests.log")")
 fi
+if has pytests; then  # chosen GPU tests: PYTEST_SETS, ';'-separated pytest argument lists; names and tracebacks kept
+  IFS=';' read -ra sets <<< "${PYTEST_SETS:?set PYTEST_SETS}"
+  for set in "${sets[@]}"; do eval "python3 -m pytest -q -rfE --tb=short -p no:cacheprovider -o addopts='' $set" 2>&1 \
+    | tee -a "$OUT/pytests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -25; done
+  rows+=("gpu tests (chosen): $(grep -E 'passed|failed' "$OUT/pytests.log" | grep -E '^=' | tr '\n' ' ')")
+fi
 if has graphtests; then  # the engine-level CUDA-graph tests alone (warm-up, compilation, graphs vs eager)
   python3 -m pytest -q -s -p no:cacheprovider -o addopts="" tests/gpu/test_cuda_graphs.py 2>&1 \
     | tee "$OUT/graph_tests.log" | grep -E "passed|failed|Error|error" | tail -15
@@ -137,10 +143,11 @@ if has w8; then  # issue 22: prompt logprobs (scoring) against plain prefill of 
   rows+=("w8: $(grep '^{' "$OUT/w8.log" | tail -1)")
 fi
 if has lora; then  # issue 27: LoRA kernels and GPU tests, the kernels against their GEMMs, W1 with 8 adapters mixed vs the base (~5 min)
-  python3 -m pytest -q -s -p no:cacheprovider -o addopts="" tests/kernels/test_lora.py tests/gpu/test_lora.py 2>&1 | tee "$OUT/lora_tests.log" | tail -3
+  [ -z "${LORA_BENCH_ONLY:-}" ] && python3 -m pytest -q -s -p no:cacheprovider -o addopts="" tests/kernels/test_lora.py \
+    tests/gpu/test_lora.py 2>&1 | tee "$OUT/lora_tests.log" | tail -3  # LORA_BENCH_ONLY=1: the benchmarks alone
   timeout 120 python3 bench/kernels/bench_lora.py | tee "$OUT/bench_lora.jsonl" | tail -4
   timeout 300 python3 bench/w1_lora.py | tee "$OUT/w1_lora.json" | tail -2
-  rows+=("lora tests: $(tail -1 "$OUT/lora_tests.log")" "W1 LoRA: $(tail -1 "$OUT/w1_lora.json" | cut -c1-240)")
+  rows+=("lora tests: $(tail -1 "$OUT/lora_tests.log" 2>/dev/null)" "W1 LoRA: $(tail -1 "$OUT/w1_lora.json" | cut -c1-240)")
 fi
 if has quant; then  # issue 26: quantized weights' GPU tests, GEMM paths per shape and size, W5/W1 bf16 vs FP8 vs int4 beside nano-vllm
   python3 -m pytest -q -s -p no:cacheprovider -o addopts="" tests/gpu/test_quant.py tests/kernels/test_quant_matmul.py 2>&1 | tee "$OUT/quant_tests.log" | grep -E "passed|failed|Error|perplexity" | tail -20

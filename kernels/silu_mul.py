@@ -20,7 +20,8 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_BLOCK = 1024  # columns per program: 8 per thread over 4 warps, i.e. one 16-byte vector each in 16-bit
 
 
-_SQRT_2_OVER_PI = 0.7978845608028654  # torch's kBeta for the tanh GELU: sqrt(2 / pi)
+# A jitted kernel may read a module global only when it is a tl.constexpr (the interpreter reads any).
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)  # torch's kBeta for the tanh GELU: sqrt(2 / pi)
 
 
 @triton.jit
