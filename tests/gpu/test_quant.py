@@ -90,13 +90,20 @@ def test_graphs_scheduling_and_prefix_cache_variants_agree(variant: str, quantiz
     shared = [rng.randrange(3, 384) for _ in range(40)]
     prompts = [shared + [rng.randrange(3, 384) for _ in range(n)] for n in (1, 9, 30, 2, 17)]
     args = dict(BF16, max_num_seqs=8, max_num_batched_tokens=64)
-    results = {}
-    for name, extra in {
+    variants: dict[str, dict[str, Any]] = {
         "graphs": {},
         "eager": dict(enforce_eager=True),
         "serial": dict(async_scheduling=False),
         "no_prefix_cache": dict(enable_prefix_caching=False),
-    }.items():
+    }
+    if variant in WIDER:
+        # W8A8 runs at 64 tokens a step and more, weight-only FP8 below: a prefix hit shortens a prefill step
+        # and so changes the kernel (run 52: greedy tokens diverged). Compare the cache on and off with every
+        # step under 64 tokens, where both run the same kernel.
+        small = dict(max_num_batched_tokens=48)
+        variants |= {"small_steps": small, "no_prefix_cache": small | dict(enable_prefix_caching=False)}
+    results = {}
+    for name, extra in variants.items():
         llm = LLM(str(path), **args, **extra)
         if name == "graphs":
             assert llm.runtime.cuda_graph_sizes
@@ -105,22 +112,28 @@ def test_graphs_scheduling_and_prefix_cache_variants_agree(variant: str, quantiz
         llm.shutdown()
     assert results["eager"] == results["graphs"]
     assert results["serial"] == results["graphs"]
-    assert results["no_prefix_cache"] == results["graphs"]
+    assert results["no_prefix_cache"] == results["small_steps" if variant in WIDER else "graphs"]
 
 
 def test_fp8_at_load_against_bf16(tiny_checkpoints) -> None:
     """quantization="fp8" on the float checkpoint: within the W8A8 tolerance of the unquantized engine's
-    prompt log-probabilities."""
+    prompt log-probabilities (the bound test_bf16_logprobs_against_float32_reference gives W8A8 checkpoints,
+    from the prompt's largest float32 logit: run 52 saw 0.63 where a fixed 0.5 had been assumed)."""
     path = tiny_checkpoints["qwen3"]
     fp8 = LLM(str(path), quantization="fp8", **BF16)
     plain = LLM(str(path), **BF16)
+    hf = _hf(path)
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=5, ignore_eos=True)
     for ids in _prompts(fp8.runtime.vocab_size):
         a = fp8.generate([ids], params, use_tqdm=False)[0].logprobs[0]
         b = plain.generate([ids], params, use_tqdm=False)[0].logprobs[0]
+        with torch.inference_mode():
+            top = hf(torch.tensor([ids], device="cuda")).logits[0, -1].abs().max().item()
+        tol = 2 * 2 * (0.03 * top + 0.05)
         shared = set(a) & set(b)
         assert shared, "the top tokens overlap"
-        assert max(abs(a[t] - b[t]) for t in shared) < 0.5
+        worst = max(abs(a[t] - b[t]) for t in shared)
+        assert worst <= tol, f"logprob off by {worst:.3f} (tol {tol:.3f})"
     fp8.shutdown()
     plain.shutdown()
 
