@@ -10,11 +10,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from asyncllm.layers.param_dtype import empty_parameter
+
 
 class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+        self.weight = empty_parameter(vocab_size, hidden_size)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.weight)  # [T] -> [T, hidden]
@@ -25,7 +27,7 @@ class LMHead(nn.Module):
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+        self.weight = empty_parameter(vocab_size, hidden_size)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.weight)  # [N, hidden] -> [N, vocab]

@@ -12,14 +12,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from asyncllm.layers.param_dtype import empty_parameter
+
 
 class Linear(nn.Module):
     """y = x W^T (+ b), W [out, in]; like nn.Linear without the random initialisation."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))
-        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.weight = empty_parameter(out_features, in_features)
+        self.bias = empty_parameter(out_features) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)

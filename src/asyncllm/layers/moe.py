@@ -19,6 +19,7 @@ from asyncllm.kernels.moe_ref import experts_ref, route_ref
 from asyncllm.layers.fusion import Fusable
 from asyncllm.layers.linear import Linear, gate_up_shards
 from asyncllm.layers.parallel import TPGroup
+from asyncllm.layers.param_dtype import empty_parameter
 
 
 class ExpertLinear(nn.Module):
@@ -30,7 +31,7 @@ class ExpertLinear(nn.Module):
         super().__init__()
         if shards is not None and sum(shards.values()) != out_features:
             raise ValueError(f"shards {shards} do not add up to out_features={out_features}")
-        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
+        self.weight = empty_parameter(num_experts, out_features, in_features)
         self.num_experts = num_experts
         self.shard_sizes: dict[str | None, int] = {None: out_features}  # None: one unpacked projection
         if shards is not None:

@@ -23,6 +23,7 @@ from asyncllm.kernels.rms_norm_ref import (
     rms_norm_ref,
 )
 from asyncllm.layers.fusion import Fusable
+from asyncllm.layers.param_dtype import empty_parameter
 
 
 class RMSNorm(nn.Module, Fusable):
@@ -30,7 +31,7 @@ class RMSNorm(nn.Module, Fusable):
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(dim))
+        self.weight = empty_parameter(dim)
         self.eps = eps
         self._kernel: Callable[..., Any] | None = None  # the fused kernel, once enable_fused_kernels ran
 

@@ -16,6 +16,7 @@ import torch
 from asyncllm.attention.backend import AttentionBackend
 from asyncllm.config import LoadFormat
 from asyncllm.layers.parallel import TPGroup, WeightShard
+from asyncllm.layers.param_dtype import parameters_in
 from asyncllm.model_loader.base import Checkpoint
 from asyncllm.model_loader.dummy import fill_dummy_weights
 from asyncllm.model_loader.progress import with_progress
@@ -52,11 +53,12 @@ def load_model(
     """
     model_cls = resolve_model_class(checkpoint.hf_config)
     world_size = 1 if parallel is None else parallel.world_size
-    with torch.device(device):
+    # Parameters are allocated in `dtype` (never the whole model in float32 first); buffers computed at
+    # construction are cast once below. Weights are then copied (and cast) into place, never held twice.
+    with torch.device(device), parameters_in(dtype):
         model = model_cls(shard_arch(arch, world_size), backend)
-    if parallel is not None:
-        shard_model(model, arch, parallel)
-    # Cast before loading: weights are copied (and cast) into place, never held twice on the device.
+        if parallel is not None:
+            shard_model(model, arch, parallel)
     model = model.to(dtype=dtype).eval()
     plan = model_cls.family.weights
     quantized: frozenset[str] = frozenset()  # the checkpoint modules whose layers are quantized
