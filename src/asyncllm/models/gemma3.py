@@ -27,7 +27,8 @@ from asyncllm.layers.rotary import RotaryEmbedding, RotaryInputs
 from asyncllm.models.base import CausalLM
 from asyncllm.models.config import ModelArchConfig
 from asyncllm.models.family import EmbeddingScale, FamilySpec
-from asyncllm.models.llama import LLAMA_WEIGHTS, LlamaAttention, LlamaMLP, check_activation, lm_logits
+from asyncllm.models.llama import LLAMA_WEIGHTS, LlamaMLP, check_activation, lm_logits
+from asyncllm.models.qwen3 import Qwen3Attention
 
 GEMMA3_FAMILY = FamilySpec(
     weights=dataclasses.replace(LLAMA_WEIGHTS, gguf=None),
@@ -38,26 +39,9 @@ GEMMA3_FAMILY = FamilySpec(
 )
 
 
-class Gemma3Attention(LlamaAttention):
-    qk_unit_offset = True  # its q/k norms are GemmaRMSNorms
-
-    def __init__(
-        self,
-        arch: ModelArchConfig,
-        backend: AttentionBackend,
-        qkv_bias: bool,
-        o_bias: bool,
-        window: int | None = None,
-    ) -> None:
-        super().__init__(arch, backend, qkv_bias, o_bias, window)
-        self.q_norm = GemmaRMSNorm(arch.head_dim, arch.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(arch.head_dim, arch.rms_norm_eps)
-
-    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.q_norm(q), self.k_norm(k)  # over head_dim of [T, H, D] / [T, Hkv, D]
-
-    def qk_norm_weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        return self.q_norm.weight, self.k_norm.weight
+class Gemma3Attention(Qwen3Attention):
+    qk_norm = GemmaRMSNorm
+    qk_unit_offset = True  # the fused kernel's form of its q/k norms: scale by (1 + w)
 
 
 class Gemma3DecoderLayer(nn.Module):

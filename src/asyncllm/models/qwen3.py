@@ -7,6 +7,7 @@ Only maths and the family's declaration (Llama's, plus the GGUF names of the q/k
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import torch
 
@@ -20,6 +21,10 @@ QWEN3_FAMILY = dataclasses.replace(LLAMA_FAMILY, weights=dataclasses.replace(LLA
 
 
 class Qwen3Attention(LlamaAttention):
+    """Llama's attention with a per-head RMSNorm of queries and keys before rotary (Gemma 3's in its form)."""
+
+    qk_norm: ClassVar[type[RMSNorm]] = RMSNorm
+
     def __init__(
         self,
         arch: ModelArchConfig,
@@ -29,8 +34,8 @@ class Qwen3Attention(LlamaAttention):
         window: int | None = None,
     ) -> None:
         super().__init__(arch, backend, qkv_bias, o_bias, window)
-        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
-        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
+        self.q_norm = self.qk_norm(arch.head_dim, arch.rms_norm_eps)
+        self.k_norm = self.qk_norm(arch.head_dim, arch.rms_norm_eps)
 
     def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.q_norm(q), self.k_norm(k)  # over head_dim of [T, H, D] / [T, Hkv, D]
