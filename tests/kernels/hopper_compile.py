@@ -20,13 +20,16 @@ POINTERS = {4: ("*i32", "*fp16"), 8: ("*i32", "*fp16"), 0: ("*fp8e4nv", "*fp32")
 GROUPS = {0: 4096, 1: 128, 2: 32, 3: 40}  # a group size that takes each MODE at BLOCK_K 128 or 64
 
 
-def gemm(bits: int, mode: int, zeros: bool, mins: bool, partial: bool, blocks: tuple[int, int, int]) -> None:
-    codes, scales = POINTERS[bits]
+def gemm(
+    bits: int, mode: int, zeros: bool, mins: bool, partial: bool, blocks: tuple[int, int, int],
+    group: int | None = None, scales: str | None = None,
+) -> None:  # fmt: skip
+    codes, scales = POINTERS[bits][0], scales or POINTERS[bits][1]
     signature = {"x_ptr": "*bf16", "w_ptr": codes, "s_ptr": scales, "z_ptr": "*u8", "m_ptr": scales,
                  "b_ptr": "*bf16", "out_ptr": "*fp32" if partial else "*bf16"}  # fmt: skip
     signature |= {name: "i32" for name in ("M", "N", "K", "split_k", "stride_xm", "stride_wn", "stride_sn")}
     signature |= {name: "i32" for name in ("stride_zn", "stride_mn", "stride_om", "stride_os")}
-    consts = dict(BITS=bits, GROUP=GROUPS[mode], MODE=mode, HAS_ZEROS=zeros, HAS_MINS=mins, HAS_BIAS=True,
+    consts = dict(BITS=bits, GROUP=group or GROUPS[mode], MODE=mode, HAS_ZEROS=zeros, HAS_MINS=mins, HAS_BIAS=True,
                   PARTIAL=partial, DOT_PRECISION="tf32")  # fmt: skip
     consts |= dict(BLOCK_M=blocks[0], BLOCK_N=blocks[1], BLOCK_K=blocks[2])
     signature |= {name: "constexpr" for name in consts}
@@ -52,6 +55,10 @@ VARIANTS = [
     ("e4m3 ROW decode", lambda: gemm(0, 0, False, False, True, (16, 64, 128))),
     ("e4m3 TILE block scales", lambda: gemm(0, 1, False, False, False, (64, 64, 64))),
     ("e4m3 GROUPS", lambda: gemm(0, 2, False, False, False, (16, 64, 128))),
+    # GGUF's K-quants (model_loader/gguf/repack.py): float32 scales, Q6_K's groups of 16, 8-bit codes with mins
+    ("int8 GROUPS zeros g16 f32 scales", lambda: gemm(8, 2, True, False, True, (16, 64, 128), 16, "*fp32")),
+    ("int8 GROUPS mins g16 f32 scales", lambda: gemm(8, 2, False, True, False, (64, 128, 64), 16, "*fp32")),
+    ("int4 GROUPS mins f32 scales", lambda: gemm(4, 2, False, True, True, (16, 64, 128), 32, "*fp32")),
     ("dequantize int4", lambda: dequantize(4)),
     ("dequantize e4m3", lambda: dequantize(0)),
 ]

@@ -61,18 +61,19 @@ def test_engine_tokens_equal_the_dequantized_path(tiny_files, qtype: str) -> Non
 
 def test_which_path_by_device_and_argument(tiny_files, tmp_path: Path) -> None:
     """On CUDA a supported file stays quantized unless asked otherwise; on CPU it is dequantized unless
-    asked; a file mixing types is dequantized, and refused only when "gguf" is asked for."""
+    asked; a file whose types are not kept is dequantized, and refused only when "gguf" is asked for (files
+    mixing types: test_gguf_kquants.py)."""
     qc = open_checkpoint(str(tiny_files[("llama", "Q4_1")]), torch.float32).hf_config.quantization_config
-    assert qc == {"quant_method": "gguf", "linear_types": ["Q4_1"]}
+    assert qc["linear_types"] == ["Q4_1"] and len(qc["module_types"]) == 7 * 2
     assert resolve_quantization(None, qc, "cuda").describe() == "gguf Q4_1: int4, 32 inputs per scale, mins"
     assert resolve_quantization(None, qc, "cpu") is None
     assert resolve_quantization("gguf", qc, "cpu") is not None
     assert resolve_quantization("fp8", qc, "cuda").fp8
     with pytest.raises(UnsupportedModelError, match=r"quantization='awq', but the checkpoint is a GGUF file"):
         resolve_quantization("awq", qc, "cuda")
-    mixed = {"quant_method": "gguf", "linear_types": ["Q4_K", "Q6_K"]}
+    mixed = {"quant_method": "gguf", "linear_types": ["Q2_K", "Q3_K"]}
     assert resolve_quantization(None, mixed, "cuda") is None
-    with pytest.raises(UnsupportedModelError, match=r"linear layers are Q4_K, Q6_K; kept quantized are .* Q8_0"):
+    with pytest.raises(UnsupportedModelError, match=r"linear layers are Q2_K, Q3_K; kept quantized are .* Q8_0"):
         resolve_quantization("gguf", mixed, "cuda")
 
 

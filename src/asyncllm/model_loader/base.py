@@ -6,7 +6,7 @@ format the same way. Knows no file format itself.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from asyncllm.layers.parallel import WeightShard
+from asyncllm.quantization.scheme import QuantScheme
 
 WeightIterator = Callable[[], Iterator[tuple[str, torch.Tensor]]]
 # Which slice of each tensor to read (tensor parallelism): name -> WeightShard, or None for the whole tensor.
@@ -32,6 +33,6 @@ class Checkpoint:
     # loader then slices whole tensors).
     iter_weight_shards: ShardIterator | None = None
     num_tensors: int | None = None  # how many pairs `iter_weights` yields (load progress), None if unknown
-    # GGUF: `iter_weights` with the given checkpoint modules' weights kept quantized, in the quantized layers'
+    # GGUF: `iter_weights` with the given checkpoint modules' weights kept quantized, each in its layer scheme's
     # layout (model_loader/gguf/repack.py); None for formats whose quantized tensors come through `iter_weights`.
-    iter_quantized_weights: Callable[[frozenset[str]], Iterator[tuple[str, torch.Tensor]]] | None = None
+    iter_quantized_weights: Callable[[Mapping[str, QuantScheme]], Iterator[tuple[str, torch.Tensor]]] | None = None

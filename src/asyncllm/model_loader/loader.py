@@ -61,7 +61,7 @@ def load_model(
             shard_model(model, arch, parallel)
     model = model.to(dtype=dtype).eval()
     plan = model_cls.family.weights
-    quantized: frozenset[str] = frozenset()  # the checkpoint modules whose layers are quantized
+    quantized: dict[str, QuantScheme] = {}  # the checkpoint modules whose layers are quantized, with their schemes
     if quant is not None:
         quantized = quantize_linear_layers(model, quant, plan.packed)
         logger.info("quantized linear layers: %s", quant.describe())
@@ -83,7 +83,7 @@ def load_model(
     if parallel is None:
         model.load_weights(whole())
     elif quant is not None:  # converted whole, then sliced in the layout's units
-        model.load_weights(_sliced(whole(), quantized_shards(select, quant, quantized)))
+        model.load_weights(_sliced(whole(), quantized_shards(select, quantized)))
     elif checkpoint.iter_weight_shards is not None:
         model.load_weights(with_progress(checkpoint.iter_weight_shards(select), checkpoint.num_tensors))
     else:  # e.g. GGUF: tensors are dequantized whole, then sliced

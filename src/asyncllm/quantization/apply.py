@@ -2,7 +2,8 @@
 quantizes (plain, packed or row-parallel) is swapped for its `QuantLinear` form, before weights are loaded.
 
 Embeddings and the LM head are not linear layers here and stay in the model's dtype. A packed layer is
-quantized only whole: its checkpoint modules must agree. Knows no family's names: the packing comes in as
+quantized only whole, in the one scheme the scheme gives its checkpoint modules (`QuantScheme.layer_scheme`:
+a GGUF layer's may differ from its neighbours'). Knows no family's names: the packing comes in as
 the family plan's mapping (checkpoint module -> (our module, shard)).
 """
 
@@ -22,11 +23,11 @@ from asyncllm.quantization.scheme import QuantScheme
 
 def quantize_linear_layers(
     model: nn.Module, scheme: QuantScheme, packed: Mapping[str, tuple[str, str]]
-) -> frozenset[str]:
+) -> dict[str, QuantScheme]:
     """Swap the model's linear layers for quantized ones (parameters uninitialised, to be loaded); returns the
-    checkpoint module names now quantized (e.g. model.layers.0.self_attn.q_proj)."""
+    checkpoint modules now quantized (e.g. model.layers.0.self_attn.q_proj), each with its layer's scheme."""
     checkpoint_module = {ours: ckpt for ckpt, ours in packed.items()}  # (our module, shard) -> checkpoint module
-    quantized: set[str] = set()
+    quantized: dict[str, QuantScheme] = {}
     for name, module in list(model.named_modules()):
         if not isinstance(module, Linear):
             continue
@@ -36,23 +37,17 @@ def quantize_linear_layers(
             names = [prefix + checkpoint_module[(attr, shard)] for shard in module.shard_sizes]
         else:
             names = [name]
-        skipped = [n for n in names if scheme.skips(n)]
-        if len(skipped) == len(names):
+        layer = scheme.layer_scheme(names)
+        if layer is None:
             continue
-        if skipped:
-            raise UnsupportedModelError(
-                f"{scheme.method} checkpoint leaves {skipped} unquantized but quantizes "
-                f"{sorted(set(names) - set(skipped))}; asyncllm runs them as one packed layer ({name}), "
-                "which must be quantized whole"
-            )
-        setattr(model.get_submodule(parent_name), attr, _quantized(module, scheme))
-        quantized.update(names)
+        setattr(model.get_submodule(parent_name), attr, _quantized(module, layer))
+        quantized.update(dict.fromkeys(names, layer))
     if not quantized:
         raise UnsupportedModelError(f"the {scheme.method} scheme quantizes none of the model's linear layers")
     device = next(model.parameters()).device
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the 16-bit weights the model was built with are gone: give their memory back
-    return frozenset(quantized)
+    return quantized
 
 
 def _quantized(module: Linear, scheme: QuantScheme) -> QuantLinear:

@@ -11,7 +11,7 @@ quantized comes from `apply.quantize_linear_layers`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
@@ -32,9 +32,10 @@ Weights = Iterator[tuple[str, torch.Tensor]]
 
 
 class CheckpointConverter:
-    """Converts one checkpoint's tensors; `quantized`: the checkpoint modules the model quantizes."""
+    """Converts one checkpoint's tensors; `quantized`: the checkpoint modules the model quantizes (with their
+    layers' schemes: all `scheme` here)."""
 
-    def __init__(self, scheme: QuantScheme, quantized: frozenset[str], device: torch.device) -> None:
+    def __init__(self, scheme: QuantScheme, quantized: Mapping[str, QuantScheme], device: torch.device) -> None:
         self.scheme = scheme
         self.quantized = quantized
         self.device = device

@@ -8,18 +8,18 @@ knows no tensor, file or model.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
 from asyncllm.errors import UnsupportedModelError
+from asyncllm.quantization.gguf_types import GGUF_KEPT, Layout, joined
 
 logger = logging.getLogger("asyncllm")
-# GGUF types kept quantized -> (bits, zero point: codes carry one; else mins), all in blocks of 32
-GGUF_KEPT = {"Q8_0": (8, True), "Q4_0": (4, True), "Q4_1": (4, False)}
 
 
 class CheckpointFormat(Enum):
@@ -49,10 +49,34 @@ class QuantScheme:
     activation_scale_ub: float | None = None  # W8A8: per-token activation scales are capped at this
     skip_substrings: tuple[str, ...] = ()  # checkpoint modules left unquantized: any containing one of these
     skip_patterns: tuple[str, ...] = ()  # ... or matching one of these regular expressions (re.match)
+    # GGUF: (checkpoint module, tensor type) of each linear module; a layer takes the layout of its modules'
+    # types (gguf_types.py), or stays unquantized where one of them is not kept. Empty: every layer is this one.
+    module_types: tuple[tuple[str, str], ...] = ()
 
     def skips(self, module: str) -> bool:
         """Whether the checkpoint module `module` (e.g. model.layers.0.mlp.down_proj) stays unquantized."""
         return any(s in module for s in self.skip_substrings) or any(re.match(p, module) for p in self.skip_patterns)
+
+    def layer_scheme(self, modules: Sequence[str]) -> QuantScheme | None:
+        """The scheme of the one linear layer that computes the checkpoint modules `modules` (a packed layer has
+        several; it is quantized whole), or None where it stays unquantized."""
+        skipped = [n for n in modules if self.skips(n)]
+        if len(skipped) == len(modules):
+            return None
+        if skipped:
+            raise UnsupportedModelError(
+                f"{self.method} checkpoint leaves {skipped} unquantized but quantizes "
+                f"{sorted(set(modules) - set(skipped))}; asyncllm runs them as one packed layer, which must be "
+                "quantized whole"
+            )
+        if not self.module_types:
+            return self
+        types = dict(self.module_types)
+        found = [types.get(n) for n in modules]
+        if any(t not in GGUF_KEPT for t in found):
+            return None  # dequantized at load, like a file whose types are not kept
+        layout = joined(GGUF_KEPT[t] for t in found if t is not None)
+        return _with_layout(dataclasses.replace(self, module_types=()), layout, ", ".join(sorted(set(map(str, found)))))
 
     def describe(self) -> str:
         """One line for logs, e.g. "awq: int4, 128 inputs per scale, zero points"."""
@@ -61,6 +85,8 @@ class QuantScheme:
         if self.block_rows > 1:
             groups = f"{self.block_rows}x{self.group_size} blocks"
         offsets = ", zero points" if self.zero_point else ", mins" if self.mins else ""
+        if self.module_types:
+            return f"{self.method}: each layer in its tensor types' layout, at most {codes}, {groups}{offsets}"
         return f"{self.method}: {codes}, {groups}{offsets}"
 
 
@@ -118,16 +144,30 @@ def _gguf_choice(requested: str | None, qc: Mapping[str, Any], device_type: str)
 
 
 def gguf_scheme(qc: Mapping[str, Any]) -> QuantScheme:
-    """The scheme of a GGUF file whose linear tensors all have one type asyncllm keeps quantized."""
+    """The scheme of a GGUF file: its linear layers of the types asyncllm keeps (`GGUF_KEPT`), each in its
+    type's layout (a packed layer: the layout joining its shards' types), the others dequantized at load.
+    `qc`: {"linear_types": every linear tensor's type, "module_types": {checkpoint module: type}} (without
+    "module_types", every linear layer has the file's one type)."""
     types = qc.get("linear_types") or []
-    if len(types) != 1 or types[0] not in GGUF_KEPT:
+    module_types = qc.get("module_types") or {}
+    kept = [t for t in types if t in GGUF_KEPT]
+    if not kept or (not module_types and len(types) != 1):
         raise UnsupportedModelError(
-            f"the GGUF file's linear layers are {', '.join(types) or 'absent'}; kept quantized are files whose "
-            f"linear layers all have one of the types {', '.join(GGUF_KEPT)}"
+            f"the GGUF file's linear layers are {', '.join(types) or 'absent'}; kept quantized are linear layers "
+            f"of the types {', '.join(GGUF_KEPT)}"
         )
-    bits, zero_point = GGUF_KEPT[types[0]]
-    return QuantScheme(f"gguf {types[0]}", CheckpointFormat.GGUF, fp8=False, bits=bits, group_size=32,
-                       zero_point=zero_point, mins=not zero_point)  # fmt: skip
+    if len(kept) < len(types):
+        logger.info("GGUF linear layers of types %s dequantized at load", ", ".join(t for t in types if t not in kept))
+    base = QuantScheme("gguf", CheckpointFormat.GGUF, fp8=False, bits=8, group_size=32,
+                       module_types=tuple(sorted(module_types.items())))  # fmt: skip
+    return _with_layout(base, joined(GGUF_KEPT[t] for t in kept), ", ".join(kept))
+
+
+def _with_layout(scheme: QuantScheme, layout: Layout, types: str) -> QuantScheme:
+    return dataclasses.replace(
+        scheme, method=f"gguf {types}", bits=layout.bits, group_size=layout.group_size,
+        zero_point=layout.zero_point, mins=not layout.zero_point, scale_dtype=layout.scale_dtype,
+    )  # fmt: skip
 
 
 def checkpoint_scheme(qc: Mapping[str, Any]) -> QuantScheme:

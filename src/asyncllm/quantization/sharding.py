@@ -9,7 +9,7 @@ Knows no family: the weight's slice comes from `models.tensor_parallel.weight_sh
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from asyncllm.errors import InvalidConfigError
 from asyncllm.kernels.quant_matmul_ref import codes_per_word
@@ -19,14 +19,15 @@ from asyncllm.quantization.scheme import QuantScheme
 Select = Callable[[str], WeightShard | None]
 
 
-def quantized_shards(select: Select, scheme: QuantScheme, quantized: frozenset[str]) -> Select:
+def quantized_shards(select: Select, quantized: Mapping[str, QuantScheme]) -> Select:
     """`select` (name -> this rank's slice, for the unquantized model) extended to the quantized layers'
-    tensors (`quantized`: their checkpoint module names)."""
+    tensors (`quantized`: their checkpoint module names, each with its layer's scheme)."""
 
     def select_quantized(name: str) -> WeightShard | None:
         module, _, param = name.rpartition(".")
         if module not in quantized or param == "bias":
             return select(name)
+        scheme = quantized[module]
         weight = select(f"{module}.weight")
         if weight is None or weight.dim == 0:
             return weight  # replicated, or this rank's output rows

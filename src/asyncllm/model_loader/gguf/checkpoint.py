@@ -10,7 +10,7 @@ Nothing here touches the network.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from asyncllm.model_loader.gguf.weights import (
     type_name,
 )
 from asyncllm.model_loader.hf import load_given_tokenizer
+from asyncllm.quantization.scheme import QuantScheme
 
 # Turn-end markers of common chat templates: a chat answer ends with one even when the GGUF's
 # eos_token_id names another token (e.g. <|endoftext|>), so they stop generation too.
@@ -54,13 +55,21 @@ def open_gguf_checkpoint(path: Path, dtype: torch.dtype, tokenizer_path: Path | 
     tokenizer = _load_tokenizer(path, header) if tokenizer_path is None else load_given_tokenizer(tokenizer_path)
     eos = eos_token_ids(header) | _turn_end_ids(tokenizer)
 
-    # The linear layers' tensor types: `quantization` decides from them whether they stay quantized.
+    # The linear layers' tensor types: the scheme decides from them which layers stay quantized, and how.
     plan = arch.model_class.family.weights
     linear = set(plan.column_parallel) | set(plan.row_parallel)
-    types = {type_name(t) for t in header.tensors if _module(hf_name(t.name, names)) in linear}
-    hf_config.quantization_config = {"quant_method": "gguf", "linear_types": sorted(types)}
+    module_types = {}
+    for t in header.tensors:
+        module, _, kind = hf_name(t.name, names).rpartition(".")
+        if kind == "weight" and _module(module) in linear:
+            module_types[module] = type_name(t)
+    hf_config.quantization_config = {
+        "quant_method": "gguf",
+        "linear_types": sorted(set(module_types.values())),
+        "module_types": module_types,
+    }
 
-    def iter_quantized_weights(keep: frozenset[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_quantized_weights(keep: Mapping[str, QuantScheme]) -> Iterator[tuple[str, torch.Tensor]]:
         return iter_gguf_weights(
             header,
             dtype,
@@ -76,15 +85,15 @@ def open_gguf_checkpoint(path: Path, dtype: torch.dtype, tokenizer_path: Path | 
         hf_config=hf_config,
         tokenizer=tokenizer,
         eos_token_ids=frozenset(eos),
-        iter_weights=lambda: iter_quantized_weights(frozenset()),
+        iter_weights=lambda: iter_quantized_weights({}),
         num_tensors=len(header.tensors),
         iter_quantized_weights=iter_quantized_weights,
     )
 
 
 def _module(name: str) -> str:
-    """model.layers.0.self_attn.q_proj.weight -> q_proj"""
-    return name.rpartition(".")[0].rpartition(".")[2]
+    """model.layers.0.self_attn.q_proj -> q_proj"""
+    return name.rpartition(".")[2]
 
 
 def _load_tokenizer(path: Path, header: GGUFHeader) -> Any | None:

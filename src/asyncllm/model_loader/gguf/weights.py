@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -21,6 +21,7 @@ from asyncllm.model_loader.gguf.dequant import TORCH_TYPES, dequantize
 from asyncllm.model_loader.gguf.header import GGUFHeader, GGUFTensorInfo, open_data
 from asyncllm.model_loader.gguf.repack import repack
 from asyncllm.models.family import GGUFNames
+from asyncllm.quantization.scheme import QuantScheme
 
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -104,11 +105,12 @@ def iter_gguf_weights(
     num_heads: int,
     num_kv_heads: int,
     permuted_qk: bool,
-    keep: frozenset[str] = frozenset(),
+    keep: Mapping[str, QuantScheme] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every weight of the file as (hf_name, tensor in `dtype`), one tensor dequantized at a time; the weights
-    of the modules in `keep` (checkpoint module names) repacked instead, as `{module}.qweight`, `.scales` and
-    `.qzeros` or `.mins` (repack.py)."""
+    of the modules in `keep` (checkpoint module name -> its layer's scheme) repacked instead, in that scheme's
+    layout, as `{module}.qweight`, `.scales` and `.qzeros` or `.mins` (repack.py)."""
+    keep = keep or {}
     data = open_data(header.path)
     try:
         for tensor in header.tensors:
@@ -118,7 +120,7 @@ def iter_gguf_weights(
             module_name, _, kind = name.rpartition(".")
             if module_name in keep and kind == "weight":
                 raw = torch.frombuffer(data, dtype=torch.uint8, count=tensor.nbytes, offset=tensor.offset)
-                for param, part in repack(raw, type_name(tensor), tensor.shape).items():
+                for param, part in repack(raw, type_name(tensor), tensor.shape, keep[module_name]).items():
                     yield f"{module_name}.{param}", part if heads is None else unpermute_qk(part, heads)
                 continue
             weight = _read(data, tensor).to(dtype)
