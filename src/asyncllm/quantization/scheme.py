@@ -85,7 +85,7 @@ class QuantScheme:
         if self.block_rows > 1:
             groups = f"{self.block_rows}x{self.group_size} blocks"
         offsets = ", zero points" if self.zero_point else ", mins" if self.mins else ""
-        if self.module_types:
+        if len({t for _, t in self.module_types}) > 1:  # a file mixing types: each layer has its own layout
             return f"{self.method}: each layer in its tensor types' layout, at most {codes}, {groups}{offsets}"
         return f"{self.method}: {codes}, {groups}{offsets}"
 
