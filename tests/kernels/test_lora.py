@@ -238,16 +238,22 @@ def test_kernels_compile_for_hopper_without_a_gpu() -> None:
 # ------------------------------------------------------------------------------------------- GPU only
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("path", ["fused", "split"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("shards", [(1024,), (3072, 3072), (2048, 1024, 1024)], ids=str)
-def test_gpu_matches_ref(lora, dtype: torch.dtype, shards: tuple[int, ...]) -> None:
+def test_gpu_matches_ref(lora, dtype: torch.dtype, shards: tuple[int, ...], path: str) -> None:
+    """Both paths at every graph size; the unpacked layer with down's K (3072: split 6 ways at decode sizes)."""
+    k = 3072 if len(shards) == 1 else 1024
+    itemsize = torch.empty(0, dtype=dtype).element_size()
     for num_tokens in GPU_TOKENS:
-        check(lora, num_tokens, shards, dtype, seed=num_tokens, k=1024)
+        launch = plan_lora_launch(num_tokens, 3, k, shards, 16, itemsize, path)  # type: ignore[arg-type]
+        check(lora, num_tokens, shards, dtype, seed=num_tokens, k=k, launch=launch)
 
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_cuda_graph_replay(lora) -> None:
+@pytest.mark.parametrize("path", ["fused", "split"])
+def test_gpu_cuda_graph_replay(lora, path: str) -> None:
     """Captured once for 64 rows, replayed over other mixes written into the same block tables."""
     num_tokens, shards, num_slots, dtype = 64, (2048, 1024, 1024), 3, torch.bfloat16
     a, b = _weights(num_slots, shards, 1024, 16, dtype, seed=2)
@@ -256,10 +262,10 @@ def test_gpu_cuda_graph_replay(lora) -> None:
     grid = max_lora_blocks(num_tokens, num_slots)
     bt = torch.full((grid * LORA_BLOCK_M,), -1, dtype=torch.int32, device=DEVICE)
     bs = torch.full((grid,), -1, dtype=torch.int32, device=DEVICE)
-    lora.lora_add(x, y, a, b, bt, bs, shards)  # compile outside the capture
+    lora.lora_add(x, y, a, b, bt, bs, shards, path=path)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        lora.lora_add(x, y, a, b, bt, bs, shards)
+        lora.lora_add(x, y, a, b, bt, bs, shards, path=path)
     for seed in (3, 4, 5):
         seq_slots, lens = _mix(num_tokens, num_slots, seed)
         tokens, blocks = plan_lora_blocks(seq_slots, lens, num_slots, num_tokens)
