@@ -5,12 +5,16 @@ padded with -1), as fused MoE kernels group tokens by expert: each program compu
 slot's weights, so a batch of many adapters runs as matrix tiles, not token by token. The launch grid holds
 `max_lora_blocks(T, slots)` blocks whatever the mix (the most any T tokens over that many slots can need), so
 a CUDA graph captured for T tokens replays any step of T tokens: blocks past the used ones carry slot -1 and
-their programs exit at once. Plain Python over host-side per-sequence data; no Triton, no device.
+their programs exit at once. `plan_lora_launch` picks, from shapes alone (so a captured graph's choice holds for
+every replay), between one fused launch and a split-K shrink then an expand. Plain Python over host-side
+per-sequence data; no Triton, no device.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
 
 LORA_BLOCK_M = 16  # rows per program: the smallest tile a Triton dot takes
 
@@ -62,3 +66,88 @@ def token_slots(seq_slots: Sequence[int], query_lens: Sequence[int], num_tokens:
         else:
             out += [slot] * n
     return out + [-1] * (num_tokens - len(out))
+
+
+# Launch shapes. Estimates from run 52's figures (bench/RESULTS.md) until bench/kernels/bench_lora.py times
+# both paths on the H200: a launch costs ~2 us in a graph, the old shrink ~0.3 us per 128-wide K tile it walked
+# in turn (one program per row block). Wide K tiles (all of a tile's loads in flight at once), few per program.
+FUSED_MAX_K_STEPS = 2  # K tiles a fused program walks at most: past it, its serial walk outlasts a launch
+FUSED_EXTRA_BYTES = 8 << 20  # L2 re-reads fusing may add (each column tile re-shrinks its block): ~2 us of L2
+SHRINK_PROGRAMS = 256  # the split path splits K while its shrink has fewer programs (132 SMs)
+MAX_SPLITS = 8
+FUSED_WARPS, SPLIT_WARPS = 8, 4  # the fused kernel's and the shrink's and expand's
+# A K tile's loads (x's [16, block_k] and A's [block_k, R]) all in flight at once: 256 bytes a thread.
+LOAD_BYTES_PER_THREAD = 256
+
+LoRAPath = Literal["fused", "split"]
+LORA_PATHS: tuple[LoRAPath, ...] = ("fused", "split")
+
+
+@dataclass(frozen=True)
+class LoRALaunch:
+    """How `lora_add` runs for one shape. "fused": one launch; each program (a row block, a column tile of
+    `block_n`) shrinks its block over all of K, then expands into its tile. "split": a shrink whose programs
+    each take `k_chunk` of K (`splits` partial sums, no atomics, nothing to zero), then an expand that sums
+    them; two launches, no re-reads."""
+
+    path: LoRAPath
+    block_n: int  # output columns per program (a power of two >= 16)
+    block_k: int  # K per step of the shrink's loop (a power of two >= 16)
+    splits: int  # the shrink's K splits (1 on the fused path)
+    k_chunk: int  # K columns per split, a multiple of block_k; splits * k_chunk >= K
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"LoRALaunch.{name} must be a power of two >= 16; got {value}")
+        if self.splits < 1 or self.k_chunk < self.block_k or self.k_chunk % self.block_k:
+            raise ValueError(
+                f"LoRALaunch: splits must be >= 1 and k_chunk a multiple of block_k {self.block_k}; got "
+                f"splits={self.splits}, k_chunk={self.k_chunk}"
+            )
+        if self.path == "fused" and self.splits != 1:
+            raise ValueError(f"LoRALaunch: the fused path takes K whole (splits=1); got splits={self.splits}")
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _floor_pow2(n: int) -> int:
+    return 1 << max(0, n.bit_length() - 1)
+
+
+def plan_lora_launch(
+    num_tokens: int,
+    num_slots: int,
+    k: int,
+    shard_sizes: Sequence[int],
+    rank: int,
+    itemsize: int,
+    path: LoRAPath | None = None,
+) -> LoRALaunch:
+    """The launch for `num_tokens` rows over `num_slots` slots, input width `k`, output shards `shard_sizes`,
+    padded rank `rank`, weights of `itemsize` bytes; `path` forces a path (benchmarks, tests)."""
+    blocks = max_lora_blocks(num_tokens, num_slots)
+    used = min(blocks, num_tokens)  # the most blocks a step can use: each holds a row
+    widest = max(shard_sizes)
+    tile_bytes = (LORA_BLOCK_M + rank) * itemsize  # x's and A's bytes per K column
+    # Tiles shrink as the rank grows: A's [block_k, R] and B's [R, block_n] stay within registers.
+    fused_k = max(16, min(_floor_pow2(LOAD_BYTES_PER_THREAD * 32 * FUSED_WARPS // tile_bytes), _pow2(k)))
+    fused_n = max(16, min(512, 8192 // rank, _pow2(widest)))
+    tiles = sum(-(-n // fused_n) for n in shard_sizes)
+    extra = used * (tiles - len(shard_sizes)) * tile_bytes * k
+    if path is None:
+        short = -(-k // fused_k) <= FUSED_MAX_K_STEPS
+        path = "fused" if short and extra <= FUSED_EXTRA_BYTES else "split"
+    if path == "fused":
+        return LoRALaunch("fused", fused_n, fused_k, 1, -(-k // fused_k) * fused_k)
+    block_k = max(16, min(_floor_pow2(LOAD_BYTES_PER_THREAD * 32 * SPLIT_WARPS // tile_bytes), _pow2(k)))
+    tiles_k = -(-k // block_k)
+    # One K tile a program while the grid is small; K whole once the row blocks alone fill the device
+    # (prefill), where splitting would only add partial sums for the expand to read.
+    few = blocks * len(shard_sizes) < SHRINK_PROGRAMS
+    splits = min(MAX_SPLITS, tiles_k) if few else 1
+    k_chunk = -(-tiles_k // splits) * block_k
+    return LoRALaunch("split", max(16, min(128, 8192 // rank, _pow2(widest))), block_k, -(-k // k_chunk), k_chunk)

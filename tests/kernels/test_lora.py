@@ -1,10 +1,12 @@
-"""The batched LoRA kernels (shrink, expand) against `lora_ref`, their specification, and the host plan.
+"""The batched LoRA kernels (the fused launch, and the split-K shrink then expand) against `lora_ref`, their
+specification, and the host plans (rows per block, launch shapes).
 
 Random mixes of slots and tokens without an adapter, prefill-like runs of one sequence and decode-like single
 rows, one to three output shards (unpacked, gate/up, q/k/v) of odd sizes, inputs whose width is no multiple of
-the K tile, padded ranks 16 and 32, a strided slot dimension (the views of a pool). Rows without an adapter
-must come back bit for bit; token counts 1, 3, 8, 17 on CPU (Triton's interpreter, float32) and every CUDA-graph
-batch size plus odd ones on GPU, where bf16 and a captured graph replayed over new block tables run too.
+the K tile, padded ranks 16, 32 and 64 (and a rank-8 adapter zero-padded to 16), K split 1 to 5 ways, a
+strided slot dimension (the views of a pool). Rows without an adapter must come back bit for bit; token counts
+1, 3, 8, 17 on CPU (Triton's interpreter, float32) and every CUDA-graph batch size plus odd ones on GPU, where
+bf16 and a captured graph replayed over new block tables run too.
 """
 
 from __future__ import annotations
@@ -13,7 +15,16 @@ import random
 
 import pytest
 import torch
-from asyncllm.kernels.lora_plan import LORA_BLOCK_M, max_lora_blocks, plan_lora_blocks, token_slots
+from asyncllm.kernels.lora_plan import (
+    FUSED_WARPS,
+    LORA_BLOCK_M,
+    SPLIT_WARPS,
+    LoRALaunch,
+    max_lora_blocks,
+    plan_lora_blocks,
+    plan_lora_launch,
+    token_slots,
+)
 from asyncllm.kernels.lora_ref import lora_ref
 
 from tests.fixtures.triton_kernels import CPU_TOKENS, DEVICE, GPU_TOKENS, HAS_CUDA, TOLERANCE, import_kernel
@@ -47,9 +58,24 @@ def _weights(num_slots: int, shards: tuple[int, ...], k: int, rank: int, dtype: 
     return pool[:, :n_a].view(num_slots, -1, k), pool[:, n_a : n_a + n_b].view(num_slots, -1, rank)
 
 
-def check(lora, num_tokens: int, shards: tuple[int, ...], dtype: torch.dtype, seed: int, k: int = 72, rank: int = 16):
+def check(
+    lora,
+    num_tokens: int,
+    shards: tuple[int, ...],
+    dtype: torch.dtype,
+    seed: int,
+    k: int = 72,
+    rank: int = 16,
+    launch: LoRALaunch | None = None,
+    adapter_rank: int | None = None,
+):
+    """`lora_add` (the launch given, or the planned one) against `lora_ref`; `adapter_rank` below `rank`: the
+    slots' rank rows past it are zero, as a smaller adapter sits in a padded slot."""
     num_slots = 3
     a, b = _weights(num_slots, shards, k, rank, dtype, seed)
+    if adapter_rank is not None:
+        a.view(num_slots, len(shards), rank, k)[:, :, adapter_rank:] = 0
+        b[:, :, adapter_rank:] = 0
     gen = torch.Generator(device=DEVICE).manual_seed(seed + 1)
     x = torch.randn(num_tokens, k, generator=gen, device=DEVICE).to(dtype)
     y = torch.randn(num_tokens, sum(shards), generator=gen, device=DEVICE).to(dtype)
@@ -65,6 +91,7 @@ def check(lora, num_tokens: int, shards: tuple[int, ...], dtype: torch.dtype, se
         torch.tensor(block_tokens, dtype=torch.int32, device=DEVICE),
         torch.tensor(block_slot, dtype=torch.int32, device=DEVICE),
         shards,
+        launch,
     )
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
@@ -73,15 +100,37 @@ def check(lora, num_tokens: int, shards: tuple[int, ...], dtype: torch.dtype, se
     assert not torch.equal(out[~untouched], y[~untouched]) or not (~untouched).any()
 
 
+def _forced(path: str, block_n: int = 16, block_k: int = 32, splits: int = 1, k_chunk: int = 96) -> LoRALaunch:
+    return LoRALaunch(path, block_n, block_k, splits, k_chunk)  # type: ignore[arg-type]
+
+
+# (name, launch): the plan's choice, the fused launch with several column tiles per shard and K tiles per
+# program, the split path with K in 3 chunks of 2 tiles (the last one partial) and in one chunk
+LAUNCHES = [
+    ("planned", None),
+    ("fused", _forced("fused")),
+    ("split3", _forced("split", splits=3, k_chunk=32, block_k=16)),
+    ("split1", _forced("split", block_n=32, block_k=128, k_chunk=128)),
+]
+
+
+@pytest.mark.parametrize("launch", [launch for _, launch in LAUNCHES], ids=[name for name, _ in LAUNCHES])
 @pytest.mark.parametrize("shards", SHARDS, ids=str)
-def test_matches_ref(lora, shards: tuple[int, ...]) -> None:
+def test_matches_ref(lora, shards: tuple[int, ...], launch: LoRALaunch | None) -> None:
     for num_tokens in CPU_TOKENS:
-        check(lora, num_tokens, shards, torch.float32, seed=num_tokens + sum(shards))
+        check(lora, num_tokens, shards, torch.float32, seed=num_tokens + sum(shards), launch=launch)
 
 
-def test_larger_rank_and_wide_input(lora) -> None:
-    """Rank 32, an input wider than one K tile and not a multiple of it, several blocks per slot."""
-    check(lora, 41, (24, 24), torch.float32, seed=5, k=200, rank=32)
+@pytest.mark.parametrize("path", ["fused", "split"])
+def test_larger_ranks_and_wide_input(lora, path: str) -> None:
+    """Ranks 32 and 64, an input wider than one K tile and not a multiple of it (split 5 ways on the split
+    path), several blocks per slot, q/k/v-like shards; a rank-8 adapter in a slot of rank 16."""
+    for rank in (32, 64):
+        launch = plan_lora_launch(41, 3, 200, (24, 8, 8), rank, 4, path)  # type: ignore[arg-type]
+        check(lora, 41, (24, 8, 8), torch.float32, seed=5 + rank, k=200, rank=rank, launch=launch)
+    split = _forced(path, splits=5 if path == "split" else 1, k_chunk=48 if path == "split" else 208, block_k=16)
+    check(lora, 41, (24, 24), torch.float32, seed=5, k=200, launch=split)
+    check(lora, 19, (40,), torch.float32, seed=6, k=200, launch=split, adapter_rank=8)
 
 
 def test_every_row_of_one_slot_and_none_at_all(lora) -> None:
@@ -93,8 +142,9 @@ def test_every_row_of_one_slot_and_none_at_all(lora) -> None:
         tokens, blocks = plan_lora_blocks(seq_slots, [1] * num_tokens, 2, num_tokens)
         slots = torch.tensor(seq_slots, device=DEVICE)
         bt, bs = (torch.tensor(v, dtype=torch.int32, device=DEVICE) for v in (tokens, blocks))
-        out = lora.lora_add(x, y.clone(), a, b, bt, bs, shards)
-        torch.testing.assert_close(out, lora_ref(x, y.clone(), a, b, slots, shards), atol=1e-5, rtol=1e-5)
+        for launch in (_forced("fused"), _forced("split", splits=2, k_chunk=32)):
+            out = lora.lora_add(x, y.clone(), a, b, bt, bs, shards, launch)
+            torch.testing.assert_close(out, lora_ref(x, y.clone(), a, b, slots, shards), atol=1e-5, rtol=1e-5)
 
 
 def test_plan_puts_every_row_in_its_slots_blocks_once() -> None:
@@ -110,6 +160,42 @@ def test_plan_puts_every_row_in_its_slots_blocks_once() -> None:
         seen = {t: used[i // LORA_BLOCK_M] for i, t in enumerate(tokens) if t >= 0}
         assert seen == {t: s for t, s in enumerate(per_row) if s >= 0}
         assert len([t for t in tokens if t >= 0]) == len(seen)
+
+
+def test_launch_plan_covers_k_and_bounds_tiles_by_rank() -> None:
+    """Every K split is non-empty and together they cover K; tiles shrink as the rank grows (shared memory);
+    the choice depends on shapes only, so a graph captured for T rows replays any step of T rows."""
+    for k in (16, 72, 1000, 1024, 2048, 3072, 8192):
+        for rank in (16, 64, 512):
+            for num_tokens in (1, 64, 256, 2048):
+                for shards in ((1024,), (2048, 1024, 1024), (3072, 3072)):
+                    for path in ("fused", "split", None):
+                        launch = plan_lora_launch(num_tokens, 8, k, shards, rank, 2, path)  # type: ignore[arg-type]
+                        assert launch.splits * launch.k_chunk >= k > (launch.splits - 1) * launch.k_chunk
+                        warps = FUSED_WARPS if launch.path == "fused" else SPLIT_WARPS
+                        assert launch.block_n * rank <= 8192 or launch.block_n == 16
+                        assert (16 + rank) * launch.block_k * 2 <= 256 * 32 * warps or launch.block_k == 16
+    qkv = (2048, 1024, 1024)
+    assert plan_lora_launch(1, 8, 1024, qkv, 16, 2).path == "fused"  # a decode row: one launch
+    assert plan_lora_launch(2048, 8, 1024, qkv, 16, 2).path == "split"  # a prefill chunk: no re-reads
+    assert plan_lora_launch(1, 8, 3072, (1024,), 16, 2).path == "split"  # a long K: split it
+    assert plan_lora_launch(64, 8, 3072, (1024,), 16, 2).splits > 1
+
+
+def test_launch_shape_is_checked(lora) -> None:
+    with pytest.raises(ValueError, match="block_n must be a power of two"):
+        LoRALaunch("fused", 24, 16, 1, 16)
+    with pytest.raises(ValueError, match="k_chunk a multiple of block_k 32"):
+        LoRALaunch("split", 16, 32, 2, 48)
+    with pytest.raises(ValueError, match="splits=1"):
+        LoRALaunch("fused", 16, 16, 2, 32)
+    a, b = _weights(2, (32,), 64, 16, torch.float32, seed=1)
+    x, y = torch.randn(4, 64, device=DEVICE), torch.randn(4, 32, device=DEVICE)
+    tokens, blocks = plan_lora_blocks([0], [4], 2, 4)
+    bt, bs = (torch.tensor(v, dtype=torch.int32, device=DEVICE) for v in (tokens, blocks))
+    for launch in (LoRALaunch("fused", 16, 16, 1, 32), LoRALaunch("split", 16, 16, 2, 16)):
+        with pytest.raises(ValueError, match="does not cover K=64"):
+            lora.lora_add(x, y, a, b, bt, bs, (32,), launch)
 
 
 def test_launchers_reject_bad_inputs(lora) -> None:
@@ -132,19 +218,42 @@ def test_launchers_reject_bad_inputs(lora) -> None:
         lora.lora_add(x.double(), y, a, b, bt, bs, (32,))
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(HAS_CUDA, reason="on CUDA the GPU tests compile and run the kernels themselves")
+def test_kernels_compile_for_hopper_without_a_gpu() -> None:
+    """Triton's compiler (not the interpreter) builds the fused, shrink and expand kernels for sm_90 at the
+    launches the plan picks, within sm_90's shared memory (the interpreter accepts what the compiler refuses)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("hopper_compile_lora.py")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # asyncllm as this process finds it
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr[-2000:]
+    assert out.stdout.count("ok ") == 10 and "fused" in out.stdout and "split" in out.stdout, out.stdout
+
+
 # ------------------------------------------------------------------------------------------- GPU only
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("path", ["fused", "split"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("shards", [(1024,), (3072, 3072), (2048, 1024, 1024)], ids=str)
-def test_gpu_matches_ref(lora, dtype: torch.dtype, shards: tuple[int, ...]) -> None:
+def test_gpu_matches_ref(lora, dtype: torch.dtype, shards: tuple[int, ...], path: str) -> None:
+    """Both paths at every graph size; the unpacked layer with down's K (3072: split 6 ways at decode sizes)."""
+    k = 3072 if len(shards) == 1 else 1024
+    itemsize = torch.empty(0, dtype=dtype).element_size()
     for num_tokens in GPU_TOKENS:
-        check(lora, num_tokens, shards, dtype, seed=num_tokens, k=1024)
+        launch = plan_lora_launch(num_tokens, 3, k, shards, 16, itemsize, path)  # type: ignore[arg-type]
+        check(lora, num_tokens, shards, dtype, seed=num_tokens, k=k, launch=launch)
 
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_cuda_graph_replay(lora) -> None:
+@pytest.mark.parametrize("path", ["fused", "split"])
+def test_gpu_cuda_graph_replay(lora, path: str) -> None:
     """Captured once for 64 rows, replayed over other mixes written into the same block tables."""
     num_tokens, shards, num_slots, dtype = 64, (2048, 1024, 1024), 3, torch.bfloat16
     a, b = _weights(num_slots, shards, 1024, 16, dtype, seed=2)
@@ -153,10 +262,10 @@ def test_gpu_cuda_graph_replay(lora) -> None:
     grid = max_lora_blocks(num_tokens, num_slots)
     bt = torch.full((grid * LORA_BLOCK_M,), -1, dtype=torch.int32, device=DEVICE)
     bs = torch.full((grid,), -1, dtype=torch.int32, device=DEVICE)
-    lora.lora_add(x, y, a, b, bt, bs, shards)  # compile outside the capture
+    lora.lora_add(x, y, a, b, bt, bs, shards, path=path)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        lora.lora_add(x, y, a, b, bt, bs, shards)
+        lora.lora_add(x, y, a, b, bt, bs, shards, path=path)
     for seed in (3, 4, 5):
         seq_slots, lens = _mix(num_tokens, num_slots, seed)
         tokens, blocks = plan_lora_blocks(seq_slots, lens, num_slots, num_tokens)

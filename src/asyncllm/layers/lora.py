@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from asyncllm.kernels.lora_plan import LoRAPath
 from asyncllm.kernels.lora_ref import lora_ref
 from asyncllm.layers.fusion import Fusable
 from asyncllm.layers.linear import Linear
@@ -83,12 +84,13 @@ class LoRALinear(nn.Module, Fusable):
         self.add_adapters(x if x.stride(-1) == 1 else x.contiguous(), y)
         return base.reduce(y) if row_parallel else y  # type: ignore[operator]
 
-    def add_adapters(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """y += each row's adapter's x @ A^T @ B^T, in place, for the rows the batch names."""
+    def add_adapters(self, x: torch.Tensor, y: torch.Tensor, path: LoRAPath | None = None) -> None:
+        """y += each row's adapter's x @ A^T @ B^T, in place, for the rows the batch names; `path` forces one of
+        the kernels' paths (kernels/lora_plan.py: warming both up), else the plan picks it from the shapes."""
         batch = self.batch
         if self._kernel is not None:
             assert batch.block_tokens is not None and batch.block_slot is not None, "LoRABatch not bound"
-            self._kernel(x, y, self.a, self.b, batch.block_tokens, batch.block_slot, self.shard_sizes)
+            self._kernel(x, y, self.a, self.b, batch.block_tokens, batch.block_slot, self.shard_sizes, path=path)
         else:
             assert batch.token_slots is not None, "LoRABatch not bound"
             lora_ref(x, y, self.a, self.b, batch.token_slots[: x.shape[0]], self.shard_sizes)

@@ -16,7 +16,7 @@ from collections import OrderedDict
 import torch
 
 from asyncllm.errors import InvalidConfigError, LoRAError
-from asyncllm.kernels.lora_plan import LORA_BLOCK_M, max_lora_blocks, plan_lora_blocks, token_slots
+from asyncllm.kernels.lora_plan import LORA_BLOCK_M, LORA_PATHS, max_lora_blocks, plan_lora_blocks, token_slots
 from asyncllm.layers.lora import LoRABatch, LoRALinear
 from asyncllm.model_loader.lora import read_peft_adapter
 from asyncllm.models.base import CausalLM
@@ -127,8 +127,9 @@ class LoRAManager:
         self.batch.active = active
 
     def compile_kernels(self) -> None:
-        """Launch every kind of LoRA layer's kernels once with no adapter row (block tables of their own), so
-        the first adapter step of an engine without CUDA graphs compiles nothing (capture does it otherwise)."""
+        """Launch every kind of LoRA layer's kernels once with no adapter row (block tables of their own), on
+        each path, so the first adapter step of an engine without CUDA graphs compiles nothing (capture does it
+        otherwise)."""
         if not self.batch.kernels:
             return
         device, dtype, rows = self.pool.device, self.pool.dtype, LORA_BLOCK_M
@@ -142,7 +143,9 @@ class LoRAManager:
                 if isinstance(layer, LoRALinear) and (layer.a.shape[2], layer.shard_sizes) not in seen:
                     seen.add((layer.a.shape[2], layer.shard_sizes))
                     x = torch.zeros(rows, layer.a.shape[2], dtype=dtype, device=device)
-                    layer.add_adapters(x, torch.zeros(rows, sum(layer.shard_sizes), dtype=dtype, device=device))
+                    y = torch.zeros(rows, sum(layer.shard_sizes), dtype=dtype, device=device)
+                    for path in LORA_PATHS:  # which one a step takes depends on its row count
+                        layer.add_adapters(x, y, path)
         finally:
             self.batch.block_tokens, self.batch.block_slot = bound
 
