@@ -27,6 +27,7 @@ from .lora_plan import (
     LORA_BLOCK_M,
     SPLIT_WARPS,
     LoRALaunch,
+    LoRAPath,
     max_lora_blocks,
     plan_lora_blocks,
     plan_lora_launch,
