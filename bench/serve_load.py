@@ -7,7 +7,7 @@ and the server's ratios to the engine.
 
     python bench/serve_load.py [--model DIR | --shape qwen3-0.6b | --paced-ms 1.3] [--device cuda]
         [--streams 64 256] [--client-procs 4 8] [--requests-per-stream 4] [--max-tokens 128]
-        [--engine-arg NAME=VALUE ...] [--server-flags=--core-process] [--mode both|server|engine]
+        [--engine-arg NAME=VALUE ...] [--server-flags=--no-core-process] [--mode both|server|engine]
         [--repeat 1] [--threads 1] [--check-text] [--py-spy DIR]
 
 Default model: the tests' tiny Qwen3 checkpoint, built now (CPU). `--shape` gives a real shape with random
@@ -198,7 +198,8 @@ def serve_paced(port: int, args: argparse.Namespace) -> None:
     from bench.shapes import find_qwen3_tokenizer
 
     build = functools.partial(paced_built, str(find_qwen3_tokenizer()), args.paced_ms, args.paced_us_per_seq)
-    engine = make_paced_engine(build, "--core-process" in shlex.split(args.server_flags))
+    # As `asyncllm serve` chooses: the core in a process of its own unless --no-core-process.
+    engine = make_paced_engine(build, "--no-core-process" not in shlex.split(args.server_flags))
     config = uvicorn.Config(create_app(engine, served_model_name="bench"), port=port, log_level="warning", loop="auto")
     try:
         uvicorn.Server(config).run()
@@ -341,7 +342,11 @@ def main() -> None:
     ap.add_argument("--requests-per-stream", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--vocab", type=int, default=300, help="prompt ids are drawn below this (set by --shape)")
-    ap.add_argument("--server-flags", default="", help="more serve flags, one string: --server-flags=--core-process")
+    ap.add_argument(
+        "--server-flags",
+        default="",
+        help="more serve flags, one string: --server-flags=--no-core-process (the step thread)",
+    )
     ap.add_argument("--mode", choices=("both", "server", "engine"), default="both")
     ap.add_argument("--repeat", type=int, default=1, help="timed rounds per setting; the median one is reported")
     ap.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for both engines (CPU)")

@@ -8,7 +8,7 @@ no request can carry an overflow into the step thread. Plain Python; no torch.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from asyncllm.errors import InvalidRequestError
@@ -165,7 +165,10 @@ class SamplingParams:
 
     def _number(self, name: str, *, allowed: str, lo: float, hi: float | None = None, lo_open: bool = False) -> None:
         """Validate a real-valued field and store it as a finite float (the device casts it to float32)."""
-        value = check_float(_fail, name, getattr(self, name), allowed, lo=lo, hi=hi, lo_open=lo_open, float32=True)
+        given = getattr(self, name)
+        if type(given) is float and given == _FLOAT_DEFAULTS[name]:
+            return  # the default, valid by construction: most requests leave most of these as they are
+        value = check_float(_fail, name, given, allowed, lo=lo, hi=hi, lo_open=lo_open, float32=True)
         object.__setattr__(self, name, value)
 
     @property
@@ -202,3 +205,7 @@ class SamplingParams:
         if len(ids) > MAX_STOP_TOKEN_IDS:
             raise _fail("stop_token_ids", ids, f"at most {MAX_STOP_TOKEN_IDS} ids (got {len(ids)})")
         return frozenset(ids)
+
+
+# Each real-valued field's default (`_number` skips checking a value equal to it).
+_FLOAT_DEFAULTS = {f.name: f.default for f in fields(SamplingParams) if type(f.default) is float}

@@ -1,4 +1,5 @@
-"""A real uvicorn server on a free port in a background thread, for tests that talk HTTP to an app."""
+"""A real uvicorn server on a free port in a background thread, for tests that talk HTTP to an app; the engine
+core processes a server process started."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI
@@ -53,3 +55,9 @@ def start_server(app: FastAPI, loop: str = "auto", timeout: float = 60.0) -> Run
         assert time.monotonic() < deadline, "uvicorn did not start"
         time.sleep(0.01)
     return RunningServer(app, server, thread, port)
+
+
+def core_processes(pid: int) -> list[int]:
+    """The engine core processes (`core_process=True`) that process `pid` started (Linux /proc)."""
+    children = [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+    return [c for c in children if b"core_proc import main" in Path(f"/proc/{c}/cmdline").read_bytes()]

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -19,8 +20,10 @@ import pytest
 
 from asyncllm.cli import main
 from asyncllm.console import EXIT_FAILED, EXIT_USAGE
-from asyncllm.server.cli import build_parser, served_model_name
-from tests.server.serving import free_port
+from asyncllm.errors import InvalidConfigError
+from asyncllm.server.cli import build_parser, core_placement, served_model_name
+from asyncllm.server.engine_flags import engine_arg_specs, engine_args_from
+from tests.server.serving import core_processes, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,6 +44,7 @@ def test_serve_a_checkpoint_from_the_command_line(tiny_model: Path) -> None:
                     break
             except httpx.TransportError:
                 time.sleep(0.1)
+        assert len(core_processes(proc.pid)) == 1  # the server's default: the engine core in a process of its own
         base_url = f"http://127.0.0.1:{port}/v1"
         with openai.OpenAI(base_url=base_url, api_key="cli-key", max_retries=0) as client:
             assert [m.id for m in client.models.list()] == [tiny_model.name]  # the checkpoint's name by default
@@ -54,6 +58,7 @@ def test_serve_a_checkpoint_from_the_command_line(tiny_model: Path) -> None:
     assert proc.returncode == 0, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     # The banner: what was loaded, on what, the KV cache, the phases; where to send requests and which name.
+    assert "engine core: a process of its own" in err, err
     assert "engine ready in " in err and "(Qwen3ForCausalLM)" in err, err
     assert "cpu, float32, torch attention" in err and "KV cache 256 tokens (64 blocks of 4" in err, err
     assert re.search(r"start-up: import [\d.]+ s, open [\d.]+ s, load [\d.]+ s, kv_cache [\d.]+ s, other", err), err
@@ -89,7 +94,8 @@ def test_bad_arguments_fail_in_one_line_with_their_exit_code(
 
 
 def test_a_model_that_fails_to_load_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Regression: a failed start-up printed uvicorn's ~40-line traceback of the app's lifespan."""
+    """Regression: a failed start-up printed uvicorn's ~40-line traceback of the app's lifespan. The engine
+    core's process (the default) sends its load error back to the server, which reports it so."""
     model = _unsupported_checkpoint(tmp_path / "gpt2")
     assert main(["serve", str(model), "--device", "cpu", "--log-level", "warning", "--port", str(free_port())]) == 1
     assert "'GPT2LMHeadModel' is not supported" in _one_line(capsys.readouterr().err)
@@ -101,12 +107,14 @@ def test_a_missing_device_is_one_line(tiny_model: Path, capsys: pytest.CaptureFi
     if torch.cuda.is_available():
         pytest.skip("needs a machine without a CUDA device")
     argv = ["serve", str(tiny_model), "--device", "cuda", "--log-level", "warning", "--port", str(free_port())]
+    argv += ["--no-core-process"]  # the message is the point; a core process would add its start (seconds)
     assert main(argv) == EXIT_FAILED
     assert "device='cuda' was asked for but torch sees no CUDA device" in _one_line(capsys.readouterr().err)
 
 
 def test_max_model_len_beyond_the_model_is_a_usage_error(tiny_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["serve", str(tiny_model), "--device", "cpu", "--max-model-len", "100000", "--log-level", "warning"]
+    argv += ["--no-core-process"]  # as above
     assert main([*argv, "--port", str(free_port())]) == EXIT_USAGE
     assert "max_model_len=100000 exceeds the model's max_position_embeddings (512)" in _one_line(
         capsys.readouterr().err
@@ -135,6 +143,27 @@ def test_the_built_in_model_is_served_under_the_name_the_docs_send() -> None:
     assert sent is not None and served_model_name(build_parser().parse_args([])) == sent.group(1)
     assert served_model_name(build_parser().parse_args(["/models/Qwen3-0.6B"])) == "Qwen3-0.6B"
     assert served_model_name(build_parser().parse_args(["m.gguf", "--served-model-name", "x"])) == "x"
+
+
+def test_the_engine_core_runs_in_its_own_process_unless_told_or_on_replicas() -> None:
+    """The server's default is `core_process=True`; `--no-core-process` keeps the step thread; `--replicas`
+    leaves it to the pool (whose replicas run their cores in Ray actors) and refuses an explicit one."""
+    parser = build_parser()
+
+    def placed(*argv: str) -> tuple[str, dict[str, Any]]:
+        args = parser.parse_args(["m", *argv])
+        engine_args = engine_args_from(args, engine_arg_specs())
+        return core_placement(args, engine_args), engine_args
+
+    assert placed() == ("a process of its own", {"core_process": True})
+    assert placed("--core-process") == ("a process of its own", {"core_process": True})
+    why, engine_args = placed("--no-core-process")
+    assert engine_args == {"core_process": False} and "--no-core-process" in why
+    why, engine_args = placed("--replicas", "2")
+    assert engine_args == {} and "--replicas" in why
+    assert placed("--replicas", "2", "--no-core-process")[1] == {}
+    with pytest.raises(InvalidConfigError, match="--core-process and --replicas"):
+        placed("--replicas", "2", "--core-process")
 
 
 def test_chat_template_flag_takes_a_file_or_the_text(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ import pytest
 from asyncllm import AsyncLLMEngine
 from asyncllm.server import create_app
 from tests.server.conftest import ENGINE_ARGS, MODEL
-from tests.server.serving import RunningServer, start_server
+from tests.server.serving import RunningServer, core_processes, start_server
 from tests.server.test_concurrency import test_64_concurrent_streams_equal_their_non_streamed_answers  # noqa: F401
 from tests.server.test_disconnect import (  # noqa: F401
     test_client_gone_before_the_first_event_aborts,
@@ -67,7 +67,7 @@ def server(engine: AsyncLLMEngine) -> Iterator[RunningServer]:
 
 def test_a_killed_core_is_an_error_event_and_503_everywhere(engine: AsyncLLMEngine, server: RunningServer) -> None:
     """Defined last, so collected last: it kills the module's engine."""
-    (core,) = _core_pids()
+    (core,) = core_processes(os.getpid())
     with openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0) as client:
         stream = client.completions.create(
             model=MODEL, prompt=[1, 2, 3], max_tokens=480, stream=True, extra_body={"ignore_eos": True}
@@ -87,13 +87,3 @@ def test_a_killed_core_is_an_error_event_and_503_everywhere(engine: AsyncLLMEngi
     t0 = time.monotonic()
     engine.shutdown()
     assert time.monotonic() - t0 < 2.0
-
-
-def _core_pids() -> set[int]:
-    """This process's engine core processes (Linux /proc)."""
-    pids: set[int] = set()
-    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
-        for pid in (task / "children").read_text().split():
-            if b"core_proc import main" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                pids.add(int(pid))
-    return pids

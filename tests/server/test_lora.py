@@ -110,7 +110,17 @@ def test_lora_modules_flag_parses_and_checks() -> None:
 
 
 def test_a_bad_lora_module_fails_in_one_line(tiny_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["serve", str(tiny_model), "--device", "cpu", "--num-kv-blocks", "64", "--log-level", "warning"]
+    argv = [
+        "serve",
+        str(tiny_model),
+        "--device",
+        "cpu",
+        "--num-kv-blocks",
+        "64",
+        "--log-level",
+        "warning",
+        "--no-core-process",
+    ]
     assert main([*argv, "--port", str(free_port()), "--lora-modules", f"x={tiny_model}"]) == EXIT_USAGE
     err = capsys.readouterr().err
     assert "Traceback" not in err

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server.serving import free_port
+from tests.server.serving import core_processes, free_port
 
 # The stream in flight must outlast the window between its first token and the refused request (the
 # signal, the drain starting at the server's next tick, two health checks: 0.12 s on an idle 2-core
@@ -24,15 +24,15 @@ from tests.server.serving import free_port
 _TOKENS = 500  # the prompt's 3 and these within the tiny model's 512 positions
 
 
-@pytest.mark.parametrize("core_process", [False, True], ids=["step-thread", "core-process"])
+@pytest.mark.parametrize("core_process", [True, False], ids=["core-process", "step-thread"])
 def test_sigterm_drains_in_flight_streams_and_refuses_new_requests(tiny_model: Path, core_process: bool) -> None:
-    """With --core-process the signal goes to the whole process group, as a service manager sends it: the
-    core ignores it, serves the drain, and exits with the server."""
+    """With the core in a process of its own (the server's default) the signal goes to the whole process
+    group, as a service manager sends it: the core ignores it, serves the drain, and exits with the server."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "asyncllm.cli", "serve", str(tiny_model), "--port", str(port), "--device", "cpu"]
     cmd += ["--num-kv-blocks", "256", "--block-size", "4", "--log-level", "info", "--drain-timeout", "60"]
-    cmd += ["--core-process"] if core_process else []
+    cmd += [] if core_process else ["--no-core-process"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     core: list[int] = []
     try:
@@ -55,10 +55,11 @@ def test_sigterm_drains_in_flight_streams_and_refuses_new_requests(tiny_model: P
                     events.append(line)
                     break
             if core_process:
-                core = _children(proc.pid)
+                core = core_processes(proc.pid)
                 assert len(core) == 1
                 os.killpg(proc.pid, signal.SIGTERM)
             else:
+                assert core_processes(proc.pid) == []
                 proc.send_signal(signal.SIGTERM)
             t0 = time.monotonic()
             while (health := httpx.get(f"{url}/health", timeout=5)).status_code == 200:
@@ -87,7 +88,3 @@ def test_sigterm_drains_in_flight_streams_and_refuses_new_requests(tiny_model: P
     for pid in core:
         with pytest.raises(ProcessLookupError):  # the core left with its server
             os.kill(pid, 0)
-
-
-def _children(pid: int) -> list[int]:
-    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]

@@ -201,7 +201,10 @@ def _returned(sender: _Sender, call: int, future: Future[None]) -> None:
 def _log_to_stderr(level: int) -> None:
     """The front's log level, on stderr (the banner and warnings a core in-process would log)."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s (core process): %(message)s"))
+    # The front's format (asyncllm.console), marked: the server's log reads as one.
+    handler.setFormatter(
+        logging.Formatter("%(asctime)s %(levelname)-7s %(name)s (core process): %(message)s", "%H:%M:%S")
+    )
     logger = logging.getLogger("asyncllm")
     logger.addHandler(handler)
     logger.setLevel(level)

@@ -25,7 +25,9 @@ from asyncllm import AsyncLLMEngine
 from asyncllm.errors import EngineDeadError, EngineDrainingError
 from asyncllm.server.auth import APIKeyMiddleware
 from asyncllm.server.errors import OpenAIError, engine_dead, install_error_handlers
+from asyncllm.server.json_route import json_route
 from asyncllm.server.metrics import ServerMetrics
+from asyncllm.server.protocol import ChatCompletionRequest, CompletionRequest
 from asyncllm.server.serving_chat import create_chat_completion
 from asyncllm.server.serving_completion import create_completion
 from asyncllm.server.state import ServerState, server_state
@@ -93,8 +95,12 @@ def create_app(
     install_error_handlers(app)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
-    app.post("/v1/chat/completions")(create_chat_completion)
-    app.post("/v1/completions")(create_completion)
+    # Plain routes (json_route: FastAPI's per-request dependency machinery cost as much as the endpoint), first:
+    # the router tries routes in order, and these two no longer wait behind /docs, /openapi.json and the rest.
+    app.router.routes[:0] = [
+        json_route("/v1/chat/completions", ChatCompletionRequest, create_chat_completion),
+        json_route("/v1/completions", CompletionRequest, create_completion),
+    ]
     app.get("/v1/models")(list_models)
     app.get("/v1/models/{model:path}")(retrieve_model)
     app.get("/health")(health)

@@ -1,12 +1,13 @@
 """`asyncllm serve [MODEL] [--host --port --api-key --served-model-name --lora-modules --drain-timeout]
-[--replicas N [--ray-address ADDR]] [every engine argument]`.
+[--[no-]core-process] [--replicas N [--ray-address ADDR]] [every engine argument]`.
 
 Owns the server's command line and its start-up, cheapest check first: the arguments, then the address
 (bound now, handed to uvicorn later: a busy port fails in a second, not after the model loaded), then the
-engine (one in this process, or with `--replicas` a `ReplicaPool` of engines on Ray: the same app serves
-either), then uvicorn (uvloop when installed) on the bound socket. Every `AsyncLLMError` ends it with one
-line and an exit code (`asyncllm.console`). Parsing imports neither FastAPI nor torch nor Ray, so
-`asyncllm serve --help` is instant and works without the `server` extra installed.
+engine (one whose core runs in a process of its own unless `--no-core-process`, or with `--replicas` a
+`ReplicaPool` of engines on Ray: the same app serves either), then uvicorn (uvloop when installed) on the
+bound socket. Every `AsyncLLMError` ends it with one line and an exit code (`asyncllm.console`). Parsing
+imports neither FastAPI nor torch nor Ray, so `asyncllm serve --help` is instant and works without the
+`server` extra installed.
 """
 
 from __future__ import annotations
@@ -90,6 +91,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="on SIGTERM, how long requests in flight may run on while new ones get 503; then they are "
         "aborted and the server exits (default: 30)",
     )
+    server.add_argument(
+        "--core-process",
+        action=argparse.BooleanOptionalAction,
+        dest="core_process",
+        default=argparse.SUPPRESS,  # absent: the server's choice (`core_placement`)
+        help="run the engine core (scheduling, detokenizing, the model) in a process of its own, so its Python "
+        "work shares no GIL with the HTTP work; --no-core-process: a step thread in the server's process "
+        "(default: on, but with --replicas, whose engines each run in a Ray actor)",
+    )
     scale = parser.add_argument_group("replicas on Ray (the `ray` extra; docs/ray.md)")
     scale.add_argument(
         "--replicas",
@@ -106,7 +116,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="the Ray cluster the replicas run on: 'auto' (the one `ray start` began on this machine), "
         "'HOST:6379', 'ray://HOST:10001' (default: $RAY_ADDRESS, else a local cluster started by this server)",
     )
-    add_engine_args(parser.add_argument_group("engine (every AsyncLLMEngine argument; see asyncllm.config)"))
+    engine = parser.add_argument_group("engine (every AsyncLLMEngine argument; see asyncllm.config)")
+    add_engine_args(engine, exclude=frozenset({"core_process"}))  # the server's own flag above, its own default
 
 
 def lora_module_arg(value: str) -> tuple[str, str]:
@@ -133,6 +144,28 @@ def lora_modules(args: argparse.Namespace, engine_args: dict[str, Any]) -> dict[
         raise InvalidConfigError("--lora-modules needs LoRA: drop --no-enable-lora")
     engine_args["enable_lora"] = True
     return modules
+
+
+def core_placement(args: argparse.Namespace, engine_args: dict[str, Any]) -> str:
+    """Where the engine core runs, set as `engine_args["core_process"]` (unless `--replicas`), and why, for
+    the log. The server's default is a process of its own, so the core's Python work shares no GIL with
+    HTTP: the measured winner for serving (bench/RESULTS.md, run 54). `--no-core-process` keeps the step
+    thread. A `ReplicaPool`'s engines each run in a Ray actor, whose core
+    is a step thread there: `--replicas` leaves `core_process` unset (InvalidConfigError beside an explicit
+    `--core-process`)."""
+    asked = engine_args.get("core_process")
+    if args.replicas is not None:
+        if asked:
+            raise InvalidConfigError(
+                "--core-process and --replicas: each replica's engine runs in a Ray actor of its own, its core in "
+                "a step thread there; drop --core-process"
+            )
+        engine_args.pop("core_process", None)
+        return "a step thread in each replica's Ray actor (--replicas)"
+    if asked is False:
+        return "a step thread in the server's process (--no-core-process)"
+    engine_args["core_process"] = True
+    return "a process of its own"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -167,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
         model = args.model or str(default_model_path())
         engine_args = engine_args_from(args, engine_arg_specs())
         adapters = lora_modules(args, engine_args)
+        core = core_placement(args, engine_args)
         check_engine_args(model, engine_args)
     except AsyncLLMError as exc:
         return report_error(exc)
@@ -188,6 +222,7 @@ def run(args: argparse.Namespace) -> int:
         )
     with sock:
         try:
+            logger.info("engine core: %s", core)
             engine = _make_engine(model, engine_args, args)
         except AsyncLLMError as exc:
             return report_error(exc)

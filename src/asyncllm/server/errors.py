@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -131,7 +132,11 @@ def _param_from_loc(loc: tuple[Any, ...]) -> str | None:
 
 
 def validation_error(exc: RequestValidationError) -> OpenAIError:
-    first = exc.errors()[0]
+    return body_error(exc.errors()[0])
+
+
+def body_error(first: Mapping[str, Any]) -> OpenAIError:
+    """400 for a request body's first validation error (pydantic's, its `loc` starting at "body")."""
     kind, loc = first.get("type", ""), tuple(first.get("loc", ()))
     if kind == "json_invalid":
         return OpenAIError(f"the request body is not valid JSON: {first.get('msg', '')}")

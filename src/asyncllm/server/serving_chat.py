@@ -12,8 +12,8 @@ carries the finish reason, then (with `stream_options.include_usage`) a usage ch
 from __future__ import annotations
 
 import logging
+import secrets
 import time
-import uuid
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -45,7 +45,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     engine, lora = state.resolve(body.model)
     params = chat_sampling_params(body)
     plan = await plan_chat_request(engine, body, params, state.chat_template)
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    request_id = f"chatcmpl-{secrets.token_hex(16)}"  # 32 hex digits, as uuid4().hex (a fifth the cost)
     head = {"id": request_id, "created": int(time.time()), "model": body.model}
     prompts, constrained = [plan.prompt_token_ids], [plan.constrain(params)]
     sub = submit(engine, prompts, constrained, request_id, state.metrics, "messages", body.priority or 0, lora)

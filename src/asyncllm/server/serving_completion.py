@@ -10,8 +10,8 @@ and the streamed chunks: text as it comes (with `echo`, each choice's first chun
 from __future__ import annotations
 
 import logging
+import secrets
 import time
-import uuid
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -40,7 +40,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     engine, lora = state.resolve(body.model)
     params = completion_sampling_params(body)
     prompts = completion_prompts(body)
-    request_id = f"cmpl-{uuid.uuid4().hex}"
+    request_id = f"cmpl-{secrets.token_hex(16)}"  # 32 hex digits, as uuid4().hex (a fifth the cost)
     head = {"id": request_id, "created": int(time.time()), "model": body.model}
     sub = submit(engine, prompts, [params], request_id, state.metrics, "prompt", body.priority or 0, lora)
     top_k = body.logprobs
