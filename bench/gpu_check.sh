@@ -162,7 +162,7 @@ if has gemma3; then  # issue 27: Gemma 3 4B shape (random weights): W5 and W1 be
 fi
 if has serve; then  # issue 24: the HTTP server against the in-process engine, step thread and --core-process (~6 min;
   # carry .whl with fastapi, uvicorn, prometheus_client, httpx)
-  for flags in "" "--server-flags=--core-process"; do
+  for flags in "--server-flags=--no-core-process" ""; do
     (cd bench && timeout 280 python3 serve_load.py --shape qwen3-0.6b --device cuda --requests-per-stream 4 $flags 2>&1 \
       | grep -E '^\{|ratio|Error|Traceback' | tail -6) | tee -a "$OUT/serve_load.log"
   done
