@@ -101,6 +101,8 @@ def test_min_tokens_over_max_tokens() -> None:
         dict(max_tokens=1, min_tokens=0, stop=[], stop_token_ids=[]),
         dict(seed=-3, logprobs=0, presence_penalty=-2.0, frequency_penalty=2.0, repetition_penalty=0.5),
         dict(stop=("a", "b"), stop_token_ids=(1, 2)),
+        dict(repetition_penalty=0.01),  # the documented bound, though 0.01 rounds below itself in float32
+        dict(repetition_penalty=100.0, top_p=0.1),
     ],
 )
 def test_valid_edges_are_accepted(kwargs: dict) -> None:

@@ -69,8 +69,11 @@ def check_float(
         raise fail(name, value, allowed) from None
     if not math.isfinite(number):
         raise fail(name, value, allowed)
-    if float32 and not _in_range(as_float32(number), lo, hi, lo_open):
-        raise fail(name, value, allowed)
+    if float32:  # bounds rounded alike: 0.01 itself rounds below 0.01 in float32 and must still pass
+        lo32 = None if lo is None else as_float32(lo)
+        hi32 = None if hi is None else as_float32(hi)
+        if not _in_range(as_float32(number), lo32, hi32, lo_open):
+            raise fail(name, value, allowed)
     if not _in_range(number, lo, hi, lo_open):
         raise fail(name, value, allowed)
     return number

@@ -180,3 +180,12 @@ def test_lora_on_a_pool_is_refused_naming_why(tiny_model: Path) -> None:
 
     with pytest.raises(InvalidConfigError, match="enable_lora=True is not supported by ReplicaPool"):
         ReplicaPool(str(tiny_model), device="cpu", enable_lora=True)
+
+
+def test_core_process_on_a_pool_is_refused_naming_why(tiny_model: Path) -> None:
+    """Each replica's core already runs in an actor of its own: asking for a core process too is refused
+    when the pool is made, not silently ignored."""
+    from asyncllm.ray import ReplicaPool
+
+    with pytest.raises(InvalidConfigError, match="core_process=True is not supported by ReplicaPool"):
+        ReplicaPool(str(tiny_model), device="cpu", core_process=True)

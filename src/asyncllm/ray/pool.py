@@ -63,6 +63,11 @@ class ReplicaPool(AsyncLLMEngine):
                 "enable_lora=True is not supported by ReplicaPool yet (adapters would have to reach every replica, "
                 "and each replacement): serve adapters from one AsyncLLMEngine"
             )
+        if config.device_config.core_process:
+            raise InvalidConfigError(
+                "core_process=True is not supported by ReplicaPool: each replica's core already runs in a Ray "
+                "actor of its own (leave core_process unset)"
+            )
         from asyncllm.ray.actor import build_from_config
 
         self.config = config
