@@ -28,9 +28,11 @@ __all__ = ["GemvPlan", "gemv_locks", "gemv_plan", "quant_gemv", "quant_matmul_re
 
 BLOCK_N = 32  # output rows per program: 32 rows x 128 bytes = four 16-byte vectors per thread of 2 warps
 ROW_BYTES = 128  # bytes of each weight row a program loads per K tile
-TARGET_PROGRAMS_PER_SM = 4  # split K until (token rows x output tiles x splits) reaches this many per SM
+TARGET_PROGRAMS_PER_SM = 8  # split K until (token rows x output tiles x splits) reaches this many per SM:
+# 64-thread programs, one 4 KB K tile in flight each; an SM holds up to 32 of them (starting point, to be tuned)
 MAX_SPLIT = 16
 NUM_WARPS = 2  # 4 rows a thread: each field's activations, loaded once, serve 4 rows
+INTERPRETER_BLOCK_N = 128  # on CPU: Triton's interpreter pays per program and per op, not per element
 
 
 @triton.jit
@@ -211,10 +213,13 @@ def quant_gemv(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
+    if split_k is None and x.device.type != "cuda":
+        split_k = 1  # the interpreter: no splits unless asked for
     plan = gemv_plan(m, n, k, kind, group_size, _num_sms(x.device), split_k)
     if plan is None:
         raise ValueError(f"group_size={group_size} neither covers nor divides the GEMV's K tiles: use quant_matmul")
-    n_tiles = triton.cdiv(n, BLOCK_N)
+    block_n = BLOCK_N if x.is_cuda else INTERPRETER_BLOCK_N
+    n_tiles = triton.cdiv(n, block_n)
     part = out
     if plan.split > 1:
         part = torch.empty(m, plan.split, n, dtype=torch.float32, device=x.device)
@@ -232,6 +237,6 @@ def quant_gemv(
         0 if mins is None else mins.stride(0), out.stride(0),
         BITS=kind, CODES=codes, GROUP=group_size, G=plan.groups, GW=plan.group_words,
         HAS_ZEROS=qzeros is not None, HAS_MINS=mins is not None, HAS_BIAS=bias is not None, SPLIT=plan.split,
-        EVEN_K=k % (plan.groups * plan.group_words * codes) == 0, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
+        EVEN_K=k % (plan.groups * plan.group_words * codes) == 0, BLOCK_N=block_n, num_warps=NUM_WARPS,
     )  # fmt: skip
     return out
