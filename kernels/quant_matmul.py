@@ -22,7 +22,7 @@ import triton.language as tl
 
 from .quant_matmul_ref import FP8_DTYPE, codes_per_word, dequantize_ref, quant_matmul_ref
 
-__all__ = ["dequantize", "dequantize_ref", "quant_matmul", "quant_matmul_ref"]
+__all__ = ["check_weight", "dequantize", "dequantize_ref", "quant_matmul", "quant_matmul_ref"]
 
 ACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -172,7 +172,7 @@ def _dequantize_kernel(
     tl.store(out, w.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _check(
+def check_weight(
     qweight: torch.Tensor,
     scales: torch.Tensor,
     qzeros: torch.Tensor | None,
@@ -256,7 +256,7 @@ def quant_matmul(
 ) -> torch.Tensor:  # [M, N] in x's dtype
     """x W^T (+ b) for W in the reference layout (quant_matmul_ref.py). Launch shapes depend on shapes only,
     so a call can be captured in a CUDA graph."""
-    n, k, kind = _check(qweight, scales, qzeros, mins, bits, group_size)
+    n, k, kind = check_weight(qweight, scales, qzeros, mins, bits, group_size)
     if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
         raise ValueError(f"x must be [M, K={k}] with contiguous rows; got shape {tuple(x.shape)}")
     if x.dtype not in ACT_DTYPES:
@@ -300,7 +300,7 @@ def dequantize(
     dtype: torch.dtype, mins: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """The weight [N, K] in `dtype`: `dequantize_ref` rounded once to `dtype`."""
-    n, k, kind = _check(qweight, scales, qzeros, mins, bits, group_size)
+    n, k, kind = check_weight(qweight, scales, qzeros, mins, bits, group_size)
     out = torch.empty(n, k, dtype=dtype, device=qweight.device)
     block_n, block_k = 32, 128
     _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](

@@ -1,4 +1,4 @@
-"""Compiles the quantized GEMM and dequantization kernels for Hopper (sm_90) without a GPU: Triton's compiler
+"""Compiles the quantized GEMM, GEMV and dequantization kernels for Hopper (sm_90) without a GPU: Triton's compiler
 and the ptxas it ships, in a process without TRITON_INTERPRET. Catches what the interpreter accepts and the
 compiler does not (a kernel reading a plain module global, a shape that is not a power of two, an unsupported
 conversion). Run by tests/kernels/test_quant_matmul.py; prints one line per variant, "ok" or the error."""
@@ -12,6 +12,7 @@ assert not os.environ.get("TRITON_INTERPRET"), "compiling needs the real Triton,
 
 import triton  # noqa: E402
 from asyncllm.kernels import quant_matmul as qm  # noqa: E402
+from asyncllm.kernels import quant_matmul_gemv as gemv  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
@@ -46,6 +47,23 @@ def dequantize(bits: int) -> None:
     triton.compile(ASTSource(fn=qm._dequantize_kernel, signature=signature, constexprs=consts), target=TARGET)
 
 
+def gemv_kernel(bits: int, group: int, zeros: bool, mins: bool, split: int, act: str, even_k: bool = True) -> None:
+    """The GEMV at the tile shape its launcher picks for `group` over K = 4096 (`gemv_plan`)."""
+    codes, scales = POINTERS[bits]
+    plan = gemv.gemv_plan(1, 4096, 4096, bits, group, 132, split)
+    assert plan is not None, group
+    signature = {"x_ptr": act, "w_ptr": codes, "s_ptr": scales, "z_ptr": "*u8", "m_ptr": scales, "b_ptr": act,
+                 "part_ptr": "*fp32", "lock_ptr": "*i32", "out_ptr": act}  # fmt: skip
+    signature |= {name: "i32" for name in ("N", "K", "GROUPS", "tiles_per_split", "stride_xm", "stride_wn")}
+    signature |= {name: "i32" for name in ("stride_sn", "stride_zn", "stride_mn", "stride_om")}
+    consts = dict(BITS=bits, CODES=1 if bits == 0 else 32 // bits, GROUP=group, G=plan.groups,
+                  GW=plan.group_words, HAS_ZEROS=zeros, HAS_MINS=mins, HAS_BIAS=True, SPLIT=plan.split,
+                  EVEN_K=even_k, BLOCK_N=gemv.BLOCK_N)  # fmt: skip
+    signature |= {name: "constexpr" for name in consts}
+    source = ASTSource(fn=gemv._quant_gemv_kernel, signature=signature, constexprs=consts)
+    triton.compile(source, target=TARGET, options={"num_warps": gemv.NUM_WARPS})
+
+
 VARIANTS = [
     ("int4 TILE zeros decode", lambda: gemm(4, 1, True, False, True, (16, 64, 128))),
     ("int4 GROUPS mins", lambda: gemm(4, 2, False, True, False, (16, 64, 128))),
@@ -61,6 +79,14 @@ VARIANTS = [
     ("int4 GROUPS mins f32 scales", lambda: gemm(4, 2, False, True, True, (16, 64, 128), 32, "*fp32")),
     ("dequantize int4", lambda: dequantize(4)),
     ("dequantize e4m3", lambda: dequantize(0)),
+    ("gemv int4 g128 zeros split bf16", lambda: gemv_kernel(4, 128, True, False, 4, "*bf16")),
+    ("gemv int4 g128 zeros fp16 odd K", lambda: gemv_kernel(4, 128, True, False, 1, "*fp16", even_k=False)),
+    ("gemv int4 g32 mins (Q4_1) bf16", lambda: gemv_kernel(4, 32, False, True, 2, "*bf16")),
+    ("gemv int4 g32 zeros (Q4_0) fp16", lambda: gemv_kernel(4, 32, True, False, 1, "*fp16")),
+    ("gemv int8 g32 zeros (Q8_0) bf16", lambda: gemv_kernel(8, 32, True, False, 3, "*bf16")),
+    ("gemv int8 g128 sym fp16 split", lambda: gemv_kernel(8, 128, False, False, 4, "*fp16", even_k=False)),
+    ("gemv e4m3 channel bf16 split", lambda: gemv_kernel(0, 4096, False, False, 4, "*bf16")),
+    ("gemv e4m3 block 128 fp16", lambda: gemv_kernel(0, 128, False, False, 1, "*fp16", even_k=False)),
 ]
 
 if __name__ == "__main__":

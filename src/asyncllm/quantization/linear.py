@@ -2,10 +2,11 @@
 kernels/quant_matmul_ref.py (`qweight`, `scales`, `qzeros` or `mins`, every one [out, ...]).
 
 The torch form computes the reference (dequantize in float32, then matmul); `enable_fused_kernels` (the Triton
-backend) switches to the kernels: the weight-only Triton GEMM up to `DEQUANT_MIN_TOKENS` tokens, then a
-dequantized weight and cuBLAS; FP8 with one scale per channel on Hopper from `W8A8_MIN_TOKENS` tokens runs
-W8A8 (`torch._scaled_mm`). The path depends only on the step's token count, so CUDA graphs capture it. Under
-tensor parallelism a row-parallel layer all-reduces its partial sums (`group`). Knows no checkpoint format.
+backend) switches to the kernels: the one-launch GEMV up to `GEMV_MAX_TOKENS` tokens (where the layer's groups fit
+its tiles), the weight-only Triton GEMM up to `DEQUANT_MIN_TOKENS` tokens, then a dequantized weight and cuBLAS;
+FP8 with one scale per channel on Hopper from `W8A8_MIN_TOKENS` tokens runs W8A8 (`torch._scaled_mm`). The path
+depends only on the step's token count, so CUDA graphs capture it. Under tensor parallelism a row-parallel layer
+all-reduces its partial sums (`group`). Knows no checkpoint format.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from asyncllm.quantization.scheme import QuantScheme
 
 # Token counts from which a step takes the large-M paths (CUDA): starting points, to be measured on the GPU
 # (bench/kernels/bench_quant_matmul.py prints the fastest path per token count).
+GEMV_MAX_TOKENS = 4  # up to this many: quant_gemv (each token row re-reads the weight, from L2)
 DEQUANT_MIN_TOKENS = 1024  # dequantize the whole weight to 16 bits, then cuBLAS
 W8A8_MIN_TOKENS = 64  # FP8 with per-channel scales, bfloat16 activations, Hopper: torch._scaled_mm
 
@@ -74,6 +76,7 @@ class QuantLinear(nn.Module, Fusable):
         self.scale_ub = scheme.activation_scale_ub
         self._matmul: _Matmul = self._reference
         self._scale_row: torch.Tensor | None = None  # [1, N] float32 for W8A8, when that path is taken
+        self._gemv_locks: torch.Tensor | None = None  # quant_gemv's split-K counters, when that path is taken
 
     @torch.no_grad()
     def fill_random(self, gen: torch.Generator, std: float) -> None:
@@ -125,6 +128,12 @@ class QuantLinear(nn.Module, Fusable):
         per_channel = self.group_size == self.in_features
         if fp8 and per_channel and supports_w8a8(device) and self.out_features % 16 == 0 and self.in_features % 16 == 0:
             self._scale_row = self.scales.detach().reshape(1, -1).float().contiguous()  # [1, N]
+        from asyncllm.kernels import quant_matmul_gemv as gemv
+
+        kind = 0 if fp8 else self.bits
+        if gemv.gemv_plan(1, self.out_features, self.in_features, kind, self.group_size, 1) is not None:
+            # allocated here, before any CUDA-graph capture; the kernel leaves them zero after every call
+            self._gemv_locks = gemv.gemv_locks(self.out_features, GEMV_MAX_TOKENS, device)
         self._matmul = self._kernels
 
     def _kernels(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -142,6 +151,14 @@ class QuantLinear(nn.Module, Fusable):
                 mins=self.mins,
             )  # fmt: skip
             return F.linear(x, w, bias)
+        if self._gemv_locks is not None and m <= GEMV_MAX_TOKENS:
+            from asyncllm.kernels.quant_matmul_gemv import quant_gemv
+
+            y = quant_gemv(
+                x if x.stride(1) == 1 else x.contiguous(), self.qweight, self.scales, self.qzeros, bits=self.bits,
+                group_size=self.group_size, bias=bias, mins=self.mins, locks=self._gemv_locks,
+            )  # fmt: skip
+            return y
         out: torch.Tensor = qm.quant_matmul(
             x.contiguous(), self.qweight, self.scales, self.qzeros, bits=self.bits, group_size=self.group_size,
             bias=bias, mins=self.mins,
