@@ -47,9 +47,12 @@ def dequantize(bits: int) -> None:
     triton.compile(ASTSource(fn=qm._dequantize_kernel, signature=signature, constexprs=consts), target=TARGET)
 
 
-def gemv_kernel(bits: int, group: int, zeros: bool, mins: bool, split: int, act: str, even_k: bool = True) -> None:
+def gemv_kernel(
+    bits: int, group: int, zeros: bool, mins: bool, split: int, act: str, even_k: bool = True, scales: str = ""
+) -> None:
     """The GEMV at the tile shape its launcher picks for `group` over K = 4096 (`gemv_plan`)."""
-    codes, scales = POINTERS[bits]
+    codes, default_scales = POINTERS[bits]
+    scales = scales or default_scales
     plan = gemv.gemv_plan(1, 4096, 4096, bits, group, 132, split)
     assert plan is not None, group
     signature = {"x_ptr": act, "w_ptr": codes, "s_ptr": scales, "z_ptr": "*u8", "m_ptr": scales, "b_ptr": act,
@@ -87,6 +90,10 @@ VARIANTS = [
     ("gemv int8 g128 sym fp16 split", lambda: gemv_kernel(8, 128, False, False, 4, "*fp16", even_k=False)),
     ("gemv e4m3 channel bf16 split", lambda: gemv_kernel(0, 4096, False, False, 4, "*bf16")),
     ("gemv e4m3 block 128 fp16", lambda: gemv_kernel(0, 128, False, False, 1, "*fp16", even_k=False)),
+    # GGUF's K-quants through the GEMV: float32 scales; Q6_K's groups of 16 (8-bit codes), Q5_K's mins
+    ("gemv int8 g16 zeros f32 scales (Q6_K)", lambda: gemv_kernel(8, 16, True, False, 2, "*bf16", scales="*fp32")),
+    ("gemv int4 g32 mins f32 scales (Q4_K)", lambda: gemv_kernel(4, 32, False, True, 1, "*fp16", scales="*fp32")),
+    ("gemv int8 g32 mins f32 scales (Q5_K)", lambda: gemv_kernel(8, 32, False, True, 3, "*bf16", scales="*fp32")),
 ]
 
 if __name__ == "__main__":
