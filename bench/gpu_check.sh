@@ -2,7 +2,7 @@
 # Everything the device machine checks, in one call: GPU tests, kernel benchmarks, start-up, then the
 # side-by-side with nano-vllm (../shared/peers, copied to .peers and carried); ends with a short table.
 # Usage (device machine, repo root): bash bench/gpu_check.sh [STEPS]   STEPS: comma list of
-#   tests, kernels, startup, compare (default: all four); COMPARE_STEPS overrides compare.sh's steps;
+#   tests, kernels, startup, compare (default: all four); gguf (GGUF layouts, issue 26); COMPARE_STEPS overrides compare.sh's steps;
 #   also w6 (structured output's cost; carry .whl with xgrammar's wheels), w7 (n=8 samples per prompt against
 #   8 separate requests, prefix cache on and off, ~3 min), moe (Qwen3-30B-A3B shape, ~6 min), gemma3 (Gemma 3 4B shape, ~3 min), serve (issue 24, ~6 min), w8 (prompt logprobs), lora (~5 min), quant (~15 min), abpeers (W1+W5 of AB_BASE against this tree, then nano-vllm), enginetests, quicktests, attntests, w12var, w2var, sampling, ab (W1 of AB_BASE against this tree), decodesweep, w1big, gemm, pa, w2ab (W1/W2 under graph and scheduling variants), w1prof (W1 plain + under
 #   torch.profiler, ~2 min), w4 (long-context prefill and decode, 16K/32K, two token budgets, ~1 min), and
@@ -150,11 +150,16 @@ if has lora; then  # issue 27: LoRA kernels and GPU tests, the kernels against t
   rows+=("lora tests: $(tail -1 "$OUT/lora_tests.log" 2>/dev/null)" "W1 LoRA: $(tail -1 "$OUT/w1_lora.json" | cut -c1-240)")
 fi
 if has quant; then  # issue 26: quantized weights' GPU tests, GEMM paths per shape and size, W5/W1 bf16 vs FP8 vs int4 beside nano-vllm
-  python3 -m pytest -q -s -p no:cacheprovider -o addopts="" tests/gpu/test_quant.py tests/kernels/test_quant_matmul.py 2>&1 | tee "$OUT/quant_tests.log" | grep -E "passed|failed|Error|perplexity" | tail -20
+  python3 -m pytest -q -s -p no:cacheprovider -o addopts="" tests/gpu/test_quant.py tests/kernels/test_quant_matmul.py tests/kernels/test_quant_matmul_gemv.py 2>&1 | tee "$OUT/quant_tests.log" | grep -E "passed|failed|Error|perplexity" | tail -20
   rows+=("quant tests: $(tail -1 "$OUT/quant_tests.log")")
-  timeout 240 python3 bench/kernels/bench_quant_matmul.py 2>&1 | tee "$OUT/quant_kernels.log" | grep -E '"summary"|Error'
+  timeout 240 python3 bench/kernels/bench_quant_matmul.py --m 1 4 16 2048 2>&1 | tee "$OUT/quant_kernels.log" | grep -E '"summary"|Error'
   for s in qwen3-0.6b qwen3-8b; do timeout 400 python3 bench/quant_bench.py --shapes $s --peers 2>&1 | grep -E '^\{|Error'; done | tee "$OUT/quant_bench.log"
   while read -r line; do rows+=("quant: $line"); done < <(grep '"W5"\|"W1"' "$OUT/quant_bench.log")
+fi
+if has gguf; then  # issue 26: GGUF layouts (Q8_0 .. Q6_K, float16 against float32 K-quant scales) through the
+  # quantized layer's paths against bf16 at decode sizes, Qwen3-8B shapes
+  timeout 240 python3 bench/kernels/bench_gguf_layouts.py 2>&1 | tee "$OUT/gguf_layouts.log" | grep -E '^\{|Error'
+  while read -r line; do rows+=("gguf: $(echo "$line" | cut -c1-200)"); done < <(grep '^{' "$OUT/gguf_layouts.log")
 fi
 if has gemma3; then  # issue 27: Gemma 3 4B shape (random weights): W5 and W1 beside their byte-count limits (~3 min)
   timeout 580 python3 bench/gemma3_w1_w5.py 2>&1 | tee "$OUT/gemma3.log" | grep -E '^\{|Error'
