@@ -41,9 +41,10 @@ def test_wheel_installs_in_fresh_venv_with_kernels(tmp_path: Path) -> None:
     shipped = {str(Path(n).parent).replace("/", ".") for n in names if n.endswith("__init__.py")}
     assert _source_packages() <= shipped, f"missing from the wheel: {_source_packages() - shipped}"
     env_dir = tmp_path / "venv"
-    venv.create(env_dir, with_pip=True)
+    venv.create(env_dir, with_pip=False)  # this pip installs into it (`--python`): no seconds of ensurepip
     py = env_dir / "bin" / "python"
-    subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)], check=True)
+    install = [sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps", "--no-index", str(wheel)]
+    subprocess.run(install, check=True)
     out = subprocess.run(
         [
             str(py),

@@ -155,12 +155,14 @@ def test_gpu_mixed_steps_match_torch_backend(kernels, dtype: torch.dtype, block_
     _compare_steps(MIXED_STEPS + long_steps, block_size, 2, 128, dtype, graph_tokens=1536, window=100)
 
 
-def _greedy(path: Path, backend: str, device: str, **engine_args) -> list[list[int]]:
+def _greedy(
+    path: Path, backend: str, device: str, lengths: tuple[int, ...] = (3, 21, 40), max_tokens: int = 6, **engine_args
+) -> list[list[int]]:
     llm = LLM(str(path), device=device, dtype="float32", attention_backend=backend, **engine_args)
     assert llm.runtime.attention_backend == backend
     rng = random.Random(5)
-    prompts = [[rng.randrange(3, llm.runtime.vocab_size) for _ in range(n)] for n in (3, 21, 40)]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    prompts = [[rng.randrange(3, llm.runtime.vocab_size) for _ in range(n)] for n in lengths]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
     assert llm.stats()["num_free_blocks"] == llm.stats()["num_total_blocks"]
     return [o.token_ids for o in outs]
 
@@ -172,7 +174,9 @@ def test_engine_greedy_equals_torch_backend_in_interpreter(kernels, tiny_checkpo
     if HAS_CUDA:
         pytest.skip("covered on CUDA by test_engine_greedy_equals_torch_backend_on_cuda")
     path = tiny_checkpoints[family]
-    args = dict(block_size=16, num_kv_blocks=64, max_num_batched_tokens=32)
+    # The interpreter's time grows with the tokens: prompts as short as still cross a block (16) and the
+    # window (8), one of them longer than the step's budget (chunked over two steps), and a few decode steps.
+    args = dict(block_size=16, num_kv_blocks=64, max_num_batched_tokens=16, lengths=(3, 10, 20), max_tokens=4)
     assert _greedy(path, "triton", "cpu", **args) == _greedy(path, "torch", "cpu", **args)
 
 
