@@ -126,7 +126,11 @@ class MultiProcExecutor:
             # workers and remove the segment. Holds the ring and the processes, never the executor.
             self._finalizer = weakref.finalize(self, _stop_workers, self._ring, self._procs)
         except BaseException as exc:
-            died = self._procs.failure() if self._procs is not None else None
+            # Rank 0's own refusal of the configuration (a tensor-parallel cut inside a quantized group, say) is
+            # the cause: the workers, checking the same thing, die of it too, and whether their deaths show
+            # within the grace below is a race. Anything else may be a collective failed by a peer's death.
+            own = isinstance(exc, InvalidConfigError)
+            died = self._procs.failure() if self._procs is not None and not own else None
             self._started = False  # workers may wait in a set-up collective for ever: do not wait long
             self.shutdown()
             if died is not None:
