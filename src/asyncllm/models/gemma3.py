@@ -21,13 +21,13 @@ from torch import nn
 from asyncllm.attention.backend import AttentionBackend, AttentionMetadata
 from asyncllm.attention.layer import KVCache
 from asyncllm.layers.activation import GeluTanhAndMul
-from asyncllm.layers.embedding import LMHead, VocabEmbedding
+from asyncllm.layers.embedding import LMHead
 from asyncllm.layers.norm import GemmaRMSNorm
 from asyncllm.layers.rotary import RotaryEmbedding, RotaryInputs
 from asyncllm.models.base import CausalLM
 from asyncllm.models.config import ModelArchConfig
 from asyncllm.models.family import EmbeddingScale, FamilySpec
-from asyncllm.models.llama import LLAMA_WEIGHTS, LlamaMLP, check_activation, lm_logits
+from asyncllm.models.llama import LLAMA_WEIGHTS, LlamaMLP, LlamaModel, check_activation, lm_logits
 from asyncllm.models.qwen3 import Qwen3Attention
 
 GEMMA3_FAMILY = FamilySpec(
@@ -73,14 +73,6 @@ class Gemma3DecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(x)), residual
 
 
-class Gemma3Model(nn.Module):
-    def __init__(self, arch: ModelArchConfig, layers: list[Gemma3DecoderLayer], family: FamilySpec) -> None:
-        super().__init__()
-        self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(layers)
-        self.norm = family.norm(arch.hidden_size, arch.rms_norm_eps)
-
-
 class Gemma3ForCausalLM(CausalLM):
     """Gemma 3's text decoder (the 1B checkpoint's architecture; larger ones' language model alike)."""
 
@@ -96,7 +88,7 @@ class Gemma3ForCausalLM(CausalLM):
             Gemma3DecoderLayer(arch, Gemma3Attention(arch, attn_backend, bias, bias, arch.layer_window(i)), family)
             for i in range(arch.num_layers)
         ]
-        self.model = Gemma3Model(arch, layers, family)
+        self.model = LlamaModel(arch, layers, family)
         max_positions = max(arch.max_position_embeddings, arch.max_model_len)
         self.rotary_emb = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling)
         local_theta = arch.local_rope_theta

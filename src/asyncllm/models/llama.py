@@ -9,7 +9,7 @@ Module names mirror Hugging Face names except the packed `qkv_proj` and `gate_up
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 import torch
@@ -182,7 +182,9 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, arch: ModelArchConfig, layers: list[LlamaDecoderLayer], family: FamilySpec) -> None:
+    """The embedding, the decoder layers (any family's) and the final norm, under the checkpoints' names."""
+
+    def __init__(self, arch: ModelArchConfig, layers: Sequence[nn.Module], family: FamilySpec) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(layers)
