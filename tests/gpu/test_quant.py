@@ -104,7 +104,7 @@ def test_graphs_scheduling_and_prefix_cache_variants_agree(variant: str, quantiz
         variants |= {"small_steps": small, "no_prefix_cache": small | dict(enable_prefix_caching=False)}
     results = {}
     for name, extra in variants.items():
-        llm = LLM(str(path), **args, **extra)
+        llm = LLM(str(path), **(args | extra))
         if name == "graphs":
             assert llm.runtime.cuda_graph_sizes
         results[name] = _greedy(llm, prompts)

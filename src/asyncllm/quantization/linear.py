@@ -25,9 +25,12 @@ from asyncllm.layers.linear import Packed
 from asyncllm.layers.parallel import TPGroup
 from asyncllm.quantization.scheme import QuantScheme
 
-# Token counts from which a step takes the large-M paths (CUDA): starting points, to be measured on the GPU
-# (bench/kernels/bench_quant_matmul.py prints the fastest path per token count).
-GEMV_MAX_TOKENS = 4  # up to this many: quant_gemv (each token row re-reads the weight, from L2)
+# Token counts from which a step takes each path (CUDA), from bench/kernels/bench_quant_matmul.py on the H200
+# (bench/RESULTS.md, run 56): the GEMV halves int4's time at one row and loses from four (each row re-reads the
+# weight); for FP8 it wins at one row up to ~2**25 weights and loses above, where the split-K GEMM already
+# streams e4m3 at 2.5-3.4 TB/s (8B gate_up and down).
+GEMV_MAX_TOKENS = 1
+GEMV_MAX_FP8_WEIGHTS = 1 << 25
 DEQUANT_MIN_TOKENS = 1024  # dequantize the whole weight to 16 bits, then cuBLAS
 W8A8_MIN_TOKENS = 64  # FP8 with per-channel scales, bfloat16 activations, Hopper: torch._scaled_mm
 
@@ -131,7 +134,8 @@ class QuantLinear(nn.Module, Fusable):
         from asyncllm.kernels import quant_matmul_gemv as gemv
 
         kind = 0 if fp8 else self.bits
-        if gemv.gemv_plan(1, self.out_features, self.in_features, kind, self.group_size, 1) is not None:
+        small = not fp8 or self.out_features * self.in_features <= GEMV_MAX_FP8_WEIGHTS
+        if small and gemv.gemv_plan(1, self.out_features, self.in_features, kind, self.group_size, 1) is not None:
             # allocated here, before any CUDA-graph capture; the kernel leaves them zero after every call
             self._gemv_locks = gemv.gemv_locks(self.out_features, GEMV_MAX_TOKENS, device)
         self._matmul = self._kernels
