@@ -21,8 +21,10 @@ import pytest
 import torch
 
 from asyncllm import LLM, SamplingParams
+from asyncllm.attention.torch_ref import TorchAttentionBackend
 from asyncllm.config import EngineConfig
 from asyncllm.errors import InvalidConfigError, UnsupportedModelError
+from asyncllm.kernels.kv_cache_fp8_ref import quantize_kv, read_kv
 from tests.fixtures.kv_scales import NAMINGS, with_kv_scales
 
 ENGINE: dict[str, Any] = dict(device="cpu", dtype="float32", block_size=4, num_kv_blocks=256)
@@ -62,6 +64,44 @@ def assert_within_e4m3(fp8: list[float], auto: list[float], max_logit: float) ->
     diffs = [abs(a - b) for a, b in zip(fp8, auto)]
     assert max(diffs) <= 4 * E4M3_STEP * max_logit, f"worst {max(diffs):.3f}, largest logit {max_logit:.2f}"
     assert sum(diffs) / len(diffs) <= E4M3_STEP * max_logit, f"mean {sum(diffs) / len(diffs):.3f}"
+
+
+class _RoundingBackend(TorchAttentionBackend):
+    """The FP8 cache's maths spelled out over a float32 cache: keys and values stored as their e4m3 codes times
+    the scales."""
+
+    def write_kv(self, k, v, k_cache, v_cache, meta, k_scale=None, v_scale=None) -> None:
+        k, v = read_kv(quantize_kv(k, k_scale), k_scale), read_kv(quantize_kv(v, v_scale), v_scale)
+        super().write_kv(k, v, k_cache, v_cache, meta)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_the_fp8_cache_is_the_model_with_keys_and_values_rounded_to_e4m3(family: str, tiny_checkpoints) -> None:
+    """Logits over an e4m3 cache equal, bit for bit, those of the model storing its keys and values rounded to
+    e4m3 in a float32 cache: the cache changes nothing else. Chunked steps, non-unit scales."""
+    from asyncllm.model_loader.checkpoint import open_checkpoint
+    from asyncllm.models.config import ModelArchConfig
+    from asyncllm.models.registry import resolve_model_class
+    from tests.fixtures.paged import PagedBatcher
+
+    checkpoint = open_checkpoint(str(tiny_checkpoints[family]), torch.float32)
+    arch = ModelArchConfig.from_hf(checkpoint.hf_config, None)
+    ids = torch.tensor(make_prompts(lengths=(37,))[0])
+    logits = []
+    for backend, cache_dtype in ((TorchAttentionBackend(), torch.float8_e4m3fn), (_RoundingBackend(), torch.float32)):
+        model = resolve_model_class(checkpoint.hf_config)(arch, backend)
+        model.load_weights(checkpoint.iter_weights())
+        for i, layer in enumerate(model.model.layers):
+            layer.self_attn.attn.set_kv_scales(0.37 + i, 1.3 / (i + 1))
+        batcher = PagedBatcher(num_blocks=16, block_size=4)
+        caches = batcher.new_caches(arch.num_layers, arch.num_kv_heads, arch.head_dim, cache_dtype)
+        steps = []
+        with torch.inference_mode():
+            for start, n in ((0, 16), (16, 20), (36, 1)):
+                positions, meta = batcher.step([(0, n)])
+                steps.append(model.compute_logits(model(ids[start : start + n], positions, caches, meta)))
+        logits.append(torch.cat(steps))
+    assert torch.equal(logits[0], logits[1])
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama", "gemma3"])
