@@ -33,6 +33,14 @@ def read_kv(rows: torch.Tensor, scale: torch.Tensor | float | None) -> torch.Ten
     return rows.float() * scale
 
 
+def gather(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """cache[index] along the first dim, an FP8 cache's through its bytes (torch's indexing kernels may have no
+    float8 form on a device)."""
+    if not is_fp8(cache):
+        return cache[index]
+    return cache.view(torch.uint8)[index].view(cache.dtype)
+
+
 def write_kv(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, scale: torch.Tensor | float | None) -> None:
     """x [N, Hkv, D] into rows `slots` [N] of `cache` [num_blocks, block_size, Hkv, D] (slot = block *
     block_size + row): quantized with `scale` in an FP8 cache, cast to the cache's dtype in any other."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .kv_cache_fp8_ref import read_kv
+from .kv_cache_fp8_ref import gather, read_kv
 
 
 def paged_attention_ref(
@@ -31,8 +31,8 @@ def paged_attention_ref(
     row = 0
     for i, (q_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
         blocks = block_tables[i, : -(-seq_len // block_size)].long()
-        k = read_kv(k_cache[blocks].flatten(0, 1)[:seq_len], k_scale).repeat_interleave(group, dim=1)  # [L, H, D]
-        v = read_kv(v_cache[blocks].flatten(0, 1)[:seq_len], v_scale).repeat_interleave(group, dim=1)
+        k = read_kv(gather(k_cache, blocks).flatten(0, 1)[:seq_len], k_scale).repeat_interleave(group, dim=1)
+        v = read_kv(gather(v_cache, blocks).flatten(0, 1)[:seq_len], v_scale).repeat_interleave(group, dim=1)
         qs = q[row : row + q_len].float()  # [Q, H, D]
         scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
         kpos, qpos = torch.arange(seq_len)[None, :], torch.arange(q_len)[:, None] + (seq_len - q_len)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from asyncllm.attention.backend import AttentionBackend, AttentionMetadata, AttentionPlan, PlanBounds, store_kv
-from asyncllm.kernels.kv_cache_fp8_ref import read_kv
+from asyncllm.kernels.kv_cache_fp8_ref import gather, read_kv
 
 __all__ = ["TorchAttentionBackend", "attend", "gather_kv", "store_kv"]
 
@@ -24,7 +24,7 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, star
     (the blocks before `start` are not read: a sliding window may have given them away)."""
     block_size = cache.shape[1]
     first, num_blocks = start // block_size, -(-seq_len // block_size)
-    rows = cache[block_table[first:num_blocks].long()].flatten(0, 1)
+    rows = gather(cache, block_table[first:num_blocks].long()).flatten(0, 1)
     return rows[start - first * block_size : seq_len - first * block_size]
 
 
@@ -144,8 +144,8 @@ class TorchAttentionBackend(AttentionBackend):
         max_len = plan.decode_max_len
         nb = -(-max_len // block_size)
         tables = meta.block_tables[plan.decode_seq_idx, :nb].long()  # [B, nb]
-        kk = read_kv(k_cache[tables].flatten(1, 2)[:, :max_len], k_scale)  # [B, L, Hkv, D] float32
-        vv = read_kv(v_cache[tables].flatten(1, 2)[:, :max_len], v_scale)
+        kk = read_kv(gather(k_cache, tables).flatten(1, 2)[:, :max_len], k_scale)  # [B, L, Hkv, D] float32
+        vv = read_kv(gather(v_cache, tables).flatten(1, 2)[:, :max_len], v_scale)
         qq = q[plan.decode_rows].float()  # [B, H, D]
         group = qq.shape[1] // kk.shape[2]
         qg = qq.view(qq.shape[0], kk.shape[2], group, qq.shape[2])  # [B, Hkv, G, D]
