@@ -1,11 +1,15 @@
 """The paged attention launchers' input contract (kernels/paged_attention.py): shapes, dtypes, devices,
-strides and the sliding window, checked on the host before any launch, each failure naming the argument.
-Imports only torch.
+strides, the sliding window and an FP8 cache's scales, checked on the host before any launch, each failure
+naming the argument. Imports only torch.
 """
 
 from __future__ import annotations
 
 import torch
+
+from .kv_cache_fp8_ref import KV_FP8_DTYPE, check_kv_scales
+
+__all__ = ["check_inputs", "check_kv_scales", "check_window"]
 
 
 def check_inputs(
@@ -29,8 +33,11 @@ def check_inputs(
         raise ValueError(f"q heads/dim {num_heads}/{head_dim} do not fit the cache's {num_kv_heads}/{k_cache.shape[3]}")
     if block_size & (block_size - 1):
         raise ValueError(f"block_size={block_size} must be a power of two (e.g. 16)")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype == out.dtype):
-        raise TypeError(f"q, caches and out must share one dtype; got {q.dtype}, {k_cache.dtype}, {out.dtype}")
+    if q.dtype != out.dtype or k_cache.dtype != v_cache.dtype or k_cache.dtype not in (q.dtype, KV_FP8_DTYPE):
+        raise TypeError(
+            f"q and out must share one dtype, and the caches that dtype or float8_e4m3fn (an FP8 cache); got q "
+            f"{q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}, out {out.dtype}"
+        )
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"dtype {q.dtype} is not supported; use float32, float16 or bfloat16")
     if out.shape != q.shape:

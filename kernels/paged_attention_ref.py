@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from .kv_cache_fp8_ref import gather, read_kv
+
 
 def paged_attention_ref(
     q: torch.Tensor,  # [T, H, D], sequences packed by query_lens
@@ -17,17 +19,20 @@ def paged_attention_ref(
     seq_lens: list[int],
     scale: float,
     window: int | None = None,
+    k_scale: torch.Tensor | float | None = None,  # an FP8 cache's scales (kv_cache_fp8_ref); else unused
+    v_scale: torch.Tensor | float | None = None,
 ) -> torch.Tensor:  # [T, H, D]
     """The specification of both kernels: query j of a sequence with query_len Q and seq_len L sits at
     position p = L - Q + j and attends keys 0..p of its own blocks, or with a sliding `window` keys
-    p - window + 1..p (transformers' `kv_idx > q_idx - window`); softmax in float32."""
+    p - window + 1..p (transformers' `kv_idx > q_idx - window`); softmax in float32 over the cache's keys and
+    values as float32 numbers (an FP8 cache's codes times their scales)."""
     block_size, group = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
     out = torch.empty_like(q)
     row = 0
     for i, (q_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
         blocks = block_tables[i, : -(-seq_len // block_size)].long()
-        k = k_cache[blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(group, dim=1)  # [L, H, D]
-        v = v_cache[blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(group, dim=1)
+        k = read_kv(gather(k_cache, blocks).flatten(0, 1)[:seq_len], k_scale).repeat_interleave(group, dim=1)
+        v = read_kv(gather(v_cache, blocks).flatten(0, 1)[:seq_len], v_scale).repeat_interleave(group, dim=1)
         qs = q[row : row + q_len].float()  # [Q, H, D]
         scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
         kpos, qpos = torch.arange(seq_len)[None, :], torch.arange(q_len)[:, None] + (seq_len - q_len)

@@ -1,6 +1,6 @@
 """Everything between the qkv projection and attention, in one Triton pass: split the packed qkv, per-head
 RMSNorm of q and k (Qwen3, or Gemma 3's (1 + w) form with `unit_offset`; skipped without weights), rotate-half
-rotary embeddings, and the paged KV store.
+rotary embeddings, and the paged KV store (in an FP8 cache: k / k_scale and v / v_scale as e4m3 codes).
 
 `qk_norm_rope_kv_ref` (qk_norm_rope_kv_ref.py) is the specification, the model code op for op (RMSNorm as
 transformers orders it, rotary with cos/sin cast to the activations' dtype, every elementwise op rounded to it,
@@ -14,10 +14,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .kv_cache_fp8_ref import KV_FP8_DTYPE, check_kv_scales
 from .qk_norm_rope_kv_ref import qk_norm_rope_kv_ref
 from .rms_norm import DTYPES
 
 __all__ = ["qk_norm_rope_kv", "qk_norm_rope_kv_ref"]
+
+_E4M3_MAX = tl.constexpr(448.0)  # e4m3fn's largest finite value
 
 
 @triton.jit
@@ -51,13 +54,32 @@ def _rotate(x1, x2, cos, sin):
 
 
 @triton.jit
+def _e4m3(x, scale):
+    """x / scale (IEEE division) saturated to +-448 and rounded to e4m3's nearest value, ties to even, still in
+    float32: torch's cast of the clamped quotient (kv_cache_fp8_ref.quantize_kv), so the cast to e4m3 that
+    follows is exact. Rounded here with two float32 adds because Triton's CPU interpreter rounds a float32 ->
+    e4m3 cast half up without carrying into the exponent (31.46 -> 16): done by the cast, the kernel could not
+    be checked on CPU."""
+    xf = x.to(tl.float32)
+    y = tl.minimum(tl.maximum(tl.math.div_rn(xf, tl.broadcast_to(scale, xf.shape)), -_E4M3_MAX), _E4M3_MAX)
+    # e4m3 keeps 3 mantissa bits, with exponents down to 2**-6 (float32's biased 121; below it a fixed step of
+    # 2**-9): 1.5 * 2**(exponent + 20) has y's e4m3 step as its ulp, so y + magic rounds y to that step.
+    bits = y.to(tl.int32, bitcast=True)
+    exponent = tl.maximum((bits >> 23) & 0xFF, 121)
+    magic = (((exponent + 20) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    rounded = (y + magic) - magic
+    return tl.where(y < 0, -tl.abs(rounded), rounded)  # -0 stays -0, as the cast keeps it
+
+
+@triton.jit
 def _qk_norm_rope_kv_kernel(
-    qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_w_ptr, k_w_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, q_out_ptr, eps,
+    qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_w_ptr, k_w_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, q_out_ptr,
+    k_scale_ptr, v_scale_ptr, eps,  # the scales: an FP8 cache's float32 ones (unread otherwise)
     stride_qkv, stride_cos, stride_sin, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_qo_t, stride_qo_h,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr,
-    UNIT_OFFSET: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr, KV_FP8: tl.constexpr,
 ):  # fmt: skip
     # One program per (token, KV head). Its GQA group's query heads and its key head form one tile of GROUP + 1
     # rows (queries first, the key last), normed and rotated together; the value head is copied alongside.
@@ -97,16 +119,22 @@ def _qk_norm_rope_kv_kernel(
     keep = (offs_d * 0 + slot) >= 0  # [1, BH]
     k_dst = k_cache_ptr + block * stride_kb + block_row * stride_kt + kv_head * stride_kh + offs_d  # [1, BH]
     k_dst = tl.broadcast_to(k_dst, (BLOCK_R, BLOCK_HALF))  # a pointer per tile element; only the key row stores
-    tl.store(k_dst, x1, mask=is_k & d_mask & keep)
-    tl.store(k_dst + HALF, x2, mask=is_k & d_mask & keep)
     v_src = qkv_ptr + token * stride_qkv + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM + offs_d
     v_dst = v_cache_ptr + block * stride_vb + block_row * stride_vt + kv_head * stride_vh + offs_d
-    tl.store(v_dst, tl.load(v_src, mask=d_mask), mask=d_mask & keep)
-    tl.store(v_dst + HALF, tl.load(v_src + HALF, mask=d_mask), mask=d_mask & keep)
+    v1, v2 = tl.load(v_src, mask=d_mask), tl.load(v_src + HALF, mask=d_mask)
+    if KV_FP8:
+        k_scale, v_scale = tl.load(k_scale_ptr), tl.load(v_scale_ptr)
+        codes = k_cache_ptr.dtype.element_ty
+        x1, x2 = _e4m3(x1, k_scale).to(codes), _e4m3(x2, k_scale).to(codes)
+        v1, v2 = _e4m3(v1, v_scale).to(codes), _e4m3(v2, v_scale).to(codes)
+    tl.store(k_dst, x1, mask=is_k & d_mask & keep)
+    tl.store(k_dst + HALF, x2, mask=is_k & d_mask & keep)
+    tl.store(v_dst, v1, mask=d_mask & keep)
+    tl.store(v_dst + HALF, v2, mask=d_mask & keep)
 
 
 def _check(qkv, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping, q_norm_weight, k_norm_weight, eps):
-    """Validates the inputs; returns (num_heads, num_kv_heads, head_dim)."""
+    """Validates the inputs but an FP8 cache's scales; returns (num_heads, num_kv_heads, head_dim)."""
     if qkv.dim() != 2:
         raise ValueError(f"qkv must be 2-D [T, (H + 2 * Hkv) * D]; got shape {tuple(qkv.shape)}")
     if qkv.dtype not in DTYPES:
@@ -157,8 +185,11 @@ def _check(qkv, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping,
             raise ValueError(f"{name} is on {t.device}, qkv on {qkv.device}: all inputs must share one device")
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dim (stride(-1) == 1); got strides {t.stride()}")
-    if k_cache.dtype != qkv.dtype or v_cache.dtype != qkv.dtype:
-        raise TypeError(f"caches have dtypes {k_cache.dtype}/{v_cache.dtype}; expected qkv's dtype {qkv.dtype}")
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (qkv.dtype, KV_FP8_DTYPE):
+        raise TypeError(
+            f"caches have dtypes {k_cache.dtype}/{v_cache.dtype}; expected qkv's dtype {qkv.dtype} for both, or "
+            "float8_e4m3fn for both (an FP8 cache)"
+        )
     return num_heads, num_kv_heads, head_dim
 
 
@@ -175,6 +206,8 @@ def qk_norm_rope_kv(
     eps: float | None = None,  # the norm's epsilon; required with the weights
     q_out: torch.Tensor | None = None,  # [T, H, D]
     unit_offset: bool = False,  # Gemma's q/k norm: scale by (1 + weight) in float32 (gemma_rms_norm_ref)
+    k_scale: torch.Tensor | None = None,  # an FP8 cache's scales: float32, one element each, on qkv's device
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Normed (when weights are given) and rotated queries into `q_out` (allocated when None, the only
     allocation), returned; normed and rotated keys and the raw values stored at slot_mapping. Every token gets
@@ -182,6 +215,7 @@ def qk_norm_rope_kv(
     positions and slots are not range-checked (that would need a host sync)."""
     args = (qkv, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping, q_norm_weight, k_norm_weight, eps)
     num_heads, num_kv_heads, head_dim = _check(*args)
+    kv_fp8 = check_kv_scales(k_cache, k_scale, v_scale)
     num_tokens = qkv.shape[0]
     if q_out is None:
         q_out = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
@@ -199,12 +233,13 @@ def qk_norm_rope_kv(
     block_half = triton.next_power_of_2(head_dim // 2)
     _qk_norm_rope_kv_kernel[(num_tokens, num_kv_heads)](
         qkv, positions, cos_cache, sin_cache, q_norm_weight if has_norm else qkv, k_norm_weight if has_norm else qkv,
-        k_cache, v_cache, slot_mapping, q_out, eps if has_norm else 0.0,
+        k_cache, v_cache, slot_mapping, q_out,
+        k_scale if kv_fp8 else qkv, v_scale if kv_fp8 else qkv, eps if has_norm else 0.0,
         qkv.stride(0), cos_cache.stride(0), sin_cache.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3],
         q_out.stride(0), q_out.stride(1),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_R=block_r, BLOCK_HALF=block_half, HAS_NORM=has_norm,
-        UNIT_OFFSET=unit_offset,
+        UNIT_OFFSET=unit_offset, KV_FP8=kv_fp8,
         num_warps=1 if block_r * block_half <= 128 else 2 if block_r * block_half <= 512 else 4,
         enable_fp_fusion=False,  # no fused multiply-add: x1*cos - x2*sin rounds each product, as torch does
     )  # fmt: skip

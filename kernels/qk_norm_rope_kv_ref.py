@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from .kv_cache_fp8_ref import write_kv
 from .rms_norm_ref import gemma_rms_norm_ref, rms_norm_ref
 from .rotary_ref import apply_rotary_ref
 
@@ -23,9 +24,12 @@ def qk_norm_rope_kv_ref(
     k_norm_weight: torch.Tensor | None = None,
     eps: float | None = None,
     unit_offset: bool = False,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as `qk_norm_rope_kv`: the model's split, per-head RMSNorm (Qwen3's, or Gemma's with
-    `unit_offset`), apply_rotary and store_kv. Skipping padding slots needs a boolean index, i.e. a host sync:
+    `unit_offset`), apply_rotary and store_kv (kv_cache_fp8_ref.write_kv: an FP8 cache quantized with the
+    scales). Skipping padding slots needs a boolean index, i.e. a host sync:
     not for graphs."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     num_tokens, num_heads = qkv.shape[0], qkv.shape[1] // head_dim - 2 * num_kv_heads
@@ -40,6 +44,6 @@ def qk_norm_rope_kv_ref(
     q, k = apply_rotary_ref(q, cos, sin), apply_rotary_ref(k, cos, sin)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    for cache, new in ((k_cache, k), (v_cache, v)):
-        cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, new[keep].to(cache.dtype))
+    for cache, new, scale in ((k_cache, k, k_scale), (v_cache, v, v_scale)):
+        write_kv(cache, slots, new[keep], scale)
     return q

@@ -5,7 +5,9 @@ decode: batch 256 x context 1,024; limit: reading the KV once at the H200's copy
 ../shared/PERF.md target: >= 80 %). A few launch configurations side by side, and the torch reference.
 prefill: causal, equal-length sequences; against torch's scaled_dot_product_attention on dense [B, H, L, D]
 (its flash path), and torch.nn.attention.varlen where this torch has it (target: >= 0.9x).
-Run on the device machine from the repo root: python3 bench/kernels/bench_paged_attention.py
+decode-fp8 (`--kv-fp8`): the default decode launch over the same keys and values in bf16 and in e4m3 (an FP8 KV
+cache, kv_cache_dtype="fp8": half the bytes to read).
+Run on the device machine from the repo root: python3 bench/kernels/bench_paged_attention.py [--kv-fp8]
 """
 
 from __future__ import annotations
@@ -58,12 +60,16 @@ def paged_batch(seq_lens: list[int], query_lens: list[int]):
     return q, k_cache, v_cache, tables.cuda(), torch.tensor(seq_lens, dtype=torch.int32).cuda(), starts
 
 
-def bench_decode(pa, batch: int, context: int, min_context: int | None = None) -> None:
+def _contexts(batch: int, context: int, min_context: int | None) -> list[int]:
     torch.manual_seed(0)
     if min_context is None:
-        contexts = [context] * batch
-    else:  # W1-like: lengths uniform in [min_context, context], so programs end at different times
-        contexts = torch.randint(min_context, context + 1, (batch,)).tolist()
+        return [context] * batch
+    # W1-like: lengths uniform in [min_context, context], so programs end at different times
+    return torch.randint(min_context, context + 1, (batch,)).tolist()
+
+
+def bench_decode(pa, batch: int, context: int, min_context: int | None = None) -> None:
+    contexts = _contexts(batch, context, min_context)
     q, k_cache, v_cache, tables, lens, starts = paged_batch(contexts, [1] * batch)
     seqs = torch.arange(batch, dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
@@ -124,6 +130,29 @@ def bench_decode(pa, batch: int, context: int, min_context: int | None = None) -
         )
     )
     print(json.dumps({"kernel": "decode-variants", "variants": results}))
+
+
+def bench_decode_fp8(pa, batch: int, context: int, min_context: int | None = None) -> None:
+    """The engine's decode launch (its split count, longest first) over one batch's keys and values stored in
+    bfloat16 and in e4m3 with non-unit scales: time, bytes read per second, error against the reference."""
+    contexts = _contexts(batch, context, min_context)
+    q, k_cache, v_cache, tables, lens, starts = paged_batch(contexts, [1] * batch)
+    scales = dict(k_scale=torch.tensor(0.5, device="cuda"), v_scale=torch.tensor(0.25, device="cuda"))
+    k8, v8 = (c.div(scales[n]).to(torch.float8_e4m3fn) for c, n in ((k_cache, "k_scale"), (v_cache, "v_scale")))
+    out, scale = torch.empty_like(q), HEAD_DIM**-0.5
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = pa.choose_num_splits(max(contexts), batch, KV_HEADS, sms)
+    order = torch.argsort(lens, descending=True, stable=True).to(torch.int32)
+    row = dict(kernel="decode-fp8", shape=f"batch {batch} x context {context}, 16q/8kv heads, d128, bf16 queries")
+    for name, caches, extra in (("bf16", (k_cache, v_cache), {}), ("e4m3", (k8, v8), scales)):
+        args = (q, *caches, tables, lens, starts, order, out, scale)
+        ms = time_ms(lambda args=args, extra=extra: pa.paged_decode_attention(*args, num_splits=splits, **extra))
+        ref = pa.paged_attention_ref(q, *caches, tables, [1] * batch, contexts, scale, **extra)
+        kv_bytes = 2 * sum(contexts) * KV_HEADS * HEAD_DIM * caches[0].element_size()
+        row |= {f"{name}_ms": round(ms, 4), f"{name}_tb_s": round(kv_bytes / ms / 1e9, 3)}
+        row[f"{name}_max_err"] = round((out.float() - ref.float()).abs().max().item(), 4)
+    row["e4m3_speedup"] = round(row["bf16_ms"] / row["e4m3_ms"], 3)
+    print(json.dumps(row))
 
 
 def _torch_decode_ms(backend, q, k_cache, v_cache, tables, lens, starts, scale) -> float:
@@ -187,11 +216,14 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--min-context", type=int, default=None, help="lengths uniform in [this, --context]")
     ap.add_argument("--decode-only", action="store_true")
+    ap.add_argument("--kv-fp8", action="store_true", help="also decode over an e4m3 cache beside bf16")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_paged_attention needs a CUDA device")
     pa = load_paged_attention()
     bench_decode(pa, args.batch, args.context, args.min_context)
+    if args.kv_fp8:
+        bench_decode_fp8(pa, args.batch, args.context, args.min_context)
     if args.decode_only:
         return
     bench_prefill(pa, 16, 1024)

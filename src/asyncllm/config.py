@@ -52,6 +52,21 @@ class Quantization(str, enum.Enum):
     GGUF = "gguf"  # a GGUF file's Q8_0 / Q4_0 / Q4_1 linear layers kept quantized (the default on CUDA)
 
 
+class KVCacheDType(str, enum.Enum):
+    """What the paged KV cache stores (`CacheConfig.kv_cache_dtype`); vLLM's names. docs/quantization.md."""
+
+    AUTO = "auto"  # the model's dtype
+    FP8 = "fp8"  # e4m3 codes, one byte each, with a float32 scale per layer for keys and one for values
+    FP8_E4M3 = "fp8_e4m3"  # the same, by its format's name
+
+
+# Names vLLM accepts that asyncllm refuses, with the reason given to whoever passes them.
+_KV_CACHE_DTYPES_REFUSED = {
+    "fp8_e5m2": "e5m2 keeps 2 mantissa bits to e4m3's 3 (twice the rounding error) and is read without scales; "
+    "asyncllm's FP8 cache is e4m3: use 'fp8' (or 'fp8_e4m3')",
+}
+
+
 class AttentionBackendName(str, enum.Enum):
     """Which attention implementation runs the model (`DeviceConfig.attention_backend`)."""
 
@@ -146,6 +161,13 @@ class CacheConfig:
         "first written.",
     )
     enable_prefix_caching: bool = arg(True, "Reuse KV blocks of identical prefixes across requests.")
+    kv_cache_dtype: KVCacheDType = arg(
+        KVCacheDType.AUTO,
+        '"auto": the model\'s dtype. "fp8" (or "fp8_e4m3"): e4m3 codes, one byte per element, so the same memory '
+        "holds twice the blocks of a 16-bit cache and decode reads half the bytes; keys and values are divided by "
+        "a per-layer scale (the checkpoint's k_scale / v_scale, else 1.0) and saturated to +-448. "
+        "docs/quantization.md.",
+    )
 
     def __post_init__(self) -> None:
         check_int(_fail, "block_size", self.block_size, "an integer >= 1", lo=1)
@@ -168,6 +190,10 @@ class CacheConfig:
                 check_float(_fail, "cpu_kv_cache_gib", self.cpu_kv_cache_gib, gib, lo=0.0, lo_open=True),
             )
         check_bool(_fail, "enable_prefix_caching", self.enable_prefix_caching)
+        refused = _KV_CACHE_DTYPES_REFUSED.get(self.kv_cache_dtype) if isinstance(self.kv_cache_dtype, str) else None
+        if refused is not None:
+            raise InvalidConfigError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported: {refused}")
+        _set(self, "kv_cache_dtype", check_enum(_fail, KVCacheDType, "kv_cache_dtype", self.kv_cache_dtype))
 
 
 @dataclass(frozen=True, kw_only=True)

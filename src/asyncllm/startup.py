@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Iterable, Iterator
 
-from asyncllm.config import EngineConfig
+from asyncllm.config import EngineConfig, KVCacheDType
 from asyncllm.step import RuntimeInfo
 
 logger = logging.getLogger("asyncllm")
@@ -62,6 +62,8 @@ def banner(config: EngineConfig, runtime: RuntimeInfo) -> list[str]:
         threads += " per rank" if world > 1 else ""
     per_rank = " per rank" if world > 1 else ""
     size = f", {_size(runtime.kv_cache_bytes)}{per_rank}" if runtime.kv_cache_bytes else ""
+    if config.cache_config.kv_cache_dtype is not KVCacheDType.AUTO:
+        size += ", fp8 e4m3"
     sched = config.scheduler_config
     lora = config.lora_config
     loras = (

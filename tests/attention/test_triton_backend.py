@@ -27,10 +27,10 @@ def kernels():
     return import_paged_attention()
 
 
-def _backend(dtype: torch.dtype, num_kv_heads: int):
+def _backend(dtype: torch.dtype, num_kv_heads: int, kv_dtype: torch.dtype | None = None):
     from asyncllm.attention.triton_backend import TritonAttentionBackend
 
-    return TritonAttentionBackend(DEVICE, dtype, num_kv_heads)
+    return TritonAttentionBackend(DEVICE, dtype, num_kv_heads, kv_dtype)
 
 
 def _to_device(meta):
@@ -48,20 +48,23 @@ def _compare_steps(
     graph_tokens: int = 0,
     graph_decode: bool = False,
     window: int | None = None,
+    kv_dtype: torch.dtype | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> None:
     """Runs each step's (seq_id, new tokens) through both backends, each with its own cache; outputs and
     caches must agree after every step. `graph_tokens`: the Triton side plans every step for one CUDA-graph
     shape of that many rows (queries padded with rows of no sequence), as a captured mixed step replays.
     `graph_decode`: decode-only steps are planned as a captured decode graph replays them. `window`: both
-    attend as a sliding-window layer."""
+    attend as a sliding-window layer. `kv_dtype`: the caches' (float8_e4m3fn: an FP8 cache, with `kv_scales`)."""
     gen = torch.Generator().manual_seed(block_size * group)
     num_kv_heads, scale = 2, head_dim**-0.5
     # Room for the longest steps (about 2,300 tokens over six sequences) at every block size.
     batcher = PagedBatcher(num_blocks=max(64, 4096 // block_size), block_size=block_size, seed=group)
     [(k_ref, v_ref), (k_tri, v_tri)] = [
-        (k.to(DEVICE), v.to(DEVICE)) for k, v in batcher.new_caches(2, num_kv_heads, head_dim, dtype)
+        (k.to(DEVICE), v.to(DEVICE)) for k, v in batcher.new_caches(2, num_kv_heads, head_dim, kv_dtype or dtype)
     ]
-    torch_backend, triton_backend = TorchAttentionBackend(), _backend(dtype, num_kv_heads)
+    torch_backend, triton_backend = TorchAttentionBackend(), _backend(dtype, num_kv_heads, kv_dtype)
+    scales = [torch.tensor(s, device=DEVICE) for s in kv_scales]
     # A static plan's work list at one fixed address, as the worker keeps it (a captured graph reads it there).
     work = torch.zeros(triton_backend.work_size(PlanBounds(max(graph_tokens, 64), 9, 4096)), dtype=torch.int32)
     work = work.to(DEVICE)
@@ -73,7 +76,7 @@ def _compare_steps(
         q = torch.randn(num_tokens, num_kv_heads * group, head_dim, generator=gen).to(dtype).to(DEVICE)
         k, v = (torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE) for _ in "kv")
         torch_backend.plan_and_upload(meta)
-        expected = torch_backend.forward(q, k, v, k_ref, v_ref, meta, scale, window)
+        expected = torch_backend.forward(q, k, v, k_ref, v_ref, meta, scale, window, *scales)
         if graph_tokens:
             triton_backend.plan_and_upload(meta, PlanBounds(graph_tokens, 9, 4096), into=work)
             plan = meta.plan
@@ -81,7 +84,7 @@ def _compare_steps(
                 (plan.num_splits, plan.prefill_programs, plan.decode_seqs.data_ptr(), plan.prefill_tiles.data_ptr())
             )
             pad = torch.randn(graph_tokens - num_tokens, *q.shape[1:], generator=gen).to(dtype).to(DEVICE)
-            out = triton_backend.forward(torch.cat([q, pad]), k, v, k_tri, v_tri, meta, scale, window)
+            out = triton_backend.forward(torch.cat([q, pad]), k, v, k_tri, v_tri, meta, scale, window, *scales)
             assert out[num_tokens:].eq(0).all(), "padding rows are zero, never garbage"
             out = out[:num_tokens]
         elif graph_decode and num_tokens == len(chunks):
@@ -89,13 +92,13 @@ def _compare_steps(
             launches.add((meta.plan.num_splits, meta.plan.decode_seqs.data_ptr()))
             lens = meta.seq_lens_cpu  # programs start longest first (ties in batch order): the last wave is short
             assert meta.plan.decode_seqs.tolist() == sorted(range(len(lens)), key=lambda i: (-lens[i], i))
-            out = triton_backend.forward(q, k, v, k_tri, v_tri, meta, scale, window)
+            out = triton_backend.forward(q, k, v, k_tri, v_tri, meta, scale, window, *scales)
         else:
             triton_backend.plan_and_upload(meta)
-            out = triton_backend.forward(q, k, v, k_tri, v_tri, meta, scale, window)
+            out = triton_backend.forward(q, k, v, k_tri, v_tri, meta, scale, window, *scales)
         assert not out.isnan().any(), "a query row was left unwritten"
         torch.testing.assert_close(out, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
-        assert torch.equal(k_tri.nan_to_num(7.0), k_ref.nan_to_num(7.0)), "stored keys differ"
+        assert torch.equal(k_tri.view(torch.uint8), k_ref.view(torch.uint8)), "stored keys differ"
     assert len(launches) <= 1, f"one captured shape, but the launches changed between steps: {launches}"
 
 
@@ -143,6 +146,19 @@ def test_sliding_window_steps_match_torch_backend(kernels, window: int) -> None:
                    window=window)  # fmt: skip
 
 
+def test_fp8_cache_steps_match_torch_backend(kernels) -> None:
+    """An e4m3 cache with scales other than 1: both backends store the same codes and read them alike, eagerly,
+    planned as a captured mixed step and as a captured decode step, globally and in a sliding window."""
+    many_short = [(i, 2) for i in range(9, 17)] + [(6, 1)]
+    steps = [*MIXED_STEPS, [(6, 30), (0, 1), (1, 1), (4, 9), (7, 2), (8, 1)], many_short]
+    fp8 = dict(kv_dtype=torch.float8_e4m3fn, kv_scales=(0.37, 1.55))
+    _compare_steps(MIXED_STEPS, 16, 2, 64, torch.float32, **fp8)
+    _compare_steps(steps, 4, 2, 16, torch.float32, graph_tokens=96, window=7, **fp8)
+    decode = [(0, 1), (1, 1), (2, 1), (3, 1)]
+    _compare_steps([[(0, 17), (1, 3), (2, 40), (3, 16)], decode, decode], 16, 2, 16, torch.float32, graph_decode=True,
+                   **fp8)  # fmt: skip
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
@@ -153,6 +169,9 @@ def test_gpu_mixed_steps_match_torch_backend(kernels, dtype: torch.dtype, block_
     _compare_steps(MIXED_STEPS + long_steps, block_size, 2, 128, dtype, graph_tokens=1536)
     _compare_steps(MIXED_STEPS + long_steps, block_size, 2, 128, dtype, window=512)
     _compare_steps(MIXED_STEPS + long_steps, block_size, 2, 128, dtype, graph_tokens=1536, window=100)
+    fp8 = dict(kv_dtype=torch.float8_e4m3fn, kv_scales=(0.37, 1.55))
+    _compare_steps(MIXED_STEPS + long_steps, block_size, 2, 128, dtype, graph_tokens=1536, **fp8)
+    _compare_steps(MIXED_STEPS + long_steps, block_size, 2, 128, dtype, window=100, **fp8)
 
 
 def _greedy(
@@ -178,6 +197,20 @@ def test_engine_greedy_equals_torch_backend_in_interpreter(kernels, tiny_checkpo
     # window (8), one of them longer than the step's budget (chunked over two steps), and a few decode steps.
     args = dict(block_size=16, num_kv_blocks=64, max_num_batched_tokens=16, lengths=(3, 10, 20), max_tokens=4)
     assert _greedy(path, "triton", "cpu", **args) == _greedy(path, "torch", "cpu", **args)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_engine_fp8_cache_greedy_equals_torch_backend_in_interpreter(kernels, tiny_checkpoints, family: str) -> None:
+    """kv_cache_dtype="fp8" with the interpreted kernels: the fused KV write's codes and the kernels' reads
+    against the torch backend's store and read of the same codes (Gemma 3: its sliding windows, its q/k norm
+    form), chunked prefill included."""
+    if HAS_CUDA:
+        pytest.skip("covered on CUDA by tests/gpu/test_kv_cache_fp8.py")
+    path = tiny_checkpoints[family]
+    args = dict(block_size=16, num_kv_blocks=64, max_num_batched_tokens=16, lengths=(3, 10, 20), max_tokens=4)
+    assert _greedy(path, "triton", "cpu", kv_cache_dtype="fp8", **args) == _greedy(
+        path, "torch", "cpu", kv_cache_dtype="fp8", **args
+    )
 
 
 @pytest.mark.gpu

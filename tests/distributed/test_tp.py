@@ -114,6 +114,18 @@ def test_tp2_equals_tp1(family: str, tiny_checkpoints: dict[str, Path]) -> None:
     _check_tp2_equals_tp1(tiny_checkpoints[family])
 
 
+def test_tp2_fp8_kv_cache_equals_tp1(tiny_checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """kv_cache_dtype="fp8": each rank stores its KV heads as e4m3 with the checkpoint's scales, replicated (in
+    ModelOpt's naming, under k_proj / v_proj: never sliced as those projections are)."""
+    from tests.fixtures.kv_scales import with_kv_scales
+
+    path = with_kv_scales(tiny_checkpoints["qwen3"], tmp_path / "scaled", [(0.37, 1.3), (2.9, 0.61)], "modelopt")
+    want_tokens, want_stats = _two_passes(path, kv_cache_dtype="fp8")
+    tokens, stats = _two_passes(path, kv_cache_dtype="fp8", tensor_parallel_size=2)
+    assert (tokens, stats) == (want_tokens, want_stats)
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_rate"] > 0.3
+
+
 def test_tp2_with_replicated_kv_heads_equals_tp1(tmp_path: Path) -> None:
     """One KV head over two ranks: each holds a replica; tokens and stats still equal TP=1's."""
     _check_tp2_equals_tp1(build_checkpoint(tmp_path / "qwen3-kv1", "qwen3", num_key_value_heads=1))

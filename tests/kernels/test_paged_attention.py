@@ -24,19 +24,23 @@ def pa():
     return import_paged_attention()
 
 
-def make_batch(seqs: list[tuple[int, int]], num_kv_heads: int, group: int, head_dim: int, block_size: int, dtype, seed):
-    """(cached, new) per sequence -> q [T, H, D], caches holding every token's k/v, metadata on DEVICE."""
+def make_batch(
+    seqs: list[tuple[int, int]], num_kv_heads: int, group: int, head_dim: int, block_size: int, dtype, seed,
+    kv_dtype=None, k_scale=None, v_scale=None,
+):  # fmt: skip
+    """(cached, new) per sequence -> q [T, H, D], caches holding every token's k/v, metadata on DEVICE.
+    `kv_dtype` (None: `dtype`): the caches' (float8_e4m3fn: an FP8 cache, written with the scales)."""
     gen = torch.Generator().manual_seed(seed)
     total = sum(c + n for c, n in seqs)
     batcher = PagedBatcher(num_blocks=total // block_size + 2 * len(seqs) + 2, block_size=block_size, seed=seed)
-    [(k_cache, v_cache)] = batcher.new_caches(1, num_kv_heads, head_dim, dtype)
+    [(k_cache, v_cache)] = batcher.new_caches(1, num_kv_heads, head_dim, kv_dtype or dtype)
     prefix = [(i, c) for i, (c, _) in enumerate(seqs) if c > 0]
     slots = [batcher.step(prefix)[1].slot_mapping] if prefix else []
     _, meta = batcher.step([(i, n) for i, (_, n) in enumerate(seqs)])
     slots = torch.cat([*slots, meta.slot_mapping])
     k = torch.randn(len(slots), num_kv_heads, head_dim, generator=gen).to(dtype)
     v = torch.randn(len(slots), num_kv_heads, head_dim, generator=gen).to(dtype)
-    store_kv(k, v, k_cache, v_cache, slots)
+    store_kv(k, v, k_cache, v_cache, slots, k_scale, v_scale)
     q = torch.randn(sum(n for _, n in seqs), num_kv_heads * group, head_dim, generator=gen).to(dtype)
     for name in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
         setattr(meta, name, getattr(meta, name).to(DEVICE))
@@ -66,9 +70,10 @@ def run_prefill(
     return out
 
 
-def check(pa, out: torch.Tensor, q, k_cache, v_cache, meta, scale: float) -> None:
+def check(pa, out: torch.Tensor, q, k_cache, v_cache, meta, scale: float, **kv_scales) -> None:
     assert not out.isnan().any(), f"{out.isnan().any(-1).any(-1).sum().item()} rows were not written"
-    ref = pa.paged_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.query_lens_cpu, meta.seq_lens_cpu, scale)
+    args = (q, k_cache, v_cache, meta.block_tables, meta.query_lens_cpu, meta.seq_lens_cpu, scale)
+    ref = pa.paged_attention_ref(*args, **kv_scales)
     tol = TOLERANCE[q.dtype]
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 

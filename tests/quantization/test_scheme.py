@@ -20,6 +20,8 @@ CT_GROUP = dict(
 )
 CT = dict(quant_method="compressed-tensors", format="float-quantized", config_groups={"group_0": CT_GROUP},
           ignore=["lm_head", "re:.*mlp\\.gate$"])  # fmt: skip
+# An FP8 KV cache's scales, as llm-compressor writes them (one static scale per layer for keys, one for values).
+KV = dict(num_bits=8, type="float", strategy="tensor", dynamic=False, symmetric=True)
 
 
 def test_hub_formats_read() -> None:
@@ -37,6 +39,7 @@ def test_hub_formats_read() -> None:
     assert (block.block_rows, block.group_size) == (128, 128)
     fbgemm = checkpoint_scheme(dict(quant_method="fbgemm_fp8", activation_scale_ub=1200.0))
     assert fbgemm.activation_scale_ub == 1200.0 and fbgemm.group_size is None
+    assert checkpoint_scheme({**CT, "kv_cache_scheme": KV}) == ct  # the KV cache's scales leave the layers as they are
     awq_skips = checkpoint_scheme({**AWQ, "modules_to_not_convert": ["visual", "mlp.gate"]})
     assert awq_skips.skips("model.layers.0.mlp.gate") and not awq_skips.skips("model.layers.0.self_attn.q_proj")
 
@@ -55,7 +58,10 @@ def test_hub_formats_read() -> None:
         ({**GPTQ, "checkpoint_format": "marlin"}, r"checkpoint_format='marlin' is not supported"),
         ({**GPTQ, "lm_head": True}, r"lm_head=True is not supported"),
         ({**CT, "format": "pack-quantized"}, r"format='pack-quantized' is not supported"),
-        ({**CT, "kv_cache_scheme": {"num_bits": 8}}, r"kv_cache_scheme=.* is not supported"),
+        ({**CT, "kv_cache_scheme": {"num_bits": 8}}, r"kv_cache_scheme.type=None is not supported \('float'"),
+        ({**CT, "kv_cache_scheme": {**KV, "num_bits": 4}}, r"kv_cache_scheme.num_bits=4 is not supported"),
+        ({**CT, "kv_cache_scheme": {**KV, "strategy": "attn_head"}}, r"strategy='attn_head' .*one scale per layer"),
+        ({**CT, "kv_cache_scheme": {**KV, "dynamic": True}}, r"kv_cache_scheme.dynamic=True is not supported"),
         (
             {**CT, "config_groups": {"g": {**CT_GROUP, "weights": {**CT_GROUP["weights"], "type": "int"}}}},
             r"config_groups.g.weights \(type, num_bits\)=\('int', 8\) is not supported",

@@ -14,6 +14,11 @@ KV cache layout, per layer: key and value tensors of shape [num_blocks, block_si
 Token `t` of a sequence lives in block `block_table[t // block_size]`, row `t % block_size`. A sliding-window
 layer never reads a key outside its window: when every layer slides, the block manager may hand the blocks
 behind every window to other sequences while the block table still names them.
+
+The cache holds the activations' dtype, or (kv_cache_dtype="fp8") e4m3 codes with one float32 scale per layer
+for keys and one for values, `k_scale` and `v_scale` (tensors of one element, on the cache's device): a write
+stores k / k_scale and v / v_scale saturated to +-448, a read sees code * scale (kernels/kv_cache_fp8_ref.py).
+Both methods take the layer's scales; a cache in the activations' dtype ignores them.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from asyncllm.kernels.kv_cache_fp8_ref import write_kv
 from asyncllm.layers.host_copy import copy_into, to_device
 
 
@@ -72,12 +78,17 @@ class AttentionMetadata:
 
 
 def store_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Write each new token's key/value ([T, Hkv, D]) into its cache slot."""
-    num_blocks, block_size = k_cache.shape[:2]
-    k_cache.view(num_blocks * block_size, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(num_blocks * block_size, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    """Write each new token's key/value ([T, Hkv, D]) into its cache slot (quantized, in an FP8 cache)."""
+    write_kv(k_cache, slot_mapping, k, k_scale)
+    write_kv(v_cache, slot_mapping, v, v_scale)
 
 
 class AttentionBackend(ABC):
@@ -124,9 +135,11 @@ class AttentionBackend(ABC):
         k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        k_scale: torch.Tensor | None = None,  # an FP8 cache's scales (see the module); else unused
+        v_scale: torch.Tensor | None = None,
     ) -> None:
         """Store this step's keys and values at `meta.slot_mapping`."""
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
 
     @abstractmethod
     def attend(
@@ -137,6 +150,8 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        k_scale: torch.Tensor | None = None,  # an FP8 cache's scales (see the module); else unused
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Causal attention of each query over its sequence's cached keys (this step's included). With a
         `window`, the query at position p sees keys p - window + 1 .. p only (transformers' sliding window:
@@ -152,7 +167,9 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`write_kv` then `attend`: the whole op for callers that hold k and v."""
-        self.write_kv(k, v, k_cache, v_cache, meta)
-        return self.attend(q, k_cache, v_cache, meta, scale, window)
+        self.write_kv(k, v, k_cache, v_cache, meta, k_scale, v_scale)
+        return self.attend(q, k_cache, v_cache, meta, scale, window, k_scale, v_scale)

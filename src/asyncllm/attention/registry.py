@@ -17,19 +17,24 @@ from asyncllm.attention.backend import AttentionBackend
 from asyncllm.config import AttentionBackendName
 from asyncllm.errors import InvalidConfigError
 
-Factory = Callable[[torch.device, torch.dtype, int], AttentionBackend]  # (device, dtype, num_kv_heads)
+# (device, activations' dtype, num_kv_heads, the KV cache's dtype)
+Factory = Callable[[torch.device, torch.dtype, int, torch.dtype], AttentionBackend]
 
 
-def _torch(device: torch.device, dtype: torch.dtype, num_kv_heads: int) -> AttentionBackend:
+def _torch(
+    device: torch.device, dtype: torch.dtype, num_kv_heads: int, kv_cache_dtype: torch.dtype
+) -> AttentionBackend:
     from asyncllm.attention.torch_ref import TorchAttentionBackend
 
     return TorchAttentionBackend()
 
 
-def _triton(device: torch.device, dtype: torch.dtype, num_kv_heads: int) -> AttentionBackend:
+def _triton(
+    device: torch.device, dtype: torch.dtype, num_kv_heads: int, kv_cache_dtype: torch.dtype
+) -> AttentionBackend:
     from asyncllm.attention.triton_backend import TritonAttentionBackend
 
-    return TritonAttentionBackend(device, dtype, num_kv_heads)
+    return TritonAttentionBackend(device, dtype, num_kv_heads, kv_cache_dtype)
 
 
 BACKENDS: dict[AttentionBackendName, Factory] = {
@@ -47,7 +52,11 @@ def resolve_backend_name(choice: AttentionBackendName, device: torch.device) -> 
 
 
 def make_attention_backend(
-    choice: AttentionBackendName, device: torch.device, dtype: torch.dtype, num_kv_heads: int
+    choice: AttentionBackendName,
+    device: torch.device,
+    dtype: torch.dtype,
+    num_kv_heads: int,
+    kv_cache_dtype: torch.dtype | None = None,  # None: the activations' dtype (kv_cache_dtype="auto")
 ) -> AttentionBackend:
     name = resolve_backend_name(choice, device)
     factory = BACKENDS.get(name)
@@ -56,4 +65,4 @@ def make_attention_backend(
         raise InvalidConfigError(
             f"attention_backend={name.value!r} is not available in this version; use one of {available} or 'auto'"
         )
-    return factory(device, dtype, num_kv_heads)
+    return factory(device, dtype, num_kv_heads, dtype if kv_cache_dtype is None else kv_cache_dtype)

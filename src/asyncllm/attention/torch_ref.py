@@ -3,7 +3,8 @@
 Written for clarity over speed: gather each sequence's keys from its blocks, attend in float32, causal
 within the sequence (query row j of a sequence of length L sits at position L - query_len + j) and, for a
 sliding-window layer, within the window (transformers' `kv_idx > q_idx - window`). Decode-only sequences are
-batched with padding so the reference stays usable as a GPU baseline.
+batched with padding so the reference stays usable as a GPU baseline. An FP8 cache's codes are read as
+float32 numbers, code * scale (kernels/kv_cache_fp8_ref.py), before anything else touches them.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from asyncllm.attention.backend import AttentionBackend, AttentionMetadata, AttentionPlan, PlanBounds, store_kv
+from asyncllm.kernels.kv_cache_fp8_ref import gather, read_kv
 
 __all__ = ["TorchAttentionBackend", "attend", "gather_kv", "store_kv"]
 
@@ -22,7 +24,7 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, star
     (the blocks before `start` are not read: a sliding window may have given them away)."""
     block_size = cache.shape[1]
     first, num_blocks = start // block_size, -(-seq_len // block_size)
-    rows = cache[block_table[first:num_blocks].long()].flatten(0, 1)
+    rows = gather(cache, block_table[first:num_blocks].long()).flatten(0, 1)
     return rows[start - first * block_size : seq_len - first * block_size]
 
 
@@ -103,6 +105,8 @@ class TorchAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if not isinstance(meta.plan, _Plan):
             self.plan_and_upload(meta)
@@ -114,19 +118,19 @@ class TorchAttentionBackend(AttentionBackend):
             qlen, slen = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
             # The first query's window starts here; keys before it are read by no query of this step.
             lo = 0 if window is None else max(0, slen - qlen - window + 1)
-            kk = gather_kv(k_cache, meta.block_tables[i], slen, lo)
-            vv = gather_kv(v_cache, meta.block_tables[i], slen, lo)
+            kk = read_kv(gather_kv(k_cache, meta.block_tables[i], slen, lo), k_scale)  # float32
+            vv = read_kv(gather_kv(v_cache, meta.block_tables[i], slen, lo), v_scale)
             rows = q[starts[i] : starts[i + 1]]
             out[starts[i] : starts[i + 1]] = attend(rows, kk, vv, scale, slen - qlen, window, lo)
         if plan.decode_seqs:
-            out[plan.decode_rows] = self._decode(q, k_cache, v_cache, meta, plan, scale, window)
+            kv = (k_cache, v_cache, k_scale, v_scale)
+            out[plan.decode_rows] = self._decode(q, kv, meta, plan, scale, window)
         return out
 
     @staticmethod
     def _decode(
         q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None],  # caches, their scales
         meta: AttentionMetadata,
         plan: _Plan,
         scale: float,
@@ -135,12 +139,13 @@ class TorchAttentionBackend(AttentionBackend):
         """Single-token queries, batched: pad every sequence's keys to the longest and mask the rest (and,
         with a window, the keys before it: their blocks may hold another sequence's rows by now)."""
         assert plan.decode_rows is not None and plan.decode_seq_idx is not None and plan.decode_lens is not None
+        k_cache, v_cache, k_scale, v_scale = kv
         block_size = k_cache.shape[1]
         max_len = plan.decode_max_len
         nb = -(-max_len // block_size)
         tables = meta.block_tables[plan.decode_seq_idx, :nb].long()  # [B, nb]
-        kk = k_cache[tables].flatten(1, 2)[:, :max_len].float()  # [B, L, Hkv, D]
-        vv = v_cache[tables].flatten(1, 2)[:, :max_len].float()
+        kk = read_kv(gather(k_cache, tables).flatten(1, 2)[:, :max_len], k_scale)  # [B, L, Hkv, D] float32
+        vv = read_kv(gather(v_cache, tables).flatten(1, 2)[:, :max_len], v_scale)
         qq = q[plan.decode_rows].float()  # [B, H, D]
         group = qq.shape[1] // kk.shape[2]
         qg = qq.view(qq.shape[0], kk.shape[2], group, qq.shape[2])  # [B, Hkv, G, D]

@@ -1,6 +1,7 @@
 """The Triton attention backend: stores k/v with torch, then runs the paged Triton kernels of
 asyncllm.kernels.paged_attention (split-KV decode for single-token sequences, a varlen causal prefill for
-the rest). `plan` turns the step's host-side lengths into the kernels' launch plans once per step.
+the rest). `plan` turns the step's host-side lengths into the kernels' launch plans once per step. An FP8 cache
+is read by the same kernels (its scales handed through).
 
 Knows the kernels' launch contracts, not their insides; the torch backend stays the reference it is tested against.
 """
@@ -18,6 +19,7 @@ import torch
 from asyncllm.attention.backend import AttentionBackend, AttentionMetadata, AttentionPlan, PlanBounds
 from asyncllm.errors import InvalidConfigError
 from asyncllm.install import extra_install_hint
+from asyncllm.kernels.kv_cache_fp8_ref import KV_FP8_DTYPE
 from asyncllm.kernels.paged_attention_plan import TILES_HEADER as _TILES_HEADER
 
 TILES_HEADER: int = _TILES_HEADER  # typed here: mypy does not see the kernels/ folder as asyncllm.kernels
@@ -83,7 +85,9 @@ class TritonAttentionBackend(AttentionBackend):
     supports_cuda_graphs = True
     work_dtype = torch.int32
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, num_kv_heads: int) -> None:
+    def __init__(
+        self, device: torch.device, dtype: torch.dtype, num_kv_heads: int, kv_cache_dtype: torch.dtype | None = None
+    ) -> None:
         self._kernels = load_paged_attention()
         if device.type != "cuda" and not self._kernels.runs_in_interpreter():
             hint = "" if os.environ.get("TRITON_INTERPRET") != "1" else " (TRITON_INTERPRET=1 came after the import)"
@@ -95,6 +99,13 @@ class TritonAttentionBackend(AttentionBackend):
             raise InvalidConfigError(
                 f"attention_backend='triton' supports float32/float16/bfloat16, not dtype={dtype}: {_FIX}"
             )
+        if kv_cache_dtype == KV_FP8_DTYPE and device.type == "cuda":
+            major, minor = torch.cuda.get_device_capability(device)
+            if (major, minor) < (8, 9):  # Triton converts e4m3 on Ada and Hopper only
+                raise InvalidConfigError(
+                    f"kv_cache_dtype='fp8' with attention_backend='triton' needs a GPU of compute capability 8.9 or "
+                    f"later; this one is {major}.{minor}: use attention_backend='torch', or kv_cache_dtype='auto'"
+                )
         self.device = device
         self.num_kv_heads = num_kv_heads
         self.block_m = self._kernels.prefill_block_m(dtype, device)
@@ -195,6 +206,8 @@ class TritonAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if not isinstance(meta.plan, TritonPlan):
             self.plan_and_upload(meta)
@@ -203,9 +216,12 @@ class TritonAttentionBackend(AttentionBackend):
         # Padding rows are attended by no kernel: zeros keep them finite through the layers that follow.
         out = torch.zeros_like(q) if plan.padded else torch.empty_like(q)
         args = (q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc)
+        scales = dict(k_scale=k_scale, v_scale=v_scale)
         if plan.decode_seqs is not None:
             splits = plan.num_splits if window is None else self._window_splits(plan, window)
-            self._kernels.paged_decode_attention(*args, plan.decode_seqs, out, scale, num_splits=splits, window=window)
+            self._kernels.paged_decode_attention(
+                *args, plan.decode_seqs, out, scale, num_splits=splits, window=window, **scales
+            )
         if plan.prefill_tiles is not None:
             self._kernels.paged_prefill_attention(
                 *args,
@@ -215,6 +231,7 @@ class TritonAttentionBackend(AttentionBackend):
                 block_m=self.block_m,
                 num_programs=plan.prefill_programs,
                 window=window,
+                **scales,
             )
         return out
 

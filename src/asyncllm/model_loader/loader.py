@@ -3,7 +3,8 @@
 Knows which model class serves a checkpoint (through the registry) and how weights reach it; under tensor
 parallelism it builds this rank's shard and reads only its slices of the weights; with a quantization scheme
 it swaps the linear layers for quantized ones and converts the checkpoint's tensors to their layout (the
-`quantization` package). Knows nothing of KV caches, batching or the engine.
+`quantization` package). A checkpoint's KV-cache scales go to the attention layers (kv_scales.py). Knows
+nothing of KV caches, batching or the engine.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from asyncllm.layers.parallel import TPGroup, WeightShard
 from asyncllm.layers.param_dtype import parameters_in
 from asyncllm.model_loader.base import Checkpoint
 from asyncllm.model_loader.dummy import fill_dummy_weights
+from asyncllm.model_loader.kv_scales import KVScales, kv_scale_name
 from asyncllm.model_loader.progress import with_progress
 from asyncllm.models.base import CausalLM
 from asyncllm.models.config import ModelArchConfig
@@ -69,15 +71,16 @@ def load_model(
         fill_dummy_weights(model, seed)  # the same draws on every rank: replicated weights agree
         return model
     rank = 0 if parallel is None else parallel.rank
+    kv_scales = KVScales()  # taken out of the stream before anything converts or slices it
 
     def select(name: str) -> WeightShard | None:
-        return weight_shard(name, arch, rank, world_size, plan)
+        return None if kv_scale_name(name) is not None else weight_shard(name, arch, rank, world_size, plan)
 
     def whole() -> Weights:
         if quant is not None and quant.checkpoint is CheckpointFormat.GGUF:  # repacked by the GGUF reader itself
             assert checkpoint.iter_quantized_weights is not None
             return with_progress(checkpoint.iter_quantized_weights(quantized), checkpoint.num_tensors)
-        weights = with_progress(checkpoint.iter_weights(), checkpoint.num_tensors)
+        weights = kv_scales.take(with_progress(checkpoint.iter_weights(), checkpoint.num_tensors))
         return weights if quant is None else CheckpointConverter(quant, quantized, device).convert(weights)
 
     if parallel is None:
@@ -85,9 +88,14 @@ def load_model(
     elif quant is not None:  # converted whole, then sliced in the layout's units
         model.load_weights(_sliced(whole(), quantized_shards(select, quantized)))
     elif checkpoint.iter_weight_shards is not None:
-        model.load_weights(with_progress(checkpoint.iter_weight_shards(select), checkpoint.num_tensors))
+        shards = with_progress(checkpoint.iter_weight_shards(select), checkpoint.num_tensors)
+        model.load_weights(kv_scales.take(shards))
     else:  # e.g. GGUF: tensors are dequantized whole, then sliced
         model.load_weights(_sliced(whole(), select))
+    if kv_scales.apply(model):
+        logger.info(
+            "KV-cache scales read for %d attention layers (kv_cache_dtype='fp8' uses them)", len(kv_scales.found)
+        )
     return model
 
 

@@ -138,6 +138,8 @@ class LlamaAttention(nn.Module, Fusable):
                 k_norm,
                 eps=self.rms_norm_eps,
                 unit_offset=self.qk_unit_offset,
+                k_scale=self.attn.k_scale,
+                v_scale=self.attn.v_scale,
             )  # [T, H, D]; this step's k/v are in the cache now
             return self.o_proj(self.attn.attend_cached(q, kv_cache, meta))
         num_tokens = x.shape[0]

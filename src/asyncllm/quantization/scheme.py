@@ -273,12 +273,31 @@ def _fp8(qc: Mapping[str, Any]) -> QuantScheme:
                        scale_dtype="float32", skip_substrings=skip)  # fmt: skip
 
 
+def _check_kv_cache_scheme(method: str, scheme: Any) -> None:
+    """compressed-tensors' `kv_cache_scheme`: how the checkpoint's k_scale / v_scale tensors were calibrated,
+    which an FP8 KV cache (kv_cache_dtype="fp8") stores keys and values with (model_loader/kv_scales.py; the
+    linear layers' scheme is unaffected). Accepted: what that cache honours, one static scale per layer."""
+    if not scheme:
+        return
+    if not isinstance(scheme, Mapping):
+        raise _refuse(method, "kv_cache_scheme", scheme, "a mapping")
+    for field, wanted, why in (
+        ("type", "float", "e4m3 codes"),
+        ("num_bits", 8, "e4m3 codes"),
+        ("strategy", "tensor", "one scale per layer for keys and one for values"),
+        ("dynamic", False, "scales read from the checkpoint"),
+        ("symmetric", True, "e4m3 codes without zero points"),
+    ):
+        value = scheme.get(field, wanted if field in ("strategy", "dynamic", "symmetric") else None)
+        if value != wanted:
+            raise _refuse(method, f"kv_cache_scheme.{field}", value, f"{wanted!r}: the FP8 KV cache reads {why}")
+
+
 def _compressed_tensors(qc: Mapping[str, Any]) -> QuantScheme:
     method = "compressed-tensors"
     if qc.get("format") != "float-quantized":
         raise _refuse(method, "format", qc.get("format"), "'float-quantized' (FP8 weights)")
-    if qc.get("kv_cache_scheme"):
-        raise _refuse(method, "kv_cache_scheme", qc.get("kv_cache_scheme"), "the KV cache stays in the model's dtype")
+    _check_kv_cache_scheme(method, qc.get("kv_cache_scheme"))
     groups = qc.get("config_groups") or {}
     if not isinstance(groups, Mapping) or len(groups) != 1:
         raise _refuse(method, "config_groups", groups, "exactly one group")

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from asyncllm.config import Device, DType, EngineConfig
+from asyncllm.config import Device, DType, EngineConfig, KVCacheDType
 from asyncllm.errors import DeviceError
 from asyncllm.models.config import ModelArchConfig
 from asyncllm.quantization.scheme import QuantScheme, resolve_quantization
@@ -26,6 +26,11 @@ def resolve_device(choice: Device) -> torch.device:
     if choice is Device.CUDA or torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def resolve_kv_cache_dtype(choice: KVCacheDType, dtype: torch.dtype) -> torch.dtype:
+    """What the KV cache stores: the activations' dtype ("auto"), or e4m3 codes ("fp8", "fp8_e4m3")."""
+    return dtype if choice is KVCacheDType.AUTO else torch.float8_e4m3fn
 
 
 def resolve_dtype(choice: DType, device: torch.device, hf_config: Any) -> torch.dtype:
@@ -48,6 +53,7 @@ class ResolvedModel:
     device: torch.device
     dtype: torch.dtype
     arch: ModelArchConfig
+    kv_cache_dtype: torch.dtype  # the activations' dtype, or float8_e4m3fn (kv_cache_dtype="fp8")
     quant: QuantScheme | None = None  # None: unquantized linear layers
 
     @classmethod
@@ -58,7 +64,8 @@ class ResolvedModel:
         arch = ModelArchConfig.from_hf(hf_config, mc.max_model_len)
         requested = None if mc.quantization is None else mc.quantization.value
         quant = resolve_quantization(requested, getattr(hf_config, "quantization_config", None), device.type)
-        return cls(device, dtype, arch, quant)
+        kv_cache_dtype = resolve_kv_cache_dtype(config.cache_config.kv_cache_dtype, dtype)
+        return cls(device, dtype, arch, kv_cache_dtype, quant)
 
     def on(self, device: torch.device) -> ResolvedModel:
         """The same model on another device (a tensor-parallel rank's)."""

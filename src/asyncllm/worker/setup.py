@@ -101,7 +101,7 @@ class WorkerSetup:
             num_kv_heads=self.local_arch.num_kv_heads,
             head_dim=resolved.arch.head_dim,
             block_size=config.cache_config.block_size,
-            dtype=resolved.dtype,
+            dtype=resolved.kv_cache_dtype,
         )
         self.timings: dict[str, float] = {}  # start-up seconds per step, reported in RuntimeInfo
         self.num_threads: int | None = None
@@ -116,7 +116,11 @@ class WorkerSetup:
         start = time.perf_counter()
         device, dtype = self.resolved.device, self.resolved.dtype
         backend = make_attention_backend(
-            self.config.device_config.attention_backend, device, dtype, self.local_arch.num_kv_heads
+            self.config.device_config.attention_backend,
+            device,
+            dtype,
+            self.local_arch.num_kv_heads,
+            self.resolved.kv_cache_dtype,
         )
         mc = self.config.model_config
         module = load_model(
@@ -231,7 +235,7 @@ class WorkerSetup:
             loras=loaded.loras,
         )
         logger.debug(
-            "KV cache: %d blocks of %d tokens (%s, %s)", num_blocks, cache.block_size, device, self.resolved.dtype
+            "KV cache: %d blocks of %d tokens (%s, %s)", num_blocks, cache.block_size, device, self.kv_spec.dtype
         )
         self.timings["kv_cache"] = time.perf_counter() - start
         return runner

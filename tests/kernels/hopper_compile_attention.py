@@ -1,0 +1,119 @@
+"""Compiles the paged attention kernels (kernels/paged_attention_kernels.py: split-KV decode, its reduction, the
+varlen prefill) and the fused q/k norm + rotary + KV write (kernels/qk_norm_rope_kv.py) for Hopper (sm_90)
+without a GPU: Triton's compiler and the ptxas it ships, in a process without TRITON_INTERPRET, at the
+constants their launchers pick for head_dim 128 (Qwen3's): over an FP8 (e4m3) cache, bf16 queries global and
+sliding and float32 ones (the write also in Gemma's float16 form); over a cache of their dtype, bf16 queries.
+Run by tests/kernels/test_paged_attention_fp8.py; prints one line per variant, "ok" or the error."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+assert not os.environ.get("TRITON_INTERPRET"), "compiling needs the real Triton, not the interpreter"
+
+import triton  # noqa: E402
+from asyncllm.kernels import paged_attention_kernels as pak  # noqa: E402
+from asyncllm.kernels import qk_norm_rope_kv as qk  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+TYPES = {"bf16": ("*bf16", "tf32"), "fp16": ("*fp16", "tf32"), "fp32": ("*fp32", "ieee")}
+FLOATS = ("qk_scale", "eps")
+
+
+def _compile(fn: Any, pointers: dict[str, str], consts: dict[str, object], warps: int, stages: int = 3) -> None:
+    """Every argument not named in `pointers` or `consts` is an int32 (a float32 for FLOATS); pointers and strides
+    are specialized as a launch at these shapes specializes them: multiples of 16."""
+    signature: dict[str, str] = {}
+    for name in fn.arg_names:
+        if name in consts:
+            signature[name] = "constexpr"
+        elif name in pointers:
+            signature[name] = pointers[name]
+        else:
+            signature[name] = "fp32" if name in FLOATS else "i32"
+    divisible = [name for name in fn.arg_names if name in pointers or name.startswith("stride")]
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
+    source = ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
+    triton.compile(source, target=TARGET, options={"num_warps": warps, "num_stages": stages})
+
+
+def _cache(act: str, fp8: bool) -> tuple[str, dict[str, str]]:
+    ptr = "*fp8e4nv" if fp8 else TYPES[act][0]
+    scale = "*fp32" if fp8 else TYPES[act][0]  # the launchers pass q for unread scales
+    return ptr, {"k_scale_ptr": scale, "v_scale_ptr": scale}
+
+
+def decode(act: str, fp8: bool, sliding: bool) -> None:
+    ptr, precision = TYPES[act]
+    cache, scales = _cache(act, fp8)
+    pointers = {"q_ptr": ptr, "k_ptr": cache, "v_ptr": cache, "out_ptr": ptr}
+    pointers |= {name: "*fp32" for name in ("acc_ptr", "m_ptr", "l_ptr")}
+    pointers |= {name: "*i32" for name in ("bt_ptr", "seq_lens_ptr", "qsl_ptr", "seqs_ptr")}
+    consts = dict(GROUP=2, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_G=16, BLOCK_D=128, BLOCK_N=64, DOT_PRECISION=precision,
+                  SLIDING=sliding, KV_FP8=fp8)  # fmt: skip
+    _compile(pak._decode_split_kernel, pointers | scales, consts, warps=4, stages=2)
+
+
+def reduce() -> None:
+    pointers = {"out_ptr": "*bf16", "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "qsl_ptr": "*i32",
+                "seqs_ptr": "*i32"}  # fmt: skip
+    _compile(pak._decode_reduce_kernel, pointers, dict(HEAD_DIM=128, BLOCK_S=32, BLOCK_D=128), warps=4)
+
+
+def prefill(act: str, fp8: bool, sliding: bool) -> None:
+    """At paged_prefill_attention's choices: block_m 128 (64 in float32), block_n 64 (32 when a K/V row of the
+    queries' dtype passes 256 bytes), 8 warps at block_m 128."""
+    ptr, precision = TYPES[act]
+    cache, scales = _cache(act, fp8)
+    big = act == "fp32"
+    pointers = {"q_ptr": ptr, "k_ptr": cache, "v_ptr": cache, "out_ptr": ptr}
+    pointers |= {name: "*i32" for name in ("bt_ptr", "seq_lens_ptr", "qsl_ptr", "tiles_ptr")}
+    consts = dict(GROUP=2, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_M=64 if big else 128, BLOCK_D=128,
+                  BLOCK_N=32 if big else 64, DOT_PRECISION=precision, TILES_HEADER=4, SLIDING=sliding,
+                  KV_FP8=fp8)  # fmt: skip
+    _compile(pak._prefill_kernel, pointers | scales, consts, warps=4 if big else 8, stages=2 if big else 3)
+
+
+def qk_norm_rope_kv(act: str, fp8: bool, norm: bool, unit_offset: bool = False) -> None:
+    """16 query heads over 8 KV heads (block_r 4, block_half 64: 2 warps), as the launcher picks."""
+    ptr = TYPES[act][0]
+    cache, scales = _cache(act, fp8)
+    pointers = {"qkv_ptr": ptr, "q_w_ptr": ptr, "k_w_ptr": ptr, "q_out_ptr": ptr, "k_cache_ptr": cache,
+                "v_cache_ptr": cache, "pos_ptr": "*i64", "slot_ptr": "*i64", "cos_ptr": "*fp32",
+                "sin_ptr": "*fp32"}  # fmt: skip
+    consts = dict(NUM_HEADS=16, NUM_KV_HEADS=8, GROUP=2, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_R=4, BLOCK_HALF=64,
+                  HAS_NORM=norm, UNIT_OFFSET=unit_offset, KV_FP8=fp8)  # fmt: skip
+    _compile(qk._qk_norm_rope_kv_kernel, pointers | scales, consts, warps=2)
+
+
+VARIANTS = [
+    ("decode bf16", lambda: decode("bf16", False, False)),
+    ("decode bf16 over e4m3", lambda: decode("bf16", True, False)),
+    ("decode bf16 over e4m3 sliding", lambda: decode("bf16", True, True)),
+    ("decode fp32 over e4m3", lambda: decode("fp32", True, False)),
+    ("decode reduce", reduce),
+    ("prefill bf16", lambda: prefill("bf16", False, False)),
+    ("prefill bf16 over e4m3", lambda: prefill("bf16", True, False)),
+    ("prefill bf16 over e4m3 sliding", lambda: prefill("bf16", True, True)),
+    ("prefill fp32 over e4m3", lambda: prefill("fp32", True, False)),
+    ("qk_norm_rope_kv bf16 qwen3", lambda: qk_norm_rope_kv("bf16", False, True)),
+    ("qk_norm_rope_kv bf16 qwen3 into e4m3", lambda: qk_norm_rope_kv("bf16", True, True)),
+    ("qk_norm_rope_kv bf16 llama into e4m3", lambda: qk_norm_rope_kv("bf16", True, False)),
+    ("qk_norm_rope_kv fp16 gemma into e4m3", lambda: qk_norm_rope_kv("fp16", True, True, unit_offset=True)),
+    ("qk_norm_rope_kv fp32 qwen3 into e4m3", lambda: qk_norm_rope_kv("fp32", True, True)),
+]
+
+if __name__ == "__main__":
+    failed = 0
+    for name, compile_variant in VARIANTS:
+        try:
+            compile_variant()
+            print(f"ok {name}", flush=True)
+        except Exception as exc:  # report every variant, then fail
+            failed += 1
+            print(f"FAILED {name}: {type(exc).__name__}: {exc}", flush=True)
+    sys.exit(1 if failed else 0)
