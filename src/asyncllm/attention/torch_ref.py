@@ -24,7 +24,7 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, star
     (the blocks before `start` are not read: a sliding window may have given them away)."""
     block_size = cache.shape[1]
     first, num_blocks = start // block_size, -(-seq_len // block_size)
-    rows = gather(cache, block_table[first:num_blocks].long()).flatten(0, 1)
+    rows: torch.Tensor = gather(cache, block_table[first:num_blocks].long()).flatten(0, 1)
     return rows[start - first * block_size : seq_len - first * block_size]
 
 
