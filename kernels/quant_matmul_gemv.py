@@ -58,6 +58,8 @@ def _gemv_tile(
         w_mask = n_mask[:, None, None]
         g_mask = n_mask[:, None]
     w_at = w_rows[:, :, None] + words_at[None, :, :]  # [BN, G, GW]
+    if HAS_SCALES:  # loaded first, as the words are: both in flight together
+        scale = tl.load(s_rows + group[None, :], mask=g_mask, other=0.0).to(tl.float32)[:, :, None]  # [BN, G, 1]
     if BITS == 0:  # one value per element (CODES == 1): e4m3 bytes or plain floats
         if MASK_K:
             x = tl.load(x_row + words_at, mask=words_at < K, other=0.0)
@@ -87,7 +89,7 @@ def _gemv_tile(
             if HAS_MINS:
                 x_sum += x
     if HAS_SCALES:
-        part = part * tl.load(s_rows + group[None, :], mask=g_mask, other=0.0).to(tl.float32)[:, :, None]
+        part = part * scale
     if HAS_MINS:  # w = q * s + m: the offsets meet the sum of the inputs
         mins = tl.load(m_rows + group[None, :], mask=g_mask, other=0.0).to(tl.float32)[:, :, None]
         part += x_sum * mins
