@@ -34,7 +34,7 @@ GEMV_MARGIN = 0.95
 GEMV_MIN_WEIGHTS = 1 << 18
 _TUNED_DTYPES = (torch.bfloat16, torch.float16)
 _GEMV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_MAX_TIMED_LAYERS = 24
+_MAX_TIMED_LAYERS = 24  # Qwen3-0.6B's 4 MB o_proj: 24 layers, twice the H200's 50 MB L2
 
 Shape = tuple[int, int, torch.dtype]  # (out, in, dtype)
 
