@@ -16,7 +16,9 @@ load in the quantized layout (load_format="dummy", the default) or written to di
 (--weights disk; the loader converts them as it would a downloaded checkpoint).
 
 Device machine: python3 bench/quant_bench.py [--shapes qwen3-0.6b qwen3-8b] [--quant bf16 fp8 awq]
-    [--workloads w5 w1] [--weights dummy|disk] [--peers] [--device cuda]
+    [--workloads w5 w1] [--weights dummy|disk] [--peers] [--device cuda] [--decode-gemv auto off]
+(--decode-gemv with several modes runs each engine under each: the one-row GEMV's A/B in one call; each row
+carries the mode, how many layers took the GEMV and the start-up's GEMM tuning seconds)
 """
 
 from __future__ import annotations
@@ -141,9 +143,11 @@ def run_child(args: argparse.Namespace) -> None:
     out = write_checkpoint(args.shape, args.quant, args.weights, Path(tempfile.mkdtemp()) / args.shape, args.device)
     start = time.perf_counter()
     load_format = "dummy" if args.weights == "dummy" else "auto"
-    llm = LLM(str(out), device=args.device, load_format=load_format, max_model_len=4096)
-    base = {"shape": args.shape, "quant": args.quant, "weights": args.weights}
+    llm = LLM(str(out), device=args.device, load_format=load_format, max_model_len=4096, decode_gemv=args.decode_gemv)
+    base = {"shape": args.shape, "quant": args.quant, "weights": args.weights, "decode_gemv": args.decode_gemv}
     base["startup_s"] = round(time.perf_counter() - start, 1)
+    base["tune_gemm_s"] = round(dict(llm.runtime.startup_seconds).get("tune_gemm", 0.0), 3)
+    base["gemv_layers"] = llm.runtime.gemv_layers
     llm.generate([[1, 2, 3]], SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=16), use_tqdm=False)
     if "w5" in args.workloads:
         prompt = [[Random(1).randint(0, 10000) for _ in range(128)]]
@@ -198,28 +202,32 @@ def main() -> None:
     ap.add_argument("--w5-tokens", type=int, default=512, help="decode tokens timed for W5")
     ap.add_argument("--peers", action="store_true", help="nano-vllm's bf16 W5 beside (needs .peers)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script (--shapes qwen3-tiny)")
+    gemv_help = "the engine's decode_gemv; several: each (shape, quant) under each, an A/B in one call"
+    ap.add_argument("--decode-gemv", nargs="+", default=["auto"], choices=["auto", "on", "off"], help=gemv_help)
     ap.add_argument("--child", nargs=2, metavar=("SHAPE", "QUANT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         args.shape, args.quant = args.child
+        args.decode_gemv = args.decode_gemv[0]
         run_child(args)
         return
     rows: dict[tuple[str, str, str], dict[str, Any]] = {}
     for shape in args.shapes:
         for quant in args.quant:
             workloads = [w for w in args.workloads if w == "w5" or (shape == "qwen3-8b" and quant in ("bf16", "fp8"))]
-            if not workloads:
-                continue
-            cmd = [sys.executable, __file__, "--child", shape, quant, "--weights", args.weights]
-            cmd += ["--device", args.device, "--w5-tokens", str(args.w5_tokens), "--workloads", *workloads]
-            proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False)
-            for line in proc.stdout.splitlines():
-                if line.startswith("{"):
-                    row = json.loads(line)
-                    rows[(shape, quant, row["workload"])] = row
-                    print(line, flush=True)
-            if proc.returncode:
-                print(json.dumps({"shape": shape, "quant": quant, "error": f"exit {proc.returncode}"}), flush=True)
+            for mode in args.decode_gemv if workloads else ():
+                cmd = [sys.executable, __file__, "--child", shape, quant, "--weights", args.weights]
+                cmd += ["--device", args.device, "--w5-tokens", str(args.w5_tokens), "--workloads", *workloads]
+                proc = subprocess.run([*cmd, "--decode-gemv", mode], stdout=subprocess.PIPE, text=True, check=False)
+                for line in proc.stdout.splitlines():
+                    if line.startswith("{"):
+                        row = json.loads(line)
+                        if mode == args.decode_gemv[0]:  # the summary reads the first mode's rows
+                            rows[(shape, quant, row["workload"])] = row
+                        print(line, flush=True)
+                if proc.returncode:
+                    error = {"shape": shape, "quant": quant, "decode_gemv": mode, "error": f"exit {proc.returncode}"}
+                    print(json.dumps(error), flush=True)
         if args.peers and (peer := run_peers(shape)) is not None:
             print(json.dumps(peer), flush=True)
     summary: dict[str, Any] = {"summary": "quant_bench"}

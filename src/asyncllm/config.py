@@ -75,6 +75,14 @@ class AttentionBackendName(str, enum.Enum):
     TRITON = "triton"  # the paged Triton kernels (CUDA; on CPU only in Triton's interpreter)
 
 
+class DecodeGemv(str, enum.Enum):
+    """When a dense linear layer takes the one-launch GEMV at one token row (`DeviceConfig.decode_gemv`)."""
+
+    AUTO = "auto"  # with CUDA graphs, per layer shape, where it timed faster than cuBLAS at start-up
+    ON = "on"  # every layer it can run (the Triton backend): the fast path's test switch
+    OFF = "off"  # never, quantized layers' GEMV included: F.linear (and their split-K GEMM) everywhere
+
+
 # Entry-point defaults (`EngineConfig.resolved`): the prompt tokens a streaming step may carry beside its
 # decodes, and the largest step carrying prompts that replays a graph (a capped step's prompt tokens fit it).
 STREAMING_PREFILL_CAP = 2048  # W2's p99 token gap 1.9x the median, 5.9x uncapped (bench/RESULTS.md, run 28)
@@ -267,6 +275,13 @@ class DeviceConfig:
         "installed, else torch).",
     )
     enforce_eager: bool = arg(False, "Never capture CUDA graphs.")
+    decode_gemv: DecodeGemv = arg(
+        DecodeGemv.AUTO,
+        "At one token row (batch-1 decode), dense linear layers with the Triton backend run a one-launch GEMV "
+        'instead of cuBLAS: "auto" (with CUDA graphs, for each layer shape that timed faster than cuBLAS at '
+        'start-up), "on" (every layer it can run; the same numbers eager and graphed), "off" (never, the '
+        "quantized layers' GEMV included).",
+    )
     cuda_graph_max_tokens: int | None = arg(
         None,
         "Steps that are not decode-only (prompt chunks, alone or beside decodes) of up to this many tokens replay "
@@ -298,6 +313,7 @@ class DeviceConfig:
         backend = check_enum(_fail, AttentionBackendName, "attention_backend", self.attention_backend)
         _set(self, "attention_backend", backend)
         check_bool(_fail, "enforce_eager", self.enforce_eager)
+        _set(self, "decode_gemv", check_enum(_fail, DecodeGemv, "decode_gemv", self.decode_gemv))
         check_bool(_fail, "core_process", self.core_process)
         check_optional_int(_fail, "cuda_graph_max_tokens", self.cuda_graph_max_tokens, "an integer >= 0, or None", lo=0)
         seconds = check_float(

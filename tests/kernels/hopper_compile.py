@@ -1,4 +1,5 @@
-"""Compiles the quantized GEMM, GEMV and dequantization kernels for Hopper (sm_90) without a GPU: Triton's compiler
+"""Compiles the quantized GEMM, GEMV (its quantized and 16-bit modes, every tile the GEMV sweep may pick) and
+dequantization kernels for Hopper (sm_90) without a GPU: Triton's compiler
 and the ptxas it ships, in a process without TRITON_INTERPRET. Catches what the interpreter accepts and the
 compiler does not (a kernel reading a plain module global, a shape that is not a power of two, an unsupported
 conversion). Run by tests/kernels/test_quant_matmul.py; prints one line per variant, "ok" or the error."""
@@ -7,11 +8,13 @@ from __future__ import annotations
 
 import os
 import sys
+from functools import partial
 
 assert not os.environ.get("TRITON_INTERPRET"), "compiling needs the real Triton, not the interpreter"
 
 import triton  # noqa: E402
 from asyncllm.kernels import quant_matmul as qm  # noqa: E402
+from asyncllm.kernels import gemv_plan  # noqa: E402
 from asyncllm.kernels import quant_matmul_gemv as gemv  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -48,24 +51,48 @@ def dequantize(bits: int) -> None:
 
 
 def gemv_kernel(
-    bits: int, group: int, zeros: bool, mins: bool, split: int, act: str, even_k: bool = True, scales: str = ""
-) -> None:
-    """The GEMV at the tile shape its launcher picks for `group` over K = 4096 (`gemv_plan`)."""
-    codes, default_scales = POINTERS[bits]
+    bits: int, group: int, zeros: bool, mins: bool, split: int, act: str, even_k: bool = True, scales: str = "",
+    config: gemv_plan.GemvConfig = gemv_plan.DEFAULT_CONFIG,
+) -> None:  # fmt: skip
+    """The GEMV at the tile shape its launcher picks for `group` over K = 4096 (`gemv_plan`); bits 16: plain
+    16-bit weights of the activations' type, no scales."""
+    plain = bits == gemv_plan.FLOAT16
+    codes, default_scales = (act, act) if plain else POINTERS[bits]
     scales = scales or default_scales
-    plan = gemv.gemv_plan(1, 4096, 4096, bits, group, 132, split)
+    plan = gemv_plan.gemv_plan(1, 4096, 4096, bits, group, 132, split, config)
     assert plan is not None, group
     signature = {"x_ptr": act, "w_ptr": codes, "s_ptr": scales, "z_ptr": "*u8", "m_ptr": scales, "b_ptr": act,
                  "part_ptr": "*fp32", "lock_ptr": "*i32", "out_ptr": act}  # fmt: skip
-    signature |= {name: "i32" for name in ("N", "K", "GROUPS", "tiles_per_split", "stride_xm", "stride_wn")}
-    signature |= {name: "i32" for name in ("stride_sn", "stride_zn", "stride_mn", "stride_om")}
-    consts = dict(BITS=bits, CODES=1 if bits == 0 else 32 // bits, GROUP=group, G=plan.groups,
-                  GW=plan.group_words, HAS_ZEROS=zeros, HAS_MINS=mins, HAS_BIAS=True, SPLIT=plan.split,
-                  EVEN_K=even_k, BLOCK_N=gemv.BLOCK_N)  # fmt: skip
+    signature |= {name: "i32" for name in ("N", "K", "GROUPS", "tiles_per_split", "split", "stride_xm")}
+    signature |= {name: "i32" for name in ("stride_wn", "stride_sn", "stride_zn", "stride_mn", "stride_om")}
+    per = gemv_plan.codes_per_unit(bits)
+    row_group = gemv_plan.ROW_GROUP if group >= 4096 else group  # as the launcher passes it
+    consts = dict(BITS=bits if per > 1 else 0, CODES=per, GROUP=row_group, G=plan.groups, GW=plan.group_words,
+                  HAS_SCALES=not plain, HAS_ZEROS=zeros, HAS_MINS=mins, HAS_BIAS=True, EVEN_K=even_k,
+                  BLOCK_N=config.block_n)  # fmt: skip
     signature |= {name: "constexpr" for name in consts}
-    source = ASTSource(fn=gemv._quant_gemv_kernel, signature=signature, constexprs=consts)
-    triton.compile(source, target=TARGET, options={"num_warps": gemv.NUM_WARPS})
+    source = ASTSource(fn=gemv._gemv_kernel, signature=signature, constexprs=consts)
+    triton.compile(source, target=TARGET, options={"num_warps": config.num_warps})
 
+
+SWEEP_KINDS = {  # gemv_kernel's arguments for each kind bench/kernels/sweep_gemv.py sweeps
+    "int4 g128": (4, 128, True, False, 2, "*bf16"),
+    "e4m3 channel": (0, 4096, False, False, 2, "*bf16"),
+    "bf16": (gemv_plan.FLOAT16, 4096, False, False, 2, "*bf16"),
+}
+
+
+def sweep_tile(kind: str, block_n: int, num_warps: int, row_bytes: int) -> None:
+    config = gemv_plan.GemvConfig(block_n=block_n, num_warps=num_warps, row_bytes=row_bytes)
+    gemv_kernel(*SWEEP_KINDS[kind], config=config)
+
+
+# Every tile the sweep may pick, for each kind it sweeps
+SWEEP_VARIANTS = [
+    (f"gemv sweep {kind} block_n {bn} warps {w} rows {rb}B", partial(sweep_tile, kind, bn, w, rb))
+    for kind in SWEEP_KINDS
+    for bn, w, rb in gemv_plan.CANDIDATE_TILES
+]
 
 VARIANTS = [
     ("int4 TILE zeros decode", lambda: gemm(4, 1, True, False, True, (16, 64, 128))),
@@ -94,6 +121,10 @@ VARIANTS = [
     ("gemv int8 g16 zeros f32 scales (Q6_K)", lambda: gemv_kernel(8, 16, True, False, 2, "*bf16", scales="*fp32")),
     ("gemv int4 g32 mins f32 scales (Q4_K)", lambda: gemv_kernel(4, 32, False, True, 1, "*fp16", scales="*fp32")),
     ("gemv int8 g32 mins f32 scales (Q5_K)", lambda: gemv_kernel(8, 32, False, True, 3, "*bf16", scales="*fp32")),
+    # plain 16-bit weights (dense layers at one token row): no scales; split and unsplit, an odd K
+    ("gemv bf16 split", lambda: gemv_kernel(gemv_plan.FLOAT16, 4096, False, False, 4, "*bf16")),
+    ("gemv fp16 odd K", lambda: gemv_kernel(gemv_plan.FLOAT16, 4096, False, False, 1, "*fp16", even_k=False)),
+    *SWEEP_VARIANTS,
 ]
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Linear layers whose weight packs several checkpoint tensors (q/k/v, gate/up) into one matmul.
+"""The dense linear layer (`Linear`: F.linear, or at one token row the one-launch GEMV where it was chosen) and
+the layers whose weight packs several checkpoint tensors (q/k/v, gate/up) into one matmul.
 
 A packed layer (`Packed`: plain or quantized) knows the row range of each named shard and copies checkpoint
 tensors into it, recording which shards arrived so a model can report any it never received. Parameters are
@@ -8,6 +9,8 @@ uninitialised: every one is loaded. Knows nothing about checkpoint names; models
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,19 +19,55 @@ from asyncllm.layers.param_dtype import empty_parameter
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b), W [out, in]; like nn.Linear without the random initialisation."""
+    """y = x W^T (+ b), W [out, in]; like nn.Linear without the random initialisation. At one token row it can
+    take the one-launch GEMV instead of F.linear (`use_gemv`; worker/gemm_layout.py decides where)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
         self.weight = empty_parameter(out_features, in_features)
         self.bias = empty_parameter(out_features) if bias else None
+        self._no_gemv()
+
+    def _no_gemv(self) -> None:
+        self._gemv: Callable[..., torch.Tensor] | None = None  # kernels' linear_gemv, once use_gemv(True) ran
+        self._gemv_locks: torch.Tensor | None = None  # its split-K counters, allocated before any graph capture
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.project(x, self.bias)
+
+    def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x W^T (+ bias): the GEMV at one token row where it is on, else F.linear. The path depends only on
+        the row count, so CUDA graphs capture it."""
+        if self._gemv is not None and x.dim() == 2 and x.shape[0] == 1:
+            return self._gemv(x if x.stride(1) == 1 else x.contiguous(), self.weight, bias, locks=self._gemv_locks)
+        return F.linear(x, self.weight, bias)
+
+    @property
+    def gemv(self) -> bool:
+        """Whether one token row takes the GEMV."""
+        return self._gemv is not None
+
+    def use_gemv(self, on: bool) -> None:
+        """Take the one-launch GEMV (kernels/quant_matmul_gemv.py, a Triton kernel: CUDA, or the interpreter)
+        at one token row, or stop. It reads the weight in its [out, in] layout, of a float type."""
+        if not on:
+            self._no_gemv()
+            return
+        weight = self.weight
+        if weight.stride(1) != 1 or weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(
+                f"the GEMV reads [out, in] float weights with contiguous rows; this layer's is {weight.dtype} "
+                f"with strides {weight.stride()}"
+            )
+        from asyncllm.kernels.quant_matmul_gemv import gemv_locks, linear_gemv
+
+        self._gemv_locks = gemv_locks(weight.shape[0], 1, weight.device)
+        self._gemv = linear_gemv
 
     def store_weight_transposed(self) -> None:
         """Keep the weight's memory [in, out] while it stays an [out, in] view: the same maths, but cuBLAS
         then runs the transposed-layout GEMM (faster for some shapes; worker/gemm_layout.py decides)."""
+        assert self._gemv is None, "the GEMV reads the [out, in] layout"
         with torch.no_grad():
             self.weight.data = self.weight.data.t().contiguous().t()
 

@@ -72,9 +72,10 @@ class RowParallelLinear(Linear):
         self.weight = local.weight
         self.bias = local.bias
         self.group = group
+        self._no_gemv()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.reduce(F.linear(x, self.weight))
+        return self.reduce(self.project(x, None))
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """[T, out] partial sums of this rank's columns -> the layer's output: their total over the ranks, plus

@@ -131,14 +131,29 @@ class QuantLinear(nn.Module, Fusable):
         per_channel = self.group_size == self.in_features
         if fp8 and per_channel and supports_w8a8(device) and self.out_features % 16 == 0 and self.in_features % 16 == 0:
             self._scale_row = self.scales.detach().reshape(1, -1).float().contiguous()  # [1, N]
-        from asyncllm.kernels import quant_matmul_gemv as gemv
-
-        kind = 0 if fp8 else self.bits
-        small = not fp8 or self.out_features * self.in_features <= GEMV_MAX_FP8_WEIGHTS
-        if small and gemv.gemv_plan(1, self.out_features, self.in_features, kind, self.group_size, 1) is not None:
-            # allocated here, before any CUDA-graph capture; the kernel leaves them zero after every call
-            self._gemv_locks = gemv.gemv_locks(self.out_features, GEMV_MAX_TOKENS, device)
+        self.use_gemv(True)
         self._matmul = self._kernels
+
+    @property
+    def gemv(self) -> bool:
+        """Whether steps of up to GEMV_MAX_TOKENS rows take the GEMV (once the kernels are on)."""
+        return self._gemv_locks is not None
+
+    def use_gemv(self, on: bool) -> None:
+        """Take the GEMV up to GEMV_MAX_TOKENS rows where the layer's groups fit its tiles (for FP8 only up to
+        GEMV_MAX_FP8_WEIGHTS weights), or never (`decode_gemv="off"`: the split-K GEMM there instead)."""
+        from asyncllm.kernels import gemv_plan as plans
+
+        fp8 = self.qweight.dtype == FP8_DTYPE
+        kind = plans.E4M3 if fp8 else self.bits
+        n, k = self.out_features, self.in_features
+        small = not fp8 or n * k <= GEMV_MAX_FP8_WEIGHTS
+        config = plans.config_for(kind, n, k)
+        if on and small and plans.gemv_plan(1, n, k, kind, self.group_size, 1, config=config) is not None:
+            # allocated here, before any CUDA-graph capture; the kernel leaves them zero after every call
+            self._gemv_locks = plans.gemv_locks(n, GEMV_MAX_TOKENS, self.qweight.device)
+        else:
+            self._gemv_locks = None
 
     def _kernels(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         from asyncllm.kernels import quant_matmul as qm

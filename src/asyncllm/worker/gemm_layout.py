@@ -1,10 +1,14 @@
-"""Choosing how each linear layer's weight is laid out in memory, by timing cuBLAS on this GPU.
+"""Choosing each linear layer's GEMMs by timing them on this GPU: the layout cuBLAS reads the weight in, and at
+one token row (batch-1 decode) cuBLAS or the one-launch GEMV (kernels/quant_matmul_gemv.py, `Linear.use_gemv`).
 
-The GEMMs stay cuBLAS, but cuBLAS picks its kernel from the operands' layout, and at decode batch sizes
-the choice matters: some shapes run much faster from a weight stored [in, out] than from the usual
-[out, in] (bench/kernels/bench_gemm.py measures it; bench/RESULTS.md has the figures). A weight
-stored [in, out] is still seen by the model as an [out, in] view, so the maths and the model code do not
-change. Only 16-bit weights are tuned: float32 keeps one layout, and so its bit-exact parity tests.
+cuBLAS picks its kernel from the operands' layout, and at decode batch sizes the choice matters: some shapes
+run much faster from a weight stored [in, out] than from the usual [out, in] (bench/kernels/bench_gemm.py
+measures it; bench/RESULTS.md has the figures). A weight stored [in, out] is still seen by the model as an
+[out, in] view, so the maths and the model code do not change. At one token row cuBLAS reads small weights at
+a fraction of the bandwidth where the GEMV (split K, reduced in the same launch) streams them; the GEMV reads
+the [out, in] layout, so a shape taking it keeps that layout unless [in, out] wins the other row counts by
+more. Each shape is timed once, over several of its layers in turn (weights read from memory, not from L2).
+Only 16-bit weights are timed: float32 keeps one layout and cuBLAS, and so its bit-exact parity tests.
 """
 
 from __future__ import annotations
@@ -12,50 +16,121 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from asyncllm.config import DecodeGemv
 from asyncllm.layers.linear import Linear
+from asyncllm.quantization.linear import QuantLinear
 
 _ROWS = (1, 8, 64, 256, 2048)  # decode batch sizes, and a prefill chunk
+# A shape takes the GEMV only where it is clearly faster at one row; below this many weights both are
+# launch-bound ties (and the tiny test models keep cuBLAS, so their graphed and eager runs match bit for bit).
+GEMV_MARGIN = 0.95
+GEMV_MIN_WEIGHTS = 1 << 18
+_TUNED_DTYPES = (torch.bfloat16, torch.float16)
+_GEMV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_MAX_TIMED_LAYERS = 24  # Qwen3-0.6B's 4 MB o_proj: 24 layers, twice the H200's 50 MB L2
+
+Shape = tuple[int, int, torch.dtype]  # (out, in, dtype)
 
 
-def tune_weight_layouts(model: nn.Module, device: torch.device) -> dict[tuple[int, int], bool]:
-    """Store each linear weight in the layout cuBLAS runs fastest here; returns {(in, out): transposed}."""
-    layers: dict[tuple[int, int], list[Linear]] = defaultdict(list)
+@dataclass(frozen=True)
+class GemmChoice:
+    """What the timings chose for one weight shape."""
+
+    transposed: bool  # the weight stored [in, out] for cuBLAS
+    gemv: bool  # one token row through the GEMV
+
+
+def set_decode_gemv(model: nn.Module, mode: DecodeGemv) -> None:
+    """`decode_gemv`'s fixed settings, before any timing: "on" turns the GEMV on in every dense layer that can
+    take it, "off" turns it off everywhere (the quantized layers' too); "auto" leaves it to
+    `tune_linear_layers`. Call it only where the Triton kernels run."""
     for module in model.modules():
-        if isinstance(module, Linear) and module.weight.dtype in (torch.bfloat16, torch.float16):
-            out_features, in_features = module.weight.shape
-            layers[(in_features, out_features)].append(module)
-    choices: dict[tuple[int, int], bool] = {}
-    for shape, modules in layers.items():
-        choices[shape] = _transposed_is_faster(modules[0].weight.detach(), device)
-        if choices[shape]:
-            for module in modules:
+        if isinstance(module, (Linear, QuantLinear)) and mode == DecodeGemv.OFF:
+            module.use_gemv(False)
+        elif isinstance(module, Linear) and mode == DecodeGemv.ON and module.weight.dtype in _GEMV_DTYPES:
+            module.use_gemv(True)
+
+
+def gemv_layers(model: nn.Module) -> int:
+    """How many linear layers take the GEMV at one token row."""
+    return sum(isinstance(m, (Linear, QuantLinear)) and m.gemv for m in model.modules())
+
+
+def tune_linear_layers(model: nn.Module, device: torch.device, *, gemv: bool) -> dict[Shape, GemmChoice]:
+    """Lay out each 16-bit linear weight as cuBLAS runs it fastest here and, with `gemv`, turn the GEMV on for
+    the shapes it runs clearly faster at one row; returns the choice per shape. Layers already taking the GEMV
+    (turned on before: `decode_gemv="on"`) keep their layout."""
+    groups: dict[Shape, list[Linear]] = defaultdict(list)
+    for module in model.modules():
+        if isinstance(module, Linear) and module.weight.dtype in _TUNED_DTYPES and not module.gemv:
+            n, k = module.weight.shape
+            groups[(n, k, module.weight.dtype)].append(module)
+    choices: dict[Shape, GemmChoice] = {}
+    for shape, modules in groups.items():
+        n, k, _ = shape
+        choice = _choose(_weights_beyond_l2(modules, device), device, gemv=gemv and n * k >= GEMV_MIN_WEIGHTS)
+        choices[shape] = choice
+        for module in modules:
+            if choice.transposed:
                 module.store_weight_transposed()
+            elif choice.gemv:
+                module.use_gemv(True)
     return choices
 
 
+def _weights_beyond_l2(modules: list[Linear], device: torch.device) -> list[torch.Tensor]:
+    """Enough of the layers' weights that reading them in turn overflows L2 (all of them when they don't)."""
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
+    weight = modules[0].weight
+    need = -(-2 * l2 // (weight.numel() * weight.element_size()))
+    return [m.weight.detach() for m in modules[: max(1, min(need, _MAX_TIMED_LAYERS))]]
+
+
 @torch.inference_mode()
-def _transposed_is_faster(weight: torch.Tensor, device: torch.device) -> bool:
-    """Time F.linear from both layouts at every row count; each row count weighs the same (time relative to
-    the faster layout), so a prefill-sized GEMM does not drown the decode ones."""
-    plain = weight
-    transposed = weight.t().contiguous().t()  # [out, in] view of an [in, out] tensor
-    score = {False: 0.0, True: 0.0}
-    for rows in _ROWS:
-        x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=device)
-        times = {
-            False: graph_time_us(partial(F.linear, x, plain)),
-            True: graph_time_us(partial(F.linear, x, transposed)),
-        }
-        best = min(times.values())
-        for layout, t in times.items():
-            score[layout] += t / best
-    return score[True] < score[False] * 0.98  # a clear win only: otherwise keep the checkpoint's layout
+def _choose(weights: list[torch.Tensor], device: torch.device, *, gemv: bool) -> GemmChoice:
+    """Time F.linear from both layouts at every row count, and with `gemv` the GEMV at one row (from the plain
+    layout); `choose_gemm` decides."""
+    layouts = {"plain": weights, "transposed": [w.t().contiguous().t() for w in weights]}  # [out, in] views
+    times: dict[str, dict[int, float]] = {name: {} for name in layouts}
+    for m in _ROWS:
+        x = torch.randn(m, weights[0].shape[1], dtype=weights[0].dtype, device=device)
+        for name, ws in layouts.items():
+            times[name][m] = graph_time_us([partial(F.linear, x, w) for w in ws], calls=max(10, len(ws)))
+    return choose_gemm(times, _gemv_time_us(weights, device) if gemv else None)
+
+
+def choose_gemm(cublas_us: dict[str, dict[int, float]], gemv_us: float | None) -> GemmChoice:
+    """The choice for one shape from cuBLAS's microseconds per call ({"plain" | "transposed": {rows: us}}) and
+    the GEMV's at one row (None: not timed). The GEMV counts only where it beats cuBLAS's best one-row time by
+    GEMV_MARGIN; it then stands for the plain layout at one row. Each row count weighs the same in a layout's
+    score (time relative to the fastest at that count), so a prefill-sized GEMM does not drown the decode
+    ones; [in, out] is taken only for a clear win (2 %)."""
+    times = {name: dict(t) for name, t in cublas_us.items()}
+    takes_gemv = gemv_us is not None and gemv_us < GEMV_MARGIN * min(t[1] for t in times.values())
+    if takes_gemv:
+        assert gemv_us is not None
+        times["plain"][1] = gemv_us
+    rows = times["plain"].keys()
+    best = {m: min(t[m] for t in times.values()) for m in rows}
+    score = {name: sum(t[m] / best[m] for m in rows) for name, t in times.items()}
+    transposed = score["transposed"] < score["plain"] * 0.98
+    return GemmChoice(transposed=transposed, gemv=takes_gemv and not transposed)
+
+
+def _gemv_time_us(weights: list[torch.Tensor], device: torch.device) -> float:
+    from asyncllm.kernels.quant_matmul_gemv import gemv_locks, linear_gemv
+
+    n, k = weights[0].shape
+    x = torch.randn(1, k, dtype=weights[0].dtype, device=device)
+    locks = gemv_locks(n, 1, device)
+    return graph_time_us([partial(linear_gemv, x, w, locks=locks) for w in weights], calls=max(10, len(weights)))
 
 
 def graph_time_us(

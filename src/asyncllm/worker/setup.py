@@ -20,7 +20,7 @@ import torch
 
 from asyncllm.attention.backend import AttentionBackend
 from asyncllm.attention.registry import make_attention_backend
-from asyncllm.config import EngineConfig
+from asyncllm.config import DecodeGemv, EngineConfig
 from asyncllm.layers.fusion import use_fused_kernels
 from asyncllm.layers.parallel import TPGroup
 from asyncllm.model_loader.base import Checkpoint
@@ -32,7 +32,7 @@ from asyncllm.step import RuntimeInfo
 from asyncllm.worker.buckets import Buckets
 from asyncllm.worker.cuda_graph import CudaGraphRunner
 from asyncllm.worker.device import ResolvedModel
-from asyncllm.worker.gemm_layout import tune_weight_layouts
+from asyncllm.worker.gemm_layout import gemv_layers, set_decode_gemv, tune_linear_layers
 from asyncllm.worker.input_batch import InputBuffers
 from asyncllm.worker.kv_cache import KVCacheSpec, allocate_kv_cache, blocks_for_budget, cpu_kv_blocks
 from asyncllm.worker.lora import LoRAManager
@@ -138,14 +138,20 @@ class WorkerSetup:
         loras = self._lora_manager(module)
         # Our Triton backend brings the fused kernels with it (norm + residual, q/k norm + rotary + KV write,
         # SiLU-and-mul, batched LoRA); the torch backend keeps every layer in its pure-PyTorch form, the reference.
-        if backend.name == "triton":
+        fused = backend.name == "triton"
+        mode = self.config.device_config.decode_gemv
+        if fused:
             use_fused_kernels(module)
+            set_decode_gemv(module, mode)  # "on" or "off"; "auto" is timed below
         self.timings["load"] = time.perf_counter() - start
         if device.type == "cuda" and not self.config.device_config.enforce_eager:
             start = time.perf_counter()
-            transposed = tune_weight_layouts(module, device)
+            choices = tune_linear_layers(module, device, gemv=fused and mode == DecodeGemv.AUTO)
             self.timings["tune_gemm"] = time.perf_counter() - start
-            logger.debug("linear weights stored [in, out] for shapes %s", [s for s, t in transposed.items() if t])
+            logger.debug(
+                "linear weights stored [in, out] for shapes %s", [s for s, c in choices.items() if c.transposed]
+            )
+            logger.debug("one token row through the GEMV for shapes %s", [s for s, c in choices.items() if c.gemv])
         return LoadedModel(module, backend, loras)
 
     def _lora_manager(self, module: CausalLM) -> LoRAManager | None:
@@ -295,6 +301,7 @@ class WorkerSetup:
             kv_cache_bytes=num_blocks * self.kv_spec.bytes_per_block,
             num_threads=self.num_threads,
             max_loras=loaded.loras.num_slots if loaded.loras is not None else 0,
+            gemv_layers=gemv_layers(loaded.model),
             kv_window=arch.kv_window,
         )
 

@@ -1,0 +1,54 @@
+"""`decode_gemv` on the GPU (bench/gpu_check.sh runs them; skipped without CUDA): batch-1 decode steps replaying
+graphs that captured the GEMV give the tokens of eager steps launching it (float32 and bfloat16), and in float32
+those of the GEMV off; "auto" times real decode shapes (Qwen3-0.6B's) at start-up and decodes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncllm import LLM, SamplingParams
+from tests.worker.test_decode_gemv import LINEARS_PER_LAYER, _prompts, _tokens
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.usefixtures("exact_fp32")
+def test_graphs_equal_eager_with_the_gemv_on(tiny_model: Path, dtype: str) -> None:
+    """Batch-1 decode steps replay graphs that captured the GEMV; eager steps launch it: the same tokens."""
+    common = dict(device="cuda", dtype=dtype, block_size=4, num_kv_blocks=256, decode_gemv="on")
+    batches = [_prompts(300, (9,)), _prompts(300, (4, 13))]
+    graphs, layers = _tokens(tiny_model, batches, **common)
+    eager, _ = _tokens(tiny_model, batches, enforce_eager=True, **common)
+    assert graphs == eager and layers == 2 * LINEARS_PER_LAYER
+    off, _ = _tokens(tiny_model, batches, **{**common, "decode_gemv": "off"})
+    if dtype == "float32":
+        assert graphs == off
+
+
+def test_auto_times_real_decode_shapes(tiny_model: Path, tmp_path: Path) -> None:
+    """Two layers of Qwen3-0.6B's shapes (random weights, the tiny tokenizer), bfloat16 with CUDA graphs:
+    "auto" times each shape at start-up (within the tune_gemm phase) and decodes; a shape's choice covers
+    all its layers."""
+    path = tmp_path / "wide"
+    shutil.copytree(tiny_model, path)
+    config = json.loads((path / "config.json").read_text())
+    config.update(hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8,
+                  head_dim=128)  # fmt: skip
+    (path / "config.json").write_text(json.dumps(config))
+    llm = LLM(str(path), device="cuda", dtype="bfloat16", load_format="dummy", num_kv_blocks=64)
+    try:
+        out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+        assert len(out[0].token_ids) == 6
+        assert llm.runtime.gemv_layers % 2 == 0  # both layers of a shape, or neither
+        assert dict(llm.runtime.startup_seconds)["tune_gemm"] < 3.0  # compiling the GEMV (a cold cache) included
+    finally:
+        llm.shutdown()
