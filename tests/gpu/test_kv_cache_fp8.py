@@ -55,7 +55,14 @@ def test_graphs_scheduling_and_prefix_cache_variants_agree(tiny_checkpoints, fam
     assert stats["prefix_cache_hit_rate"] > 0
     if "max_num_batched_tokens" in engine_args:
         assert stats["num_preemptions"] > 0
-    for variant in (dict(enforce_eager=True), dict(async_scheduling=False), dict(enable_prefix_caching=False)):
+    variants = [dict(enforce_eager=True), dict(async_scheduling=False)]
+    if "max_num_batched_tokens" not in engine_args:
+        # Not under preemption: there, with the prefix cache off a preempted request's tokens are recomputed by
+        # the prefill kernel, while with it on their cached keys and values (written when the decode kernel's
+        # outputs fed the next layers) are reused; the two kernels sum in different orders, so bf16 hidden states
+        # differ in their last bits and a random model's greedy tokens part (run 58, tight-qwen3).
+        variants.append(dict(enable_prefix_caching=False))
+    for variant in variants:
         assert _tokens(path, **args, **variant)[0] == graphs, variant
 
 

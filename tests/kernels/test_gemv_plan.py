@@ -27,8 +27,8 @@ def test_a_tuned_shape_runs_its_config(monkeypatch: pytest.MonkeyPatch) -> None:
     tuned = plans.GemvConfig(block_n=64, num_warps=4, row_bytes=256)
     monkeypatch.setitem(plans.TUNED_CONFIGS, ("int4", 24576, 4096), tuned)
     assert plans.config_for(4, 24576, 4096) == tuned
-    assert plans.config_for(plans.E4M3, 24576, 4096) == plans.DEFAULT_CONFIG  # another kind: the default
-    assert plans.config_for(4, 24576, 2048) == plans.DEFAULT_CONFIG
+    assert plans.config_for(plans.E4M3, 24576, 2048) == plans.DEFAULT_CONFIG  # an untuned shape: the default
+    assert plans.config_for(plans.E4M3, 24576, 4096) == plans.TUNED_CONFIGS[("fp8", 24576, 4096)]  # its own kind
 
 
 @pytest.mark.parametrize("config", [plans.DEFAULT_CONFIG, *plans.candidate_configs()[::5]], ids=str)

@@ -40,7 +40,8 @@ def make_batch(
     slots = torch.cat([*slots, meta.slot_mapping])
     k = torch.randn(len(slots), num_kv_heads, head_dim, generator=gen).to(dtype)
     v = torch.randn(len(slots), num_kv_heads, head_dim, generator=gen).to(dtype)
-    store_kv(k, v, k_cache, v_cache, slots, k_scale, v_scale)
+    on_host = [s.cpu() if isinstance(s, torch.Tensor) else s for s in (k_scale, v_scale)]  # the caches are built here
+    store_kv(k, v, k_cache, v_cache, slots, *on_host)
     q = torch.randn(sum(n for _, n in seqs), num_kv_heads * group, head_dim, generator=gen).to(dtype)
     for name in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
         setattr(meta, name, getattr(meta, name).to(DEVICE))
