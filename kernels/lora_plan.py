@@ -6,8 +6,8 @@ slot's weights, so a batch of many adapters runs as matrix tiles, not token by t
 `max_lora_blocks(T, slots)` blocks whatever the mix (the most any T tokens over that many slots can need), so
 a CUDA graph captured for T tokens replays any step of T tokens: blocks past the used ones carry slot -1 and
 their programs exit at once. `plan_lora_launch` picks, from shapes alone (so a captured graph's choice holds for
-every replay), between one fused launch and a split-K shrink then an expand. Plain Python over host-side
-per-sequence data; no Triton, no device.
+every replay), between one fused launch and a split-K shrink then an expand. Host-side plain Python and
+numpy over per-sequence data; no Triton, no device.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
+
+import numpy as np
 
 LORA_BLOCK_M = 16  # rows per program: the smallest tile a Triton dot takes
 
@@ -26,46 +28,55 @@ def max_lora_blocks(num_tokens: int, num_slots: int) -> int:
 
 
 def plan_lora_blocks(
-    seq_slots: Sequence[int], query_lens: Sequence[int], num_slots: int, num_tokens: int
-) -> tuple[list[int], list[int]]:
-    """(block_tokens, block_slot) for a step whose sequences, in row order, have `query_lens` rows each and
-    the adapter slot `seq_slots` (-1: none); `num_tokens` rows in all, padding included.
+    seq_slots: Sequence[int] | np.ndarray, query_lens: Sequence[int], num_slots: int, num_tokens: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(block_tokens, block_slot), int32, for a step whose sequences, in row order, have `query_lens` rows each
+    (entries past the sequences' are ignored) and the adapter slot `seq_slots` (-1: none); `num_tokens` rows
+    in all, padding included.
 
-    block_tokens: LORA_BLOCK_M row indices per used block, -1 where a slot's last block ends early.
+    block_tokens: LORA_BLOCK_M row indices per used block (a slot's rows in row order, slots in order), -1
+    where a slot's last block ends early.
     block_slot: `max_lora_blocks(num_tokens, num_slots)` entries: each used block's slot, then -1.
+
+    In numpy over the sequences (a prompt's rows move as one range): a few array calls and a loop over the
+    slots, whatever the batch; no Python per row or sequence.
     """
-    rows: list[list[int]] = [[] for _ in range(num_slots)]
-    t = 0
-    for slot, n in zip(seq_slots, query_lens):
-        if slot >= 0:
-            if n == 1:
-                rows[slot].append(t)
-            else:
-                rows[slot].extend(range(t, t + n))
-        t += n
-    assert t <= num_tokens, "more sequence rows than the step's tokens"
-    block_tokens: list[int] = []
-    block_slot: list[int] = []
     m = LORA_BLOCK_M
-    for slot, slot_rows in enumerate(rows):
-        if slot_rows:
-            num_blocks = -(-len(slot_rows) // m)
-            block_tokens += slot_rows
-            block_tokens += [-1] * (num_blocks * m - len(slot_rows))
-            block_slot += [slot] * num_blocks
-    block_slot += [-1] * (max_lora_blocks(num_tokens, num_slots) - len(block_slot))
+    slots = np.asarray(seq_slots, dtype=np.int64)  # [S]
+    lens = np.asarray(query_lens[: len(slots)], dtype=np.int64)  # [S]
+    ends = np.cumsum(lens)
+    assert not len(ends) or ends[-1] <= num_tokens, "more sequence rows than the step's tokens"
+    order = np.argsort(slots, kind="stable")  # sequences by slot, in row order within one
+    by_slot = slots[order]
+    first = int(np.searchsorted(by_slot, 0))  # sequences without an adapter (-1) sort first: drop them
+    order, by_slot = order[first:], by_slot[first:]
+    seq_rows, seq_start = lens[order], (ends - lens)[order]
+    counts = np.bincount(by_slot, weights=seq_rows, minlength=num_slots).astype(np.int64)  # [slots] rows of each
+    blocks = -(-counts // m)
+    used = int(blocks.sum())
+    block_slot = np.full(max_lora_blocks(num_tokens, num_slots), -1, dtype=np.int32)
+    block_slot[:used] = np.repeat(np.arange(num_slots, dtype=np.int32), blocks)
+    total = int(counts.sum())
+    if total == len(seq_rows):  # one row a sequence (decodes)
+        rows = seq_start
+    else:  # each sequence's rows, sequence after sequence, in the sorted order
+        rows = np.arange(total) + np.repeat(seq_start - (np.cumsum(seq_rows) - seq_rows), seq_rows)
+    # A slot's rows are a run of the sorted rows; they go to the front of its blocks, one slice a slot.
+    block_tokens = np.full(used * m, -1, dtype=np.int32)
+    dest, src = ((np.cumsum(blocks) - blocks) * m).tolist(), (np.cumsum(counts) - counts).tolist()
+    for slot, n in enumerate(counts.tolist()):
+        if n:
+            block_tokens[dest[slot] : dest[slot] + n] = rows[src[slot] : src[slot] + n]
     return block_tokens, block_slot
 
 
-def token_slots(seq_slots: Sequence[int], query_lens: Sequence[int], num_tokens: int) -> list[int]:
-    """Each row's slot (-1: none), padding rows included: the reference's `token_slots`."""
-    out: list[int] = []
-    for slot, n in zip(seq_slots, query_lens):
-        if n == 1:
-            out.append(slot)
-        else:
-            out += [slot] * n
-    return out + [-1] * (num_tokens - len(out))
+def token_slots(seq_slots: Sequence[int] | np.ndarray, query_lens: Sequence[int], num_tokens: int) -> np.ndarray:
+    """Each row's slot (-1: none), int32, padding rows included: the reference's `token_slots`."""
+    slots = np.asarray(seq_slots, dtype=np.int32)
+    out = np.full(num_tokens, -1, dtype=np.int32)
+    rows = np.repeat(slots, np.asarray(query_lens[: len(slots)], dtype=np.int64))
+    out[: len(rows)] = rows
+    return out
 
 
 # Launch shapes. Estimates from run 52's figures (bench/RESULTS.md) until bench/kernels/bench_lora.py times

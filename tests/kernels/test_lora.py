@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from asyncllm.kernels.lora_plan import (
@@ -147,19 +148,47 @@ def test_every_row_of_one_slot_and_none_at_all(lora) -> None:
             torch.testing.assert_close(out, lora_ref(x, y.clone(), a, b, slots, shards), atol=1e-5, rtol=1e-5)
 
 
+def _plan_blocks_ref(
+    seq_slots: list[int], lens: list[int], num_slots: int, num_tokens: int
+) -> tuple[list[int], list[int]]:
+    """`plan_lora_blocks` row by row in plain Python: each slot's rows in row order, slots in order."""
+    rows: list[list[int]] = [[] for _ in range(num_slots)]
+    t = 0
+    for slot, n in zip(seq_slots, lens):
+        if slot >= 0:
+            rows[slot] += range(t, t + n)
+        t += n
+    tokens: list[int] = []
+    blocks: list[int] = []
+    for slot, slot_rows in enumerate(rows):
+        num_blocks = -(-len(slot_rows) // LORA_BLOCK_M)
+        tokens += slot_rows + [-1] * (num_blocks * LORA_BLOCK_M - len(slot_rows))
+        blocks += [slot] * num_blocks
+    return tokens, blocks + [-1] * (max_lora_blocks(num_tokens, num_slots) - len(blocks))
+
+
 def test_plan_puts_every_row_in_its_slots_blocks_once() -> None:
-    for seed in range(20):
+    for seed in range(40):
         num_tokens = 1 + seed * 7
         seq_slots, lens = _mix(num_tokens, 4, seed)
-        tokens, blocks = plan_lora_blocks(seq_slots, lens, 4, num_tokens + 5)  # 5 padding rows
+        if seed % 2:  # decode-like: one row a sequence
+            lens = [1] * len(seq_slots)
+            num_tokens = len(seq_slots)
+        # 5 padding rows; a bucket's padded sequence lengths past the sequences' are ignored
+        tokens_np, blocks_np = plan_lora_blocks(seq_slots, [*lens, 1, 1], 4, num_tokens + 5)
+        assert tokens_np.dtype == blocks_np.dtype == np.int32
+        tokens, blocks = tokens_np.tolist(), blocks_np.tolist()
+        assert (tokens, blocks) == _plan_blocks_ref(seq_slots, lens, 4, num_tokens + 5)
         assert len(blocks) == max_lora_blocks(num_tokens + 5, 4)
         used = [s for s in blocks if s >= 0]
         assert blocks[len(used) :] == [-1] * (len(blocks) - len(used)), "used blocks first"
         assert len(tokens) == len(used) * LORA_BLOCK_M
-        per_row = token_slots(seq_slots, lens, num_tokens + 5)
+        per_row = token_slots(seq_slots, lens, num_tokens + 5).tolist()
         seen = {t: used[i // LORA_BLOCK_M] for i, t in enumerate(tokens) if t >= 0}
         assert seen == {t: s for t, s in enumerate(per_row) if s >= 0}
         assert len([t for t in tokens if t >= 0]) == len(seen)
+    no_rows, no_blocks = plan_lora_blocks([-1, -1], [3, 1], 2, 4)
+    assert no_rows.size == 0 and no_blocks.tolist() == [-1] * max_lora_blocks(4, 2)
 
 
 def test_launch_plan_covers_k_and_bounds_tiles_by_rank() -> None:
