@@ -82,10 +82,10 @@ def token_slots(seq_slots: Sequence[int] | np.ndarray, query_lens: Sequence[int]
 # Launch shapes. Estimates from run 52's figures (bench/RESULTS.md) until bench/kernels/bench_lora.py times
 # both paths on the H200: a launch costs ~2 us in a graph, the old shrink ~0.3 us per 128-wide K tile it walked
 # in turn (one program per row block). Wide K tiles (all of a tile's loads in flight at once), few per program.
-FUSED_MAX_K_STEPS = 2  # K tiles a fused program walks at most: past it, its serial walk outlasts a launch
-FUSED_EXTRA_BYTES = 8 << 20  # L2 re-reads fusing may add (each column tile re-shrinks its block): ~2 us of L2
-SHRINK_PROGRAMS = 256  # the split path splits K while its shrink has fewer programs (132 SMs)
-MAX_SPLITS = 8
+FUSED_MAX_K_STEPS = 2  # K tiles a fused program walks at most while the grid is small: past it, split K
+FUSED_EXTRA_BYTES = 8 << 20  # L2 re-reads fusing may add (each column program re-shrinks its block): ~2 us of L2
+SHRINK_PROGRAMS = 256  # below this many (row block, shard) programs the grid is small (132 SMs)
+MAX_SPLITS = 8  # the expand sums at most this many partial sums, unrolled
 FUSED_WARPS, SPLIT_WARPS = 8, 4  # the fused kernel's and the shrink's and expand's
 # A K tile's loads (x's [16, block_k] and A's [block_k, R]) all in flight at once: 256 bytes a thread.
 LOAD_BYTES_PER_THREAD = 256
@@ -96,29 +96,32 @@ LORA_PATHS: tuple[LoRAPath, ...] = ("fused", "split")
 
 @dataclass(frozen=True)
 class LoRALaunch:
-    """How `lora_add` runs for one shape. "fused": one launch; each program (a row block, a column tile of
-    `block_n`) shrinks its block over all of K, then expands into its tile. "split": a shrink whose programs
-    each take `k_chunk` of K (`splits` partial sums, no atomics, nothing to zero), then an expand that sums
-    them; two launches, no re-reads."""
+    """How `lora_add` runs for one shape. "fused": one launch; each program (a row block, `tiles` column
+    tiles of `block_n` in one shard) shrinks its block over all of K, then expands into its tiles in turn.
+    "split": a shrink whose programs each take `k_chunk` of K (`splits` partial sums, no atomics, nothing to
+    zero), then an expand that sums them; two launches, no re-reads."""
 
     path: LoRAPath
-    block_n: int  # output columns per program (a power of two >= 16)
+    block_n: int  # output columns per tile (a power of two >= 16)
     block_k: int  # K per step of the shrink's loop (a power of two >= 16)
-    splits: int  # the shrink's K splits (1 on the fused path)
+    splits: int  # the shrink's K splits (1 on the fused path, at most MAX_SPLITS)
     k_chunk: int  # K columns per split, a multiple of block_k; splits * k_chunk >= K
+    tiles: int = 1  # column tiles a fused program takes (1 on the split path)
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"LoRALaunch.{name} must be a power of two >= 16; got {value}")
-        if self.splits < 1 or self.k_chunk < self.block_k or self.k_chunk % self.block_k:
+        if not 1 <= self.splits <= MAX_SPLITS or self.k_chunk < self.block_k or self.k_chunk % self.block_k:
             raise ValueError(
-                f"LoRALaunch: splits must be >= 1 and k_chunk a multiple of block_k {self.block_k}; got "
-                f"splits={self.splits}, k_chunk={self.k_chunk}"
+                f"LoRALaunch: splits must be 1..{MAX_SPLITS} and k_chunk a multiple of block_k {self.block_k}; "
+                f"got splits={self.splits}, k_chunk={self.k_chunk}"
             )
         if self.path == "fused" and self.splits != 1:
             raise ValueError(f"LoRALaunch: the fused path takes K whole (splits=1); got splits={self.splits}")
+        if self.tiles < 1 or (self.path == "split" and self.tiles != 1):
+            raise ValueError(f"LoRALaunch: tiles must be >= 1 (1 on the split path); got tiles={self.tiles}")
 
 
 def _pow2(n: int) -> int:
@@ -147,18 +150,25 @@ def plan_lora_launch(
     # Tiles shrink as the rank grows: A's [block_k, R] and B's [R, block_n] stay within registers.
     fused_k = max(16, min(_floor_pow2(LOAD_BYTES_PER_THREAD * 32 * FUSED_WARPS // tile_bytes), _pow2(k)))
     fused_n = max(16, min(512, 8192 // rank, _pow2(widest)))
-    tiles = sum(-(-n // fused_n) for n in shard_sizes)
-    extra = used * (tiles - len(shard_sizes)) * tile_bytes * k
+    # The small grid of a decode step wants a program per column tile; a larger one fills the device with
+    # fewer, each taking more tiles of its shard: the fewest tiles a program whose re-shrinks (every column
+    # program past a shard's first reads its block's x rows and A's rows again) stay within FUSED_EXTRA_BYTES.
+    widest_tiles = -(-widest // fused_n)
+    tiles = 1
+    while tiles < widest_tiles:
+        programs = sum(-(-n // (fused_n * tiles)) for n in shard_sizes)
+        if used * (programs - len(shard_sizes)) * tile_bytes * k <= FUSED_EXTRA_BYTES:
+            break
+        tiles = min(2 * tiles, widest_tiles)
+    few = blocks * len(shard_sizes) < SHRINK_PROGRAMS  # the row blocks alone do not fill the device
     if path is None:
-        short = -(-k // fused_k) <= FUSED_MAX_K_STEPS
-        path = "fused" if short and extra <= FUSED_EXTRA_BYTES else "split"
+        # A long K walked by a few programs in turn outlasts a launch: split it. Once the row blocks fill the
+        # device, splitting would only add partial sums for the expand to read.
+        path = "fused" if -(-k // fused_k) <= FUSED_MAX_K_STEPS or not few else "split"
     if path == "fused":
-        return LoRALaunch("fused", fused_n, fused_k, 1, -(-k // fused_k) * fused_k)
+        return LoRALaunch("fused", fused_n, fused_k, 1, -(-k // fused_k) * fused_k, tiles)
     block_k = max(16, min(_floor_pow2(LOAD_BYTES_PER_THREAD * 32 * SPLIT_WARPS // tile_bytes), _pow2(k)))
     tiles_k = -(-k // block_k)
-    # One K tile a program while the grid is small; K whole once the row blocks alone fill the device
-    # (prefill), where splitting would only add partial sums for the expand to read.
-    few = blocks * len(shard_sizes) < SHRINK_PROGRAMS
-    splits = min(MAX_SPLITS, tiles_k) if few else 1
+    splits = min(MAX_SPLITS, tiles_k) if few else 1  # one K tile a program while the grid is small
     k_chunk = -(-tiles_k // splits) * block_k
     return LoRALaunch("split", max(16, min(128, 8192 // rank, _pow2(widest))), block_k, -(-k // k_chunk), k_chunk)
