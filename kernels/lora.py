@@ -124,7 +124,9 @@ def _add_tile(
     tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=valid[:, None] & (offs_n < end)[None, :])
 
 
-@triton.jit(do_not_specialize=["tiles"])  # one compiled kernel for any count of column tiles a program
+# One compiled kernel for any count of column tiles a program (and so of programs a shard): a prompt step too
+# large for the graphs compiles nothing the warm-up's small launches did not.
+@triton.jit(do_not_specialize=["tiles", "NB0", "NB1"])
 def _lora_fused_kernel(
     x_ptr, a_ptr, b_ptr, y_ptr, tokens_ptr, slots_ptr, K, tiles,
     stride_x, stride_as, stride_ar, stride_bs, stride_bn, stride_y, N0, N1, N2, NB0, NB1,
