@@ -31,8 +31,10 @@ from shapes import SHAPES
 from w1_lora import write_adapter
 
 from asyncllm.attention.torch_ref import TorchAttentionBackend
+from asyncllm.kernels.lora_plan import plan_lora_blocks
 from asyncllm.layers.fusion import use_fused_kernels
-from asyncllm.layers.lora import LoRALinear
+from asyncllm.layers.linear import Linear
+from asyncllm.layers.lora import LoRABatch, LoRALinear
 from asyncllm.models.config import ModelArchConfig
 from asyncllm.models.registry import resolve_model_class
 from asyncllm.step import LoRAAdapter, ScheduledSeq, SchedulerOutput
@@ -45,10 +47,14 @@ SITES_06B["down"] = (3072, (1024,))
 
 
 def median_us(fn: Callable[[], object], calls: int, repeats: int = 5) -> float:
-    """The median over `repeats` of the mean wall time of `calls` calls, in microseconds."""
+    """The median over `repeats` of the mean wall time of `calls` calls, in microseconds. On CUDA the device
+    is waited for before each repeat (outside the timing): a few hundred launches then never fill the launch
+    queue, so the host's time is what is timed, not the device's."""
     fn()
     times = []
     for _ in range(repeats):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
@@ -86,7 +92,8 @@ def step(request_ids: list[str], prompt_rows: int = 0) -> SchedulerOutput:
     return SchedulerOutput(seqs=seqs)
 
 
-def staging(device: torch.device) -> list[dict[str, object]]:
+def staging(device: torch.device, calls: int = 200) -> list[dict[str, object]]:
+    """The `stage` figures, each the median of `calls` steps (a tenth of them for the prompt step)."""
     manager, _ = tiny_model_with_adapters(device)
     max_tokens = 8192 + SEQS
     buffers = InputBuffers(max_tokens, SEQS, 80, 16, device)
@@ -96,23 +103,22 @@ def staging(device: torch.device) -> list[dict[str, object]]:
         manager.add_request(rid, 1 + i % ADAPTERS)
     steady, lost_one = step(ids), step(ids[1:])
     prompt = step(ids, prompt_rows=8 * PROMPT)
-    rows = []
-    for name, steps in (("decode, same batch", [steady]), ("decode, batch changed", [steady, lost_one])):
-        rows.append(_stage_row(name, manager, buffers, steps))
-    rows.append(_stage_row("prompt step, 8 x 1024 + 248 decodes", manager, buffers, [prompt, steady]))
-    return rows
+    return [
+        _stage_row("decode, same batch", manager, buffers, [steady], calls),
+        _stage_row("decode, batch changed", manager, buffers, [steady, lost_one], calls),
+        _stage_row("prompt step, 8 x 1024 + 248 decodes", manager, buffers, [prompt, steady], max(1, calls // 10)),
+    ]
 
 
 def _stage_row(
-    name: str, manager: LoRAManager, buffers: InputBuffers, steps: list[SchedulerOutput]
+    name: str, manager: LoRAManager, buffers: InputBuffers, steps: list[SchedulerOutput], calls: int
 ) -> dict[str, object]:
-    """Each of `steps` in turn, prepared (inputs, then LoRA's rows) and flushed, as the runner does: the
-    inputs' time and LoRA's, apart."""
+    """Each of `steps` in turn, prepared (inputs, then LoRA's rows) and flushed, as the runner does, until the
+    first has run `calls` times after a warm-up turn: the inputs' time and LoRA's, apart."""
     prepare: list[float] = []
     lora: list[float] = []
-    calls = 200 if len(steps[0].seqs[0].input_token_ids) == 1 else 20
     with torch.inference_mode():
-        for i in range(5 * calls + len(steps)):
+        for i in range(len(steps) * (calls + 1)):
             scheduled = steps[i % len(steps)]
             t0 = time.perf_counter()
             x = buffers.prepare(scheduled, flush=False)
@@ -131,42 +137,43 @@ def _us(seconds: list[float]) -> float:
     return round(statistics.median(seconds) * 1e6, 1)
 
 
-def launches(device: torch.device, rows: int) -> list[dict[str, object]]:
-    """Each site's `LoRALinear.add_adapters` at `rows` rows (the eager path), with block tables of 8 slots."""
+def launches(device: torch.device, rows: int, calls: int = 200) -> list[dict[str, object]]:
+    """Each site's `LoRALinear.add_adapters` at `rows` rows (the eager path), with block tables of 8 slots; on
+    a machine without CUDA the kernels are stood in for while it runs (see the module)."""
     from asyncllm.kernels import lora as kernels
-    from asyncllm.kernels.lora_plan import plan_lora_blocks
 
-    if device.type != "cuda":  # nothing to launch on: time the launcher up to the launch
-        for name in ("_lora_fused_kernel", "_lora_shrink_kernel", "_lora_expand_kernel"):
+    names = ("_lora_fused_kernel", "_lora_shrink_kernel", "_lora_expand_kernel")
+    saved = {name: getattr(kernels, name) for name in names}
+    if device.type != "cuda":
+        for name in names:
             setattr(kernels, name, _NoLaunch())
-    dtype = torch.bfloat16
-    seq_slots, lens = [i % ADAPTERS for i in range(SEQS)], [rows // SEQS] * SEQS
-    tokens, blocks = plan_lora_blocks(seq_slots, lens, ADAPTERS, rows)
-    out = []
-    from asyncllm.layers.linear import Linear
-    from asyncllm.layers.lora import LoRABatch
-
-    batch = LoRABatch()
-    batch.block_tokens = torch.as_tensor(tokens, dtype=torch.int32, device=device)
-    batch.block_slot = torch.as_tensor(blocks, dtype=torch.int32, device=device)
-    batch.active = True
-    for site, (k, shards) in SITES_06B.items():
-        n = sum(shards)
-        with torch.device(device):
-            base = Linear(k, n, bias=False).to(dtype)
-            a = torch.zeros(ADAPTERS, len(shards) * RANK, k, dtype=dtype)
-            b = torch.zeros(ADAPTERS, n, RANK, dtype=dtype)
-            x = torch.zeros(rows, k, dtype=dtype)
-            y = torch.zeros(rows, n, dtype=dtype)
-        layer = LoRALinear(base, a, b, shards, batch)
-        layer.enable_fused_kernels()
-        us = median_us(lambda layer=layer, x=x, y=y: layer.add_adapters(x, y), 500)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        out.append({"figure": "launch", "site": site, "rows": rows, "us_per_call": us, "device": device.type})
+    try:
+        out = [_launch_row(device, rows, site, k, shards, calls) for site, (k, shards) in SITES_06B.items()]
+    finally:
+        for name, kernel in saved.items():
+            setattr(kernels, name, kernel)
     total = sum(float(str(r["us_per_call"])) for r in out)
     out.append({"figure": "launch", "site": "4 sites x 28 layers", "rows": rows, "us_per_step": round(28 * total)})
     return out
+
+
+def _launch_row(
+    device: torch.device, rows: int, site: str, k: int, shards: tuple[int, ...], calls: int
+) -> dict[str, object]:
+    batch = LoRABatch()
+    tokens, blocks = plan_lora_blocks([i % ADAPTERS for i in range(SEQS)], [rows // SEQS] * SEQS, ADAPTERS, rows)
+    batch.block_tokens = torch.as_tensor(tokens, dtype=torch.int32, device=device)
+    batch.block_slot = torch.as_tensor(blocks, dtype=torch.int32, device=device)
+    batch.active = True
+    n, dtype = sum(shards), torch.bfloat16
+    with torch.device(device):
+        a = torch.zeros(ADAPTERS, len(shards) * RANK, k, dtype=dtype)
+        b = torch.zeros(ADAPTERS, n, RANK, dtype=dtype)
+        x, y = torch.zeros(rows, k, dtype=dtype), torch.zeros(rows, n, dtype=dtype)
+        layer = LoRALinear(Linear(k, n, bias=False).to(dtype), a, b, shards, batch)
+    layer.enable_fused_kernels()
+    us = median_us(lambda: layer.add_adapters(x, y), calls)
+    return {"figure": "launch", "site": site, "rows": rows, "us_per_call": us, "device": device.type}
 
 
 class _NoLaunch:
@@ -179,9 +186,10 @@ class _NoLaunch:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=8192, help="rows of the eager launches")
+    ap.add_argument("--calls", type=int, default=200, help="timed calls per figure")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    for row in staging(device) + launches(device, args.rows):
+    for row in staging(device, args.calls) + launches(device, args.rows, args.calls):
         print(json.dumps(row), flush=True)
 
 

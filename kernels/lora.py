@@ -51,8 +51,8 @@ __all__ = [
     "token_slots",
 ]
 
-# The expand loads every partial sum at once (MAX_SPLITS of [16, R] float32) up to rank 64: 64 registers a
-# thread of its 128; a wider rank would spill (ptxas, sm_90), so it loads them in turn.
+# The expand loads every partial sum at once (MAX_SPLITS of [16, R] float32: R registers a thread at 4 warps) up
+# to rank 64; past it they spill (ptxas for sm_90: 12 KB of stack at rank 512), so it loads them in turn.
 UNROLLED_SPLIT_COLUMNS = 8 * 64
 
 
