@@ -1,10 +1,11 @@
 """The batched LoRA kernels (kernels/lora.py) against the base layer's GEMM they ride on: Qwen3-0.6B's packed
 projections (qkv 1024->2048+1024+1024 in 3 shards, o 2048->1024, gate_up 1024->2x3072, down 3072->1024), bf16,
-rank 16, 8 adapter slots; M = 1, 64, 256 rows (decode batches, one adapter per row, round robin) and 2048 (a
-prefill chunk of 8 adapters' prompts). GPU time per call from CUDA events over replays of a CUDA graph (how
-decode runs), for F.linear alone and for `lora_add` alone: on the path `plan_lora_launch` picks (`lora_us`,
-`path`, `launches` per site, `splits`), and forced onto each path (`fused_us`, `split_us`: the figures to tune
-lora_plan.py's constants by). `lora_over_gemm` is what LoRA adds to the layer; `run52_lora_us` the
+rank 16, 8 adapter slots; M = 1, 64, 256 rows (decode batches, one adapter per row, round robin), 2048 (a
+prefill chunk of 8 adapters' prompts) and 8192 (W1's prompt steps, run eagerly: past the largest graph). GPU
+time per call from CUDA events over replays of a CUDA graph (how decode runs), for F.linear alone and for
+`lora_add` alone: on the path `plan_lora_launch` picks (`lora_us`, `path`, `launches` per site, `splits`,
+`tiles`: column tiles a fused program takes), and forced onto each path (`fused_us`, `split_us`: the figures
+to tune lora_plan.py's constants by). `lora_over_gemm` is what LoRA adds to the layer; `run52_lora_us` the
 shrink+expand pair of run 52 (bench/RESULTS.md) at the same row. Also the bytes the kernels must move (each
 used slot's A and B, the rows read and the output read and written) as a bandwidth against the copy
 bandwidth (`COPY_TB_S`, ../shared/PERF.md). One JSON line per (layer, M), then one per M summing the four
@@ -50,10 +51,10 @@ def main() -> None:
         weight = torch.randn(n, k, device="cuda", dtype=dtype) * 0.02
         a = torch.randn(SLOTS, len(shards) * RANK, k, device="cuda", dtype=dtype) * k**-0.5
         b = torch.randn(SLOTS, n, RANK, device="cuda", dtype=dtype) * 0.01
-        for m in (1, 64, 256, 2048):
+        for m in (1, 64, 256, 2048, 8192):
             x = torch.randn(m, k, device="cuda", dtype=dtype)
             y = F.linear(x, weight)
-            if m == 2048:  # eight prompts of 256 tokens, one per adapter
+            if m >= 2048:  # eight prompts, one per adapter
                 seq_slots, lens = list(range(SLOTS)), [m // SLOTS] * SLOTS
             else:
                 seq_slots, lens = [i % SLOTS for i in range(m)], [1] * m
@@ -71,6 +72,7 @@ def main() -> None:
             moved = used * (a[0].numel() + b[0].numel()) * 2 + m * (k + 2 * n) * 2
             row = {"layer": name, "m": m, "k": k, "n": n, "rank": RANK, "slots_used": used}
             row |= {"path": launch.path, "launches": 1 if launch.path == "fused" else 2, "splits": launch.splits}
+            row["tiles"] = launch.tiles
             row |= {"gemm_us": round(gemm_us, 2), "lora_us": round(lora_us, 2), **forced}
             row["run52_lora_us"] = RUN52_US.get((name, m))
             row["lora_over_gemm"] = round(lora_us / gemm_us, 3)

@@ -70,3 +70,44 @@ def test_bf16_graphs_equal_eager(tiny_model: Path, adapters) -> None:
     common = dict(dtype="bfloat16", max_loras=4, num_kv_blocks=512)
     graphs = _run(tiny_model, adapters, **common)
     assert graphs == _run(tiny_model, adapters, enforce_eager=True, **common)
+
+
+def test_serving_compiles_no_lora_kernel_after_warm_up(tmp_path: Path) -> None:
+    """Warm-up (capture, and the LoRA kernels' own compile step at 16 rows) compiled every LoRA kernel variant
+    serving launches: on a model wide enough that prompt steps too large for the graphs give a fused program
+    several column tiles (gate/up 2 x 2,048 at rank 16), so the programs per shard change with the row count;
+    both are run-time arguments, never a new variant. A compile mid-serving stalls every stream."""
+    import triton.knobs
+
+    from tests.fixtures.tiny_models import build_checkpoint
+
+    wide = dict(hidden_size=1024, intermediate_size=2048, max_position_embeddings=2048)
+    model = build_checkpoint(tmp_path / "wide", "qwen3", **wide)
+    adapters = {name: write_adapter(tmp_path / name, model, seed, r=8) for seed, name in enumerate("ab")}
+    llm = LLM(
+        str(model), device="cuda", dtype="bfloat16", enable_lora=True, max_loras=2, max_lora_rank=8,
+        max_num_batched_tokens=1024, cuda_graph_max_tokens=64, num_kv_blocks=1024, block_size=16,
+    )  # fmt: skip
+    try:
+        for name, path in adapters.items():
+            llm.add_lora(name, path)
+        rng = random.Random(9)
+        vocab = llm.runtime.vocab_size
+        prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in (1000, 700, 300, 90, 40, 5)]
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        compiled: list[str] = []
+        previous = triton.knobs.runtime.jit_post_compile_hook
+
+        def hook(**kwargs) -> bool:
+            compiled.append(str(kwargs.get("repr", "?")))
+            return False
+
+        triton.knobs.runtime.jit_post_compile_hook = hook
+        try:
+            outs = llm.generate(prompts, params, use_tqdm=False, lora=["a", "b", None, "a", "b", "a"])
+        finally:
+            triton.knobs.runtime.jit_post_compile_hook = previous
+        assert all(len(o.token_ids) == 6 for o in outs)
+        assert not compiled, f"{len(compiled)} Triton compilations after warm-up: {compiled[:5]}"
+    finally:
+        llm.shutdown()

@@ -1,6 +1,7 @@
 """Compiles the batched LoRA kernels (kernels/lora.py: fused, split-K shrink, expand) for Hopper (sm_90)
 without a GPU: Triton's compiler and the ptxas it ships, in a process without TRITON_INTERPRET, at the launch
-shapes `plan_lora_launch` picks for Qwen3-0.6B's layers at ranks 16, 64 and 512 in bf16, rank 16 in fp16 and fp32. Also
+shapes `plan_lora_launch` picks for Qwen3-0.6B's qkv and down layers at a decode step's 64 rows and a prompt
+step's 8,192 (each distinct kernel once), at ranks 16, 64 and 512 in bf16, rank 16 in fp16 and fp32. Also
 checks each variant's shared memory against the H100/H200's 227 KiB a program may take (a launch past it
 fails on the device only). Run by tests/kernels/test_lora.py; prints one line per variant, "ok" or the error."""
 
@@ -14,14 +15,22 @@ assert not os.environ.get("TRITON_INTERPRET"), "compiling needs the real Triton,
 
 import triton  # noqa: E402
 from asyncllm.kernels import lora  # noqa: E402
-from asyncllm.kernels.lora_plan import FUSED_WARPS, LORA_BLOCK_M, SPLIT_WARPS, LoRALaunch, plan_lora_launch  # noqa: E402
+from asyncllm.kernels.lora_plan import (  # noqa: E402
+    FUSED_WARPS,
+    LORA_BLOCK_M,
+    MAX_SPLITS,
+    SPLIT_WARPS,
+    LoRALaunch,
+    plan_lora_launch,
+)
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 SHARED_LIMIT = 232_448  # bytes of shared memory one program may take on sm_90
 TYPES = {"bf16": ("*bf16", "tf32"), "fp16": ("*fp16", "tf32"), "fp32": ("*fp32", "ieee")}
-SHAPES = {"qkv": (1024, (2048, 1024, 1024)), "down": (3072, (1024,))}  # decode at 64 rows: fused, then split
+SHAPES = {"qkv": (1024, (2048, 1024, 1024)), "down": (3072, (1024,))}  # at 64 rows: fused, then split
+ROWS = (64, 8192)  # a decode step, a prompt step (down fused, its K walked whole)
 
 
 def _compile(fn: Any, pointers: dict[str, str], ints: list[str], consts: dict[str, object], warps: int) -> None:
@@ -43,7 +52,7 @@ def variant(dtype: str, rank: int, launch: LoRALaunch, shards: int) -> None:
     rows = {"tokens_ptr": "*i32", "slots_ptr": "*i32"}
     if launch.path == "fused":
         pointers = {"x_ptr": ptr, "a_ptr": ptr, "b_ptr": ptr, "y_ptr": ptr} | rows
-        ints = ["K", "stride_x", "stride_as", "stride_ar", "stride_bs", "stride_bn", "stride_y", *columns]
+        ints = ["K", "tiles", "stride_x", "stride_as", "stride_ar", "stride_bs", "stride_bn", "stride_y", *columns]
         consts = common | dict(BLOCK_N=launch.block_n, BLOCK_K=launch.block_k)
         _compile(lora._lora_fused_kernel, pointers, ints, consts, FUSED_WARPS)
         return
@@ -53,16 +62,24 @@ def variant(dtype: str, rank: int, launch: LoRALaunch, shards: int) -> None:
     _compile(lora._lora_shrink_kernel, pointers, ints, consts, SPLIT_WARPS)
     pointers = {"h_ptr": "*fp32", "b_ptr": ptr, "y_ptr": ptr} | rows
     ints = ["splits", "stride_hs", "stride_h", "stride_bs", "stride_bn", "stride_y", *columns]
-    _compile(lora._lora_expand_kernel, pointers, ints, common | dict(BLOCK_N=launch.block_n), SPLIT_WARPS)
+    unroll = MAX_SPLITS if rank * MAX_SPLITS <= lora.UNROLLED_SPLIT_COLUMNS else 1
+    consts = common | dict(BLOCK_N=launch.block_n, UNROLL_SPLITS=unroll)
+    _compile(lora._lora_expand_kernel, pointers, ints, consts, SPLIT_WARPS)
 
 
 def variants() -> list[tuple[str, str, int, LoRALaunch, int]]:
-    out = []
+    """Each distinct compiled kernel once: a launch's tiles and splits are run-time arguments."""
+    out, seen = [], set()
     for dtype, itemsize in (("bf16", 2), ("fp16", 2), ("fp32", 4)):
         for rank in (16, 64, 512) if dtype == "bf16" else (16,):
             for layer, (k, sizes) in SHAPES.items():
-                launch = plan_lora_launch(64, 8, k, sizes, rank, itemsize)
-                out.append((f"{dtype} rank {rank} {layer} {launch}", dtype, rank, launch, len(sizes)))
+                for rows in ROWS:
+                    launch = plan_lora_launch(rows, 8, k, sizes, rank, itemsize)
+                    key = (dtype, rank, len(sizes), launch.path, launch.block_n, launch.block_k)
+                    if key not in seen:
+                        seen.add(key)
+                        name = f"{dtype} rank {rank} {layer} {rows} rows {launch}"
+                        out.append((name, dtype, rank, launch, len(sizes)))
     return out
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from asyncllm.kernels.lora_plan import (
@@ -100,15 +101,20 @@ def check(
     assert not torch.equal(out[~untouched], y[~untouched]) or not (~untouched).any()
 
 
-def _forced(path: str, block_n: int = 16, block_k: int = 32, splits: int = 1, k_chunk: int = 96) -> LoRALaunch:
-    return LoRALaunch(path, block_n, block_k, splits, k_chunk)  # type: ignore[arg-type]
+def _forced(
+    path: str, block_n: int = 16, block_k: int = 32, splits: int = 1, k_chunk: int = 96, tiles: int = 1
+) -> LoRALaunch:
+    return LoRALaunch(path, block_n, block_k, splits, k_chunk, tiles)  # type: ignore[arg-type]
 
 
 # (name, launch): the plan's choice, the fused launch with several column tiles per shard and K tiles per
-# program, the split path with K in 3 chunks of 2 tiles (the last one partial) and in one chunk
+# program, then with 2 and 3 tiles a program (a shard's last program partly or wholly past its columns), the
+# split path with K in 3 chunks of 2 tiles (the last one partial) and in one chunk
 LAUNCHES = [
     ("planned", None),
     ("fused", _forced("fused")),
+    ("fused2", _forced("fused", tiles=2)),
+    ("fused3", _forced("fused", tiles=3)),
     ("split3", _forced("split", splits=3, k_chunk=32, block_k=16)),
     ("split1", _forced("split", block_n=32, block_k=128, k_chunk=128)),
 ]
@@ -123,14 +129,17 @@ def test_matches_ref(lora, shards: tuple[int, ...], launch: LoRALaunch | None) -
 
 @pytest.mark.parametrize("path", ["fused", "split"])
 def test_larger_ranks_and_wide_input(lora, path: str) -> None:
-    """Ranks 32 and 64, an input wider than one K tile and not a multiple of it (split 5 ways on the split
-    path), several blocks per slot, q/k/v-like shards; a rank-8 adapter in a slot of rank 16."""
-    for rank in (32, 64):
+    """Ranks 32, 64 and 128 (the expand sums its partial sums in turn past 64), an input wider than one K tile
+    and not a multiple of it (split 5 ways on the split path), several blocks per slot, q/k/v-like shards; a
+    rank-8 adapter in a slot of rank 16."""
+    for rank in (32, 64, 128):
         launch = plan_lora_launch(41, 3, 200, (24, 8, 8), rank, 4, path)  # type: ignore[arg-type]
         check(lora, 41, (24, 8, 8), torch.float32, seed=5 + rank, k=200, rank=rank, launch=launch)
     split = _forced(path, splits=5 if path == "split" else 1, k_chunk=48 if path == "split" else 208, block_k=16)
     check(lora, 41, (24, 24), torch.float32, seed=5, k=200, launch=split)
     check(lora, 19, (40,), torch.float32, seed=6, k=200, launch=split, adapter_rank=8)
+    if path == "split":  # the most partial sums the expand takes, each over a K tile of its own
+        check(lora, 19, (40, 8), torch.float32, seed=7, k=128, launch=_forced(path, splits=8, k_chunk=16, block_k=16))
 
 
 def test_every_row_of_one_slot_and_none_at_all(lora) -> None:
@@ -147,19 +156,47 @@ def test_every_row_of_one_slot_and_none_at_all(lora) -> None:
             torch.testing.assert_close(out, lora_ref(x, y.clone(), a, b, slots, shards), atol=1e-5, rtol=1e-5)
 
 
+def _plan_blocks_ref(
+    seq_slots: list[int], lens: list[int], num_slots: int, num_tokens: int
+) -> tuple[list[int], list[int]]:
+    """`plan_lora_blocks` row by row in plain Python: each slot's rows in row order, slots in order."""
+    rows: list[list[int]] = [[] for _ in range(num_slots)]
+    t = 0
+    for slot, n in zip(seq_slots, lens):
+        if slot >= 0:
+            rows[slot] += range(t, t + n)
+        t += n
+    tokens: list[int] = []
+    blocks: list[int] = []
+    for slot, slot_rows in enumerate(rows):
+        num_blocks = -(-len(slot_rows) // LORA_BLOCK_M)
+        tokens += slot_rows + [-1] * (num_blocks * LORA_BLOCK_M - len(slot_rows))
+        blocks += [slot] * num_blocks
+    return tokens, blocks + [-1] * (max_lora_blocks(num_tokens, num_slots) - len(blocks))
+
+
 def test_plan_puts_every_row_in_its_slots_blocks_once() -> None:
-    for seed in range(20):
+    for seed in range(40):
         num_tokens = 1 + seed * 7
         seq_slots, lens = _mix(num_tokens, 4, seed)
-        tokens, blocks = plan_lora_blocks(seq_slots, lens, 4, num_tokens + 5)  # 5 padding rows
+        if seed % 2:  # decode-like: one row a sequence
+            lens = [1] * len(seq_slots)
+            num_tokens = len(seq_slots)
+        # 5 padding rows; a bucket's padded sequence lengths past the sequences' are ignored
+        tokens_np, blocks_np = plan_lora_blocks(seq_slots, [*lens, 1, 1], 4, num_tokens + 5)
+        assert tokens_np.dtype == blocks_np.dtype == np.int32
+        tokens, blocks = tokens_np.tolist(), blocks_np.tolist()
+        assert (tokens, blocks) == _plan_blocks_ref(seq_slots, lens, 4, num_tokens + 5)
         assert len(blocks) == max_lora_blocks(num_tokens + 5, 4)
         used = [s for s in blocks if s >= 0]
         assert blocks[len(used) :] == [-1] * (len(blocks) - len(used)), "used blocks first"
         assert len(tokens) == len(used) * LORA_BLOCK_M
-        per_row = token_slots(seq_slots, lens, num_tokens + 5)
+        per_row = token_slots(seq_slots, lens, num_tokens + 5).tolist()
         seen = {t: used[i // LORA_BLOCK_M] for i, t in enumerate(tokens) if t >= 0}
         assert seen == {t: s for t, s in enumerate(per_row) if s >= 0}
         assert len([t for t in tokens if t >= 0]) == len(seen)
+    no_rows, no_blocks = plan_lora_blocks([-1, -1], [3, 1], 2, 4)
+    assert no_rows.size == 0 and no_blocks.tolist() == [-1] * max_lora_blocks(4, 2)
 
 
 def test_launch_plan_covers_k_and_bounds_tiles_by_rank() -> None:
@@ -175,11 +212,15 @@ def test_launch_plan_covers_k_and_bounds_tiles_by_rank() -> None:
                         warps = FUSED_WARPS if launch.path == "fused" else SPLIT_WARPS
                         assert launch.block_n * rank <= 8192 or launch.block_n == 16
                         assert (16 + rank) * launch.block_k * 2 <= 256 * 32 * warps or launch.block_k == 16
-    qkv = (2048, 1024, 1024)
+    qkv, gate_up = (2048, 1024, 1024), (3072, 3072)
     assert plan_lora_launch(1, 8, 1024, qkv, 16, 2).path == "fused"  # a decode row: one launch
-    assert plan_lora_launch(2048, 8, 1024, qkv, 16, 2).path == "split"  # a prefill chunk: no re-reads
-    assert plan_lora_launch(1, 8, 3072, (1024,), 16, 2).path == "split"  # a long K: split it
+    decode = plan_lora_launch(256, 8, 1024, gate_up, 16, 2)  # one launch, two tiles a program: few re-reads
+    assert (decode.path, decode.tiles) == ("fused", 2)
+    prefill = plan_lora_launch(2048, 8, 1024, qkv, 16, 2)  # a prefill chunk: one launch, no re-reads
+    assert prefill.path == "fused" and prefill.tiles * prefill.block_n >= 2048
+    assert plan_lora_launch(1, 8, 3072, (1024,), 16, 2).path == "split"  # a long K, a small grid: split it
     assert plan_lora_launch(64, 8, 3072, (1024,), 16, 2).splits > 1
+    assert plan_lora_launch(8192, 8, 3072, (1024,), 16, 2).path == "fused"  # the row blocks fill the device
 
 
 def test_launch_shape_is_checked(lora) -> None:
@@ -189,6 +230,12 @@ def test_launch_shape_is_checked(lora) -> None:
         LoRALaunch("split", 16, 32, 2, 48)
     with pytest.raises(ValueError, match="splits=1"):
         LoRALaunch("fused", 16, 16, 2, 32)
+    with pytest.raises(ValueError, match=r"splits must be 1\.\.8"):
+        LoRALaunch("split", 16, 16, 9, 16)
+    with pytest.raises(ValueError, match="tiles must be >= 1"):
+        LoRALaunch("fused", 16, 16, 1, 16, tiles=0)
+    with pytest.raises(ValueError, match="1 on the split path"):
+        LoRALaunch("split", 16, 16, 2, 16, tiles=2)
     a, b = _weights(2, (32,), 64, 16, torch.float32, seed=1)
     x, y = torch.randn(4, 64, device=DEVICE), torch.randn(4, 32, device=DEVICE)
     tokens, blocks = plan_lora_blocks([0], [4], 2, 4)
@@ -218,6 +265,28 @@ def test_launchers_reject_bad_inputs(lora) -> None:
         lora.lora_add(x.double(), y, a, b, bt, bs, (32,))
 
 
+def test_layer_launcher_plans_each_shape_once_and_checks_new_tables(lora) -> None:
+    """`LoRAAdd` (one layer's launches, checked and planned once per shape of call) gives `lora_ref`'s result
+    for every row count and path, repeated shapes included, and checks what it has not seen: block tables
+    (a short one is refused) and inputs of another shape."""
+    shards, k = (40, 24), 72
+    a, b = _weights(3, shards, k, 16, torch.float32, seed=11)
+    add = lora.LoRAAdd(a, b, shards)
+    for num_tokens in (3, 17, 3):
+        for path in (None, "fused", "split"):
+            x = torch.randn(num_tokens, k, device=DEVICE)
+            y = torch.randn(num_tokens, sum(shards), device=DEVICE)
+            seq_slots, lens = _mix(num_tokens, 3, seed=num_tokens)
+            bt, bs = (torch.as_tensor(v, device=DEVICE) for v in plan_lora_blocks(seq_slots, lens, 3, num_tokens))
+            slots = torch.as_tensor(token_slots(seq_slots, lens, num_tokens), device=DEVICE)
+            out = add(x, y.clone(), bt, bs, path)
+            torch.testing.assert_close(out, lora_ref(x, y.clone(), a, b, slots, shards), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="block_slot has 1 entries"):
+        add(x, y, bt, bs[:1])
+    with pytest.raises(ValueError, match="disagree"):
+        add(x[:, : k - 2], y, bt, bs)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(HAS_CUDA, reason="on CUDA the GPU tests compile and run the kernels themselves")
 def test_kernels_compile_for_hopper_without_a_gpu() -> None:
@@ -232,7 +301,7 @@ def test_kernels_compile_for_hopper_without_a_gpu() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # asyncllm as this process finds it
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr[-2000:]
-    assert out.stdout.count("ok ") == 10 and "fused" in out.stdout and "split" in out.stdout, out.stdout
+    assert out.stdout.count("ok ") == 17 and "fused" in out.stdout and "split" in out.stdout, out.stdout
 
 
 # ------------------------------------------------------------------------------------------- GPU only

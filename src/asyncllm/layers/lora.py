@@ -70,9 +70,9 @@ class LoRALinear(nn.Module, Fusable):
         return self.base.bias
 
     def enable_fused_kernels(self) -> None:
-        from asyncllm.kernels.lora import lora_add
+        from asyncllm.kernels.lora import LoRAAdd
 
-        self._kernel = lora_add
+        self._kernel = LoRAAdd(self.a, self.b, self.shard_sizes)  # checks and plans each shape of call once
         self.batch.kernels = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -90,7 +90,7 @@ class LoRALinear(nn.Module, Fusable):
         batch = self.batch
         if self._kernel is not None:
             assert batch.block_tokens is not None and batch.block_slot is not None, "LoRABatch not bound"
-            self._kernel(x, y, self.a, self.b, batch.block_tokens, batch.block_slot, self.shard_sizes, path=path)
+            self._kernel(x, y, batch.block_tokens, batch.block_slot, path)
         else:
             assert batch.token_slots is not None, "LoRABatch not bound"
             lora_ref(x, y, self.a, self.b, batch.token_slots[: x.shape[0]], self.shard_sizes)

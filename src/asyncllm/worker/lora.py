@@ -12,6 +12,7 @@ Knows requests only as ids with an adapter id.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 
 import torch
 
@@ -58,6 +59,9 @@ class LoRAManager:
         self._recent: OrderedDict[int, None] = OrderedDict()  # adapters in slots, least recently used first
         self._free = list(range(max_loras - 1, -1, -1))  # slots never used (or freed by a removal); pop() takes 0 first
         self._request_lora: dict[str, int] = {}  # live requests that have an adapter -> its id
+        # The last plan staged into the regions: (request ids, rows of each, rows in all); None: none, or
+        # forgotten (adapters or requests changed, or an idle step overwrote the regions).
+        self._staged: tuple[list[str], list[int], int] | None = None
         self._token_slots: StagedRegion | None = None
         self._block_tokens: StagedRegion | None = None
         self._block_slot: StagedRegion | None = None
@@ -76,10 +80,12 @@ class LoRAManager:
             self.layout, peft.tensors, peft.scaling, self.arch, self.model, self.rank, self.world_size
         ).to(self.pool.dtype)
         self._rows[adapter.lora_id] = row.pin_memory() if self.pool.device.type == "cuda" else row
+        self._staged = None
 
     def remove(self, lora_id: int) -> None:
         """Forget an adapter (its slot is free for the next; steps already queued still read its old row)."""
         self._rows.pop(lora_id, None)
+        self._staged = None
         slot = self._slot_of.pop(lora_id, None)
         if slot is not None:
             del self._recent[lora_id]
@@ -90,9 +96,11 @@ class LoRAManager:
         if lora_id not in self._rows:
             raise LoRAError(f"request {request_id!r} names LoRA adapter id {lora_id}, which is not loaded")
         self._request_lora[request_id] = lora_id
+        self._staged = None
 
     def remove_request(self, request_id: str) -> None:
-        self._request_lora.pop(request_id, None)
+        if self._request_lora.pop(request_id, None) is not None:
+            self._staged = None
 
     # ------------------------------------------------------------------ the step
     def bind(self, staging: StepStaging, max_num_tokens: int) -> None:
@@ -107,23 +115,41 @@ class LoRAManager:
             self._token_slots = staging.region(max_num_tokens, torch.int32)
             batch.token_slots = self._token_slots.dev
 
-    def stage(self, scheduled: SchedulerOutput, num_tokens: int) -> None:
+    def stage(self, scheduled: SchedulerOutput, num_tokens: int, query_lens: Sequence[int]) -> None:
         """The step's rows per slot, into their regions (sent by the step's flush), adapters it uses loaded
-        into slots first; `num_tokens`: the step's rows, padding included."""
+        into slots first; `num_tokens`: the step's rows, padding included; `query_lens`: each sequence's rows
+        in order (entries past the sequences', a bucket's padding, are ignored).
+
+        A step of the same sequences with the same rows as the last staged one (most decode steps: the batch
+        changes when a request joins or ends) stages nothing: its regions, on the host and on the device, still
+        hold that plan, and every adapter it uses is still in its slot (anything that could move one is a
+        change of adapters or requests, which forgets the plan)."""
         lora_of = self._request_lora
-        ids = [lora_of.get(s.request_id, 0) for s in scheduled.seqs] if lora_of else []
-        if not any(ids):
+        if not lora_of:
             self.batch.active = False
             return
-        slots = self._place(ids)
-        seq_slots = [slots[i] if i else -1 for i in ids]
-        self._stage_rows(seq_slots, [s.num_tokens for s in scheduled.seqs], num_tokens)
+        request_ids = [s.request_id for s in scheduled.seqs]
+        staged = self._staged
+        if staged is not None and staged[2] == num_tokens and staged[0] == request_ids and staged[1] == query_lens:
+            self.batch.active = True
+            return
+        ids = [lora_of.get(r, 0) for r in request_ids]
+        needed = set(ids)
+        needed.discard(0)
+        if not needed:
+            self.batch.active = False
+            return
+        slot_of = self._place(sorted(needed))
+        slot_of[0] = -1
+        self._stage_rows([slot_of[i] for i in ids], query_lens, num_tokens)
+        self._staged = (request_ids, list(query_lens), num_tokens)
         self.batch.active = True
 
     def stage_idle(self, num_tokens: int, active: bool) -> None:
         """A step of `num_tokens` rows with no adapter row, the layers `active` or not (graph capture)."""
         if active:
             self._stage_rows([], [], num_tokens)
+            self._staged = None
         self.batch.active = active
 
     def compile_kernels(self) -> None:
@@ -149,7 +175,7 @@ class LoRAManager:
         finally:
             self.batch.block_tokens, self.batch.block_slot = bound
 
-    def _stage_rows(self, seq_slots: list[int], query_lens: list[int], num_tokens: int) -> None:
+    def _stage_rows(self, seq_slots: list[int], query_lens: Sequence[int], num_tokens: int) -> None:
         if self.batch.kernels:
             assert self._block_tokens is not None and self._block_slot is not None, "bind() first"
             tokens, slot_of_block = plan_lora_blocks(seq_slots, query_lens, self.num_slots, num_tokens)
@@ -159,9 +185,9 @@ class LoRAManager:
             assert self._token_slots is not None, "bind() first"
             self._token_slots.put(token_slots(seq_slots, query_lens, num_tokens))
 
-    def _place(self, ids: list[int]) -> dict[int, int]:
-        """Each adapter of the step -> its slot, loading those not in one (in id order: every rank alike)."""
-        needed = sorted(set(ids) - {0})
+    def _place(self, needed: list[int]) -> dict[int, int]:
+        """Each adapter of the step (`needed`: their ids, ascending) -> its slot, loading those not in one (in id
+        order: every rank alike)."""
         assert len(needed) <= self.num_slots, "the core runs at most max_loras adapters at once"
         recent, slot_of = self._recent, self._slot_of
         for lora_id in needed:

@@ -106,7 +106,7 @@ class ModelRunner:
         self.inputs.stage_plan(x.meta, plan, static=shape.bounds is not None)
         feed, draw, slots, masks = self._stage(x, states, sampling)
         if self.loras is not None:
-            self.loras.stage(scheduled, x.num_tokens)
+            self.loras.stage(scheduled, x.num_tokens, x.meta.query_lens_cpu)
         self.inputs.flush()
         if feed is not None:
             # PLACEHOLDER inputs take the token last sampled for their request, on the device: the sampled
