@@ -12,8 +12,8 @@ from types import ModuleType
 
 import pytest
 import torch
-
 from asyncllm.kernels.lora_ref import lora_ref
+
 from tests.fixtures.triton_kernels import import_kernel
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
