@@ -88,6 +88,8 @@ class GrammarWorker:
 
     def _spread(self, n: int, share: Callable[[BatchFill, int, int], None]) -> None:
         """share(fill_k, lo, hi) over [0, n) in up to `threads` contiguous parts, the last on this thread."""
+        if not n:
+            return
         parts = max(1, min(self._threads, n // MIN_ROWS_PER_THREAD))
         bounds = [n * k // parts for k in range(parts + 1)]
         pool = self._pool

@@ -78,6 +78,8 @@ class FillJob:
         # The grammar process's share first: it works while the step thread does its own.
         for home in sorted(homes, key=lambda h: not h.beside):
             rows, slots, tokens = homes[home]
+            if not rows:
+                continue
             # A row its mask left empty draws token 0, and its refusal must end the request now, before the
             # token is output: only then does this step wait for the grammar process's verdict.
             home.step(self.host, rows, slots, tokens, verdict=0 in tokens)
