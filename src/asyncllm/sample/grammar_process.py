@@ -28,6 +28,7 @@ from asyncllm.sample.grammar_wire import (
     FAILED,
     FILL,
     FILLED,
+    OPS,
     READY,
     STEP,
     Init,
@@ -95,6 +96,8 @@ class GrammarProcess:
             self._free.append(slot)  # the worker reads the remove before any later add of it
             # Replies to messages sent so far may still report on the slot's last request: not on its next.
             self._stale[slot] = self._seq
+            if not self.live:  # no step may come for a while: free the matchers now
+                self._send(encode_request(OPS, 0, self._seq + 1, self._ops, [], []), reply=False)
 
     def step(self, host: HostRows, rows: list[int], slots: list[int], tokens: list[int], verdict: bool) -> None:
         if self._send(encode_request(STEP, host.index, self._seq + 1, self._ops, rows, slots, tokens, verdict)):
@@ -145,7 +148,7 @@ class GrammarProcess:
         self._next_slot += 1
         return self._next_slot - 1
 
-    def _send(self, message: bytes) -> bool:
+    def _send(self, message: bytes, reply: bool = True) -> bool:
         if self.failure is not None:
             return False
         assert self._to is not None, "the grammar process is used before it is ready"
@@ -156,7 +159,7 @@ class GrammarProcess:
             return False
         self._ops = []
         self._seq += 1
-        self._unfilled += 1
+        self._unfilled += reply
         return True
 
     def _receive(self) -> tuple[int, int, dict[int, str]]:

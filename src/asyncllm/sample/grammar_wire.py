@@ -2,10 +2,11 @@
 and reads replies; `grammar_worker.py` the reverse). The bitmask rows themselves never travel: the worker
 writes them into the shared `RowsSegment`. Knows nothing of matchers or steps beyond these fields.
 
-Requests, in order: each STEP or FILL carries the adds and removes since the last one (`ops`), then its rows.
+Requests, in order: each carries the adds and removes since the last one (`ops`), then its rows.
   STEP  (set, verdict, seq; rows, slots, tokens): slots[i] accepts tokens[i], then row rows[i] of the set is
         filled for slots[i]; with `verdict` an ACCEPTED reply comes as soon as every token is accepted.
   FILL  (set, seq; rows, slots): rows[i] filled for slots[i] (a request the last STEP did not cover).
+  OPS   the ops alone, no reply (the last request went: its matcher is freed now, not at the next step).
 Replies: ACCEPTED (seq, refusals by slot), FILLED (seq, errors by slot of the slots it filled), READY once
 at start-up, FAILED (a traceback) before the worker exits on an error of its own.
 """
@@ -21,7 +22,7 @@ import numpy as np
 
 from asyncllm.structured import StructuredOutput
 
-STEP, FILL = 1, 2  # requests
+STEP, FILL, OPS = 1, 2, 3  # requests
 ACCEPTED, FILLED, READY, FAILED = 1, 2, 3, 4  # replies
 
 _REQUEST = struct.Struct("<BBBxIII")  # kind, set, verdict, seq, rows, ops bytes
@@ -77,6 +78,8 @@ def decode_request(data: bytes) -> Request:
     ops: list[Op] = pickle.loads(data[at : at + blob]) if blob else []
     at += blob
     arrays = [np.frombuffer(data, np.int32, n, at + 4 * n * k) for k in range(3 if kind == STEP else 2)]
+    if kind == OPS:
+        arrays = [np.zeros(0, np.int32)] * 2
     return Request(kind, set_index, bool(verdict), seq, ops, arrays[0], arrays[1], arrays[2] if kind == STEP else None)
 
 

@@ -26,6 +26,7 @@ from asyncllm.sample.grammar_wire import (
     ACCEPTED,
     FAILED,
     FILLED,
+    OPS,
     READY,
     STEP,
     Init,
@@ -68,6 +69,8 @@ class GrammarWorker:
                     self.matchers.add(op[1], op[2])  # type: ignore[misc]
                 else:
                     self.matchers.remove(op[1])
+            if request.kind == OPS:
+                continue
             errors = self._step(request, replies) if request.kind == STEP else self._fill(request)
             replies.send_bytes(encode_reply(FILLED, request.seq, errors))
 
