@@ -15,7 +15,8 @@ import functools
 import json
 import re
 import threading
-from collections.abc import Collection
+from collections import OrderedDict
+from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -28,6 +29,9 @@ from asyncllm.structured import StructuredKind, StructuredOutput
 
 if TYPE_CHECKING:
     import xgrammar as xgr  # imported at the first compile: engines without constraints never load it
+
+# Constraints a watcher added later is told of at once (`watch`): those of the requests likely still live.
+RECENT_SPECS = 64
 
 # Compiled grammars kept by the compiler (keyed by the constraint's text and options), least recently used
 # out first: a small schema over a large vocabulary takes a few MiB.
@@ -73,6 +77,9 @@ class GrammarBackend:
         self._info: xgr.TokenizerInfo | None = None
         self._utf8: Utf8Table | None = None
         self._pool: ThreadPoolExecutor | None = None
+        self._watch_lock = threading.Lock()
+        self._watchers: list[Callable[[StructuredOutput], None]] = []
+        self._recent: OrderedDict[StructuredOutput, None] = OrderedDict()  # the last constraints compiled
 
     @classmethod
     def from_tables(cls, tables: VocabularyTables) -> GrammarBackend:
@@ -110,12 +117,34 @@ class GrammarBackend:
         self.compile(spec)
 
     def compile(self, spec: StructuredOutput) -> xgr.CompiledGrammar:
+        with self._watch_lock:  # who else compiles over this vocabulary (the grammar process) starts now too
+            self._recent[spec] = None
+            self._recent.move_to_end(spec)
+            if len(self._recent) > RECENT_SPECS:
+                self._recent.popitem(last=False)
+            watchers = list(self._watchers)
+        for watcher in watchers:
+            watcher(spec)
         compiler = self._vocabulary()
         try:
             return _compile(compiler, spec)
         except (RuntimeError, ValueError) as exc:  # xgrammar's errors name what it could not read
             message = _LOG_PREFIX.sub("", str(exc)).strip()
             raise InvalidRequestError(f"SamplingParams.{spec.field} is not {_WHAT[spec.kind]}: {message}") from None
+
+    def watch(self, watcher: Callable[[StructuredOutput], None]) -> None:
+        """Have `watcher(spec)` called as each constraint's compile starts (from the compiling thread, every
+        time: it must be quick), and at once for the last few compiled before."""
+        with self._watch_lock:
+            self._watchers.append(watcher)
+            recent = list(self._recent)
+        for spec in recent:
+            watcher(spec)
+
+    def unwatch(self, watcher: Callable[[StructuredOutput], None]) -> None:
+        with self._watch_lock:
+            if watcher in self._watchers:
+                self._watchers.remove(watcher)
 
     def compile_async(self, spec: StructuredOutput) -> Future[xgr.CompiledGrammar]:
         """`compile(spec)` on the backend's thread (xgrammar releases the GIL while it compiles)."""

@@ -12,6 +12,7 @@ waits for it again. Knows nothing of steps' plans, only the rows and slots it is
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
@@ -19,6 +20,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections import OrderedDict
 from multiprocessing.connection import Connection
 
 from asyncllm.errors import AsyncLLMError, RequestFailedError
@@ -42,6 +44,7 @@ from asyncllm.structured import StructuredOutput
 logger = logging.getLogger(__name__)
 
 _ENTRY = "from asyncllm.sample.grammar_worker import main; main()"
+PRECOMPILED_SPECS = 4096  # remembered as sent to compile (one a new distinct constraint: a bounded record)
 _EXIT_S = 5.0  # at close, the worker gets this long to leave on its own before it is killed
 
 
@@ -72,10 +75,24 @@ class GrammarProcess:
         self._from: Connection | None = None
         self._closing = False
         self._lock = threading.Lock()  # the starter thread and close() over _proc
+        self._write_lock = threading.Lock()  # the step thread's messages and `precompile`'s, whole
+        self._precompiled: OrderedDict[StructuredOutput, None] = OrderedDict()  # the specs sent to compile
         self._starter = threading.Thread(target=self._start, name="asyncllm-grammar-start", daemon=True)
 
     def start(self) -> None:
         self._starter.start()
+
+    def precompile(self, spec: StructuredOutput) -> None:
+        """Have the worker compile `spec` now (its compile thread), as this process's compile starts: from any
+        thread (the backend's watcher), so a request's first fill finds its matcher's grammar compiled."""
+        with self._write_lock:
+            if spec in self._precompiled or self._to is None or self.failure is not None:
+                return
+            self._precompiled[spec] = None
+            if len(self._precompiled) > PRECOMPILED_SPECS:
+                self._precompiled.popitem(last=False)
+            with contextlib.suppress(OSError):  # a dead worker is the step thread's to notice
+                self._to.send_bytes(encode_request(OPS, 0, 0, [("compile", 0, spec)], [], []))
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Block until the worker is ready or could not start (then `failure` says why); True if ready."""
@@ -129,16 +146,18 @@ class GrammarProcess:
     def close(self) -> None:
         """End the worker (it leaves when its request pipe closes; killed if it does not). Idempotent."""
         self._closing = True
+        self._backend.unwatch(self.precompile)
         with self._lock:
             proc = self._proc
         if proc is not None and not self.ready:
             proc.kill()  # still starting: the starter's send or read then fails and it returns
         if self._starter.is_alive():
             self._starter.join()
-        for conn in (self._to, self._from):
-            if conn is not None:
-                conn.close()
-        self._to = self._from = None
+        with self._write_lock:
+            for conn in (self._to, self._from):
+                if conn is not None:
+                    conn.close()
+            self._to = self._from = None
         if proc is not None:
             self._reap()
         self.ready = False
@@ -153,7 +172,8 @@ class GrammarProcess:
             return False
         assert self._to is not None, "the grammar process is used before it is ready"
         try:
-            self._to.send_bytes(message)
+            with self._write_lock:
+                self._to.send_bytes(message)
         except OSError:
             self._died()
             return False
@@ -194,10 +214,12 @@ class GrammarProcess:
             "cannot go on (the engine carries on; new constrained requests keep their matchers in the step thread)"
         )
         logger.error("%s%s", self.failure, f"\n{detail}" if detail else "")
-        for conn in (self._to, self._from):
-            if conn is not None:
-                conn.close()
-        self._to = self._from = None
+        self._backend.unwatch(self.precompile)
+        with self._write_lock:
+            for conn in (self._to, self._from):
+                if conn is not None:
+                    conn.close()
+            self._to = self._from = None
 
     def _start(self) -> None:
         """The starter thread: spawn the worker, send it the vocabulary, wait for READY."""
@@ -237,6 +259,7 @@ class GrammarProcess:
             return
         self._to, self._from = to, frm
         self.ready = True
+        self._backend.watch(self.precompile)  # the constraints compiled lately, then each new one
         logger.info("grammar process ready (pid %d, %d filling threads)", self.pid, self._threads)
 
     def _reap(self) -> int | None:

@@ -6,7 +6,8 @@ Requests, in order: each carries the adds and removes since the last one (`ops`)
   STEP  (set, verdict, seq; rows, slots, tokens): slots[i] accepts tokens[i], then row rows[i] of the set is
         filled for slots[i]; with `verdict` an ACCEPTED reply comes as soon as every token is accepted.
   FILL  (set, seq; rows, slots): rows[i] filled for slots[i] (a request the last STEP did not cover).
-  OPS   the ops alone, no reply (the last request went: its matcher is freed now, not at the next step).
+  OPS   the ops alone, no reply: the last request went (its matcher is freed now, not at the next step), or
+        a constraint's compile started in the engine's process (the worker compiles it at the same time).
 Replies: ACCEPTED (seq, refusals by slot), FILLED (seq, errors by slot of the slots it filled), READY once
 at start-up, FAILED (a traceback) before the worker exits on an error of its own.
 """
@@ -28,7 +29,7 @@ ACCEPTED, FILLED, READY, FAILED = 1, 2, 3, 4  # replies
 _REQUEST = struct.Struct("<BBBxIII")  # kind, set, verdict, seq, rows, ops bytes
 _REPLY = struct.Struct("<BxxxII")  # kind, seq, payload bytes
 
-# ("add", slot, spec) or ("remove", slot)
+# ("add", slot, spec), ("remove", slot) or ("compile", 0, spec): compile it now, for requests to come
 Op = tuple[str, int] | tuple[str, int, StructuredOutput]
 
 

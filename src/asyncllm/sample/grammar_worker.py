@@ -47,6 +47,7 @@ class GrammarWorker:
     def __init__(self, backend: GrammarBackend, sets: list[tuple[np.ndarray, np.ndarray]], threads: int) -> None:
         from xgrammar import BatchGrammarMatcher
 
+        self._backend = backend
         self.matchers = MatcherSet(backend, sets[0][0].shape[1])
         self._sets = sets
         self._threads = max(1, threads)
@@ -67,8 +68,10 @@ class GrammarWorker:
             for op in request.ops:
                 if op[0] == "add":
                     self.matchers.add(op[1], op[2])  # type: ignore[misc]
-                else:
+                elif op[0] == "remove":
                     self.matchers.remove(op[1])
+                else:  # compile ahead: the add that follows finds it compiled (or compiling)
+                    self._backend.compile_async(op[2])  # type: ignore[misc]
             if request.kind == OPS:
                 continue
             errors = self._step(request, replies) if request.kind == STEP else self._fill(request)
