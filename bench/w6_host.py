@@ -1,10 +1,16 @@
 """W6's host side: what 256 constrained streams cost the host per decode step, on this machine's CPU. The
 grammar masks of 256 requests (W6's JSON schema, the real Qwen3 vocabulary) filled by xgrammar's threads,
 and each sampled token fed back to its matcher, along a random walk of allowed tokens (a random-weight
-model's outputs). The device step these must hide behind is in W6's figures. Prints one JSON line."""
+model's outputs); then the same work as steps against a simulated device (`w6_steps.py`): ms per step with
+no grammar, with the matchers in the step thread, and in the grammar process, and the ratios to the plain
+step (the W1-style ratio the host allows; issue 21's target 0.9). Prints one JSON line.
+
+`--forward-ms` (the device's step, default 2.5), `--host-ms` (the core's own host work a step, default 2.0).
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
@@ -13,6 +19,7 @@ import time
 import numpy as np
 from shapes import find_qwen3_tokenizer
 from transformers import AutoTokenizer
+from w6_steps import run_steps
 from w6_structured import SCHEMA
 
 from asyncllm import SamplingParams
@@ -21,16 +28,11 @@ from asyncllm.sample.grammar import GrammarBackend
 ROWS, STEPS, VOCAB = 256, 40, 151_936
 
 
-def main() -> None:
-    tokenizer = AutoTokenizer.from_pretrained(str(find_qwen3_tokenizer()))
-    stops = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")]
-    backend = GrammarBackend(tokenizer, VOCAB, stops)
-    t0 = time.perf_counter()
-    backend.prepare_async()
+def xgrammar_alone(backend: GrammarBackend) -> dict[str, float]:
+    """xgrammar's own batch fill and per-token accepts along a random walk, ms per step."""
     spec = SamplingParams(json_schema=SCHEMA).structured
     assert spec is not None
-    compiled = backend.compile(spec)  # waits for the vocabulary's tables, then compiles
-    tables_and_compile_s = time.perf_counter() - t0
+    compiled = backend.compile(spec)
     import xgrammar as xgr
 
     matchers = [xgr.GrammarMatcher(compiled) for _ in range(ROWS)]
@@ -55,16 +57,41 @@ def main() -> None:
             matchers[i].accept_token(token)
         accept_s += time.perf_counter() - t0
         steps += 1
+    return {
+        "steps": steps,
+        "fill_ms_per_step": round(1000 * fill_s / steps, 3),
+        "accept_ms_per_step": round(1000 * accept_s / steps, 3),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--forward-ms", type=float, default=2.5)
+    ap.add_argument("--host-ms", type=float, default=2.0)
+    ap.add_argument("--steps", type=int, default=100)
+    args = ap.parse_args()
+    tokenizer = AutoTokenizer.from_pretrained(str(find_qwen3_tokenizer()))
+    stops = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    backend = GrammarBackend(tokenizer, VOCAB, stops)
+    t0 = time.perf_counter()
+    backend.prepare_async().result()
+    spec = SamplingParams(json_schema=SCHEMA).structured
+    assert spec is not None
+    backend.compile(spec)
+    tables_and_compile_s = time.perf_counter() - t0
+    figures = xgrammar_alone(backend)
+    steps = run_steps(backend, SCHEMA, rows=ROWS, steps=args.steps, forward_ms=args.forward_ms, host_ms=args.host_ms)
     print(
         json.dumps(
             {
                 "workload": "W6 host",
-                "cpus": os.cpu_count(),
+                "cpus": len(os.sched_getaffinity(0)),
                 "rows": ROWS,
-                "steps": steps,
-                "fill_ms_per_step": round(1000 * fill_s / steps, 3),
-                "accept_ms_per_step": round(1000 * accept_s / steps, 3),
+                **figures,
                 "tables_and_first_compile_s": round(tables_and_compile_s, 3),
+                "forward_ms": args.forward_ms,
+                "host_ms": args.host_ms,
+                **{f"step_{key}": value for key, value in steps.items()},
             }
         )
     )

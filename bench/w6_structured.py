@@ -5,7 +5,10 @@ first request's latency with a grammar the engine has not compiled yet against t
 
 Constrained outputs end when their JSON closes; the unconstrained run is then given each request's
 constrained length (ignore_eos), so both runs make the same tokens. Targets: W1-style >= 0.9x and batch 1 >= 0.95x
-of unconstrained tokens/s. Prints one JSON line."""
+of unconstrained tokens/s. The constrained requests' matchers are in the grammar process (started with the
+engine; `--engine-arg grammar_process=false` keeps them in the step thread); unless `--no-twin`, a second
+engine then gives the W1-style ratio with them in the step thread (the twin), in the same call. Prints one
+JSON line."""
 
 from __future__ import annotations
 
@@ -14,9 +17,10 @@ import dataclasses
 import json
 import time
 
-from w1_throughput import add_w1_arguments, run_w1, w1_engine, w1_requests
+from engine_args import engine_kwargs
+from w1_throughput import RunResult, add_w1_arguments, run_w1, w1_engine, w1_requests
 
-from asyncllm import LLM, SamplingParams
+from asyncllm import LLM, RequestOutput, SamplingParams
 
 SCHEMA = {  # a typical extraction schema: nested object, enum, bounded integer, bounded strings, arrays
     "type": "object",
@@ -61,12 +65,9 @@ def first_request_ms(llm: LLM, schema: dict[str, object]) -> tuple[float, float]
     return times[0], times[1]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    add_w1_arguments(ap)
-    args = ap.parse_args()
-    llm = w1_engine(args)
-    cold_ms, warm_ms = first_request_ms(llm, {**SCHEMA, "title": f"cold-{time.time_ns()}"})
+def w1_style(llm: LLM, args: argparse.Namespace) -> tuple[list[RequestOutput], float, list[int], RunResult]:
+    """The W1 requests with the schema, then unconstrained with each one's constrained length: (constrained
+    outputs, their seconds, their lengths, the unconstrained run)."""
     prompts, params = w1_requests(args.num_seqs)
     llm.generate(prompts[:4], constrained(params[:4], SCHEMA), use_tqdm=False)  # this schema compiled, kernels warm
     # The constrained run first; the unconstrained run then makes exactly as many tokens per request (its
@@ -76,7 +77,30 @@ def main() -> None:
     schema_s = time.perf_counter() - t0
     lengths = [len(o.token_ids) for o in outs]
     same = [dataclasses.replace(p, max_tokens=n) for p, n in zip(params, lengths)]
-    plain = run_w1(llm, prompts, same)
+    return outs, schema_s, lengths, run_w1(llm, prompts, same)
+
+
+def in_thread_twin(args: argparse.Namespace) -> float:
+    """The W1-style ratio with the matchers in the step thread (grammar_process=False), on a fresh engine."""
+    llm = w1_engine(args, grammar_process=False)
+    try:
+        _, schema_s, lengths, plain = w1_style(llm, args)
+    finally:
+        llm.shutdown()
+    return (sum(lengths) / schema_s) / (plain.output_tokens / plain.seconds)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    add_w1_arguments(ap)
+    ap.add_argument("--no-twin", action="store_true", help="skip the in-thread twin's W1-style ratio")
+    args = ap.parse_args()
+    # The grammar process started with the engine (CUDA's default starts it at the first constrained
+    # request, in the background): every constrained request below has its matcher there.
+    overrides = {} if "grammar_process" in engine_kwargs(args.engine_arg) else {"grammar_process": True}
+    llm = w1_engine(args, **overrides)
+    cold_ms, warm_ms = first_request_ms(llm, {**SCHEMA, "title": f"cold-{time.time_ns()}"})
+    outs, schema_s, lengths, plain = w1_style(llm, args)
     # On the device's own kernels: every output that ended on its own (its JSON closed) must parse.
     closed = [o for o in outs if o.finish_reason == "stop"]
     parsed = sum(isinstance(json.loads(o.text), dict) for o in closed)
@@ -87,6 +111,8 @@ def main() -> None:
     b1_plain = batch1_ms_per_token(llm, greedy1)
     b1_schema = batch1_ms_per_token(llm, dataclasses.replace(greedy1, ignore_eos=False, json_schema=SCHEMA))
     plain_tps, schema_tps = plain.output_tokens / plain.seconds, sum(lengths) / schema_s
+    llm.shutdown()
+    twin = None if args.no_twin else in_thread_twin(args)
     print(
         json.dumps(
             {
@@ -94,9 +120,11 @@ def main() -> None:
                 "shape": args.shape,
                 "w1_plain_tok_s": round(plain_tps, 1),
                 "w1_schema_tok_s": round(schema_tps, 1),
+                "grammar_process": {**overrides, **engine_kwargs(args.engine_arg)}["grammar_process"],
                 "w1_ratio": round(schema_tps / plain_tps, 3),
                 "w1_target_ratio": 0.9,
                 "w1_output_tokens": sum(lengths),
+                "w1_ratio_in_thread_twin": None if twin is None else round(twin, 3),
                 "b1_plain_ms_per_token": round(b1_plain, 3),
                 "b1_schema_ms_per_token": round(b1_schema, 3),
                 "b1_ratio": round(b1_plain / b1_schema, 3),  # tokens/s constrained over unconstrained

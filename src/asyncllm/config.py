@@ -300,6 +300,14 @@ class DeviceConfig:
         "so its Python work shares no GIL with the event loops that stream its outputs (a server's HTTP work). "
         "False: a step thread in this process (the default; for embedding). AsyncLLMEngine only.",
     )
+    grammar_process: bool | None = arg(
+        None,
+        "Keep structured output's grammar matchers in a process of its own, which takes each step's tokens and "
+        "fills the next token masks while the step thread does its own host work (many constrained streams). "
+        "None: on CUDA, started in the background at the first constrained request (requests that arrive "
+        "before it is ready keep theirs in the step thread); True: started with the engine (start-up waits "
+        "for it), on any device; False: in the step thread (the twin: the same tokens).",
+    )
     num_threads: int | None = arg(
         None,
         "torch's CPU threads for the model's ops (per rank under tensor parallelism), set in the thread that "
@@ -315,6 +323,8 @@ class DeviceConfig:
         check_bool(_fail, "enforce_eager", self.enforce_eager)
         _set(self, "decode_gemv", check_enum(_fail, DecodeGemv, "decode_gemv", self.decode_gemv))
         check_bool(_fail, "core_process", self.core_process)
+        if not isinstance(self.grammar_process, bool | None):
+            raise _fail("grammar_process", self.grammar_process, "True, False or None (the device's default)")
         check_optional_int(_fail, "cuda_graph_max_tokens", self.cuda_graph_max_tokens, "an integer >= 0, or None", lo=0)
         seconds = check_float(
             _fail, "max_step_seconds", self.max_step_seconds, "a positive number of seconds", lo=0.0, lo_open=True

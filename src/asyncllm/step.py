@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from asyncllm.errors import AsyncLLMError
 from asyncllm.sampling_params import SamplingParams
 
 # An input token sampled by the step submitted just before this one, not yet known to the host: the executor
@@ -102,9 +103,11 @@ class ModelRunnerOutput:
     sampled_token_ids: list[int]
     # Per sampled token: {token id: logprob} with the sampled token and the top `logprobs` alternatives.
     logprobs: list[dict[int, float] | None] | None = None
-    # Sample index -> why that request cannot go on (its output constraint allows no token here): the core
-    # ends it with this error instead of outputting the token. None (the rule): every row went well.
-    failed: dict[int, str] | None = None
+    # Sample index -> why that request cannot go on: the core ends it with this error instead of outputting
+    # the token. A str is the request's own doing (its output constraint allows no token here: raised as
+    # `InvalidRequestError`); an error instance is the engine's failure of that request alone (raised as
+    # itself, e.g. `RequestFailedError`). None (the rule): every row went well.
+    failed: dict[int, str | AsyncLLMError] | None = None
     # Request id -> {token id: logprob} for each prompt token this step scored, in prompt order
     # (SamplingParams.prompt_logprobs: the prompt token and the top alternatives). None: no request asked.
     prompt_logprobs: dict[str, list[dict[int, float]]] | None = None

@@ -11,7 +11,7 @@ from asyncllm.kernels.sampling_ref import token_bitmask_allowed
 
 from asyncllm.sample.sampler import Sampler, TokenMask
 from asyncllm.sample.state import SamplingState
-from asyncllm.sample.structured import RequestGrammar
+from asyncllm.sample.request_grammar import InlineMatchers, RequestGrammar
 from asyncllm.sampling_params import SamplingParams
 
 VOCAB = 300
@@ -37,7 +37,7 @@ def _states(params: list[SamplingParams], constrained: list[bool], sampler: Samp
     for state, masked in zip(states, constrained):
         sampler.add(state)
         if masked:
-            state.grammar = RequestGrammar("regex", None, None)  # the sampler reads only that it has one
+            state.grammar = RequestGrammar("regex", InlineMatchers(None, WORDS), 0)  # the sampler reads only that
     return states
 
 

@@ -1,17 +1,20 @@
 """Structured output on the GPU: the Triton draw applies the bitmask (greedy and filtered rows too), steps
 really overlap (the mask waits for the previous step's tokens on the device), CUDA graphs replay the forward
-pass; every output satisfies its constraint and overlapped scheduling gives serial scheduling's tokens."""
+pass; every output satisfies its constraint and overlapped scheduling gives serial scheduling's tokens; the
+grammar process (CUDA's default) changes no token."""
 
 from __future__ import annotations
 
 import itertools
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from asyncllm import LLM
+from asyncllm import LLM, SamplingParams
 from tests.structured.conftest import CONSTRAINTS, DRAWS, check, constrained
+from tests.structured.test_grammar_process import grammar_processes
 
 pytestmark = [
     pytest.mark.gpu,
@@ -41,3 +44,35 @@ def test_constrained_outputs_on_the_gpu_overlapped_equal_serial(tiny_model: Path
     finally:
         overlapped.shutdown()
         serial.shutdown()
+
+
+@pytest.mark.usefixtures("exact_fp32")
+def test_grammar_process_starts_at_the_first_constrained_request_and_changes_no_token(tiny_model: Path) -> None:
+    """On CUDA the grammar process is the default, started in the background by the first constrained
+    request (never by unconstrained ones); requests admitted meanwhile keep their matchers in the step
+    thread, later ones go to the process, and neither changes a token (the twin: grammar_process=False).
+    Its rows are registered with CUDA as pinned memory, read by the draw's asynchronous copy."""
+    common = dict(device="cuda", dtype="float32", block_size=4, num_kv_blocks=256, max_num_seqs=16)
+    cases = list(itertools.product(CONSTRAINTS, DRAWS, range(1)))
+    params = [constrained(*case) for case in cases]
+    prompts = [[5 + i % 7, 6, 7] for i in range(len(cases))]
+    default = LLM(str(tiny_model), **common)
+    twin = LLM(str(tiny_model), grammar_process=False, **common)
+    try:
+        default.generate(prompts[:2], [SamplingParams(max_tokens=8)] * 2, use_tqdm=False)
+        assert grammar_processes() == []
+        want = [o.token_ids for o in twin.generate(prompts, params, use_tqdm=False)]
+        assert [o.token_ids for o in default.generate(prompts, params, use_tqdm=False)] == want  # mostly in-thread
+        deadline = time.monotonic() + 60
+        while not grammar_processes() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(grammar_processes()) == 1
+        time.sleep(10)  # past its start-up: the next requests' matchers live there
+        ours = default.generate(prompts, params, use_tqdm=False)
+        assert [o.token_ids for o in ours] == want
+        for (name, _, _), out in zip(cases, ours):
+            check(name, out.text)
+    finally:
+        default.shutdown()
+        twin.shutdown()
+    assert grammar_processes() == []

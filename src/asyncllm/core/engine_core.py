@@ -27,7 +27,7 @@ from asyncllm.core.request import Request
 from asyncllm.core.sample_group import SampleGroups
 from asyncllm.core.scheduler import Scheduler, SchedulerLimits
 from asyncllm.core.window_blocks import WindowedBlockManager
-from asyncllm.errors import InvalidRequestError
+from asyncllm.errors import AsyncLLMError, InvalidRequestError
 from asyncllm.outputs import FinishReason
 from asyncllm.step import ModelExecutor, SchedulerOutput, StepResult
 
@@ -283,7 +283,7 @@ class EngineCore:
             return None
         return RequestDelta(request_id, [], text, reason, request_metrics(request, request.finish_time))
 
-    def _fail(self, scheduled: SchedulerOutput, failed: dict[int, str]) -> list[RequestDelta]:
+    def _fail(self, scheduled: SchedulerOutput, failed: dict[int, str | AsyncLLMError]) -> list[RequestDelta]:
         """End the requests the executor could not sample for (`ModelRunnerOutput.failed`, by sample index):
         "abort" with their error, without the token they were given; the text held back so far goes out."""
         sampling = [seq.request_id for seq in scheduled.seqs if seq.sample]

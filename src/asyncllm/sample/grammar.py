@@ -5,7 +5,8 @@ the in-process executor hands its backend to the front (`build.py`), which compi
 request is made, so a bad one raises `InvalidRequestError` naming its field before it reaches the core, and
 the runner's later compile is a cache hit. The vocabulary's `TokenizerInfo` is built at the first compile
 (it reads every token: most of a second for a large vocabulary), or ahead of it by `prepare_async` (the
-worker calls it at start-up on CUDA). Knows nothing of requests, steps or devices.
+worker calls it at start-up on CUDA). The grammar process (`grammar_process.py`) compiles with its own,
+made `from_tables` of the worker's. Knows nothing of requests, steps or devices.
 """
 
 from __future__ import annotations
@@ -14,9 +15,13 @@ import functools
 import json
 import re
 import threading
-from collections.abc import Collection
+from collections import OrderedDict
+from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from asyncllm.errors import InvalidRequestError
 from asyncllm.sample.utf8 import Utf8Table
@@ -24,6 +29,9 @@ from asyncllm.structured import StructuredKind, StructuredOutput
 
 if TYPE_CHECKING:
     import xgrammar as xgr  # imported at the first compile: engines without constraints never load it
+
+# Constraints a watcher added later is told of at once (`watch`): those of the requests likely still live.
+RECENT_SPECS = 64
 
 # Compiled grammars kept by the compiler (keyed by the constraint's text and options), least recently used
 # out first: a small schema over a large vocabulary takes a few MiB.
@@ -39,10 +47,23 @@ _WHAT = {
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[12:00:00] /path/file.cc:123: " before its message
 
 
+@dataclass(frozen=True)
+class VocabularyTables:
+    """A vocabulary's tables as plain data, for a process without the tokenizer (the grammar process):
+    xgrammar's tokenizer info, serialized, and the UTF-8 table."""
+
+    tokenizer_info: str  # xgrammar's TokenizerInfo.serialize_json()
+    utf8_next: np.ndarray  # Utf8Table.next
+    utf8_allowed: np.ndarray  # Utf8Table.allowed
+    vocab_size: int
+    stop_token_ids: list[int]
+
+
 class GrammarBackend:
     """`compile(spec)` a constraint (cached), `check(spec)` it for the front, `compile_async(spec)` off the
     calling thread; all three raise (or resolve to) `InvalidRequestError` naming the constraint's field.
-    `prepare_async()` builds the vocabulary's tables ahead of the first compile."""
+    `prepare_async()` builds the vocabulary's tables ahead of the first compile; `tables()` exports them,
+    and `from_tables` makes a backend of them in another process."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Collection[int]) -> None:
         if not stop_token_ids:
@@ -53,8 +74,31 @@ class GrammarBackend:
         self._lock = threading.Lock()  # held while the vocabulary's tables are built
         self._pool_lock = threading.Lock()  # never held long: compile_async must not wait for those tables
         self._compiler: xgr.GrammarCompiler | None = None
+        self._info: xgr.TokenizerInfo | None = None
         self._utf8: Utf8Table | None = None
         self._pool: ThreadPoolExecutor | None = None
+        self._watch_lock = threading.Lock()
+        self._watchers: list[Callable[[StructuredOutput], None]] = []
+        self._recent: OrderedDict[StructuredOutput, None] = OrderedDict()  # the last constraints compiled
+
+    @classmethod
+    def from_tables(cls, tables: VocabularyTables) -> GrammarBackend:
+        """A backend over another's vocabulary (`tables()`): compiles exactly as that one does."""
+        import xgrammar as xgr
+
+        backend = cls(None, tables.vocab_size, tables.stop_token_ids)
+        backend._info = xgr.TokenizerInfo.deserialize_json(tables.tokenizer_info)
+        backend._utf8 = Utf8Table.from_arrays(tables.utf8_next, tables.utf8_allowed)
+        backend._compiler = xgr.GrammarCompiler(backend._info, cache_limit_bytes=CACHE_LIMIT_BYTES)
+        return backend
+
+    def tables(self) -> VocabularyTables:
+        """The vocabulary's tables as plain data (built first if need be; xgrammar serializes without the GIL)."""
+        utf8 = self.utf8
+        assert self._info is not None
+        return VocabularyTables(
+            self._info.serialize_json(), utf8.next, utf8.allowed, self.vocab_size, list(self.stop_token_ids)
+        )
 
     @property
     def bitmask_words(self) -> int:
@@ -73,12 +117,34 @@ class GrammarBackend:
         self.compile(spec)
 
     def compile(self, spec: StructuredOutput) -> xgr.CompiledGrammar:
+        with self._watch_lock:  # who else compiles over this vocabulary (the grammar process) starts now too
+            self._recent[spec] = None
+            self._recent.move_to_end(spec)
+            if len(self._recent) > RECENT_SPECS:
+                self._recent.popitem(last=False)
+            watchers = list(self._watchers)
+        for watcher in watchers:
+            watcher(spec)
         compiler = self._vocabulary()
         try:
             return _compile(compiler, spec)
         except (RuntimeError, ValueError) as exc:  # xgrammar's errors name what it could not read
             message = _LOG_PREFIX.sub("", str(exc)).strip()
             raise InvalidRequestError(f"SamplingParams.{spec.field} is not {_WHAT[spec.kind]}: {message}") from None
+
+    def watch(self, watcher: Callable[[StructuredOutput], None]) -> None:
+        """Have `watcher(spec)` called as each constraint's compile starts (from the compiling thread, every
+        time: it must be quick), and at once for the last few compiled before."""
+        with self._watch_lock:
+            self._watchers.append(watcher)
+            recent = list(self._recent)
+        for spec in recent:
+            watcher(spec)
+
+    def unwatch(self, watcher: Callable[[StructuredOutput], None]) -> None:
+        with self._watch_lock:
+            if watcher in self._watchers:
+                self._watchers.remove(watcher)
 
     def compile_async(self, spec: StructuredOutput) -> Future[xgr.CompiledGrammar]:
         """`compile(spec)` on the backend's thread (xgrammar releases the GIL while it compiles)."""
@@ -124,6 +190,7 @@ class GrammarBackend:
                         pieces, xgr.VocabType.RAW, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
                     )
                 self._utf8 = Utf8Table(pieces, self.stop_token_ids, self.bitmask_words)
+                self._info = info
                 self._compiler = xgr.GrammarCompiler(info, cache_limit_bytes=CACHE_LIMIT_BYTES)
             return self._compiler
 

@@ -1,90 +1,26 @@
 """The masks of constrained rows, filled ahead: when a constrained step's tokens are read on the host (by the
-core, before it turns them into outputs), its `FillJob` feeds them to the requests' matchers and fills each
-request's next bitmask row, so the next step's draw finds its rows ready. Each is one call into xgrammar
-(every call releases the GIL: one per step, not one per row). `HostRows` are the rows it fills (pinned, two
-sets that alternate between jobs); `DeviceMasks` uploads them and ANDs each row with its UTF-8 table row on
-the device. Knows nothing of models or scheduling: rows are numbered by whoever plans the step.
+core, before it turns them into outputs), its `FillJob` hands them to the requests' matcher homes, which
+accept them and fill each request's next bitmask row, so the next step's draw finds its rows ready. The
+grammar process's share is only sent here (it runs beside the step thread's own work, and the draw waits for
+it); the step thread's own share (`InlineMatchers`) is done here, in one xgrammar call each way.
+`DeviceMasks` uploads the rows and ANDs each with its UTF-8 table row on the device. Knows nothing of models
+or scheduling: rows are numbered by whoever plans the step.
 
-Measured on the H200 (bench/RESULTS.md, runs 40-47): waiting for the fill on a helper thread, to overlap it
-with the core's work, gained nothing measurable over filling here, so there is no helper.
+Measured on the H200 (bench/RESULTS.md, runs 40-47): filling on a helper thread of the engine's process
+gained nothing (the GIL), hence the grammar process (`grammar_process.py`).
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 
-from asyncllm.sample.request_grammar import RequestGrammar, accept_tokens
+from asyncllm.errors import AsyncLLMError
+from asyncllm.sample.host_rows import HostRows
+from asyncllm.sample.request_grammar import MatcherHome, RequestGrammar
 from asyncllm.step import ModelRunnerOutput, StepResult
-
-if TYPE_CHECKING:
-    import xgrammar as xgr
-
-
-# xgrammar starts its threads anew on every batch call (0.1-1 ms): fewer rows than this are filled on one.
-PARALLEL_MIN_ROWS = 16
-
-
-class BatchFill(Protocol):
-    """Fills the bitmask rows `indices` of `bitmask` with the matchers' next masks."""
-
-    def __call__(self, matchers: list[xgr.GrammarMatcher], bitmask: torch.Tensor, indices: list[int]) -> None: ...
-
-
-class Filler:
-    """xgrammar's batch fill, its thread count chosen per call: fewer than `PARALLEL_MIN_ROWS` rows on one
-    thread, more on most of the host's cores (the step thread and the device's driver keep two)."""
-
-    def __init__(self) -> None:
-        from xgrammar import BatchGrammarMatcher  # loaded by the compile of the grammars it fills for
-
-        self._one = BatchGrammarMatcher(max_threads=1)
-        self._many = BatchGrammarMatcher(max_threads=max(1, min(16, len(os.sched_getaffinity(0)) - 2)))
-
-    def __call__(self, matchers: list[xgr.GrammarMatcher], bitmask: torch.Tensor, indices: list[int]) -> None:
-        batch = self._many if len(matchers) >= PARALLEL_MIN_ROWS else self._one
-        batch.batch_fill_next_token_bitmask(matchers, bitmask, indices)
-
-
-class HostRows:
-    """Bitmask rows and each row's UTF-8 state on the host (pinned on CUDA); `writable()` waits until the
-    last upload from them has read them."""
-
-    def __init__(self, rows: int, words: int, pin: bool) -> None:
-        with torch.inference_mode(False):
-            self.bits = torch.zeros((rows, words), dtype=torch.int32, pin_memory=pin)
-            self.states = torch.zeros(rows, dtype=torch.int64, pin_memory=pin)
-        self.bits_np = self.bits.numpy()
-        self.states_np = self.states.numpy()
-        self.copied = torch.cuda.Event() if pin else None  # type: ignore[no-untyped-call]
-
-    def writable(self) -> None:
-        if self.copied is not None and not self.copied.query():  # type: ignore[no-untyped-call]
-            self.copied.synchronize()
-
-    def prepare(
-        self, entries: Iterable[tuple[int, RequestGrammar]], stop_row: np.ndarray
-    ) -> tuple[list[xgr.GrammarMatcher], list[int]]:
-        """Row r of each (r, grammar) set where no matcher needs to run (after `writable()`): the rows
-        xgrammar must fill, with their matchers, are returned."""
-        matchers: list[xgr.GrammarMatcher] = []
-        rows: list[int] = []
-        for row, grammar in entries:
-            self.states_np[row] = grammar.utf8_state
-            matcher = grammar.ready()
-            if matcher is None:
-                self.bits_np[row] = -1  # any token: a failed request's is never output
-            elif grammar.terminated:
-                self.bits_np[row] = stop_row  # complete: EOS alone (its request has ended; the token is dropped)
-            else:
-                matchers.append(matcher)
-                rows.append(row)
-        return matchers, rows
 
 
 class DeviceMasks:
@@ -107,42 +43,75 @@ class DeviceMasks:
         return bits
 
 
-class FillJob:
-    """One constrained step's follow-up: `accept()` feeds its tokens to its requests' matchers (a token one
-    refuses fails that request in this step's own output), then fills each request's next row in `host`
-    (row i for `grammars[i]`); the next fill calls `accept()` itself where nobody read the step's result (on
-    a tensor-parallel worker)."""
+def by_home(entries: list[tuple[int, RequestGrammar]]) -> dict[MatcherHome, tuple[list[int], list[int]]]:
+    """(rows, slots) of each home's live requests among (row, grammar) `entries`."""
+    out: dict[MatcherHome, tuple[list[int], list[int]]] = {}
+    for row, grammar in entries:
+        if not grammar.removed:
+            rows, slots = out.get(grammar.home) or out.setdefault(grammar.home, ([], []))
+            rows.append(row)
+            slots.append(grammar.slot)
+    return out
 
-    def __init__(
-        self,
-        step: StepResult,
-        rows: list[tuple[int, RequestGrammar]],
-        host: HostRows,
-        stop_row: np.ndarray,
-        fill: BatchFill,
-    ) -> None:
+
+class FillJob:
+    """One constrained step's follow-up: `accept()` hands its tokens to its requests' homes (a token one
+    refuses fails that request in this step's own output, when the home can tell at once), which fill each
+    request's next row in `host` (row i for `grammars[i]`); the next fill calls `accept()` itself where
+    nobody read the step's result (on a tensor-parallel worker)."""
+
+    def __init__(self, step: StepResult, rows: list[tuple[int, RequestGrammar]], host: HostRows) -> None:
         self.grammars = [grammar for _, grammar in rows]
         self.index = {grammar: i for i, grammar in enumerate(self.grammars)}
         self.host = host
         self._step = step
-        self._rows = rows
-        self._stop_row = stop_row
-        self._fill = fill
+        self._sampled = [row for row, _ in rows]  # host row i's sampled row in the step
         self._output: ModelRunnerOutput | None = None
 
     def accept(self) -> ModelRunnerOutput:
-        """The step's output with the matchers' refusals (waits for the step); the rows are filled here."""
-        if self._output is None:
-            output = self._step.result()
-            refused = accept_tokens(self._rows, output.sampled_token_ids)
+        """The step's output with the refusals known at once (waits for the step); the rows are under way."""
+        if self._output is not None:
+            return self._output
+        output = self._step.result()
+        self.host.writable()
+        homes = self._by_home(output.sampled_token_ids)
+        # The grammar process's share first: it works while the step thread does its own.
+        for home in sorted(homes, key=lambda h: not h.beside):
+            rows, slots, tokens = homes[home]
+            if not rows:
+                continue
+            # A row its mask left empty draws token 0, and its refusal must end the request now, before the
+            # token is output: only then does this step wait for the grammar process's verdict.
+            home.step(self.host, rows, slots, tokens, verdict=0 in tokens)
+        failed: dict[int, str | AsyncLLMError] = {}
+        for home, (rows, slots, _) in homes.items():
+            refused = home.refusals()
             if refused:
-                output = replace(output, failed={**(output.failed or {}), **refused})
-            self._output = output
-            self.host.writable()
-            matchers, rows = self.host.prepare(enumerate(self.grammars), self._stop_row)
-            if matchers:
-                self._fill(matchers, self.host.bits, rows)
-        return self._output
+                row_of = {slot: self._sampled[row] for row, slot in zip(rows, slots)}
+                failed.update((row_of[slot], error) for slot, error in refused.items())
+        if failed:
+            output = replace(output, failed={**(output.failed or {}), **failed})
+        self._output = output
+        return output
+
+    def _by_home(self, sampled: list[int]) -> dict[MatcherHome, tuple[list[int], list[int], list[int]]]:
+        """Each home's (host rows, slots, tokens) of the step's live requests: comprehensions in the common
+        case (one home), a loop where homes mix (while the grammar process starts) or requests have ended."""
+        grammars, at = self.grammars, self._sampled
+        home = grammars[0].home
+        if all(g.home is home for g in grammars):
+            live = [i for i, g in enumerate(grammars) if not g.removed]
+            if len(live) == len(grammars):
+                return {home: (live, [g.slot for g in grammars], [sampled[r] for r in at])}
+            return {home: (live, [grammars[i].slot for i in live], [sampled[at[i]] for i in live])}
+        homes: dict[MatcherHome, tuple[list[int], list[int], list[int]]] = {}
+        for i, grammar in enumerate(grammars):
+            if not grammar.removed:
+                rows, slots, tokens = homes.get(grammar.home) or homes.setdefault(grammar.home, ([], [], []))
+                rows.append(i)
+                slots.append(grammar.slot)
+                tokens.append(sampled[at[i]])
+        return homes
 
 
 class ConstrainedStep:

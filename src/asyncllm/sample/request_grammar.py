@@ -1,115 +1,123 @@
-"""`RequestGrammar`: one constrained request's xgrammar matcher and where its output stands within a UTF-8
-character. Made by the runner's `GrammarTable` when the request arrives; the matcher itself is made when the
-compiled grammar is first needed. Knows nothing of steps, rows or devices.
+"""`RequestGrammar`: a constrained request's handle in the runner: its constraint's field, where its matcher
+lives and its slot there, and the error that ends the request. Where matchers live is a `MatcherHome`: the
+step thread's own `InlineMatchers` (a `MatcherSet` called in place) or the grammar process
+(`grammar_process.py`); the runner's `GrammarTable` asks the same of either, from the step thread, in step
+order. Knows nothing of steps' plans or devices: rows and slots are the numbers it is handed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
-import numpy as np
-
-from asyncllm.errors import InvalidRequestError
+from asyncllm.errors import AsyncLLMError
 from asyncllm.sample.grammar import GrammarBackend
-from asyncllm.sample.utf8 import BOUNDARY, Utf8Table
+from asyncllm.sample.host_rows import HostRows
+from asyncllm.sample.matcher_set import BatchFill, Filler, MatcherSet
+from asyncllm.structured import StructuredOutput
 
-if TYPE_CHECKING:
-    import xgrammar as xgr
+
+class MatcherHome(Protocol):
+    """Where constrained requests' matchers live. Rows are written by `step` and `fill` no later than
+    `collect()` returns; the caller makes sure the rows' last upload has read them first."""
+
+    # Set once the home can serve no more (the grammar process died): its requests end with this error.
+    failure: AsyncLLMError | None
+    # Its work runs beside the step thread (another process): `step` and `fill` return at once.
+    beside: bool
+
+    def add(self, spec: StructuredOutput) -> int:
+        """A matcher for `spec` (compiled off this thread); its slot."""
+        ...
+
+    def remove(self, slot: int) -> None: ...
+
+    def step(self, host: HostRows, rows: list[int], slots: list[int], tokens: list[int], verdict: bool) -> None:
+        """slots[i] accepts tokens[i], then host row rows[i] is filled for slots[i]. `verdict`: `refusals()`
+        will be asked for this step's refusals."""
+        ...
+
+    def refusals(self) -> dict[int, str]:
+        """The last `step`'s refused tokens' errors by slot: all of them when it was asked for a verdict
+        (waiting for them), else those known already (the rest come with `collect`)."""
+        ...
+
+    def fill(self, host: HostRows, rows: list[int], slots: list[int]) -> None:
+        """Host row rows[i] filled for slots[i]."""
+        ...
+
+    def collect(self) -> dict[int, str]:
+        """Once every row asked for is written: the errors of the slots filled since the last call."""
+        ...
+
+    def close(self) -> None: ...
 
 
 class RequestGrammar:
-    """One request's matcher, made when its compiled grammar is first needed; `error` ends the request.
-    `terminated` mirrors the matcher's own flag (it accepted a stop token), read without a call into
-    xgrammar: every such call releases the GIL, and a step reads it for every constrained row."""
+    """One constrained request's handle: `home` holds its matcher at `slot`. `error` (set by the table from
+    what the home reports) ends the request; `removed` once the request is gone (a step in flight may still
+    name it: the home is not asked about it again, so its slot may serve another request)."""
 
-    __slots__ = (
-        "_backend",
-        "_future",
-        "error",
-        "field",
-        "matcher",
-        "stop_token_ids",
-        "terminated",
-        "utf8",
-        "utf8_state",
-    )
+    __slots__ = ("error", "field", "home", "removed", "slot")
 
-    def __init__(
-        self,
-        field: str,
-        backend: GrammarBackend | None,
-        future: Future[xgr.CompiledGrammar] | None,
-        error: str | None = None,
-    ) -> None:
+    def __init__(self, field: str, home: MatcherHome, slot: int) -> None:
         self.field = field
-        self._backend = backend
-        self._future = future
-        self.matcher: xgr.GrammarMatcher | None = None
-        self.utf8: Utf8Table | None = None
-        self.utf8_state = BOUNDARY  # where the output's bytes stand within a character
-        self.stop_token_ids: frozenset[int] = frozenset(backend.stop_token_ids) if backend is not None else frozenset()
-        self.terminated = False
-        self.error = error
+        self.home = home
+        self.slot = slot
+        self.error: str | AsyncLLMError | None = None
+        self.removed = False
 
-    def ready(self) -> xgr.GrammarMatcher | None:
-        """The matcher (waiting for the compile if it is still running); None once the request failed."""
-        if self.matcher is None and self.error is None:
-            assert self._future is not None and self._backend is not None
-            from xgrammar import GrammarMatcher  # loaded by the compile that produced the future
 
-            try:
-                self.matcher = GrammarMatcher(self._future.result())
-                self.utf8 = self._backend.utf8
-            except InvalidRequestError as exc:  # a request that reached the core without the front's check
-                self.error = str(exc)
-            self._future = None
-        return None if self.error is not None else self.matcher
+class InlineMatchers:
+    """The step thread's home: a `MatcherSet` called in place (the grammar process's twin). Its fill takes
+    xgrammar's own threads for a step's many rows (`Filler`)."""
 
-    def refuse(self, token_id: int) -> str:
-        """Fail the request for `token_id`, which its matcher (or UTF-8) refused: say why. The matcher is
-        still where the draw found it: either its row allowed nothing (the draw then takes token 0), or
-        this is a bug."""
-        assert self.utf8 is not None and self.matcher is not None
-        row = np.zeros(self.utf8.allowed.shape[1], dtype=np.int32)
-        self.matcher.fill_next_token_bitmask(row)
-        if not (row & self.utf8.allowed[self.utf8_state]).any():
-            self.error = (
-                f"SamplingParams.{self.field}: no token of the model's vocabulary can continue the output here "
-                "(the constraint asks for text the vocabulary cannot spell as valid UTF-8, or allows none)"
-            )
+    failure: AsyncLLMError | None = None
+    beside = False
+
+    def __init__(self, backend: GrammarBackend | None, words: int) -> None:
+        self.matchers = MatcherSet(backend, words)
+        self._free: list[int] = []
+        self._next_slot = 0
+        self._refused: dict[int, str] = {}
+        self._errors: dict[int, str] = {}
+        self._filler: BatchFill | None = None
+
+    def add(self, spec: StructuredOutput) -> int:
+        if self._free:
+            slot = self._free.pop()
         else:
-            self.error = f"SamplingParams.{self.field}: token {token_id} was sampled against the constraint (a bug)"
-        return self.error
+            slot, self._next_slot = self._next_slot, self._next_slot + 1
+        self.matchers.add(slot, spec)
+        return slot
 
+    def remove(self, slot: int) -> None:
+        self.matchers.remove(slot)
+        self._errors.pop(slot, None)  # the slot may serve another request before the next collect
+        self._refused.pop(slot, None)
+        self._free.append(slot)
 
-def accept_tokens(rows: Sequence[tuple[int, RequestGrammar]], tokens: Sequence[int]) -> dict[int, str]:
-    """Feed each (row, grammar) its row's token, every matcher in one call into xgrammar; the refusals'
-    errors by row. A finished or failed request's token is dropped (never output)."""
-    from xgrammar import BatchGrammarMatcher  # loaded by the compile that made the matchers
+    def step(self, host: HostRows, rows: list[int], slots: list[int], tokens: list[int], verdict: bool) -> None:
+        self._refused, errors = self.matchers.step(host.bits_np, host.states_np, rows, slots, tokens, self._spread)
+        self._errors.update(errors)
 
-    refused: dict[int, str] = {}
-    live: list[tuple[int, RequestGrammar, int, int]] = []  # (row, grammar, token, UTF-8 state after it)
-    for row, grammar in rows:
-        if grammar.terminated or grammar.ready() is None:
-            continue
-        token = tokens[row]
-        assert grammar.utf8 is not None
-        state = int(grammar.utf8.next[grammar.utf8_state, token])
-        if state < 0:
-            refused[row] = grammar.refuse(token)
-        else:
-            live.append((row, grammar, token, state))
-    if not live:
+    def refusals(self) -> dict[int, str]:
+        refused, self._refused = self._refused, {}
         return refused
-    matchers = [grammar.matcher for _, grammar, _, _ in live]
-    accepted = BatchGrammarMatcher.batch_accept_token(matchers, [token for _, _, token, _ in live])  # type: ignore[arg-type]
-    for (row, grammar, token, state), ok in zip(live, accepted):
-        if not ok:
-            refused[row] = grammar.refuse(token)
-            continue
-        grammar.utf8_state = state
-        if token in grammar.stop_token_ids:  # the matcher accepted a stop token: it has terminated
-            grammar.terminated = True
-    return refused
+
+    def fill(self, host: HostRows, rows: list[int], slots: list[int]) -> None:
+        self._errors.update(self.matchers.fill(host.bits_np, host.states_np, rows, slots, self._spread))
+
+    def collect(self) -> dict[int, str]:
+        errors, self._errors = self._errors, {}
+        return errors
+
+    def close(self) -> None:
+        pass
+
+    def _spread(self, n: int, share: Callable[[BatchFill, int, int], None]) -> None:
+        """One part, here: xgrammar's own threads split a many-row fill (`Filler`)."""
+        if n:
+            if self._filler is None:
+                self._filler = Filler()  # made at the first matcher's fill: xgrammar is loaded by then
+            share(self._filler, 0, n)

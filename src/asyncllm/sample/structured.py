@@ -1,37 +1,55 @@
-"""Structured output in the runner: the constrained requests' grammars (`RequestGrammar`), and per step the
-token bitmask of the constrained rows it samples.
+"""Structured output in the runner: the constrained requests' grammars (`RequestGrammar` handles, their
+matchers in a `MatcherHome`), and per step the token bitmask of the constrained rows it samples.
 
 A step's masks are mostly filled before its draw is due: when a constrained step's tokens are read (by the
 core, or by the next fill where nobody reads, as on tensor-parallel workers), its `FillJob`
-(`mask_fill.py`) takes them to the matchers and starts filling each of its requests' next row. So `plan`
-(when a step's inputs are staged) points each constrained row at the row the last job fills for its
-request, or at a row of its own after those for a request the job did not cover (new, or one that skipped
-a step); `fill` (just before the draw) waits for that job, fills those few, and uploads the lot; `sent`
-makes the step's own job. The matchers see every token in order: a job accepts only after the previous
-one's rows were drawn from. Knows nothing of models or scheduling.
+(`mask_fill.py`) hands them to the matchers' homes, which accept them and fill each of its requests' next
+row. So `plan` (when a step's inputs are staged) points each constrained row at the row the last job fills
+for its request, or at a row of its own after those for a request the job did not cover (new, or one that
+skipped a step); `fill` (just before the draw) asks for those few, waits for every home's rows, and uploads
+the lot; `sent` makes the step's own job. The matchers see every token in order: a job accepts only after
+the previous one's rows were drawn from.
+
+Where matchers live (`GrammarProcessMode`): in the step thread (`InlineMatchers`), or in the grammar process
+(`grammar_process.py`), which does the accepting and filling beside the step thread; requests admitted while
+that process starts keep theirs in the step thread for their whole life, so one step may mix both. If the
+process dies, its requests end with its error and new ones stay in the step thread. Knows nothing of models
+or scheduling.
 """
 
 from __future__ import annotations
 
+import enum
+import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from asyncllm.errors import AsyncLLMError
 from asyncllm.sample.grammar import GrammarBackend
-from asyncllm.sample.mask_fill import (
-    BatchFill,
-    ConstrainedStep,
-    DeviceMasks,
-    Filler,
-    FillJob,
-    HostRows,
-)
-from asyncllm.sample.request_grammar import RequestGrammar
+from asyncllm.sample.grammar_process import GrammarProcess
+from asyncllm.sample.host_rows import HostRows, RowsLayout, RowsSegment, host_row_sets
+from asyncllm.sample.mask_fill import ConstrainedStep, DeviceMasks, FillJob, by_home
+from asyncllm.sample.request_grammar import InlineMatchers, MatcherHome, RequestGrammar
 from asyncllm.sample.state import SamplingState
 from asyncllm.step import StepResult
 
-__all__ = ["GrammarTable", "MaskPlan", "RequestGrammar", "TokenMask"]
+__all__ = ["GrammarProcessMode", "GrammarTable", "MaskPlan", "RequestGrammar", "TokenMask"]
+
+
+class GrammarProcessMode(enum.Enum):
+    """Where constrained requests' matchers live (engine argument `grammar_process`)."""
+
+    OFF = "off"  # the step thread (the twin)
+    LAZY = "lazy"  # a process started in the background at the first constrained request
+    EAGER = "eager"  # a process started with the engine
+
+    @classmethod
+    def of(cls, grammar_process: bool | None, device: torch.device) -> GrammarProcessMode:
+        if grammar_process is None:
+            return cls.LAZY if device.type == "cuda" else cls.OFF
+        return cls.EAGER if grammar_process else cls.OFF
 
 
 @dataclass
@@ -56,38 +74,54 @@ class MaskPlan:
 class GrammarTable:
     """The runner's constrained requests: `add`/`remove` them; per constrained step `plan`, `fill`, `sent`."""
 
-    def __init__(self, backend: GrammarBackend | None, max_rows: int, vocab_size: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        backend: GrammarBackend | None,
+        max_rows: int,
+        vocab_size: int,
+        device: torch.device,
+        process: GrammarProcessMode = GrammarProcessMode.OFF,
+    ) -> None:
         self.backend = backend
         self.device = device
         self._max_rows = max_rows
         self._words = -(-vocab_size // 32)
-        self._stop_row = np.zeros(self._words, dtype=np.int32)  # the stop tokens alone, as a bitmask row
-        for token in backend.stop_token_ids if backend is not None else ():
-            self._stop_row[token >> 5] |= np.int32(np.uint32(1 << (token & 31)).view(np.int32))
         self._num_live = 0  # requests with a grammar: while none, a step looks at no state
         self._last: FillJob | None = None  # the last constrained step's job
-        # Allocated at the first constrained step: two sets of host rows that jobs alternate between (a job
-        # fills one while the other's upload may still be in flight), each with room for a job's rows and
-        # as many more; the device's rows; xgrammar's batch filler.
+        self._inline = InlineMatchers(backend, self._words)
+        if backend is None or not hasattr(os, "memfd_create"):
+            process = GrammarProcessMode.OFF  # nothing to compile with, or no shared memory to fill
+        self._process_mode = process
+        self._process: GrammarProcess | None = None
+        # Two sets of host rows that jobs alternate between (a job fills one while the other's upload may
+        # still be in flight), each with room for a job's rows and as many more; shared with the grammar
+        # process where there may be one. Allocated at the first constrained step (or the process's start).
         self._hosts: list[HostRows] = []
+        self._segment: RowsSegment | None = None
         self._flip = 0
         self._device_masks: DeviceMasks | None = None
-        self._fill: Filler | None = None
+        if process is GrammarProcessMode.EAGER:
+            self._start_process()
+
+    @property
+    def process(self) -> GrammarProcess | None:
+        """The grammar process, once started (None: matchers in the step thread only)."""
+        return self._process
 
     def add(self, state: SamplingState) -> None:
         spec = state.params.structured
         if spec is None:
             return
-        if self.backend is None:
-            error = f"SamplingParams.{spec.field} needs the model's tokenizer and EOS ids, and this engine lacks them"
-            state.grammar = RequestGrammar(spec.field, None, None, error)
-        else:
-            state.grammar = RequestGrammar(spec.field, self.backend, self.backend.compile_async(spec))
+        home = self._home()
+        state.grammar = RequestGrammar(spec.field, home, home.add(spec))
         self._num_live += 1
 
     def remove(self, state: SamplingState) -> None:
-        if state.grammar is not None:
+        grammar = state.grammar
+        if grammar is not None:
             state.grammar = None
+            grammar.removed = True
+            grammar.home.remove(grammar.slot)
             self._num_live -= 1
 
     def plan(self, states: list[SamplingState]) -> MaskPlan | None:
@@ -115,41 +149,98 @@ class GrammarTable:
             return None
         return MaskPlan(rows, source, extras, constrained, base + len(extras))
 
-    def fill(self, plan: MaskPlan, mask_rows: torch.Tensor) -> tuple[TokenMask, dict[int, str] | None]:
-        """The step's bitmask, uploaded (the plan's job has filled its rows; the extras are filled here);
-        and the rows whose request cannot go on, by row (its constraint failed to compile, or before)."""
+    def fill(self, plan: MaskPlan, mask_rows: torch.Tensor) -> tuple[TokenMask, dict[int, str | AsyncLLMError] | None]:
+        """The step's bitmask, uploaded (the plan's job has its rows under way; the extras are asked for
+        here, and every home's rows waited for); and the rows whose request cannot go on, by row (its
+        constraint failed to compile or refused a token, or its matcher was lost with the grammar process)."""
         device_masks = self._buffers()
         if plan.source is not None:
-            plan.source.accept()  # its rows filled (here, if nobody read its step), the matchers past its tokens
+            plan.source.accept()  # its rows under way (from here, if nobody read its step)
             host = plan.source.host
         else:
             host = self._hosts[self._flip]
             host.writable()
         if plan.extras:
-            matchers, rows = host.prepare(plan.extras, self._stop_row)
-            if matchers:
-                self._batch_fill()(matchers, host.bits, rows)
-        failed = {i: grammar.error for i, grammar in plan.constrained if grammar.error is not None}
+            for home, (rows, slots) in by_home(plan.extras).items():
+                home.fill(host, rows, slots)
+        self._collect(plan, host)
+        failed: dict[int, str | AsyncLLMError] = {
+            i: grammar.error for i, grammar in plan.constrained if grammar.error is not None
+        }
         return TokenMask(device_masks.upload(host, plan.num_rows), mask_rows), failed or None
 
     def sent(self, result: StepResult, plan: MaskPlan) -> StepResult:
         """The step `plan` masked was sampled: start its job, and return its result as the job gives it."""
         self._flip ^= 1
-        job = FillJob(result, plan.constrained, self._hosts[self._flip], self._stop_row, self._batch_fill())
+        job = FillJob(result, plan.constrained, self._hosts[self._flip])
         self._last = job
         return ConstrainedStep(result, job)
 
-    def _batch_fill(self) -> BatchFill:
-        """xgrammar's batch filler: one, as fills never overlap (a job's fill ends before the next fill)."""
-        if self._fill is None:
-            self._fill = Filler()
-        return self._fill
+    def wait_for_process(self, timeout: float | None = None) -> bool:
+        """Block until a grammar process being started is ready (or could not start); True if one is."""
+        return self._process is not None and self._process.wait_ready(timeout)
+
+    def close(self) -> None:
+        if self._process is not None:
+            self._process.close()
+            self._process = None
+        if self._segment is not None:
+            self._segment.close()
+            self._segment = None
+
+    def _home(self) -> MatcherHome:
+        """Where a request admitted now keeps its matcher: the grammar process once it is ready."""
+        process = self._process
+        if process is not None and process.ready and process.failure is None:
+            return process
+        if process is None and self._process_mode is GrammarProcessMode.LAZY:
+            self._start_process()  # the first constrained request: in the background, this one stays here
+        return self._inline
+
+    def _start_process(self) -> None:
+        self._host_rows()
+        assert self.backend is not None and self._segment is not None
+        threads = max(1, min(16, len(os.sched_getaffinity(0)) - 2))  # the step thread and the driver keep two
+        self._process = GrammarProcess(self.backend, self._segment, threads)
+        self._process.start()
+
+    def _collect(self, plan: MaskPlan, host: HostRows) -> None:
+        """Wait for every home's rows; note the errors they report on the plan's grammars."""
+        for home in (self._process, self._inline):
+            if home is None:
+                continue
+            errors = home.collect()
+            if errors:
+                for _, grammar in plan.constrained:
+                    if grammar.home is home and grammar.slot in errors:
+                        grammar.error = errors[grammar.slot]
+        process = self._process
+        if process is not None and process.failure is not None:
+            self._lost(process, plan, host)
+
+    def _lost(self, process: GrammarProcess, plan: MaskPlan, host: HostRows) -> None:
+        """The grammar process died: its requests in this step fail with its error (their rows, perhaps half
+        written, allow any token: a failed request's is never output); no new request goes there."""
+        self._process_mode = GrammarProcessMode.OFF
+        for i, grammar in plan.constrained:
+            if grammar.home is process:
+                grammar.error = grammar.error or process.failure
+                host.bits_np[plan.rows[i]] = -1
+                host.states_np[plan.rows[i]] = 0
+        if process.live == 0:  # its last request is gone
+            process.close()
+            self._process = None
+
+    def _host_rows(self) -> None:
+        if not self._hosts:
+            layout = RowsLayout(2, 2 * self._max_rows, self._words)
+            shared = self._process_mode is not GrammarProcessMode.OFF
+            self._hosts, self._segment = host_row_sets(layout, self.device, shared)
 
     def _buffers(self) -> DeviceMasks:
         if self._device_masks is None:
-            rows, pin = 2 * self._max_rows, self.device.type == "cuda"
-            self._hosts = [HostRows(rows, self._words, pin) for _ in range(2)]
+            self._host_rows()
             # Without a backend every constrained request fails at its first step: any UTF-8 table will do.
             utf8 = self.backend.utf8.allowed if self.backend is not None else np.full((8, self._words), -1, np.int32)
-            self._device_masks = DeviceMasks(rows, self._words, utf8, self.device)
+            self._device_masks = DeviceMasks(2 * self._max_rows, self._words, utf8, self.device)
         return self._device_masks

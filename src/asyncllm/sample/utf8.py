@@ -98,6 +98,13 @@ class Utf8Table:
         bits[:, :vocab] = table >= 0
         self.allowed = np.packbits(bits, axis=1, bitorder="little").view("<i4")  # [states, words] int32
 
+    @classmethod
+    def from_arrays(cls, next_state: np.ndarray, allowed: np.ndarray) -> Utf8Table:
+        """The table another one's `next` and `allowed` describe (sent to the grammar process)."""
+        table = cls.__new__(cls)
+        table.next, table.allowed = next_state, allowed
+        return table
+
     def advance(self, state: int, token_id: int) -> int:
         """The state after `token_id` (which `allowed[state]` allowed)."""
         return int(self.next[state, token_id])

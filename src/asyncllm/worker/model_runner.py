@@ -10,7 +10,7 @@ which rows reach the LM head) the step's `StepShape` says how.
 
 A step that samples constrained rows (structured output) also stages which bitmask row each one reads
 (`GrammarTable.plan`): mostly rows the previous constrained step's job filled when the core read that step's
-tokens (the matchers took them then). Where the device runs steps asynchronously (`defer_masked_draw`) the
+tokens (the matchers took them then, in the grammar process beside this thread, or here: `grammar_process`). Where the device runs steps asynchronously (`defer_masked_draw`) the
 draw itself is held back (`HeldDraw`) until the next `submit` (or whoever reads the step's result first):
 the forward pass runs while the host feeds the matchers, fills the masks and does the core's work, and the
 draw goes out just before the next forward pass, its masks ready. Steps without constrained rows pay for
@@ -42,7 +42,7 @@ from asyncllm.sample.grammar import GrammarBackend
 from asyncllm.sample.prompt_logprobs import PromptLogprobsOutput, PromptScorer, score_prompts
 from asyncllm.sample.sampler import DrawInputs, Sampler
 from asyncllm.sample.state import SamplingState
-from asyncllm.sample.structured import GrammarTable, MaskPlan
+from asyncllm.sample.structured import GrammarProcessMode, GrammarTable, MaskPlan
 from asyncllm.step import ModelRunnerOutput, ReadyStep, SchedulerOutput, StepResult
 from asyncllm.worker.cuda_graph import CudaGraphRunner
 from asyncllm.worker.input_batch import InputBuffers, ModelInputs
@@ -64,6 +64,7 @@ class ModelRunner:
         grammar: GrammarBackend | None = None,
         defer_masked_draw: bool = False,
         loras: LoRAManager | None = None,
+        grammar_process: GrammarProcessMode = GrammarProcessMode.OFF,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -73,7 +74,7 @@ class ModelRunner:
         self.device = device
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler(vocab_size, device)
-        self.grammars = GrammarTable(grammar, buffers.max_num_seqs, vocab_size, device)
+        self.grammars = GrammarTable(grammar, buffers.max_num_seqs, vocab_size, device, grammar_process)
         self.states: dict[str, SamplingState] = {}
         self._outputs = SampledOutputs(buffers.max_num_seqs, device)
         # Each live request's latest sampled id, on the device, in a slot of its own: a PLACEHOLDER is filled
@@ -219,6 +220,7 @@ class ModelRunner:
         self._held = None
         self.graphs.release()
         self.states.clear()
+        self.grammars.close()
         if self.grammars.backend is not None:
             self.grammars.backend.close()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from asyncllm.errors import AsyncLLMError
 from asyncllm.sample.logprobs import LogprobsOutput
 from asyncllm.sample.prompt_logprobs import PromptLogprobsOutput
 from asyncllm.step import ModelRunnerOutput, ReadyStep, StepResult
@@ -30,7 +31,7 @@ class SampledOutputs:
         self,
         token_ids: torch.Tensor | None,
         logprobs: LogprobsOutput | None,
-        failed: dict[int, str] | None = None,
+        failed: dict[int, str | AsyncLLMError] | None = None,
         prompt: PromptLogprobsOutput | None = None,
     ) -> StepResult:
         """Start moving `token_ids` ([S] int64 on the device; None: the step samples nothing), `logprobs` and
@@ -60,7 +61,7 @@ class _DeviceStep:
         host: torch.Tensor,
         logprobs: LogprobsOutput | None,
         event: torch.cuda.Event,
-        failed: dict[int, str] | None,
+        failed: dict[int, str | AsyncLLMError] | None,
         prompt: PromptLogprobsOutput | None,
     ) -> None:
         self._host = host

@@ -28,6 +28,7 @@ from asyncllm.model_loader.loader import load_model
 from asyncllm.models.base import CausalLM
 from asyncllm.models.tensor_parallel import shard_arch
 from asyncllm.sample.grammar import GrammarBackend
+from asyncllm.sample.structured import GrammarProcessMode
 from asyncllm.step import RuntimeInfo
 from asyncllm.worker.buckets import Buckets
 from asyncllm.worker.cuda_graph import CudaGraphRunner
@@ -71,6 +72,8 @@ def build_worker(
     setup.capture(runner)
     if tables is not None:
         setup.wait_for_grammar_tables(tables)
+    if runner.grammars.process is not None:  # grammar_process=True: started with the runner, ready to serve
+        setup.wait_for_grammar_process(runner)
     return Worker(runner, setup.runtime_info(loaded, runner, num_blocks))
 
 
@@ -239,6 +242,7 @@ class WorkerSetup:
             self._grammar(arch.vocab_size),
             defer_masked_draw=device.type == "cuda",
             loras=loaded.loras,
+            grammar_process=GrammarProcessMode.of(self.config.device_config.grammar_process, device),
         )
         logger.debug(
             "KV cache: %d blocks of %d tokens (%s, %s)", num_blocks, cache.block_size, device, self.kv_spec.dtype
@@ -268,6 +272,12 @@ class WorkerSetup:
         if tables.exception() is not None:  # left for the first constrained request to raise, naming its field
             logger.warning("building the grammar tables failed: %s", tables.exception())
         self.timings["grammar_tables_wait"] = time.perf_counter() - t0
+
+    def wait_for_grammar_process(self, runner: ModelRunner) -> None:
+        t0 = time.perf_counter()
+        if not runner.grammars.wait_for_process():  # the step thread's matchers serve instead
+            logger.warning("grammar_process=True, but the grammar process did not start")
+        self.timings["grammar_process_wait"] = time.perf_counter() - t0
 
     def capture(self, runner: ModelRunner) -> None:
         if not self._use_cuda_graphs(runner.backend):

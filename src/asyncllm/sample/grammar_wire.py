@@ -1,0 +1,96 @@
+"""The grammar process's messages, both ways, as bytes over its two pipes (`grammar_process.py` writes requests
+and reads replies; `grammar_worker.py` the reverse). The bitmask rows themselves never travel: the worker
+writes them into the shared `RowsSegment`. Knows nothing of matchers or steps beyond these fields.
+
+Requests, in order: each carries the adds and removes since the last one (`ops`), then its rows.
+  STEP  (set, verdict, seq; rows, slots, tokens): slots[i] accepts tokens[i], then row rows[i] of the set is
+        filled for slots[i]; with `verdict` an ACCEPTED reply comes as soon as every token is accepted.
+  FILL  (set, seq; rows, slots): rows[i] filled for slots[i] (a request the last STEP did not cover).
+  OPS   the ops alone, no reply: the last request went (its matcher is freed now, not at the next step), or
+        a constraint's compile started in the engine's process (the worker compiles it at the same time).
+Replies: ACCEPTED (seq, refusals by slot), FILLED (seq, errors by slot of the slots it filled), READY once
+at start-up, FAILED (a traceback) before the worker exits on an error of its own.
+"""
+
+from __future__ import annotations
+
+import pickle
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from asyncllm.structured import StructuredOutput
+
+STEP, FILL, OPS = 1, 2, 3  # requests
+ACCEPTED, FILLED, READY, FAILED = 1, 2, 3, 4  # replies
+
+_REQUEST = struct.Struct("<BBBxIII")  # kind, set, verdict, seq, rows, ops bytes
+_REPLY = struct.Struct("<BxxxII")  # kind, seq, payload bytes
+
+# ("add", slot, spec), ("remove", slot) or ("compile", 0, spec): compile it now, for requests to come
+Op = tuple[str, int] | tuple[str, int, StructuredOutput]
+
+
+@dataclass(frozen=True)
+class Init:
+    """The worker's start-up message: what `GrammarBackend.from_tables` needs, the rows' layout, and how
+    many threads may fill rows at once."""
+
+    tables: Any  # sample.grammar.VocabularyTables
+    layout: Any  # sample.host_rows.RowsLayout
+    threads: int
+
+
+@dataclass(frozen=True)
+class Request:
+    kind: int
+    set: int
+    verdict: bool
+    seq: int
+    ops: list[Op]
+    rows: np.ndarray  # int32
+    slots: np.ndarray  # int32
+    tokens: np.ndarray | None  # int32, STEP only
+
+
+def encode_request(
+    kind: int,
+    set_index: int,
+    seq: int,
+    ops: list[Op],
+    rows: list[int],
+    slots: list[int],
+    tokens: list[int] | None = None,
+    verdict: bool = False,
+) -> bytes:
+    blob = pickle.dumps(ops) if ops else b""
+    parts = [_REQUEST.pack(kind, set_index, verdict, seq, len(rows), len(blob)), blob]
+    parts += [np.asarray(a, dtype=np.int32).tobytes() for a in (rows, slots) if a is not None]
+    if tokens is not None:
+        parts.append(np.asarray(tokens, dtype=np.int32).tobytes())
+    return b"".join(parts)
+
+
+def decode_request(data: bytes) -> Request:
+    kind, set_index, verdict, seq, n, blob = _REQUEST.unpack_from(data)
+    at = _REQUEST.size
+    ops: list[Op] = pickle.loads(data[at : at + blob]) if blob else []
+    at += blob
+    arrays = [np.frombuffer(data, np.int32, n, at + 4 * n * k) for k in range(3 if kind == STEP else 2)]
+    if kind == OPS:
+        arrays = [np.zeros(0, np.int32)] * 2
+    return Request(kind, set_index, bool(verdict), seq, ops, arrays[0], arrays[1], arrays[2] if kind == STEP else None)
+
+
+def encode_reply(kind: int, seq: int, payload: dict[int, str] | str | None = None) -> bytes:
+    blob = pickle.dumps(payload) if payload else b""
+    return _REPLY.pack(kind, seq, len(blob)) + blob
+
+
+def decode_reply(data: bytes) -> tuple[int, int, Any]:
+    """(kind, seq, payload): errors by slot ({} when none), or FAILED's traceback."""
+    kind, seq, blob = _REPLY.unpack_from(data)
+    payload = pickle.loads(data[_REPLY.size : _REPLY.size + blob]) if blob else ({} if kind != FAILED else "")
+    return kind, seq, payload

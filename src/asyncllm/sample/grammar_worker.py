@@ -1,0 +1,130 @@
+"""The grammar process's side (`python -c "from asyncllm.sample.grammar_worker import main; main()"`): it
+holds the constrained requests' matchers (`MatcherSet`, compiled with its own `GrammarBackend` made of the
+engine's vocabulary tables), takes each step's tokens and writes the next bitmask rows straight into the
+shared rows, while the engine's step thread does its own host work. A step's rows are split over a few
+threads of its own, each accepting and filling its share in single calls into xgrammar (which release the
+GIL), so the work spreads over cores without starting threads per step. Ends when the engine's end of the
+request pipe closes (the engine shut down or died). Knows nothing of devices, models or scheduling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import signal
+import sys
+import traceback
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection
+
+import numpy as np
+
+from asyncllm.sample.grammar import GrammarBackend
+from asyncllm.sample.grammar_wire import (
+    ACCEPTED,
+    FAILED,
+    FILLED,
+    OPS,
+    READY,
+    STEP,
+    Init,
+    Request,
+    decode_request,
+    encode_reply,
+)
+from asyncllm.sample.host_rows import RowsSegment
+from asyncllm.sample.matcher_set import BatchFill, MatcherSet
+
+# A share smaller than this goes with another: a thread's hand-off costs more than filling a few rows.
+MIN_ROWS_PER_THREAD = 16
+
+
+class GrammarWorker:
+    """Serves requests until the pipe closes: `serve(requests, replies)`."""
+
+    def __init__(self, backend: GrammarBackend, sets: list[tuple[np.ndarray, np.ndarray]], threads: int) -> None:
+        from xgrammar import BatchGrammarMatcher
+
+        self._backend = backend
+        self.matchers = MatcherSet(backend, sets[0][0].shape[1])
+        self._sets = sets
+        self._threads = max(1, threads)
+        # One single-threaded batch filler per share: xgrammar's own multi-threaded one starts its threads
+        # anew on every call.
+        self._fills: list[BatchFill] = [
+            BatchGrammarMatcher(max_threads=1).batch_fill_next_token_bitmask for _ in range(self._threads)
+        ]
+        self._pool = ThreadPoolExecutor(self._threads - 1) if self._threads > 1 else None
+
+    def serve(self, requests: Connection, replies: Connection) -> None:
+        while True:
+            try:
+                data = requests.recv_bytes()
+            except EOFError:
+                return
+            request = decode_request(data)
+            for op in request.ops:
+                if op[0] == "add":
+                    self.matchers.add(op[1], op[2])  # type: ignore[misc]
+                elif op[0] == "remove":
+                    self.matchers.remove(op[1])
+                else:  # compile ahead: the add that follows finds it compiled (or compiling)
+                    self._backend.compile_async(op[2])  # type: ignore[misc]
+            if request.kind == OPS:
+                continue
+            errors = self._step(request, replies) if request.kind == STEP else self._fill(request)
+            replies.send_bytes(encode_reply(FILLED, request.seq, errors))
+
+    def _step(self, request: Request, replies: Connection) -> dict[int, str]:
+        rows, slots, tokens = request.rows.tolist(), request.slots.tolist(), request.tokens
+        assert tokens is not None
+        if request.verdict:  # the engine waits for the refusals: accept every token first
+            refused = self.matchers.accept(slots, tokens.tolist())
+            replies.send_bytes(encode_reply(ACCEPTED, request.seq, refused))
+            return self._fill(request)
+        bits, states = self._sets[request.set]
+        refused, errors = self.matchers.step(bits, states, rows, slots, tokens.tolist(), self._spread)
+        return {**refused, **errors}
+
+    def _fill(self, request: Request) -> dict[int, str]:
+        bits, states = self._sets[request.set]
+        return self.matchers.fill(bits, states, request.rows.tolist(), request.slots.tolist(), self._spread)
+
+    def _spread(self, n: int, share: Callable[[BatchFill, int, int], None]) -> None:
+        """share(fill_k, lo, hi) over [0, n) in up to `threads` contiguous parts, the last on this thread."""
+        if not n:
+            return
+        parts = max(1, min(self._threads, n // MIN_ROWS_PER_THREAD))
+        bounds = [n * k // parts for k in range(parts + 1)]
+        pool = self._pool
+        assert pool is not None or parts == 1
+        fills = self._fills
+        futures = [pool.submit(share, fills[k], bounds[k], bounds[k + 1]) for k in range(parts - 1)] if pool else []
+        share(self._fills[parts - 1], bounds[parts - 1], bounds[parts])
+        for future in futures:
+            future.result()
+
+
+def main() -> None:
+    # Ctrl-C reaches the whole process group: the engine decides when this process ends (it closes the pipe).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    request_fd, reply_fd, rows_fd = (int(arg) for arg in sys.argv[1:4])
+    requests, replies = Connection(request_fd, writable=False), Connection(reply_fd, readable=False)
+    try:
+        init: Init = pickle.loads(requests.recv_bytes())
+        segment = RowsSegment.attach(rows_fd, init.layout)
+        worker = GrammarWorker(GrammarBackend.from_tables(init.tables), init.layout.views(segment.buffer), init.threads)
+    except EOFError:
+        return
+    except BaseException:
+        replies.send_bytes(encode_reply(FAILED, 0, traceback.format_exc()))
+        raise SystemExit(1) from None
+    replies.send_bytes(encode_reply(READY, os.getpid()))
+    try:
+        worker.serve(requests, replies)
+    except BaseException:
+        with contextlib.suppress(OSError):  # the engine is gone
+            replies.send_bytes(encode_reply(FAILED, 0, traceback.format_exc()))
+        raise SystemExit(1) from None

@@ -1,0 +1,245 @@
+"""`MatcherSet`: constrained requests' xgrammar matchers by slot, with where each output stands within a
+UTF-8 character, and the two things a step asks of them: `accept` its sampled tokens, `fill` the next
+bitmask rows. The same code runs in the step thread (the in-thread twin) and in the grammar process
+(`grammar_worker.py`). Per-slot state lives in numpy arrays, so a step costs a few array operations and one
+xgrammar call each way rather than Python per row (every xgrammar call releases the GIL). Knows nothing of
+steps, devices, processes or threads: slots are the caller's small integers, rows index the caller's arrays.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from asyncllm.errors import InvalidRequestError
+from asyncllm.sample.grammar import GrammarBackend
+from asyncllm.sample.utf8 import BOUNDARY, Utf8Table
+from asyncllm.structured import StructuredOutput
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
+# Fills bitmask rows `indices` of `bitmask` [rows, words] with the matchers' next masks (xgrammar's batch fill).
+BatchFill = Callable[[list["xgr.GrammarMatcher"], np.ndarray, list[int]], None]
+
+# `spread(n, share)` runs share(batch_fill, lo, hi) over [0, n) in parts (perhaps on threads of its own, each
+# with its own `batch_fill`); it returns once every part has.
+Spread = Callable[[int, Callable[[BatchFill, int, int], None]], None]
+
+# xgrammar starts its threads anew on every batch call (0.1-1 ms): fewer rows than this are filled on one.
+PARALLEL_MIN_ROWS = 16
+
+
+class Filler:
+    """xgrammar's batch fill, its thread count chosen per call: fewer than `PARALLEL_MIN_ROWS` rows on one
+    thread, more on most of the host's cores (the step thread and the device's driver keep two)."""
+
+    def __init__(self) -> None:
+        from xgrammar import BatchGrammarMatcher  # loaded by the compile of the grammars it fills for
+
+        self._one = BatchGrammarMatcher(max_threads=1)
+        self._many = BatchGrammarMatcher(max_threads=max(1, min(16, len(os.sched_getaffinity(0)) - 2)))
+
+    def __call__(self, matchers: list[xgr.GrammarMatcher], bitmask: np.ndarray, indices: list[int]) -> None:
+        batch = self._many if len(matchers) >= PARALLEL_MIN_ROWS else self._one
+        batch.batch_fill_next_token_bitmask(matchers, bitmask, indices)
+
+
+class MatcherSet:
+    """`add(slot, spec)` / `remove(slot)`; per step `step(...)` (`accept` then `fill`), or either alone. A
+    slot's matcher is made when its compile is first needed (`resolve`); a slot whose constraint failed to
+    compile, or whose token was refused, keeps its error (`errors`), and its rows allow any token from then
+    on (its request ends; its tokens are never output). The parts a call hands to `spread` may run on
+    parallel threads: each touches only its own rows and matchers."""
+
+    def __init__(self, backend: GrammarBackend | None, words: int) -> None:
+        self.backend = backend
+        self.stop_row = np.zeros(words, dtype=np.int32)  # the stop tokens alone, as a bitmask row
+        self._is_stop = np.zeros(backend.vocab_size if backend is not None else 0, dtype=bool)
+        for token in backend.stop_token_ids if backend is not None else ():
+            self.stop_row[token >> 5] |= np.int32(np.uint32(1 << (token & 31)).view(np.int32))
+            self._is_stop[token] = True
+        self.errors: dict[int, str] = {}  # slot -> why its request cannot go on
+        self._utf8: Utf8Table | None = None
+        self._state = np.zeros(0, dtype=np.int8)  # where each output stands within a character
+        self._terminated = np.zeros(0, dtype=bool)  # its matcher accepted a stop token
+        self._ready = np.zeros(0, dtype=bool)  # its matcher is made and it has no error
+        self._matchers: list[xgr.GrammarMatcher | None] = []
+        self._futures: list[Future[xgr.CompiledGrammar] | None] = []
+        self._fields: list[str] = []
+        self._pending: set[int] = set()  # slots whose compile has not been resolved
+
+    def add(self, slot: int, spec: StructuredOutput) -> None:
+        if slot >= len(self._matchers):
+            self._grow(slot + 1)
+        self._state[slot], self._terminated[slot], self._ready[slot] = BOUNDARY, False, False
+        self._matchers[slot], self._fields[slot] = None, spec.field
+        self.errors.pop(slot, None)
+        if self.backend is None:
+            self._futures[slot] = None
+            self.errors[slot] = (
+                f"SamplingParams.{spec.field} needs the model's tokenizer and EOS ids, and this engine lacks them"
+            )
+        else:
+            self._futures[slot] = self.backend.compile_async(spec)
+            self._pending.add(slot)
+
+    def remove(self, slot: int) -> None:
+        self._matchers[slot] = self._futures[slot] = None
+        self._ready[slot] = False
+        self._pending.discard(slot)
+        self.errors.pop(slot, None)
+
+    def resolve(self, slots: Sequence[int]) -> None:
+        """Make the matchers of `slots` whose compile was pending (waiting for it)."""
+        if not self._pending:
+            return
+        for slot in self._pending.intersection(slots):
+            self._pending.discard(slot)
+            future = self._futures[slot]
+            assert future is not None and self.backend is not None
+            from xgrammar import GrammarMatcher  # loaded by the compile that produced the future
+
+            try:
+                self._matchers[slot] = GrammarMatcher(future.result())
+            except InvalidRequestError as exc:  # a request that reached the core without the front's check
+                self.errors[slot] = str(exc)
+                continue
+            finally:
+                self._futures[slot] = None
+            self._utf8 = self.backend.utf8  # built before any compile finished
+            self._ready[slot] = True
+
+    def accept(self, slots: Sequence[int], tokens: Sequence[int]) -> dict[int, str]:
+        """Feed each slot its token, in one xgrammar call; the refusals' errors by slot (the matcher, or the
+        UTF-8 table, refused the token: the request ends with it). A slot that terminated or failed drops its
+        token (its request has ended)."""
+        self.resolve(slots)
+        s, t = np.asarray(slots, dtype=np.int64), np.asarray(tokens, dtype=np.int64)
+        go, after, refused = self._screen(s, t)
+        from xgrammar import BatchGrammarMatcher  # loaded by the compile that made the matchers
+
+        idx = np.flatnonzero(go)
+        matchers = [self._matchers[k] for k in s[idx].tolist()]
+        ok = BatchGrammarMatcher.batch_accept_token(matchers, t[idx].tolist()) if matchers else []
+        self._advance(s, t, after, idx, np.asarray(ok, dtype=bool), refused)
+        return refused
+
+    def fill(
+        self, bits: np.ndarray, states: np.ndarray, rows: Sequence[int], slots: Sequence[int], spread: Spread
+    ) -> dict[int, str]:
+        """Row rows[i] of `bits` and `states` for slots[i]: its next mask and UTF-8 state; every row of a slot
+        with an error allows any token, a terminated one's the stop tokens alone. The errors of those slots."""
+        self.resolve(slots)
+        s, r = np.asarray(slots, dtype=np.int64), np.asarray(rows, dtype=np.int64)
+        idx = np.flatnonzero(self._ready[s] & ~self._terminated[s])
+
+        def share(batch_fill: BatchFill, lo: int, hi: int) -> None:
+            part = idx[lo:hi]
+            batch_fill([self._matchers[k] for k in s[part].tolist()], bits, r[part].tolist())
+
+        spread(len(idx), share)
+        return self._finish_rows(bits, states, s, r)
+
+    def step(
+        self,
+        bits: np.ndarray,
+        states: np.ndarray,
+        rows: Sequence[int],
+        slots: Sequence[int],
+        tokens: Sequence[int],
+        spread: Spread,
+    ) -> tuple[dict[int, str], dict[int, str]]:
+        """`accept` then `fill` for the same slots, each share of the rows (`spread`) accepting then filling
+        its own in two xgrammar calls; (refusals, errors) by slot."""
+        self.resolve(slots)
+        s, t, r = (np.asarray(a, dtype=np.int64) for a in (slots, tokens, rows))
+        go, after, refused = self._screen(s, t)
+        idx = np.flatnonzero(go)
+        ends = self._is_stop[t[idx]]  # those rows terminate with their token: nothing to fill after it
+        ok = np.ones(len(idx), dtype=bool)
+        from xgrammar import BatchGrammarMatcher  # loaded by the compile that made the matchers
+
+        def share(batch_fill: BatchFill, lo: int, hi: int) -> None:
+            part = idx[lo:hi]
+            matchers = [self._matchers[k] for k in s[part].tolist()]
+            took = np.asarray(BatchGrammarMatcher.batch_accept_token(matchers, t[part].tolist()), dtype=bool)
+            ok[lo:hi] = took
+            more = took & ~ends[lo:hi]
+            if more.any():
+                batch_fill([m for m, fill in zip(matchers, more.tolist()) if fill], bits, r[part[more]].tolist())
+
+        spread(len(idx), share)
+        self._advance(s, t, after, idx, ok, refused)
+        return refused, self._finish_rows(bits, states, s, r)
+
+    def _screen(self, s: np.ndarray, t: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict[int, str]]:
+        """Which positions' tokens go to their matchers (ready, not terminated, valid UTF-8 there), the UTF-8
+        state after each token, and the refusals already known (invalid UTF-8)."""
+        go = self._ready[s] & ~self._terminated[s]
+        after = np.zeros(len(s), dtype=np.int8)
+        refused: dict[int, str] = {}
+        if go.any():
+            assert self._utf8 is not None
+            after[go] = self._utf8.next[self._state[s[go]], t[go]]  # -1: not valid UTF-8 there
+            bad = go & (after < 0)
+            if bad.any():
+                refused.update((k, self._refuse(k, x)) for k, x in zip(s[bad].tolist(), t[bad].tolist()))
+                go &= ~bad
+        return go, after, refused
+
+    def _advance(
+        self, s: np.ndarray, t: np.ndarray, after: np.ndarray, idx: np.ndarray, ok: np.ndarray, refused: dict[int, str]
+    ) -> None:
+        """Positions `idx` went to their matchers, `ok` where taken: advance those, refuse the others."""
+        if not ok.all():
+            refused.update((k, self._refuse(k, x)) for k, x in zip(s[idx[~ok]].tolist(), t[idx[~ok]].tolist()))
+        took = idx[ok]
+        self._state[s[took]] = after[took]
+        self._terminated[s[took]] = self._is_stop[t[took]]  # the matcher accepted a stop token: it has terminated
+
+    def _finish_rows(self, bits: np.ndarray, states: np.ndarray, s: np.ndarray, r: np.ndarray) -> dict[int, str]:
+        """The rows no matcher fills, and every row's state; the errors of slots `s`."""
+        states[r] = self._state[s]
+        ready = self._ready[s]
+        errors: dict[int, str] = {}
+        if not ready.all():
+            bits[r[~ready]] = -1  # any token: a failed request's is never output
+            errors = {k: self.errors[k] for k in s[~ready].tolist()}
+        done = ready & self._terminated[s]
+        if done.any():
+            bits[r[done]] = self.stop_row  # complete: EOS alone (its request has ended; the token is dropped)
+        return errors
+
+    def _refuse(self, slot: int, token_id: int) -> str:
+        """Fail `slot` for `token_id`, which its matcher (or UTF-8) refused: say why. The matcher is still where
+        the draw found it: either its row allowed nothing (the draw then takes token 0), or this is a bug."""
+        matcher, utf8 = self._matchers[slot], self._utf8
+        assert matcher is not None and utf8 is not None
+        row = np.zeros(utf8.allowed.shape[1], dtype=np.int32)
+        matcher.fill_next_token_bitmask(row)
+        field = self._fields[slot]
+        if not (row & utf8.allowed[self._state[slot]]).any():
+            error = (
+                f"SamplingParams.{field}: no token of the model's vocabulary can continue the output here "
+                "(the constraint asks for text the vocabulary cannot spell as valid UTF-8, or allows none)"
+            )
+        else:
+            error = f"SamplingParams.{field}: token {token_id} was sampled against the constraint (a bug)"
+        self.errors[slot] = error
+        self._ready[slot] = False
+        return error
+
+    def _grow(self, size: int) -> None:
+        size = max(size, 2 * len(self._matchers), 64)
+        extra = size - len(self._matchers)
+        self._state = np.concatenate([self._state, np.zeros(extra, dtype=np.int8)])
+        self._terminated = np.concatenate([self._terminated, np.zeros(extra, dtype=bool)])
+        self._ready = np.concatenate([self._ready, np.zeros(extra, dtype=bool)])
+        self._matchers += [None] * extra
+        self._futures += [None] * extra
+        self._fields += [""] * extra
