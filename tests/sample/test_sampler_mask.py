@@ -9,9 +9,9 @@ import pytest
 import torch
 from asyncllm.kernels.sampling_ref import token_bitmask_allowed
 
+from asyncllm.sample.request_grammar import InlineMatchers, RequestGrammar
 from asyncllm.sample.sampler import Sampler, TokenMask
 from asyncllm.sample.state import SamplingState
-from asyncllm.sample.request_grammar import InlineMatchers, RequestGrammar
 from asyncllm.sampling_params import SamplingParams
 
 VOCAB = 300
