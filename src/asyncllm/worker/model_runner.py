@@ -11,7 +11,8 @@ which rows reach the LM head) the step's `StepShape` says how.
 A step that samples constrained rows (structured output) also stages which bitmask row each one reads
 (`GrammarTable.plan`): mostly rows the previous constrained step's job filled when the core read that step's
 tokens (the matchers took them then, in the grammar process beside this thread, or here: `grammar_process`).
-Where the device runs steps asynchronously (`defer_masked_draw`) the draw itself is held back (`HeldDraw`) until the next `submit` (or whoever reads the step's result first):
+Where the device runs steps asynchronously (`defer_masked_draw`) the draw itself is held back (`HeldDraw`)
+until the next `submit` (or whoever reads the step's result first):
 the forward pass runs while the host feeds the matchers, fills the masks and does the core's work, and the
 draw goes out just before the next forward pass, its masks ready. Steps without constrained rows pay for
 none of this.
