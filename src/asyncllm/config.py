@@ -301,12 +301,13 @@ class DeviceConfig:
         "False: a step thread in this process (the default; for embedding). AsyncLLMEngine only.",
     )
     grammar_process: bool | None = arg(
-        None,
+        False,
         "Keep structured output's grammar matchers in a process of its own, which takes each step's tokens and "
         "fills the next token masks while the step thread does its own host work (many constrained streams). "
+        "False (the default): in the step thread, measured faster on the H200 (bench/RESULTS.md, run 60); "
         "None: on CUDA, started in the background at the first constrained request (requests that arrive "
         "before it is ready keep theirs in the step thread); True: started with the engine (start-up waits "
-        "for it), on any device; False: in the step thread (the twin: the same tokens).",
+        "for it), on any device.",
     )
     num_threads: int | None = arg(
         None,

@@ -1,7 +1,7 @@
 """Structured output on the GPU: the Triton draw applies the bitmask (greedy and filtered rows too), steps
 really overlap (the mask waits for the previous step's tokens on the device), CUDA graphs replay the forward
 pass; every output satisfies its constraint and overlapped scheduling gives serial scheduling's tokens; the
-grammar process (CUDA's default) changes no token."""
+grammar process (`grammar_process=None` on CUDA) changes no token."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def test_constrained_outputs_on_the_gpu_overlapped_equal_serial(tiny_model: Path
 
 @pytest.mark.usefixtures("exact_fp32")
 def test_grammar_process_starts_at_the_first_constrained_request_and_changes_no_token(tiny_model: Path) -> None:
-    """On CUDA the grammar process is the default, started in the background by the first constrained
+    """On CUDA `grammar_process=None` starts the grammar process in the background by the first constrained
     request (never by unconstrained ones); requests admitted meanwhile keep their matchers in the step
     thread, later ones go to the process, and neither changes a token (the twin: grammar_process=False).
     Its rows are registered with CUDA as pinned memory, read by the draw's asynchronous copy."""
@@ -56,7 +56,7 @@ def test_grammar_process_starts_at_the_first_constrained_request_and_changes_no_
     cases = list(itertools.product(CONSTRAINTS, DRAWS, range(1)))
     params = [constrained(*case) for case in cases]
     prompts = [[5 + i % 7, 6, 7] for i in range(len(cases))]
-    default = LLM(str(tiny_model), **common)
+    default = LLM(str(tiny_model), grammar_process=None, **common)
     twin = LLM(str(tiny_model), grammar_process=False, **common)
     try:
         default.generate(prompts[:2], [SamplingParams(max_tokens=8)] * 2, use_tqdm=False)
