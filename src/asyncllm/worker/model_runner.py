@@ -10,11 +10,11 @@ which rows reach the LM head) the step's `StepShape` says how.
 
 A step that samples constrained rows (structured output) also stages which bitmask row each one reads
 (`GrammarTable.plan`): mostly rows the previous constrained step's job filled when the core read that step's
-tokens (the matchers took them then, in the grammar process beside this thread, or here: `grammar_process`). Where the device runs steps asynchronously (`defer_masked_draw`) the
-draw itself is held back (`HeldDraw`) until the next `submit` (or whoever reads the step's result first):
-the forward pass runs while the host feeds the matchers, fills the masks and does the core's work, and the
-draw goes out just before the next forward pass, its masks ready. Steps without constrained rows pay for
-none of this.
+tokens (the matchers took them then: in the grammar process, beside this thread, or here). Where the device
+runs steps asynchronously (`defer_masked_draw`) the draw itself is held back (`HeldDraw`) until the next
+`submit` (or whoever reads the step's result first): the forward pass runs while the matchers take the
+tokens and fill the masks and the host does the core's work, and the draw goes out just before the next
+forward pass, its masks ready. Steps without constrained rows pay for none of this.
 
 A step that computes prompt positions of a request asking for prompt logprobs also runs the LM head over
 those rows (`sample/prompt_logprobs.py`: in slices of at most `max_num_seqs` rows, the sampler's own size,
