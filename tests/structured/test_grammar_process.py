@@ -45,7 +45,7 @@ async def test_grammar_process_gives_the_step_threads_tokens(tiny_model: Path, l
     prompts.append("Hello")
     params.append(constrained("person", "t1", seed=9, n=3))
     names.append("person")
-    want = LLM.generate(llm, prompts, params, use_tqdm=False)  # the package's engine: step-thread matchers
+    want = llm.generate(prompts, params, use_tqdm=False)  # the package's engine: step-thread matchers
     variant = dict(hold_masked_draws=True, num_kv_blocks=56, max_num_batched_tokens=16, max_num_seqs=6)
     engine = overlapped_engine(tiny_model, grammar_process=True, **{**ENGINE_ARGS, **variant})
     try:

@@ -79,6 +79,7 @@ class RowsSegment:
     def close(self) -> None:
         """Unpin and close the descriptor; the mapping goes with the last view of it."""
         if self._registered is not None:
+            torch.cuda.synchronize()  # no copy from these pages may still be in flight
             torch.cuda.cudart().cudaHostUnregister(self._registered)  # type: ignore[no-untyped-call]
             self._registered = None
         if self.fd >= 0:
