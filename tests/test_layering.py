@@ -41,6 +41,7 @@ FOUNDATION = {
     "asyncllm.install",  # the distribution's name and the pip commands error messages print
     "asyncllm.validation",
     "asyncllm.config",
+    "asyncllm.config_values",
     "asyncllm.outputs",
     "asyncllm.sampling_params",
     "asyncllm.structured",

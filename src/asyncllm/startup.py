@@ -11,7 +11,8 @@ import logging
 import time
 from collections.abc import Iterable, Iterator
 
-from asyncllm.config import EngineConfig, KVCacheDType
+from asyncllm.config import EngineConfig
+from asyncllm.config_values import KVCacheDType
 from asyncllm.step import RuntimeInfo
 
 logger = logging.getLogger("asyncllm")

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from asyncllm.attention.backend import AttentionBackend
-from asyncllm.config import AttentionBackendName
+from asyncllm.config_values import AttentionBackendName
 from asyncllm.errors import InvalidConfigError
 
 # (device, activations' dtype, num_kv_heads, the KV cache's dtype)

@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from asyncllm.config import Device, DType, EngineConfig, KVCacheDType
+from asyncllm.config import EngineConfig
+from asyncllm.config_values import Device, DType, KVCacheDType
 from asyncllm.errors import DeviceError
 from asyncllm.models.config import ModelArchConfig
 from asyncllm.quantization.scheme import QuantScheme, resolve_quantization

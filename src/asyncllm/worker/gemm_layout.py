@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from asyncllm.config import DecodeGemv
+from asyncllm.config_values import DecodeGemv
 from asyncllm.layers.linear import Linear
 from asyncllm.quantization.linear import QuantLinear
 

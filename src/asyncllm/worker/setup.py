@@ -20,7 +20,8 @@ import torch
 
 from asyncllm.attention.backend import AttentionBackend
 from asyncllm.attention.registry import make_attention_backend
-from asyncllm.config import DecodeGemv, EngineConfig
+from asyncllm.config import EngineConfig
+from asyncllm.config_values import DecodeGemv
 from asyncllm.layers.fusion import use_fused_kernels
 from asyncllm.layers.parallel import TPGroup
 from asyncllm.model_loader.base import Checkpoint
