@@ -4,27 +4,19 @@ tokenizer, skipped without it)."""
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from tests.bench.scripts import bench_script
 
 
 @pytest.fixture(scope="module")
 def bench() -> Iterator[ModuleType]:
-    sys.path.insert(0, str(BENCH))
-    try:
-        yield importlib.import_module("gemma3_w1_w5")
-    finally:
-        sys.path.remove(str(BENCH))
-        for name in ("gemma3_w1_w5", "shapes", "w1_throughput", "engine_args", "host_timing", "triton_compiles"):
-            sys.modules.pop(name, None)
+    with bench_script("gemma3_w1_w5") as module:
+        yield module
 
 
 def test_limits_of_the_4b_shape(bench: ModuleType) -> None:

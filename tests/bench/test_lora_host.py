@@ -4,30 +4,21 @@ stands in for on CPU (nothing to launch on) launch for real again afterwards."""
 
 from __future__ import annotations
 
-import importlib
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 from asyncllm.kernels.lora_ref import lora_ref
 
+from tests.bench.scripts import bench_script
 from tests.fixtures.triton_kernels import import_kernel
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
 @pytest.fixture(scope="module")
 def lora_host() -> Iterator[ModuleType]:
-    sys.path.insert(0, str(BENCH))  # the scripts import their neighbours as top-level modules
-    try:
-        yield importlib.import_module("lora_host")
-    finally:
-        sys.path.remove(str(BENCH))
-        for name in ("lora_host", "w1_lora", "w1_throughput", "shapes"):
-            sys.modules.pop(name, None)
+    with bench_script("lora_host") as module:
+        yield module
 
 
 def test_figures_on_cpu(lora_host: ModuleType) -> None:

@@ -3,26 +3,18 @@ per token at batch 1), the experts a batch touches, and W1's limit between the a
 
 from __future__ import annotations
 
-import importlib
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from tests.bench.scripts import bench_script
 
 
 @pytest.fixture(scope="module")
 def moe_bench() -> Iterator[ModuleType]:
-    sys.path.insert(0, str(BENCH))  # the scripts import their neighbours as top-level modules
-    try:
-        yield importlib.import_module("moe_bench")
-    finally:
-        sys.path.remove(str(BENCH))
-        for name in ("moe_bench", "w1_throughput", "shapes", "engine_args"):
-            sys.modules.pop(name, None)
+    with bench_script("moe_bench") as module:
+        yield module
 
 
 def test_qwen3_30b_a3b_counts(moe_bench: ModuleType) -> None:

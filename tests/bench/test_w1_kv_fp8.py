@@ -3,30 +3,18 @@ bugs first: both caches make the same number of tokens, and the bound counts the
 
 from __future__ import annotations
 
-import importlib
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from tests.bench.scripts import bench_script
 
 
 @pytest.fixture(scope="module")
 def w1_kv_fp8() -> Iterator[ModuleType]:
-    sys.path.insert(0, str(BENCH))  # the scripts import their neighbours as top-level modules
-    try:
-        try:
-            importlib.import_module("shapes").find_qwen3_tokenizer()
-        except FileNotFoundError as e:
-            pytest.skip(str(e))
-        yield importlib.import_module("w1_kv_fp8")
-    finally:
-        sys.path.remove(str(BENCH))
-        for name in ("w1_kv_fp8", "w1_throughput", "gemma3_w1_w5", "shapes"):
-            sys.modules.pop(name, None)
+    with bench_script("w1_kv_fp8", needs_tokenizer=True) as module:
+        yield module
 
 
 def test_measure_runs_on_cpu(w1_kv_fp8: ModuleType) -> None:

@@ -4,30 +4,18 @@ makes as many tokens as the base one."""
 
 from __future__ import annotations
 
-import importlib
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from tests.bench.scripts import bench_script
 
 
 @pytest.fixture(scope="module")
 def w1_lora() -> Iterator[ModuleType]:
-    sys.path.insert(0, str(BENCH))  # the scripts import their neighbours as top-level modules
-    try:
-        try:
-            importlib.import_module("shapes").find_qwen3_tokenizer()
-        except FileNotFoundError as e:
-            pytest.skip(str(e))
-        yield importlib.import_module("w1_lora")
-    finally:
-        sys.path.remove(str(BENCH))
-        for name in ("w1_lora", "w1_throughput", "shapes"):
-            sys.modules.pop(name, None)
+    with bench_script("w1_lora", needs_tokenizer=True) as module:
+        yield module
 
 
 def test_measure_runs_on_cpu(w1_lora: ModuleType) -> None:

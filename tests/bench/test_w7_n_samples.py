@@ -4,30 +4,18 @@ requests without the prefix cache compute it n times."""
 
 from __future__ import annotations
 
-import importlib
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from tests.bench.scripts import bench_script
 
 
 @pytest.fixture(scope="module")
 def w7() -> Iterator[ModuleType]:
-    sys.path.insert(0, str(BENCH))  # the scripts import their neighbours as top-level modules
-    try:
-        try:
-            importlib.import_module("shapes").find_qwen3_tokenizer()
-        except FileNotFoundError as e:
-            pytest.skip(str(e))
-        yield importlib.import_module("w7_n_samples")
-    finally:
-        sys.path.remove(str(BENCH))
-        for name in ("w7_n_samples", "w1_throughput", "shapes"):
-            sys.modules.pop(name, None)
+    with bench_script("w7_n_samples", needs_tokenizer=True) as module:
+        yield module
 
 
 def test_separate_requests_are_the_samples_seeded_s_plus_i(w7: ModuleType) -> None:
