@@ -269,7 +269,8 @@ class DeviceConfig:
         _set(self, "decode_gemv", check_enum(_fail, DecodeGemv, "decode_gemv", self.decode_gemv))
         check_bool(_fail, "core_process", self.core_process)
         if not isinstance(self.grammar_process, bool | None):
-            raise _fail("grammar_process", self.grammar_process, "True, False or None (the device's default)")
+            lazily = "None (started at the first constrained request on CUDA)"
+            raise _fail("grammar_process", self.grammar_process, f"True, False or {lazily}")
         check_optional_int(_fail, "cuda_graph_max_tokens", self.cuda_graph_max_tokens, "an integer >= 0, or None", lo=0)
         seconds = check_float(
             _fail, "max_step_seconds", self.max_step_seconds, "a positive number of seconds", lo=0.0, lo_open=True
