@@ -81,7 +81,10 @@ class GrammarTable:
         vocab_size: int,
         device: torch.device,
         process: GrammarProcessMode = GrammarProcessMode.OFF,
+        process_threads: int | None = None,
     ) -> None:
+        """`process_threads`: how many of the grammar process's threads share a step's rows (None: the cores
+        this process may use, less two for the step thread and the device's driver, at most 16)."""
         self.backend = backend
         self.device = device
         self._max_rows = max_rows
@@ -92,6 +95,7 @@ class GrammarTable:
         if backend is None or not hasattr(os, "memfd_create"):
             process = GrammarProcessMode.OFF  # nothing to compile with, or no shared memory to fill
         self._process_mode = process
+        self._process_threads = process_threads or max(1, min(16, len(os.sched_getaffinity(0)) - 2))
         self._process: GrammarProcess | None = None
         # Two sets of host rows that jobs alternate between (a job fills one while the other's upload may
         # still be in flight), each with room for a job's rows and as many more; shared with the grammar
@@ -200,8 +204,7 @@ class GrammarTable:
     def _start_process(self) -> None:
         self._host_rows()
         assert self.backend is not None and self._segment is not None
-        threads = max(1, min(16, len(os.sched_getaffinity(0)) - 2))  # the step thread and the driver keep two
-        self._process = GrammarProcess(self.backend, self._segment, threads)
+        self._process = GrammarProcess(self.backend, self._segment, self._process_threads)
         self._process.start()
 
     def _collect(self, plan: MaskPlan, host: HostRows) -> None:
