@@ -135,22 +135,18 @@ class GrammarTable:
         source = self._last
         index = source.index if source is not None else {}
         base = len(index)
-        rows: list[int] = []
-        extras: list[tuple[int, RequestGrammar]] = []
-        constrained: list[tuple[int, RequestGrammar]] = []
-        for i, state in enumerate(states):
-            grammar = state.grammar
-            if grammar is None:
-                rows.append(-1)
-                continue
-            row = index.get(grammar)
-            if row is None:
-                row = base + len(extras)
-                extras.append((row, grammar))
-            rows.append(row)
-            constrained.append((i, grammar))
+        grammars = [state.grammar for state in states]  # comprehensions: a step may have hundreds of rows
+        constrained = [(i, grammar) for i, grammar in enumerate(grammars) if grammar is not None]
         if not constrained:
             return None
+        get = index.get
+        rows = [-1 if grammar is None else get(grammar, -2) for grammar in grammars]  # -2: not in the job
+        extras: list[tuple[int, RequestGrammar]] = []
+        if -2 in rows:
+            for i, grammar in constrained:
+                if rows[i] == -2:
+                    rows[i] = base + len(extras)
+                    extras.append((rows[i], grammar))
         return MaskPlan(rows, source, extras, constrained, base + len(extras))
 
     def fill(self, plan: MaskPlan, mask_rows: torch.Tensor) -> tuple[TokenMask, dict[int, str | AsyncLLMError] | None]:
