@@ -1,7 +1,8 @@
 """The grammar process against the step thread's matchers, at the runner's `GrammarTable`: the same
 requests, steps and tokens give bit-identical masks and the same failures, whether every matcher stays in
 the step thread or a lazily started process takes the requests admitted once it is ready (so steps mix
-both homes while it starts); and a table whose requests are all unconstrained never starts it."""
+both homes while it starts), its threads each taking a share of a step's rows; and a table whose requests
+are all unconstrained never starts it."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from asyncllm.step import ModelRunnerOutput, ReadyStep
 from tests.structured.conftest import CONSTRAINTS
 
 VOCAB = 384
+ROWS = 40  # live requests a step: the grammar process splits them over its threads (16 rows or more each)
 SPECS: list[dict[str, Any]] = [field for field, _ in CONSTRAINTS.values()] + [
     {"grammar": r"root ::= [\ud800-\udfff]"},  # no valid UTF-8 spells it: refused after its lead byte
 ]
@@ -41,8 +43,8 @@ def _pick(row: np.ndarray, rng: random.Random) -> int:
 
 def _run(table: GrammarTable, backend: GrammarBackend, steps: int, seed: int) -> list[Any]:
     """Drive `table` through `steps` overlapped steps (each draw held until the next step is planned, its
-    tokens read after): 8 requests at a time, each ending at EOS, a refusal or 24 tokens and replaced by the
-    next; the first 8 admitted at once, the rest after the process (if any) is ready. Every step's masks
+    tokens read after): `ROWS` requests at a time, each ending at EOS, a refusal or 24 tokens and replaced by
+    the next; the first `ROWS` admitted at once, the rest after the process (if any) is ready. Every step's masks
     (in sampled order), tokens and failures."""
     rng = random.Random(seed)
     made = 0
@@ -55,7 +57,7 @@ def _run(table: GrammarTable, backend: GrammarBackend, steps: int, seed: int) ->
         made += 1
         return state
 
-    live = [admit() for _ in range(8)]
+    live = [admit() for _ in range(ROWS)]
     table.wait_for_process()  # lazily started by the first add: the next requests' matchers go there
     lengths = {id(s): 0 for s in live}
     seen: list[Any] = []
@@ -75,7 +77,7 @@ def _run(table: GrammarTable, backend: GrammarBackend, steps: int, seed: int) ->
             live.remove(state)
             table.remove(state)
         ended = []
-        while len(live) < 8:
+        while len(live) < ROWS:
             live.append(admit())
             lengths[id(live[-1])] = 0
         plan = table.plan(live)
@@ -95,11 +97,11 @@ def _run(table: GrammarTable, backend: GrammarBackend, steps: int, seed: int) ->
 
 
 def test_process_gives_the_step_threads_masks_and_failures(backend: GrammarBackend) -> None:
-    inline = GrammarTable(backend, 8, VOCAB, torch.device("cpu"), GrammarProcessMode.OFF)
-    mixed = GrammarTable(backend, 8, VOCAB, torch.device("cpu"), GrammarProcessMode.LAZY)
+    inline = GrammarTable(backend, ROWS, VOCAB, torch.device("cpu"), GrammarProcessMode.OFF)
+    mixed = GrammarTable(backend, ROWS, VOCAB, torch.device("cpu"), GrammarProcessMode.LAZY, process_threads=3)
     try:
-        want = _run(inline, backend, 80, seed=3)
-        got = _run(mixed, backend, 80, seed=3)
+        want = _run(inline, backend, 60, seed=3)
+        got = _run(mixed, backend, 60, seed=3)
         process = mixed.process
         assert process is not None and process.ready and process.live > 0, "the process serves the later requests"
         assert got == want

@@ -121,11 +121,12 @@ class MatcherSet:
         self.resolve(slots)
         s, t = np.asarray(slots, dtype=np.int64), np.asarray(tokens, dtype=np.int64)
         go, after, refused = self._screen(s, t)
-        from xgrammar import BatchGrammarMatcher  # loaded by the compile that made the matchers
-
         idx = np.flatnonzero(go)
-        matchers = [self._matchers[k] for k in s[idx].tolist()]
-        ok = BatchGrammarMatcher.batch_accept_token(matchers, t[idx].tolist()) if matchers else []
+        ok: list[bool] = []
+        if len(idx):
+            from xgrammar import BatchGrammarMatcher  # loaded by the compile that made the matchers
+
+            ok = BatchGrammarMatcher.batch_accept_token([self._matchers[k] for k in s[idx].tolist()], t[idx].tolist())
         self._advance(s, t, after, idx, np.asarray(ok, dtype=bool), refused)
         return refused
 
@@ -162,9 +163,10 @@ class MatcherSet:
         idx = np.flatnonzero(go)
         ends = self._is_stop[t[idx]]  # those rows terminate with their token: nothing to fill after it
         ok = np.ones(len(idx), dtype=bool)
-        from xgrammar import BatchGrammarMatcher  # loaded by the compile that made the matchers
 
         def share(batch_fill: BatchFill, lo: int, hi: int) -> None:
+            from xgrammar import BatchGrammarMatcher  # loaded by the compile that made the matchers
+
             part = idx[lo:hi]
             matchers = [self._matchers[k] for k in s[part].tolist()]
             took = np.asarray(BatchGrammarMatcher.batch_accept_token(matchers, t[part].tolist()), dtype=bool)

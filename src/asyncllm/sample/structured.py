@@ -81,7 +81,10 @@ class GrammarTable:
         vocab_size: int,
         device: torch.device,
         process: GrammarProcessMode = GrammarProcessMode.OFF,
+        process_threads: int | None = None,
     ) -> None:
+        """`process_threads`: how many of the grammar process's threads share a step's rows (None: the cores
+        this process may use, less two for the step thread and the device's driver, at most 16)."""
         self.backend = backend
         self.device = device
         self._max_rows = max_rows
@@ -92,6 +95,7 @@ class GrammarTable:
         if backend is None or not hasattr(os, "memfd_create"):
             process = GrammarProcessMode.OFF  # nothing to compile with, or no shared memory to fill
         self._process_mode = process
+        self._process_threads = process_threads or max(1, min(16, len(os.sched_getaffinity(0)) - 2))
         self._process: GrammarProcess | None = None
         # Two sets of host rows that jobs alternate between (a job fills one while the other's upload may
         # still be in flight), each with room for a job's rows and as many more; shared with the grammar
@@ -131,22 +135,18 @@ class GrammarTable:
         source = self._last
         index = source.index if source is not None else {}
         base = len(index)
-        rows: list[int] = []
-        extras: list[tuple[int, RequestGrammar]] = []
-        constrained: list[tuple[int, RequestGrammar]] = []
-        for i, state in enumerate(states):
-            grammar = state.grammar
-            if grammar is None:
-                rows.append(-1)
-                continue
-            row = index.get(grammar)
-            if row is None:
-                row = base + len(extras)
-                extras.append((row, grammar))
-            rows.append(row)
-            constrained.append((i, grammar))
+        grammars = [state.grammar for state in states]  # comprehensions: a step may have hundreds of rows
+        constrained = [(i, grammar) for i, grammar in enumerate(grammars) if grammar is not None]
         if not constrained:
             return None
+        get = index.get
+        rows = [-1 if grammar is None else get(grammar, -2) for grammar in grammars]  # -2: not in the job
+        extras: list[tuple[int, RequestGrammar]] = []
+        if -2 in rows:
+            for i, grammar in constrained:
+                if rows[i] == -2:
+                    rows[i] = base + len(extras)
+                    extras.append((rows[i], grammar))
         return MaskPlan(rows, source, extras, constrained, base + len(extras))
 
     def fill(self, plan: MaskPlan, mask_rows: torch.Tensor) -> tuple[TokenMask, dict[int, str | AsyncLLMError] | None]:
@@ -200,8 +200,7 @@ class GrammarTable:
     def _start_process(self) -> None:
         self._host_rows()
         assert self.backend is not None and self._segment is not None
-        threads = max(1, min(16, len(os.sched_getaffinity(0)) - 2))  # the step thread and the driver keep two
-        self._process = GrammarProcess(self.backend, self._segment, threads)
+        self._process = GrammarProcess(self.backend, self._segment, self._process_threads)
         self._process.start()
 
     def _collect(self, plan: MaskPlan, host: HostRows) -> None:

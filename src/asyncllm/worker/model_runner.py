@@ -66,6 +66,7 @@ class ModelRunner:
         defer_masked_draw: bool = False,
         loras: LoRAManager | None = None,
         grammar_process: GrammarProcessMode = GrammarProcessMode.OFF,
+        grammar_process_threads: int | None = None,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -75,7 +76,9 @@ class ModelRunner:
         self.device = device
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler(vocab_size, device)
-        self.grammars = GrammarTable(grammar, buffers.max_num_seqs, vocab_size, device, grammar_process)
+        self.grammars = GrammarTable(
+            grammar, buffers.max_num_seqs, vocab_size, device, grammar_process, grammar_process_threads
+        )
         self.states: dict[str, SamplingState] = {}
         self._outputs = SampledOutputs(buffers.max_num_seqs, device)
         # Each live request's latest sampled id, on the device, in a slot of its own: a PLACEHOLDER is filled

@@ -11,6 +11,7 @@ scheduling, or of how ranks are started.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -244,6 +245,7 @@ class WorkerSetup:
             defer_masked_draw=device.type == "cuda",
             loras=loaded.loras,
             grammar_process=GrammarProcessMode.of(self.config.device_config.grammar_process, device),
+            grammar_process_threads=self._grammar_process_threads(),
         )
         logger.debug(
             "KV cache: %d blocks of %d tokens (%s, %s)", num_blocks, cache.block_size, device, self.kv_spec.dtype
@@ -327,6 +329,12 @@ class WorkerSetup:
         embedding rows, ending with its EOS ids (built lazily: free until the first constrained request)."""
         tokenizer, eos = self.checkpoint.tokenizer, self.checkpoint.eos_token_ids
         return GrammarBackend(tokenizer, vocab_size, eos) if tokenizer is not None and eos else None
+
+    def _grammar_process_threads(self) -> int:
+        """The grammar process's filling threads: the cores this process may use, less two (the step thread
+        and the device's driver), shared among the ranks (each rank has its own process), at most 16."""
+        world = 1 if self.parallel is None else self.parallel.world_size
+        return max(1, min(16, (len(os.sched_getaffinity(0)) - 2) // world))
 
     def _use_cuda_graphs(self, backend: AttentionBackend) -> bool:
         """Graphs on CUDA unless enforce_eager, with a backend that can be captured (Triton, not the torch
