@@ -32,6 +32,9 @@ class GemvConfig:
     row_bytes: int = 128  # bytes of each weight row a program loads per K tile
     programs_per_sm: int = 8  # split K until (token rows x output tiles x splits) reaches this many per SM
     max_split: int = 16
+    # Integer codes: multiplied in as 1 + code / 2**bits, their offsets taken off once a word (three
+    # instructions a code, not four; a few float32 roundings less exact). Other kinds ignore it.
+    fold_offsets: bool = False
 
     def __post_init__(self) -> None:
         def power_of_two(name: str, value: int, lo: int, hi: int) -> None:
@@ -45,6 +48,8 @@ class GemvConfig:
             value = getattr(self, name)
             if not (isinstance(value, int) and 1 <= value <= 64):
                 raise ValueError(f"GemvConfig.{name}={value!r}: expected an integer from 1 to 64")
+        if not isinstance(self.fold_offsets, bool):
+            raise ValueError(f"GemvConfig.fold_offsets={self.fold_offsets!r}: expected True or False")
 
 
 DEFAULT_CONFIG = GemvConfig()
@@ -98,12 +103,17 @@ CANDIDATE_PROGRAMS_PER_SM = (4, 8, 16, 32)
 CANDIDATE_MAX_SPLIT = 32
 
 
-def candidate_configs() -> list[GemvConfig]:
-    """Every config the sweep times: each candidate tile at each target of programs per SM."""
+def candidate_configs(kind: int) -> list[GemvConfig]:
+    """Every config the sweep times for weights of `kind`: each candidate tile at each target of programs per
+    SM, for integer codes with their offsets folded or not."""
+    folds = (False, True) if kind in (4, 8) else (False,)
     return [
-        GemvConfig(block_n=bn, num_warps=w, row_bytes=rb, programs_per_sm=p, max_split=CANDIDATE_MAX_SPLIT)
+        GemvConfig(
+            block_n=bn, num_warps=w, row_bytes=rb, programs_per_sm=p, max_split=CANDIDATE_MAX_SPLIT, fold_offsets=fold
+        )
         for bn, w, rb in CANDIDATE_TILES
         for p in CANDIDATE_PROGRAMS_PER_SM
+        for fold in folds
     ]
 
 

@@ -5,9 +5,9 @@ plain 16-bit weights (`linear_gemv`; F.linear in float32 is its specification).
 At decode sizes the weight's bytes are the cost, so the kernel only streams them: each program owns BLOCK_N
 output rows, one token row and a contiguous slice of K; it loads ROW_BYTES of each weight row per K tile (16-byte
 vectors), and for packed codes shifts them out in registers, turns them into float32 without a conversion
-instruction (a code OR'd into the mantissa of 2**23 is 2**23 + code), subtracts the zero point with that same
-add, and accumulates products with the activations in float32 on the CUDA cores; each group's scale multiplies
-its partial sum once per word. K is split over programs when the output rows alone would leave SMs idle; the
+instruction (a code OR'd into a float's mantissa: `_gemv_tile`), takes the zero point off, and accumulates
+products with the activations in float32 on the CUDA cores; each group's scale multiplies its partial sum
+once per word. K is split over programs when the output rows alone would leave SMs idle; the
 programs of one output tile write float32 partial sums and the last to finish (a counter per tile, reset by that
 program, so the counters stay zero between calls and under CUDA graphs) adds them in split order and writes the
 output: no zero-fill, no reduction kernel, no cast. Token rows are a grid axis: each re-reads the weight, which
@@ -43,12 +43,20 @@ def _gemv_tile(
     w_rows, s_rows, z_rows, m_rows, x_row, t, n_mask, K, GROUPS,
     BITS: tl.constexpr, CODES: tl.constexpr, GROUP: tl.constexpr, G: tl.constexpr, GW: tl.constexpr,
     HAS_SCALES: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_MINS: tl.constexpr, MASK_K: tl.constexpr,
+    FOLD: tl.constexpr,
 ):  # fmt: skip
     """[BLOCK_N, G, GW] float32: K tile t's products, per word (or value), scaled by their group's scale.
     The tile is G groups (or parts of one group) of GW words of CODES codes each (BITS 0: one value per
     element, e4m3 with scales or plain floats without). Every tensor keeps the layout of the word load (codes
     are taken out one field at a time, not along a new axis), so nothing moves between threads; each field's
-    activations are a strided [G, GW] load, shared by a thread's rows, from L1."""
+    activations are a strided [G, GW] load, shared by a thread's rows, from L1.
+
+    A code becomes a float without a conversion instruction. Exact (FOLD off): OR'd into the mantissa of
+    2**23 it is 2**23 + code, and one subtraction takes 2**23 and the zero point off: shift, mask-and-or,
+    subtract, multiply-add, four instructions a code. Folded (FOLD on): OR'd into the top of the mantissa of
+    1.0 it is 1 + code / 2**BITS, multiplied into the sum as it is; the 1 and the zero point are taken off
+    once a word against the activations' sum (shared by a thread's rows): three instructions a code, the
+    result a few float32 roundings less exact (both terms are of the products' size, so nothing cancels)."""
     words_at = t * (G * GW) + tl.arange(0, G)[:, None] * GW + tl.arange(0, GW)[None, :]  # [G, GW] along the row
     group = (t * (G * GW * CODES)) // GROUP + tl.arange(0, G)  # [G] scale column of each group in the tile
     if MASK_K:  # the last, partial tile
@@ -71,11 +79,16 @@ def _gemv_tile(
     else:
         words = tl.load(w_at, mask=w_mask, other=0)
         offset = 8388608.0  # 2**23: (2**23 + code) - offset is the code, exactly
+        if FOLD:
+            offset = 1.0  # 1 + code / 2**BITS, less 1, is code / 2**BITS
         if HAS_ZEROS:
             zeros = tl.load(z_rows + group[None, :], mask=g_mask, other=0).to(tl.float32)[:, :, None]
-            offset = offset + zeros  # [BN, G, 1]: code - zero point in the same add
+            if FOLD:
+                zeros = zeros * (1.0 / (1 << BITS))
+            offset = offset + zeros  # [BN, G, 1]: code - zero point in the same subtraction
         part = tl.zeros((w_at.shape[0], G, GW), dtype=tl.float32)
         x_sum = tl.zeros((1, G, GW), dtype=tl.float32)
+        top = 23 - BITS  # FOLD: where a code sits in the mantissa
         for f in tl.static_range(CODES):
             offs_k = words_at * CODES + f
             if MASK_K:
@@ -83,11 +96,20 @@ def _gemv_tile(
             else:
                 x = tl.load(x_row + offs_k)
             x = x.to(tl.float32)[None, :, :]  # [1, G, GW]
-            codes = (words >> (f * BITS)) & ((1 << BITS) - 1)  # sign bits masked off
-            q = (codes | 0x4B000000).to(tl.float32, bitcast=True) - offset  # 0x4B000000 is 2**23
-            part += q * x
-            if HAS_MINS:
+            if FOLD:
+                if f * BITS <= top:
+                    codes = (words << (top - f * BITS)) & (((1 << BITS) - 1) << top)
+                else:
+                    codes = (words >> (f * BITS - top)) & (((1 << BITS) - 1) << top)  # sign bits masked off
+                part += (codes | 0x3F800000).to(tl.float32, bitcast=True) * x  # 0x3F800000 is 1.0
+            else:
+                codes = (words >> (f * BITS)) & ((1 << BITS) - 1)  # sign bits masked off
+                q = (codes | 0x4B000000).to(tl.float32, bitcast=True) - offset  # 0x4B000000 is 2**23
+                part += q * x
+            if HAS_MINS or FOLD:
                 x_sum += x
+        if FOLD:
+            part = (part - offset * x_sum) * (1 << BITS)
     if HAS_SCALES:
         part = part * scale
     if HAS_MINS:  # w = q * s + m: the offsets meet the sum of the inputs
@@ -104,7 +126,7 @@ def _gemv_kernel(
     stride_xm, stride_wn, stride_sn, stride_zn, stride_mn, stride_om,
     BITS: tl.constexpr, CODES: tl.constexpr, GROUP: tl.constexpr, G: tl.constexpr, GW: tl.constexpr,
     HAS_SCALES: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_MINS: tl.constexpr, HAS_BIAS: tl.constexpr,
-    EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, FOLD: tl.constexpr,
 ):  # fmt: skip
     pid_n, pid_k, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -119,13 +141,13 @@ def _gemv_kernel(
     for t in range(t0, tl.minimum(t0 + tiles_per_split, full_tiles)):
         acc += _gemv_tile(
             w_rows, s_rows, z_rows, m_rows, x_row, t, n_mask, K, GROUPS,
-            BITS, CODES, GROUP, G, GW, HAS_SCALES, HAS_ZEROS, HAS_MINS, False,
+            BITS, CODES, GROUP, G, GW, HAS_SCALES, HAS_ZEROS, HAS_MINS, False, FOLD,
         )  # fmt: skip
     if not EVEN_K:  # noqa: SIM102 (a compile-time test around a run-time one)
         if pid_k == split - 1:  # the launcher gives the last split the partial tile
             acc += _gemv_tile(
                 w_rows, s_rows, z_rows, m_rows, x_row, full_tiles, n_mask, K, GROUPS,
-                BITS, CODES, GROUP, G, GW, HAS_SCALES, HAS_ZEROS, HAS_MINS, True,
+                BITS, CODES, GROUP, G, GW, HAS_SCALES, HAS_ZEROS, HAS_MINS, True, FOLD,
             )  # fmt: skip
     total = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BN]
     out = out_ptr + row.to(tl.int64) * stride_om + offs_n
@@ -237,5 +259,5 @@ def _launch(
         G=plan.groups, GW=plan.group_words,
         HAS_SCALES=scales is not None, HAS_ZEROS=qzeros is not None, HAS_MINS=mins is not None,
         HAS_BIAS=bias is not None, EVEN_K=k % (plan.groups * plan.group_words * codes) == 0,
-        BLOCK_N=config.block_n, num_warps=config.num_warps,
+        BLOCK_N=config.block_n, FOLD=config.fold_offsets and codes > 1, num_warps=config.num_warps,
     )  # fmt: skip

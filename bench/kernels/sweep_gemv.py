@@ -1,5 +1,6 @@
 """The GEMV's launch configs, swept per layer shape at one token row: which `GemvConfig` (kernels/gemv_plan.py:
-tile rows, warps, bytes of each weight row per K tile, programs per SM) streams each weight fastest, for
+tile rows, warps, bytes of each weight row per K tile, programs per SM; for int4 the exact or the folded
+unpacking of codes, three instructions a code instead of four) streams each weight fastest, for
 Qwen3-0.6B's and Qwen3-8B's layers in AWQ int4 (group 128, zero points), e4m3 per channel and bf16, beside
 cuBLAS bf16 (both weight layouts: the start-up tuner picks one) and the split-K Triton GEMM (quant_matmul).
 
@@ -71,6 +72,11 @@ def _reference(kind: str, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.
     return quant_matmul_ref(x.float(), w["qweight"], w["scales"], w.get("qzeros"), bits=bits, group_size=group)
 
 
+def configs_for(kind: int) -> list[plans.GemvConfig]:
+    """The default config first, then every candidate for weights of `kind`."""
+    return [plans.DEFAULT_CONFIG, *plans.candidate_configs(kind)]
+
+
 def _copies(nbytes: int) -> int:
     """Weight copies read in turn: at least 200 MB (more than L2 holds), 2 to 8 of them."""
     return max(2, min(8, -(-(200 << 20) // nbytes)))
@@ -78,7 +84,8 @@ def _copies(nbytes: int) -> int:
 
 def _name(config: plans.GemvConfig) -> str:
     c = config
-    return f"bn{c.block_n}-w{c.num_warps}-rb{c.row_bytes}-p{c.programs_per_sm}-s{c.max_split}"
+    fold = "-fold" if c.fold_offsets else ""
+    return f"bn{c.block_n}-w{c.num_warps}-rb{c.row_bytes}-p{c.programs_per_sm}-s{c.max_split}{fold}"
 
 
 def sweep(shape: str, layer: str, kind: str, n: int, k: int) -> tuple[dict[str, object], plans.GemvConfig | None]:
@@ -97,7 +104,7 @@ def sweep(shape: str, layer: str, kind: str, n: int, k: int) -> tuple[dict[str, 
         "k": k,
         "mb": round(nbytes / 1e6, 2),
     }
-    configs = [plans.DEFAULT_CONFIG, *plans.candidate_configs()]
+    configs = configs_for(KINDS[kind])
     times: dict[plans.GemvConfig, float] = {}
     failed: dict[str, str] = {}
     for config in configs:

@@ -36,12 +36,16 @@ def test_the_printed_table_is_the_gemv_plans_literal(sweep: ModuleType) -> None:
 
 
 def test_every_swept_config_plans_every_swept_shape(sweep: ModuleType) -> None:
-    configs = [plans.DEFAULT_CONFIG, *plans.candidate_configs()]
-    assert len(set(configs)) == len(configs) == 1 + len(plans.CANDIDATE_TILES) * len(plans.CANDIDATE_PROGRAMS_PER_SM)
+    """Each tile at each target of programs per SM; integer codes with their offsets folded or not."""
+    per_tile = len(plans.CANDIDATE_PROGRAMS_PER_SM)
+    for name, kind in sweep.KINDS.items():
+        configs = sweep.configs_for(kind)
+        assert configs[0] == plans.DEFAULT_CONFIG and len(set(configs)) == len(configs)
+        assert len(configs) == 1 + len(plans.CANDIDATE_TILES) * per_tile * (2 if name == "int4" else 1)
     for layers in sweep.SHAPES.values():
         for n, k in layers.values():
             for name, kind in sweep.KINDS.items():
                 group = sweep.GROUP if name == "int4" else k
-                for config in configs:
+                for config in sweep.configs_for(kind):
                     plan = plans.gemv_plan(1, n, k, kind, group, 132, config=config)
                     assert plan is not None and plan.split <= config.max_split, (name, n, k, config)

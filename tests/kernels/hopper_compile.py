@@ -69,12 +69,13 @@ def gemv_kernel(
     row_group = gemv_plan.ROW_GROUP if group >= 4096 else group  # as the launcher passes it
     consts = dict(BITS=bits if per > 1 else 0, CODES=per, GROUP=row_group, G=plan.groups, GW=plan.group_words,
                   HAS_SCALES=not plain, HAS_ZEROS=zeros, HAS_MINS=mins, HAS_BIAS=True, EVEN_K=even_k,
-                  BLOCK_N=config.block_n)  # fmt: skip
+                  BLOCK_N=config.block_n, FOLD=config.fold_offsets and per > 1)  # fmt: skip
     signature |= {name: "constexpr" for name in consts}
     source = ASTSource(fn=gemv._gemv_kernel, signature=signature, constexprs=consts)
     triton.compile(source, target=TARGET, options={"num_warps": config.num_warps})
 
 
+FOLDED = gemv_plan.GemvConfig(fold_offsets=True)
 SWEEP_KINDS = {  # gemv_kernel's arguments for each kind bench/kernels/sweep_gemv.py sweeps
     "int4 g128": (4, 128, True, False, 2, "*bf16"),
     "e4m3 channel": (0, 4096, False, False, 2, "*bf16"),
@@ -82,16 +83,20 @@ SWEEP_KINDS = {  # gemv_kernel's arguments for each kind bench/kernels/sweep_gem
 }
 
 
-def sweep_tile(kind: str, block_n: int, num_warps: int, row_bytes: int) -> None:
-    config = gemv_plan.GemvConfig(block_n=block_n, num_warps=num_warps, row_bytes=row_bytes)
+def sweep_tile(kind: str, block_n: int, num_warps: int, row_bytes: int, fold: bool) -> None:
+    config = gemv_plan.GemvConfig(block_n=block_n, num_warps=num_warps, row_bytes=row_bytes, fold_offsets=fold)
     gemv_kernel(*SWEEP_KINDS[kind], config=config)
 
 
-# Every tile the sweep may pick, for each kind it sweeps
+# Every tile the sweep may pick, for each kind it sweeps (int4 with its offsets folded or not)
 SWEEP_VARIANTS = [
-    (f"gemv sweep {kind} block_n {bn} warps {w} rows {rb}B", partial(sweep_tile, kind, bn, w, rb))
+    (
+        f"gemv sweep {kind} block_n {bn} warps {w} rows {rb}B{' folded' if fold else ''}",
+        partial(sweep_tile, kind, bn, w, rb, fold),
+    )
     for kind in SWEEP_KINDS
     for bn, w, rb in gemv_plan.CANDIDATE_TILES
+    for fold in ((False, True) if kind == "int4 g128" else (False,))
 ]
 
 VARIANTS = [
@@ -121,6 +126,12 @@ VARIANTS = [
     ("gemv int8 g16 zeros f32 scales (Q6_K)", lambda: gemv_kernel(8, 16, True, False, 2, "*bf16", scales="*fp32")),
     ("gemv int4 g32 mins f32 scales (Q4_K)", lambda: gemv_kernel(4, 32, False, True, 1, "*fp16", scales="*fp32")),
     ("gemv int8 g32 mins f32 scales (Q5_K)", lambda: gemv_kernel(8, 32, False, True, 3, "*bf16", scales="*fp32")),
+    # integer codes with their offsets folded (GemvConfig.fold_offsets): int8 zeros, mins, an odd K
+    ("gemv int8 g32 zeros (Q8_0) folded", lambda: gemv_kernel(8, 32, True, False, 3, "*bf16", config=FOLDED)),
+    (
+        "gemv int4 g32 mins (Q4_1) folded odd K",
+        lambda: gemv_kernel(4, 32, False, True, 1, "*fp16", False, config=FOLDED),
+    ),
     # plain 16-bit weights (dense layers at one token row): no scales; split and unsplit, an odd K
     ("gemv bf16 split", lambda: gemv_kernel(gemv_plan.FLOAT16, 4096, False, False, 4, "*bf16")),
     ("gemv fp16 odd K", lambda: gemv_kernel(gemv_plan.FLOAT16, 4096, False, False, 1, "*fp16", even_k=False)),

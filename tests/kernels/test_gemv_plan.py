@@ -16,6 +16,7 @@ from asyncllm.kernels import gemv_plan as plans
         ("row_bytes", 1024, "a power of two from 64 to 512"),
         ("programs_per_sm", 0, "an integer from 1 to 64"),
         ("max_split", 2.0, "an integer from 1 to 64"),
+        ("fold_offsets", 1, "True or False"),
     ],
 )
 def test_bad_config_names_the_field(field: str, value: object, expected: str) -> None:
@@ -31,7 +32,7 @@ def test_a_tuned_shape_runs_its_config(monkeypatch: pytest.MonkeyPatch) -> None:
     assert plans.config_for(plans.E4M3, 24576, 4096) == plans.TUNED_CONFIGS[("fp8", 24576, 4096)]  # its own kind
 
 
-@pytest.mark.parametrize("config", [plans.DEFAULT_CONFIG, *plans.candidate_configs()[::5]], ids=str)
+@pytest.mark.parametrize("config", [plans.DEFAULT_CONFIG, *plans.candidate_configs(4)[::7]], ids=str)
 def test_split_nears_the_target_and_covers_k(config: plans.GemvConfig) -> None:
     for n, k, kind, group in [(24576, 4096, 4, 128), (1024, 3072, plans.FLOAT16, 3072), (4096, 4096, 0, 4096)]:
         plan = plans.gemv_plan(1, n, k, kind, group, 132, config=config)

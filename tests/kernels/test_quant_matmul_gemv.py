@@ -3,8 +3,9 @@
 CPU (Triton's interpreter, float32): every variant the layers send it (AWQ int4 with zero points, GPTQ int4 and
 int8, GGUF Q8_0 / Q4_0 / Q4_1 in groups of 32, e4m3 with per-channel and 128-input block scales), output counts
 that leave a partial row tile, K with a partial tile, K split 1-3 ways (the last program of a tile adds the
-partial sums), one and several token rows, strided rows, bias; the split counters end at zero so a layer reuses
-them across calls and graph replays. GPU (bfloat16 and float16, tests/gpu runs them): the Qwen3-0.6B and 8B
+partial sums), one and several token rows, strided rows, bias, integer codes with their offsets folded
+(`GemvConfig.fold_offsets`); the split counters end at zero so a layer reuses them across calls and graph
+replays. GPU (bfloat16 and float16, tests/gpu runs them): the Qwen3-0.6B and 8B
 layer shapes at the layer's GEMV token counts, with the split chosen for the device. Tolerance: the shared table.
 """
 
@@ -26,7 +27,7 @@ def gemv():
 
 
 def check(gemv, m: int, n: int, k: int, dtype: torch.dtype, seed: int, *, split_k: int | None = None,
-          x_pad: int = 0, bias: bool = True, mins: bool = False, **weight) -> None:  # fmt: skip
+          x_pad: int = 0, bias: bool = True, mins: bool = False, config=None, **weight) -> None:  # fmt: skip
     qweight, scales, qzeros, bits = random_weight(n, k, seed=seed, **weight)
     offsets = random_mins(scales, bits, seed) if mins else None
     group = weight["group"]
@@ -36,7 +37,17 @@ def check(gemv, m: int, n: int, k: int, dtype: torch.dtype, seed: int, *, split_
     locks = gemv.gemv_locks(n, m, DEVICE)
     for _ in range(2 if split_k and split_k > 1 else 1):  # the second call reuses the counters the first left
         got = gemv.quant_gemv(
-            x, qweight, scales, qzeros, bits=bits, group_size=group, bias=b, split_k=split_k, mins=offsets, locks=locks
+            x,
+            qweight,
+            scales,
+            qzeros,
+            bits=bits,
+            group_size=group,
+            bias=b,
+            split_k=split_k,
+            mins=offsets,
+            locks=locks,
+            config=config,
         )
         assert int(locks.count_nonzero()) == 0, "the split counters must be zero again after a call"
     want = quant_matmul_ref(x, qweight, scales, qzeros, bits=bits, group_size=group, bias=b, mins=offsets)
@@ -67,6 +78,16 @@ def test_matches_ref(gemv, variant: str) -> None:
     for seed, (m, k, split_k) in enumerate([(1, 512, 2), (3, 392, 3), (2, 136, 1)]):
         g = min(group, k)  # a group over the whole row where the variant has one
         check(gemv, m, 70, k, torch.float32, seed=seed, split_k=split_k, bias=seed % 2 == 0, group=g, **weight)
+
+
+@pytest.mark.parametrize("variant", sorted(v for v, (codes, _, _) in VARIANTS.items() if codes != "fp8"))
+def test_folded_offsets_match_ref(gemv, variant: str) -> None:
+    """Integer codes multiplied in as 1 + code / 2**bits, the offsets taken off once a word
+    (`GemvConfig.fold_offsets`): zero points, mins, a partial K tile, a split."""
+    codes, group, zeros = VARIANTS[variant]
+    weight = dict(codes=codes, zeros=zeros is True, mins=zeros == "mins")
+    config = gemv.GemvConfig(block_n=64, fold_offsets=True)
+    check(gemv, 2, 70, 392, torch.float32, seed=11, split_k=2, group=min(group, 392), config=config, **weight)
 
 
 def test_strided_rows_and_split_choice(gemv) -> None:
@@ -118,3 +139,6 @@ def test_gpu_model_shapes(gemv, dtype: torch.dtype, variant: str) -> None:
         for m in (1, 2, 4):
             check(gemv, m, n, k, dtype, seed=n + k + m, codes=codes, group=min(group, k), zeros=zeros is True,
                   mins=zeros == "mins")  # fmt: skip
+        if codes != "fp8":  # the folded unpacking the sweep may pick
+            check(gemv, 1, n, k, dtype, seed=n + k, codes=codes, group=min(group, k), zeros=zeros is True,
+                  mins=zeros == "mins", config=gemv.GemvConfig(fold_offsets=True))  # fmt: skip
