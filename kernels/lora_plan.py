@@ -79,10 +79,12 @@ def token_slots(seq_slots: Sequence[int] | np.ndarray, query_lens: Sequence[int]
     return out
 
 
-# Launch shapes. Estimates from run 52's figures (bench/RESULTS.md) until bench/kernels/bench_lora.py times
-# both paths on the H200: a launch costs ~2 us in a graph, the old shrink ~0.3 us per 128-wide K tile it walked
-# in turn (one program per row block). Wide K tiles (all of a tile's loads in flight at once), few per program.
-FUSED_MAX_K_STEPS = 2  # K tiles a fused program walks at most while the grid is small: past it, split K
+# Launch shapes, from bench/kernels/bench_lora.py on the H200 (run 61, bench/RESULTS.md): a launch costs ~2 us in
+# a graph; wide K tiles (all of a tile's loads in flight at once), few per program. At 1-256 rows o_proj's K of
+# 2,048 (two K tiles) took 8.0-8.5 us fused against 6.0-6.5 split; at 8,192 rows every layer was faster split
+# (no re-shrinks: qkv 82 against 113 us, down 40 against 51), at 2,048 three of four faster fused.
+FUSED_MAX_K_STEPS = 1  # K tiles a fused program walks at most while the grid is small: past it, split K
+SPLIT_MIN_ROWS = 4096  # from this many rows the fused path's re-shrinks outweigh the second launch
 FUSED_EXTRA_BYTES = 8 << 20  # L2 re-reads fusing may add (each column program re-shrinks its block): ~2 us of L2
 SHRINK_PROGRAMS = 256  # below this many (row block, shard) programs the grid is small (132 SMs)
 MAX_SPLITS = 8  # the expand sums at most this many partial sums, unrolled
@@ -163,8 +165,10 @@ def plan_lora_launch(
     few = blocks * len(shard_sizes) < SHRINK_PROGRAMS  # the row blocks alone do not fill the device
     if path is None:
         # A long K walked by a few programs in turn outlasts a launch: split it. Once the row blocks fill the
-        # device, splitting would only add partial sums for the expand to read.
-        path = "fused" if -(-k // fused_k) <= FUSED_MAX_K_STEPS or not few else "split"
+        # device, splitting would only add partial sums for the expand to read, until the rows are so many that
+        # the fused programs' re-shrinks cost more than the expand's launch.
+        short_k = -(-k // fused_k) <= FUSED_MAX_K_STEPS
+        path = "fused" if (short_k or not few) and num_tokens < SPLIT_MIN_ROWS else "split"
     if path == "fused":
         return LoRALaunch("fused", fused_n, fused_k, 1, -(-k // fused_k) * fused_k, tiles)
     block_k = max(16, min(_floor_pow2(LOAD_BYTES_PER_THREAD * 32 * SPLIT_WARPS // tile_bytes), _pow2(k)))

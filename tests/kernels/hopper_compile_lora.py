@@ -30,7 +30,7 @@ TARGET = GPUTarget("cuda", 90, 32)
 SHARED_LIMIT = 232_448  # bytes of shared memory one program may take on sm_90
 TYPES = {"bf16": ("*bf16", "tf32"), "fp16": ("*fp16", "tf32"), "fp32": ("*fp32", "ieee")}
 SHAPES = {"qkv": (1024, (2048, 1024, 1024)), "down": (3072, (1024,))}  # at 64 rows: fused, then split
-ROWS = (64, 8192)  # a decode step, a prompt step (down fused, its K walked whole)
+ROWS = (64, 2048, 8192)  # a decode step, a prompt chunk (qkv fused over several tiles), a long prompt step (split)
 
 
 def _compile(fn: Any, pointers: dict[str, str], ints: list[str], consts: dict[str, object], warps: int) -> None:

@@ -220,7 +220,10 @@ def test_launch_plan_covers_k_and_bounds_tiles_by_rank() -> None:
     assert prefill.path == "fused" and prefill.tiles * prefill.block_n >= 2048
     assert plan_lora_launch(1, 8, 3072, (1024,), 16, 2).path == "split"  # a long K, a small grid: split it
     assert plan_lora_launch(64, 8, 3072, (1024,), 16, 2).splits > 1
-    assert plan_lora_launch(8192, 8, 3072, (1024,), 16, 2).path == "fused"  # the row blocks fill the device
+    assert plan_lora_launch(2048, 8, 3072, (1024,), 16, 2).path == "split"  # a long K, still few row blocks
+    assert plan_lora_launch(2048, 8, 1024, (1024,) * 3, 16, 2).path == "fused"  # the row blocks fill the device
+    big = plan_lora_launch(8192, 8, 3072, (1024,), 16, 2)  # so many rows that re-shrinks outweigh a launch
+    assert (big.path, big.splits) == ("split", 1)
 
 
 def test_launch_shape_is_checked(lora) -> None:
@@ -301,7 +304,7 @@ def test_kernels_compile_for_hopper_without_a_gpu() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # asyncllm as this process finds it
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr[-2000:]
-    assert out.stdout.count("ok ") == 17 and "fused" in out.stdout and "split" in out.stdout, out.stdout
+    assert out.stdout.count("ok ") == 15 and "fused" in out.stdout and "split" in out.stdout, out.stdout
 
 
 # ------------------------------------------------------------------------------------------- GPU only
