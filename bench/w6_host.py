@@ -1,7 +1,8 @@
 """W6's host side: what 256 constrained streams cost the host per decode step, on this machine's CPU. The
 grammar masks of 256 requests (W6's JSON schema, the real Qwen3 vocabulary) filled by xgrammar's threads,
 and each sampled token fed back to its matcher, along a random walk of allowed tokens (a random-weight
-model's outputs); then the same work as steps against a simulated device (`w6_steps.py`): ms per step with
+model's outputs), and how much of such outputs jump-forward takes without draws (`jump_potential`); then
+the same work as steps against a simulated device (`w6_steps.py`, every token drawn): ms per step with
 no grammar, with the matchers in the step thread, and in the grammar process, and the ratios to the plain
 step (the W1-style ratio the host allows; issue 21's target 0.9). Prints one JSON line.
 
@@ -64,6 +65,48 @@ def xgrammar_alone(backend: GrammarBackend) -> dict[str, float]:
     }
 
 
+def jump_potential(backend: GrammarBackend, rows: int = ROWS) -> dict[str, float]:
+    """Jump-forward's reach on W6's schema: `rows` random walks (a random-weight model's outputs), each
+    forced run (the matcher's jump-forward string, tokenised by the tokenizer, the prefix the matcher takes)
+    taken without a draw. The forced share of output tokens, and the steps an average 63-token output takes:
+    serially (a run is computed in the step after its token) and overlapped (that step's draw is already
+    under way: it draws the run's first token)."""
+    spec = SamplingParams(json_schema=SCHEMA).structured
+    assert spec is not None
+    compiled = backend.compile(spec)
+    import xgrammar as xgr
+
+    stops = set(backend.stop_token_ids)
+    row = np.zeros((1, backend.bitmask_words), dtype=np.int32)
+    rng = random.Random(0)
+    tokens = draws = runs = 0
+    for _ in range(rows):
+        matcher, n = xgr.GrammarMatcher(compiled), 0
+        while n < 256 and not matcher.is_terminated():
+            text = matcher.find_jump_forward_string() if n else ""
+            if text:
+                ids = backend.tokenizer.encode(text, add_special_tokens=False)
+                taken = 0
+                while taken < len(ids) and matcher.accept_token(ids[taken]):
+                    taken += 1
+                n += taken
+                runs += taken > 0
+            matcher.fill_next_token_bitmask(row, 0)
+            allowed = np.flatnonzero(np.unpackbits(row[0].view(np.uint8), bitorder="little")[:VOCAB])
+            token = int(allowed[rng.randrange(len(allowed))])
+            matcher.accept_token(token)
+            n, draws = n + 1, draws + 1
+            if token in stops:
+                break
+        tokens += n
+    return {
+        "jump_forced_share": round(1 - draws / tokens, 3),
+        "jump_mean_output_tokens": round(tokens / rows, 1),
+        "jump_steps_per_63_serial": round(63 * draws / tokens, 1),
+        "jump_steps_per_63_overlapped": round(63 * (draws + runs) / tokens, 1),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--forward-ms", type=float, default=2.5)
@@ -79,7 +122,7 @@ def main() -> None:
     assert spec is not None
     backend.compile(spec)
     tables_and_compile_s = time.perf_counter() - t0
-    figures = xgrammar_alone(backend)
+    figures = {**xgrammar_alone(backend), **jump_potential(backend)}
     steps = run_steps(backend, SCHEMA, rows=ROWS, steps=args.steps, forward_ms=args.forward_ms, host_ms=args.host_ms)
     print(
         json.dumps(

@@ -5,10 +5,11 @@ first request's latency with a grammar the engine has not compiled yet against t
 
 Constrained outputs end when their JSON closes; the unconstrained run is then given each request's
 constrained length (ignore_eos), so both runs make the same tokens. Targets: W1-style >= 0.9x and batch 1 >= 0.95x
-of unconstrained tokens/s. The constrained requests' matchers are in the grammar process (started with the
-engine; `--engine-arg grammar_process=false` keeps them in the step thread); unless `--no-twin`, a second
-engine then gives the W1-style ratio with them in the step thread (the twin), in the same call. Prints one
-JSON line."""
+of unconstrained tokens/s. The constrained requests' matchers are in the step thread (the default;
+`--engine-arg grammar_process=true` puts them in the grammar process, which never jumps forward) with
+jump-forward on (the default; `--engine-arg jump_forward=false` draws every token); unless `--no-twin`, a
+second engine then gives the W1-style ratio with jump-forward the other way (the twin), in the same call, and
+both runs' engine steps per output token. Prints one JSON line."""
 
 from __future__ import annotations
 
@@ -65,29 +66,32 @@ def first_request_ms(llm: LLM, schema: dict[str, object]) -> tuple[float, float]
     return times[0], times[1]
 
 
-def w1_style(llm: LLM, args: argparse.Namespace) -> tuple[list[RequestOutput], float, list[int], RunResult]:
+def w1_style(llm: LLM, args: argparse.Namespace) -> tuple[list[RequestOutput], float, list[int], RunResult, int]:
     """The W1 requests with the schema, then unconstrained with each one's constrained length: (constrained
-    outputs, their seconds, their lengths, the unconstrained run)."""
+    outputs, their seconds, their lengths, the unconstrained run, the constrained run's engine steps)."""
     prompts, params = w1_requests(args.num_seqs)
     llm.generate(prompts[:4], constrained(params[:4], SCHEMA), use_tqdm=False)  # this schema compiled, kernels warm
     # The constrained run first; the unconstrained run then makes exactly as many tokens per request (its
     # lengths, ignore_eos), so the two differ only in the constraint.
+    steps = llm.stats()["num_steps"]
     t0 = time.perf_counter()
     outs = llm.generate(prompts, constrained(params, SCHEMA), use_tqdm=False)
     schema_s = time.perf_counter() - t0
+    steps = int(llm.stats()["num_steps"] - steps)
     lengths = [len(o.token_ids) for o in outs]
     same = [dataclasses.replace(p, max_tokens=n) for p, n in zip(params, lengths)]
-    return outs, schema_s, lengths, run_w1(llm, prompts, same)
+    return outs, schema_s, lengths, run_w1(llm, prompts, same), steps
 
 
-def in_thread_twin(args: argparse.Namespace) -> float:
-    """The W1-style ratio with the matchers in the step thread (grammar_process=False), on a fresh engine."""
-    llm = w1_engine(args, grammar_process=False)
+def jump_twin(args: argparse.Namespace, jump_forward: bool) -> tuple[float, float]:
+    """The W1-style ratio and the constrained run's steps per output token with `jump_forward`, on a fresh
+    engine (otherwise as the first)."""
+    llm = w1_engine(args, **{**engine_kwargs(args.engine_arg), "jump_forward": jump_forward})
     try:
-        _, schema_s, lengths, plain = w1_style(llm, args)
+        _, schema_s, lengths, plain, steps = w1_style(llm, args)
     finally:
         llm.shutdown()
-    return (sum(lengths) / schema_s) / (plain.output_tokens / plain.seconds)
+    return (sum(lengths) / schema_s) / (plain.output_tokens / plain.seconds), steps / sum(lengths)
 
 
 def main() -> None:
@@ -95,12 +99,11 @@ def main() -> None:
     add_w1_arguments(ap)
     ap.add_argument("--no-twin", action="store_true", help="skip the in-thread twin's W1-style ratio")
     args = ap.parse_args()
-    # The grammar process started with the engine (CUDA's default starts it at the first constrained
-    # request, in the background): every constrained request below has its matcher there.
-    overrides = {} if "grammar_process" in engine_kwargs(args.engine_arg) else {"grammar_process": True}
-    llm = w1_engine(args, **overrides)
+    given = engine_kwargs(args.engine_arg)
+    jump = bool(given.get("jump_forward", True))
+    llm = w1_engine(args, **{**given, "jump_forward": jump})
     cold_ms, warm_ms = first_request_ms(llm, {**SCHEMA, "title": f"cold-{time.time_ns()}"})
-    outs, schema_s, lengths, plain = w1_style(llm, args)
+    outs, schema_s, lengths, plain, steps = w1_style(llm, args)
     # On the device's own kernels: every output that ended on its own (its JSON closed) must parse.
     closed = [o for o in outs if o.finish_reason == "stop"]
     parsed = sum(isinstance(json.loads(o.text), dict) for o in closed)
@@ -112,7 +115,7 @@ def main() -> None:
     b1_schema = batch1_ms_per_token(llm, dataclasses.replace(greedy1, ignore_eos=False, json_schema=SCHEMA))
     plain_tps, schema_tps = plain.output_tokens / plain.seconds, sum(lengths) / schema_s
     llm.shutdown()
-    twin = None if args.no_twin else in_thread_twin(args)
+    twin = None if args.no_twin else jump_twin(args, not jump)
     print(
         json.dumps(
             {
@@ -120,11 +123,15 @@ def main() -> None:
                 "shape": args.shape,
                 "w1_plain_tok_s": round(plain_tps, 1),
                 "w1_schema_tok_s": round(schema_tps, 1),
-                "grammar_process": {**overrides, **engine_kwargs(args.engine_arg)}["grammar_process"],
+                "grammar_process": given.get("grammar_process", False),
+                "jump_forward": jump,
                 "w1_ratio": round(schema_tps / plain_tps, 3),
                 "w1_target_ratio": 0.9,
                 "w1_output_tokens": sum(lengths),
-                "w1_ratio_in_thread_twin": None if twin is None else round(twin, 3),
+                "w1_steps_per_output_token": round(steps / sum(lengths), 3),
+                "twin_jump_forward": not jump,
+                "w1_ratio_twin": None if twin is None else round(twin[0], 3),
+                "w1_steps_per_output_token_twin": None if twin is None else round(twin[1], 3),
                 "b1_plain_ms_per_token": round(b1_plain, 3),
                 "b1_schema_ms_per_token": round(b1_schema, 3),
                 "b1_ratio": round(b1_plain / b1_schema, 3),  # tokens/s constrained over unconstrained

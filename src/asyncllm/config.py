@@ -253,6 +253,14 @@ class DeviceConfig:
         "before it is ready keep theirs in the step thread); True: started with the engine (start-up waits "
         "for it), on any device.",
     )
+    jump_forward: bool = arg(
+        True,
+        "Structured output's jump-forward: where a request's constraint forces the next text (a JSON schema's "
+        "keys and punctuation), its tokens (the tokenizer's encoding of that text) are appended without a draw "
+        "each and computed in one step, so a constrained output takes fewer steps. Requests asking for "
+        "logprobs, prompt logprobs or penalties never jump; nor do matchers in the grammar process, "
+        "nor tensor-parallel engines. False: every token is drawn.",
+    )
     num_threads: int | None = arg(
         None,
         "torch's CPU threads for the model's ops (per rank under tensor parallelism), set in the thread that "
@@ -268,6 +276,7 @@ class DeviceConfig:
         check_bool(_fail, "enforce_eager", self.enforce_eager)
         _set(self, "decode_gemv", check_enum(_fail, DecodeGemv, "decode_gemv", self.decode_gemv))
         check_bool(_fail, "core_process", self.core_process)
+        check_bool(_fail, "jump_forward", self.jump_forward)
         if not isinstance(self.grammar_process, bool | None):
             lazily = "None (started at the first constrained request on CUDA)"
             raise _fail("grammar_process", self.grammar_process, f"True, False or {lazily}")

@@ -111,6 +111,11 @@ class ModelRunnerOutput:
     # Request id -> {token id: logprob} for each prompt token this step scored, in prompt order
     # (SamplingParams.prompt_logprobs: the prompt token and the top alternatives). None: no request asked.
     prompt_logprobs: dict[str, list[dict[int, float]]] | None = None
+    # Sample index -> the tokens its request's output constraint forces right after that row's token
+    # (jump-forward), in order: the core appends them as output tokens, computed by the request's next step.
+    # Where the request's next draw was already submitted (overlapped scheduling), that draw is the run's
+    # first token (its mask allows it alone). None: no run this step.
+    forced: dict[int, list[int]] | None = None
 
 
 @dataclass(frozen=True)

@@ -132,6 +132,15 @@ def llm(tiny_model: Path) -> Iterator[LLM]:
     llm.shutdown()
 
 
+@pytest.fixture(scope="package")
+def llm_drawing(tiny_model: Path) -> Iterator[LLM]:
+    """Every token drawn (`jump_forward=False`): the twin of paths that never jump forward (the grammar
+    process, tensor parallelism)."""
+    llm = LLM(str(tiny_model), jump_forward=False, **ENGINE_ARGS)
+    yield llm
+    llm.shutdown()
+
+
 class _InFlight:
     """A step the device has started and not finished, as on a GPU: not done until its result is read."""
 

@@ -40,12 +40,13 @@ def test_grammar_process_must_be_a_bool_or_none(tiny_model: Path) -> None:
         LLM(str(tiny_model), grammar_process=1, **ENGINE_ARGS)
 
 
-async def test_grammar_process_gives_the_step_threads_tokens(tiny_model: Path, llm: LLM) -> None:
+async def test_grammar_process_gives_the_step_threads_tokens(tiny_model: Path, llm_drawing: LLM) -> None:
+    """The grammar process's matchers never jump forward: its twin is the step thread's without it."""
     prompts, params, names = _workload()
     prompts.append("Hello")
     params.append(constrained("person", "t1", seed=9, n=3))
     names.append("person")
-    want = llm.generate(prompts, params, use_tqdm=False)  # the package's engine: step-thread matchers
+    want = llm_drawing.generate(prompts, params, use_tqdm=False)  # step-thread matchers
     variant = dict(hold_masked_draws=True, num_kv_blocks=56, max_num_batched_tokens=16, max_num_seqs=6)
     engine = overlapped_engine(tiny_model, grammar_process=True, **{**ENGINE_ARGS, **variant})
     try:

@@ -11,11 +11,12 @@ from asyncllm import LLM
 from tests.structured.conftest import ENGINE_ARGS, check, constrained, overlapped_engine
 
 
-async def test_tp2_overlapped_constrained_equals_one_process(tiny_model: Path, llm: LLM) -> None:
+async def test_tp2_overlapped_constrained_equals_one_process(tiny_model: Path, llm_drawing: LLM) -> None:
+    """Tensor parallelism never jumps forward: its twin is one process without it."""
     cases = [("person", "greedy", 0), ("grammar", "greedy", 0), ("regex", "greedy", 0), ("choice", "t1", 4)]
     params = [constrained(*case) for case in cases]
     prompts = ["Hello", [5, 6, 7], "日本語", [9, 10]]
-    want = llm.generate(prompts, params, use_tqdm=False)
+    want = llm_drawing.generate(prompts, params, use_tqdm=False)
     engine = overlapped_engine(tiny_model, tensor_parallel_size=2, **ENGINE_ARGS)
     try:
         got = await asyncio.wait_for(asyncio.gather(*(engine.generate(p, sp) for p, sp in zip(prompts, params))), 120)

@@ -242,6 +242,7 @@ class EngineCore:
         if result.prompt_logprobs:  # before the tokens: a step that ends a prompt scores it and samples after it
             self._add_prompt_logprobs(result.prompt_logprobs)
         all_logprobs = result.logprobs
+        forced = result.forced
         for request, token_id, index in self.scheduler.update_from_output(step.scheduled, result.sampled_token_ids):
             if request.first_token_time is None:
                 request.first_token_time = now
@@ -250,6 +251,8 @@ class EngineCore:
                 prompt_logprobs = None
             text, reason = self.output_processor.process_token(request, token_id)
             delta = RequestDelta(request.request_id, [token_id], text)
+            if forced is not None and reason is None and index in forced:
+                reason = self._append_forced(request, forced[index], delta)
             token_logprobs = all_logprobs[index] if all_logprobs is not None else None
             if token_logprobs is not None:
                 delta.logprobs = [token_logprobs]
@@ -264,6 +267,23 @@ class EngineCore:
         if self.groups:
             self.groups.label(deltas)
         return deltas
+
+    def _append_forced(self, request: Request, run: list[int], delta: RequestDelta) -> FinishReason | None:
+        """Output a forced run (jump-forward) after `delta`'s token, each token checked as a drawn one is
+        (stop tokens and strings, max_tokens: the run is cut where the request ends); the finish reason."""
+        run = run[: request.max_tokens - request.num_output_tokens]
+        if not run:
+            return None
+        self.scheduler.start_forced_run(request)
+        reason = None
+        for token_id in run:
+            request.append_token(token_id)
+            text, reason = self.output_processor.process_token(request, token_id)
+            delta.new_token_ids.append(token_id)
+            delta.new_text += text
+            if reason is not None:
+                break
+        return reason
 
     def _add_prompt_logprobs(self, scored: dict[str, list[dict[int, float]]]) -> None:
         """Keep what a step scored of each prompt (`ModelRunnerOutput.prompt_logprobs`) until its first token."""

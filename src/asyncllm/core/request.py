@@ -44,6 +44,9 @@ class Request:
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
     num_pending_tokens: int = 0  # sampled by submitted steps whose outputs are not processed yet
+    # Submitted draws whose token is known already (the first of a forced run, jump-forward): appended, not
+    # pending; their output is dropped when it comes.
+    num_drawn_ahead: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
     block_ids: list[int] = field(default_factory=list)  # token t's KV in entry t // block_size (window_blocks.py)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks, computed lazily

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 from collections import OrderedDict
+from collections.abc import Collection
 from multiprocessing.connection import Connection
 
 from asyncllm.errors import AsyncLLMError, RequestFailedError
@@ -116,7 +117,15 @@ class GrammarProcess:
             if not self.live:  # no step may come for a while: free the matchers now
                 self._send(encode_request(OPS, 0, self._seq + 1, self._ops, [], []), reply=False)
 
-    def step(self, host: HostRows, rows: list[int], slots: list[int], tokens: list[int], verdict: bool) -> None:
+    def step(
+        self,
+        host: HostRows,
+        rows: list[int],
+        slots: list[int],
+        tokens: list[int],
+        verdict: bool,
+        sampled_next: Collection[int] = (),
+    ) -> None:
         if self._send(encode_request(STEP, host.index, self._seq + 1, self._ops, rows, slots, tokens, verdict)):
             self._verdict = self._seq if verdict else None
 
@@ -131,6 +140,9 @@ class GrammarProcess:
                 refused = payload
                 break
         return refused
+
+    def forced(self) -> dict[int, list[int]]:
+        return {}  # its matchers never jump forward (the process has no tokenizer)
 
     def fill(self, host: HostRows, rows: list[int], slots: list[int]) -> None:
         self._send(encode_request(FILL, host.index, self._seq + 1, self._ops, rows, slots))

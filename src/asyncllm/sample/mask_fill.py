@@ -58,7 +58,13 @@ class FillJob:
     """One constrained step's follow-up: `accept()` hands its tokens to its requests' homes (a token one
     refuses fails that request in this step's own output, when the home can tell at once), which fill each
     request's next row in `host` (row i for `grammars[i]`); the next fill calls `accept()` itself where
-    nobody read the step's result (on a tensor-parallel worker)."""
+    nobody read the step's result (on a tensor-parallel worker).
+
+    Jump-forward: a jumping request's matcher then also takes the tokens its constraint forces, which go
+    to the core with the step's output (`ModelRunnerOutput.forced`). When the step planned after this one
+    samples that request (`sampled_next`, set by its plan before this job accepts: overlapped scheduling),
+    that draw is already under way: its row allows the run's first token alone, and the core counts the
+    draw as that token; otherwise the row is the mask after the whole run."""
 
     def __init__(self, step: StepResult, rows: list[tuple[int, RequestGrammar]], host: HostRows) -> None:
         self.grammars = [grammar for _, grammar in rows]
@@ -67,6 +73,11 @@ class FillJob:
         self._step = step
         self._sampled = [row for row, _ in rows]  # host row i's sampled row in the step
         self._output: ModelRunnerOutput | None = None
+        self.sampled_next: list[tuple[int, RequestGrammar]] = []  # the next step's constrained rows, if planned
+
+    @property
+    def accepted(self) -> bool:
+        return self._output is not None
 
     def accept(self) -> ModelRunnerOutput:
         """The step's output with the refusals known at once (waits for the step); the rows are under way."""
@@ -76,21 +87,36 @@ class FillJob:
         self.host.writable()
         homes = self._by_home(output.sampled_token_ids)
         # The grammar process's share first: it works while the step thread does its own.
+        jumping = any(g.jumps for g in self.grammars)
         for home in sorted(homes, key=lambda h: not h.beside):
             rows, slots, tokens = homes[home]
             if not rows:
                 continue
             # A row its mask left empty draws token 0, and its refusal must end the request now, before the
             # token is output: only then does this step wait for the grammar process's verdict.
-            home.step(self.host, rows, slots, tokens, verdict=0 in tokens)
+            if jumping:
+                after = {g.slot: g for _, g in self.sampled_next if g.home is home and g.jumps}
+                home.step(self.host, rows, slots, tokens, verdict=0 in tokens, sampled_next=after)
+                for slot in after.keys() & home.forced().keys():
+                    # That draw repeats the run's first token: its noise offset is the next real draw's, as
+                    # when the run is known before the next step is planned (serial scheduling).
+                    state = after[slot].state
+                    assert state is not None
+                    state.num_sampled -= 1
+            else:
+                home.step(self.host, rows, slots, tokens, verdict=0 in tokens)
         failed: dict[int, str | AsyncLLMError] = {}
+        forced: dict[int, list[int]] = {}
         for home, (rows, slots, _) in homes.items():
             refused = home.refusals()
-            if refused:
+            runs = home.forced() if jumping else None
+            if refused or runs:
                 row_of = {slot: self._sampled[row] for row, slot in zip(rows, slots)}
                 failed.update((row_of[slot], error) for slot, error in refused.items())
-        if failed:
-            output = replace(output, failed={**(output.failed or {}), **failed})
+                if runs:
+                    forced.update((row_of[slot], run) for slot, run in runs.items())
+        if failed or forced:
+            output = replace(output, failed={**(output.failed or {}), **failed} or None, forced=forced or None)
         self._output = output
         return output
 

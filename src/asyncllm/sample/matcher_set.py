@@ -9,7 +9,7 @@ steps, devices, processes or threads: slots are the caller's small integers, row
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
@@ -17,6 +17,7 @@ import numpy as np
 
 from asyncllm.errors import InvalidRequestError
 from asyncllm.sample.grammar import GrammarBackend
+from asyncllm.sample.jump_forward import ForcedTokens
 from asyncllm.sample.utf8 import BOUNDARY, Utf8Table
 from asyncllm.structured import StructuredOutput
 
@@ -68,15 +69,23 @@ class MatcherSet:
         self._state = np.zeros(0, dtype=np.int8)  # where each output stands within a character
         self._terminated = np.zeros(0, dtype=bool)  # its matcher accepted a stop token
         self._ready = np.zeros(0, dtype=bool)  # its matcher is made and it has no error
+        self._jumps = np.zeros(0, dtype=bool)  # its forced text is output without draws (jump-forward)
+        # Its next token (the first of a forced run, the only one its row allows) was accepted with the run.
+        self._drawn_ahead = np.zeros(0, dtype=bool)
+        self._forced_tokens: ForcedTokens | None = None
+        self.forced: dict[int, list[int]] = {}  # the last `step`'s forced runs by slot (jump-forward)
         self._matchers: list[xgr.GrammarMatcher | None] = []
         self._futures: list[Future[xgr.CompiledGrammar] | None] = []
         self._fields: list[str] = []
         self._pending: set[int] = set()  # slots whose compile has not been resolved
 
-    def add(self, slot: int, spec: StructuredOutput) -> None:
+    def add(self, slot: int, spec: StructuredOutput, jump: bool = False) -> None:
+        """`jump`: the slot's forced text is output without draws (`step`); needs the backend's tokenizer."""
         if slot >= len(self._matchers):
             self._grow(slot + 1)
         self._state[slot], self._terminated[slot], self._ready[slot] = BOUNDARY, False, False
+        jump = jump and self.backend is not None and self.backend.tokenizer is not None
+        self._jumps[slot], self._drawn_ahead[slot] = jump, False
         self._matchers[slot], self._fields[slot] = None, spec.field
         self.errors.pop(slot, None)
         if self.backend is None:
@@ -90,7 +99,7 @@ class MatcherSet:
 
     def remove(self, slot: int) -> None:
         self._matchers[slot] = self._futures[slot] = None
-        self._ready[slot] = False
+        self._ready[slot] = self._jumps[slot] = self._drawn_ahead[slot] = False
         self._pending.discard(slot)
         self.errors.pop(slot, None)
 
@@ -154,11 +163,18 @@ class MatcherSet:
         slots: Sequence[int],
         tokens: Sequence[int],
         spread: Spread,
+        sampled_next: Collection[int] = (),
     ) -> tuple[dict[int, str], dict[int, str]]:
         """`accept` then `fill` for the same slots, each share of the rows (`spread`) accepting then filling
-        its own in two xgrammar calls; (refusals, errors) by slot."""
+        its own in two xgrammar calls; (refusals, errors) by slot. Where a slot jumps forward, `forced` says
+        which tokens it took after its own; `sampled_next`: the slots the step planned after this one samples
+        (their row allows the run's first token alone: that draw is already under way)."""
         self.resolve(slots)
         s, t, r = (np.asarray(a, dtype=np.int64) for a in (slots, tokens, rows))
+        if self.forced:
+            self.forced = {}
+        if self._jumps[s].any():
+            return self._step_jumping(bits, states, s, t, r, spread, sampled_next)
         go, after, refused = self._screen(s, t)
         idx = np.flatnonzero(go)
         ends = self._is_stop[t[idx]]  # those rows terminate with their token: nothing to fill after it
@@ -179,10 +195,78 @@ class MatcherSet:
         self._advance(s, t, after, idx, ok, refused)
         return refused, self._finish_rows(bits, states, s, r)
 
-    def _screen(self, s: np.ndarray, t: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict[int, str]]:
-        """Which positions' tokens go to their matchers (ready, not terminated, valid UTF-8 there), the UTF-8
-        state after each token, and the refusals already known (invalid UTF-8)."""
+    def _step_jumping(
+        self,
+        bits: np.ndarray,
+        states: np.ndarray,
+        s: np.ndarray,
+        t: np.ndarray,
+        r: np.ndarray,
+        spread: Spread,
+        sampled_next: Collection[int],
+    ) -> tuple[dict[int, str], dict[int, str]]:
+        """`step` where some slot jumps forward: accept (one xgrammar call), take each jumping slot's forced
+        run, then fill every row still owed a mask. A slot drawn ahead skips its accept (its token came with
+        its run); a slot whose run's first token the next step draws gets a row allowing that token alone."""
+        ahead = self._drawn_ahead[s] & self._ready[s] & ~self._terminated[s]
+        self._drawn_ahead[s] = False
+        go, after, refused = self._screen(s, t, ~ahead)
+        idx = np.flatnonzero(go)
+        ok = np.ones(len(idx), dtype=bool)
+        if len(idx):
+            from xgrammar import BatchGrammarMatcher  # loaded by the compile that made the matchers
+
+            took = BatchGrammarMatcher.batch_accept_token([self._matchers[k] for k in s[idx].tolist()], t[idx].tolist())
+            ok = np.asarray(took, dtype=bool)
+        self._advance(s, t, after, idx, ok, refused)
+        taken = idx[ok]
+        jumping = taken[self._jumps[s[taken]] & ~self._terminated[s[taken]]]
+        pinned: list[tuple[int, int, int]] = []  # (position, the run's first token, the UTF-8 state before it)
+        if len(jumping):
+            forced = self._forced()
+            for pos in jumping.tolist():
+                slot = int(s[pos])
+                matcher = self._matchers[slot]
+                assert matcher is not None
+                before = int(self._state[slot])
+                run, self._state[slot] = forced.run(matcher, before)
+                if run:
+                    self.forced[slot] = run
+                    if slot in sampled_next:
+                        pinned.append((pos, run[0], before))
+                        self._drawn_ahead[slot] = True
+        fill = self._ready[s] & ~self._terminated[s]
+        for pos, _, _ in pinned:
+            fill[pos] = False
+        part_idx = np.flatnonzero(fill)
+
+        def share(batch_fill: BatchFill, lo: int, hi: int) -> None:
+            part = part_idx[lo:hi]
+            batch_fill([self._matchers[k] for k in s[part].tolist()], bits, r[part].tolist())
+
+        spread(len(part_idx), share)
+        errors = self._finish_rows(bits, states, s, r)
+        for pos, token, before in pinned:
+            row = r[pos]
+            bits[row] = 0
+            bits[row, token >> 5] = np.uint32(1 << (token & 31)).view(np.int32)
+            states[row] = before
+        return refused, errors
+
+    def _forced(self) -> ForcedTokens:
+        if self._forced_tokens is None:
+            assert self.backend is not None and self._utf8 is not None
+            self._forced_tokens = ForcedTokens(self.backend.tokenizer, self._utf8, self._is_stop)
+        return self._forced_tokens
+
+    def _screen(
+        self, s: np.ndarray, t: np.ndarray, eligible: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray, dict[int, str]]:
+        """Which positions' tokens go to their matchers (ready, not terminated, valid UTF-8 there; among
+        `eligible`), the UTF-8 state after each token, and the refusals already known (invalid UTF-8)."""
         go = self._ready[s] & ~self._terminated[s]
+        if eligible is not None:
+            go &= eligible
         after = np.zeros(len(s), dtype=np.int8)
         refused: dict[int, str] = {}
         if go.any():
@@ -242,6 +326,8 @@ class MatcherSet:
         self._state = np.concatenate([self._state, np.zeros(extra, dtype=np.int8)])
         self._terminated = np.concatenate([self._terminated, np.zeros(extra, dtype=bool)])
         self._ready = np.concatenate([self._ready, np.zeros(extra, dtype=bool)])
+        self._jumps = np.concatenate([self._jumps, np.zeros(extra, dtype=bool)])
+        self._drawn_ahead = np.concatenate([self._drawn_ahead, np.zeros(extra, dtype=bool)])
         self._matchers += [None] * extra
         self._futures += [None] * extra
         self._fields += [""] * extra

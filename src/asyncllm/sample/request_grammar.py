@@ -7,14 +7,17 @@ order. Knows nothing of steps' plans or devices: rows and slots are the numbers 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Collection
+from typing import TYPE_CHECKING, Protocol
 
 from asyncllm.errors import AsyncLLMError
 from asyncllm.sample.grammar import GrammarBackend
 from asyncllm.sample.host_rows import HostRows
 from asyncllm.sample.matcher_set import BatchFill, Filler, MatcherSet
 from asyncllm.structured import StructuredOutput
+
+if TYPE_CHECKING:
+    from asyncllm.sample.state import SamplingState
 
 
 class MatcherHome(Protocol):
@@ -32,9 +35,22 @@ class MatcherHome(Protocol):
 
     def remove(self, slot: int) -> None: ...
 
-    def step(self, host: HostRows, rows: list[int], slots: list[int], tokens: list[int], verdict: bool) -> None:
+    def step(
+        self,
+        host: HostRows,
+        rows: list[int],
+        slots: list[int],
+        tokens: list[int],
+        verdict: bool,
+        sampled_next: Collection[int] = (),
+    ) -> None:
         """slots[i] accepts tokens[i], then host row rows[i] is filled for slots[i]. `verdict`: `refusals()`
-        will be asked for this step's refusals."""
+        will be asked for this step's refusals. `sampled_next`: the slots the step planned after this one
+        samples (a jumping slot's row there allows its forced run's first token alone)."""
+        ...
+
+    def forced(self) -> dict[int, list[int]]:
+        """The last `step`'s forced runs (jump-forward) by slot: tokens each slot took after its own."""
         ...
 
     def refusals(self) -> dict[int, str]:
@@ -58,12 +74,18 @@ class RequestGrammar:
     what the home reports) ends the request; `removed` once the request is gone (a step in flight may still
     name it: the home is not asked about it again, so its slot may serve another request)."""
 
-    __slots__ = ("error", "field", "home", "removed", "slot")
+    __slots__ = ("error", "field", "home", "jumps", "removed", "slot", "state")
 
-    def __init__(self, field: str, home: MatcherHome, slot: int) -> None:
+    def __init__(
+        self, field: str, home: MatcherHome, slot: int, jumps: bool = False, state: SamplingState | None = None
+    ) -> None:
         self.field = field
         self.home = home
         self.slot = slot
+        # Its forced text is output without draws (jump-forward); `state` (the request's sampling state) then
+        # gives back a draw's noise offset when that draw only repeats a forced token (`FillJob`).
+        self.jumps = jumps
+        self.state = state
         self.error: str | AsyncLLMError | None = None
         self.removed = False
 
@@ -83,12 +105,12 @@ class InlineMatchers:
         self._errors: dict[int, str] = {}
         self._filler: BatchFill | None = None
 
-    def add(self, spec: StructuredOutput) -> int:
+    def add(self, spec: StructuredOutput, jump: bool = False) -> int:
         if self._free:
             slot = self._free.pop()
         else:
             slot, self._next_slot = self._next_slot, self._next_slot + 1
-        self.matchers.add(slot, spec)
+        self.matchers.add(slot, spec, jump)
         return slot
 
     def remove(self, slot: int) -> None:
@@ -97,9 +119,23 @@ class InlineMatchers:
         self._refused.pop(slot, None)
         self._free.append(slot)
 
-    def step(self, host: HostRows, rows: list[int], slots: list[int], tokens: list[int], verdict: bool) -> None:
-        self._refused, errors = self.matchers.step(host.bits_np, host.states_np, rows, slots, tokens, self._spread)
+    def step(
+        self,
+        host: HostRows,
+        rows: list[int],
+        slots: list[int],
+        tokens: list[int],
+        verdict: bool,
+        sampled_next: Collection[int] = (),
+    ) -> None:
+        matchers = self.matchers
+        self._refused, errors = matchers.step(
+            host.bits_np, host.states_np, rows, slots, tokens, self._spread, sampled_next
+        )
         self._errors.update(errors)
+
+    def forced(self) -> dict[int, list[int]]:
+        return self.matchers.forced
 
     def refusals(self) -> dict[int, str]:
         refused, self._refused = self._refused, {}

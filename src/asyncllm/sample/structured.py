@@ -33,6 +33,7 @@ from asyncllm.sample.host_rows import HostRows, RowsLayout, RowsSegment, host_ro
 from asyncllm.sample.mask_fill import ConstrainedStep, DeviceMasks, FillJob, by_home
 from asyncllm.sample.request_grammar import InlineMatchers, MatcherHome, RequestGrammar
 from asyncllm.sample.state import SamplingState
+from asyncllm.sampling_params import SamplingParams
 from asyncllm.step import StepResult
 
 __all__ = ["GrammarProcessMode", "GrammarTable", "MaskPlan", "RequestGrammar", "TokenMask"]
@@ -82,10 +83,14 @@ class GrammarTable:
         device: torch.device,
         process: GrammarProcessMode = GrammarProcessMode.OFF,
         process_threads: int | None = None,
+        jump_forward: bool = False,
     ) -> None:
         """`process_threads`: how many of the grammar process's threads share a step's rows (None: the cores
-        this process may use, less two for the step thread and the device's driver, at most 16)."""
+        this process may use, less two for the step thread and the device's driver, at most 16).
+        `jump_forward`: requests whose matcher is in the step thread and that ask for no logprobs or
+        penalties output their constraint's forced text without draws (`FillJob`, `jump_forward.py`)."""
         self.backend = backend
+        self.jump_forward = jump_forward
         self.device = device
         self._max_rows = max_rows
         self._words = -(-vocab_size // 32)
@@ -117,7 +122,11 @@ class GrammarTable:
         if spec is None:
             return
         home = self._home()
-        state.grammar = RequestGrammar(spec.field, home, home.add(spec))
+        if home is self._inline:
+            jumps = self.jump_forward and _may_jump(state.params)
+            state.grammar = RequestGrammar(spec.field, home, self._inline.add(spec, jumps), jumps, state)
+        else:
+            state.grammar = RequestGrammar(spec.field, home, home.add(spec))
         self._num_live += 1
 
     def remove(self, state: SamplingState) -> None:
@@ -137,6 +146,8 @@ class GrammarTable:
         base = len(index)
         grammars = [state.grammar for state in states]  # comprehensions: a step may have hundreds of rows
         constrained = [(i, grammar) for i, grammar in enumerate(grammars) if grammar is not None]
+        if source is not None and not source.accepted:
+            source.sampled_next = constrained  # its jumping rows' next draws are under way (FillJob)
         if not constrained:
             return None
         get = index.get
@@ -243,3 +254,9 @@ class GrammarTable:
             utf8 = self.backend.utf8.allowed if self.backend is not None else np.full((8, self._words), -1, np.int32)
             self._device_masks = DeviceMasks(2 * self._max_rows, self._words, utf8, self.device)
         return self._device_masks
+
+
+def _may_jump(params: SamplingParams) -> bool:
+    """A forced token has no drawn distribution: requests that read one (logprobs, prompt logprobs) or that
+    count their drawn tokens on the device (penalties) draw every token."""
+    return params.logprobs is None and params.prompt_logprobs is None and not params.has_penalties

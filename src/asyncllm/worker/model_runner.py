@@ -67,6 +67,7 @@ class ModelRunner:
         loras: LoRAManager | None = None,
         grammar_process: GrammarProcessMode = GrammarProcessMode.OFF,
         grammar_process_threads: int | None = None,
+        jump_forward: bool = False,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -77,7 +78,7 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler(vocab_size, device)
         self.grammars = GrammarTable(
-            grammar, buffers.max_num_seqs, vocab_size, device, grammar_process, grammar_process_threads
+            grammar, buffers.max_num_seqs, vocab_size, device, grammar_process, grammar_process_threads, jump_forward
         )
         self.states: dict[str, SamplingState] = {}
         self._outputs = SampledOutputs(buffers.max_num_seqs, device)

@@ -246,6 +246,10 @@ class WorkerSetup:
             loras=loaded.loras,
             grammar_process=GrammarProcessMode.of(self.config.device_config.grammar_process, device),
             grammar_process_threads=self._grammar_process_threads(),
+            # Every rank's matchers must give the same masks; whether a run's first token is drawn already
+            # depends on when rank 0's core reads the step (FillJob): one rank only.
+            jump_forward=self.config.device_config.jump_forward
+            and (self.parallel is None or self.parallel.world_size == 1),
         )
         logger.debug(
             "KV cache: %d blocks of %d tokens (%s, %s)", num_blocks, cache.block_size, device, self.kv_spec.dtype
