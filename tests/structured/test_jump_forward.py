@@ -16,6 +16,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from asyncllm import LLM, RequestOutput, SamplingParams
+from asyncllm.sample.mask_fill import JUMP_MAX_ROWS
 from tests.structured.conftest import (
     CONSTRAINTS,
     ENGINE_ARGS,
@@ -62,6 +63,20 @@ def test_forced_heavy_schema_takes_fewer_steps(jumping: LLM, drawing: LLM) -> No
     # Every key and piece of punctuation of PERSON is forced: most of each output is (measured 36 against 138
     # steps for a similar mix).
     assert jump_steps < 0.6 * draw_steps, (jump_steps, draw_steps)
+
+
+def test_steps_of_many_rows_draw_every_token(jumping: LLM, drawing: LLM) -> None:
+    """Past JUMP_MAX_ROWS sampled rows a step takes no forced run (a run would make the next step a mixed one
+    for everyone in it): the outputs are the drawing engine's, in as many steps; a few requests jump."""
+    n = 2 * JUMP_MAX_ROWS
+    params = [SamplingParams(json_schema=PERSON, seed=i, max_tokens=12) for i in range(n)]
+    prompts: list[Any] = [[5 + i % 40, 6 + i // 40, 7] for i in range(n)]
+    many, many_steps = _generate(jumping, prompts, params)
+    drawn, draw_steps = _generate(drawing, prompts, params)
+    assert [o.token_ids for o in many] == [o.token_ids for o in drawn]
+    assert many_steps == draw_steps
+    _, few_steps = _generate(jumping, prompts[:4], params[:4])
+    assert few_steps < draw_steps
 
 
 def test_every_constraint_holds_and_forced_tokens_spell_the_text(tiny_model: Path, jumping: LLM) -> None:

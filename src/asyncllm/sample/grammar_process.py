@@ -125,6 +125,7 @@ class GrammarProcess:
         tokens: list[int],
         verdict: bool,
         sampled_next: Collection[int] = (),
+        jump: bool = True,
     ) -> None:
         if self._send(encode_request(STEP, host.index, self._seq + 1, self._ops, rows, slots, tokens, verdict)):
             self._verdict = self._seq if verdict else None

@@ -164,17 +164,19 @@ class MatcherSet:
         tokens: Sequence[int],
         spread: Spread,
         sampled_next: Collection[int] = (),
+        jump: bool = True,
     ) -> tuple[dict[int, str], dict[int, str]]:
         """`accept` then `fill` for the same slots, each share of the rows (`spread`) accepting then filling
         its own in two xgrammar calls; (refusals, errors) by slot. Where a slot jumps forward, `forced` says
         which tokens it took after its own; `sampled_next`: the slots the step planned after this one samples
-        (their row allows the run's first token alone: that draw is already under way)."""
+        (their row allows the run's first token alone: that draw is already under way); `jump`: False takes no
+        new run this step (a slot drawn ahead by the last one is still settled)."""
         self.resolve(slots)
         s, t, r = (np.asarray(a, dtype=np.int64) for a in (slots, tokens, rows))
         if self.forced:
             self.forced = {}
         if self._jumps[s].any():
-            return self._step_jumping(bits, states, s, t, r, spread, sampled_next)
+            return self._step_jumping(bits, states, s, t, r, spread, sampled_next, jump)
         go, after, refused = self._screen(s, t)
         idx = np.flatnonzero(go)
         ends = self._is_stop[t[idx]]  # those rows terminate with their token: nothing to fill after it
@@ -204,6 +206,7 @@ class MatcherSet:
         r: np.ndarray,
         spread: Spread,
         sampled_next: Collection[int],
+        jump: bool,
     ) -> tuple[dict[int, str], dict[int, str]]:
         """`step` where some slot jumps forward: accept (one xgrammar call), take each jumping slot's forced
         run, then fill every row still owed a mask. A slot drawn ahead skips its accept (its token came with
@@ -220,7 +223,7 @@ class MatcherSet:
             ok = np.asarray(took, dtype=bool)
         self._advance(s, t, after, idx, ok, refused)
         taken = idx[ok]
-        jumping = taken[self._jumps[s[taken]] & ~self._terminated[s[taken]]]
+        jumping = taken[self._jumps[s[taken]] & ~self._terminated[s[taken]]] if jump else taken[:0]
         pinned: list[tuple[int, int, int]] = []  # (position, the run's first token, the UTF-8 state before it)
         if len(jumping):
             forced = self._forced()

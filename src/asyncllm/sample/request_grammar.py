@@ -43,10 +43,12 @@ class MatcherHome(Protocol):
         tokens: list[int],
         verdict: bool,
         sampled_next: Collection[int] = (),
+        jump: bool = True,
     ) -> None:
         """slots[i] accepts tokens[i], then host row rows[i] is filled for slots[i]. `verdict`: `refusals()`
         will be asked for this step's refusals. `sampled_next`: the slots the step planned after this one
-        samples (a jumping slot's row there allows its forced run's first token alone)."""
+        samples (a jumping slot's row there allows its forced run's first token alone). `jump`: False takes
+        no new forced run this step (every slot's next token is drawn)."""
         ...
 
     def forced(self) -> dict[int, list[int]]:
@@ -127,10 +129,11 @@ class InlineMatchers:
         tokens: list[int],
         verdict: bool,
         sampled_next: Collection[int] = (),
+        jump: bool = True,
     ) -> None:
         matchers = self.matchers
         self._refused, errors = matchers.step(
-            host.bits_np, host.states_np, rows, slots, tokens, self._spread, sampled_next
+            host.bits_np, host.states_np, rows, slots, tokens, self._spread, sampled_next, jump
         )
         self._errors.update(errors)
 

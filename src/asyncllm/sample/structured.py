@@ -183,7 +183,7 @@ class GrammarTable:
     def sent(self, result: StepResult, plan: MaskPlan) -> StepResult:
         """The step `plan` masked was sampled: start its job, and return its result as the job gives it."""
         self._flip ^= 1
-        job = FillJob(result, plan.constrained, self._hosts[self._flip])
+        job = FillJob(result, plan.constrained, self._hosts[self._flip], len(plan.rows))
         self._last = job
         return ConstrainedStep(result, job)
 
