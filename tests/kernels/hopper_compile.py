@@ -52,27 +52,30 @@ def dequantize(bits: int) -> None:
 
 def gemv_kernel(
     bits: int, group: int, zeros: bool, mins: bool, split: int, act: str, even_k: bool = True, scales: str = "",
-    config: gemv_plan.GemvConfig = gemv_plan.DEFAULT_CONFIG,
+    config: gemv_plan.GemvConfig = gemv_plan.DEFAULT_CONFIG, prologue: int = 0, pdl: bool = False,
 ) -> None:  # fmt: skip
     """The GEMV at the tile shape its launcher picks for `group` over K = 4096 (`gemv_plan`); bits 16: plain
-    16-bit weights of the activations' type, no scales."""
+    16-bit weights of the activations' type, no scales. `prologue`: gemv_prologue.py's mode."""
     plain = bits == gemv_plan.FLOAT16
     codes, default_scales = (act, act) if plain else POINTERS[bits]
     scales = scales or default_scales
     plan = gemv_plan.gemv_plan(1, 4096, 4096, bits, group, 132, split, config)
     assert plan is not None, group
     signature = {"x_ptr": act, "w_ptr": codes, "s_ptr": scales, "z_ptr": "*u8", "m_ptr": scales, "b_ptr": act,
-                 "part_ptr": "*fp32", "lock_ptr": "*i32", "out_ptr": act}  # fmt: skip
+                 "part_ptr": "*fp32", "lock_ptr": "*i32", "out_ptr": act, "a_ptr": act, "nw_ptr": act,
+                 "h_ptr": act, "eps": "fp32"}  # fmt: skip
     signature |= {name: "i32" for name in ("N", "K", "GROUPS", "tiles_per_split", "split", "stride_xm")}
     signature |= {name: "i32" for name in ("stride_wn", "stride_sn", "stride_zn", "stride_mn", "stride_om")}
+    signature |= {name: "i32" for name in ("stride_am", "stride_hm")}
     per = gemv_plan.codes_per_unit(bits)
     row_group = gemv_plan.ROW_GROUP if group >= 4096 else group  # as the launcher passes it
     consts = dict(BITS=bits if per > 1 else 0, CODES=per, GROUP=row_group, G=plan.groups, GW=plan.group_words,
                   HAS_SCALES=not plain, HAS_ZEROS=zeros, HAS_MINS=mins, HAS_BIAS=True, EVEN_K=even_k,
-                  BLOCK_N=config.block_n, FOLD=config.fold_offsets and per > 1)  # fmt: skip
+                  BLOCK_N=config.block_n, FOLD=config.fold_offsets and per > 1, PROLOGUE=prologue,
+                  PDL=pdl)  # fmt: skip
     signature |= {name: "constexpr" for name in consts}
     source = ASTSource(fn=gemv._gemv_kernel, signature=signature, constexprs=consts)
-    triton.compile(source, target=TARGET, options={"num_warps": config.num_warps})
+    triton.compile(source, target=TARGET, options={"num_warps": config.num_warps, "launch_pdl": pdl})
 
 
 FOLDED = gemv_plan.GemvConfig(fold_offsets=True)
@@ -98,6 +101,18 @@ SWEEP_VARIANTS = [
     for bn, w, rb in gemv_plan.CANDIDATE_TILES
     for fold in ((False, True) if kind == "int4 g128" else (False,))
 ]
+
+PROLOGUE_CASES = (  # name, split, even K, config, PDL
+    ("split", 4, True, gemv_plan.DEFAULT_CONFIG, False),
+    ("odd K", 1, False, gemv_plan.GemvConfig(128, 4, 128, 4, 32), False),
+    ("split pdl", 2, True, gemv_plan.GemvConfig(64, 4, 256, 16, 32), True),
+)
+PROLOGUE_VARIANTS = [
+    (f"gemv bf16 prologue {mode} {name}", partial(gemv_kernel, gemv_plan.FLOAT16, 4096, False, False, split, "*bf16",
+                                                  even_k, config=config, prologue=mode, pdl=pdl))
+    for mode in (1, 2, 3)
+    for name, split, even_k, config, pdl in PROLOGUE_CASES
+]  # fmt: skip
 
 VARIANTS = [
     ("int4 TILE zeros decode", lambda: gemm(4, 1, True, False, True, (16, 64, 128))),
@@ -135,6 +150,10 @@ VARIANTS = [
     # plain 16-bit weights (dense layers at one token row): no scales; split and unsplit, an odd K
     ("gemv bf16 split", lambda: gemv_kernel(gemv_plan.FLOAT16, 4096, False, False, 4, "*bf16")),
     ("gemv fp16 odd K", lambda: gemv_kernel(gemv_plan.FLOAT16, 4096, False, False, 1, "*fp16", even_k=False)),
+    # prologues folded into the 16-bit GEMV (gemv_prologue.py): RMSNorm, add + RMSNorm, SiLU-and-mul; split,
+    # unsplit, an odd K, the 0.6B's tuned qkv tile; and launched as a programmatic dependent (PDL)
+    *PROLOGUE_VARIANTS,
+    ("gemv bf16 pdl no prologue", lambda: gemv_kernel(gemv_plan.FLOAT16, 4096, False, False, 4, "*bf16", pdl=True)),
     *SWEEP_VARIANTS,
 ]
 
