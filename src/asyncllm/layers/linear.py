@@ -10,6 +10,7 @@ uninitialised: every one is loaded. Knows nothing about checkpoint names; models
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,7 @@ class Linear(nn.Module):
     def _no_gemv(self) -> None:
         self._gemv: Callable[..., torch.Tensor] | None = None  # kernels' linear_gemv, once use_gemv(True) ran
         self._gemv_locks: torch.Tensor | None = None  # its split-K counters, allocated before any graph capture
+        self._prologue: ModuleType | None = None  # the kernels' module, once use_prologue_gemv(True) ran
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.project(x, self.bias)
@@ -51,23 +53,60 @@ class Linear(nn.Module):
         """Take the one-launch GEMV (kernels/quant_matmul_gemv.py, a Triton kernel: CUDA, or the interpreter)
         at one token row, or stop. It reads the weight in its [out, in] layout, of a float type."""
         if not on:
-            self._no_gemv()
+            self._gemv = None
             return
+        self._check_gemv_weight()
+        from asyncllm.kernels.quant_matmul_gemv import gemv_locks, linear_gemv
+
+        if self._gemv_locks is None:
+            self._gemv_locks = gemv_locks(self.weight.shape[0], 1, self.weight.device)
+        self._gemv = linear_gemv
+
+    def _check_gemv_weight(self) -> None:
         weight = self.weight
         if weight.stride(1) != 1 or weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(
                 f"the GEMV reads [out, in] float weights with contiguous rows; this layer's is {weight.dtype} "
                 f"with strides {weight.stride()}"
             )
-        from asyncllm.kernels.quant_matmul_gemv import gemv_locks, linear_gemv
 
-        self._gemv_locks = gemv_locks(weight.shape[0], 1, weight.device)
-        self._gemv = linear_gemv
+    @property
+    def prologue_gemv(self) -> bool:
+        """Whether one token row reaching this layer through layers/prologue.py folds the op before it (a
+        norm, or SiLU-and-mul) into its GEMV."""
+        return self._prologue is not None
+
+    def use_prologue_gemv(self, on: bool) -> None:
+        """Fold the op before this layer into its one-row GEMV where layers/prologue.py pairs them, or stop;
+        the weight as `use_gemv` reads it. Calls without a prologue keep the layer's other paths."""
+        if not on:
+            self._prologue = None
+            return
+        self._check_gemv_weight()
+        from asyncllm.kernels import quant_matmul_gemv
+
+        if self._gemv_locks is None:
+            self._gemv_locks = quant_matmul_gemv.gemv_locks(self.weight.shape[0], 1, self.weight.device)
+        self._prologue = quant_matmul_gemv
+
+    def project_normed(
+        self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # ([1, out], x + residual or None)
+        """One token row: rms_norm(x (+ residual)) W^T (+ b) in one launch (`prologue_gemv` on)."""
+        assert self._prologue is not None and x.shape[0] == 1
+        return self._prologue.rms_norm_gemv(  # type: ignore[no-any-return]
+            x, norm_weight, eps, self.weight, self.bias, residual=residual, locks=self._gemv_locks
+        )
+
+    def project_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """One token row: (silu(gate) * up) W^T (+ b) of x = [gate | up] in one launch (`prologue_gemv` on)."""
+        assert self._prologue is not None and x.shape[0] == 1
+        return self._prologue.silu_mul_gemv(x, self.weight, self.bias, locks=self._gemv_locks)  # type: ignore[no-any-return]
 
     def store_weight_transposed(self) -> None:
         """Keep the weight's memory [in, out] while it stays an [out, in] view: the same maths, but cuBLAS
         then runs the transposed-layout GEMM (faster for some shapes; worker/gemm_layout.py decides)."""
-        assert self._gemv is None, "the GEMV reads the [out, in] layout"
+        assert self._gemv is None and self._prologue is None, "the GEMV reads the [out, in] layout"
         with torch.no_grad():
             self.weight.data = self.weight.data.t().contiguous().t()
 

@@ -35,6 +35,11 @@ class RMSNorm(nn.Module, Fusable):
         self.eps = eps
         self._kernel: Callable[..., Any] | None = None  # the fused kernel, once enable_fused_kernels ran
 
+    @property
+    def fused(self) -> bool:
+        """Whether the fused kernel is on."""
+        return self._kernel is not None
+
     def enable_fused_kernels(self) -> None:
         from asyncllm.kernels.rms_norm import rms_norm
 

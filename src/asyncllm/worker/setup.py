@@ -35,7 +35,7 @@ from asyncllm.step import RuntimeInfo
 from asyncllm.worker.buckets import Buckets
 from asyncllm.worker.cuda_graph import CudaGraphRunner
 from asyncllm.worker.device import ResolvedModel
-from asyncllm.worker.gemm_layout import gemv_layers, set_decode_gemv, tune_linear_layers
+from asyncllm.worker.gemm_layout import gemv_layers, prologue_layers, set_decode_gemv, tune_linear_layers
 from asyncllm.worker.input_batch import InputBuffers
 from asyncllm.worker.kv_cache import KVCacheSpec, allocate_kv_cache, blocks_for_budget, cpu_kv_blocks
 from asyncllm.worker.lora import LoRAManager
@@ -157,6 +157,7 @@ class WorkerSetup:
                 "linear weights stored [in, out] for shapes %s", [s for s, c in choices.items() if c.transposed]
             )
             logger.debug("one token row through the GEMV for shapes %s", [s for s, c in choices.items() if c.gemv])
+            logger.debug("the op before folded into the GEMV for %d layers", prologue_layers(module))
         return LoadedModel(module, backend, loras)
 
     def _lora_manager(self, module: CausalLM) -> LoRAManager | None:
@@ -315,6 +316,7 @@ class WorkerSetup:
             num_threads=self.num_threads,
             max_loras=loaded.loras.num_slots if loaded.loras is not None else 0,
             gemv_layers=gemv_layers(loaded.model),
+            prologue_layers=prologue_layers(loaded.model),
             kv_window=arch.kv_window,
         )
 
