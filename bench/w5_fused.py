@@ -27,7 +27,7 @@ from typing import Any
 
 from engine_args import add_engine_arg_option, engine_kwargs
 from gemma3_w1_w5 import run_w5
-from shapes import SHAPES, write_shape_dir
+from shapes import write_shape_dir
 
 from asyncllm import LLM, SamplingParams
 

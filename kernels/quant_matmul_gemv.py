@@ -34,6 +34,7 @@ from .gemv_plan import (
     gemv_locks,
     gemv_plan,
 )
+from .pdl import pdl_launch
 from .gemv_prologue import ADD_RMS_NORM, NONE, RMS_NORM, SILU_MUL, activations, inv_rms
 from .quant_matmul import ACT_DTYPES, _num_sms, check_weight
 from .quant_matmul_ref import quant_matmul_ref
@@ -152,7 +153,7 @@ def _gemv_kernel(
     HAS_SCALES: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_MINS: tl.constexpr, HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, FOLD: tl.constexpr, PROLOGUE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    if PDL:  # launched as a programmatic dependent: nothing is read before the previous kernel's writes land
+    if PDL:  # launched as a programmatic dependent (kernels/pdl.py): nothing read before the last kernel's writes land
         tl.extra.cuda.gdc_wait()
     pid_n, pid_k, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -235,13 +236,15 @@ def linear_gemv(
     split_k: int | None = None,
     locks: torch.Tensor | None = None,
     config: GemvConfig | None = None,
+    pdl: bool = False,  # a programmatic dependent launch (CUDA, Hopper or newer): kernels/pdl.py
 ) -> torch.Tensor:  # [M, N] in x's dtype
     """F.linear(x, weight, bias) for small M over a plain float weight (bfloat16 or float16; float32 for the
     interpreter's tests): products and sums in float32, rounded once to x's dtype. Arguments as `quant_gemv`'s."""
     n, k = _checked_weight(x, weight)
     out = _checked_output(x, n, k, bias)
     if x.shape[0]:
-        _launch(x, weight, None, None, None, bias, out, float_kind(weight.dtype), k, split_k, locks, config)
+        _launch(x, weight, None, None, None, bias, out, float_kind(weight.dtype), k, split_k, locks, config,
+                pdl=pdl)  # fmt: skip
     return out
 
 
@@ -358,7 +361,6 @@ def _launch(
     codes = codes_per_unit(kind)
     dummy = w  # stands in for absent scales, zero points, mins, bias and counters: never read
     res, nw, h = prologue.residual, prologue.norm_weight, prologue.h
-    extra = {"launch_pdl": True} if pdl else {}  # only asked for on CUDA (the interpreter knows no such option)
     _gemv_kernel[(n_tiles, plan.split, m)](
         x, w, dummy if scales is None else scales, dummy if qzeros is None else qzeros,
         dummy if mins is None else mins, dummy if bias is None else bias, part, dummy if locks is None else locks,
@@ -372,5 +374,5 @@ def _launch(
         HAS_SCALES=scales is not None, HAS_ZEROS=qzeros is not None, HAS_MINS=mins is not None,
         HAS_BIAS=bias is not None, EVEN_K=k % (plan.groups * plan.group_words * codes) == 0,
         BLOCK_N=config.block_n, FOLD=config.fold_offsets and codes > 1, PROLOGUE=prologue.mode, PDL=pdl,
-        num_warps=config.num_warps, **extra,
+        num_warps=config.num_warps, **pdl_launch(pdl),
     )  # fmt: skip

@@ -34,6 +34,20 @@ def test_graphs_equal_eager_with_the_gemv_on(tiny_model: Path, dtype: str) -> No
         assert graphs == off
 
 
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="PDL needs Hopper or newer"
+)
+def test_pdl_launches_give_the_same_tokens(tiny_model: Path) -> None:
+    """decode_pdl: the GEMV (its folded norms and SiLU-and-mul too), RMSNorm and the q/k norm + rotary + KV write
+    launched as programmatic dependents, in captured graphs and eagerly: the tokens of plain launches."""
+    common = dict(device="cuda", dtype="bfloat16", block_size=4, num_kv_blocks=256, decode_gemv="on")
+    batches = [_prompts(300, (9,)), _prompts(300, (4, 13))]
+    plain, _ = _tokens(tiny_model, batches, **common)
+    pdl, _ = _tokens(tiny_model, batches, decode_pdl=True, **common)
+    eager, _ = _tokens(tiny_model, batches, decode_pdl=True, enforce_eager=True, **common)
+    assert pdl == plain and eager == plain
+
+
 def test_auto_times_real_decode_shapes(tiny_model: Path, tmp_path: Path) -> None:
     """Two layers of Qwen3-0.6B's shapes (random weights, the tiny tokenizer), bfloat16 with CUDA graphs:
     "auto" times each shape at start-up (within the tune_gemm phase) and decodes; a shape's choice covers

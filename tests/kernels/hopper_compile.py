@@ -14,8 +14,10 @@ assert not os.environ.get("TRITON_INTERPRET"), "compiling needs the real Triton,
 
 import triton  # noqa: E402
 from asyncllm.kernels import gemv_plan  # noqa: E402
+from asyncllm.kernels import qk_norm_rope_kv as qk  # noqa: E402
 from asyncllm.kernels import quant_matmul as qm  # noqa: E402
 from asyncllm.kernels import quant_matmul_gemv as gemv  # noqa: E402
+from asyncllm.kernels import rms_norm  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
@@ -48,6 +50,33 @@ def dequantize(bits: int) -> None:
     consts = dict(BITS=bits, GROUP=128, HAS_ZEROS=bits != 0, HAS_MINS=False, BLOCK_N=32, BLOCK_K=128)
     signature |= {name: "constexpr" for name in consts}
     triton.compile(ASTSource(fn=qm._dequantize_kernel, signature=signature, constexprs=consts), target=TARGET)
+
+
+def rms_norm_pdl(residual: bool) -> None:
+    """RMSNorm (kernels/rms_norm.py) launched as a programmatic dependent: Qwen3-0.6B's hidden size in bf16."""
+    signature = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "num_rows": "i32",
+                 "eps": "fp32", "stride_x": "i32", "stride_res": "i32", "stride_out": "i32"}  # fmt: skip
+    block_h, rows, warps = rms_norm.launch_config(1024)
+    consts = dict(HIDDEN=1024, BLOCK_H=block_h, ROWS=rows, HAS_RESIDUAL=residual, UNIT_OFFSET=False, PDL=True)
+    signature |= {name: "constexpr" for name in consts}
+    source = ASTSource(fn=rms_norm._rms_norm_kernel, signature=signature, constexprs=consts)
+    triton.compile(source, target=TARGET, options={"num_warps": warps, "launch_pdl": True})
+
+
+def qk_norm_rope_kv_pdl() -> None:
+    """The q/k norm + rotary + KV write (kernels/qk_norm_rope_kv.py) launched as a programmatic dependent:
+    Qwen3-0.6B's 16 query heads over 8 KV heads, bf16, a bf16 cache."""
+    signature = {"qkv_ptr": "*bf16", "pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "q_w_ptr": "*bf16",
+                 "k_w_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "slot_ptr": "*i64",
+                 "q_out_ptr": "*bf16", "k_scale_ptr": "*bf16", "v_scale_ptr": "*bf16", "eps": "fp32"}  # fmt: skip
+    strides = ("stride_qkv", "stride_cos", "stride_sin", "stride_kb", "stride_kt", "stride_kh", "stride_vb",
+               "stride_vt", "stride_vh", "stride_qo_t", "stride_qo_h")  # fmt: skip
+    signature |= {name: "i32" for name in strides}
+    consts = dict(NUM_HEADS=16, NUM_KV_HEADS=8, GROUP=2, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_R=4, BLOCK_HALF=64,
+                  HAS_NORM=True, UNIT_OFFSET=False, KV_FP8=False, PDL=True)  # fmt: skip
+    signature |= {name: "constexpr" for name in consts}
+    source = ASTSource(fn=qk._qk_norm_rope_kv_kernel, signature=signature, constexprs=consts)
+    triton.compile(source, target=TARGET, options={"num_warps": 2, "launch_pdl": True, "enable_fp_fusion": False})
 
 
 def gemv_kernel(
@@ -153,6 +182,9 @@ VARIANTS = [
     # prologues folded into the 16-bit GEMV (gemv_prologue.py): RMSNorm, add + RMSNorm, SiLU-and-mul; split,
     # unsplit, an odd K, the 0.6B's tuned qkv tile; and launched as a programmatic dependent (PDL)
     *PROLOGUE_VARIANTS,
+    ("rms_norm pdl", lambda: rms_norm_pdl(False)),
+    ("rms_norm residual pdl", lambda: rms_norm_pdl(True)),
+    ("qk_norm_rope_kv pdl", qk_norm_rope_kv_pdl),
     ("gemv bf16 pdl no prologue", lambda: gemv_kernel(gemv_plan.FLOAT16, 4096, False, False, 4, "*bf16", pdl=True)),
     *SWEEP_VARIANTS,
 ]

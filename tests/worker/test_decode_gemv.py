@@ -64,3 +64,13 @@ def test_torch_backend_never_takes_the_gemv(tiny_model: Path) -> None:
 def test_bad_value_is_refused_naming_the_field(tiny_model: Path) -> None:
     with pytest.raises(InvalidConfigError, match="decode_gemv='always' is invalid: use one of 'auto', 'on', 'off'"):
         LLM(str(tiny_model), decode_gemv="always", **ENGINE)
+
+
+def test_decode_pdl_refused_without_cuda_naming_the_field(tiny_model: Path) -> None:
+    """Programmatic dependent launch is CUDA's (Hopper or newer) and the Triton backend's: asked for on the CPU
+    or with the torch backend, the engine says so instead of ignoring it."""
+    for backend in ("torch", "triton"):
+        with pytest.raises(InvalidConfigError, match="decode_pdl=True launches the Triton backend's kernels on CUDA"):
+            LLM(str(tiny_model), attention_backend=backend, decode_pdl=True, **ENGINE)
+    with pytest.raises(InvalidConfigError, match="decode_pdl='yes' is invalid"):
+        LLM(str(tiny_model), decode_pdl="yes", **ENGINE)

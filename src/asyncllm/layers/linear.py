@@ -16,10 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from asyncllm.layers.fusion import LaunchesPdl
 from asyncllm.layers.param_dtype import empty_parameter
 
 
-class Linear(nn.Module):
+class Linear(nn.Module, LaunchesPdl):
     """y = x W^T (+ b), W [out, in]; like nn.Linear without the random initialisation. At one token row it can
     take the one-launch GEMV instead of F.linear (`use_gemv`; worker/gemm_layout.py decides where)."""
 
@@ -33,6 +34,7 @@ class Linear(nn.Module):
         self._gemv: Callable[..., torch.Tensor] | None = None  # kernels' linear_gemv, once use_gemv(True) ran
         self._gemv_locks: torch.Tensor | None = None  # its split-K counters, allocated before any graph capture
         self._prologue: ModuleType | None = None  # the kernels' module, once use_prologue_gemv(True) ran
+        self._pdl = False  # the GEMV's launches programmatic dependents (use_pdl)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.project(x, self.bias)
@@ -41,7 +43,8 @@ class Linear(nn.Module):
         """x W^T (+ bias): the GEMV at one token row where it is on, else F.linear. The path depends only on
         the row count, so CUDA graphs capture it."""
         if self._gemv is not None and x.dim() == 2 and x.shape[0] == 1:
-            return self._gemv(x if x.stride(1) == 1 else x.contiguous(), self.weight, bias, locks=self._gemv_locks)
+            x = x if x.stride(1) == 1 else x.contiguous()
+            return self._gemv(x, self.weight, bias, locks=self._gemv_locks, pdl=self._pdl)
         return F.linear(x, self.weight, bias)
 
     @property
@@ -95,13 +98,18 @@ class Linear(nn.Module):
         """One token row: rms_norm(x (+ residual)) W^T (+ b) in one launch (`prologue_gemv` on)."""
         assert self._prologue is not None and x.shape[0] == 1
         return self._prologue.rms_norm_gemv(  # type: ignore[no-any-return]
-            x, norm_weight, eps, self.weight, self.bias, residual=residual, locks=self._gemv_locks
+            x, norm_weight, eps, self.weight, self.bias, residual=residual, locks=self._gemv_locks, pdl=self._pdl
         )
 
     def project_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """One token row: (silu(gate) * up) W^T (+ b) of x = [gate | up] in one launch (`prologue_gemv` on)."""
         assert self._prologue is not None and x.shape[0] == 1
-        return self._prologue.silu_mul_gemv(x, self.weight, self.bias, locks=self._gemv_locks)  # type: ignore[no-any-return]
+        return self._prologue.silu_mul_gemv(  # type: ignore[no-any-return]
+            x, self.weight, self.bias, locks=self._gemv_locks, pdl=self._pdl
+        )
+
+    def use_pdl(self, on: bool) -> None:
+        self._pdl = on
 
     def store_weight_transposed(self) -> None:
         """Keep the weight's memory [in, out] while it stays an [out, in] view: the same maths, but cuBLAS

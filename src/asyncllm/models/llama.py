@@ -19,7 +19,7 @@ from asyncllm.attention.backend import AttentionBackend, AttentionMetadata
 from asyncllm.attention.layer import Attention, KVCache
 from asyncllm.errors import UnsupportedModelError
 from asyncllm.layers.embedding import LMHead, VocabEmbedding
-from asyncllm.layers.fusion import Fusable
+from asyncllm.layers.fusion import Fusable, LaunchesPdl
 from asyncllm.layers.linear import Linear, PackedLinear, gate_up_shards, qkv_shards
 from asyncllm.layers.prologue import PrologueKind, ProloguePair, act_linear, norm_linear
 from asyncllm.layers.rotary import RotaryEmbedding, RotaryInputs, apply_rotary
@@ -81,7 +81,7 @@ class LlamaMLP(nn.Module):
         return act_linear(self.act, self.down_proj, gate_up)  # [T, 2I] -> [T, I] -> [T, hidden]
 
 
-class LlamaAttention(nn.Module, Fusable):
+class LlamaAttention(nn.Module, Fusable, LaunchesPdl):
     qk_unit_offset: ClassVar[bool] = False  # the q/k norms' form in the fused kernel: Gemma's scales by (1 + w)
 
     def __init__(
@@ -101,6 +101,7 @@ class LlamaAttention(nn.Module, Fusable):
         self.attn = Attention(arch.num_heads, arch.num_kv_heads, arch.head_dim, backend, scale, window)
         self.rms_norm_eps = arch.rms_norm_eps
         self._fused_qkv: Callable[..., torch.Tensor] | None = None  # q/k norm + rotary + KV write, one kernel
+        self._pdl = False  # that kernel's launches programmatic dependents (use_pdl)
 
     @property
     def fused(self) -> bool:
@@ -110,6 +111,9 @@ class LlamaAttention(nn.Module, Fusable):
         from asyncllm.kernels.qk_norm_rope_kv import qk_norm_rope_kv
 
         self._fused_qkv = qk_norm_rope_kv
+
+    def use_pdl(self, on: bool) -> None:
+        self._pdl = on
 
     def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Hook for families that normalise q/k per head before rotary (Qwen3); identity here."""
@@ -152,6 +156,7 @@ class LlamaAttention(nn.Module, Fusable):
                 unit_offset=self.qk_unit_offset,
                 k_scale=self.attn.k_scale,
                 v_scale=self.attn.v_scale,
+                pdl=self._pdl,
             )  # [T, H, D]; this step's k/v are in the cache now
             return self.o_proj(self.attn.attend_cached(q, kv_cache, meta))
         num_tokens = qkv.shape[0]

@@ -23,7 +23,7 @@ from asyncllm.attention.backend import AttentionBackend
 from asyncllm.attention.registry import make_attention_backend
 from asyncllm.config import EngineConfig
 from asyncllm.config_values import DecodeGemv
-from asyncllm.layers.fusion import use_fused_kernels
+from asyncllm.layers.fusion import use_fused_kernels, use_pdl
 from asyncllm.layers.parallel import TPGroup
 from asyncllm.model_loader.base import Checkpoint
 from asyncllm.model_loader.loader import load_model
@@ -34,7 +34,7 @@ from asyncllm.sample.structured import GrammarProcessMode
 from asyncllm.step import RuntimeInfo
 from asyncllm.worker.buckets import Buckets
 from asyncllm.worker.cuda_graph import CudaGraphRunner
-from asyncllm.worker.device import ResolvedModel
+from asyncllm.worker.device import ResolvedModel, check_pdl
 from asyncllm.worker.gemm_layout import gemv_layers, prologue_layers, set_decode_gemv, tune_linear_layers
 from asyncllm.worker.input_batch import InputBuffers
 from asyncllm.worker.kv_cache import KVCacheSpec, allocate_kv_cache, blocks_for_budget, cpu_kv_blocks
@@ -148,6 +148,9 @@ class WorkerSetup:
         if fused:
             use_fused_kernels(module)
             set_decode_gemv(module, mode)  # "on" or "off"; "auto" is timed below
+        if self.config.device_config.decode_pdl:
+            check_pdl(device, fused)
+            use_pdl(module, True)
         self.timings["load"] = time.perf_counter() - start
         if device.type == "cuda" and not self.config.device_config.enforce_eager:
             start = time.perf_counter()
