@@ -4,15 +4,17 @@ one process: an engine per `decode_gemv` mode, one after the other, each on rand
 
 Modes: "auto" (start-up timing: each layer shape and each norm/activation pair takes the fused GEMV only where
 it timed faster, the saved launch included), "off" (cuBLAS and separate norm/activation launches everywhere),
-"on" (every layer the GEMV, every fusable pair folded). Each row: ms per token, the start-up (the engine's
-construction, and its tune_gemm phase: the GEMM layouts and the GEMV/prologue timing), how many linear layers
-take a GEMV at one row and how many of them fold the op before them. "auto" runs first, so its start-up pays the
-Triton compiles of the GEMV variants (the later modes reuse them from this process); compare tune_gemm across
-modes for the timing's own cost. A last line gives the ratios to "off".
+"on" (every layer the GEMV, every fusable pair folded); "+pdl" adds decode_pdl=True (the chain's Triton kernels
+launched as programmatic dependents). Each row: ms per token, the start-up (the engine's construction, and its
+tune_gemm phase: the GEMM layouts and the GEMV/prologue timing), how many linear layers take a GEMV at one row
+and how many of them fold the op before them. "auto" runs first, so its start-up pays the Triton compiles of the
+GEMV variants (the later modes reuse them from this process); compare tune_gemm across modes for the timing's
+own cost. A last line gives the ratios to "off".
 
-Usage (CUDA, ~60 s for the 0.6B): python3 bench/w5_fused.py [--shapes qwen3-0.6b qwen3-8b] [--modes auto off on]
-[--w5-tokens 512] [--engine-arg NAME=VALUE]; on CPU, a smoke run: --shapes qwen3-tiny --device cpu
---attention-backend triton --w5-tokens 4 --engine-arg dtype=float32.
+Usage (CUDA, ~80 s for the 0.6B): python3 bench/w5_fused.py [--shapes qwen3-0.6b qwen3-8b]
+[--modes auto off on auto+pdl] [--w5-tokens 512] [--engine-arg NAME=VALUE]; on CPU, a smoke run:
+TRITON_INTERPRET=1 ... --shapes qwen3-tiny --device cpu --attention-backend triton --w5-tokens 4 --modes auto off on
+--engine-arg dtype=float32.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from shapes import write_shape_dir
 
 from asyncllm import LLM, SamplingParams
 
-MODES = ("auto", "off", "on")
+MODES = ("auto", "off", "on", "auto+pdl", "on+pdl")  # "+pdl": decode_pdl=True (Hopper or newer)
 
 
 def measure(args: argparse.Namespace, model_dir: Path, mode: str) -> dict[str, Any]:
@@ -39,7 +41,8 @@ def measure(args: argparse.Namespace, model_dir: Path, mode: str) -> dict[str, A
     kwargs: dict[str, Any] = dict(max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks)
     kwargs |= dict(attention_backend=args.attention_backend) | engine_kwargs(args.engine_arg)
     start = time.perf_counter()
-    llm = LLM(str(model_dir), device=args.device, load_format="dummy", decode_gemv=mode, **kwargs)
+    gemv, _, pdl = mode.partition("+")
+    llm = LLM(str(model_dir), device=args.device, load_format="dummy", decode_gemv=gemv, decode_pdl=bool(pdl), **kwargs)
     startup = time.perf_counter() - start
     try:
         runtime = llm.runtime
@@ -70,7 +73,7 @@ def _release_device_memory() -> None:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=["qwen3-0.6b"], help="qwen3-8b too: add it (~2 min more)")
-    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    ap.add_argument("--modes", nargs="+", default=["auto", "off", "on", "auto+pdl"], choices=MODES)
     ap.add_argument("--w5-tokens", type=int, default=512, help="decode tokens timed")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--attention-backend", default="auto")
