@@ -1,5 +1,6 @@
-"""The dense linear layer (`Linear`: F.linear, or at one token row the one-launch GEMV where it was chosen) and
-the layers whose weight packs several checkpoint tensors (q/k/v, gate/up) into one matmul.
+"""The dense linear layer (`Linear`: F.linear, or at one token row the one-launch GEMV where it was chosen, with
+the norm or SiLU-and-mul before it folded in where layers/prologue.py pairs them) and the layers whose weight
+packs several checkpoint tensors (q/k/v, gate/up) into one matmul.
 
 A packed layer (`Packed`: plain or quantized) knows the row range of each named shard and copies checkpoint
 tensors into it, recording which shards arrived so a model can report any it never received. Parameters are
