@@ -1,6 +1,7 @@
 """`decode_gemv` on the GPU (bench/gpu_check.sh runs them; skipped without CUDA): batch-1 decode steps replaying
 graphs that captured the GEMV give the tokens of eager steps launching it (float32 and bfloat16), and in float32
-those of the GEMV off; "auto" times real decode shapes (Qwen3-0.6B's) at start-up and decodes."""
+those of the GEMV off ("on" folds the norms and SiLU-and-mul into it too); "auto" times real decode shapes
+(Qwen3-0.6B's, the folded pairs included) at start-up and decodes; PDL launches give the same tokens."""
 
 from __future__ import annotations
 
@@ -63,6 +64,7 @@ def test_auto_times_real_decode_shapes(tiny_model: Path, tmp_path: Path) -> None
         out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
         assert len(out[0].token_ids) == 6
         assert llm.runtime.gemv_layers % 2 == 0  # both layers of a shape, or neither
+        assert llm.runtime.prologue_layers % 2 == 0  # likewise for a folded pair (timed once for both layers)
         assert dict(llm.runtime.startup_seconds)["tune_gemm"] < 3.0  # compiling the GEMV (a cold cache) included
     finally:
         llm.shutdown()
