@@ -127,10 +127,14 @@ W1_LIMIT = {"qwen3-0.6b": 36_400, "qwen3-8b": 13_000, "gemma3-4b": 24_500}
 
 def find_qwen3_tokenizer() -> Path:
     here = Path(__file__).resolve().parents[1]
-    for cand in (here / ".cache" / "qwen3-tokenizer", here.parent / "shared" / "models" / "qwen3-tokenizer"):
+    for cand in (
+        here / ".cache" / "qwen3-tokenizer",
+        here / ".peers" / "qwen3-tokenizer",  # carried to the device machine
+        here.parent / "shared" / "models" / "qwen3-tokenizer",
+    ):
         if (cand / "tokenizer.json").is_file():
             return cand
-    raise FileNotFoundError("Qwen3 tokenizer not found in .cache/qwen3-tokenizer or ../shared/models/")
+    raise FileNotFoundError("Qwen3 tokenizer not found in .cache/, .peers/ or ../shared/models/")
 
 
 def write_shape_dir(shape: str, out: Path) -> Path:

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_launch
 from .kv_cache_fp8_ref import KV_FP8_DTYPE, check_kv_scales
 from .qk_norm_rope_kv_ref import qk_norm_rope_kv_ref
 from .rms_norm import DTYPES
@@ -79,8 +80,11 @@ def _qk_norm_rope_kv_kernel(
     stride_qo_t, stride_qo_h,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr,
-    UNIT_OFFSET: tl.constexpr, KV_FP8: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    if PDL:  # launched as a programmatic dependent: the previous kernel's writes land before any read
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # the next may launch now; it waits for this one the same way
     # One program per (token, KV head). Its GQA group's query heads and its key head form one tile of GROUP + 1
     # rows (queries first, the key last), normed and rotated together; the value head is copied alongside.
     token, kv_head = tl.program_id(0).to(tl.int64), tl.program_id(1)
@@ -208,6 +212,7 @@ def qk_norm_rope_kv(
     unit_offset: bool = False,  # Gemma's q/k norm: scale by (1 + weight) in float32 (gemma_rms_norm_ref)
     k_scale: torch.Tensor | None = None,  # an FP8 cache's scales: float32, one element each, on qkv's device
     v_scale: torch.Tensor | None = None,
+    pdl: bool = False,  # a programmatic dependent launch (CUDA, Hopper or newer): see kernels/pdl.py
 ) -> torch.Tensor:
     """Normed (when weights are given) and rotated queries into `q_out` (allocated when None, the only
     allocation), returned; normed and rotated keys and the raw values stored at slot_mapping. Every token gets
@@ -239,8 +244,9 @@ def qk_norm_rope_kv(
         q_out.stride(0), q_out.stride(1),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_R=block_r, BLOCK_HALF=block_half, HAS_NORM=has_norm,
-        UNIT_OFFSET=unit_offset, KV_FP8=kv_fp8,
+        UNIT_OFFSET=unit_offset, KV_FP8=kv_fp8, PDL=pdl,
         num_warps=1 if block_r * block_half <= 128 else 2 if block_r * block_half <= 512 else 4,
         enable_fp_fusion=False,  # no fused multiply-add: x1*cos - x2*sin rounds each product, as torch does
+        **pdl_launch(pdl),
     )  # fmt: skip
     return q_out

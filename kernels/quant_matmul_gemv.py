@@ -17,6 +17,8 @@ is why the layers keep this path to the smallest batches. The tile and split com
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -32,18 +34,30 @@ from .gemv_plan import (
     gemv_locks,
     gemv_plan,
 )
+from .pdl import pdl_launch
+from .gemv_prologue import ADD_RMS_NORM, NONE, RMS_NORM, SILU_MUL, activations, inv_rms
 from .quant_matmul import ACT_DTYPES, _num_sms, check_weight
 from .quant_matmul_ref import quant_matmul_ref
 
-__all__ = ["GemvConfig", "GemvPlan", "gemv_locks", "gemv_plan", "linear_gemv", "quant_gemv", "quant_matmul_ref"]
+__all__ = [
+    "GemvConfig",
+    "GemvPlan",
+    "gemv_locks",
+    "gemv_plan",
+    "linear_gemv",
+    "quant_gemv",
+    "quant_matmul_ref",
+    "rms_norm_gemv",
+    "silu_mul_gemv",
+]
 
 
 @triton.jit
 def _gemv_tile(
-    w_rows, s_rows, z_rows, m_rows, x_row, t, n_mask, K, GROUPS,
+    w_rows, s_rows, z_rows, m_rows, x_row, a_row, nw_ptr, rms, t, n_mask, K, GROUPS,
     BITS: tl.constexpr, CODES: tl.constexpr, GROUP: tl.constexpr, G: tl.constexpr, GW: tl.constexpr,
     HAS_SCALES: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_MINS: tl.constexpr, MASK_K: tl.constexpr,
-    FOLD: tl.constexpr,
+    FOLD: tl.constexpr, PROLOGUE: tl.constexpr,
 ):  # fmt: skip
     """[BLOCK_N, G, GW] float32: K tile t's products, per word (or value), scaled by their group's scale.
     The tile is G groups (or parts of one group) of GW words of CODES codes each (BITS 0: one value per
@@ -56,7 +70,8 @@ def _gemv_tile(
     subtract, multiply-add, four instructions a code. Folded (FOLD on): OR'd into the top of the mantissa of
     1.0 it is 1 + code / 2**BITS, multiplied into the sum as it is; the 1 and the zero point are taken off
     once a word against the activations' sum (shared by a thread's rows): three instructions a code, the
-    result a few float32 roundings less exact (both terms are of the products' size, so nothing cancels)."""
+    result a few float32 roundings less exact (both terms are of the products' size, so nothing cancels).
+    A prologue (PROLOGUE, gemv_prologue.py) applies to the one-value kinds only."""
     words_at = t * (G * GW) + tl.arange(0, G)[:, None] * GW + tl.arange(0, GW)[None, :]  # [G, GW] along the row
     group = (t * (G * GW * CODES)) // GROUP + tl.arange(0, G)  # [G] scale column of each group in the tile
     if MASK_K:  # the last, partial tile
@@ -69,11 +84,8 @@ def _gemv_tile(
     if HAS_SCALES:  # loaded first, as the words are: both in flight together
         scale = tl.load(s_rows + group[None, :], mask=g_mask, other=0.0).to(tl.float32)[:, :, None]  # [BN, G, 1]
     if BITS == 0:  # one value per element (CODES == 1): e4m3 bytes or plain floats
-        if MASK_K:
-            x = tl.load(x_row + words_at, mask=words_at < K, other=0.0)
-        else:
-            x = tl.load(x_row + words_at)
-        x = x.to(tl.float32)[None, :, :]  # [1, G, GW]
+        # the activations, after the prologue (gemv_prologue.py) where there is one
+        x = activations(x_row, a_row, nw_ptr, words_at, words_at < K, rms, K, PROLOGUE, MASK_K)[None, :, :]
         part = tl.load(w_at, mask=w_mask, other=0.0).to(tl.float32) * x
         x_sum = x
     else:
@@ -120,14 +132,29 @@ def _gemv_tile(
 
 # One compiled variant per weight kind and tile whatever the layer's shape: no specialization on the split nor
 # on the sizes the scales' rows take (stride_sn: K / group_size, odd or even by layer).
-@triton.jit(do_not_specialize=["GROUPS", "tiles_per_split", "split", "stride_sn", "stride_zn", "stride_mn"])
+@triton.jit(
+    do_not_specialize=[
+        "GROUPS",
+        "tiles_per_split",
+        "split",
+        "stride_sn",
+        "stride_zn",
+        "stride_mn",
+        "eps",
+        "stride_am",
+        "stride_hm",
+    ]
+)
 def _gemv_kernel(
-    x_ptr, w_ptr, s_ptr, z_ptr, m_ptr, b_ptr, part_ptr, lock_ptr, out_ptr, N, K, GROUPS, tiles_per_split, split,
-    stride_xm, stride_wn, stride_sn, stride_zn, stride_mn, stride_om,
+    x_ptr, w_ptr, s_ptr, z_ptr, m_ptr, b_ptr, part_ptr, lock_ptr, out_ptr, a_ptr, nw_ptr, h_ptr, eps,
+    N, K, GROUPS, tiles_per_split, split, stride_xm, stride_wn, stride_sn, stride_zn, stride_mn, stride_om,
+    stride_am, stride_hm,
     BITS: tl.constexpr, CODES: tl.constexpr, GROUP: tl.constexpr, G: tl.constexpr, GW: tl.constexpr,
     HAS_SCALES: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_MINS: tl.constexpr, HAS_BIAS: tl.constexpr,
-    EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, FOLD: tl.constexpr,
+    EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, FOLD: tl.constexpr, PROLOGUE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    if PDL:  # launched as a programmatic dependent (kernels/pdl.py): nothing read before the last kernel's writes land
+        tl.extra.cuda.gdc_wait()
     pid_n, pid_k, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -135,19 +162,27 @@ def _gemv_kernel(
     w_rows, s_rows = w_ptr + rows * stride_wn, s_ptr + rows * stride_sn
     z_rows, m_rows = z_ptr + rows * stride_zn, m_ptr + rows * stride_mn
     x_row = x_ptr + row.to(tl.int64) * stride_xm
+    a_row = a_ptr + row.to(tl.int64) * stride_am  # the residual (ADD_RMS_NORM)
+    rms = 1.0
+    # the whole row's rms, by every program (K <= 8192); Triton's frontend has no `in`
+    if PROLOGUE == RMS_NORM or PROLOGUE == ADD_RMS_NORM:  # noqa: SIM109
+        h_limit = tl.where((pid_n == 0) & (pid_k == 0), K, 0)  # the new residual's one writer
+        rms = inv_rms(x_row, a_row, h_ptr + row.to(tl.int64) * stride_hm, K, eps, h_limit, PROLOGUE)
+    if PDL:  # the next kernel may start launching; it waits (gdc_wait) for this one to finish
+        tl.extra.cuda.gdc_launch_dependents()
     full_tiles = K // (G * GW * CODES)
     t0 = pid_k * tiles_per_split
     acc = tl.zeros((BLOCK_N, G, GW), dtype=tl.float32)
     for t in range(t0, tl.minimum(t0 + tiles_per_split, full_tiles)):
         acc += _gemv_tile(
-            w_rows, s_rows, z_rows, m_rows, x_row, t, n_mask, K, GROUPS,
-            BITS, CODES, GROUP, G, GW, HAS_SCALES, HAS_ZEROS, HAS_MINS, False, FOLD,
+            w_rows, s_rows, z_rows, m_rows, x_row, a_row, nw_ptr, rms, t, n_mask, K, GROUPS,
+            BITS, CODES, GROUP, G, GW, HAS_SCALES, HAS_ZEROS, HAS_MINS, False, FOLD, PROLOGUE,
         )  # fmt: skip
     if not EVEN_K:  # noqa: SIM102 (a compile-time test around a run-time one)
         if pid_k == split - 1:  # the launcher gives the last split the partial tile
             acc += _gemv_tile(
-                w_rows, s_rows, z_rows, m_rows, x_row, full_tiles, n_mask, K, GROUPS,
-                BITS, CODES, GROUP, G, GW, HAS_SCALES, HAS_ZEROS, HAS_MINS, True, FOLD,
+                w_rows, s_rows, z_rows, m_rows, x_row, a_row, nw_ptr, rms, full_tiles, n_mask, K, GROUPS,
+                BITS, CODES, GROUP, G, GW, HAS_SCALES, HAS_ZEROS, HAS_MINS, True, FOLD, PROLOGUE,
             )  # fmt: skip
     total = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BN]
     out = out_ptr + row.to(tl.int64) * stride_om + offs_n
@@ -201,19 +236,94 @@ def linear_gemv(
     split_k: int | None = None,
     locks: torch.Tensor | None = None,
     config: GemvConfig | None = None,
+    pdl: bool = False,  # a programmatic dependent launch (CUDA, Hopper or newer): kernels/pdl.py
 ) -> torch.Tensor:  # [M, N] in x's dtype
     """F.linear(x, weight, bias) for small M over a plain float weight (bfloat16 or float16; float32 for the
     interpreter's tests): products and sums in float32, rounded once to x's dtype. Arguments as `quant_gemv`'s."""
+    n, k = _checked_weight(x, weight)
+    out = _checked_output(x, n, k, bias)
+    if x.shape[0]:
+        _launch(x, weight, None, None, None, bias, out, float_kind(weight.dtype), k, split_k, locks, config,
+                pdl=pdl)  # fmt: skip
+    return out
+
+
+def rms_norm_gemv(
+    x: torch.Tensor,  # [M, K]: the norm's input
+    norm_weight: torch.Tensor,  # [K]
+    eps: float,
+    weight: torch.Tensor,  # [N, K] with contiguous rows, x's dtype
+    bias: torch.Tensor | None = None,
+    *,
+    residual: torch.Tensor | None = None,  # [M, K]: the norm runs over x + residual
+    split_k: int | None = None,
+    locks: torch.Tensor | None = None,
+    config: GemvConfig | None = None,
+    pdl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # ([M, N], the new residual [M, K] or None)
+    """F.linear(rms_norm_ref(x, norm_weight, eps), weight, bias) in one launch (`rms_norm_gemv_ref`); with
+    `residual`, h = x + residual is normed and returned as a new tensor (x and residual are left as they are:
+    every program reads them, so none may write them). transformers' RMSNorm form (not Gemma's)."""
+    n, k = _checked_weight(x, weight)
+    if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype or not norm_weight.is_contiguous():
+        raise ValueError(f"norm_weight must be a contiguous [K={k}] of x's dtype {x.dtype}; got "
+                         f"{tuple(norm_weight.shape)} {norm_weight.dtype}")  # fmt: skip
+    h = None
+    if residual is not None:
+        if residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1:
+            raise ValueError(f"residual must be [M, K] = {tuple(x.shape)} of x's dtype with contiguous rows; got "
+                             f"{tuple(residual.shape)} {residual.dtype}")  # fmt: skip
+        h = torch.empty_like(x, memory_format=torch.contiguous_format)
+    out = _checked_output(x, n, k, bias)
+    if x.shape[0]:
+        prologue = _Prologue(RMS_NORM.value if h is None else ADD_RMS_NORM.value, residual, norm_weight, h, eps)
+        _launch(x, weight, None, None, None, bias, out, float_kind(weight.dtype), k, split_k, locks, config,
+                prologue, pdl)  # fmt: skip
+    return out, h
+
+
+def silu_mul_gemv(
+    x: torch.Tensor,  # [M, 2 K]: [gate | up], rows may be strided
+    weight: torch.Tensor,  # [N, K] with contiguous rows, x's dtype
+    bias: torch.Tensor | None = None,
+    *,
+    split_k: int | None = None,
+    locks: torch.Tensor | None = None,
+    config: GemvConfig | None = None,
+    pdl: bool = False,
+) -> torch.Tensor:  # [M, N]
+    """F.linear(silu_and_mul_ref(x), weight, bias) in one launch (`silu_mul_gemv_ref`)."""
+    if weight.dim() != 2 or x.dim() != 2 or x.shape[1] != 2 * weight.shape[1] or x.stride(1) != 1:
+        raise ValueError(f"x must be [M, 2 K] = [M, {2 * weight.shape[-1]}] ([gate | up]) with contiguous rows "
+                         f"for a weight of shape {tuple(weight.shape)}; got x {tuple(x.shape)}")  # fmt: skip
+    n, k = _checked_weight(x[:, : weight.shape[1]], weight)
+    out = _checked_output(x[:, :k], n, k, bias)
+    if x.shape[0]:
+        prologue = _Prologue(SILU_MUL.value, None, None, None, 0.0)
+        _launch(x, weight, None, None, None, bias, out, float_kind(weight.dtype), k, split_k, locks, config,
+                prologue, pdl)  # fmt: skip
+    return out
+
+
+def _checked_weight(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int]:
     if weight.dim() != 2 or weight.stride(1) != 1:
         raise ValueError(f"weight must be [N, K] with contiguous rows; got shape {tuple(weight.shape)}")
     if weight.dtype != x.dtype:
         raise TypeError(f"weight has dtype {weight.dtype} and x {x.dtype}; expected the same")
-    n, k = weight.shape
-    kind = float_kind(weight.dtype)
-    out = _checked_output(x, n, k, bias)
-    if x.shape[0]:
-        _launch(x, weight, None, None, None, bias, out, kind, k, split_k, locks, config)
-    return out
+    return weight.shape[0], weight.shape[1]
+
+
+class _Prologue(NamedTuple):
+    """What a launch folds in before the GEMV (gemv_prologue.py): the mode and its operands."""
+
+    mode: int
+    residual: torch.Tensor | None
+    norm_weight: torch.Tensor | None
+    h: torch.Tensor | None  # the new residual, written by one program per token row
+    eps: float
+
+
+_NO_PROLOGUE = _Prologue(NONE.value, None, None, None, 0.0)
 
 
 def _checked_output(x: torch.Tensor, n: int, k: int, bias: torch.Tensor | None) -> torch.Tensor:
@@ -230,8 +340,9 @@ def _launch(
     x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None, qzeros: torch.Tensor | None,
     mins: torch.Tensor | None, bias: torch.Tensor | None, out: torch.Tensor, kind: int, group_size: int,
     split_k: int | None, locks: torch.Tensor | None, config: GemvConfig | None,
+    prologue: _Prologue = _NO_PROLOGUE, pdl: bool = False,
 ) -> None:  # fmt: skip
-    m, n, k = x.shape[0], out.shape[1], x.shape[1]
+    m, n, k = x.shape[0], out.shape[1], x.shape[1] // (2 if prologue.mode == SILU_MUL.value else 1)
     if config is None:
         config = config_for(kind, n, k) if x.is_cuda else INTERPRETER_CONFIG
     if split_k is None and not x.is_cuda:
@@ -249,15 +360,19 @@ def _launch(
             raise ValueError(f"locks must be int32 with at least {m * n_tiles} counters (gemv_locks)")
     codes = codes_per_unit(kind)
     dummy = w  # stands in for absent scales, zero points, mins, bias and counters: never read
+    res, nw, h = prologue.residual, prologue.norm_weight, prologue.h
     _gemv_kernel[(n_tiles, plan.split, m)](
         x, w, dummy if scales is None else scales, dummy if qzeros is None else qzeros,
         dummy if mins is None else mins, dummy if bias is None else bias, part, dummy if locks is None else locks,
-        out, n, k, 1 if scales is None else scales.shape[1], plan.tiles_per_split, plan.split,
+        out, x if res is None else res, x if nw is None else nw, x if h is None else h, prologue.eps,
+        n, k, 1 if scales is None else scales.shape[1], plan.tiles_per_split, plan.split,
         x.stride(0), w.stride(0), 0 if scales is None else scales.stride(0), 0 if qzeros is None else qzeros.stride(0),
-        0 if mins is None else mins.stride(0), out.stride(0),
+        0 if mins is None else mins.stride(0), out.stride(0), 0 if res is None else res.stride(0),
+        0 if h is None else h.stride(0),
         BITS=kind if codes > 1 else 0, CODES=codes, GROUP=ROW_GROUP if group_size >= k else group_size,
         G=plan.groups, GW=plan.group_words,
         HAS_SCALES=scales is not None, HAS_ZEROS=qzeros is not None, HAS_MINS=mins is not None,
         HAS_BIAS=bias is not None, EVEN_K=k % (plan.groups * plan.group_words * codes) == 0,
-        BLOCK_N=config.block_n, FOLD=config.fold_offsets and codes > 1, num_warps=config.num_warps,
+        BLOCK_N=config.block_n, FOLD=config.fold_offsets and codes > 1, PROLOGUE=prologue.mode, PDL=pdl,
+        num_warps=config.num_warps, **pdl_launch(pdl),
     )  # fmt: skip

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_launch
 from .rms_norm_ref import gemma_rms_norm_ref, rms_norm_ref
 
 __all__ = ["DTYPES", "gemma_rms_norm_ref", "launch_config", "rms_norm", "rms_norm_ref"]
@@ -25,8 +26,11 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, num_rows, eps, stride_x, stride_res, stride_out,
     HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    UNIT_OFFSET: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    if PDL:  # launched as a programmatic dependent: the previous kernel's writes land before any read
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # the next may launch now; it waits for this one the same way
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [R]: small hidden sizes take several rows
     cols = tl.arange(0, BLOCK_H)
     col_mask = cols < HIDDEN
@@ -89,6 +93,7 @@ def rms_norm(
     residual: torch.Tensor | None = None,  # [T, H]: becomes x + residual, in place
     out: torch.Tensor | None = None,  # [T, H]; may be x itself
     unit_offset: bool = False,  # Gemma's form: scale by (1 + weight) in float32 (gemma_rms_norm_ref)
+    pdl: bool = False,  # a programmatic dependent launch (CUDA, Hopper or newer): see kernels/pdl.py
 ) -> torch.Tensor:
     """RMSNorm(x), or with `residual`: residual <- x + residual (in place), then RMSNorm(residual).
 
@@ -106,6 +111,6 @@ def rms_norm(
     _rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
         x, res, weight, out, num_rows, eps, x.stride(0), res.stride(0), out.stride(0),
         HIDDEN=hidden, BLOCK_H=block_h, ROWS=rows, HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset,
-        num_warps=num_warps,
+        PDL=pdl, num_warps=num_warps, **pdl_launch(pdl),
     )  # fmt: skip
     return out

@@ -226,6 +226,12 @@ class DeviceConfig:
         'start-up), "on" (every layer it can run; the same numbers eager and graphed), "off" (never, the '
         "quantized layers' GEMV included).",
     )
+    decode_pdl: bool = arg(
+        False,
+        "Launch the Triton kernels of the decode chain (the dense layers' GEMV and its folded norms, RMSNorm, "
+        "the q/k norm + rotary + KV write) as programmatic dependent launches, each overlapping the previous "
+        "kernel's tail, CUDA graphs included (CUDA on Hopper or newer, the Triton backend). Results unchanged.",
+    )
     cuda_graph_max_tokens: int | None = arg(
         None,
         "Steps that are not decode-only (prompt chunks, alone or beside decodes) of up to this many tokens replay "
@@ -275,6 +281,7 @@ class DeviceConfig:
         _set(self, "attention_backend", backend)
         check_bool(_fail, "enforce_eager", self.enforce_eager)
         _set(self, "decode_gemv", check_enum(_fail, DecodeGemv, "decode_gemv", self.decode_gemv))
+        check_bool(_fail, "decode_pdl", self.decode_pdl)
         check_bool(_fail, "core_process", self.core_process)
         check_bool(_fail, "jump_forward", self.jump_forward)
         if not isinstance(self.grammar_process, bool | None):

@@ -1,6 +1,7 @@
 """`decode_gemv` on the GPU (bench/gpu_check.sh runs them; skipped without CUDA): batch-1 decode steps replaying
 graphs that captured the GEMV give the tokens of eager steps launching it (float32 and bfloat16), and in float32
-those of the GEMV off; "auto" times real decode shapes (Qwen3-0.6B's) at start-up and decodes."""
+those of the GEMV off ("on" folds the norms and SiLU-and-mul into it too); "auto" times real decode shapes
+(Qwen3-0.6B's, the folded pairs included) at start-up and decodes; PDL launches give the same tokens."""
 
 from __future__ import annotations
 
@@ -34,6 +35,20 @@ def test_graphs_equal_eager_with_the_gemv_on(tiny_model: Path, dtype: str) -> No
         assert graphs == off
 
 
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="PDL needs Hopper or newer"
+)
+def test_pdl_launches_give_the_same_tokens(tiny_model: Path) -> None:
+    """decode_pdl: the GEMV (its folded norms and SiLU-and-mul too), RMSNorm and the q/k norm + rotary + KV write
+    launched as programmatic dependents, in captured graphs and eagerly: the tokens of plain launches."""
+    common = dict(device="cuda", dtype="bfloat16", block_size=4, num_kv_blocks=256, decode_gemv="on")
+    batches = [_prompts(300, (9,)), _prompts(300, (4, 13))]
+    plain, _ = _tokens(tiny_model, batches, **common)
+    pdl, _ = _tokens(tiny_model, batches, decode_pdl=True, **common)
+    eager, _ = _tokens(tiny_model, batches, decode_pdl=True, enforce_eager=True, **common)
+    assert pdl == plain and eager == plain
+
+
 def test_auto_times_real_decode_shapes(tiny_model: Path, tmp_path: Path) -> None:
     """Two layers of Qwen3-0.6B's shapes (random weights, the tiny tokenizer), bfloat16 with CUDA graphs:
     "auto" times each shape at start-up (within the tune_gemm phase) and decodes; a shape's choice covers
@@ -49,6 +64,7 @@ def test_auto_times_real_decode_shapes(tiny_model: Path, tmp_path: Path) -> None
         out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
         assert len(out[0].token_ids) == 6
         assert llm.runtime.gemv_layers % 2 == 0  # both layers of a shape, or neither
+        assert llm.runtime.prologue_layers % 2 == 0  # likewise for a folded pair (timed once for both layers)
         assert dict(llm.runtime.startup_seconds)["tune_gemm"] < 3.0  # compiling the GEMV (a cold cache) included
     finally:
         llm.shutdown()

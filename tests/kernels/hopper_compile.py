@@ -14,8 +14,10 @@ assert not os.environ.get("TRITON_INTERPRET"), "compiling needs the real Triton,
 
 import triton  # noqa: E402
 from asyncllm.kernels import gemv_plan  # noqa: E402
+from asyncllm.kernels import qk_norm_rope_kv as qk  # noqa: E402
 from asyncllm.kernels import quant_matmul as qm  # noqa: E402
 from asyncllm.kernels import quant_matmul_gemv as gemv  # noqa: E402
+from asyncllm.kernels import rms_norm  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
@@ -50,29 +52,59 @@ def dequantize(bits: int) -> None:
     triton.compile(ASTSource(fn=qm._dequantize_kernel, signature=signature, constexprs=consts), target=TARGET)
 
 
+def rms_norm_pdl(residual: bool) -> None:
+    """RMSNorm (kernels/rms_norm.py) launched as a programmatic dependent: Qwen3-0.6B's hidden size in bf16."""
+    signature = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "num_rows": "i32",
+                 "eps": "fp32", "stride_x": "i32", "stride_res": "i32", "stride_out": "i32"}  # fmt: skip
+    block_h, rows, warps = rms_norm.launch_config(1024)
+    consts = dict(HIDDEN=1024, BLOCK_H=block_h, ROWS=rows, HAS_RESIDUAL=residual, UNIT_OFFSET=False, PDL=True)
+    signature |= {name: "constexpr" for name in consts}
+    source = ASTSource(fn=rms_norm._rms_norm_kernel, signature=signature, constexprs=consts)
+    triton.compile(source, target=TARGET, options={"num_warps": warps, "launch_pdl": True})
+
+
+def qk_norm_rope_kv_pdl() -> None:
+    """The q/k norm + rotary + KV write (kernels/qk_norm_rope_kv.py) launched as a programmatic dependent:
+    Qwen3-0.6B's 16 query heads over 8 KV heads, bf16, a bf16 cache."""
+    signature = {"qkv_ptr": "*bf16", "pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "q_w_ptr": "*bf16",
+                 "k_w_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "slot_ptr": "*i64",
+                 "q_out_ptr": "*bf16", "k_scale_ptr": "*bf16", "v_scale_ptr": "*bf16", "eps": "fp32"}  # fmt: skip
+    strides = ("stride_qkv", "stride_cos", "stride_sin", "stride_kb", "stride_kt", "stride_kh", "stride_vb",
+               "stride_vt", "stride_vh", "stride_qo_t", "stride_qo_h")  # fmt: skip
+    signature |= {name: "i32" for name in strides}
+    consts = dict(NUM_HEADS=16, NUM_KV_HEADS=8, GROUP=2, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_R=4, BLOCK_HALF=64,
+                  HAS_NORM=True, UNIT_OFFSET=False, KV_FP8=False, PDL=True)  # fmt: skip
+    signature |= {name: "constexpr" for name in consts}
+    source = ASTSource(fn=qk._qk_norm_rope_kv_kernel, signature=signature, constexprs=consts)
+    triton.compile(source, target=TARGET, options={"num_warps": 2, "launch_pdl": True, "enable_fp_fusion": False})
+
+
 def gemv_kernel(
     bits: int, group: int, zeros: bool, mins: bool, split: int, act: str, even_k: bool = True, scales: str = "",
-    config: gemv_plan.GemvConfig = gemv_plan.DEFAULT_CONFIG,
+    config: gemv_plan.GemvConfig = gemv_plan.DEFAULT_CONFIG, prologue: int = 0, pdl: bool = False,
 ) -> None:  # fmt: skip
     """The GEMV at the tile shape its launcher picks for `group` over K = 4096 (`gemv_plan`); bits 16: plain
-    16-bit weights of the activations' type, no scales."""
+    16-bit weights of the activations' type, no scales. `prologue`: gemv_prologue.py's mode."""
     plain = bits == gemv_plan.FLOAT16
     codes, default_scales = (act, act) if plain else POINTERS[bits]
     scales = scales or default_scales
     plan = gemv_plan.gemv_plan(1, 4096, 4096, bits, group, 132, split, config)
     assert plan is not None, group
     signature = {"x_ptr": act, "w_ptr": codes, "s_ptr": scales, "z_ptr": "*u8", "m_ptr": scales, "b_ptr": act,
-                 "part_ptr": "*fp32", "lock_ptr": "*i32", "out_ptr": act}  # fmt: skip
+                 "part_ptr": "*fp32", "lock_ptr": "*i32", "out_ptr": act, "a_ptr": act, "nw_ptr": act,
+                 "h_ptr": act, "eps": "fp32"}  # fmt: skip
     signature |= {name: "i32" for name in ("N", "K", "GROUPS", "tiles_per_split", "split", "stride_xm")}
     signature |= {name: "i32" for name in ("stride_wn", "stride_sn", "stride_zn", "stride_mn", "stride_om")}
+    signature |= {name: "i32" for name in ("stride_am", "stride_hm")}
     per = gemv_plan.codes_per_unit(bits)
     row_group = gemv_plan.ROW_GROUP if group >= 4096 else group  # as the launcher passes it
     consts = dict(BITS=bits if per > 1 else 0, CODES=per, GROUP=row_group, G=plan.groups, GW=plan.group_words,
                   HAS_SCALES=not plain, HAS_ZEROS=zeros, HAS_MINS=mins, HAS_BIAS=True, EVEN_K=even_k,
-                  BLOCK_N=config.block_n, FOLD=config.fold_offsets and per > 1)  # fmt: skip
+                  BLOCK_N=config.block_n, FOLD=config.fold_offsets and per > 1, PROLOGUE=prologue,
+                  PDL=pdl)  # fmt: skip
     signature |= {name: "constexpr" for name in consts}
     source = ASTSource(fn=gemv._gemv_kernel, signature=signature, constexprs=consts)
-    triton.compile(source, target=TARGET, options={"num_warps": config.num_warps})
+    triton.compile(source, target=TARGET, options={"num_warps": config.num_warps, "launch_pdl": pdl})
 
 
 FOLDED = gemv_plan.GemvConfig(fold_offsets=True)
@@ -98,6 +130,18 @@ SWEEP_VARIANTS = [
     for bn, w, rb in gemv_plan.CANDIDATE_TILES
     for fold in ((False, True) if kind == "int4 g128" else (False,))
 ]
+
+PROLOGUE_CASES = (  # name, split, even K, config, PDL
+    ("split", 4, True, gemv_plan.DEFAULT_CONFIG, False),
+    ("odd K", 1, False, gemv_plan.GemvConfig(128, 4, 128, 4, 32), False),
+    ("split pdl", 2, True, gemv_plan.GemvConfig(64, 4, 256, 16, 32), True),
+)
+PROLOGUE_VARIANTS = [
+    (f"gemv bf16 prologue {mode} {name}", partial(gemv_kernel, gemv_plan.FLOAT16, 4096, False, False, split, "*bf16",
+                                                  even_k, config=config, prologue=mode, pdl=pdl))
+    for mode in (1, 2, 3)
+    for name, split, even_k, config, pdl in PROLOGUE_CASES
+]  # fmt: skip
 
 VARIANTS = [
     ("int4 TILE zeros decode", lambda: gemm(4, 1, True, False, True, (16, 64, 128))),
@@ -135,6 +179,13 @@ VARIANTS = [
     # plain 16-bit weights (dense layers at one token row): no scales; split and unsplit, an odd K
     ("gemv bf16 split", lambda: gemv_kernel(gemv_plan.FLOAT16, 4096, False, False, 4, "*bf16")),
     ("gemv fp16 odd K", lambda: gemv_kernel(gemv_plan.FLOAT16, 4096, False, False, 1, "*fp16", even_k=False)),
+    # prologues folded into the 16-bit GEMV (gemv_prologue.py): RMSNorm, add + RMSNorm, SiLU-and-mul; split,
+    # unsplit, an odd K, the 0.6B's tuned qkv tile; and launched as a programmatic dependent (PDL)
+    *PROLOGUE_VARIANTS,
+    ("rms_norm pdl", lambda: rms_norm_pdl(False)),
+    ("rms_norm residual pdl", lambda: rms_norm_pdl(True)),
+    ("qk_norm_rope_kv pdl", qk_norm_rope_kv_pdl),
+    ("gemv bf16 pdl no prologue", lambda: gemv_kernel(gemv_plan.FLOAT16, 4096, False, False, 4, "*bf16", pdl=True)),
     *SWEEP_VARIANTS,
 ]
 

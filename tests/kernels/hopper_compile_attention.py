@@ -86,7 +86,7 @@ def qk_norm_rope_kv(act: str, fp8: bool, norm: bool, unit_offset: bool = False) 
                 "v_cache_ptr": cache, "pos_ptr": "*i64", "slot_ptr": "*i64", "cos_ptr": "*fp32",
                 "sin_ptr": "*fp32"}  # fmt: skip
     consts = dict(NUM_HEADS=16, NUM_KV_HEADS=8, GROUP=2, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_R=4, BLOCK_HALF=64,
-                  HAS_NORM=norm, UNIT_OFFSET=unit_offset, KV_FP8=fp8)  # fmt: skip
+                  HAS_NORM=norm, UNIT_OFFSET=unit_offset, KV_FP8=fp8, PDL=False)  # fmt: skip
     _compile(qk._qk_norm_rope_kv_kernel, pointers | scales, consts, warps=2)
 
 

@@ -18,17 +18,25 @@ from tests.fixtures.triton_kernels import HAS_CUDA
 
 ENGINE = dict(device="cpu", dtype="float32", block_size=4, num_kv_blocks=64, max_num_batched_tokens=32)
 LINEARS_PER_LAYER = 4  # qkv, o, gate_up, down (the tiny models have 2 layers)
+PROLOGUES_PER_LAYER = 3  # input norm -> qkv, post-attention add + norm -> gate_up, SiLU-and-mul -> down
 
 
-def _tokens(path: Path, batches: list[list[list[int]]], **engine_args) -> tuple[list[list[int]], int]:
-    """Greedy tokens of each batch of prompts, one batch after the other; and `runtime.gemv_layers`."""
+def _run(path: Path, batches: list[list[list[int]]], **engine_args) -> tuple[list[list[int]], int, int]:
+    """Greedy tokens of each batch of prompts, one batch after the other; `runtime.gemv_layers` and
+    `runtime.prologue_layers`."""
     llm = LLM(str(path), **engine_args)
     try:
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         outs = [o for prompts in batches for o in llm.generate(prompts, params, use_tqdm=False)]
-        return [o.token_ids for o in outs], llm.runtime.gemv_layers
+        return [o.token_ids for o in outs], llm.runtime.gemv_layers, llm.runtime.prologue_layers
     finally:
         llm.shutdown()
+
+
+def _tokens(path: Path, batches: list[list[list[int]]], **engine_args) -> tuple[list[list[int]], int]:
+    """Greedy tokens of each batch of prompts, one batch after the other; and `runtime.gemv_layers`."""
+    tokens, layers, _ = _run(path, batches, **engine_args)
+    return tokens, layers
 
 
 def _prompts(vocab: int, lengths: tuple[int, ...]) -> list[list[int]]:
@@ -39,12 +47,13 @@ def _prompts(vocab: int, lengths: tuple[int, ...]) -> list[list[int]]:
 @pytest.mark.skipif(HAS_CUDA, reason="the interpreter runs only without CUDA (the GPU tests below run there)")
 def test_gemv_on_gives_the_tokens_of_gemv_off(tiny_model: Path) -> None:
     """One request alone: every decode step one row, through the GEMV (more rows take F.linear: the layer's
-    tests, tests/layers/test_linear_gemv.py)."""
+    tests, tests/layers/test_linear_gemv.py); with "on", qkv, gate_up and down fold the norm (the residual add
+    too) and SiLU-and-mul before them into their GEMV (layers/prologue.py)."""
     batches = [_prompts(300, (7,))]
-    on, on_layers = _tokens(tiny_model, batches, attention_backend="triton", decode_gemv="on", **ENGINE)
-    off, off_layers = _tokens(tiny_model, batches, attention_backend="triton", decode_gemv="off", **ENGINE)
-    assert on == off
-    assert (on_layers, off_layers) == (2 * LINEARS_PER_LAYER, 0)
+    on = _run(tiny_model, batches, attention_backend="triton", decode_gemv="on", **ENGINE)
+    off = _run(tiny_model, batches, attention_backend="triton", decode_gemv="off", **ENGINE)
+    assert on[0] == off[0]
+    assert on[1:] == (2 * LINEARS_PER_LAYER, 2 * PROLOGUES_PER_LAYER) and off[1:] == (0, 0)
 
 
 def test_torch_backend_never_takes_the_gemv(tiny_model: Path) -> None:
@@ -55,3 +64,13 @@ def test_torch_backend_never_takes_the_gemv(tiny_model: Path) -> None:
 def test_bad_value_is_refused_naming_the_field(tiny_model: Path) -> None:
     with pytest.raises(InvalidConfigError, match="decode_gemv='always' is invalid: use one of 'auto', 'on', 'off'"):
         LLM(str(tiny_model), decode_gemv="always", **ENGINE)
+
+
+def test_decode_pdl_refused_without_cuda_naming_the_field(tiny_model: Path) -> None:
+    """Programmatic dependent launch is CUDA's (Hopper or newer) and the Triton backend's: asked for on the CPU
+    or with the torch backend, the engine says so instead of ignoring it."""
+    for backend in ("torch", "triton"):
+        with pytest.raises(InvalidConfigError, match="decode_pdl=True launches the Triton backend's kernels on CUDA"):
+            LLM(str(tiny_model), attention_backend=backend, decode_pdl=True, **ENGINE)
+    with pytest.raises(InvalidConfigError, match="decode_pdl='yes' is invalid"):
+        LLM(str(tiny_model), decode_pdl="yes", **ENGINE)

@@ -19,6 +19,11 @@ class SiluAndMul(nn.Module, Fusable):
         super().__init__()
         self._kernel: Callable[[torch.Tensor], torch.Tensor] | None = None
 
+    @property
+    def fused(self) -> bool:
+        """Whether the fused kernel is on."""
+        return self._kernel is not None
+
     def enable_fused_kernels(self) -> None:
         from asyncllm.kernels.silu_mul import silu_and_mul
 

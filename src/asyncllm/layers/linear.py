@@ -1,5 +1,6 @@
-"""The dense linear layer (`Linear`: F.linear, or at one token row the one-launch GEMV where it was chosen) and
-the layers whose weight packs several checkpoint tensors (q/k/v, gate/up) into one matmul.
+"""The dense linear layer (`Linear`: F.linear, or at one token row the one-launch GEMV where it was chosen, with
+the norm or SiLU-and-mul before it folded in where layers/prologue.py pairs them) and the layers whose weight
+packs several checkpoint tensors (q/k/v, gate/up) into one matmul.
 
 A packed layer (`Packed`: plain or quantized) knows the row range of each named shard and copies checkpoint
 tensors into it, recording which shards arrived so a model can report any it never received. Parameters are
@@ -10,15 +11,17 @@ uninitialised: every one is loaded. Knows nothing about checkpoint names; models
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from asyncllm.layers.fusion import LaunchesPdl
 from asyncllm.layers.param_dtype import empty_parameter
 
 
-class Linear(nn.Module):
+class Linear(nn.Module, LaunchesPdl):
     """y = x W^T (+ b), W [out, in]; like nn.Linear without the random initialisation. At one token row it can
     take the one-launch GEMV instead of F.linear (`use_gemv`; worker/gemm_layout.py decides where)."""
 
@@ -31,6 +34,8 @@ class Linear(nn.Module):
     def _no_gemv(self) -> None:
         self._gemv: Callable[..., torch.Tensor] | None = None  # kernels' linear_gemv, once use_gemv(True) ran
         self._gemv_locks: torch.Tensor | None = None  # its split-K counters, allocated before any graph capture
+        self._prologue: ModuleType | None = None  # the kernels' module, once use_prologue_gemv(True) ran
+        self._pdl = False  # the GEMV's launches programmatic dependents (use_pdl)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.project(x, self.bias)
@@ -39,7 +44,8 @@ class Linear(nn.Module):
         """x W^T (+ bias): the GEMV at one token row where it is on, else F.linear. The path depends only on
         the row count, so CUDA graphs capture it."""
         if self._gemv is not None and x.dim() == 2 and x.shape[0] == 1:
-            return self._gemv(x if x.stride(1) == 1 else x.contiguous(), self.weight, bias, locks=self._gemv_locks)
+            x = x if x.stride(1) == 1 else x.contiguous()
+            return self._gemv(x, self.weight, bias, locks=self._gemv_locks, pdl=self._pdl)
         return F.linear(x, self.weight, bias)
 
     @property
@@ -51,23 +57,65 @@ class Linear(nn.Module):
         """Take the one-launch GEMV (kernels/quant_matmul_gemv.py, a Triton kernel: CUDA, or the interpreter)
         at one token row, or stop. It reads the weight in its [out, in] layout, of a float type."""
         if not on:
-            self._no_gemv()
+            self._gemv = None
             return
+        self._check_gemv_weight()
+        from asyncllm.kernels.quant_matmul_gemv import gemv_locks, linear_gemv
+
+        if self._gemv_locks is None:
+            self._gemv_locks = gemv_locks(self.weight.shape[0], 1, self.weight.device)
+        self._gemv = linear_gemv
+
+    def _check_gemv_weight(self) -> None:
         weight = self.weight
         if weight.stride(1) != 1 or weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(
                 f"the GEMV reads [out, in] float weights with contiguous rows; this layer's is {weight.dtype} "
                 f"with strides {weight.stride()}"
             )
-        from asyncllm.kernels.quant_matmul_gemv import gemv_locks, linear_gemv
 
-        self._gemv_locks = gemv_locks(weight.shape[0], 1, weight.device)
-        self._gemv = linear_gemv
+    @property
+    def prologue_gemv(self) -> bool:
+        """Whether one token row reaching this layer through layers/prologue.py folds the op before it (a
+        norm, or SiLU-and-mul) into its GEMV."""
+        return self._prologue is not None
+
+    def use_prologue_gemv(self, on: bool) -> None:
+        """Fold the op before this layer into its one-row GEMV where layers/prologue.py pairs them, or stop;
+        the weight as `use_gemv` reads it. Calls without a prologue keep the layer's other paths."""
+        if not on:
+            self._prologue = None
+            return
+        self._check_gemv_weight()
+        from asyncllm.kernels import quant_matmul_gemv
+
+        if self._gemv_locks is None:
+            self._gemv_locks = quant_matmul_gemv.gemv_locks(self.weight.shape[0], 1, self.weight.device)
+        self._prologue = quant_matmul_gemv
+
+    def project_normed(
+        self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # ([1, out], x + residual or None)
+        """One token row: rms_norm(x (+ residual)) W^T (+ b) in one launch (`prologue_gemv` on)."""
+        assert self._prologue is not None and x.shape[0] == 1
+        return self._prologue.rms_norm_gemv(  # type: ignore[no-any-return]
+            x, norm_weight, eps, self.weight, self.bias, residual=residual, locks=self._gemv_locks, pdl=self._pdl
+        )
+
+    def project_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """One token row: (silu(gate) * up) W^T (+ b) of x = [gate | up] in one launch (`prologue_gemv` on)."""
+        assert self._prologue is not None and x.shape[0] == 1
+        return self._prologue.silu_mul_gemv(  # type: ignore[no-any-return]
+            x, self.weight, self.bias, locks=self._gemv_locks, pdl=self._pdl
+        )
+
+    def use_pdl(self, on: bool) -> None:
+        self._pdl = on
 
     def store_weight_transposed(self) -> None:
         """Keep the weight's memory [in, out] while it stays an [out, in] view: the same maths, but cuBLAS
         then runs the transposed-layout GEMM (faster for some shapes; worker/gemm_layout.py decides)."""
-        assert self._gemv is None, "the GEMV reads the [out, in] layout"
+        assert self._gemv is None and self._prologue is None, "the GEMV reads the [out, in] layout"
         with torch.no_grad():
             self.weight.data = self.weight.data.t().contiguous().t()
 

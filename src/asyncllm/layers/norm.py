@@ -22,11 +22,11 @@ from asyncllm.kernels.rms_norm_ref import (
     gemma_rms_norm_ref,
     rms_norm_ref,
 )
-from asyncllm.layers.fusion import Fusable
+from asyncllm.layers.fusion import Fusable, LaunchesPdl
 from asyncllm.layers.param_dtype import empty_parameter
 
 
-class RMSNorm(nn.Module, Fusable):
+class RMSNorm(nn.Module, Fusable, LaunchesPdl):
     unit_offset: ClassVar[bool] = False  # scale by (1 + weight) in float32, rounded once (Gemma's form)
 
     def __init__(self, dim: int, eps: float) -> None:
@@ -34,11 +34,20 @@ class RMSNorm(nn.Module, Fusable):
         self.weight = empty_parameter(dim)
         self.eps = eps
         self._kernel: Callable[..., Any] | None = None  # the fused kernel, once enable_fused_kernels ran
+        self._pdl = False  # its launches programmatic dependents (use_pdl)
+
+    @property
+    def fused(self) -> bool:
+        """Whether the fused kernel is on."""
+        return self._kernel is not None
 
     def enable_fused_kernels(self) -> None:
         from asyncllm.kernels.rms_norm import rms_norm
 
         self._kernel = rms_norm
+
+    def use_pdl(self, on: bool) -> None:
+        self._pdl = on
 
     @overload
     def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
@@ -54,7 +63,7 @@ class RMSNorm(nn.Module, Fusable):
         caller continues with the returned pair.
         """
         if self._kernel is not None and x.dim() == 2:
-            out = self._kernel(x, self.weight, self.eps, residual=residual, unit_offset=self.unit_offset)
+            out = self._kernel(x, self.weight, self.eps, residual=residual, unit_offset=self.unit_offset, pdl=self._pdl)
             return out if residual is None else (out, residual)
         if residual is None:
             return (gemma_rms_norm_ref if self.unit_offset else rms_norm_ref)(x, self.weight, self.eps)

@@ -19,8 +19,9 @@ from asyncllm.attention.backend import AttentionBackend, AttentionMetadata
 from asyncllm.attention.layer import Attention, KVCache
 from asyncllm.errors import UnsupportedModelError
 from asyncllm.layers.embedding import LMHead, VocabEmbedding
-from asyncllm.layers.fusion import Fusable
+from asyncllm.layers.fusion import Fusable, LaunchesPdl
 from asyncllm.layers.linear import Linear, PackedLinear, gate_up_shards, qkv_shards
+from asyncllm.layers.prologue import PrologueKind, ProloguePair, act_linear, norm_linear
 from asyncllm.layers.rotary import RotaryEmbedding, RotaryInputs, apply_rotary
 from asyncllm.models.base import CausalLM
 from asyncllm.models.config import ModelArchConfig
@@ -74,10 +75,13 @@ class LlamaMLP(nn.Module):
         self.act = family.activation()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))  # type: ignore[no-any-return]  # [T, hidden] -> [T, 2I] -> [T, I] -> [T, hidden]
+        return self.down(self.gate_up_proj(x))  # [T, hidden] -> [T, 2I] -> [T, hidden]
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return act_linear(self.act, self.down_proj, gate_up)  # [T, 2I] -> [T, I] -> [T, hidden]
 
 
-class LlamaAttention(nn.Module, Fusable):
+class LlamaAttention(nn.Module, Fusable, LaunchesPdl):
     qk_unit_offset: ClassVar[bool] = False  # the q/k norms' form in the fused kernel: Gemma's scales by (1 + w)
 
     def __init__(
@@ -97,6 +101,7 @@ class LlamaAttention(nn.Module, Fusable):
         self.attn = Attention(arch.num_heads, arch.num_kv_heads, arch.head_dim, backend, scale, window)
         self.rms_norm_eps = arch.rms_norm_eps
         self._fused_qkv: Callable[..., torch.Tensor] | None = None  # q/k norm + rotary + KV write, one kernel
+        self._pdl = False  # that kernel's launches programmatic dependents (use_pdl)
 
     @property
     def fused(self) -> bool:
@@ -106,6 +111,9 @@ class LlamaAttention(nn.Module, Fusable):
         from asyncllm.kernels.qk_norm_rope_kv import qk_norm_rope_kv
 
         self._fused_qkv = qk_norm_rope_kv
+
+    def use_pdl(self, on: bool) -> None:
+        self._pdl = on
 
     def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Hook for families that normalise q/k per head before rotary (Qwen3); identity here."""
@@ -122,7 +130,15 @@ class LlamaAttention(nn.Module, Fusable):
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) * D]
+        return self.attend(self.qkv_proj(x), rope, kv_cache, meta)
+
+    def attend(
+        self,
+        qkv: torch.Tensor,  # [T, (H + 2 Hkv) * D]: qkv_proj's output
+        rope: RotaryInputs,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         if self._fused_qkv is not None:
             k_cache, v_cache = kv_cache
             q_norm, k_norm = self.qk_norm_weights()
@@ -140,9 +156,10 @@ class LlamaAttention(nn.Module, Fusable):
                 unit_offset=self.qk_unit_offset,
                 k_scale=self.attn.k_scale,
                 v_scale=self.attn.v_scale,
+                pdl=self._pdl,
             )  # [T, H, D]; this step's k/v are in the cache now
             return self.o_proj(self.attn.attend_cached(q, kv_cache, meta))
-        num_tokens = x.shape[0]
+        num_tokens = qkv.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -173,14 +190,22 @@ class LlamaDecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, the residual stream before adding it). Each residual add happens
-        inside the next norm (fused in one kernel when enabled); the sums are transformers' exactly."""
-        if residual is None:
-            x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, rope, kv_cache, meta)
+        inside the next norm (fused in one kernel when enabled); the sums are transformers' exactly. Each norm
+        feeds one projection (`norm_linear`: one launch at batch-1 decode where the pair is on)."""
+        qkv, residual = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, x, residual)
+        x = self.self_attn.attend(qkv, rope, kv_cache, meta)
+        if isinstance(self.mlp, LlamaMLP):
+            gate_up, residual = norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, x, residual)
+            return self.mlp.down(gate_up), residual
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
+
+    def prologue_pairs(self) -> list[ProloguePair]:
+        pairs = [ProloguePair(PrologueKind.RMS_NORM, self.input_layernorm, self.self_attn.qkv_proj)]
+        if isinstance(self.mlp, LlamaMLP):
+            pairs.append(ProloguePair(PrologueKind.RMS_NORM, self.post_attention_layernorm, self.mlp.gate_up_proj))
+            pairs.append(ProloguePair(PrologueKind.SILU_MUL, self.mlp.act, self.mlp.down_proj))
+        return pairs
 
 
 class LlamaModel(nn.Module):

@@ -12,7 +12,7 @@ import torch
 
 from asyncllm.config import EngineConfig
 from asyncllm.config_values import Device, DType, KVCacheDType
-from asyncllm.errors import DeviceError
+from asyncllm.errors import DeviceError, InvalidConfigError
 from asyncllm.models.config import ModelArchConfig
 from asyncllm.quantization.scheme import QuantScheme, resolve_quantization
 
@@ -71,3 +71,19 @@ class ResolvedModel:
     def on(self, device: torch.device) -> ResolvedModel:
         """The same model on another device (a tensor-parallel rank's)."""
         return dataclasses.replace(self, device=device)
+
+
+def check_pdl(device: torch.device, triton_backend: bool) -> None:
+    """`decode_pdl=True` needs the Triton kernels on a CUDA device that has programmatic dependent launch
+    (compute capability 9.0 or newer)."""
+    if not triton_backend or device.type != "cuda":
+        raise InvalidConfigError(
+            f"decode_pdl=True launches the Triton backend's kernels on CUDA; this engine runs on {device} with "
+            f"{'the Triton' if triton_backend else 'the torch'} backend: leave decode_pdl off"
+        )
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 9:
+        raise InvalidConfigError(
+            f"decode_pdl=True needs compute capability 9.0 or newer (Hopper); {torch.cuda.get_device_name(device)} "
+            f"has {major}.{minor}: leave decode_pdl off"
+        )

@@ -23,7 +23,7 @@ from asyncllm.attention.backend import AttentionBackend
 from asyncllm.attention.registry import make_attention_backend
 from asyncllm.config import EngineConfig
 from asyncllm.config_values import DecodeGemv
-from asyncllm.layers.fusion import use_fused_kernels
+from asyncllm.layers.fusion import use_fused_kernels, use_pdl
 from asyncllm.layers.parallel import TPGroup
 from asyncllm.model_loader.base import Checkpoint
 from asyncllm.model_loader.loader import load_model
@@ -34,8 +34,8 @@ from asyncllm.sample.structured import GrammarProcessMode
 from asyncllm.step import RuntimeInfo
 from asyncllm.worker.buckets import Buckets
 from asyncllm.worker.cuda_graph import CudaGraphRunner
-from asyncllm.worker.device import ResolvedModel
-from asyncllm.worker.gemm_layout import gemv_layers, set_decode_gemv, tune_linear_layers
+from asyncllm.worker.device import ResolvedModel, check_pdl
+from asyncllm.worker.gemm_layout import gemv_layers, prologue_layers, set_decode_gemv, tune_linear_layers
 from asyncllm.worker.input_batch import InputBuffers
 from asyncllm.worker.kv_cache import KVCacheSpec, allocate_kv_cache, blocks_for_budget, cpu_kv_blocks
 from asyncllm.worker.lora import LoRAManager
@@ -148,6 +148,9 @@ class WorkerSetup:
         if fused:
             use_fused_kernels(module)
             set_decode_gemv(module, mode)  # "on" or "off"; "auto" is timed below
+        if self.config.device_config.decode_pdl:
+            check_pdl(device, fused)
+            use_pdl(module, True)
         self.timings["load"] = time.perf_counter() - start
         if device.type == "cuda" and not self.config.device_config.enforce_eager:
             start = time.perf_counter()
@@ -157,6 +160,7 @@ class WorkerSetup:
                 "linear weights stored [in, out] for shapes %s", [s for s, c in choices.items() if c.transposed]
             )
             logger.debug("one token row through the GEMV for shapes %s", [s for s, c in choices.items() if c.gemv])
+            logger.debug("the op before folded into the GEMV for %d layers", prologue_layers(module))
         return LoadedModel(module, backend, loras)
 
     def _lora_manager(self, module: CausalLM) -> LoRAManager | None:
@@ -319,6 +323,7 @@ class WorkerSetup:
             num_threads=self.num_threads,
             max_loras=loaded.loras.num_slots if loaded.loras is not None else 0,
             gemv_layers=gemv_layers(loaded.model),
+            prologue_layers=prologue_layers(loaded.model),
             kv_window=arch.kv_window,
         )
 
