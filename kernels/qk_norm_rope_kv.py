@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import pdl_launch
 from .kv_cache_fp8_ref import KV_FP8_DTYPE, check_kv_scales
+from .pdl import pdl_launch
 from .qk_norm_rope_kv_ref import qk_norm_rope_kv_ref
 from .rms_norm import DTYPES
 

@@ -34,8 +34,8 @@ from .gemv_plan import (
     gemv_locks,
     gemv_plan,
 )
-from .pdl import pdl_launch
 from .gemv_prologue import ADD_RMS_NORM, NONE, RMS_NORM, SILU_MUL, activations, inv_rms
+from .pdl import pdl_launch
 from .quant_matmul import ACT_DTYPES, _num_sms, check_weight
 from .quant_matmul_ref import quant_matmul_ref
 

@@ -13,11 +13,10 @@ from functools import partial
 assert not os.environ.get("TRITON_INTERPRET"), "compiling needs the real Triton, not the interpreter"
 
 import triton  # noqa: E402
-from asyncllm.kernels import gemv_plan  # noqa: E402
+from asyncllm.kernels import gemv_plan, rms_norm  # noqa: E402
 from asyncllm.kernels import qk_norm_rope_kv as qk  # noqa: E402
 from asyncllm.kernels import quant_matmul as qm  # noqa: E402
 from asyncllm.kernels import quant_matmul_gemv as gemv  # noqa: E402
-from asyncllm.kernels import rms_norm  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
