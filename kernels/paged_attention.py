@@ -26,12 +26,10 @@ stride, up to a live count read on the device (`TILES_HEADER`), so a fixed grid 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 
-from .cascade_plan import UNIT_FIELDS, UNIT_ROWS
+from .cascade_plan import UNIT_FIELDS, Cascade
 from .paged_attention_cascade import _cascade_prefix_kernel
 from .paged_attention_checks import check_inputs, check_kv_scales, check_window
 from .paged_attention_kernels import _decode_reduce_kernel, _decode_split_kernel, _prefill_kernel
@@ -88,18 +86,6 @@ def _scale_pointers(
     return q, q
 
 
-@dataclass(frozen=True)
-class Cascade:
-    """A cascade decode launch's lists (kernels/cascade_plan.py `cascade_work`), int32 on q's device, beside the
-    decode work list they index: `skip` [Bd] the shared-prefix keys of each work-list entry (0: not in a unit);
-    `units` [UNIT_FIELDS * U]; `members` [Bd] work-list positions. `prefix_splits`: each unit's prefix splits."""
-
-    skip: torch.Tensor
-    units: torch.Tensor
-    members: torch.Tensor
-    prefix_splits: int
-
-
 def paged_decode_attention(
     q: torch.Tensor,  # [T, H, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -123,7 +109,7 @@ def paged_decode_attention(
     group, head_dim, block_size = check_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
     check_window(window)
     kv_fp8 = check_kv_scales(k_cache, k_scale, v_scale)
-    prefix_splits = 0 if cascade is None else _check_cascade(cascade, decode_seqs, window, num_splits)
+    prefix_splits = 0 if cascade is None else _check_cascade(cascade, decode_seqs, window, num_splits, group)
     if num_stages is None:
         # Two stages: half the shared memory of four, so an SM holds more programs, which beats a deeper
         # pipeline once lengths vary (H200, batch 256, lengths U[200, 2048], longest first: 0.372 against
@@ -144,8 +130,7 @@ def paged_decode_attention(
     skip = decode_seqs if cascade is None else cascade.skip  # unread without a cascade: one compiled variant
     units = 0 if cascade is None else cascade.units.shape[0] // UNIT_FIELDS
     if cascade is not None and units:
-        # Rows: members x the query heads of one KV head (kernels/cascade_plan.py sized the units to fit).
-        block_m = _pow2(max(UNIT_ROWS, group))
+        block_m = _pow2(cascade.max_members * group)  # rows: members x the query heads of one KV head
         _cascade_prefix_kernel[(num_kv_heads, units, prefix_splits)](
             q, k_cache, v_cache, block_tables, query_start_loc, decode_seqs, cascade.units, cascade.members,
             acc, m, l_sum, *scales, scale * _LOG2E, num_splits, prefix_splits,
@@ -171,7 +156,7 @@ def paged_decode_attention(
     )  # fmt: skip
 
 
-def _check_cascade(cascade: Cascade, decode_seqs: torch.Tensor, window: int | None, num_splits: int) -> int:
+def _check_cascade(cascade: Cascade, decode_seqs: torch.Tensor, window: int | None, num_splits: int, group: int) -> int:
     """The cascade's lists against the decode work list; returns its prefix split count."""
     if window is not None:
         raise ValueError("cascade decode attention is for global layers: a sliding window reads no shared prefix")
@@ -181,6 +166,10 @@ def _check_cascade(cascade: Cascade, decode_seqs: torch.Tensor, window: int | No
             raise TypeError(f"cascade.{name} must be 1-D int32 on {decode_seqs.device}; got {t.dtype} {tuple(t.shape)}")
         if size is not None and t.shape[0] != size:
             raise ValueError(f"cascade.{name} holds {t.shape[0]} entries; the decode work list {size}")
+    if not 1 <= cascade.max_members * group <= 256:  # the prefix kernel's rows: a tile of tl.dot in registers
+        raise ValueError(
+            f"cascade.max_members={cascade.max_members} x {group} query heads per KV head exceeds 256 rows"
+        )
     if cascade.units.shape[0] % UNIT_FIELDS:
         raise ValueError(f"cascade.units holds {cascade.units.shape[0]} ints: {UNIT_FIELDS} per unit")
     if not 1 <= cascade.prefix_splits <= MAX_SPLITS - num_splits:

@@ -65,9 +65,9 @@ def caches(tables, seq_lens, block_size: int, num_kv_heads: int, head_dim: int, 
     return k.to(DEVICE), v.to(DEVICE)
 
 
-def run(pa, q, k, v, tables, seq_lens, scale, num_splits, prefix_splits=None, min_prefix_tokens=16):
+def run(pa, q, k, v, tables, seq_lens, scale, num_splits, prefix_splits=None, min_prefix_tokens=16, **kv):
     """The decode kernel over every row: plain (`prefix_splits` None) or cascade, the plan's work lists as the
-    Triton backend stages them. Returns (out, the units found)."""
+    Triton backend stages them; `kv`: an FP8 cache's scales. Returns (out, the units found)."""
     n, group = len(seq_lens), q.shape[1] // k.shape[2]
     i32 = dict(dtype=torch.int32, device=DEVICE)
     bt = torch.tensor(tables, **i32)
@@ -76,14 +76,15 @@ def run(pa, q, k, v, tables, seq_lens, scale, num_splits, prefix_splits=None, mi
     out = torch.full_like(q, float("nan"))
     if prefix_splits is None:
         order = torch.tensor(np.argsort(-seq_lens, kind="stable"), **i32)
-        pa.paged_decode_attention(q, k, v, bt, lens, qsl, order, out, scale, num_splits=num_splits)
+        pa.paged_decode_attention(q, k, v, bt, lens, qsl, order, out, scale, num_splits=num_splits, **kv)
         return out, None
     members = unit_members(group)
     shared = find_shared_prefixes(tables, seq_lens, k.shape[1], members, min_prefix_tokens)
     order, skip, units, member_list = cascade_work(shared, seq_lens, unit_capacity(n, members))
-    cascade = pa.Cascade(*(torch.tensor(x, **i32) for x in (skip, units, member_list)), prefix_splits)
-    order_t = torch.tensor(order, **i32)
-    pa.paged_decode_attention(q, k, v, bt, lens, qsl, order_t, out, scale, num_splits=num_splits, cascade=cascade)
+    lists = (torch.tensor(x.reshape(-1), **i32) for x in (skip, units, member_list))
+    cascade = pa.Cascade(*lists, prefix_splits, members)
+    order_t = torch.tensor(order, **i32)  # the decode work list, most keys after the prefix first
+    pa.paged_decode_attention(q, k, v, bt, lens, qsl, order_t, out, scale, num_splits=num_splits, cascade=cascade, **kv)
     return out, shared
 
 
@@ -127,6 +128,19 @@ def test_members_diverging_inside_the_prefix_share_only_the_common_blocks(pa) ->
     torch.testing.assert_close(cascade, plain, atol=1e-5, rtol=1e-5)
 
 
+def test_fp8_cache_cascade_equals_plain(pa) -> None:
+    """An e4m3 cache (NaN codes in never-written slots), scales that are no power of two: the prefix kernel
+    applies both, as the decode kernel does (a scale missed or applied twice is off by its factor)."""
+    tables, seq_lens, _ = shared_batch([(3, [1, 6, 13]), (2, [4, 4])], [11], 4, seed=4)
+    k, v = (c.to(torch.float8_e4m3fn) for c in caches(tables, seq_lens, 4, 2, 32, torch.float32, seed=4))
+    q = torch.randn(len(seq_lens), 4, 32, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    kv = {"k_scale": torch.tensor(0.37, device=DEVICE), "v_scale": torch.tensor(1.9, device=DEVICE)}
+    plain, _ = run(pa, q, k, v, tables, seq_lens, 0.2, 2, **kv)
+    cascade, shared = run(pa, q, k, v, tables, seq_lens, 0.2, 2, prefix_splits=2, min_prefix_tokens=8, **kv)
+    assert shared is not None and len(shared.units) == 2
+    torch.testing.assert_close(cascade, plain, atol=1e-5, rtol=1e-5)
+
+
 def test_no_shared_block_finds_no_group() -> None:
     """Rows sharing nothing, or whose shared block holds their last key (no suffix left), form no unit."""
     tables = np.array([[1, 2], [3, 4], [5, 0], [5, 0]], dtype=np.int32)
@@ -138,7 +152,7 @@ def test_cascade_refuses_a_window_and_too_many_partials(pa) -> None:
     k, v = caches(tables, seq_lens, 4, 1, 32, torch.float32, seed=0)
     q = torch.randn(2, 1, 32).to(DEVICE)
     i32 = dict(dtype=torch.int32, device=DEVICE)
-    cascade = pa.Cascade(torch.zeros(2, **i32), torch.zeros(4, **i32), torch.zeros(2, **i32), 32)
+    cascade = pa.Cascade(torch.zeros(2, **i32), torch.zeros(4, **i32), torch.zeros(2, **i32), 32, 4)
     args = (q, k, v, torch.tensor(tables, **i32), torch.tensor(seq_lens, **i32), torch.arange(3, **i32))
     seqs, out = torch.arange(2, **i32), torch.empty_like(q)
     with pytest.raises(ValueError, match="prefix_splits=32 must be in"):

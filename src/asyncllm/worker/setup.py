@@ -126,6 +126,8 @@ class WorkerSetup:
             dtype,
             self.local_arch.num_kv_heads,
             self.resolved.kv_cache_dtype,
+            self.config.device_config.cascade_attention,
+            self.local_arch.num_heads // self.local_arch.num_kv_heads,
         )
         mc = self.config.model_config
         module = load_model(
