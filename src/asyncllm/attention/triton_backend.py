@@ -2,8 +2,8 @@
 asyncllm.kernels.paged_attention (split-KV decode for single-token sequences, a varlen causal prefill for
 the rest). `plan` turns the step's host-side lengths into the kernels' launch plans once per step; with
 cascade decode on (`cascade`), a decode step whose sequences share prefix blocks gets the cascade plan
-(attention/cascade.py), a graph variant of its own. An FP8 cache
-is read by the same kernels (its scales handed through).
+(attention/cascade.py), a graph variant of its own. An FP8 cache is read by the same kernels (its scales
+handed through).
 
 Knows the kernels' launch contracts, not their insides; the torch backend stays the reference it is tested against.
 """
