@@ -6,8 +6,8 @@ one layer's attention per call. Prints one JSON line per plan, then the ratio: m
 bytes each must read (K and V: the plain kernel every sequence's keys, cascade each prefix once per unit) and
 the logical bytes (every sequence's keys) per second.
 
-Also the host side (any device): the backend's plan per step at 256 rows, plain and cascade, with the prefixes
-shared and with none shared (what a step that shares nothing pays for the grouping).
+Also the host side (any device): the backend's plan per step at 256 rows, its work list staged, plain and
+cascade, with the prefixes shared and with none shared (what a step that shares nothing pays for the grouping).
 
 Usage: python3 bench/kernels/bench_cascade.py [--groups 16] [--prefix 2048] [--host-only]
 (on CPU, the host side only: TRITON_INTERPRET=1 python3 bench/kernels/bench_cascade.py)
@@ -73,10 +73,17 @@ def metadata(tables: np.ndarray, lens: list[int], device: torch.device) -> Atten
 
 
 def host_us(backend: TritonAttentionBackend, meta: AttentionMetadata, bounds: PlanBounds, variant, reps=300):
-    backend.plan(meta, bounds, variant)
+    """The plan and its work list written into a host buffer (what the worker stages), per step."""
+    staged = np.zeros(backend.work_size(bounds), dtype=np.int32)
+
+    def plan_and_stage() -> None:
+        work = backend.plan(meta, bounds, variant).work
+        staged[: len(work)] = work
+
+    plan_and_stage()
     start = time.perf_counter()
     for _ in range(reps):
-        backend.plan(meta, bounds, variant)
+        plan_and_stage()
     return (time.perf_counter() - start) / reps * 1e6
 
 

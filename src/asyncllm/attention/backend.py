@@ -46,10 +46,11 @@ class PlanBounds:
 
 class AttentionPlan(ABC):
     """What a backend derives once per step and every layer reuses (index tensors, splits). Made on the host
-    by `AttentionBackend.plan`: `work` holds, as plain ints of the backend's `work_dtype`, every value its
-    device tensors will hold; `bind` then makes those tensors views of the uploaded `work`."""
+    by `AttentionBackend.plan`: `work` holds, as host ints of the backend's `work_dtype` (a list, or a numpy
+    array where the plan is made in numpy), every value its device tensors will hold; `bind` then makes those
+    tensors views of the uploaded `work`."""
 
-    work: list[int]
+    work: list[int] | np.ndarray
 
     @property
     def graph_variant(self) -> int:
@@ -140,11 +141,12 @@ class AttentionBackend(ABC):
         list is copied into (a static plan's fixed address); else a fresh upload."""
         plan = self.plan(meta, bounds)
         if plan is not None:
+            work = plan.work if isinstance(plan.work, list) else plan.work.tolist()
             if into is None:
-                plan.bind(to_device(plan.work, self.work_dtype, meta.seq_lens.device))
+                plan.bind(to_device(work, self.work_dtype, meta.seq_lens.device))
             else:
-                copy_into(into, plan.work)
-                plan.bind(into[: len(plan.work)])
+                copy_into(into, work)
+                plan.bind(into[: len(work)])
         meta.plan = plan
 
     def write_kv(

@@ -97,7 +97,7 @@ def cascade_layout(
 
 def plan_cascade(
     settings: CascadeDecode, layout: CascadeLayout, meta: AttentionMetadata, forced: bool = False
-) -> list[int] | None:
+) -> np.ndarray | None:
     """A decode step's cascade work list; None when no two of its sequences share a prefix long enough
     (the plain plan then runs) unless `forced` (a capture: the cascade launches over no unit)."""
     tables = meta.block_tables_cpu
@@ -112,12 +112,12 @@ def plan_cascade(
         return None
     order, skip, units, members = cascade_work(shared, meta.seq_lens_cpu, layout.units)
     n = layout.num_seqs
-    work = np.zeros(layout.size, dtype=np.int64)
+    work = np.zeros(layout.size, dtype=np.int32)  # the backend's work_dtype
     work[:n] = order
     work[layout.skip_offset : layout.skip_offset + n] = skip
     work[layout.units_offset : layout.members_offset] = units.reshape(-1)
     work[layout.members_offset :] = members
-    return list(work.tolist())
+    return work
 
 
 def _aligned4(n: int) -> int:

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 
+import numpy as np
 import torch
 
 from asyncllm.attention.backend import AttentionBackend, AttentionMetadata, AttentionPlan, PlanBounds
@@ -48,7 +49,7 @@ class TritonPlan(AttentionPlan):
     """The kernels' launch plan. `work` (int32): the decode sequences' order (padded to a multiple of four
     entries, so the tile buffer that follows starts 16-byte aligned), then the prefill tile buffer."""
 
-    work: list[int]
+    work: list[int] | np.ndarray  # a cascade plan's is made in numpy: staged without a list's conversions
     num_decode: int  # decode programs: the first entries of `work`, each a batch index; -1: padding
     tiles_offset: int | None  # where the tile buffer starts in `work`; None: no prefill tiles
     decode_max_len: int  # bound on the decode sequences' lengths (keys), host side: sets the split count
