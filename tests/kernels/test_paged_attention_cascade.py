@@ -88,16 +88,15 @@ def run(pa, q, k, v, tables, seq_lens, scale, num_splits, prefix_splits=None, mi
     return out, shared
 
 
-CASES = [  # (groups: (prefix blocks, member suffix keys)), singles, block size, GQA group
-    ([(2, [1, 5]), (3, [16, 17, 9])], [7, 40], 8, 2),
-    ([(4, [3] * 9 + [20])], [], 4, 1),  # one unit of 10 members
-    ([(2, [1, 2, 3] * 8)], [33], 8, 8),  # 24 members, group 8: balanced units of at most 8
-    ([(9, [1, 31, 64]), (1, [2, 2])], [3, 100, 1], 4, 2),  # a one-block prefix under the minimum: plain
+CASES = [  # (groups: (prefix blocks, member suffix keys)), singles, block size, GQA group, splits, prefix splits
+    ([(2, [1, 5]), (3, [16, 17, 9])], [7, 40], 8, 2, 1, 3),
+    ([(4, [3] * 9 + [20])], [], 4, 1, 3, 2),  # one unit of 10 members
+    ([(2, [1, 2, 3] * 8)], [33], 8, 8, 1, 1),  # 24 members, group 8: balanced units of at most 8
+    ([(9, [1, 31, 64]), (1, [2, 2])], [3, 100, 1], 4, 2, 3, 2),  # a one-block prefix under the minimum: plain
 ]
 
 
-@pytest.mark.parametrize("groups, singles, block_size, group", CASES)
-@pytest.mark.parametrize("num_splits, prefix_splits", [(1, 3), (3, 2)])
+@pytest.mark.parametrize("groups, singles, block_size, group, num_splits, prefix_splits", CASES)
 def test_cascade_equals_plain_decode(pa, groups, singles, block_size, group, num_splits, prefix_splits) -> None:
     dtype, head_dim, num_kv_heads = torch.float32, 32, 2
     tables, seq_lens, given = shared_batch(groups, singles, block_size, seed=block_size * group + num_splits)
