@@ -2,14 +2,15 @@
 Triton backend's plans: one decode step of 256 sequences in 16 groups of 16, each group sharing a 2,048-token
 prefix (its blocks physically shared, as prefix-cache hits are) plus 128-384 unique tokens; Qwen3-0.6B's heads
 (16 query / 8 KV, head_dim 128), bf16, blocks of 16. Both plans replayed as CUDA graphs (as decode steps run),
-one layer's attention per call. Prints one JSON line per plan, then the ratio: microseconds per call, the
-bytes each must read (K and V: the plain kernel every sequence's keys, cascade each prefix once per unit) and
-the logical bytes (every sequence's keys) per second.
+one layer's attention per call, the cascade at several prefix split counts (`--prefix-splits`; 0: the
+engine's choice, which `CascadeDecode.prefix_splits` overrides). Prints one JSON line per plan, then the best
+ratio: microseconds per call, the bytes each must read (K and V: the plain kernel every sequence's keys,
+cascade each prefix once per unit) and the logical bytes (every sequence's keys) per second.
 
 Also the host side (any device): the backend's plan per step at 256 rows, its work list staged, plain and
 cascade, with the prefixes shared and with none shared (what a step that shares nothing pays for the grouping).
 
-Usage: python3 bench/kernels/bench_cascade.py [--groups 16] [--prefix 2048] [--host-only]
+Usage: python3 bench/kernels/bench_cascade.py [--groups 16] [--prefix 2048] [--prefix-splits 0,1,2,4] [--host-only]
 (on CPU, the host side only: TRITON_INTERPRET=1 python3 bench/kernels/bench_cascade.py)
 """
 
@@ -30,6 +31,7 @@ from asyncllm.attention.triton_backend import TritonAttentionBackend
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, MAX_LEN = 16, 8, 128, 16, 4096
 KEY_BYTES = 2 * KV_HEADS * HEAD_DIM * 2  # K and V of one token in one layer, bf16
+UNIQUE = (128, 384)  # each sequence's own tokens after its group's prefix
 
 
 def step(groups: int, members: int, prefix: int, shared: bool, seed: int = 0):
@@ -41,7 +43,7 @@ def step(groups: int, members: int, prefix: int, shared: bool, seed: int = 0):
         common = list(range(next_block, next_block + prefix // BLOCK))
         next_block += len(common)
         for _ in range(members):
-            n = prefix + rng.randint(128, 384)
+            n = prefix + rng.randint(*UNIQUE)
             own_prefix = common
             if not shared:
                 own_prefix = list(range(next_block, next_block + len(common)))
@@ -117,19 +119,22 @@ def graphed_us(fn) -> float:
     return statistics.median(times)
 
 
-def bench_device(args: argparse.Namespace) -> None:
-    device = torch.device("cuda")
-    backend = TritonAttentionBackend(device, torch.bfloat16, KV_HEADS, cascade=CascadeDecode(HEADS // KV_HEADS))
+def bench_device(args: argparse.Namespace, device: torch.device, timer=None, dtype=torch.bfloat16) -> None:
+    """`timer`: microseconds of one call (default: CUDA-graph replays); a CPU test passes its own, float32."""
+    timer = timer or graphed_us
     tables, lens, num_blocks = step(args.groups, 16, args.prefix, shared=True)
     n = len(lens)
     bounds = PlanBounds(n, n, MAX_LEN, decode_only=True)
     shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
-    k_cache, v_cache = (torch.randn(shape, device=device, dtype=torch.bfloat16) for _ in "kv")
-    q = torch.randn(n, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
+    k_cache, v_cache = (torch.randn(shape, device=device, dtype=dtype) for _ in "kv")
+    q = torch.randn(n, HEADS, HEAD_DIM, device=device, dtype=dtype)
     logical = sum(lens) * KEY_BYTES
     results = {}
     outs = {}
-    for name, variant in (("plain", 0), ("cascade", 1)):
+    runs = [("plain", 0, None)] + [("cascade", 1, s or None) for s in args.prefix_splits]
+    for name, variant, prefix_splits in runs:
+        cascade = CascadeDecode(HEADS // KV_HEADS, prefix_splits=prefix_splits)
+        backend = TritonAttentionBackend(device, dtype, KV_HEADS, cascade=cascade)
         meta = metadata(tables, lens, device)
         work = torch.zeros(backend.work_size(bounds), dtype=torch.int32, device=device)
         plan = backend.plan(meta, bounds, variant)
@@ -139,14 +144,18 @@ def bench_device(args: argparse.Namespace) -> None:
         read = logical
         if variant == 1:
             read = (sum(lens) - args.prefix * n + args.prefix * args.groups) * KEY_BYTES
-        us = graphed_us(lambda meta=meta: backend.attend(q, k_cache, v_cache, meta, HEAD_DIM**-0.5))
-        outs[name] = backend.attend(q, k_cache, v_cache, meta, HEAD_DIM**-0.5)
-        results[name] = us
-        print(json.dumps({"kernel": name, "seqs": n, "groups": args.groups, "prefix": args.prefix, "us": round(us, 1),
+        us = timer(lambda meta=meta, backend=backend: backend.attend(q, k_cache, v_cache, meta, HEAD_DIM**-0.5))
+        label = name if variant == 0 else f"cascade/{plan.cascade.prefix_splits}"
+        outs[label] = backend.attend(q, k_cache, v_cache, meta, HEAD_DIM**-0.5)
+        results[label] = us
+        print(json.dumps({"kernel": label, "seqs": n, "groups": args.groups, "prefix": args.prefix, "us": round(us, 1),
                           "gb_read": round(read / 1e9, 3), "read_tb_s": round(read / us / 1e6, 2),
                           "logical_tb_s": round(logical / us / 1e6, 2)}))  # fmt: skip
-    err = (outs["cascade"].float() - outs["plain"].float()).abs().max().item()
-    print(json.dumps({"cascade_speedup": round(results["plain"] / results["cascade"], 2), "max_abs_diff": err}))
+    best = min((k for k in results if k != "plain"), key=results.__getitem__)
+    err = max((outs[k].float() - outs["plain"].float()).abs().max().item() for k in outs)
+    print(
+        json.dumps({"cascade_speedup": round(results["plain"] / results[best], 2), "best": best, "max_abs_diff": err})
+    )
 
 
 def main() -> None:
@@ -154,10 +163,16 @@ def main() -> None:
     ap.add_argument("--groups", type=int, default=16)
     ap.add_argument("--prefix", type=int, default=2048)
     ap.add_argument("--host-only", action="store_true")
+    ap.add_argument(
+        "--prefix-splits",
+        type=lambda v: [int(x) for x in v.split(",")],
+        default=[0, 1, 2, 4],
+        help="cascade runs, each with these prefix splits (0: the engine's choice)",
+    )
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     if cuda and not args.host_only:
-        bench_device(args)
+        bench_device(args, torch.device("cuda"))
     bench_host(args, torch.device("cuda" if cuda else "cpu"))
 
 

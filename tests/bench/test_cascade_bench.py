@@ -41,6 +41,29 @@ def test_host_plans_cascade_only_where_prefixes_are_shared(kernel_bench: ModuleT
     assert [(r["prefixes_shared"], r["cascade"]) for r in lines] == [(True, True), (False, False)]
 
 
+@pytest.mark.skipif(HAS_CUDA, reason="CPU smoke test (the interpreter runs only without CUDA)")
+def test_device_part_runs_in_the_interpreter(kernel_bench: ModuleType, capsys, monkeypatch) -> None:
+    """The GPU half's plans, binds and launches, float32 in the interpreter at a toy size (timed once on the
+    host): every cascade run equals the plain one."""
+    import time
+
+    import torch
+
+    for name, value in (("MAX_LEN", 512), ("HEADS", 4), ("KV_HEADS", 2), ("HEAD_DIM", 16), ("UNIQUE", (1, 40))):
+        monkeypatch.setattr(kernel_bench, name, value)
+
+    def once(fn) -> float:
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e6
+
+    args = argparse.Namespace(groups=1, prefix=128, prefix_splits=[0, 2])
+    kernel_bench.bench_device(args, torch.device("cpu"), timer=once, dtype=torch.float32)
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r.get("kernel") for r in lines[:-1]] == ["plain", "cascade/1", "cascade/2"]
+    assert lines[-1]["max_abs_diff"] < 1e-4
+
+
 def test_w3_prompts_are_the_peer_scripts() -> None:
     with bench_script("w3_cascade") as w3:
         prompts = w3.w3_prompts(groups=3, prefix=20, unique=4)

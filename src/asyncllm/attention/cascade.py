@@ -38,6 +38,7 @@ class CascadeDecode:
 
     group: int
     min_prefix_tokens: int = MIN_PREFIX_TOKENS
+    prefix_splits: int | None = None  # each unit's prefix splits; None: chosen per decode bucket (`cascade_layout`)
 
     @property
     def max_members(self) -> int:
@@ -89,7 +90,8 @@ def cascade_layout(
     the units such a batch would form (of `_EXPECTED_MEMBERS`); together within the reduction's width."""
     num_splits = choose_num_splits(max_seq_len, num_seqs, num_kv_heads, num_sms)
     units = max(1, num_seqs // _EXPECTED_MEMBERS)
-    prefix_splits = min(choose_num_splits(max_seq_len, units, num_kv_heads, num_sms), MAX_SPLITS // 2)
+    prefix_splits = settings.prefix_splits or choose_num_splits(max_seq_len, units, num_kv_heads, num_sms)
+    prefix_splits = min(prefix_splits, MAX_SPLITS // 2)
     num_splits = min(num_splits, MAX_SPLITS - prefix_splits)
     members = settings.max_members
     return CascadeLayout(num_seqs, num_splits, prefix_splits, unit_capacity(num_seqs, members), members)
