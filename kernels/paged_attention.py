@@ -131,12 +131,16 @@ def paged_decode_attention(
     units = 0 if cascade is None else cascade.units.shape[0] // UNIT_FIELDS
     if cascade is not None and units:
         block_m = _pow2(cascade.max_members * group)  # rows: members x the query heads of one KV head
+        # K/V rows past 256 bytes (float32, or head_dim 256): 32 keys a tile keep two stages in shared memory
+        # (fp32 at head_dim 256 and 64 keys would need ~280 KB; Hopper has 227 KB a block).
+        big = q.element_size() * _pow2(head_dim) > 256
         _cascade_prefix_kernel[(num_kv_heads, units, prefix_splits)](
             q, k_cache, v_cache, block_tables, query_start_loc, decode_seqs, cascade.units, cascade.members,
             acc, m, l_sum, *scales, scale * _LOG2E, num_splits, prefix_splits,
             q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
             GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_D=_pow2(head_dim),
-            BLOCK_N=block_n, DOT_PRECISION=_precision(q.dtype), KV_FP8=kv_fp8, num_warps=4, num_stages=num_stages,
+            BLOCK_N=min(block_n, 32) if big else block_n, DOT_PRECISION=_precision(q.dtype), KV_FP8=kv_fp8, num_warps=4,
+            num_stages=num_stages,
         )  # fmt: skip
     _decode_split_kernel[(num_kv_heads, num_decode, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, decode_seqs, out, acc, m, l_sum,

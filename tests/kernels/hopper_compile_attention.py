@@ -67,15 +67,17 @@ def reduce(cascade: bool = False) -> None:
     _compile(pak._decode_reduce_kernel, pointers, consts, warps=4)
 
 
-def cascade_prefix(act: str, fp8: bool) -> None:
-    """At the launcher's choices for Qwen3's heads: 64 rows (32 members x 2 query heads), block_n 64, 4 warps."""
+def cascade_prefix(act: str, fp8: bool, head_dim: int = 128) -> None:
+    """At the launcher's choices for 16 query over 8 KV heads: 64 rows (32 members x 2 query heads), 4 warps,
+    block_n 64 (32 when a K/V row of the queries' dtype passes 256 bytes: float32, head_dim 256)."""
     ptr, precision = TYPES[act]
     cache, scales = _cache(act, fp8)
     pointers = {"q_ptr": ptr, "k_ptr": cache, "v_ptr": cache}
     pointers |= {name: "*fp32" for name in ("acc_ptr", "m_ptr", "l_ptr")}
     pointers |= {name: "*i32" for name in ("bt_ptr", "qsl_ptr", "seqs_ptr", "units_ptr", "members_ptr")}
-    consts = dict(GROUP=2, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_D=128, BLOCK_N=64, DOT_PRECISION=precision,
-                  KV_FP8=fp8)  # fmt: skip
+    block_n = 32 if (4 if act == "fp32" else 2) * head_dim > 256 else 64
+    consts = dict(GROUP=2, HEAD_DIM=head_dim, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_D=head_dim, BLOCK_N=block_n,
+                  DOT_PRECISION=precision, KV_FP8=fp8)  # fmt: skip
     _compile(pac._cascade_prefix_kernel, pointers | scales, consts, warps=4, stages=2)
 
 
@@ -117,6 +119,7 @@ VARIANTS = [
     ("cascade prefix bf16", lambda: cascade_prefix("bf16", False)),
     ("cascade prefix bf16 over e4m3", lambda: cascade_prefix("bf16", True)),
     ("cascade prefix fp32", lambda: cascade_prefix("fp32", False)),
+    ("cascade prefix bf16 head_dim 256", lambda: cascade_prefix("bf16", False, head_dim=256)),
     ("prefill bf16", lambda: prefill("bf16", False, False)),
     ("prefill bf16 over e4m3", lambda: prefill("bf16", True, False)),
     ("prefill bf16 over e4m3 sliding", lambda: prefill("bf16", True, True)),
