@@ -11,6 +11,11 @@ and the per-step plans (paged_attention_plan.py, re-exported here: `plan_prefill
 `choose_num_splits`). The kernels themselves are in paged_attention_kernels.py; this module is their launch
 contract: checks, launch configuration, the grids.
 
+Cascade decode (`cascade`, global layers): sequences whose block tables begin with the same blocks (a shared
+prompt prefix, kernels/cascade_plan.py) are grouped in units; one program per (KV head, unit, prefix split)
+reads the prefix once for all members' queries (paged_attention_cascade.py), the decode kernel walks each
+member's keys after it, and the reduction merges both by their log-sum-exp: the same softmax over every key.
+
 An FP8 cache (float8_e4m3fn, `kv_cache_dtype="fp8"`) is read as its codes times `k_scale` / `v_scale`,
 float32 tensors of one element (kv_cache_fp8_ref.py); a cache in the queries' dtype takes none.
 
@@ -24,6 +29,8 @@ from __future__ import annotations
 import torch
 import triton
 
+from .cascade_plan import UNIT_FIELDS, Cascade
+from .paged_attention_cascade import _cascade_prefix_kernel
 from .paged_attention_checks import check_inputs, check_kv_scales, check_window
 from .paged_attention_kernels import _decode_reduce_kernel, _decode_split_kernel, _prefill_kernel
 from .paged_attention_plan import (
@@ -39,6 +46,7 @@ from .paged_attention_ref import paged_attention_ref
 
 __all__ = [
     "TILES_HEADER",
+    "Cascade",
     "choose_num_splits",
     "max_prefill_tiles",
     "paged_attention_ref",
@@ -96,10 +104,12 @@ def paged_decode_attention(
     window: int | None = None,  # a sliding window: each query reads its last `window` keys; None: all
     k_scale: torch.Tensor | None = None,  # an FP8 cache's scales: float32, one element each, on q's device
     v_scale: torch.Tensor | None = None,
+    cascade: Cascade | None = None,  # shared prefixes read once per unit (global attention only)
 ) -> None:
     group, head_dim, block_size = check_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
     check_window(window)
     kv_fp8 = check_kv_scales(k_cache, k_scale, v_scale)
+    prefix_splits = 0 if cascade is None else _check_cascade(cascade, decode_seqs, window, num_splits, group)
     if num_stages is None:
         # Two stages: half the shared memory of four, so an SM holds more programs, which beats a deeper
         # pipeline once lengths vary (H200, batch 256, lengths U[200, 2048], longest first: 0.372 against
@@ -112,25 +122,66 @@ def paged_decode_attention(
     num_decode, num_heads, num_kv_heads = decode_seqs.shape[0], q.shape[1], k_cache.shape[2]
     if num_decode == 0:
         return
-    acc = torch.empty(num_decode, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-    m = torch.empty(num_decode, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    parts = num_splits + prefix_splits
+    acc = torch.empty(num_decode, num_heads, parts, head_dim, dtype=torch.float32, device=q.device)
+    m = torch.empty(num_decode, num_heads, parts, dtype=torch.float32, device=q.device)
     l_sum = torch.empty_like(m)
+    scales = _scale_pointers(q, kv_fp8, k_scale, v_scale)
+    skip = decode_seqs if cascade is None else cascade.skip  # unread without a cascade: one compiled variant
+    units = 0 if cascade is None else cascade.units.shape[0] // UNIT_FIELDS
+    if cascade is not None and units:
+        block_m = _pow2(cascade.max_members * group)  # rows: members x the query heads of one KV head
+        # K/V rows past 256 bytes (float32, or head_dim 256): 32 keys a tile keep two stages in shared memory
+        # (fp32 at head_dim 256 and 64 keys would need ~280 KB; Hopper has 227 KB a block).
+        big = q.element_size() * _pow2(head_dim) > 256
+        _cascade_prefix_kernel[(num_kv_heads, units, prefix_splits)](
+            q, k_cache, v_cache, block_tables, query_start_loc, decode_seqs, cascade.units, cascade.members,
+            acc, m, l_sum, *scales, scale * _LOG2E, num_splits, prefix_splits,
+            q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_D=_pow2(head_dim),
+            BLOCK_N=min(block_n, 32) if big else block_n, DOT_PRECISION=_precision(q.dtype), KV_FP8=kv_fp8, num_warps=4,
+            num_stages=num_stages,
+        )  # fmt: skip
     _decode_split_kernel[(num_kv_heads, num_decode, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, decode_seqs, out, acc, m, l_sum,
-        *_scale_pointers(q, kv_fp8, k_scale, v_scale), scale * _LOG2E, num_splits, window or 0,
+        *scales, skip, scale * _LOG2E, num_splits, prefix_splits, window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=_pow2(group),
         BLOCK_D=_pow2(head_dim), BLOCK_N=block_n, DOT_PRECISION=_precision(q.dtype), SLIDING=window is not None,
-        KV_FP8=kv_fp8, num_warps=num_warps, num_stages=num_stages,
+        KV_FP8=kv_fp8, CASCADE=cascade is not None, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    if num_splits == 1:
+    if parts == 1:
         return  # the split kernel wrote the output itself
     _decode_reduce_kernel[(num_decode, num_heads)](
-        out, acc, m, l_sum, query_start_loc, decode_seqs, num_splits, out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_S=MAX_SPLITS, BLOCK_D=_pow2(head_dim),  # one compiled variant for any split count
-        num_warps=4,
+        out, acc, m, l_sum, query_start_loc, decode_seqs, skip, num_splits, prefix_splits, out.stride(0),
+        out.stride(1), HEAD_DIM=head_dim, BLOCK_S=MAX_SPLITS, BLOCK_D=_pow2(head_dim),  # one variant: any splits
+        CASCADE=cascade is not None, num_warps=4,
     )  # fmt: skip
+
+
+def _check_cascade(cascade: Cascade, decode_seqs: torch.Tensor, window: int | None, num_splits: int, group: int) -> int:
+    """The cascade's lists against the decode work list; returns its prefix split count."""
+    if window is not None:
+        raise ValueError("cascade decode attention is for global layers: a sliding window reads no shared prefix")
+    n = decode_seqs.shape[0]
+    for name, t, size in (("skip", cascade.skip, n), ("members", cascade.members, n), ("units", cascade.units, None)):
+        if t.dtype != torch.int32 or t.dim() != 1 or t.device != decode_seqs.device:
+            raise TypeError(f"cascade.{name} must be 1-D int32 on {decode_seqs.device}; got {t.dtype} {tuple(t.shape)}")
+        if size is not None and t.shape[0] != size:
+            raise ValueError(f"cascade.{name} holds {t.shape[0]} entries; the decode work list {size}")
+    if not 1 <= cascade.max_members * group <= 256:  # the prefix kernel's rows: a tile of tl.dot in registers
+        raise ValueError(
+            f"cascade.max_members={cascade.max_members} x {group} query heads per KV head exceeds 256 rows"
+        )
+    if cascade.units.shape[0] % UNIT_FIELDS:
+        raise ValueError(f"cascade.units holds {cascade.units.shape[0]} ints: {UNIT_FIELDS} per unit")
+    if not 1 <= cascade.prefix_splits <= MAX_SPLITS - num_splits:
+        raise ValueError(
+            f"cascade.prefix_splits={cascade.prefix_splits} must be in [1, {MAX_SPLITS - num_splits}] beside "
+            f"num_splits={num_splits} (at most {MAX_SPLITS} partials a sequence)"
+        )
+    return cascade.prefix_splits
 
 
 def paged_prefill_attention(

@@ -1,6 +1,7 @@
-"""The paged attention kernels' device code, in Triton: the split-KV decode kernel and its reduction, and the
-varlen causal prefill kernel. Launched (with their input contract and plans) by paged_attention.py, whose
-docstring describes what they compute; `paged_attention_ref` is their specification.
+"""The paged attention kernels' device code, in Triton: the split-KV decode kernel and its reduction (both
+also in cascade form, CASCADE: see paged_attention_cascade.py), and the varlen causal prefill kernel. Launched
+(with their input contract and plans) by paged_attention.py, whose docstring describes what they compute;
+`paged_attention_ref` is their specification.
 
 An FP8 cache (KV_FP8, a constexpr: caches in the activations' dtype compile the code they always ran) holds
 e4m3 codes: each key and value tile is widened to the queries' dtype (exact: every e4m3 value is a bfloat16,
@@ -25,17 +26,18 @@ def _dim_mask(offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
 
 # num_splits is a plain argument, not specialised (1 / multiple of 16 / other would be three compilations), so
 # warm-up compiles one variant and a CUDA graph may bake in any split count; the window likewise.
-@triton.jit(do_not_specialize=["num_splits", "window"])
+@triton.jit(do_not_specialize=["num_splits", "prefix_splits", "window"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, seqs_ptr, out_ptr,
-    acc_ptr, m_ptr, l_ptr,  # partials: acc [B, H, S, D] fp32, m/l [B, H, S] fp32 (unused with one split)
+    acc_ptr, m_ptr, l_ptr,  # partials: acc [B, H, S + P, D] fp32, m/l [B, H, S + P] fp32 (unused with one split)
     k_scale_ptr, v_scale_ptr,  # an FP8 cache's float32 scales (unread otherwise)
-    qk_scale, num_splits, window,
+    skip_ptr,  # CASCADE: [B] int32, the shared-prefix keys each work-list entry leaves to its unit (unread otherwise)
+    qk_scale, num_splits, prefix_splits, window,  # prefix_splits (P): the cascade's partial slots; 0 without
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SLIDING: tl.constexpr, KV_FP8: tl.constexpr,
+    SLIDING: tl.constexpr, KV_FP8: tl.constexpr, CASCADE: tl.constexpr,
 ):  # fmt: skip
     # KV heads vary fastest: the programs of one sequence run together and read whole cache rows between
     # them ([block, slot, all heads, D] is contiguous), and the sequences go in work-list order (longest first).
@@ -48,7 +50,10 @@ def _decode_split_kernel(
     # Each sequence splits its own keys (read on the device, so a CUDA graph replays any lengths): all of
     # them, or with a window the last `window` (the query, at seq_len - 1, sees exactly those, so no mask).
     # Splits past the end stay empty (m = -inf, l = 0) and weigh nothing in the reduction.
-    if SLIDING:
+    # With CASCADE, a sequence's shared prefix is its unit's (paged_attention_cascade.py): only the keys after it.
+    if CASCADE:
+        lo = tl.load(skip_ptr + pid_b)
+    elif SLIDING:
         lo = tl.maximum(seq_len - window, 0)
     else:
         lo = seq_len * 0
@@ -103,32 +108,44 @@ def _decode_split_kernel(
         m_i = m_new
     if KV_FP8:
         acc = acc * tl.load(v_scale_ptr)
-    if num_splits == 1:  # the whole sequence in this program: normalise and write the output, no reduce
+    if CASCADE:
+        whole = num_splits + lo == 1  # one split and no shared prefix (lo >= 0, num_splits >= 1)
+    else:
+        whole = num_splits == 1
+    if whole:  # the whole sequence in this program: normalise and write the output, no reduce
         out = acc / l_i[:, None]
         dst = out_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
         return
-    part = (pid_b * tl.num_programs(0) * GROUP + heads) * num_splits + split  # [G] rows of [B, H, S]
+    parts = num_splits + prefix_splits
+    part = (pid_b * tl.num_programs(0) * GROUP + heads) * parts + split  # [G] rows of [B, H, S + P]
     tl.store(m_ptr + part, m_i, mask=g_mask)
     tl.store(l_ptr + part, l_i, mask=g_mask)
     tl.store(acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :])
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "prefix_splits"])
 def _decode_reduce_kernel(
-    out_ptr, acc_ptr, m_ptr, l_ptr, qsl_ptr, seqs_ptr, num_splits, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    out_ptr, acc_ptr, m_ptr, l_ptr, qsl_ptr, seqs_ptr, skip_ptr, num_splits, prefix_splits, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, CASCADE: tl.constexpr,
 ):  # fmt: skip
     pid_b, head = tl.program_id(0), tl.program_id(1)
     seq = tl.load(seqs_ptr + pid_b)
     if seq < 0:
         return
+    if CASCADE:  # the prefix's slots hold partials of sequences in a unit only
+        skip = tl.load(skip_ptr + pid_b)
+        if num_splits + skip == 1:  # the split kernel wrote this one's output
+            return
+        num_parts = num_splits + tl.where(skip > 0, prefix_splits, 0)
+    else:
+        num_parts = num_splits
     row = tl.load(qsl_ptr + seq)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < num_splits
+    s_mask = offs_s < num_parts
     d_mask = _dim_mask(offs_d, HEAD_DIM, BLOCK_D)
-    part = (pid_b * tl.num_programs(1) + head) * num_splits + offs_s
+    part = (pid_b * tl.num_programs(1) + head) * (num_splits + prefix_splits) + offs_s
     m = tl.load(m_ptr + part, mask=s_mask, other=float("-inf"))  # empty splits hold -inf
     l_s = tl.load(l_ptr + part, mask=s_mask, other=0.0)
     acc = tl.load(

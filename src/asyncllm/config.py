@@ -17,6 +17,7 @@ from typing import Any
 from asyncllm.config_values import (
     KV_CACHE_DTYPES_REFUSED,
     AttentionBackendName,
+    CascadeAttention,
     DecodeGemv,
     Device,
     DType,
@@ -232,6 +233,14 @@ class DeviceConfig:
         "the q/k norm + rotary + KV write) as programmatic dependent launches, each overlapping the previous "
         "kernel's tail, CUDA graphs included (CUDA on Hopper or newer, the Triton backend). Results unchanged.",
     )
+    cascade_attention: CascadeAttention = arg(
+        CascadeAttention.AUTO,
+        "Cascade decode attention (Triton backend): decode sequences whose KV blocks begin with the same prefix "
+        "(prefix-cache hits of a shared prompt prefix, 128 tokens or more) attend to it in one read per group "
+        'and step, merged exactly with each one\'s own keys. "auto": on CUDA; "on": also in Triton\'s CPU '
+        'interpreter (tests); "off": never. Decode-only steps and global-attention layers only (sliding-window '
+        "layers read their window as before).",
+    )
     cuda_graph_max_tokens: int | None = arg(
         None,
         "Steps that are not decode-only (prompt chunks, alone or beside decodes) of up to this many tokens replay "
@@ -282,6 +291,8 @@ class DeviceConfig:
         check_bool(_fail, "enforce_eager", self.enforce_eager)
         _set(self, "decode_gemv", check_enum(_fail, DecodeGemv, "decode_gemv", self.decode_gemv))
         check_bool(_fail, "decode_pdl", self.decode_pdl)
+        cascade = check_enum(_fail, CascadeAttention, "cascade_attention", self.cascade_attention)
+        _set(self, "cascade_attention", cascade)
         check_bool(_fail, "core_process", self.core_process)
         check_bool(_fail, "jump_forward", self.jump_forward)
         if not isinstance(self.grammar_process, bool | None):

@@ -1,8 +1,9 @@
 """Compiles the paged attention kernels (kernels/paged_attention_kernels.py: split-KV decode, its reduction, the
-varlen prefill) and the fused q/k norm + rotary + KV write (kernels/qk_norm_rope_kv.py) for Hopper (sm_90)
-without a GPU: Triton's compiler and the ptxas it ships, in a process without TRITON_INTERPRET, at the
-constants their launchers pick for head_dim 128 (Qwen3's): over an FP8 (e4m3) cache, bf16 queries global and
-sliding and float32 ones (the write also in Gemma's float16 form); over a cache of their dtype, bf16 queries.
+varlen prefill; both decode kernels in cascade form too, with kernels/paged_attention_cascade.py's prefix kernel)
+and the fused q/k norm + rotary + KV write (kernels/qk_norm_rope_kv.py) for Hopper (sm_90) without a GPU:
+Triton's compiler and the ptxas it ships, in a process without TRITON_INTERPRET, at the constants their
+launchers pick for head_dim 128 (Qwen3's): over an FP8 (e4m3) cache, bf16 queries global and sliding and
+float32 ones (the write also in Gemma's float16 form); over a cache of their dtype, bf16 queries.
 Run by tests/kernels/test_paged_attention_fp8.py; prints one line per variant, "ok" or the error."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 assert not os.environ.get("TRITON_INTERPRET"), "compiling needs the real Triton, not the interpreter"
 
 import triton  # noqa: E402
+from asyncllm.kernels import paged_attention_cascade as pac  # noqa: E402
 from asyncllm.kernels import paged_attention_kernels as pak  # noqa: E402
 from asyncllm.kernels import qk_norm_rope_kv as qk  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -47,21 +49,36 @@ def _cache(act: str, fp8: bool) -> tuple[str, dict[str, str]]:
     return ptr, {"k_scale_ptr": scale, "v_scale_ptr": scale}
 
 
-def decode(act: str, fp8: bool, sliding: bool) -> None:
+def decode(act: str, fp8: bool, sliding: bool, cascade: bool = False) -> None:
     ptr, precision = TYPES[act]
     cache, scales = _cache(act, fp8)
     pointers = {"q_ptr": ptr, "k_ptr": cache, "v_ptr": cache, "out_ptr": ptr}
     pointers |= {name: "*fp32" for name in ("acc_ptr", "m_ptr", "l_ptr")}
-    pointers |= {name: "*i32" for name in ("bt_ptr", "seq_lens_ptr", "qsl_ptr", "seqs_ptr")}
+    pointers |= {name: "*i32" for name in ("bt_ptr", "seq_lens_ptr", "qsl_ptr", "seqs_ptr", "skip_ptr")}
     consts = dict(GROUP=2, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_G=16, BLOCK_D=128, BLOCK_N=64, DOT_PRECISION=precision,
-                  SLIDING=sliding, KV_FP8=fp8)  # fmt: skip
+                  SLIDING=sliding, KV_FP8=fp8, CASCADE=cascade)  # fmt: skip
     _compile(pak._decode_split_kernel, pointers | scales, consts, warps=4, stages=2)
 
 
-def reduce() -> None:
+def reduce(cascade: bool = False) -> None:
     pointers = {"out_ptr": "*bf16", "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "qsl_ptr": "*i32",
-                "seqs_ptr": "*i32"}  # fmt: skip
-    _compile(pak._decode_reduce_kernel, pointers, dict(HEAD_DIM=128, BLOCK_S=32, BLOCK_D=128), warps=4)
+                "seqs_ptr": "*i32", "skip_ptr": "*i32"}  # fmt: skip
+    consts = dict(HEAD_DIM=128, BLOCK_S=32, BLOCK_D=128, CASCADE=cascade)
+    _compile(pak._decode_reduce_kernel, pointers, consts, warps=4)
+
+
+def cascade_prefix(act: str, fp8: bool, head_dim: int = 128) -> None:
+    """At the launcher's choices for 16 query over 8 KV heads: 64 rows (32 members x 2 query heads), 4 warps,
+    block_n 64 (32 when a K/V row of the queries' dtype passes 256 bytes: float32, head_dim 256)."""
+    ptr, precision = TYPES[act]
+    cache, scales = _cache(act, fp8)
+    pointers = {"q_ptr": ptr, "k_ptr": cache, "v_ptr": cache}
+    pointers |= {name: "*fp32" for name in ("acc_ptr", "m_ptr", "l_ptr")}
+    pointers |= {name: "*i32" for name in ("bt_ptr", "qsl_ptr", "seqs_ptr", "units_ptr", "members_ptr")}
+    block_n = 32 if (4 if act == "fp32" else 2) * head_dim > 256 else 64
+    consts = dict(GROUP=2, HEAD_DIM=head_dim, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_D=head_dim, BLOCK_N=block_n,
+                  DOT_PRECISION=precision, KV_FP8=fp8)  # fmt: skip
+    _compile(pac._cascade_prefix_kernel, pointers | scales, consts, warps=4, stages=2)
 
 
 def prefill(act: str, fp8: bool, sliding: bool) -> None:
@@ -96,6 +113,13 @@ VARIANTS = [
     ("decode bf16 over e4m3 sliding", lambda: decode("bf16", True, True)),
     ("decode fp32 over e4m3", lambda: decode("fp32", True, False)),
     ("decode reduce", reduce),
+    ("decode bf16 cascade", lambda: decode("bf16", False, False, cascade=True)),
+    ("decode bf16 over e4m3 cascade", lambda: decode("bf16", True, False, cascade=True)),
+    ("decode reduce cascade", lambda: reduce(cascade=True)),
+    ("cascade prefix bf16", lambda: cascade_prefix("bf16", False)),
+    ("cascade prefix bf16 over e4m3", lambda: cascade_prefix("bf16", True)),
+    ("cascade prefix fp32", lambda: cascade_prefix("fp32", False)),
+    ("cascade prefix bf16 head_dim 256", lambda: cascade_prefix("bf16", False, head_dim=256)),
     ("prefill bf16", lambda: prefill("bf16", False, False)),
     ("prefill bf16 over e4m3", lambda: prefill("bf16", True, False)),
     ("prefill bf16 over e4m3 sliding", lambda: prefill("bf16", True, True)),

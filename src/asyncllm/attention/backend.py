@@ -26,6 +26,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from asyncllm.kernels.kv_cache_fp8_ref import write_kv
@@ -45,10 +46,16 @@ class PlanBounds:
 
 class AttentionPlan(ABC):
     """What a backend derives once per step and every layer reuses (index tensors, splits). Made on the host
-    by `AttentionBackend.plan`: `work` holds, as plain ints of the backend's `work_dtype`, every value its
-    device tensors will hold; `bind` then makes those tensors views of the uploaded `work`."""
+    by `AttentionBackend.plan`: `work` holds, as host ints of the backend's `work_dtype` (a list, or a numpy
+    array where the plan is made in numpy), every value its device tensors will hold; `bind` then makes those
+    tensors views of the uploaded `work`."""
 
-    work: list[int]
+    work: list[int] | np.ndarray
+
+    @property
+    def graph_variant(self) -> int:
+        """Which of the backend's `graph_variants` this plan launches (a captured graph per variant)."""
+        return 0
 
     @abstractmethod
     def bind(self, work: torch.Tensor) -> None:
@@ -71,6 +78,10 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     plan: AttentionPlan | None = None  # the step's plan, bound (`AttentionBackend.plan`); None: none yet
+    # The block table's host rows ([>= B, max_blocks] int32, what `block_tables` holds) and the cache's block
+    # size, where the caller keeps them (the worker does): a backend may plan from them (cascade decode).
+    block_tables_cpu: np.ndarray | None = None
+    block_size: int | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -98,9 +109,13 @@ class AttentionBackend(ABC):
     supports_cuda_graphs: bool = False  # whether `plan` takes static bounds (a captured graph replays it)
     work_dtype: torch.dtype = torch.int32  # the dtype of every plan's `work`
 
-    def plan(self, meta: AttentionMetadata, bounds: PlanBounds | None = None) -> AttentionPlan | None:
+    def plan(
+        self, meta: AttentionMetadata, bounds: PlanBounds | None = None, variant: int | None = None
+    ) -> AttentionPlan | None:
         """The step's plan, on the host (called once per step, before its inputs are sent; nothing inside the
         layers then needs a host-to-device copy that could stall the host). None: the backend plans nothing.
+        `variant`: one of `graph_variants(bounds)` to plan for whatever the step holds (a graph's capture);
+        None: the backend picks what suits the step.
 
         `bounds` given (backends that `supports_cuda_graphs`): the step, padding included, fits them, and
         launch shapes depend on them only. The work list then has the same length for the same bounds, and
@@ -108,6 +123,11 @@ class AttentionBackend(ABC):
         graph replays any step within its bounds. Rows past the step's tokens are padding: their output is
         never read. Without bounds, the plan fits this step alone."""
         return None
+
+    def graph_variants(self, bounds: PlanBounds) -> tuple[int, ...]:
+        """The launch variants a plan within `bounds` may take (`AttentionPlan.graph_variant`): a CUDA graph is
+        captured for each, and a step replays its plan's."""
+        return (0,)
 
     def work_size(self, bounds: PlanBounds) -> int:
         """The most `work` entries a plan within `bounds` holds (what a caller reserves for it)."""
@@ -121,11 +141,12 @@ class AttentionBackend(ABC):
         list is copied into (a static plan's fixed address); else a fresh upload."""
         plan = self.plan(meta, bounds)
         if plan is not None:
+            work = plan.work if isinstance(plan.work, list) else plan.work.tolist()
             if into is None:
-                plan.bind(to_device(plan.work, self.work_dtype, meta.seq_lens.device))
+                plan.bind(to_device(work, self.work_dtype, meta.seq_lens.device))
             else:
-                copy_into(into, plan.work)
-                plan.bind(into[: len(plan.work)])
+                copy_into(into, work)
+                plan.bind(into[: len(work)])
         meta.plan = plan
 
     def write_kv(

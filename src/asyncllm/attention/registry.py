@@ -3,7 +3,8 @@
 "torch" is the pure-PyTorch reference; "triton" the paged Triton kernels (on CUDA, or on CPU in Triton's
 interpreter when TRITON_INTERPRET=1 was set before triton was first imported). "auto" takes Triton on
 CUDA when triton is installed (its kernels, backend and engine-level greedy parity passed on the H200:
-bench/RESULTS.md), else the reference (on CPU it is fast enough and exact).
+bench/RESULTS.md), else the reference (on CPU it is fast enough and exact). `cascade_attention` turns the
+Triton backend's cascade decode on ("auto": on CUDA); the reference has none (it is what cascade must equal).
 """
 
 from __future__ import annotations
@@ -14,27 +15,36 @@ from collections.abc import Callable
 import torch
 
 from asyncllm.attention.backend import AttentionBackend
-from asyncllm.config_values import AttentionBackendName
+from asyncllm.attention.cascade import CascadeDecode
+from asyncllm.config_values import AttentionBackendName, CascadeAttention
 from asyncllm.errors import InvalidConfigError
 
-# (device, activations' dtype, num_kv_heads, the KV cache's dtype)
-Factory = Callable[[torch.device, torch.dtype, int, torch.dtype], AttentionBackend]
+# (device, activations' dtype, num_kv_heads, the KV cache's dtype, cascade decode's settings or None)
+Factory = Callable[[torch.device, torch.dtype, int, torch.dtype, CascadeDecode | None], AttentionBackend]
 
 
 def _torch(
-    device: torch.device, dtype: torch.dtype, num_kv_heads: int, kv_cache_dtype: torch.dtype
+    device: torch.device,
+    dtype: torch.dtype,
+    num_kv_heads: int,
+    kv_cache_dtype: torch.dtype,
+    cascade: CascadeDecode | None,
 ) -> AttentionBackend:
     from asyncllm.attention.torch_ref import TorchAttentionBackend
 
-    return TorchAttentionBackend()
+    return TorchAttentionBackend()  # the reference: every sequence reads all its keys (cascade's same maths)
 
 
 def _triton(
-    device: torch.device, dtype: torch.dtype, num_kv_heads: int, kv_cache_dtype: torch.dtype
+    device: torch.device,
+    dtype: torch.dtype,
+    num_kv_heads: int,
+    kv_cache_dtype: torch.dtype,
+    cascade: CascadeDecode | None,
 ) -> AttentionBackend:
     from asyncllm.attention.triton_backend import TritonAttentionBackend
 
-    return TritonAttentionBackend(device, dtype, num_kv_heads, kv_cache_dtype)
+    return TritonAttentionBackend(device, dtype, num_kv_heads, kv_cache_dtype, cascade)
 
 
 BACKENDS: dict[AttentionBackendName, Factory] = {
@@ -57,6 +67,8 @@ def make_attention_backend(
     dtype: torch.dtype,
     num_kv_heads: int,
     kv_cache_dtype: torch.dtype | None = None,  # None: the activations' dtype (kv_cache_dtype="auto")
+    cascade: CascadeAttention = CascadeAttention.OFF,
+    group: int = 1,  # query heads per KV head (cascade decode's unit rows)
 ) -> AttentionBackend:
     name = resolve_backend_name(choice, device)
     factory = BACKENDS.get(name)
@@ -65,4 +77,11 @@ def make_attention_backend(
         raise InvalidConfigError(
             f"attention_backend={name.value!r} is not available in this version; use one of {available} or 'auto'"
         )
-    return factory(device, dtype, num_kv_heads, dtype if kv_cache_dtype is None else kv_cache_dtype)
+    if cascade is CascadeAttention.ON and name is not AttentionBackendName.TRITON:
+        raise InvalidConfigError(
+            f"cascade_attention='on' needs attention_backend='triton'; the {name.value!r} backend is the reference "
+            "every sequence reads all its keys in: use cascade_attention='auto' or 'off' with it"
+        )
+    on = cascade is CascadeAttention.ON or (cascade is CascadeAttention.AUTO and device.type == "cuda")
+    settings = CascadeDecode(group) if on and name is AttentionBackendName.TRITON else None
+    return factory(device, dtype, num_kv_heads, dtype if kv_cache_dtype is None else kv_cache_dtype, settings)

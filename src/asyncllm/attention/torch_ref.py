@@ -77,7 +77,7 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     work_dtype = torch.int64
 
-    def plan(self, meta: AttentionMetadata, bounds: PlanBounds | None = None) -> _Plan:
+    def plan(self, meta: AttentionMetadata, bounds: PlanBounds | None = None, variant: int | None = None) -> _Plan:
         if bounds is not None:
             raise NotImplementedError("the 'torch' attention backend plans each step alone (no CUDA graphs)")
         starts = [0]

@@ -1,7 +1,9 @@
 """The Triton attention backend: stores k/v with torch, then runs the paged Triton kernels of
 asyncllm.kernels.paged_attention (split-KV decode for single-token sequences, a varlen causal prefill for
-the rest). `plan` turns the step's host-side lengths into the kernels' launch plans once per step. An FP8 cache
-is read by the same kernels (its scales handed through).
+the rest). `plan` turns the step's host-side lengths into the kernels' launch plans once per step; with
+cascade decode on (`cascade`), a decode step whose sequences share prefix blocks gets the cascade plan
+(attention/cascade.py), a graph variant of its own. An FP8 cache is read by the same kernels (its scales
+handed through).
 
 Knows the kernels' launch contracts, not their insides; the torch backend stays the reference it is tested against.
 """
@@ -14,9 +16,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 
+import numpy as np
 import torch
 
 from asyncllm.attention.backend import AttentionBackend, AttentionMetadata, AttentionPlan, PlanBounds
+from asyncllm.attention.cascade import CascadeDecode, CascadeLayout, cascade_layout, plan_cascade
 from asyncllm.errors import InvalidConfigError
 from asyncllm.install import extra_install_hint
 from asyncllm.kernels.kv_cache_fp8_ref import KV_FP8_DTYPE
@@ -45,7 +49,7 @@ class TritonPlan(AttentionPlan):
     """The kernels' launch plan. `work` (int32): the decode sequences' order (padded to a multiple of four
     entries, so the tile buffer that follows starts 16-byte aligned), then the prefill tile buffer."""
 
-    work: list[int]
+    work: list[int] | np.ndarray  # a cascade plan's is made in numpy: staged without a list's conversions
     num_decode: int  # decode programs: the first entries of `work`, each a batch index; -1: padding
     tiles_offset: int | None  # where the tile buffer starts in `work`; None: no prefill tiles
     decode_max_len: int  # bound on the decode sequences' lengths (keys), host side: sets the split count
@@ -56,12 +60,20 @@ class TritonPlan(AttentionPlan):
     decode_seqs: torch.Tensor | None = None  # [num_decode] int32 on the device (`bind`)
     prefill_tiles: torch.Tensor | None = None  # int32 tile buffer (kernels.tile_buffer): live count, then tiles
     window_splits: dict[int, int] = field(default_factory=dict)  # sliding window -> its decode split count
+    cascade: CascadeLayout | None = None  # a cascade decode plan's lists, after the decode order in `work`
+    cascade_args: object | None = None  # their launch argument (kernels' `Cascade`), on the device (`bind`)
+
+    @property
+    def graph_variant(self) -> int:
+        return 0 if self.cascade is None else 1
 
     def bind(self, work: torch.Tensor) -> None:
         n = self.num_decode
         # A decode graph's work is its order alone: the tensor itself (the same object every step), no view.
         self.decode_seqs = None if n == 0 else work if n == len(self.work) else work[:n]
         self.prefill_tiles = None if self.tiles_offset is None else work[self.tiles_offset :]
+        if self.cascade is not None:
+            self.cascade_args = self.cascade.bind(work)
 
 
 @dataclass(frozen=True)
@@ -86,7 +98,12 @@ class TritonAttentionBackend(AttentionBackend):
     work_dtype = torch.int32
 
     def __init__(
-        self, device: torch.device, dtype: torch.dtype, num_kv_heads: int, kv_cache_dtype: torch.dtype | None = None
+        self,
+        device: torch.device,
+        dtype: torch.dtype,
+        num_kv_heads: int,
+        kv_cache_dtype: torch.dtype | None = None,
+        cascade: CascadeDecode | None = None,  # cascade decode attention's settings; None: off
     ) -> None:
         self._kernels = load_paged_attention()
         if device.type != "cuda" and not self._kernels.runs_in_interpreter():
@@ -112,6 +129,8 @@ class TritonAttentionBackend(AttentionBackend):
         props = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
         self.num_sms = props.multi_processor_count if props is not None else 1
         self._layouts: dict[tuple[int, int], _MixedLayout] = {}  # (max_tokens, max_seqs) -> static layout
+        self.cascade = cascade
+        self._cascade_layouts: dict[tuple[int, int], CascadeLayout] = {}  # (max_seqs, max_seq_len) -> layout
 
     def _work(self, meta: AttentionMetadata) -> tuple[list[int], list[tuple[int, int]]]:
         """The step's work lists: the single-query sequences (the decode kernel's), and the prefill tiles."""
@@ -121,13 +140,21 @@ class TritonAttentionBackend(AttentionBackend):
 
     def work_size(self, bounds: PlanBounds) -> int:
         if bounds.decode_only:
-            return bounds.max_seqs
+            return self._cascade_layout(bounds).size if 1 in self.graph_variants(bounds) else bounds.max_seqs
         return self._layout(bounds).size
 
-    def plan(self, meta: AttentionMetadata, bounds: PlanBounds | None = None) -> TritonPlan:
+    def graph_variants(self, bounds: PlanBounds) -> tuple[int, ...]:
+        """Plain, and with cascade decode on, cascade (1) for decode buckets of two sequences or more."""
+        return (0, 1) if self.cascade is not None and bounds.decode_only and bounds.max_seqs >= 2 else (0,)
+
+    def plan(self, meta: AttentionMetadata, bounds: PlanBounds | None = None, variant: int | None = None) -> TritonPlan:
         if bounds is None:
             return self._plan_step(meta)
         if bounds.decode_only:
+            if variant != 0 and 1 in self.graph_variants(bounds):
+                plan = self._plan_cascade(meta, bounds, forced=variant == 1)
+                if plan is not None:
+                    return plan
             return self._plan_decode(meta, bounds)
         return self._plan_mixed(meta, bounds)
 
@@ -198,6 +225,34 @@ class TritonAttentionBackend(AttentionBackend):
             split_seqs=num_seqs,
         )
 
+    def _cascade_layout(self, bounds: PlanBounds) -> CascadeLayout:
+        assert self.cascade is not None
+        key = (bounds.max_seqs, bounds.max_seq_len)
+        layout = self._cascade_layouts.get(key)
+        if layout is None:
+            layout = cascade_layout(self.cascade, *key, self.num_kv_heads, self.num_sms)
+            self._cascade_layouts[key] = layout
+        return layout
+
+    def _plan_cascade(self, meta: AttentionMetadata, bounds: PlanBounds, forced: bool) -> TritonPlan | None:
+        """A decode step whose sequences share prefixes: the cascade plan (`attention/cascade.py`); None when
+        none share one (unless `forced`: a graph's capture plans the cascade variant for whatever it holds)."""
+        assert self.cascade is not None
+        layout = self._cascade_layout(bounds)
+        work = plan_cascade(self.cascade, layout, meta, forced)
+        if work is None:
+            return None
+        num_seqs = bounds.max_seqs
+        return TritonPlan(
+            work=work,
+            num_decode=num_seqs,
+            tiles_offset=None,
+            decode_max_len=bounds.max_seq_len,
+            num_splits=layout.num_splits,
+            split_seqs=num_seqs,
+            cascade=layout,
+        )
+
     def attend(
         self,
         q: torch.Tensor,
@@ -219,8 +274,10 @@ class TritonAttentionBackend(AttentionBackend):
         scales = dict(k_scale=k_scale, v_scale=v_scale)
         if plan.decode_seqs is not None:
             splits = plan.num_splits if window is None else self._window_splits(plan, window)
+            # A sliding layer reads its window as always: the cascade's order is a valid plain work list.
+            cascade = plan.cascade_args if window is None else None
             self._kernels.paged_decode_attention(
-                *args, plan.decode_seqs, out, scale, num_splits=splits, window=window, **scales
+                *args, plan.decode_seqs, out, scale, num_splits=splits, window=window, cascade=cascade, **scales
             )
         if plan.prefill_tiles is not None:
             self._kernels.paged_prefill_attention(

@@ -5,8 +5,10 @@ Owns capture and replay. Each graph reads the step's inputs from the persistent 
 device tensors every step fills, the attention work list included) and writes the final hidden states into
 one shared static buffer; all graphs share one memory pool, captured largest first so smaller ones reuse its
 blocks. With LoRA adapters each bucket has a second graph with the adapter layers active, replayed by steps
-with adapter rows (the others replay the plain one: requests without adapters launch nothing of LoRA). Which
-bucket a step takes, and how it is padded and planned: `Buckets`. Knows nothing of requests or sampling.
+with adapter rows (the others replay the plain one: requests without adapters launch nothing of LoRA); each
+attention graph variant likewise (`AttentionBackend.graph_variants`: cascade decode's, replayed by decode
+steps whose sequences share a prefix). Which bucket a step takes, and how it is padded and planned:
+`Buckets`. Knows nothing of requests or sampling.
 """
 
 from __future__ import annotations
@@ -46,20 +48,22 @@ class CudaGraphRunner:
         self.buffers = buffers
         self.buckets = buckets
         self.device = device
-        self._graphs: dict[tuple[GraphKey, bool], torch.cuda.CUDAGraph] = {}  # (bucket, LoRA active) -> graph
+        # (bucket, LoRA active, the attention plan's graph variant) -> graph
+        self._graphs: dict[tuple[GraphKey, bool, int], torch.cuda.CUDAGraph] = {}
         self._pool: _POOL_HANDLE | None = None
         self._hidden_shape = (hidden_size, dtype)
         self._hidden = PrefixViews(torch.empty(0, hidden_size, dtype=dtype, device=device))  # [rows, hidden]
 
     def sizes(self, kind: str) -> list[int]:
         """The captured sizes of one kind ("decode": batch sizes, "mixed": token counts), ascending."""
-        return sorted(n for (k, n), lora in self._graphs if k == kind and not lora)
+        return sorted(n for (k, n), lora, variant in self._graphs if k == kind and not lora and not variant)
 
     def run(self, shape: StepShape, x: ModelInputs) -> torch.Tensor:
         """The step's final hidden states, [x.num_tokens, hidden] (padding rows included); its inputs, and its
         attention plan, already sent."""
         lora = self.loras is not None and self.loras.batch.active
-        graph = None if shape.graph is None else self._graphs.get((shape.graph, lora))
+        variant = 0 if x.meta.plan is None else x.meta.plan.graph_variant
+        graph = None if shape.graph is None else self._graphs.get((shape.graph, lora, variant))
         if graph is None:
             hidden: torch.Tensor = self.model(x.input_ids, x.positions, self.kv_caches, x.meta)
             return hidden
@@ -79,14 +83,21 @@ class CudaGraphRunner:
         hidden = torch.empty(rows, hidden_size, dtype=dtype, device=self.device)
         self._hidden = PrefixViews(hidden)
         variants = (False, True) if self.loras is not None else (False,)
-        for key, lora in ((key, lora) for key in keys for lora in variants):
+        backend = buckets.backend
+        captures = [
+            (key, lora, attn)
+            for key in keys
+            for lora in variants
+            for attn in backend.graph_variants(buckets.bounds(key))  # cascade decode: a graph of its own
+        ]
+        for key, lora, attn in captures:
             kind, size = key
             if kind == "decode":
                 x = buffers.prepare(_dummy_decode(size), pad_to=size, flush=False)
             else:
                 x = buffers.prepare(_dummy_mixed(buffers.block_size), pad_tokens_to=size, flush=False)
             bounds = buckets.bounds(key)
-            buffers.stage_plan(x.meta, buckets.backend.plan(x.meta, bounds), static=True)
+            buffers.stage_plan(x.meta, backend.plan(x.meta, bounds, attn), static=True)
             if self.loras is not None:  # adapter layers active or not, with no adapter row: compiled, no work
                 self.loras.stage_idle(x.num_tokens, active=lora)
             buffers.flush()
@@ -104,7 +115,7 @@ class CudaGraphRunner:
                 forward()
             if self._pool is None:
                 self._pool = graph.pool()
-            self._graphs[key, lora] = graph
+            self._graphs[key, lora, attn] = graph
         if self.loras is not None:
             self.loras.stage_idle(0, active=False)
         for graph in self._graphs.values():

@@ -202,6 +202,8 @@ class InputBuffers:
             seq_lens_cpu=seq_lens,
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
+            block_tables_cpu=self.block_tables.np,  # rows past b are other steps' (cascade planning reads b rows)
+            block_size=bs,
         )
         inputs = ModelInputs(
             input_ids=self.input_ids.view(t),

@@ -22,7 +22,7 @@ import torch
 from asyncllm.attention.backend import AttentionBackend
 from asyncllm.attention.registry import make_attention_backend
 from asyncllm.config import EngineConfig
-from asyncllm.config_values import DecodeGemv
+from asyncllm.config_values import CascadeAttention, DecodeGemv
 from asyncllm.layers.fusion import use_fused_kernels, use_pdl
 from asyncllm.layers.parallel import TPGroup
 from asyncllm.model_loader.base import Checkpoint
@@ -120,12 +120,17 @@ class WorkerSetup:
     def load(self) -> LoadedModel:
         start = time.perf_counter()
         device, dtype = self.resolved.device, self.resolved.dtype
+        cascade = self.config.device_config.cascade_attention
+        if self.resolved.arch.kv_window is not None:  # every layer slides: no layer would read a shared prefix
+            cascade = CascadeAttention.OFF
         backend = make_attention_backend(
             self.config.device_config.attention_backend,
             device,
             dtype,
             self.local_arch.num_kv_heads,
             self.resolved.kv_cache_dtype,
+            cascade,
+            self.local_arch.num_heads // self.local_arch.num_kv_heads,
         )
         mc = self.config.model_config
         module = load_model(

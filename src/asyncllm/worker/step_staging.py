@@ -167,14 +167,14 @@ class StepStaging:
         self.begin()
         self._end = max(self._end, offset + nbytes)
 
-    def stage(self, values: Sequence[int] | Sequence[float], dtype: torch.dtype) -> torch.Tensor:
+    def stage(self, values: Sequence[int] | Sequence[float] | np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         """`values` as a device tensor of `dtype`, read only by work queued after the next flush. Packed behind
         the fixed regions; if this step's staging area is full, an immediate non-blocking upload instead."""
         self.begin()
         n = len(values)
         offset = self._next
         if offset + n * dtype.itemsize > self._fixed_end + self._dynamic_bytes:
-            return to_device(values, dtype, self.device)
+            return to_device(torch.from_numpy(values) if isinstance(values, np.ndarray) else values, dtype, self.device)
         self._next = _aligned(offset + n * dtype.itemsize)
         self.mark(offset, n * dtype.itemsize)
         self.host_view(offset, n, dtype)[:] = values
