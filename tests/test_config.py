@@ -11,14 +11,13 @@ import pytest
 from asyncllm.config import (
     DEFAULT_GRAPH_TOKENS,
     STREAMING_PREFILL_CAP,
-    AttentionBackendName,
-    Device,
     DType,
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
     engine_arguments,
 )
+from asyncllm.config_values import AttentionBackendName, Device
 from asyncllm.errors import AsyncLLMError
 
 

@@ -42,6 +42,8 @@ FOUNDATION = {
     "asyncllm.validation",
     "asyncllm.config",
     "asyncllm.config_values",
+    "asyncllm.config_device",
+    "asyncllm.config_fields",
     "asyncllm.outputs",
     "asyncllm.sampling_params",
     "asyncllm.structured",

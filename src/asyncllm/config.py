@@ -4,7 +4,8 @@ Users pass flat keyword arguments (`AsyncLLMEngine(model, block_size=32)`); `Eng
 routes each to the part that owns it, and every part validates its fields at construction with an
 `InvalidConfigError` naming the field, the value and the fix. Only what the user chose lives here: facts
 learned at run time (the model's shape, KV blocks after profiling, EOS ids) live in `RuntimeInfo`.
-Plain Python; no torch. The value sets of named arguments are in `config_values.py` (re-exported here).
+Plain Python; no torch. The value sets of named arguments are in `config_values.py`, the device part in
+`config_device.py`, the fields' shared pieces in `config_fields.py`.
 """
 
 from __future__ import annotations
@@ -14,12 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from asyncllm.config_device import DeviceConfig
+from asyncllm.config_fields import arg, invalid, local_path, set_field
 from asyncllm.config_values import (
     KV_CACHE_DTYPES_REFUSED,
-    AttentionBackendName,
-    CascadeAttention,
-    DecodeGemv,
-    Device,
     DType,
     KVCacheDType,
     LoadFormat,
@@ -32,30 +31,6 @@ from asyncllm.validation import check_bool, check_enum, check_float, check_int, 
 # decodes, and the largest step carrying prompts that replays a graph (a capped step's prompt tokens fit it).
 STREAMING_PREFILL_CAP = 2048  # W2's p99 token gap 1.9x the median, 5.9x uncapped (bench/RESULTS.md, run 28)
 DEFAULT_GRAPH_TOKENS = 2048
-# A step running longer than this fails the health check: far above any real step (a GPU step takes
-# milliseconds, a long CPU prefill a few seconds), far below what a stuck device or kernel looks like.
-DEFAULT_MAX_STEP_SECONDS = 20.0
-
-
-def arg(default: Any, doc: str) -> Any:
-    """A dataclass field that is an engine argument: its default and the one line users read about it."""
-    return field(default=default, metadata={"doc": doc})
-
-
-def _fail(name: str, value: object, allowed: str) -> InvalidConfigError:
-    return InvalidConfigError(f"{name}={value!r} is invalid: use {allowed}")
-
-
-def _set(obj: object, name: str, value: object) -> None:
-    object.__setattr__(obj, name, value)  # frozen dataclasses normalise their own fields once, here
-
-
-def _path(name: str, value: object, *, optional: bool) -> str | None:
-    if optional and value is None:
-        return None
-    if not isinstance(value, (str, Path)) or str(value) == "":
-        raise _fail(name, value, "a local path" + (", or None" if optional else ""))
-    return str(value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,14 +61,14 @@ class ModelConfig:
     )
 
     def __post_init__(self) -> None:
-        _set(self, "model", _path("model", self.model, optional=False))
-        _set(self, "tokenizer", _path("tokenizer", self.tokenizer, optional=True))
-        _set(self, "dtype", check_enum(_fail, DType, "dtype", self.dtype))
-        check_optional_int(_fail, "max_model_len", self.max_model_len, "an integer >= 1, or None", lo=1)
-        _set(self, "load_format", check_enum(_fail, LoadFormat, "load_format", self.load_format))
-        check_int(_fail, "seed", self.seed, "an integer")
+        set_field(self, "model", local_path("model", self.model, optional=False))
+        set_field(self, "tokenizer", local_path("tokenizer", self.tokenizer, optional=True))
+        set_field(self, "dtype", check_enum(invalid, DType, "dtype", self.dtype))
+        check_optional_int(invalid, "max_model_len", self.max_model_len, "an integer >= 1, or None", lo=1)
+        set_field(self, "load_format", check_enum(invalid, LoadFormat, "load_format", self.load_format))
+        check_int(invalid, "seed", self.seed, "an integer")
         if self.quantization is not None:
-            _set(self, "quantization", check_enum(_fail, Quantization, "quantization", self.quantization))
+            set_field(self, "quantization", check_enum(invalid, Quantization, "quantization", self.quantization))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,30 +98,30 @@ class CacheConfig:
     )
 
     def __post_init__(self) -> None:
-        check_int(_fail, "block_size", self.block_size, "an integer >= 1", lo=1)
+        check_int(invalid, "block_size", self.block_size, "an integer >= 1", lo=1)
         if self.block_size & (self.block_size - 1):
-            raise _fail("block_size", self.block_size, "a power of two (e.g. 16)")
+            raise invalid("block_size", self.block_size, "a power of two (e.g. 16)")
         fraction = "a fraction in (0, 1]"
-        _set(
+        set_field(
             self,
             "gpu_memory_utilization",
             check_float(
-                _fail, "gpu_memory_utilization", self.gpu_memory_utilization, fraction, lo=0.0, hi=1.0, lo_open=True
+                invalid, "gpu_memory_utilization", self.gpu_memory_utilization, fraction, lo=0.0, hi=1.0, lo_open=True
             ),
         )
-        check_optional_int(_fail, "num_kv_blocks", self.num_kv_blocks, "an integer >= 1, or None", lo=1)
+        check_optional_int(invalid, "num_kv_blocks", self.num_kv_blocks, "an integer >= 1, or None", lo=1)
         gib = "a positive number of GiB, or None"
         if self.cpu_kv_cache_gib is not None:
-            _set(
+            set_field(
                 self,
                 "cpu_kv_cache_gib",
-                check_float(_fail, "cpu_kv_cache_gib", self.cpu_kv_cache_gib, gib, lo=0.0, lo_open=True),
+                check_float(invalid, "cpu_kv_cache_gib", self.cpu_kv_cache_gib, gib, lo=0.0, lo_open=True),
             )
-        check_bool(_fail, "enable_prefix_caching", self.enable_prefix_caching)
+        check_bool(invalid, "enable_prefix_caching", self.enable_prefix_caching)
         refused = KV_CACHE_DTYPES_REFUSED.get(self.kv_cache_dtype) if isinstance(self.kv_cache_dtype, str) else None
         if refused is not None:
             raise InvalidConfigError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported: {refused}")
-        _set(self, "kv_cache_dtype", check_enum(_fail, KVCacheDType, "kv_cache_dtype", self.kv_cache_dtype))
+        set_field(self, "kv_cache_dtype", check_enum(invalid, KVCacheDType, "kv_cache_dtype", self.kv_cache_dtype))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -175,17 +150,17 @@ class SchedulerConfig:
     )
 
     def __post_init__(self) -> None:
-        check_int(_fail, "max_num_seqs", self.max_num_seqs, "an integer >= 1", lo=1)
-        check_int(_fail, "max_num_batched_tokens", self.max_num_batched_tokens, "an integer >= 1", lo=1)
+        check_int(invalid, "max_num_seqs", self.max_num_seqs, "an integer >= 1", lo=1)
+        check_int(invalid, "max_num_batched_tokens", self.max_num_batched_tokens, "an integer >= 1", lo=1)
         check_optional_int(
-            _fail,
+            invalid,
             "max_prefill_tokens_while_decoding",
             self.max_prefill_tokens_while_decoding,
             "an integer >= 1, or None",
             lo=1,
         )
-        check_bool(_fail, "async_scheduling", self.async_scheduling)
-        check_optional_int(_fail, "max_waiting_requests", self.max_waiting_requests, "an integer >= 1, or None", lo=1)
+        check_bool(invalid, "async_scheduling", self.async_scheduling)
+        check_optional_int(invalid, "max_waiting_requests", self.max_waiting_requests, "an integer >= 1, or None", lo=1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -205,104 +180,8 @@ class ParallelConfig:
     )
 
     def __post_init__(self) -> None:
-        check_int(_fail, "tensor_parallel_size", self.tensor_parallel_size, "an integer >= 1", lo=1)
-        check_bool(_fail, "tp_custom_all_reduce", self.tp_custom_all_reduce)
-
-
-@dataclass(frozen=True, kw_only=True)
-class DeviceConfig:
-    """Where and how the model executes."""
-
-    device: Device = arg(Device.AUTO, '"auto" takes CUDA when present, else CPU.')
-    attention_backend: AttentionBackendName = arg(
-        AttentionBackendName.AUTO,
-        '"torch" (the pure-PyTorch reference), "triton" (paged Triton kernels), or "auto" (Triton on CUDA when '
-        "installed, else torch).",
-    )
-    enforce_eager: bool = arg(False, "Never capture CUDA graphs.")
-    decode_gemv: DecodeGemv = arg(
-        DecodeGemv.AUTO,
-        "At one token row (batch-1 decode), dense linear layers with the Triton backend run a one-launch GEMV "
-        'instead of cuBLAS: "auto" (with CUDA graphs, for each layer shape that timed faster than cuBLAS at '
-        'start-up), "on" (every layer it can run; the same numbers eager and graphed), "off" (never, the '
-        "quantized layers' GEMV included).",
-    )
-    decode_pdl: bool = arg(
-        False,
-        "Launch the Triton kernels of the decode chain (the dense layers' GEMV and its folded norms, RMSNorm, "
-        "the q/k norm + rotary + KV write) as programmatic dependent launches, each overlapping the previous "
-        "kernel's tail, CUDA graphs included (CUDA on Hopper or newer, the Triton backend). Results unchanged.",
-    )
-    cascade_attention: CascadeAttention = arg(
-        CascadeAttention.AUTO,
-        "Cascade decode attention (Triton backend): decode sequences whose KV blocks begin with the same prefix "
-        "(prefix-cache hits of a shared prompt prefix, 128 tokens or more) attend to it in one read per group "
-        'and step, merged exactly with each one\'s own keys. "auto": on CUDA; "on": also in Triton\'s CPU '
-        'interpreter (tests); "off": never. Decode-only steps and global-attention layers only (sliding-window '
-        "layers read their window as before).",
-    )
-    cuda_graph_max_tokens: int | None = arg(
-        None,
-        "Steps that are not decode-only (prompt chunks, alone or beside decodes) of up to this many tokens replay "
-        "CUDA graphs captured per token count (padded up by at most a quarter); larger steps run eagerly. 0: "
-        "decode steps only. None: 2048, or max_num_seqs plus the prefill cap when that is larger (so capped "
-        "steps replay graphs). Each count costs a capture at start-up; the largest sets the graphs' memory.",
-    )
-    max_step_seconds: float = arg(
-        DEFAULT_MAX_STEP_SECONDS,
-        "A step running longer than this makes check_health() (and the server's /health) fail: a stuck device "
-        "or kernel. AsyncLLMEngine only.",
-    )
-    core_process: bool = arg(
-        False,
-        "Run the engine core (scheduling, detokenizing, the model) in a process of its own, fed through pipes, "
-        "so its Python work shares no GIL with the event loops that stream its outputs (a server's HTTP work). "
-        "False: a step thread in this process (the default; for embedding). AsyncLLMEngine only.",
-    )
-    grammar_process: bool | None = arg(
-        False,
-        "Keep structured output's grammar matchers in a process of its own, which takes each step's tokens and "
-        "fills the next token masks while the step thread does its own host work (many constrained streams). "
-        "False (the default): in the step thread, measured faster on the H200 (bench/RESULTS.md, run 60); "
-        "None: on CUDA, started in the background at the first constrained request (requests that arrive "
-        "before it is ready keep theirs in the step thread); True: started with the engine (start-up waits "
-        "for it), on any device.",
-    )
-    jump_forward: bool = arg(
-        True,
-        "Structured output's jump-forward: where a request's constraint forces the next text (a JSON schema's "
-        "keys and punctuation), its tokens (the tokenizer's encoding of that text) are appended without a draw "
-        "each and computed in one step, so a constrained output takes fewer steps. Requests asking for "
-        "logprobs, prompt logprobs or penalties never jump; nor do matchers in the grammar process, "
-        "nor tensor-parallel engines. False: every token is drawn.",
-    )
-    num_threads: int | None = arg(
-        None,
-        "torch's CPU threads for the model's ops (per rank under tensor parallelism), set in the thread that "
-        "runs steps (torch.set_num_threads: threads started later inherit it). None: on CPU, the physical cores "
-        "this process may use less one (at least 1), shared among the ranks; on CUDA, torch's default.",
-    )
-
-    def __post_init__(self) -> None:
-        _set(self, "device", check_enum(_fail, Device, "device", self.device))
-        check_optional_int(_fail, "num_threads", self.num_threads, "an integer >= 1, or None", lo=1)
-        backend = check_enum(_fail, AttentionBackendName, "attention_backend", self.attention_backend)
-        _set(self, "attention_backend", backend)
-        check_bool(_fail, "enforce_eager", self.enforce_eager)
-        _set(self, "decode_gemv", check_enum(_fail, DecodeGemv, "decode_gemv", self.decode_gemv))
-        check_bool(_fail, "decode_pdl", self.decode_pdl)
-        cascade = check_enum(_fail, CascadeAttention, "cascade_attention", self.cascade_attention)
-        _set(self, "cascade_attention", cascade)
-        check_bool(_fail, "core_process", self.core_process)
-        check_bool(_fail, "jump_forward", self.jump_forward)
-        if not isinstance(self.grammar_process, bool | None):
-            lazily = "None (started at the first constrained request on CUDA)"
-            raise _fail("grammar_process", self.grammar_process, f"True, False or {lazily}")
-        check_optional_int(_fail, "cuda_graph_max_tokens", self.cuda_graph_max_tokens, "an integer >= 0, or None", lo=0)
-        seconds = check_float(
-            _fail, "max_step_seconds", self.max_step_seconds, "a positive number of seconds", lo=0.0, lo_open=True
-        )
-        _set(self, "max_step_seconds", seconds)
+        check_int(invalid, "tensor_parallel_size", self.tensor_parallel_size, "an integer >= 1", lo=1)
+        check_bool(invalid, "tp_custom_all_reduce", self.tp_custom_all_reduce)
 
 
 # A LoRA rank padded for the kernels stays within a Triton tile; vLLM's largest supported rank is the same.
@@ -331,12 +210,12 @@ class LoRAConfig:
     )
 
     def __post_init__(self) -> None:
-        check_bool(_fail, "enable_lora", self.enable_lora)
-        check_int(_fail, "max_loras", self.max_loras, "an integer >= 1", lo=1)
-        check_int(_fail, "max_lora_rank", self.max_lora_rank, f"an integer in [1, {MAX_LORA_RANK}]", lo=1)
+        check_bool(invalid, "enable_lora", self.enable_lora)
+        check_int(invalid, "max_loras", self.max_loras, "an integer >= 1", lo=1)
+        check_int(invalid, "max_lora_rank", self.max_lora_rank, f"an integer in [1, {MAX_LORA_RANK}]", lo=1)
         if self.max_lora_rank > MAX_LORA_RANK:
-            raise _fail("max_lora_rank", self.max_lora_rank, f"an integer in [1, {MAX_LORA_RANK}]")
-        check_optional_int(_fail, "max_cpu_loras", self.max_cpu_loras, "an integer >= 1, or None", lo=1)
+            raise invalid("max_lora_rank", self.max_lora_rank, f"an integer in [1, {MAX_LORA_RANK}]")
+        check_optional_int(invalid, "max_cpu_loras", self.max_cpu_loras, "an integer >= 1, or None", lo=1)
 
 
 _PARTS: dict[str, type] = {

@@ -15,7 +15,7 @@ import torch
 from asyncllm import LLM, SamplingParams
 from asyncllm.attention.backend import PlanBounds
 from asyncllm.attention.torch_ref import TorchAttentionBackend
-from asyncllm.config import AttentionBackendName
+from asyncllm.config_values import AttentionBackendName
 from tests.fixtures.paged import PagedBatcher
 from tests.fixtures.triton_kernels import DEVICE, HAS_CUDA, TOLERANCE, import_paged_attention
 

@@ -36,7 +36,8 @@ from asyncllm.async_engine.proc_client import ProcClient
 from asyncllm.async_engine.router import OutputRouter
 from asyncllm.async_engine.stream import RequestStream, collect
 from asyncllm.chat import Message
-from asyncllm.config import DeviceConfig, EngineConfig, SchedulerConfig
+from asyncllm.config import EngineConfig, SchedulerConfig
+from asyncllm.config_device import DeviceConfig
 from asyncllm.errors import EngineDeadError
 from asyncllm.input_processor import InputProcessor
 from asyncllm.outputs import RequestOutput

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from asyncllm.config import DEFAULT_MAX_STEP_SECONDS
+from asyncllm.config_device import DEFAULT_MAX_STEP_SECONDS
 from asyncllm.errors import EngineStalledError
 
 __all__ = ["DEFAULT_MAX_STEP_SECONDS", "EngineStalledError", "check_step_age", "step_age"]

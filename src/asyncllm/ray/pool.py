@@ -17,7 +17,8 @@ from asyncllm.async_engine.core_client import ClientFactory, EngineCoreClient
 from asyncllm.async_engine.engine import DEFAULT_MAX_STEP_SECONDS, AsyncLLMEngine
 from asyncllm.async_engine.inproc_client import Built
 from asyncllm.async_engine.router import OutputRouter
-from asyncllm.config import DeviceConfig, EngineConfig, SchedulerConfig
+from asyncllm.config import EngineConfig, SchedulerConfig
+from asyncllm.config_device import DeviceConfig
 from asyncllm.errors import EngineDeadError, InvalidConfigError
 from asyncllm.install import extra_install_hint
 from asyncllm.validation import is_int, short_repr

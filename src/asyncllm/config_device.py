@@ -1,0 +1,120 @@
+"""`DeviceConfig`: where and how the model executes (device, threads, attention backend, CUDA graphs, the
+decode kernels' switches, the core's and the grammar matchers' process). One part of `EngineConfig`
+(config.py), split out for size; every field validated at construction with an `InvalidConfigError`
+naming it. Plain Python; no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from asyncllm.config_fields import arg, invalid, set_field
+from asyncllm.config_values import (
+    AttentionBackendName,
+    CascadeAttention,
+    DecodeGemv,
+    Device,
+)
+from asyncllm.validation import check_bool, check_enum, check_float, check_optional_int
+
+# A step running longer than this fails the health check: far above any real step (a GPU step takes
+# milliseconds, a long CPU prefill a few seconds), far below what a stuck device or kernel looks like.
+DEFAULT_MAX_STEP_SECONDS = 20.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceConfig:
+    """Where and how the model executes."""
+
+    device: Device = arg(Device.AUTO, '"auto" takes CUDA when present, else CPU.')
+    attention_backend: AttentionBackendName = arg(
+        AttentionBackendName.AUTO,
+        '"torch" (the pure-PyTorch reference), "triton" (paged Triton kernels), or "auto" (Triton on CUDA when '
+        "installed, else torch).",
+    )
+    enforce_eager: bool = arg(False, "Never capture CUDA graphs.")
+    decode_gemv: DecodeGemv = arg(
+        DecodeGemv.AUTO,
+        "At one token row (batch-1 decode), dense linear layers with the Triton backend run a one-launch GEMV "
+        'instead of cuBLAS: "auto" (with CUDA graphs, for each layer shape that timed faster than cuBLAS at '
+        'start-up), "on" (every layer it can run; the same numbers eager and graphed), "off" (never, the '
+        "quantized layers' GEMV included).",
+    )
+    decode_pdl: bool = arg(
+        False,
+        "Launch the Triton kernels of the decode chain (the dense layers' GEMV and its folded norms, RMSNorm, "
+        "the q/k norm + rotary + KV write) as programmatic dependent launches, each overlapping the previous "
+        "kernel's tail, CUDA graphs included (CUDA on Hopper or newer, the Triton backend). Results unchanged.",
+    )
+    cascade_attention: CascadeAttention = arg(
+        CascadeAttention.AUTO,
+        "Cascade decode attention (Triton backend): decode sequences whose KV blocks begin with the same prefix "
+        "(prefix-cache hits of a shared prompt prefix, 128 tokens or more) attend to it in one read per group "
+        'and step, merged exactly with each one\'s own keys. "auto": on CUDA; "on": also in Triton\'s CPU '
+        'interpreter (tests); "off": never. Decode-only steps and global-attention layers only (sliding-window '
+        "layers read their window as before).",
+    )
+    cuda_graph_max_tokens: int | None = arg(
+        None,
+        "Steps that are not decode-only (prompt chunks, alone or beside decodes) of up to this many tokens replay "
+        "CUDA graphs captured per token count (padded up by at most a quarter); larger steps run eagerly. 0: "
+        "decode steps only. None: 2048, or max_num_seqs plus the prefill cap when that is larger (so capped "
+        "steps replay graphs). Each count costs a capture at start-up; the largest sets the graphs' memory.",
+    )
+    max_step_seconds: float = arg(
+        DEFAULT_MAX_STEP_SECONDS,
+        "A step running longer than this makes check_health() (and the server's /health) fail: a stuck device "
+        "or kernel. AsyncLLMEngine only.",
+    )
+    core_process: bool = arg(
+        False,
+        "Run the engine core (scheduling, detokenizing, the model) in a process of its own, fed through pipes, "
+        "so its Python work shares no GIL with the event loops that stream its outputs (a server's HTTP work). "
+        "False: a step thread in this process (the default; for embedding). AsyncLLMEngine only.",
+    )
+    grammar_process: bool | None = arg(
+        False,
+        "Keep structured output's grammar matchers in a process of its own, which takes each step's tokens and "
+        "fills the next token masks while the step thread does its own host work (many constrained streams). "
+        "False (the default): in the step thread, measured faster on the H200 (bench/RESULTS.md, run 60); "
+        "None: on CUDA, started in the background at the first constrained request (requests that arrive "
+        "before it is ready keep theirs in the step thread); True: started with the engine (start-up waits "
+        "for it), on any device.",
+    )
+    jump_forward: bool = arg(
+        True,
+        "Structured output's jump-forward: where a request's constraint forces the next text (a JSON schema's "
+        "keys and punctuation), its tokens (the tokenizer's encoding of that text) are appended without a draw "
+        "each and computed in one step, so a constrained output takes fewer steps. Requests asking for "
+        "logprobs, prompt logprobs or penalties never jump; nor do matchers in the grammar process, "
+        "nor tensor-parallel engines. False: every token is drawn.",
+    )
+    num_threads: int | None = arg(
+        None,
+        "torch's CPU threads for the model's ops (per rank under tensor parallelism), set in the thread that "
+        "runs steps (torch.set_num_threads: threads started later inherit it). None: on CPU, the physical cores "
+        "this process may use less one (at least 1), shared among the ranks; on CUDA, torch's default.",
+    )
+
+    def __post_init__(self) -> None:
+        set_field(self, "device", check_enum(invalid, Device, "device", self.device))
+        check_optional_int(invalid, "num_threads", self.num_threads, "an integer >= 1, or None", lo=1)
+        backend = check_enum(invalid, AttentionBackendName, "attention_backend", self.attention_backend)
+        set_field(self, "attention_backend", backend)
+        check_bool(invalid, "enforce_eager", self.enforce_eager)
+        set_field(self, "decode_gemv", check_enum(invalid, DecodeGemv, "decode_gemv", self.decode_gemv))
+        check_bool(invalid, "decode_pdl", self.decode_pdl)
+        cascade = check_enum(invalid, CascadeAttention, "cascade_attention", self.cascade_attention)
+        set_field(self, "cascade_attention", cascade)
+        check_bool(invalid, "core_process", self.core_process)
+        check_bool(invalid, "jump_forward", self.jump_forward)
+        if not isinstance(self.grammar_process, bool | None):
+            lazily = "None (started at the first constrained request on CUDA)"
+            raise invalid("grammar_process", self.grammar_process, f"True, False or {lazily}")
+        check_optional_int(
+            invalid, "cuda_graph_max_tokens", self.cuda_graph_max_tokens, "an integer >= 0, or None", lo=0
+        )
+        seconds = check_float(
+            invalid, "max_step_seconds", self.max_step_seconds, "a positive number of seconds", lo=0.0, lo_open=True
+        )
+        set_field(self, "max_step_seconds", seconds)
