@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .paged_attention_kernels import _dim_mask
+from .paged_attention_kernels import _attend_paged, _dim_mask
 
 
 @triton.jit(do_not_specialize=["num_splits", "prefix_splits"])
@@ -37,7 +37,6 @@ def _cascade_prefix_kernel(
     first = tl.load(units_ptr + 4 * unit + 2)
     offs_r = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
     member = offs_r // GROUP  # row r: member r // GROUP, query head kv_head * GROUP + r % GROUP
     r_mask = member < count
     d_mask = _dim_mask(offs_d, HEAD_DIM, BLOCK_D)
@@ -56,40 +55,11 @@ def _cascade_prefix_kernel(
     tokens_per_split = tl.cdiv(tl.cdiv(prefix, prefix_splits), BLOCK_N) * BLOCK_N
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, prefix)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + offs_n
-        valid = pos < end
-        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        slot = pos % BLOCK_SIZE
-        if BLOCK_D == HEAD_DIM:
-            kv_mask = valid[:, None]
-        else:
-            kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(
-            k_ptr + block[:, None] * stride_kb + slot[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )  # [N, D]
-        v = tl.load(
-            v_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        if KV_FP8:
-            k, v = k.to(q.dtype), v.to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, N], log2 domain
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile has a valid key
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
-    if KV_FP8:
-        acc = acc * tl.load(v_scale_ptr)
+    m_i, l_i, acc = _attend_paged(
+        q, qk_scale, table, start, end, kv_head, k_ptr, v_ptr, v_scale_ptr,
+        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+        BLOCK_M, HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, DOT_PRECISION, KV_FP8,
+    )  # fmt: skip
     parts = num_splits + prefix_splits
     part = (pid * (tl.num_programs(0) * GROUP) + heads) * parts + num_splits + split  # [M] rows of [B, H, parts]
     tl.store(m_ptr + part, m_i, mask=r_mask)

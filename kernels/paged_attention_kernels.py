@@ -24,6 +24,57 @@ def _dim_mask(offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
         return offs_d < HEAD_DIM
 
 
+@triton.jit
+def _attend_paged(
+    q, qk_scale, table, start, end, kv_head, k_ptr, v_ptr, v_scale_ptr,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+):  # fmt: skip
+    """The online softmax of `q`'s ROWS query rows ([ROWS, BLOCK_D]; scores times `qk_scale`, log2 domain)
+    over the keys [start, end) of one block table (`table`: its row), BLOCK_N keys a tile, K and V of
+    `kv_head`: (m, l, acc) unnormalised, acc times an FP8 cache's v_scale. Shared by the decode split kernel
+    (a sequence's query heads of one KV head) and the cascade's prefix kernel (a unit's members' heads)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    d_mask = _dim_mask(offs_d, HEAD_DIM, BLOCK_D)
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + offs_n
+        valid = pos < end
+        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        slot = pos % BLOCK_SIZE
+        if BLOCK_D == HEAD_DIM:
+            kv_mask = valid[:, None]  # no padded dims: a row-constant mask keeps the loads vectorised
+        else:
+            kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(
+            k_ptr + block[:, None] * stride_kb + slot[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )  # [N, D]
+        v = tl.load(
+            v_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        if KV_FP8:
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [G, N], log2 domain
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile has a valid key
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    if KV_FP8:
+        acc = acc * tl.load(v_scale_ptr)
+    return m_i, l_i, acc
+
+
 # num_splits is a plain argument, not specialised (1 / multiple of 16 / other would be three compilations), so
 # warm-up compiles one variant and a CUDA graph may bake in any split count; the window likewise.
 @triton.jit(do_not_specialize=["num_splits", "prefix_splits", "window"])
@@ -62,7 +113,6 @@ def _decode_split_kernel(
     end = tl.minimum(start + tokens_per_split, seq_len)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
     g_mask = offs_g < GROUP
     d_mask = _dim_mask(offs_d, HEAD_DIM, BLOCK_D)
     heads = kv_head * GROUP + offs_g  # the query heads sharing this KV head: K/V are loaded once for all
@@ -73,41 +123,12 @@ def _decode_split_kernel(
     )  # [G, D]
     if KV_FP8:
         qk_scale = qk_scale * tl.load(k_scale_ptr)
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     table = bt_ptr + seq.to(tl.int64) * stride_bt
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + offs_n
-        valid = pos < end
-        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        slot = pos % BLOCK_SIZE
-        if BLOCK_D == HEAD_DIM:
-            kv_mask = valid[:, None]  # no padded dims: a row-constant mask keeps the loads vectorised
-        else:
-            kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(
-            k_ptr + block[:, None] * stride_kb + slot[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )  # [N, D]
-        v = tl.load(
-            v_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        if KV_FP8:
-            k, v = k.to(q.dtype), v.to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [G, N], log2 domain
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile has a valid key
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
-    if KV_FP8:
-        acc = acc * tl.load(v_scale_ptr)
+    m_i, l_i, acc = _attend_paged(
+        q, qk_scale, table, start, end, kv_head, k_ptr, v_ptr, v_scale_ptr,
+        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+        BLOCK_G, HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, DOT_PRECISION, KV_FP8,
+    )  # fmt: skip
     if CASCADE:
         whole = num_splits + lo == 1  # one split and no shared prefix (lo >= 0, num_splits >= 1)
     else:
