@@ -81,6 +81,12 @@ class DeviceConfig:
         "before it is ready keep theirs in the step thread); True: started with the engine (start-up waits "
         "for it), on any device.",
     )
+    grammar_process_threads: int | None = arg(
+        None,
+        "The grammar process's threads, each accepting and filling a share of a step's rows (with "
+        "grammar_process None or True). None: the cores this process may use less two (the step thread and "
+        "the device's driver), shared among tensor-parallel ranks, at most 16.",
+    )
     jump_forward: bool = arg(
         True,
         "Structured output's jump-forward: where a request's constraint forces the next text (a JSON schema's "
@@ -111,6 +117,9 @@ class DeviceConfig:
         if not isinstance(self.grammar_process, bool | None):
             lazily = "None (started at the first constrained request on CUDA)"
             raise invalid("grammar_process", self.grammar_process, f"True, False or {lazily}")
+        check_optional_int(
+            invalid, "grammar_process_threads", self.grammar_process_threads, "an integer >= 1, or None", lo=1
+        )
         check_optional_int(
             invalid, "cuda_graph_max_tokens", self.cuda_graph_max_tokens, "an integer >= 0, or None", lo=0
         )

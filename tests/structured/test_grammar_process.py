@@ -48,7 +48,9 @@ async def test_grammar_process_gives_the_step_threads_tokens(tiny_model: Path, l
     names.append("person")
     want = llm_drawing.generate(prompts, params, use_tqdm=False)  # step-thread matchers
     variant = dict(hold_masked_draws=True, num_kv_blocks=56, max_num_batched_tokens=16, max_num_seqs=6)
-    engine = overlapped_engine(tiny_model, grammar_process=True, **{**ENGINE_ARGS, **variant})
+    # Two threads of its own (grammar_process_threads): a step's rows are shared between them where they are many.
+    variant |= dict(grammar_process=True, grammar_process_threads=2)
+    engine = overlapped_engine(tiny_model, **{**ENGINE_ARGS, **variant})
     try:
         await asyncio.wait_for(engine.generate([5], SamplingParams(max_tokens=1)), 60)  # started with the engine
         assert len(grammar_processes()) == 1

@@ -345,8 +345,12 @@ class WorkerSetup:
         return GrammarBackend(tokenizer, vocab_size, eos) if tokenizer is not None and eos else None
 
     def _grammar_process_threads(self) -> int:
-        """The grammar process's filling threads: the cores this process may use, less two (the step thread
-        and the device's driver), shared among the ranks (each rank has its own process), at most 16."""
+        """The grammar process's filling threads: `grammar_process_threads` where given, else the cores this
+        process may use, less two (the step thread and the device's driver), shared among the ranks (each
+        rank has its own process), at most 16."""
+        chosen = self.config.device_config.grammar_process_threads
+        if chosen is not None:
+            return chosen
         world = 1 if self.parallel is None else self.parallel.world_size
         return max(1, min(16, (len(os.sched_getaffinity(0)) - 2) // world))
 
