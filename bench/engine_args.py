@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 from typing import Any
 
 
@@ -28,4 +30,17 @@ def engine_kwargs(pairs: list[str]) -> dict[str, Any]:
             out[name] = json.loads(text)
         except json.JSONDecodeError:
             out[name] = text
+    return out
+
+
+def run_child(script: str, kind: str) -> dict[str, Any]:
+    """Run `script` again with this process's arguments plus `--child kind` (a variant in a fresh process, the
+    device's memory whole for it) and return the last JSON line it printed; its stderr's tail if it failed."""
+    done = subprocess.run(
+        [sys.executable, script, *sys.argv[1:], "--child", kind], capture_output=True, text=True, check=False
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        raise SystemExit(f"the {kind} run failed:\n{done.stderr[-4000:]}")
+    out: dict[str, Any] = json.loads(lines[-1])
     return out

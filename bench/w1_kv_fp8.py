@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 from typing import Any
 
+from engine_args import run_child
 from gemma3_w1_w5 import run_w5
 from shapes import SHAPES
 from w1_throughput import add_w1_arguments, cap_outputs, run_w1, w1_engine, w1_requests
@@ -97,13 +96,7 @@ def main() -> None:
         return
     results = {}
     for kind in KINDS:
-        done = subprocess.run(
-            [sys.executable, __file__, *sys.argv[1:], "--child", kind], capture_output=True, text=True, check=False
-        )
-        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-        if done.returncode != 0 or not lines:
-            raise SystemExit(f"the {kind} run failed:\n{done.stderr[-4000:]}")
-        results[kind] = json.loads(lines[-1])
+        results[kind] = run_child(__file__, kind)
         print(json.dumps({"workload": "W1+W5", "shape": args.shape, **results[kind]}), flush=True)
     auto, fp8 = results["auto"], results["fp8"]
     summary: dict[str, Any] = {"workload": "kv_fp8_vs_auto", "shape": args.shape, "requests": args.num_seqs}

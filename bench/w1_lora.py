@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+from engine_args import run_child
 from shapes import SHAPES, W1_LIMIT
 from w1_throughput import add_w1_arguments, cap_outputs, w1_engine, w1_requests
 
@@ -116,13 +115,7 @@ def main() -> None:
     result: dict[str, object] = {"workload": "W1-LoRA", "shape": args.shape, "requests": args.num_seqs}
     result |= {"adapters": args.num_adapters, "rank": args.rank}
     for kind in ("base", "lora", "lora_base"):
-        done = subprocess.run(
-            [sys.executable, __file__, *sys.argv[1:], "--child", kind], capture_output=True, text=True, check=False
-        )
-        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-        if done.returncode != 0 or not lines:
-            raise SystemExit(f"the {kind} run failed:\n{done.stderr[-4000:]}")
-        result |= json.loads(lines[-1])
+        result |= run_child(__file__, kind)
     rates = {kind: float(str(result[f"{kind}_tok_s"])) for kind in ("base", "lora", "lora_base")}
     result["lora_vs_base"] = round(rates["lora"] / rates["base"], 3)
     result["lora_engine_base_requests_vs_base"] = round(rates["lora_base"] / rates["base"], 3)

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import time
 from random import randint, seed
 from typing import Any
 
+from engine_args import run_child
 from w1_throughput import add_w1_arguments, w1_engine
 
 from asyncllm import SamplingParams
@@ -88,13 +87,7 @@ def main() -> None:
     kinds = [k for k in KINDS if args.no_caching_too or k != "no_prefix_caching"]
     results = {}
     for kind in kinds:
-        done = subprocess.run(
-            [sys.executable, __file__, *sys.argv[1:], "--child", kind], capture_output=True, text=True, check=False
-        )
-        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-        if done.returncode != 0 or not lines:
-            raise SystemExit(f"the {kind} run failed:\n{done.stderr[-4000:]}")
-        results[kind] = json.loads(lines[-1])
+        results[kind] = run_child(__file__, kind)
         print(json.dumps({"workload": "W3", "shape": args.shape, **results[kind]}), flush=True)
     summary: dict[str, Any] = {"workload": "W3 cascade", "groups": args.groups}
     summary["cascade_auto_over_off"] = round(results["cascade_auto"]["tok_s"] / results["cascade_off"]["tok_s"], 3)
