@@ -44,6 +44,16 @@ _PHASES = (
     ("asyncllm.async_engine.router", "OutputRouter", "route", "route"),
     ("asyncllm.async_engine.mailbox", "LoopMailbox", "_flush", "loop_flush"),
 )
+# Structured output's host work (`host_timing(grammar=True)`; w6_structured.py --host-timing):
+#   grammar_accept  FillJob.accept        (part of complete) the step's tokens to the matchers, the next rows
+#                                          filled (in this thread) or handed to the grammar process
+#   grammar_fill    GrammarTable.fill     (part of runner) waiting for every home's rows, uploading the mask
+#   grammar_plan    GrammarTable.plan     (part of runner) which bitmask row each sampled row reads
+GRAMMAR_PHASES = (
+    ("asyncllm.sample.mask_fill", "FillJob", "accept", "grammar_accept"),
+    ("asyncllm.sample.structured", "GrammarTable", "fill", "grammar_fill"),
+    ("asyncllm.sample.structured", "GrammarTable", "plan", "grammar_plan"),
+)
 
 
 @dataclass
@@ -118,12 +128,13 @@ def _timed(fn: Callable[..., Any], phase: str, timing: HostTiming) -> Callable[.
 
 
 @contextmanager
-def host_timing() -> Iterator[HostTiming]:
-    """Wrap the phases' functions for the duration (every engine in this process); yields the totals."""
+def host_timing(grammar: bool = False) -> Iterator[HostTiming]:
+    """Wrap the phases' functions for the duration (every engine in this process); yields the totals.
+    `grammar`: structured output's phases too."""
     timing = HostTiming()
     undo: list[tuple[type, str, Any]] = []
     try:
-        for module, cls_name, method, phase in _PHASES:
+        for module, cls_name, method, phase in _PHASES + (GRAMMAR_PHASES if grammar else ()):
             cls = getattr(importlib.import_module(module), cls_name)
             original = cls.__dict__[method]
             undo.append((cls, method, original))

@@ -37,7 +37,9 @@ def main() -> None:
     add_engine_arg_option(ap)
     args = ap.parse_args()
     model_dir = write_shape_dir(args.shape, Path(tempfile.mkdtemp()) / args.shape)
-    llm = LLM(str(model_dir), device=args.device, load_format="dummy", max_model_len=4096, **engine_kwargs(args.engine_arg))
+    llm = LLM(
+        str(model_dir), device=args.device, load_format="dummy", max_model_len=4096, **engine_kwargs(args.engine_arg)
+    )
     prompt = [[(7 * i) % 10000 for i in range(128)]]
 
     def run(tokens: int) -> float:

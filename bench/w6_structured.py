@@ -9,7 +9,9 @@ of unconstrained tokens/s. The constrained requests' matchers are in the step th
 `--engine-arg grammar_process=true` puts them in the grammar process, which never jumps forward) with
 jump-forward on (the default; `--engine-arg jump_forward=false` draws every token); unless `--no-twin`, a
 second engine then gives the W1-style ratio with jump-forward the other way (the twin), in the same call, and
-both runs' engine steps per output token. Prints one JSON line."""
+both runs' engine steps per output token. Prints one JSON line; `--host-timing` first prints the step thread's
+time per step by phase (bench/host_timing.py, structured output's phases included) for the constrained run and
+for the unconstrained one."""
 
 from __future__ import annotations
 
@@ -17,8 +19,10 @@ import argparse
 import dataclasses
 import json
 import time
+from contextlib import nullcontext
 
 from engine_args import engine_kwargs
+from host_timing import host_timing
 from w1_throughput import RunResult, add_w1_arguments, run_w1, w1_engine, w1_requests
 
 from asyncllm import LLM, RequestOutput, SamplingParams
@@ -74,13 +78,21 @@ def w1_style(llm: LLM, args: argparse.Namespace) -> tuple[list[RequestOutput], f
     # The constrained run first; the unconstrained run then makes exactly as many tokens per request (its
     # lengths, ignore_eos), so the two differ only in the constraint.
     steps = llm.stats()["num_steps"]
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, constrained(params, SCHEMA), use_tqdm=False)
-    schema_s = time.perf_counter() - t0
+    timed = getattr(args, "host_timing", False)
+    with host_timing(grammar=True) if timed else nullcontext() as timing:
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, constrained(params, SCHEMA), use_tqdm=False)
+        schema_s = time.perf_counter() - t0
+    if timing is not None:
+        print(json.dumps({"workload": "W6 host timing", "run": "schema", **timing.summary()}), flush=True)
     steps = int(llm.stats()["num_steps"] - steps)
     lengths = [len(o.token_ids) for o in outs]
     same = [dataclasses.replace(p, max_tokens=n) for p, n in zip(params, lengths)]
-    return outs, schema_s, lengths, run_w1(llm, prompts, same), steps
+    with host_timing() if timed else nullcontext() as timing:
+        plain = run_w1(llm, prompts, same)
+    if timing is not None:
+        print(json.dumps({"workload": "W6 host timing", "run": "plain", **timing.summary()}), flush=True)
+    return outs, schema_s, lengths, plain, steps
 
 
 def jump_twin(args: argparse.Namespace, jump_forward: bool) -> tuple[float, float]:
@@ -98,6 +110,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     add_w1_arguments(ap)
     ap.add_argument("--no-twin", action="store_true", help="skip the in-thread twin's W1-style ratio")
+    ap.add_argument("--host-timing", action="store_true", help="the step thread's time per step by phase, both runs")
     args = ap.parse_args()
     given = engine_kwargs(args.engine_arg)
     jump = bool(given.get("jump_forward", True))
