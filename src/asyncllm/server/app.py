@@ -27,6 +27,7 @@ from asyncllm.server.auth import APIKeyMiddleware
 from asyncllm.server.errors import OpenAIError, engine_dead, install_error_handlers
 from asyncllm.server.json_route import json_route
 from asyncllm.server.metrics import ServerMetrics
+from asyncllm.server.openapi import document_plain_routes
 from asyncllm.server.protocol import ChatCompletionRequest, CompletionRequest
 from asyncllm.server.serving_chat import create_chat_completion
 from asyncllm.server.serving_completion import create_completion
@@ -101,6 +102,13 @@ def create_app(
         json_route("/v1/chat/completions", ChatCompletionRequest, create_chat_completion),
         json_route("/v1/completions", CompletionRequest, create_completion),
     ]
+    document_plain_routes(  # FastAPI's schema (/docs) leaves plain routes out
+        app,
+        [
+            ("/v1/chat/completions", ChatCompletionRequest, "Create a chat completion"),
+            ("/v1/completions", CompletionRequest, "Create a completion"),
+        ],
+    )
     app.get("/v1/models")(list_models)
     app.get("/v1/models/{model:path}")(retrieve_model)
     app.get("/health")(health)
