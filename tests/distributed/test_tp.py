@@ -353,6 +353,43 @@ def test_workers_exit_when_the_engine_process_is_killed(tiny_checkpoints: dict[s
     assert not ring_segments(owner.pid), "the ring segment outlived its engine's process"
 
 
+def test_workers_outlive_a_sigterm_to_the_process_group(tiny_checkpoints: dict[str, Path]) -> None:
+    """A service manager's SIGTERM reaches every process of the group (systemd: the whole control group). The
+    engine's owner decides what it means (`asyncllm serve` drains): its workers ignore it, so the engine still
+    serves afterwards, and the workers still stop when the engine shuts down."""
+    script = (
+        "import signal, sys\nfrom asyncllm import LLM, SamplingParams\n"
+        "signal.signal(signal.SIGTERM, lambda *_: print('term', flush=True))\n"
+        f"llm = LLM({str(tiny_checkpoints['qwen3'])!r}, device='cpu', num_kv_blocks=64, tensor_parallel_size=2)\n"
+        "print('ready', flush=True)\nsys.stdin.readline()\n"
+        "out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)\n"
+        "print('generated', len(out[0].token_ids), flush=True)\nllm.shutdown()\n"
+    )
+    owner = subprocess.Popen(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        assert owner.stdout is not None and owner.stdin is not None
+        assert owner.stdout.readline().strip() == "ready"
+        workers = worker_processes(owner.pid)
+        assert len(workers) == 1
+        os.killpg(owner.pid, signal.SIGTERM)
+        assert owner.stdout.readline().strip() == "term"
+        time.sleep(0.2)  # a worker that took the signal is gone by now
+        assert _alive(workers), "a worker died of the group's SIGTERM"
+        owner.stdin.write("\n")
+        owner.stdin.flush()
+        assert owner.stdout.readline().strip() == "generated 4"
+        assert owner.wait(timeout=30) == 0
+    finally:
+        owner.kill()
+        owner.wait()
+    deadline = time.monotonic() + 5
+    while _alive(workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(workers), "a worker outlived its engine"
+
+
 def _alive(pids: set[int]) -> bool:
     for pid in pids:
         try:

@@ -50,9 +50,11 @@ class WorkerSpec:
 
 def main() -> None:
     """The worker interpreter's entry: `python -c "...; main()" SPEC_FD REPORT_FD` (see worker_procs)."""
-    # Ctrl-C in a terminal reaches the whole process group: the engine's process decides when workers stop
-    # (it closes the ring, or dies and closes our pipe), so that a server can shut down gracefully.
+    # Ctrl-C in a terminal, and a service manager's SIGTERM (systemd signals the whole control group), reach
+    # every process of the group: the engine's process decides when workers stop (it closes the ring, or
+    # dies and closes our pipe), so that a server can drain its requests gracefully first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     spec_fd, report_fd = (int(arg) for arg in sys.argv[1:3])
     from_parent = Connection(spec_fd, writable=False)
     spec = from_parent.recv()

@@ -108,8 +108,10 @@ class GrammarWorker:
 
 
 def main() -> None:
-    # Ctrl-C reaches the whole process group: the engine decides when this process ends (it closes the pipe).
+    # Ctrl-C and a service manager's SIGTERM reach the whole process group: the engine decides when this
+    # process ends (it closes the pipe), after draining the requests whose matchers live here.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     request_fd, reply_fd, rows_fd = (int(arg) for arg in sys.argv[1:4])
     requests, replies = Connection(request_fd, writable=False), Connection(reply_fd, readable=False)
     try:
