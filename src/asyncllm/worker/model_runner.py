@@ -135,7 +135,8 @@ class ModelRunner:
             self._latest.feed(self.inputs.input_ids.dev, feed)
         hidden, graph_logits = self.graphs.run(shape, x)  # [x.num_tokens, hidden], padding rows included
         if graphed:
-            assert graph_draw is not None
+            # A decode bucket's graphs are captured for every LoRA and attention variant: the LM head ran.
+            assert graph_draw is not None and graph_logits is not None
             self.graphs.run_tail(shape)  # the draw and the latest-token record, over the graph's logits
             self.sampler.drawn(states)
             return self._outputs.send(graph_draw.tokens(len(sampling)), None)
