@@ -6,7 +6,9 @@ A graph reads fixed addresses only, so the draw's per-row parameters (temperatur
 rows' latest-token slots have fixed regions of the step's staging, written by `stage` and sent by the step's
 one flush; padding rows of the bucket record into `PAD_SLOT`. The launch is the sampler's own draw over the
 same logits with the same parameters: the tokens are the eager path's, bit for bit (the kernel's argmax is
-the first column of the best score whatever its vocabulary splits, which follow the row count). Steps with any
+the first column of the best score whatever its vocabulary splits, which follow the row count; an all-greedy
+step, which the eager sampler gives to torch.argmax, gets the kernel's temperature-0 argmax: the same first
+column of the maximum, unless a row holds NaN, which torch's argmax picks and the kernel never does). Steps with any
 other row (filters, penalties, logprobs, stop masks, grammars) take the eager sampler over the static logits.
 Knows nothing of requests beyond their sampling states, nor of the model.
 """
