@@ -137,7 +137,7 @@ def _graph_launches(path: Path, **engine_args: object) -> int:
         llm.generate([[5, 6, 7]], params, use_tqdm=False)  # warm
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             llm.generate([[5, 6, 7]], params, use_tqdm=False)
-        return sum(e.count for e in prof.key_averages() if e.key == "cudaGraphLaunch")
+        return sum(e.count for e in prof.key_averages() if e.key.startswith("cudaGraphLaunch"))
     finally:
         llm.shutdown()
 

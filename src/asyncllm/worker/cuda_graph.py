@@ -69,6 +69,10 @@ class CudaGraphRunner:
         """The captured sizes of one kind ("decode": batch sizes, "mixed": token counts), ascending."""
         return sorted(n for (k, n), lora, variant in self._graphs if k == kind and not lora and not variant)
 
+    def tail_sizes(self) -> list[int]:
+        """The decode sizes captured with a tail graph, ascending."""
+        return sorted(self._tails)
+
     def run(self, shape: StepShape, x: ModelInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step's final hidden states, [x.num_tokens, hidden] (padding rows included), and, where a decode
         graph ran the LM head, its logits ([x.num_tokens, vocab], static: read before the next step runs);

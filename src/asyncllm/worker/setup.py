@@ -312,11 +312,12 @@ class WorkerSetup:
         graphs = runner.graphs
         self.timings["capture"] = runner.capture_graphs()
         logger.info(
-            "captured %d CUDA graphs in %.2f s: decode batch sizes %s, token counts %s",
+            "captured %d CUDA graphs in %.2f s: decode batch sizes %s, token counts %s, %d draw graphs",
             len(graphs.sizes("decode")) + len(graphs.sizes("mixed")),
             self.timings["capture"],
             graphs.sizes("decode"),
             graphs.sizes("mixed"),
+            len(graphs.tail_sizes()),
         )
 
     def runtime_info(self, loaded: LoadedModel, runner: ModelRunner, num_blocks: int) -> RuntimeInfo:
