@@ -87,8 +87,22 @@ def gumbel_argmax_cpu(
     offsets: torch.Tensor,
     bitmask: torch.Tensor | None = None,
     mask_rows: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`gumbel_argmax_ref`'s tokens ([R] int64) on CPU tensors; same arguments, same contract."""
+    """`gumbel_argmax_ref`'s tokens ([R] int64) on CPU tensors; same arguments, same contract (`out`: where
+    they go, as the kernel's)."""
+    tokens = _gumbel_argmax_cpu(logits, temperature, seeds, offsets, bitmask, mask_rows)
+    return tokens if out is None else out.copy_(tokens)
+
+
+def _gumbel_argmax_cpu(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    offsets: torch.Tensor,
+    bitmask: torch.Tensor | None,
+    mask_rows: torch.Tensor | None,
+) -> torch.Tensor:
     x = logits.float()
     if (bitmask is None) != (mask_rows is None):
         raise ValueError("bitmask and mask_rows go together: pass both or neither")

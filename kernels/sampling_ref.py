@@ -104,11 +104,12 @@ def gumbel_argmax_ref(
     offsets: torch.Tensor,
     bitmask: torch.Tensor | None = None,
     mask_rows: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The specification: [R] int64 tokens, argmax(x / T - log(-log u)) per row, plain argmax where T = 0.
     With a token bitmask, disallowed tokens score -inf first (`apply_token_bitmask_ref` on a float copy);
     a row left with nothing (no allowed token, or only -inf logits among them) returns token 0, which the
-    caller must treat as a grammar error."""
+    caller must treat as a grammar error. `out`: [R] int64 the tokens are written to (and returned)."""
     x = logits.float()
     if (bitmask is None) != (mask_rows is None):
         raise ValueError("bitmask and mask_rows go together: pass both or neither")
@@ -119,4 +120,5 @@ def gumbel_argmax_ref(
     greedy = (temperature == 0.0)[:, None]
     safe_t = torch.where(greedy, torch.ones_like(temperature[:, None]), temperature[:, None])
     score = torch.where(greedy, x, x / safe_t + noise)
-    return score.argmax(dim=-1)
+    tokens = score.argmax(dim=-1)
+    return tokens if out is None else out.copy_(tokens)

@@ -54,6 +54,15 @@ class DeviceConfig:
         'interpreter (tests); "off": never. Decode-only steps and global-attention layers only (sliding-window '
         "layers read their window as before).",
     )
+    cuda_graph_sampling: bool = arg(
+        True,
+        "Decode steps replayed from CUDA graphs run the LM head inside the graph, and, when every row's token is "
+        "the plain draw (temperature or greedy, with no top-k/top-p/min-p, penalties, logprobs, min_tokens stop "
+        "masks or structured output), the draw and the record of each request's latest token in a small graph "
+        "replayed right after: a few launches instead of a dozen. Other steps sample eagerly from the graph's "
+        "logits. False: the LM head and the sampler run eagerly after the graph. The same tokens either way; "
+        "no effect without CUDA graphs.",
+    )
     cuda_graph_max_tokens: int | None = arg(
         None,
         "Steps that are not decode-only (prompt chunks, alone or beside decodes) of up to this many tokens replay "
@@ -114,6 +123,7 @@ class DeviceConfig:
         set_field(self, "cascade_attention", cascade)
         check_bool(invalid, "core_process", self.core_process)
         check_bool(invalid, "jump_forward", self.jump_forward)
+        check_bool(invalid, "cuda_graph_sampling", self.cuda_graph_sampling)
         if not isinstance(self.grammar_process, bool | None):
             lazily = "None (started at the first constrained request on CUDA)"
             raise invalid("grammar_process", self.grammar_process, f"True, False or {lazily}")

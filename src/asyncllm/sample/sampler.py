@@ -28,7 +28,15 @@ from asyncllm.sample.penalties import PenaltyTable
 from asyncllm.sample.state import SamplingState
 from asyncllm.sample.structured import TokenMask
 
-__all__ = ["Sampler", "SamplerOutput", "SamplingState", "TokenMask", "apply_min_p", "apply_top_k_top_p"]
+__all__ = [
+    "Sampler",
+    "SamplerOutput",
+    "SamplingState",
+    "TokenMask",
+    "apply_min_p",
+    "apply_top_k_top_p",
+    "takes_plain_draw",
+]
 
 
 class Draw(Protocol):
@@ -42,7 +50,22 @@ class Draw(Protocol):
         offsets: torch.Tensor,
         bitmask: torch.Tensor | None = None,
         mask_rows: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
+
+
+def takes_plain_draw(state: SamplingState) -> bool:
+    """Whether a row's token is the draw alone over its raw logits (`gumbel_argmax` at its temperature, 0 for
+    greedy): no stop mask (min_tokens), penalty, top-k/top-p/min-p (greedy rows ignore theirs), grammar or
+    logprobs. A step whose every row does can draw inside a CUDA graph (worker/graph_draw.py); the tokens
+    are the ones `Sampler.__call__` draws from the same logits."""
+    return (
+        state.grammar is None
+        and state.penalty_row is None
+        and state.params.logprobs is None
+        and (state.greedy or not state.filters)
+        and not state.masks_stops
+    )
 
 
 @dataclass
@@ -113,6 +136,11 @@ class Sampler:
         self.penalties = PenaltyTable(vocab_size, self.device)
         self._draw = draw or load_draw(self.device)
 
+    @property
+    def draw(self) -> Draw:
+        """The draw this sampler launches (the Triton kernel on CUDA)."""
+        return self._draw
+
     def add(self, state: SamplingState) -> None:
         self.penalties.add(state)
 
@@ -160,10 +188,16 @@ class Sampler:
                 token_ids = self._draw(x, draw.temperatures, draw.seeds, draw.offsets)
             else:
                 token_ids = self._draw(x, draw.temperatures, draw.seeds, draw.offsets, mask.bitmask, mask.mask_rows)
-        for state in states:
-            state.num_sampled += 1  # the offset of its next draw: known now, with no sync
+        self.drawn(states)
         self.penalties.record(states, token_ids)
         return SamplerOutput(token_ids, gather_logprobs(logits, token_ids, states))
+
+    @staticmethod
+    def drawn(states: Sequence[SamplingState]) -> None:
+        """A draw of these rows is launched (here, or a plain draw in a CUDA graph): each one's next draw takes
+        the next offset, known now with no sync."""
+        for state in states:
+            state.num_sampled += 1
 
     def _processed(self, logits: torch.Tensor, states: Sequence[SamplingState], mask: TokenMask | None) -> torch.Tensor:
         """The logits the draw reads: untouched unless a row needs masking, penalties or filters; then a

@@ -8,12 +8,19 @@ blocks. With LoRA adapters each bucket has a second graph with the adapter layer
 with adapter rows (the others replay the plain one: requests without adapters launch nothing of LoRA); each
 attention graph variant likewise (`AttentionBackend.graph_variants`: cascade decode's, replayed by decode
 steps whose sequences share a prefix). Which bucket a step takes, and how it is padded and planned:
-`Buckets`. Knows nothing of requests or sampling.
+`Buckets`.
+
+With `decode_logits` every decode graph also runs the LM head into one static logits buffer (a decode step
+samples every row of its bucket), and a `tail` given to `capture` (a plain draw: `GraphDraw.launch`) is
+captured per decode bucket as a small graph of its own over those logits, replayed on demand after the
+bucket's forward graph (`run_tail`): one graph for any LoRA or attention variant of the forward pass, so
+start-up adds one small capture per decode size. Knows nothing of requests or sampling.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -41,8 +48,10 @@ class CudaGraphRunner:
         dtype: torch.dtype,
         device: torch.device,
         loras: LoRAManager | None = None,
+        decode_logits: bool = False,
     ) -> None:
         self.model = model
+        self.decode_logits = decode_logits
         self.loras = loras
         self.kv_caches = kv_caches
         self.buffers = buffers
@@ -53,26 +62,47 @@ class CudaGraphRunner:
         self._pool: _POOL_HANDLE | None = None
         self._hidden_shape = (hidden_size, dtype)
         self._hidden = PrefixViews(torch.empty(0, hidden_size, dtype=dtype, device=device))  # [rows, hidden]
+        self._logits: PrefixViews | None = None  # [rows, vocab]: decode graphs' LM head output (decode_logits)
+        self._tails: dict[int, torch.cuda.CUDAGraph] = {}  # decode size -> its tail's graph
 
     def sizes(self, kind: str) -> list[int]:
         """The captured sizes of one kind ("decode": batch sizes, "mixed": token counts), ascending."""
         return sorted(n for (k, n), lora, variant in self._graphs if k == kind and not lora and not variant)
 
-    def run(self, shape: StepShape, x: ModelInputs) -> torch.Tensor:
-        """The step's final hidden states, [x.num_tokens, hidden] (padding rows included); its inputs, and its
-        attention plan, already sent."""
+    def tail_sizes(self) -> list[int]:
+        """The decode sizes captured with a tail graph, ascending."""
+        return sorted(self._tails)
+
+    def run(self, shape: StepShape, x: ModelInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's final hidden states, [x.num_tokens, hidden] (padding rows included), and, where a decode
+        graph ran the LM head, its logits ([x.num_tokens, vocab], static: read before the next step runs);
+        its inputs, and its attention plan, already sent."""
         lora = self.loras is not None and self.loras.batch.active
         variant = 0 if x.meta.plan is None else x.meta.plan.graph_variant
         graph = None if shape.graph is None else self._graphs.get((shape.graph, lora, variant))
         if graph is None:
             hidden: torch.Tensor = self.model(x.input_ids, x.positions, self.kv_caches, x.meta)
-            return hidden
+            return hidden, None
         graph.replay()
-        return self._hidden(x.num_tokens)
+        assert shape.graph is not None
+        logits = self._logits(x.num_tokens) if self._logits is not None and shape.graph[0] == "decode" else None
+        return self._hidden(x.num_tokens), logits
+
+    def has_tail(self, shape: StepShape) -> bool:
+        """Whether the step's bucket has a tail graph (a decode bucket, captured with one): `run` then replays
+        the forward graph with the LM head, and `run_tail` the tail over its logits."""
+        key = shape.graph
+        return key is not None and key[0] == "decode" and key[1] in self._tails
+
+    def run_tail(self, shape: StepShape) -> None:
+        """Replay the tail of the step's decode bucket (after `run`)."""
+        assert shape.graph is not None
+        self._tails[shape.graph[1]].replay()
 
     @torch.inference_mode()
-    def capture(self) -> float:
-        """Capture a graph per bucket (largest first, one shared pool); returns the seconds it took."""
+    def capture(self, tail: Callable[[torch.Tensor], None] | None = None) -> float:
+        """Capture a graph per bucket (largest first, one shared pool), and with `decode_logits` a graph of
+        `tail` (over the bucket's logits, [size, vocab]) per decode bucket; returns the seconds it took."""
         if self._graphs:
             raise RuntimeError("CudaGraphRunner.capture runs once: the graphs hold its output buffer's address")
         start = time.perf_counter()
@@ -82,6 +112,8 @@ class CudaGraphRunner:
         rows = max((n for _, n in keys), default=0)  # the largest graph's rows, not the step budget's
         hidden = torch.empty(rows, hidden_size, dtype=dtype, device=self.device)
         self._hidden = PrefixViews(hidden)
+        decode_rows = max((n for k, n in keys if k == "decode"), default=0)
+        logits: list[torch.Tensor] = []  # the static logits, allocated at the first (largest) decode graph's
         variants = (False, True) if self.loras is not None else (False,)
         backend = buckets.backend
         captures = [
@@ -102,9 +134,17 @@ class CudaGraphRunner:
                 self.loras.stage_idle(x.num_tokens, active=lora)
             buffers.flush()
 
-            def forward(x: ModelInputs = x, size: int = size) -> None:
+            head = self.decode_logits and kind == "decode"
+
+            def forward(x: ModelInputs = x, size: int = size, head: bool = head) -> None:
                 out = self.model(x.input_ids, x.positions, self.kv_caches, x.meta)  # [size, hidden]
                 hidden[:size].copy_(out)
+                if head:
+                    # The eager path's LM head call over the same rows: the same numbers, then kept static.
+                    step_logits = self.model.compute_logits(hidden[:size])  # [size, vocab]
+                    if not logits:  # eagerly, before the first capture: outside the graphs' pool
+                        logits.append(step_logits.new_empty(decode_rows, step_logits.shape[1]))
+                    logits[0][:size].copy_(step_logits)
 
             forward()  # compiles every kernel and settles the allocator before capture
             torch.cuda.synchronize(self.device)
@@ -118,14 +158,33 @@ class CudaGraphRunner:
             self._graphs[key, lora, attn] = graph
         if self.loras is not None:
             self.loras.stage_idle(0, active=False)
-        for graph in self._graphs.values():
+        if logits:
+            self._logits = PrefixViews(logits[0])
+            if tail is not None:
+                self._capture_tails(tail, sorted({n for k, n in keys if k == "decode"}, reverse=True))
+        for graph in (*self._graphs.values(), *self._tails.values()):
             graph.replay()  # a graph's first launch uploads it: the first request must not pay that
         torch.cuda.synchronize(self.device)
         return time.perf_counter() - start
 
+    def _capture_tails(self, tail: Callable[[torch.Tensor], None], sizes: list[int]) -> None:
+        assert self._logits is not None
+        for size in sizes:
+            view = self._logits(size)
+            tail(view)  # compiles, and settles the allocator, before capture
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                tail(view)
+            if self._pool is None:
+                self._pool = graph.pool()
+            self._tails[size] = graph
+
     def release(self) -> None:
         """Drop the graphs (and their pool) and this runner's hold on the KV cache."""
         self._graphs.clear()
+        self._tails.clear()
+        self._logits = None
         self._pool = None
         self.kv_caches = []
 

@@ -2,23 +2,34 @@
 
 Overlapped scheduling plans a step before the previous one's tokens reach the host; such a step names the
 missing input PLACEHOLDER and the runner fills it from here, on the device. A slot per request (not a row of
-the last step's output) because a decode starved of token budget can skip a step. Knows nothing of models.
+the last step's output) because a decode starved of token budget can skip a step. Slot 0 is no request's: a
+draw captured in a CUDA graph records every row of its bucket, and its padding rows record there. Knows
+nothing of models.
 """
 
 from __future__ import annotations
 
 import torch
 
+PAD_SLOT = 0  # where rows of no request record (a graphed draw's padding); never handed out
+
 
 class LatestTokens:
     """Slots on the device; the indices `record` and `feed` take are made on the host (`slots`,
-    `feed_index`) for the caller to upload (the runner stages them with the step's inputs)."""
+    `feed_index`) for the caller to upload (the runner stages them with the step's inputs). The slots'
+    tensor keeps its address until more than `capacity` requests are live at once (then it grows: `tokens`
+    is a new tensor, which a CUDA graph that records into the old one must notice)."""
 
     def __init__(self, device: torch.device, capacity: int = 256) -> None:
         self.device = device
-        self._tokens = torch.zeros(capacity, dtype=torch.int64, device=device)  # [capacity] by slot
+        self._tokens = torch.zeros(capacity + 1, dtype=torch.int64, device=device)  # [capacity + 1] by slot
         self._slot: dict[str, int] = {}
-        self._free = list(range(capacity - 1, -1, -1))
+        self._free = list(range(capacity, PAD_SLOT, -1))
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """The slots' device tensor, [capacity + 1] int64 (slot 0: padding)."""
+        return self._tokens
 
     def add(self, request_id: str) -> None:
         if request_id in self._slot:

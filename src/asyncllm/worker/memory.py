@@ -66,10 +66,12 @@ def measure_graph_memory(
     hidden_size: int,
     dtype: torch.dtype,
     device: torch.device,
+    decode_logits: bool = False,
 ) -> int:
     """Bytes the graphs of `buckets` will hold, measured by capturing the largest decode and mixed-step
-    graphs over a throwaway one-block cache (the smaller graphs reuse their pool). Called before the KV cache
-    is sized, so the cache leaves room."""
+    graphs over a throwaway one-block cache (the smaller graphs reuse their pool); `decode_logits`: decode
+    graphs run the LM head too (its static logits and its pool share included; the draw graphs' own few
+    bytes per row are not). Called before the KV cache is sized, so the cache leaves room."""
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_reserved(device)
     scratch = allocate_kv_cache(kv_spec, 1, device)
@@ -78,7 +80,7 @@ def measure_graph_memory(
     buffers = InputBuffers(
         largest.max_num_tokens, largest.max_num_seqs, 2, kv_spec.block_size, device, largest.work_room()
     )
-    graphs = CudaGraphRunner(model, scratch, buffers, largest, hidden_size, dtype, device)
+    graphs = CudaGraphRunner(model, scratch, buffers, largest, hidden_size, dtype, device, decode_logits=decode_logits)
     graphs.capture()
     used = torch.cuda.memory_reserved(device) - before
     graphs.release()

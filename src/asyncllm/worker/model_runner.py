@@ -23,6 +23,11 @@ padded to the counts warm-up ran), before the sampled rows' logits, and their lo
 tokens; such steps are never decode-only buckets, and a replayed graph's output rows are read before the next
 step runs. Steps without such a request check one empty dict.
 
+A decode step replayed from a CUDA graph gets its logits from the graph (the LM head runs inside it), and
+when every sampled row takes the plain draw (`takes_plain_draw`) the draw and the latest-token record run
+in the bucket's draw graph right after (`GraphDraw`, its parameters in fixed staged regions): such a step
+launches two graph replays and the copy of its ids to the host. Other steps sample eagerly as before.
+
 With LoRA adapters (`LoRAManager`) the step also stages which rows use which adapter slot, loading adapters
 into slots first; a step without adapter rows stages nothing more.
 
@@ -34,6 +39,7 @@ the sampled ids back.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -41,11 +47,12 @@ from asyncllm.attention.backend import AttentionBackend
 from asyncllm.models.base import CausalLM
 from asyncllm.sample.grammar import GrammarBackend
 from asyncllm.sample.prompt_logprobs import PromptLogprobsOutput, PromptScorer, score_prompts
-from asyncllm.sample.sampler import DrawInputs, Sampler
+from asyncllm.sample.sampler import DrawInputs, Sampler, takes_plain_draw
 from asyncllm.sample.state import SamplingState
 from asyncllm.sample.structured import GrammarProcessMode, GrammarTable, MaskPlan
 from asyncllm.step import ModelRunnerOutput, ReadyStep, SchedulerOutput, StepResult
 from asyncllm.worker.cuda_graph import CudaGraphRunner
+from asyncllm.worker.graph_draw import GraphDraw
 from asyncllm.worker.input_batch import InputBuffers, ModelInputs
 from asyncllm.worker.latest_tokens import LatestTokens
 from asyncllm.worker.lora import LoRAManager
@@ -68,6 +75,7 @@ class ModelRunner:
         grammar_process: GrammarProcessMode = GrammarProcessMode.OFF,
         grammar_process_threads: int | None = None,
         jump_forward: bool = False,
+        graph_draw: bool = False,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -83,8 +91,13 @@ class ModelRunner:
         self.states: dict[str, SamplingState] = {}
         self._outputs = SampledOutputs(buffers.max_num_seqs, device)
         # Each live request's latest sampled id, on the device, in a slot of its own: a PLACEHOLDER is filled
-        # from it whichever earlier step sampled it (a decode starved of budget skips a step).
-        self._latest = LatestTokens(device)
+        # from it whichever earlier step sampled it (a decode starved of budget skips a step). Room for the
+        # preempted requests too: the draw graphs record into this tensor, which keeps its address until full.
+        self._latest = LatestTokens(device, capacity=max(256, 4 * buffers.max_num_seqs))
+        # `graph_draw`: decode graphs draw plain steps' tokens (their regions declared now, before first use).
+        self._graph_draw = (
+            GraphDraw(buffers.staging, buffers.max_num_seqs, self._latest, self.sampler.draw) if graph_draw else None
+        )
         # Hold a constrained step's draw until the next submit (see the module docstring): where steps run
         # asynchronously (CUDA). On CPU the host runs the forward pass itself: holding would only add a step.
         self.defer_masked_draw = defer_masked_draw
@@ -110,7 +123,9 @@ class ModelRunner:
         x = self.inputs.prepare(scheduled, shape.pad_to, shape.pad_tokens_to, shape.pad_logits_to, flush=False)
         plan = self.backend.plan(x.meta, shape.bounds)
         self.inputs.stage_plan(x.meta, plan, static=shape.bounds is not None)
-        feed, draw, slots, masks = self._stage(x, states, sampling)
+        graph_draw = self._graph_draw
+        tail = scoring is None and graph_draw is not None and graph_draw.ready() and self.graphs.has_tail(shape)
+        feed, draw, slots, masks, graphed = self._stage(x, states, sampling, shape.logit_rows if tail else None)
         if self.loras is not None:
             self.loras.stage(scheduled, x.num_tokens, x.meta.query_lens_cpu)
         self.inputs.flush()
@@ -118,7 +133,13 @@ class ModelRunner:
             # PLACEHOLDER inputs take the token last sampled for their request, on the device: the sampled
             # ids never wait for the host before they are fed back.
             self._latest.feed(self.inputs.input_ids.dev, feed)
-        hidden = self.graphs.run(shape, x)  # [x.num_tokens, hidden], padding rows included
+        hidden, graph_logits = self.graphs.run(shape, x)  # [x.num_tokens, hidden], padding rows included
+        if graphed:
+            # A decode bucket's graphs are captured for every LoRA and attention variant: the LM head ran.
+            assert graph_draw is not None and graph_logits is not None
+            self.graphs.run_tail(shape)  # the draw and the latest-token record, over the graph's logits
+            self.sampler.drawn(states)
+            return self._outputs.send(graph_draw.tokens(len(sampling)), None)
         prompt = None
         if scoring is not None:
             compute = self.model.compute_logits
@@ -127,9 +148,12 @@ class ModelRunner:
             if prompt is not None:  # prompt chunks that sample nothing yet
                 return self._outputs.send(None, None, prompt=prompt)
             return ReadyStep(ModelRunnerOutput(sampled_token_ids=[]))
-        last_hidden = hidden[x.logits_indices] if shape.gathers_logits else hidden  # [shape.logit_rows, hidden]
-        # The LM head runs at a padded row count (`Buckets.logit_rows`): warm-up ran every one of them.
-        logits = self.model.compute_logits(last_hidden)[: len(sampling)]  # [S, vocab]
+        if graph_logits is not None:  # the decode graph ran the LM head
+            logits = graph_logits[: len(sampling)]  # [S, vocab], static: read before the next step runs
+        else:
+            last_hidden = hidden[x.logits_indices] if shape.gathers_logits else hidden  # [shape.logit_rows, hidden]
+            # The LM head runs at a padded row count (`Buckets.logit_rows`): warm-up ran every one of them.
+            logits = self.model.compute_logits(last_hidden)[: len(sampling)]  # [S, vocab]
 
         def sample() -> StepResult:
             return self._sample(logits, states, draw, slots, masks, prompt)
@@ -166,25 +190,33 @@ class ModelRunner:
         if held is not None:
             held.start()
 
-    def _stage(
-        self, x: ModelInputs, states: list[SamplingState], sampling: list[str]
-    ) -> tuple[torch.Tensor | None, DrawInputs | None, torch.Tensor | None, tuple[MaskPlan, torch.Tensor] | None]:
+    def _stage(self, x: ModelInputs, states: list[SamplingState], sampling: list[str], tail: int | None) -> _Staged:
         """Stage the rest of what the step uploads: the PLACEHOLDER feed's indices, the draw's parameters,
         the sampled ids' slots and the constrained rows' bitmask rows, with their plan (None where the step
-        has none)."""
+        has none). `tail`: the rows of the step's draw graph, if it has one: a step whose rows all take the
+        plain draw stages its draw in the graph's fixed regions instead (`graphed`)."""
         stage = self.inputs.staging.stage
         feed = None
         if x.placeholder_rows:
             feed = stage(self._latest.feed_index(x.placeholder_rows, x.placeholder_owners), torch.int64)
         if not sampling:
-            return feed, None, None, None
+            return _Staged(feed, None, None, None, False)
         plan = self.grammars.plan(states)  # None unless a request with a grammar is live and sampled
+        if tail is not None and plan is None and all(map(takes_plain_draw, states)):
+            assert self._graph_draw is not None
+            self._graph_draw.stage(self.sampler.draw_params(states), self._latest.slots(sampling), tail)
+            return _Staged(feed, None, None, None, True)
         params = self.sampler.draw_params(states, masked=plan is not None)
         draw = None
         if params is not None:
             draw = params.on_device(stage(params.counters, torch.int64), stage(params.temperatures, torch.float32))
         masks = (plan, stage(plan.rows, torch.int64)) if plan is not None else None
-        return feed, draw, stage(self._latest.slots(sampling), torch.int64), masks
+        return _Staged(feed, draw, stage(self._latest.slots(sampling), torch.int64), masks, False)
+
+    def capture_graphs(self) -> float:
+        """Capture the CUDA graphs (with the plain draw's per decode bucket, where this runner has one);
+        returns the seconds it took."""
+        return self.graphs.capture(self._graph_draw.launch if self._graph_draw is not None else None)
 
     def _admit(self, scheduled: SchedulerOutput) -> None:
         """Drop finished requests' state, and make the new requests'."""
@@ -228,6 +260,14 @@ class ModelRunner:
         self.grammars.close()
         if self.grammars.backend is not None:
             self.grammars.backend.close()
+
+
+class _Staged(NamedTuple):
+    feed: torch.Tensor | None  # the PLACEHOLDER feed's indices
+    draw: DrawInputs | None  # the eager draw's parameters
+    slots: torch.Tensor | None  # the sampled rows' latest-token slots (None: nothing to sample eagerly)
+    masks: tuple[MaskPlan, torch.Tensor] | None  # the constrained rows' bitmask plan and rows
+    graphed: bool  # the step's draw is its decode graph's (staged in `GraphDraw`'s regions)
 
 
 class HeldDraw:

@@ -206,6 +206,7 @@ class WorkerSetup:
                 self.resolved.arch.hidden_size,
                 self.resolved.dtype,
                 device,
+                decode_logits=self._graph_sampling(loaded.backend),
             )
             budget -= int(graph_bytes * _GRAPH_MEMORY_MARGIN)
             logger.info("CUDA graphs will hold about %.1f MiB", graph_bytes / 2**20)
@@ -239,8 +240,17 @@ class WorkerSetup:
         if loaded.loras is not None:
             loaded.loras.bind(buffers.staging, buffers.max_num_tokens)
         arch = self.resolved.arch
+        graph_sampling = self._graph_sampling(loaded.backend)
         graphs = CudaGraphRunner(
-            loaded.model, kv_caches, buffers, buckets, arch.hidden_size, self.resolved.dtype, device, loaded.loras
+            loaded.model,
+            kv_caches,
+            buffers,
+            buckets,
+            arch.hidden_size,
+            self.resolved.dtype,
+            device,
+            loaded.loras,
+            decode_logits=graph_sampling,
         )
         runner = ModelRunner(
             loaded.model,
@@ -259,6 +269,7 @@ class WorkerSetup:
             # depends on when rank 0's core reads the step (FillJob): one rank only.
             jump_forward=self.config.device_config.jump_forward
             and (self.parallel is None or self.parallel.world_size == 1),
+            graph_draw=graph_sampling,
         )
         logger.debug(
             "KV cache: %d blocks of %d tokens (%s, %s)", num_blocks, cache.block_size, device, self.kv_spec.dtype
@@ -299,13 +310,14 @@ class WorkerSetup:
         if not self._use_cuda_graphs(runner.backend):
             return
         graphs = runner.graphs
-        self.timings["capture"] = graphs.capture()
+        self.timings["capture"] = runner.capture_graphs()
         logger.info(
-            "captured %d CUDA graphs in %.2f s: decode batch sizes %s, token counts %s",
+            "captured %d CUDA graphs in %.2f s: decode batch sizes %s, token counts %s, %d draw graphs",
             len(graphs.sizes("decode")) + len(graphs.sizes("mixed")),
             self.timings["capture"],
             graphs.sizes("decode"),
             graphs.sizes("mixed"),
+            len(graphs.tail_sizes()),
         )
 
     def runtime_info(self, loaded: LoadedModel, runner: ModelRunner, num_blocks: int) -> RuntimeInfo:
@@ -359,6 +371,11 @@ class WorkerSetup:
         reference, whose decode path plans on the host)."""
         enforce_eager = self.config.device_config.enforce_eager
         return self.resolved.device.type == "cuda" and not enforce_eager and backend.supports_cuda_graphs
+
+    def _graph_sampling(self, backend: AttentionBackend) -> bool:
+        """Decode graphs run the LM head, and plain steps' draw in a graph of its own (`cuda_graph_sampling`,
+        where CUDA graphs are captured)."""
+        return self._use_cuda_graphs(backend) and self.config.device_config.cuda_graph_sampling
 
     def _buckets(self, backend: AttentionBackend, max_seq_len: int) -> Buckets:
         """The buckets steps pad to (also eagerly, with a backend that could be captured, so that
