@@ -1,6 +1,9 @@
 """Paged attention in Triton: split-KV decode ("flash-decoding") and a varlen causal prefill forward.
 A decode launch of one split (a full batch fills the GPU without splitting) normalises and writes its output
-in the split kernel; more splits leave partials that a second launch merges.
+in the split kernel; more splits leave partials that a second launch merges, or, given `counters` (a zeroed
+int32 workspace the caller keeps), the split kernel merges them itself: the last split of each sequence and
+KV head to finish (paged_attention_fold.py), one launch. The second launch stays the simple twin (and
+cascade decode's merge).
 
 Both read keys/values through each sequence's block table, token by token, so any power-of-two block size
 works. A sliding-window layer (`window` given) reads only the keys inside its queries' windows: a decode
@@ -105,6 +108,9 @@ def paged_decode_attention(
     k_scale: torch.Tensor | None = None,  # an FP8 cache's scales: float32, one element each, on q's device
     v_scale: torch.Tensor | None = None,
     cascade: Cascade | None = None,  # shared prefixes read once per unit (global attention only)
+    # The folded reduce's tickets: int32, contiguous, at least len(decode_seqs) x Hkv, zero (each launch leaves
+    # them zero; launches that share them must run one after another, as a stream's do). None: a reduce launch.
+    counters: torch.Tensor | None = None,
 ) -> None:
     group, head_dim, block_size = check_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
     check_window(window)
@@ -122,6 +128,9 @@ def paged_decode_attention(
     num_decode, num_heads, num_kv_heads = decode_seqs.shape[0], q.shape[1], k_cache.shape[2]
     if num_decode == 0:
         return
+    if counters is not None:
+        _check_counters(counters, num_decode * num_kv_heads, q.device, cascade)
+    fold = counters is not None and num_splits > 1
     parts = num_splits + prefix_splits
     acc = torch.empty(num_decode, num_heads, parts, head_dim, dtype=torch.float32, device=q.device)
     m = torch.empty(num_decode, num_heads, parts, dtype=torch.float32, device=q.device)
@@ -144,20 +153,34 @@ def paged_decode_attention(
         )  # fmt: skip
     _decode_split_kernel[(num_kv_heads, num_decode, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, decode_seqs, out, acc, m, l_sum,
-        *scales, skip, scale * _LOG2E, num_splits, prefix_splits, window or 0,
+        *scales, skip, counters if fold else skip, scale * _LOG2E, num_splits, prefix_splits, window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=_pow2(group),
         BLOCK_D=_pow2(head_dim), BLOCK_N=block_n, DOT_PRECISION=_precision(q.dtype), SLIDING=window is not None,
-        KV_FP8=kv_fp8, CASCADE=cascade is not None, num_warps=num_warps, num_stages=num_stages,
+        KV_FP8=kv_fp8, CASCADE=cascade is not None, FOLD=fold, BLOCK_S=MAX_SPLITS, num_warps=num_warps,
+        num_stages=num_stages,
     )  # fmt: skip
-    if parts == 1:
+    if parts == 1 or fold:
         return  # the split kernel wrote the output itself
     _decode_reduce_kernel[(num_decode, num_heads)](
         out, acc, m, l_sum, query_start_loc, decode_seqs, skip, num_splits, prefix_splits, out.stride(0),
         out.stride(1), HEAD_DIM=head_dim, BLOCK_S=MAX_SPLITS, BLOCK_D=_pow2(head_dim),  # one variant: any splits
         CASCADE=cascade is not None, num_warps=4,
     )  # fmt: skip
+
+
+def _check_counters(counters: torch.Tensor, need: int, device: torch.device, cascade: Cascade | None) -> None:
+    if counters.dtype != torch.int32 or counters.dim() != 1 or not counters.is_contiguous():
+        raise TypeError(f"counters must be a contiguous 1-D int32 tensor; got {counters.dtype} {tuple(counters.shape)}")
+    if counters.device != device:
+        raise ValueError(f"counters are on {counters.device}; the queries on {device}")
+    if counters.shape[0] < need:
+        raise ValueError(
+            f"counters hold {counters.shape[0]} entries; this launch needs decode entries x KV heads = {need}"
+        )
+    if cascade is not None:
+        raise ValueError("counters (the folded reduce) do not combine with cascade: its merge is the reduce kernel's")
 
 
 def _check_cascade(cascade: Cascade, decode_seqs: torch.Tensor, window: int | None, num_splits: int, group: int) -> int:

@@ -7,12 +7,16 @@ An FP8 cache (KV_FP8, a constexpr: caches in the activations' dtype compile the 
 e4m3 codes: each key and value tile is widened to the queries' dtype (exact: every e4m3 value is a bfloat16,
 float16 and float32 value), k_scale (read on the device, so a CUDA graph replays with it) multiplies the
 scores' factor and v_scale the output, so the inner loops gain only the conversion.
+
+FOLD (outside CASCADE): the split kernel finishes the reduction itself (paged_attention_fold.py), one launch.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from .paged_attention_fold import _fold_is_last, _fold_merge
 
 
 @triton.jit
@@ -83,12 +87,13 @@ def _decode_split_kernel(
     acc_ptr, m_ptr, l_ptr,  # partials: acc [B, H, S + P, D] fp32, m/l [B, H, S + P] fp32 (unused with one split)
     k_scale_ptr, v_scale_ptr,  # an FP8 cache's float32 scales (unread otherwise)
     skip_ptr,  # CASCADE: [B] int32, the shared-prefix keys each work-list entry leaves to its unit (unread otherwise)
+    counter_ptr,  # FOLD: [B, Hkv] int32 tickets, 0 between launches (unread otherwise)
     qk_scale, num_splits, prefix_splits, window,  # prefix_splits (P): the cascade's partial slots; 0 without
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SLIDING: tl.constexpr, KV_FP8: tl.constexpr, CASCADE: tl.constexpr,
+    SLIDING: tl.constexpr, KV_FP8: tl.constexpr, CASCADE: tl.constexpr, FOLD: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
     # KV heads vary fastest: the programs of one sequence run together and read whole cache rows between
     # them ([block, slot, all heads, D] is contiguous), and the sequences go in work-list order (longest first).
@@ -111,6 +116,12 @@ def _decode_split_kernel(
     tokens_per_split = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
     start = lo + split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
+    if FOLD:
+        # Only the splits holding keys take part: the last one to finish merges them (its sequence may be
+        # shorter than the grid's splits need). Empty ones leave at once, writing nothing.
+        live = tl.cdiv(seq_len - lo, tl.maximum(tokens_per_split, 1))
+        if start >= end:
+            return
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     g_mask = offs_g < GROUP
@@ -131,18 +142,28 @@ def _decode_split_kernel(
     )  # fmt: skip
     if CASCADE:
         whole = num_splits + lo == 1  # one split and no shared prefix (lo >= 0, num_splits >= 1)
+    elif FOLD:
+        whole = live == 1
     else:
         whole = num_splits == 1
+    dst = out_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]  # [G, D]
     if whole:  # the whole sequence in this program: normalise and write the output, no reduce
         out = acc / l_i[:, None]
-        dst = out_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
         return
     parts = num_splits + prefix_splits
-    part = (pid_b * tl.num_programs(0) * GROUP + heads) * parts + split  # [G] rows of [B, H, S + P]
+    part0 = (pid_b * tl.num_programs(0) * GROUP + heads) * parts  # [G] rows of [B, H, S + P]
+    part = part0 + split
     tl.store(m_ptr + part, m_i, mask=g_mask)
     tl.store(l_ptr + part, l_i, mask=g_mask)
     tl.store(acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :])
+    if FOLD:
+        counter = counter_ptr + pid_b * tl.num_programs(0) + kv_head
+        if _fold_is_last(counter, live):
+            _fold_merge(
+                dst, counter, acc_ptr, m_ptr, l_ptr, part0, live, offs_d, g_mask, d_mask,
+                HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_S,
+            )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["num_splits", "prefix_splits"])

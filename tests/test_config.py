@@ -103,6 +103,7 @@ def test_unknown_argument_is_a_type_error_naming_it() -> None:
         ("kv_cache_dtype", None),
         ("enforce_eager", "no"),
         ("jump_forward", "yes"),
+        ("decode_fold_reduce", 1),
         ("grammar_process_threads", 0),
         ("grammar_process_threads", 2.5),
         ("tp_custom_all_reduce", 1),

@@ -46,6 +46,12 @@ class DeviceConfig:
         "the q/k norm + rotary + KV write) as programmatic dependent launches, each overlapping the previous "
         "kernel's tail, CUDA graphs included (CUDA on Hopper or newer, the Triton backend). Results unchanged.",
     )
+    decode_fold_reduce: bool = arg(
+        True,
+        "The Triton decode attention merges a sequence's KV splits inside its split kernel (the last split to "
+        "finish merges, one launch a layer) instead of in a second reduce launch. False: the reduce launch, the "
+        "simple twin (results equal to rounding). Cascade decode's merge is the reduce launch either way.",
+    )
     cascade_attention: CascadeAttention = arg(
         CascadeAttention.AUTO,
         "Cascade decode attention (Triton backend): decode sequences whose KV blocks begin with the same prefix "
@@ -119,6 +125,7 @@ class DeviceConfig:
         check_bool(invalid, "enforce_eager", self.enforce_eager)
         set_field(self, "decode_gemv", check_enum(invalid, DecodeGemv, "decode_gemv", self.decode_gemv))
         check_bool(invalid, "decode_pdl", self.decode_pdl)
+        check_bool(invalid, "decode_fold_reduce", self.decode_fold_reduce)
         cascade = check_enum(invalid, CascadeAttention, "cascade_attention", self.cascade_attention)
         set_field(self, "cascade_attention", cascade)
         check_bool(invalid, "core_process", self.core_process)

@@ -1,5 +1,6 @@
 """Compiles the paged attention kernels (kernels/paged_attention_kernels.py: split-KV decode, its reduction, the
-varlen prefill; both decode kernels in cascade form too, with kernels/paged_attention_cascade.py's prefix kernel)
+varlen prefill; the split kernel with the reduce folded in (paged_attention_fold.py); both decode kernels in
+cascade form too, with kernels/paged_attention_cascade.py's prefix kernel)
 and the fused q/k norm + rotary + KV write (kernels/qk_norm_rope_kv.py) for Hopper (sm_90) without a GPU:
 Triton's compiler and the ptxas it ships, in a process without TRITON_INTERPRET, at the constants their
 launchers pick for head_dim 128 (Qwen3's): over an FP8 (e4m3) cache, bf16 queries global and sliding and
@@ -49,14 +50,16 @@ def _cache(act: str, fp8: bool) -> tuple[str, dict[str, str]]:
     return ptr, {"k_scale_ptr": scale, "v_scale_ptr": scale}
 
 
-def decode(act: str, fp8: bool, sliding: bool, cascade: bool = False) -> None:
+def decode(act: str, fp8: bool, sliding: bool, cascade: bool = False, fold: bool = False, group: int = 2) -> None:
+    """FOLD: the split kernel's own merge (paged_attention_fold.py); group 7 pads the query heads (BLOCK_G 16)."""
     ptr, precision = TYPES[act]
     cache, scales = _cache(act, fp8)
     pointers = {"q_ptr": ptr, "k_ptr": cache, "v_ptr": cache, "out_ptr": ptr}
     pointers |= {name: "*fp32" for name in ("acc_ptr", "m_ptr", "l_ptr")}
-    pointers |= {name: "*i32" for name in ("bt_ptr", "seq_lens_ptr", "qsl_ptr", "seqs_ptr", "skip_ptr")}
-    consts = dict(GROUP=2, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_G=16, BLOCK_D=128, BLOCK_N=64, DOT_PRECISION=precision,
-                  SLIDING=sliding, KV_FP8=fp8, CASCADE=cascade)  # fmt: skip
+    pointers |= {name: "*i32" for name in ("bt_ptr", "seq_lens_ptr", "qsl_ptr", "seqs_ptr", "skip_ptr", "counter_ptr")}
+    consts = dict(GROUP=group, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_G=16, BLOCK_D=128, BLOCK_N=64,
+                  DOT_PRECISION=precision, SLIDING=sliding, KV_FP8=fp8, CASCADE=cascade, FOLD=fold,
+                  BLOCK_S=32)  # fmt: skip
     _compile(pak._decode_split_kernel, pointers | scales, consts, warps=4, stages=2)
 
 
@@ -113,6 +116,10 @@ VARIANTS = [
     ("decode bf16 over e4m3 sliding", lambda: decode("bf16", True, True)),
     ("decode fp32 over e4m3", lambda: decode("fp32", True, False)),
     ("decode reduce", reduce),
+    ("decode bf16 fold", lambda: decode("bf16", False, False, fold=True)),
+    ("decode fp16 fold group 7", lambda: decode("fp16", False, False, fold=True, group=7)),
+    ("decode fp32 fold sliding", lambda: decode("fp32", False, True, fold=True)),
+    ("decode bf16 over e4m3 fold", lambda: decode("bf16", True, False, fold=True)),
     ("decode bf16 cascade", lambda: decode("bf16", False, False, cascade=True)),
     ("decode bf16 over e4m3 cascade", lambda: decode("bf16", True, False, cascade=True)),
     ("decode reduce cascade", lambda: reduce(cascade=True)),

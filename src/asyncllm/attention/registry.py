@@ -19,8 +19,9 @@ from asyncllm.attention.cascade import CascadeDecode
 from asyncllm.config_values import AttentionBackendName, CascadeAttention
 from asyncllm.errors import InvalidConfigError
 
-# (device, activations' dtype, num_kv_heads, the KV cache's dtype, cascade decode's settings or None)
-Factory = Callable[[torch.device, torch.dtype, int, torch.dtype, CascadeDecode | None], AttentionBackend]
+# (device, activations' dtype, num_kv_heads, the KV cache's dtype, cascade decode's settings or None, whether
+# the decode reduce folds into the split kernel)
+Factory = Callable[[torch.device, torch.dtype, int, torch.dtype, CascadeDecode | None, bool], AttentionBackend]
 
 
 def _torch(
@@ -29,6 +30,7 @@ def _torch(
     num_kv_heads: int,
     kv_cache_dtype: torch.dtype,
     cascade: CascadeDecode | None,
+    fold_reduce: bool,
 ) -> AttentionBackend:
     from asyncllm.attention.torch_ref import TorchAttentionBackend
 
@@ -41,10 +43,11 @@ def _triton(
     num_kv_heads: int,
     kv_cache_dtype: torch.dtype,
     cascade: CascadeDecode | None,
+    fold_reduce: bool,
 ) -> AttentionBackend:
     from asyncllm.attention.triton_backend import TritonAttentionBackend
 
-    return TritonAttentionBackend(device, dtype, num_kv_heads, kv_cache_dtype, cascade)
+    return TritonAttentionBackend(device, dtype, num_kv_heads, kv_cache_dtype, cascade, fold_reduce)
 
 
 BACKENDS: dict[AttentionBackendName, Factory] = {
@@ -69,6 +72,7 @@ def make_attention_backend(
     kv_cache_dtype: torch.dtype | None = None,  # None: the activations' dtype (kv_cache_dtype="auto")
     cascade: CascadeAttention = CascadeAttention.OFF,
     group: int = 1,  # query heads per KV head (cascade decode's unit rows)
+    fold_reduce: bool = True,  # the Triton decode's reduce folded into its split kernel (`decode_fold_reduce`)
 ) -> AttentionBackend:
     name = resolve_backend_name(choice, device)
     factory = BACKENDS.get(name)
@@ -84,4 +88,5 @@ def make_attention_backend(
         )
     on = cascade is CascadeAttention.ON or (cascade is CascadeAttention.AUTO and device.type == "cuda")
     settings = CascadeDecode(group) if on and name is AttentionBackendName.TRITON else None
-    return factory(device, dtype, num_kv_heads, dtype if kv_cache_dtype is None else kv_cache_dtype, settings)
+    cache_dtype = dtype if kv_cache_dtype is None else kv_cache_dtype
+    return factory(device, dtype, num_kv_heads, cache_dtype, settings, fold_reduce)

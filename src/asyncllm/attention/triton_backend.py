@@ -3,7 +3,9 @@ asyncllm.kernels.paged_attention (split-KV decode for single-token sequences, a 
 the rest). `plan` turns the step's host-side lengths into the kernels' launch plans once per step; with
 cascade decode on (`cascade`), a decode step whose sequences share prefix blocks gets the cascade plan
 (attention/cascade.py), a graph variant of its own. An FP8 cache is read by the same kernels (its scales
-handed through).
+handed through). With `fold_reduce` (a plan field, so a benchmark can flip it), a multi-split decode is one
+launch: the split kernel merges its own splits through a ticket counter per (decode entry, KV head), kept
+zeroed here between launches; off (and for cascade's merge), the separate reduce kernel.
 
 Knows the kernels' launch contracts, not their insides; the torch backend stays the reference it is tested against.
 """
@@ -62,6 +64,7 @@ class TritonPlan(AttentionPlan):
     window_splits: dict[int, int] = field(default_factory=dict)  # sliding window -> its decode split count
     cascade: CascadeLayout | None = None  # a cascade decode plan's lists, after the decode order in `work`
     cascade_args: object | None = None  # their launch argument (kernels' `Cascade`), on the device (`bind`)
+    fold_reduce: bool = True  # the split kernel merges its splits (one launch); False: the reduce kernel's launch
 
     @property
     def graph_variant(self) -> int:
@@ -104,6 +107,7 @@ class TritonAttentionBackend(AttentionBackend):
         num_kv_heads: int,
         kv_cache_dtype: torch.dtype | None = None,
         cascade: CascadeDecode | None = None,  # cascade decode attention's settings; None: off
+        fold_reduce: bool = True,  # plans fold the decode reduce into the split kernel (`TritonPlan.fold_reduce`)
     ) -> None:
         self._kernels = load_paged_attention()
         if device.type != "cuda" and not self._kernels.runs_in_interpreter():
@@ -131,6 +135,11 @@ class TritonAttentionBackend(AttentionBackend):
         self._layouts: dict[tuple[int, int], _MixedLayout] = {}  # (max_tokens, max_seqs) -> static layout
         self.cascade = cascade
         self._cascade_layouts: dict[tuple[int, int], CascadeLayout] = {}  # (max_seqs, max_seq_len) -> layout
+        self.fold_reduce = fold_reduce
+        # The folded reduce's tickets, [decode entries x KV heads] int32, zero between launches (each launch
+        # leaves them so; the layers run one after another on one stream). Grown on the host in `plan`, never
+        # during a capture; earlier ones are kept, as captured graphs hold their addresses.
+        self._counters: list[torch.Tensor] = []
 
     def _work(self, meta: AttentionMetadata) -> tuple[list[int], list[tuple[int, int]]]:
         """The step's work lists: the single-query sequences (the decode kernel's), and the prefill tiles."""
@@ -148,6 +157,13 @@ class TritonAttentionBackend(AttentionBackend):
         return (0, 1) if self.cascade is not None and bounds.decode_only and bounds.max_seqs >= 2 else (0,)
 
     def plan(self, meta: AttentionMetadata, bounds: PlanBounds | None = None, variant: int | None = None) -> TritonPlan:
+        plan = self._plan(meta, bounds, variant)
+        plan.fold_reduce = self.fold_reduce
+        if plan.num_decode:  # reserved either way (a few KB): a benchmark may turn a plan's fold on
+            self._reserve_counters(plan.num_decode)
+        return plan
+
+    def _plan(self, meta: AttentionMetadata, bounds: PlanBounds | None, variant: int | None) -> TritonPlan:
         if bounds is None:
             return self._plan_step(meta)
         if bounds.decode_only:
@@ -157,6 +173,19 @@ class TritonAttentionBackend(AttentionBackend):
                     return plan
             return self._plan_decode(meta, bounds)
         return self._plan_mixed(meta, bounds)
+
+    def _reserve_counters(self, num_decode: int) -> None:
+        need = num_decode * self.num_kv_heads
+        if not self._counters or self._counters[-1].shape[0] < need:
+            self._counters.append(torch.zeros(need, dtype=torch.int32, device=self.device))
+
+    def _fold_counters(self, plan: TritonPlan) -> torch.Tensor | None:
+        """The tickets a decode launch of `plan` folds its reduce with; None: the reduce kernel's launch."""
+        if not plan.fold_reduce:
+            return None
+        counters = self._counters[-1]
+        assert counters.shape[0] >= plan.num_decode * self.num_kv_heads, "plan() reserves them"
+        return counters
 
     def _plan_step(self, meta: AttentionMetadata) -> TritonPlan:
         """This step's own plan: one program per decode sequence and per prefill tile."""
@@ -276,9 +305,11 @@ class TritonAttentionBackend(AttentionBackend):
             splits = plan.num_splits if window is None else self._window_splits(plan, window)
             # A sliding layer reads its window as always: the cascade's order is a valid plain work list.
             cascade = plan.cascade_args if window is None else None
+            counters = None if cascade is not None else self._fold_counters(plan)  # cascade merges in the reduce
             self._kernels.paged_decode_attention(
-                *args, plan.decode_seqs, out, scale, num_splits=splits, window=window, cascade=cascade, **scales
-            )
+                *args, plan.decode_seqs, out, scale, num_splits=splits, window=window, cascade=cascade,
+                counters=counters, **scales,
+            )  # fmt: skip
         if plan.prefill_tiles is not None:
             self._kernels.paged_prefill_attention(
                 *args,

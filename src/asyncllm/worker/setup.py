@@ -131,6 +131,7 @@ class WorkerSetup:
             self.resolved.kv_cache_dtype,
             cascade,
             self.local_arch.num_heads // self.local_arch.num_kv_heads,
+            self.config.device_config.decode_fold_reduce,
         )
         mc = self.config.model_config
         module = load_model(
