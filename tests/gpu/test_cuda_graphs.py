@@ -170,13 +170,20 @@ def test_serving_compiles_no_triton_kernel_after_warm_up(tiny_checkpoints, dtype
     assert not compiled, f"{len(compiled)} Triton compilations after warm-up: {compiled[:5]}"
 
 
+@pytest.mark.parametrize(
+    "features",
+    [{}, {"cuda_graph_sampling": True}, {"cuda_graph_sampling": False, "decode_fold_reduce": False}],
+    ids=["defaults", "graph-sampling", "neither"],
+)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_overlapped_scheduling_equals_serial(tiny_checkpoints, dtype: str) -> None:
+def test_overlapped_scheduling_equals_serial(tiny_checkpoints, dtype: str, features: dict[str, bool]) -> None:
     """Planning step N+1 while N runs (tokens fed back on the device) gives the serial tokens exactly, with
-    stops, seeded sampling, prefix hits and preemption in play."""
+    stops, seeded sampling, prefix hits and preemption in play; with the LM head and draw in the decode graphs
+    or not, the decode reduce folded or not."""
     path = str(tiny_checkpoints["qwen3"])
-    common = dict(
-        device="cuda", dtype=dtype, block_size=4, max_num_seqs=40, num_kv_blocks=48, max_num_batched_tokens=96
+    common = (
+        dict(device="cuda", dtype=dtype, block_size=4, max_num_seqs=40, num_kv_blocks=48, max_num_batched_tokens=96)
+        | features
     )
     overlapped = LLM(path, **common)
     serial = LLM(path, async_scheduling=False, **common)

@@ -33,7 +33,7 @@ def _prompts(vocab: int, n: int, seed: int = 3) -> list[list[int]]:
 
 def _generate(path: Path, requests: list[tuple[list[list[int]], list[SamplingParams]]], **engine_args) -> list:
     """Each batch of requests in turn, from one engine: token ids (and logprobs' keys, where asked)."""
-    llm = LLM(str(path), **{**COMMON, **engine_args})
+    llm = LLM(str(path), **{**COMMON, "cuda_graph_sampling": True, **engine_args})  # on unless turned off
     try:
         out = []
         for prompts, params in requests:
@@ -118,7 +118,8 @@ def test_lora_variant(tiny_model: Path, tmp_path: Path) -> None:
     loras = ["a" if i % 2 else None for i in range(9)]
 
     def run(**args: object) -> list[list[int]]:
-        llm = LLM(str(tiny_model), dtype="bfloat16", enable_lora=True, max_lora_rank=8, **COMMON, **args)
+        on = {**COMMON, "cuda_graph_sampling": True, **args}
+        llm = LLM(str(tiny_model), dtype="bfloat16", enable_lora=True, max_lora_rank=8, **on)
         try:
             llm.add_lora("a", adapter)
             first = llm.generate(prompts, params, use_tqdm=False, lora=loras)
@@ -131,7 +132,7 @@ def test_lora_variant(tiny_model: Path, tmp_path: Path) -> None:
 
 
 def _graph_launches(path: Path, **engine_args: object) -> int:
-    llm = LLM(str(path), dtype="bfloat16", **{**COMMON, **engine_args})
+    llm = LLM(str(path), dtype="bfloat16", **{**COMMON, "cuda_graph_sampling": True, **engine_args})
     try:
         params = SamplingParams(temperature=0.7, seed=1, max_tokens=17, ignore_eos=True)
         llm.generate([[5, 6, 7]], params, use_tqdm=False)  # warm

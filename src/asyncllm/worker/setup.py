@@ -238,8 +238,6 @@ class WorkerSetup:
             device,
             buckets.work_room(),
         )
-        if loaded.loras is not None:
-            loaded.loras.bind(buffers.staging, buffers.max_num_tokens)
         arch = self.resolved.arch
         graph_sampling = self._graph_sampling(loaded.backend)
         graphs = CudaGraphRunner(
@@ -272,6 +270,8 @@ class WorkerSetup:
             and (self.parallel is None or self.parallel.world_size == 1),
             graph_draw=graph_sampling,
         )
+        if loaded.loras is not None:  # after the runner declared its fixed regions (the graphed draw's): binding
+            loaded.loras.bind(buffers.staging, buffers.max_num_tokens)  # allocates the staging buffer
         logger.debug(
             "KV cache: %d blocks of %d tokens (%s, %s)", num_blocks, cache.block_size, device, self.kv_spec.dtype
         )
