@@ -3,7 +3,9 @@ against transformers loading the same file (weights, logits, greedy text)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -165,6 +167,21 @@ def smollm2() -> Checkpoint:
     return open_checkpoint(str(smollm2_path()), torch.float32)
 
 
+@contextlib.contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """transformers parses the file anew for the config and for the tensors, and rebuilds gguf's tensor-name map
+    (a pure function of architecture and layers) once per module of the model: 397 times here. Within this
+    block each is built once and shared; transformers only reads them (about half of the reference's time)."""
+    open_reader = gguf.GGUFReader
+    parsed = functools.cache(lambda path: open_reader(path))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            gguf, "GGUFReader", lambda path, *a, **k: open_reader(path, *a, **k) if a or k else parsed(str(path))
+        )
+        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        yield
+
+
 @pytest.fixture(scope="module")
 def reference(smollm2: Checkpoint) -> Any:
     """transformers' own GGUF loader (without accelerate: its loading function, then load_state_dict)."""
@@ -172,12 +189,9 @@ def reference(smollm2: Checkpoint) -> Any:
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     path = smollm2.path
-    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
-    # transformers rebuilds gguf's name map, a pure function of (architecture, layers) it only reads, once per
-    # module of the model (397 times here, a third of this fixture's time): the same map, built once.
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+    with _gguf_parsed_once():
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
         tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model, torch_dtype=torch.float32)
     missing, unexpected = model.load_state_dict(tensors["tensors"], strict=False)
     assert set(missing) <= {"lm_head.weight"} and not unexpected
