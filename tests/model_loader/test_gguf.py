@@ -167,16 +167,18 @@ def smollm2() -> Checkpoint:
     return open_checkpoint(str(smollm2_path()), torch.float32)
 
 
+_open_reader = gguf.GGUFReader
+_parsed = functools.cache(lambda path: _open_reader(path))
+
+
 @contextlib.contextmanager
 def _gguf_parsed_once() -> Iterator[None]:
-    """transformers parses the file anew for the config and for the tensors, and rebuilds gguf's tensor-name map
-    (a pure function of architecture and layers) once per module of the model: 397 times here. Within this
-    block each is built once and shared; transformers only reads them (about half of the reference's time)."""
-    open_reader = gguf.GGUFReader
-    parsed = functools.cache(lambda path: open_reader(path))
+    """transformers parses the file anew for the config, the tensors and the tokenizer, and rebuilds gguf's
+    tensor-name map (a pure function of architecture and layers) once per module of the model: 397 times here.
+    Within these blocks each is built once and shared; transformers only reads them (half the reference's time)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(
-            gguf, "GGUFReader", lambda path, *a, **k: open_reader(path, *a, **k) if a or k else parsed(str(path))
+            gguf, "GGUFReader", lambda path, *a, **k: _open_reader(path, *a, **k) if a or k else _parsed(str(path))
         )
         patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
         yield
@@ -214,7 +216,8 @@ def test_smollm2_tokenizer_equals_autotokenizer(smollm2: Checkpoint) -> None:
     from transformers import AutoTokenizer
 
     path, ours = smollm2.path, smollm2.tokenizer
-    auto = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+    with _gguf_parsed_once():
+        auto = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
     for text in [
         "The capital of France is",
         "  two spaces\n\ttab",
