@@ -193,9 +193,10 @@ def test_engine_greedy_equals_torch_backend_in_interpreter(kernels, tiny_checkpo
     if HAS_CUDA:
         pytest.skip("covered on CUDA by test_engine_greedy_equals_torch_backend_on_cuda")
     path = tiny_checkpoints[family]
-    # The interpreter's time grows with the tokens: prompts as short as still cross a block (16) and the
-    # window (8), one of them longer than the step's budget (chunked over two steps), and a few decode steps.
-    args = dict(block_size=16, num_kv_blocks=64, max_num_batched_tokens=16, lengths=(3, 10, 20), max_tokens=4)
+    # The interpreter's time grows with the tokens (a program per token and KV head for the fused q/k/v
+    # kernel): prompts as short as still cross blocks (4) and the window (8), one longer than the step's
+    # budget (chunked over two steps, the second mixed with the other's decode), and a few decode steps.
+    args = dict(block_size=4, num_kv_blocks=128, max_num_batched_tokens=8, lengths=(3, 13), max_tokens=4)
     assert _greedy(path, "triton", "cpu", **args) == _greedy(path, "torch", "cpu", **args)
 
 
@@ -207,7 +208,7 @@ def test_engine_fp8_cache_greedy_equals_torch_backend_in_interpreter(kernels, ti
     if HAS_CUDA:
         pytest.skip("covered on CUDA by tests/gpu/test_kv_cache_fp8.py")
     path = tiny_checkpoints[family]
-    args = dict(block_size=16, num_kv_blocks=64, max_num_batched_tokens=16, lengths=(3, 10, 20), max_tokens=4)
+    args = dict(block_size=4, num_kv_blocks=128, max_num_batched_tokens=8, lengths=(3, 13), max_tokens=4)
     assert _greedy(path, "triton", "cpu", kv_cache_dtype="fp8", **args) == _greedy(
         path, "torch", "cpu", kv_cache_dtype="fp8", **args
     )

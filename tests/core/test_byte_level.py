@@ -4,10 +4,9 @@ text for any ids (special, added, unknown, cut characters, invalid bytes), strea
 
 from __future__ import annotations
 
-import functools
-import tempfile
 from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
@@ -19,9 +18,10 @@ from tests.fixtures.tiny_models import build_tokenizer
 _ADDED = ["中文<think>", "<tool>", "Ġé"]  # non-special added tokens: characters outside GPT-2's byte map too
 
 
-@functools.cache
-def _tokenizer() -> Tokenizer:
-    tok = backend_tokenizer(build_tokenizer(Path(tempfile.mkdtemp(prefix="asyncllm-tok-"))))
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    """Built once for the module (hypothesis tests take no function-scoped fixtures); only read by the tests."""
+    tok = backend_tokenizer(build_tokenizer(tmp_path_factory.mktemp("tok")))
     tok.add_tokens([AddedToken(t, special=False) for t in _ADDED])
     return tok
 
@@ -42,8 +42,8 @@ def test_the_byte_map_is_the_pre_tokenizers(text: str) -> None:
     assert "".join(piece for piece, _ in spelled) == "".join(BYTE_CHARS[b] for b in text.encode())
 
 
-def test_only_a_bare_byte_level_decoder_gets_the_table() -> None:
-    assert ByteLevelPieces.of(_tokenizer()) is not None
+def test_only_a_bare_byte_level_decoder_gets_the_table(tok: Tokenizer) -> None:
+    assert ByteLevelPieces.of(tok) is not None
     metaspace = Tokenizer(models.BPE())
     metaspace.pre_tokenizer = pre_tokenizers.Metaspace()
     metaspace.decoder = decoders.Metaspace()
@@ -54,9 +54,8 @@ def test_only_a_bare_byte_level_decoder_gets_the_table() -> None:
 
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=24))
-def test_python_replaces_invalid_utf8_as_the_byte_level_decoder_does(data: bytes) -> None:
+def test_python_replaces_invalid_utf8_as_the_byte_level_decoder_does(tok: Tokenizer, data: bytes) -> None:
     """Every byte has a piece of one character (the byte map); the decoder's lossy UTF-8 is Python's."""
-    tok = _tokenizer()
     vocab = tok.get_vocab()
     ids = [vocab[BYTE_CHARS[b]] for b in data]
     assert tok.decode(ids) == data.decode("utf-8", "replace") == _streamed(tok, ids, ByteLevelPieces.of(tok))
@@ -64,10 +63,9 @@ def test_python_replaces_invalid_utf8_as_the_byte_level_decoder_does(data: bytes
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.integers(min_value=0, max_value=420), max_size=40), st.booleans())
-def test_streamed_text_equals_a_whole_decode(ids: list[int], skip_special: bool) -> None:
+def test_streamed_text_equals_a_whole_decode(tok: Tokenizer, ids: list[int], skip_special: bool) -> None:
     """Any ids: merged pieces, specials (skipped or not), added tokens, ids past the vocabulary, characters
     cut between tokens. The table's stream, and DecodeStream's, both end as `Tokenizer.decode` does."""
-    tok = _tokenizer()
     assert tok.get_vocab_size(with_added_tokens=True) < 420  # some ids are unknown to the tokenizer
     pieces = ByteLevelPieces(tok, skip_special_tokens=skip_special)
     detok = IncrementalDetokenizer(tok, [], skip_special_tokens=skip_special, pieces=pieces)
@@ -77,8 +75,7 @@ def test_streamed_text_equals_a_whole_decode(ids: list[int], skip_special: bool)
         assert _streamed(tok, ids, None) == text
 
 
-def test_added_and_special_tokens() -> None:
-    tok = _tokenizer()
+def test_added_and_special_tokens(tok: Tokenizer) -> None:
     pieces = ByteLevelPieces(tok)
     for content in _ADDED:
         token_id = tok.token_to_id(content)
@@ -92,8 +89,7 @@ def test_added_and_special_tokens() -> None:
     assert pieces[10_000] == b""
 
 
-def test_a_cut_character_is_held_then_completed_or_replaced() -> None:
-    tok = _tokenizer()
+def test_a_cut_character_is_held_then_completed_or_replaced(tok: Tokenizer) -> None:
     ids = [tok.get_vocab()[BYTE_CHARS[b]] for b in "日".encode()]
     detok = IncrementalDetokenizer(tok, [], pieces=ByteLevelPieces(tok))
     assert [detok.push(t) for t in ids] == ["", "", "日"]
@@ -103,10 +99,10 @@ def test_a_cut_character_is_held_then_completed_or_replaced() -> None:
     assert detok.flush() == "\ufffd" == tok.decode(ids[:2])  # as a whole decode renders the cut
 
 
-def test_skipping_follows_the_decoder_for_normalized_and_aliased_added_tokens() -> None:
+def test_skipping_follows_the_decoder_for_normalized_and_aliased_added_tokens(tmp_path: Path) -> None:
     """`Tokenizer.decode` skips by the token's string (normalized, for added tokens that ask for it) against
     the special contents it has seen, not by the ids' flags: the table asks it, so they never disagree."""
-    tok = backend_tokenizer(build_tokenizer(Path(tempfile.mkdtemp(prefix="asyncllm-tok-"))))
+    tok = backend_tokenizer(build_tokenizer(tmp_path))  # its own: this test changes it
     tok.normalizer = normalizers.Lowercase()
     tok.add_special_tokens([AddedToken("<EOT>", normalized=True, special=True), AddedToken("<eos2>", special=True)])
     tok.add_tokens([AddedToken("<EOS2>", special=False, normalized=True)])  # normalizes to a special content

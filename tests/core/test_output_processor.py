@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-import tempfile
-from pathlib import Path
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -20,16 +16,10 @@ from tests.fixtures.fake_executor import make_runtime
 from tests.fixtures.tiny_models import build_tokenizer
 
 
-@functools.cache
-def _load_tokenizer() -> Tokenizer:
-    """Built once per process (hypothesis tests cannot take function-scoped fixtures)."""
-    out_dir = Path(tempfile.mkdtemp(prefix="asyncllm-tok-"))
-    return backend_tokenizer(build_tokenizer(out_dir))
-
-
-@pytest.fixture
-def tok() -> Tokenizer:
-    return _load_tokenizer()
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    """Built once for the module (hypothesis tests cannot take function-scoped fixtures); only read."""
+    return backend_tokenizer(build_tokenizer(tmp_path_factory.mktemp("tok")))
 
 
 def _eos(tok: Tokenizer) -> int:
@@ -188,8 +178,9 @@ _PIECES = ["a", "b", "c", "d", "e", "dd", "de", "be", " a", " b", " c", " ", "  
     stops=st.lists(st.text(alphabet="abcde ", min_size=1, max_size=4), min_size=1, max_size=3),
     include=st.booleans(),
 )
-def test_streaming_never_leaks_a_partial_stop(pieces: list[str], stops: list[str], include: bool) -> None:
-    tok = _load_tokenizer()
+def test_streaming_never_leaks_a_partial_stop(
+    tok: Tokenizer, pieces: list[str], stops: list[str], include: bool
+) -> None:
     ids = [_ids(tok, p) for p in pieces]
     assert all(len(i) == 1 for i in ids)
     request = _request(tok, SamplingParams(stop=stops, include_stop_str_in_output=include), prompt="ab")

@@ -3,6 +3,9 @@ against transformers loading the same file (weights, logits, greedy text)."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -164,6 +167,23 @@ def smollm2() -> Checkpoint:
     return open_checkpoint(str(smollm2_path()), torch.float32)
 
 
+_open_reader = gguf.GGUFReader
+_parsed = functools.cache(lambda path: _open_reader(path))
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """transformers parses the file anew for the config, the tensors and the tokenizer, and rebuilds gguf's
+    tensor-name map (a pure function of architecture and layers) once per module of the model: 397 times here.
+    Within these blocks each is built once and shared; transformers only reads them (half the reference's time)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            gguf, "GGUFReader", lambda path, *a, **k: _open_reader(path, *a, **k) if a or k else _parsed(str(path))
+        )
+        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        yield
+
+
 @pytest.fixture(scope="module")
 def reference(smollm2: Checkpoint) -> Any:
     """transformers' own GGUF loader (without accelerate: its loading function, then load_state_dict)."""
@@ -171,9 +191,10 @@ def reference(smollm2: Checkpoint) -> Any:
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     path = smollm2.path
-    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
-    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model, torch_dtype=torch.float32)
+    with _gguf_parsed_once():
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+        tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model, torch_dtype=torch.float32)
     missing, unexpected = model.load_state_dict(tensors["tensors"], strict=False)
     assert set(missing) <= {"lm_head.weight"} and not unexpected
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # tied
@@ -195,7 +216,8 @@ def test_smollm2_tokenizer_equals_autotokenizer(smollm2: Checkpoint) -> None:
     from transformers import AutoTokenizer
 
     path, ours = smollm2.path, smollm2.tokenizer
-    auto = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+    with _gguf_parsed_once():
+        auto = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
     for text in [
         "The capital of France is",
         "  two spaces\n\ttab",

@@ -29,15 +29,17 @@ def ray_cluster() -> Iterator[str]:
     saved = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), str(ROOT / "src"), saved) if p)
     try:
-        context = ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp, log_to_driver=False)
-    finally:
-        if saved is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = saved
-    yield str(context.address_info["gcs_address"])
-    ray.shutdown()
-    shutil.rmtree(temp, ignore_errors=True)
+        try:
+            context = ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp, log_to_driver=False)
+        finally:
+            if saved is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = saved
+        yield str(context.address_info["gcs_address"])
+        ray.shutdown()
+    finally:  # removed even when Ray failed to start
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 @pytest.fixture(scope="package")

@@ -31,9 +31,14 @@ REPLICAS = int(os.environ.get("ASYNCLLM_TEST_REPLICAS", "0"))
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Against a pool, only the tests that reach the shared engine (directly or through a server) run: the
-    others build engines of their own, which a pool would not change."""
+    others build engines of their own, which a pool would not change. A module with an `engine` fixture of its
+    own (test_core_process.py: the same tests over a core process) is one of those others."""
     if REPLICAS:
-        chosen = [item for item in items if "engine" in getattr(item, "fixturenames", ())]
+        chosen = [
+            item
+            for item in items
+            if "engine" in getattr(item, "fixturenames", ()) and not hasattr(getattr(item, "module", None), "engine")
+        ]
         config.hook.pytest_deselected(items=[item for item in items if item not in chosen])
         items[:] = chosen
 

@@ -7,7 +7,10 @@ import json
 import re
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+import pytest
 
 from tests.fixtures.tiny_models import build_checkpoint
 from tests.server.conftest import MODEL
@@ -38,29 +41,42 @@ def test_openai_snippet(server: RunningServer) -> None:
     assert re.search(r"\[\d+ prompt \+ \d+ completion tokens\]", out.stdout), out.stdout
 
 
-def test_openai_client_example(tiny_model: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "openai_client.py"), str(tiny_model)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert "completion_tokens=16" in proc.stdout.splitlines()[-1], proc.stdout  # the completion's usage
+@pytest.fixture(scope="module")
+def examples(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], str]]:
+    """`finish(name)`: the example's stdout once it exited cleanly. Both start together the first time one is
+    asked for: each is mostly its interpreter's start, which two cores do two at a time."""
+    roomy = build_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3", max_position_embeddings=2048)  # tools fit
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, str(ROOT / "examples" / name), str(model)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, model in (("openai_client.py", tiny_model), ("openai_tools.py", roomy))
+    }
+
+    def finish(name: str) -> str:
+        stdout, stderr = procs[name].communicate(timeout=180)
+        assert procs[name].returncode == 0, stderr[-3000:]
+        assert "Traceback" not in stderr, stderr[-3000:]
+        return stdout
+
+    try:
+        yield finish
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.communicate()
 
 
-def test_openai_tools_example(tmp_path: Path, structured_output_enforced: bool) -> None:
-    model = build_checkpoint(tmp_path / "qwen3", "qwen3", max_position_embeddings=2048)  # room for the tools
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "openai_tools.py"), str(model)],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    lines = proc.stdout.splitlines()
+def test_openai_client_example(examples: Callable[[str], str]) -> None:
+    stdout = examples("openai_client.py")
+    assert "completion_tokens=16" in stdout.splitlines()[-1], stdout  # the completion's usage
+
+
+def test_openai_tools_example(examples: Callable[[str], str], structured_output_enforced: bool) -> None:
+    lines = examples("openai_tools.py").splitlines()
     if not structured_output_enforced:
         return
     assert lines[0].startswith("parsed: Person(name="), lines  # a random model's reply, parsed all the same

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -24,16 +25,37 @@ from tests.server.serving import core_processes, free_port
 _TOKENS = 500  # the prompt's 3 and these within the tiny model's 512 positions
 
 
+@pytest.fixture(scope="module")
+def servers(tiny_model: Path) -> Iterator[dict[bool, tuple[subprocess.Popen[str], int]]]:
+    """core_process -> (the `asyncllm serve` process, its port): both start together the first time one is
+    asked for (each start is mostly an interpreter importing torch, which two cores do two at a time); each
+    test signals its own. Any left running at the end is killed."""
+    procs: dict[bool, tuple[subprocess.Popen[str], int]] = {}
+    for core_process in (True, False):
+        while (port := free_port()) in [p for _, p in procs.values()]:
+            pass
+        cmd = [sys.executable, "-m", "asyncllm.cli", "serve", str(tiny_model), "--port", str(port), "--device", "cpu"]
+        cmd += ["--num-kv-blocks", "256", "--block-size", "4", "--log-level", "info", "--drain-timeout", "60"]
+        cmd += [] if core_process else ["--no-core-process"]
+        popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        procs[core_process] = (popen, port)
+    try:
+        yield procs
+    finally:
+        for proc, _ in procs.values():
+            if proc.poll() is None:  # its test did not run, or failed before the end: the group, core included
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+
+
 @pytest.mark.parametrize("core_process", [True, False], ids=["core-process", "step-thread"])
-def test_sigterm_drains_in_flight_streams_and_refuses_new_requests(tiny_model: Path, core_process: bool) -> None:
+def test_sigterm_drains_in_flight_streams_and_refuses_new_requests(
+    tiny_model: Path, servers: dict[bool, tuple[subprocess.Popen[str], int]], core_process: bool
+) -> None:
     """With the core in a process of its own (the server's default) the signal goes to the whole process
     group, as a service manager sends it: the core ignores it, serves the drain, and exits with the server."""
-    port = free_port()
+    proc, port = servers[core_process]
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "asyncllm.cli", "serve", str(tiny_model), "--port", str(port), "--device", "cpu"]
-    cmd += ["--num-kv-blocks", "256", "--block-size", "4", "--log-level", "info", "--drain-timeout", "60"]
-    cmd += [] if core_process else ["--no-core-process"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     core: list[int] = []
     try:
         deadline = time.monotonic() + 60
