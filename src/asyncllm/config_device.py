@@ -67,8 +67,9 @@ class DeviceConfig:
         "masks or structured output), the draw and the record of each request's latest token in a small graph "
         "replayed right after: a few launches instead of a dozen. Other steps sample eagerly from the graph's "
         "logits. False (the default: on the H200 it measured no gain at batch 1, 1.206 ms a token either way): "
-        "the LM head and the sampler run eagerly after the graph. The same tokens either way; no effect without "
-        "CUDA graphs.",
+        "the LM head and the sampler run eagerly after the graph. The same tokens either way in float32 (in "
+        "bfloat16 one GPU test still finds overlapped and serial scheduling apart with it on: docs/API.md); no "
+        "effect without CUDA graphs.",
     )
     cuda_graph_max_tokens: int | None = arg(
         None,
