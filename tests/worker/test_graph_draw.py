@@ -120,7 +120,7 @@ def test_launch_draws_the_eager_samplers_tokens_and_records_them() -> None:
         assert latest.tokens[untouched].tolist() == before[untouched].tolist()
 
 
-def test_ready_only_while_the_latest_tokens_keep_their_tensor() -> None:
+def test_ready_only_while_the_latest_tokens_keep_their_tensor(caplog: pytest.LogCaptureFixture) -> None:
     _, draw, latest, _ = _rig(capacity=2)
     assert not draw.ready()  # nothing captured yet
     draw.launch(torch.randn(ROWS, VOCAB))
@@ -129,7 +129,10 @@ def test_ready_only_while_the_latest_tokens_keep_their_tensor() -> None:
         latest.add(r)
     assert draw.ready()
     latest.add("c")  # past the capacity: a new tensor, which captured graphs would not write
-    assert not draw.ready()
+    with caplog.at_level("WARNING", logger="asyncllm.worker.graph_draw"):
+        assert not draw.ready()
+        assert not draw.ready()
+    assert [r.message.count("sample eagerly") for r in caplog.records] == [1]  # said once
     assert PAD_SLOT not in latest.slots(["a", "b", "c"])
 
 

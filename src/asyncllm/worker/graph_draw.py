@@ -15,11 +15,15 @@ Knows nothing of requests beyond their sampling states, nor of the model.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from asyncllm.sample.sampler import Draw, DrawParams
 from asyncllm.worker.latest_tokens import PAD_SLOT, LatestTokens
 from asyncllm.worker.step_staging import PrefixViews, StepStaging
+
+logger = logging.getLogger(__name__)
 
 
 class GraphDraw:
@@ -67,8 +71,16 @@ class GraphDraw:
 
     def ready(self) -> bool:
         """Whether the captured graphs still record into the latest tokens' tensor (it grows past its capacity
-        only with more live requests than it holds: then every step samples eagerly)."""
-        return self._recorded_into is self._latest.tokens
+        only with more live requests than it holds: then every step samples eagerly, said once in the log)."""
+        if self._recorded_into is self._latest.tokens:
+            return True
+        if self._recorded_into is not None:
+            self._recorded_into = None  # warn once
+            logger.warning(
+                "cuda_graph_sampling: more live requests than the latest-token slots the draw graphs were captured "
+                "with; decode steps sample eagerly from now on (same tokens, a few more launches a step)"
+            )
+        return False
 
     def tokens(self, n: int) -> torch.Tensor:
         """The first n drawn ids ([n] int64 on the device), once the step's draw graph ran."""
