@@ -6,13 +6,12 @@ example's time is its interpreter importing torch, which the two cores of CI the
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.fixtures.scripts import started_together
 from tests.fixtures.tiny_models import build_checkpoint
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -31,28 +30,9 @@ RUNS = {
 def run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], list[str]]]:
     """`run(name)`: the example's stdout lines, once it has exited cleanly."""
     roomy = build_checkpoint(tmp_path_factory.mktemp("qwen3-2048"), "qwen3", max_position_embeddings=2048)
-    procs = {
-        name: subprocess.Popen(
-            [sys.executable, str(EXAMPLES / name), str(roomy if own else tiny_model)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for name, own in RUNS.items()
-    }
-
-    def finish(name: str) -> list[str]:
-        stdout, stderr = procs[name].communicate(timeout=240)
-        assert procs[name].returncode == 0, stderr[-3000:]
-        assert "Traceback" not in stderr and "never awaited" not in stderr, stderr[-3000:]
-        return stdout.splitlines()
-
-    try:
-        yield finish
-    finally:
-        for proc in procs.values():
-            proc.kill()
-            proc.communicate()
+    scripts = {name: (EXAMPLES / name, [str(roomy if own else tiny_model)]) for name, own in RUNS.items()}
+    with started_together(scripts) as finish:
+        yield lambda name: finish(name).splitlines()
 
 
 def test_stream_example(run: Callable[[str], list[str]]) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures.scripts import started_together
 from tests.fixtures.tiny_models import build_checkpoint
 from tests.server.conftest import MODEL
 from tests.server.serving import RunningServer
@@ -46,28 +47,12 @@ def examples(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     """`finish(name)`: the example's stdout once it exited cleanly. Both start together the first time one is
     asked for: each is mostly its interpreter's start, which two cores do two at a time."""
     roomy = build_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3", max_position_embeddings=2048)  # tools fit
-    procs = {
-        name: subprocess.Popen(
-            [sys.executable, str(ROOT / "examples" / name), str(model)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+    scripts = {
+        name: (ROOT / "examples" / name, [str(model)])
         for name, model in (("openai_client.py", tiny_model), ("openai_tools.py", roomy))
     }
-
-    def finish(name: str) -> str:
-        stdout, stderr = procs[name].communicate(timeout=180)
-        assert procs[name].returncode == 0, stderr[-3000:]
-        assert "Traceback" not in stderr, stderr[-3000:]
-        return stdout
-
-    try:
+    with started_together(scripts, timeout=180) as finish:
         yield finish
-    finally:
-        for proc in procs.values():
-            proc.kill()
-            proc.communicate()
 
 
 def test_openai_client_example(examples: Callable[[str], str]) -> None:
