@@ -1,9 +1,11 @@
 """`--engine-arg NAME=VALUE` for the benchmarks: engine keyword arguments from the command line, so one
-device call can compare variants (VALUE is read as JSON when it parses: 2048, null, true; else a string)."""
+device call can compare variants (VALUE is read as JSON when it parses: 2048, null, true; else a string), and
+what several engines built one after another in one process need between them (`free_device_memory`)."""
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import subprocess
 import sys
@@ -44,3 +46,13 @@ def run_child(script: str, kind: str) -> dict[str, Any]:
         raise SystemExit(f"the {kind} run failed:\n{done.stderr[-4000:]}")
     out: dict[str, Any] = json.loads(lines[-1])
     return out
+
+
+def free_device_memory() -> None:
+    """After an engine's shutdown (and its last reference dropped): collect it and hand the CUDA caching
+    allocator's blocks back, so the next engine in this process sizes its KV cache from a free device."""
+    gc.collect()
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

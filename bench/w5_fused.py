@@ -20,14 +20,13 @@ TRITON_INTERPRET=1 ... --shapes qwen3-tiny --device cpu --attention-backend trit
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from engine_args import add_engine_arg_option, engine_kwargs
+from engine_args import add_engine_arg_option, engine_kwargs, free_device_memory
 from gemma3_w1_w5 import run_w5
 from shapes import write_shape_dir
 
@@ -59,15 +58,7 @@ def measure(args: argparse.Namespace, model_dir: Path, mode: str) -> dict[str, A
     finally:
         llm.shutdown()
         del llm
-        gc.collect()
-        _release_device_memory()
-
-
-def _release_device_memory() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+        free_device_memory()
 
 
 def parser() -> argparse.ArgumentParser:

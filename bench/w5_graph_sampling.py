@@ -16,7 +16,6 @@ python bench/w5_graph_sampling.py --shape qwen3-tiny --device cpu --w5-tokens 4 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import tempfile
 import time
@@ -24,7 +23,7 @@ from pathlib import Path
 from random import Random
 from typing import Any
 
-from engine_args import add_engine_arg_option, engine_kwargs
+from engine_args import add_engine_arg_option, engine_kwargs, free_device_memory
 from gemma3_w1_w5 import run_w5
 from shapes import SHAPES, write_shape_dir
 
@@ -64,15 +63,7 @@ def measure(args: argparse.Namespace, model_dir: Path, on: bool) -> tuple[dict[s
     finally:
         llm.shutdown()
         del llm
-        gc.collect()
-        _release_device_memory()
-
-
-def _release_device_memory() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+        free_device_memory()
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
