@@ -11,7 +11,9 @@ jump-forward on (the default; `--engine-arg jump_forward=false` draws every toke
 second engine then gives the W1-style ratio with jump-forward the other way (the twin), in the same call, and
 both runs' engine steps per output token. Prints one JSON line; `--host-timing` first prints the step thread's
 time per step by phase (bench/host_timing.py, structured output's phases included) for the constrained run and
-for the unconstrained one."""
+for the unconstrained one. `--fill-split N` (an experiment, bench-only): the step thread's many-row mask fill split
+over N threads of ours, each filling a share with a one-thread xgrammar call, instead of one xgrammar call with
+its own threads (`Filler`)."""
 
 from __future__ import annotations
 
@@ -38,6 +40,32 @@ SCHEMA = {  # a typical extraction schema: nested object, enum, bounded integer,
     },
     "required": ["id", "name", "kind", "tags", "scores"],
 }
+
+
+class SplitFill:
+    """Stands in for `Filler` (`--fill-split`): `threads` shares, the first on the calling thread, the others on
+    threads kept for the run (each xgrammar call releases the GIL)."""
+
+    def __init__(self, threads: int) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from xgrammar import BatchGrammarMatcher
+
+        self._fills = [BatchGrammarMatcher(max_threads=1) for _ in range(threads)]
+        self._pool = ThreadPoolExecutor(max(1, threads - 1))
+
+    def __call__(self, matchers: list, bitmask: object, indices: list[int]) -> None:
+        n = len(matchers)
+        parts = max(1, min(len(self._fills), n // 16))
+        at = [n * k // parts for k in range(parts + 1)]
+        futures = [
+            self._pool.submit(self._fills[k].batch_fill_next_token_bitmask, matchers[at[k] : at[k + 1]], bitmask,
+                              indices[at[k] : at[k + 1]])
+            for k in range(1, parts)
+        ]  # fmt: skip
+        self._fills[0].batch_fill_next_token_bitmask(matchers[: at[1]], bitmask, indices[: at[1]])
+        for future in futures:
+            future.result()
 
 
 def constrained(params: list[SamplingParams], schema: dict[str, object]) -> list[SamplingParams]:
@@ -120,7 +148,12 @@ def main() -> None:
     add_w1_arguments(ap)
     ap.add_argument("--no-twin", action="store_true", help="skip the in-thread twin's W1-style ratio")
     ap.add_argument("--host-timing", action="store_true", help="the step thread's time per step by phase, both runs")
+    ap.add_argument("--fill-split", type=int, default=0, help="the step thread's fill over N threads of ours")
     args = ap.parse_args()
+    if args.fill_split:
+        from asyncllm.sample import request_grammar
+
+        request_grammar.Filler = lambda: SplitFill(args.fill_split)  # type: ignore[assignment,misc]
     given = engine_kwargs(args.engine_arg)
     jump = bool(given.get("jump_forward", True))
     llm = w1_engine(args, **{**given, "jump_forward": jump})
@@ -146,6 +179,7 @@ def main() -> None:
                 "w1_plain_tok_s": round(plain_tps, 1),
                 "w1_schema_tok_s": round(schema_tps, 1),
                 "grammar_process": given.get("grammar_process", False),
+                "fill_split": args.fill_split,
                 "jump_forward": jump,
                 "w1_ratio": round(schema_tps / plain_tps, 3),
                 "w1_target_ratio": 0.9,

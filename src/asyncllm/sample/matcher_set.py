@@ -39,11 +39,13 @@ class Filler:
     """xgrammar's batch fill, its thread count chosen per call: fewer than `PARALLEL_MIN_ROWS` rows on one
     thread, more on most of the host's cores (the step thread and the device's driver keep two)."""
 
-    def __init__(self) -> None:
+    def __init__(self, threads: int | None = None) -> None:
+        """`threads`: the many-row fill's (None: the host's cores less two, at most 16)."""
         from xgrammar import BatchGrammarMatcher  # loaded by the compile of the grammars it fills for
 
         self._one = BatchGrammarMatcher(max_threads=1)
-        self._many = BatchGrammarMatcher(max_threads=max(1, min(16, len(os.sched_getaffinity(0)) - 2)))
+        many = threads if threads is not None else max(1, min(16, len(os.sched_getaffinity(0)) - 2))
+        self._many = BatchGrammarMatcher(max_threads=many)
 
     def __call__(self, matchers: list[xgr.GrammarMatcher], bitmask: np.ndarray, indices: list[int]) -> None:
         batch = self._many if len(matchers) >= PARALLEL_MIN_ROWS else self._one
