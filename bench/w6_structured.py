@@ -13,7 +13,7 @@ both runs' engine steps per output token. Prints one JSON line; `--host-timing` 
 time per step by phase (bench/host_timing.py, structured output's phases included) for the constrained run and
 for the unconstrained one. `--fill-split N` (an experiment, bench-only): the step thread's many-row mask fill split
 over N threads of ours, each filling a share with a one-thread xgrammar call, instead of one xgrammar call with
-its own threads (`Filler`)."""
+its own threads (`Filler`); `--fill-threads N`: that call on N threads (the default: the cores less two)."""
 
 from __future__ import annotations
 
@@ -149,11 +149,15 @@ def main() -> None:
     ap.add_argument("--no-twin", action="store_true", help="skip the in-thread twin's W1-style ratio")
     ap.add_argument("--host-timing", action="store_true", help="the step thread's time per step by phase, both runs")
     ap.add_argument("--fill-split", type=int, default=0, help="the step thread's fill over N threads of ours")
+    ap.add_argument("--fill-threads", type=int, default=0, help="the step thread's fill on N of xgrammar's threads")
     args = ap.parse_args()
-    if args.fill_split:
-        from asyncllm.sample import request_grammar
+    from asyncllm.sample import request_grammar
+    from asyncllm.sample.matcher_set import Filler
 
+    if args.fill_split:
         request_grammar.Filler = lambda: SplitFill(args.fill_split)  # type: ignore[assignment,misc]
+    elif args.fill_threads:
+        request_grammar.Filler = lambda: Filler(args.fill_threads)  # type: ignore[assignment,misc]
     given = engine_kwargs(args.engine_arg)
     jump = bool(given.get("jump_forward", True))
     llm = w1_engine(args, **{**given, "jump_forward": jump})
@@ -180,6 +184,7 @@ def main() -> None:
                 "w1_schema_tok_s": round(schema_tps, 1),
                 "grammar_process": given.get("grammar_process", False),
                 "fill_split": args.fill_split,
+                "fill_threads": args.fill_threads,
                 "jump_forward": jump,
                 "w1_ratio": round(schema_tps / plain_tps, 3),
                 "w1_target_ratio": 0.9,
