@@ -9,7 +9,8 @@ import sys
 
 
 def summary(path: str) -> str:
-    lines = [json.loads(line) for line in open(path) if line.startswith("{")]
+    with open(path) as f:
+        lines = [json.loads(line) for line in f if line.startswith("{")]
     final = next(line for line in lines if line.get("workload") == "W6")
     parts = [f"{path}: ratio {final['w1_ratio']} (b1 {final['b1_ratio']})"]
     for timing in (line for line in lines if line.get("workload") == "W6 host timing"):
