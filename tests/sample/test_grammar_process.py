@@ -2,7 +2,8 @@
 requests, steps and tokens give bit-identical masks and the same failures, whether every matcher stays in
 the step thread or a lazily started process takes the requests admitted once it is ready (so steps mix
 both homes while it starts), its threads each taking a share of a step's rows; and a table whose requests
-are all unconstrained never starts it."""
+are all unconstrained never starts it. On CUDA, draws that wait on the device for the process's rows see the
+same masks."""
 
 from __future__ import annotations
 
@@ -42,18 +43,23 @@ def _pick(row: np.ndarray, rng: random.Random) -> int:
 
 
 def _run(table: GrammarTable, backend: GrammarBackend, steps: int, seed: int) -> list[Any]:
-    """Drive `table` through `steps` overlapped steps (each draw held until the next step is planned, its
-    tokens read after): `ROWS` requests at a time, each ending at EOS, a refusal or 24 tokens and replaced by
-    the next; the first `ROWS` admitted at once, the rest after the process (if any) is ready. Every step's masks
-    (in sampled order), tokens and failures."""
+    """Drive `table` through `steps` overlapped steps in the engine's order: each step planned and its mask
+    asked for (`fill`) before the previous step's tokens are read, its own tokens drawn (on the host, here)
+    after that. `ROWS` requests at a time, each ending at EOS, a refusal or 24 tokens and replaced by the next;
+    the first `ROWS` admitted at once, the rest after the process (if any) is ready. Every step's masks (in
+    sampled order) and tokens, then ("failed", request, error) for each request that failed, wherever its
+    failure was reported (with the mask, or with the tokens: a table whose draws wait on the device learns of
+    some late)."""
     rng = random.Random(seed)
     made = 0
+    number: dict[int, int] = {}
 
     def admit() -> SamplingState:
         nonlocal made
         spec = SPECS[made % len(SPECS)]
         state = SamplingState.create(SamplingParams(**spec, temperature=1.0, max_tokens=24), made, [1])
         table.add(state)
+        number[id(state)] = made
         made += 1
         return state
 
@@ -61,18 +67,10 @@ def _run(table: GrammarTable, backend: GrammarBackend, steps: int, seed: int) ->
     table.wait_for_process()  # lazily started by the first add: the next requests' matchers go there
     lengths = {id(s): 0 for s in live}
     seen: list[Any] = []
-    held: tuple[Any, list[SamplingState]] | None = None
+    failures: set[tuple[int, str]] = set()
     pending: tuple[Any, list[SamplingState]] | None = None
     ended: list[SamplingState] = []
     for _ in range(steps):
-        if held is not None:
-            plan, states = held
-            mask, failed = table.fill(plan, torch.tensor(plan.rows))
-            rows = mask.bitmask[mask.mask_rows].numpy()
-            tokens = [_pick(row, rng) for row in rows]
-            seen.append((rows.tobytes(), tokens, failed))
-            step = ReadyStep(ModelRunnerOutput(sampled_token_ids=tokens, failed=failed))
-            pending = (table.sent(step, plan), states)
         for state in ended:  # gone at the next submit, as the core's finished requests are
             live.remove(state)
             table.remove(state)
@@ -81,19 +79,26 @@ def _run(table: GrammarTable, backend: GrammarBackend, steps: int, seed: int) ->
             live.append(admit())
             lengths[id(live[-1])] = 0
         plan = table.plan(live)
-        held = (plan, list(live))
+        states = list(live)
+        mask, failed = table.fill(plan, torch.tensor(plan.rows, device=table.device))
+        failures.update((number[id(states[i])], str(e)) for i, e in (failed or {}).items())
         if pending is not None:
-            result, states = pending
+            result, read = pending
             output = result.result()
-            failed = output.failed or {}
-            for i, (state, token) in enumerate(zip(states, output.sampled_token_ids)):
+            late = output.failed or {}
+            failures.update((number[id(read[i])], str(e)) for i, e in late.items())
+            for i, (state, token) in enumerate(zip(read, output.sampled_token_ids)):
                 if state in ended or state not in live:
                     continue
                 lengths[id(state)] += 1
-                if i in failed or token in backend.stop_token_ids or lengths[id(state)] >= 24:
+                if i in late or token in backend.stop_token_ids or lengths[id(state)] >= 24:
                     ended.append(state)
-            seen.append(sorted(failed.items()))
-    return seen
+        rows = mask.bitmask[mask.mask_rows].cpu().numpy()  # on CUDA: once the device has the rows
+        tokens = [_pick(row, rng) for row in rows]
+        seen.append((rows.tobytes(), tokens))
+        step = ReadyStep(ModelRunnerOutput(sampled_token_ids=tokens, failed=failed))
+        pending = (table.sent(step, plan), states)
+    return seen + sorted(("failed", *f) for f in failures)
 
 
 def test_process_gives_the_step_threads_masks_and_failures(backend: GrammarBackend) -> None:
@@ -105,12 +110,30 @@ def test_process_gives_the_step_threads_masks_and_failures(backend: GrammarBacke
         process = mixed.process
         assert process is not None and process.ready and process.live > 0, "the process serves the later requests"
         assert got == want
-        failures = [entry for entry in want if isinstance(entry, list) and entry]
-        assert any("no token of the model's vocabulary" in str(e) for f in failures for _, e in f), "a refusal"
+        assert any("no token of the model's vocabulary" in entry[2] for entry in want if entry[0] == "failed")
     finally:
         inline.close()
         mixed.close()
     assert mixed.process is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_draws_that_wait_on_the_device_for_the_process_rows_see_the_same_masks(backend: GrammarBackend) -> None:
+    """On CUDA, with every request's matcher in the grammar process, each step's draw is queued at once
+    behind a device-side wait for its rows' flag: the masks, tokens and failures are the step thread's."""
+    cuda = torch.device("cuda")
+    inline = GrammarTable(backend, ROWS, VOCAB, cuda, GrammarProcessMode.OFF)
+    awaited = GrammarTable(backend, ROWS, VOCAB, cuda, GrammarProcessMode.EAGER, process_threads=3, awaited_masks=True)
+    try:
+        assert awaited.wait_for_process()
+        want = _run(inline, backend, 60, seed=5)
+        got = _run(awaited, backend, 60, seed=5)
+        assert awaited.waits_on_device and not inline.waits_on_device
+        assert got == want
+    finally:
+        inline.close()
+        awaited.close()
 
 
 def test_unconstrained_requests_never_start_the_process(backend: GrammarBackend) -> None:

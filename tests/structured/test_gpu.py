@@ -1,7 +1,8 @@
 """Structured output on the GPU: the Triton draw applies the bitmask (greedy and filtered rows too), steps
 really overlap (the mask waits for the previous step's tokens on the device), CUDA graphs replay the forward
 pass; every output satisfies its constraint and overlapped scheduling gives serial scheduling's tokens; the
-grammar process (`grammar_process=None` on CUDA) changes no token."""
+grammar process (`grammar_process=None` on CUDA) changes no token, its draws waiting on the device for its rows,
+and its death, those draws queued, stalls nothing: its requests fail, the others go on."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 
 from asyncllm import LLM, SamplingParams
 from tests.structured.conftest import CONSTRAINTS, DRAWS, check, constrained
-from tests.structured.test_grammar_process import grammar_processes
+from tests.structured.test_grammar_process import grammar_processes, process_death_fails_its_requests_alone
 
 pytestmark = [
     pytest.mark.gpu,
@@ -77,3 +78,8 @@ def test_grammar_process_starts_at_the_first_constrained_request_and_changes_no_
         default.shutdown()
         twin.shutdown()
     assert grammar_processes() == []
+
+
+async def test_grammar_process_death_with_draws_waiting_on_the_device(tiny_model: Path) -> None:
+    args = dict(device="cuda", dtype="float32", block_size=4, num_kv_blocks=512, seed=7)
+    await process_death_fails_its_requests_alone(tiny_model, **args)

@@ -72,7 +72,12 @@ async def test_grammar_process_gives_the_step_threads_tokens(tiny_model: Path, l
 
 
 async def test_grammar_process_death_fails_its_requests_alone(tiny_model: Path) -> None:
-    engine = AsyncLLMEngine(str(tiny_model), grammar_process=True, **ENGINE_ARGS)
+    await process_death_fails_its_requests_alone(tiny_model, **ENGINE_ARGS)
+
+
+async def process_death_fails_its_requests_alone(tiny_model: Path, **engine_args: Any) -> None:
+    """Its body, for any device (on CUDA, draws then wait on the device for the dead process's rows)."""
+    engine = AsyncLLMEngine(str(tiny_model), grammar_process=True, **engine_args)
     try:
         await asyncio.wait_for(engine.generate([5], SamplingParams(max_tokens=1)), 60)
         [pid] = grammar_processes()

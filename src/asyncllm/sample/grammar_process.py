@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from multiprocessing.connection import Connection
 
 from asyncllm.errors import AsyncLLMError, RequestFailedError
@@ -31,6 +31,7 @@ from asyncllm.sample.grammar_wire import (
     FAILED,
     FILL,
     FILLED,
+    MARK,
     OPS,
     READY,
     STEP,
@@ -55,7 +56,11 @@ class GrammarProcess:
 
     beside = True
 
-    def __init__(self, backend: GrammarBackend, rows: RowsSegment, threads: int) -> None:
+    def __init__(
+        self, backend: GrammarBackend, rows: RowsSegment, threads: int, on_exit: Callable[[], None] | None = None
+    ) -> None:
+        """`on_exit`: called (from a thread of its own) if the worker exits before `close()`: the device may
+        be waiting for a mark it will never set."""
         self.ready = False  # the worker has its vocabulary: requests may be added
         self.failure: AsyncLLMError | None = None  # set once the worker is gone (or never came)
         self.live = 0  # slots in use
@@ -68,6 +73,7 @@ class GrammarProcess:
         self._ops: list[Op] = []  # adds and removes for the next message
         self._seq = 0
         self._unfilled = 0  # FILLED replies still to come
+        self._filled_seq = 0  # the last FILLED reply's message
         self._verdict: int | None = None  # the STEP whose ACCEPTED reply `refusals()` waits for
         self._errors: dict[int, str] = {}
         self._stale: dict[int, int] = {}  # removed slot -> the last message sent while its request held it
@@ -75,6 +81,7 @@ class GrammarProcess:
         self._to: Connection | None = None
         self._from: Connection | None = None
         self._closing = False
+        self._on_exit = on_exit
         self._lock = threading.Lock()  # the starter thread and close() over _proc
         self._write_lock = threading.Lock()  # the step thread's messages and `precompile`'s, whole
         self._precompiled: OrderedDict[StructuredOutput, None] = OrderedDict()  # the specs sent to compile
@@ -126,8 +133,10 @@ class GrammarProcess:
         verdict: bool,
         sampled_next: Collection[int] = (),
         jump: bool = True,
+        mark: int = 0,
     ) -> None:
-        if self._send(encode_request(STEP, host.index, self._seq + 1, self._ops, rows, slots, tokens, verdict)):
+        message = encode_request(STEP, host.index, self._seq + 1, self._ops, rows, slots, tokens, verdict, mark)
+        if self._send(message):
             self._verdict = self._seq if verdict else None
 
     def refusals(self) -> dict[int, str]:
@@ -148,10 +157,25 @@ class GrammarProcess:
     def fill(self, host: HostRows, rows: list[int], slots: list[int]) -> None:
         self._send(encode_request(FILL, host.index, self._seq + 1, self._ops, rows, slots))
 
-    def collect(self) -> dict[int, str]:
-        """Wait until every row asked for is written; the errors of the slots filled since the last call
-        ({} and `failure` set if the worker died meanwhile: its rows may be half written)."""
-        while self._unfilled and self.failure is None:
+    def mark(self, host: HostRows, mark: int) -> None:
+        """Have the worker set `host`'s flag to `mark` once every request sent so far is done."""
+        self._send(encode_request(MARK, host.index, self._seq + 1, self._ops, [], [], mark=mark))
+
+    @property
+    def last_seq(self) -> int:
+        return self._seq
+
+    def alive(self) -> bool:
+        """False once the worker is known gone (checked now, without waiting: `failure` is then set)."""
+        if self.failure is None and self._proc is not None and self._proc.poll() is not None:
+            self._died()
+        return self.failure is None
+
+    def collect(self, upto: int | None = None) -> dict[int, str]:
+        """Wait until every row asked for is written (`upto`: by the messages up to that one; the replies to
+        later ones stay for a later call); the errors of the slots filled since the last call ({} and
+        `failure` set if the worker died meanwhile: its rows may be half written)."""
+        while self._unfilled and self.failure is None and (upto is None or self._filled_seq < upto):
             self._receive()
         errors, self._errors = self._errors, {}
         return errors
@@ -211,6 +235,7 @@ class GrammarProcess:
                 del self._stale[slot]  # every reply that could name its last request is in
         if kind == FILLED:
             self._unfilled -= 1
+            self._filled_seq = seq
             self._errors.update(payload)
         return kind, seq, payload
 
@@ -271,9 +296,16 @@ class GrammarProcess:
                 logger.warning("%s; constrained requests keep their matchers in the step thread", self.failure)
             return
         self._to, self._from = to, frm
+        if self._on_exit is not None:
+            threading.Thread(target=self._watch, args=(self._proc,), name="asyncllm-grammar-watch", daemon=True).start()
         self.ready = True
         self._backend.watch(self.precompile)  # the constraints compiled lately, then each new one
         logger.info("grammar process ready (pid %d, %d filling threads)", self.pid, self._threads)
+
+    def _watch(self, proc: subprocess.Popen[bytes]) -> None:
+        proc.wait()
+        if not self._closing and self._on_exit is not None:
+            self._on_exit()
 
     def _reap(self) -> int | None:
         """The worker's exit status, once it has exited (killed if it has not after `_EXIT_S`)."""

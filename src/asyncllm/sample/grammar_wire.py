@@ -8,8 +8,12 @@ Requests, in order: each carries the adds and removes since the last one (`ops`)
   FILL  (set, seq; rows, slots): rows[i] filled for slots[i] (a request the last STEP did not cover).
   OPS   the ops alone, no reply: the last request went (its matcher is freed now, not at the next step), or
         a constraint's compile started in the engine's process (the worker compiles it at the same time).
-Replies: ACCEPTED (seq, refusals by slot), FILLED (seq, errors by slot of the slots it filled), READY once
-at start-up, FAILED (a traceback) before the worker exits on an error of its own.
+  MARK  (set, seq, mark): no rows, only the mark (below); replied to as a FILL with no rows is.
+Any request may carry a `mark`: once its rows are written, the worker stores it in the set's flag (the
+layout's flags page), which the device waits on before it reads the set (`stream_wait.py`); every request
+before it is done by then.
+Replies: ACCEPTED (seq, refusals by slot), FILLED (seq, errors by slot of the slots it filled: to STEP, FILL
+and MARK), READY once at start-up, FAILED (a traceback) before the worker exits on an error of its own.
 """
 
 from __future__ import annotations
@@ -23,10 +27,10 @@ import numpy as np
 
 from asyncllm.structured import StructuredOutput
 
-STEP, FILL, OPS = 1, 2, 3  # requests
+STEP, FILL, OPS, MARK = 1, 2, 3, 4  # requests
 ACCEPTED, FILLED, READY, FAILED = 1, 2, 3, 4  # replies
 
-_REQUEST = struct.Struct("<BBBxIII")  # kind, set, verdict, seq, rows, ops bytes
+_REQUEST = struct.Struct("<BBBxIIII")  # kind, set, verdict, seq, rows, ops bytes, mark
 _REPLY = struct.Struct("<BxxxII")  # kind, seq, payload bytes
 
 # ("add", slot, spec), ("remove", slot) or ("compile", 0, spec): compile it now, for requests to come
@@ -53,6 +57,7 @@ class Request:
     rows: np.ndarray  # int32
     slots: np.ndarray  # int32
     tokens: np.ndarray | None  # int32, STEP only
+    mark: int = 0  # the set's flag once done (0: none)
 
 
 def encode_request(
@@ -64,9 +69,10 @@ def encode_request(
     slots: list[int],
     tokens: list[int] | None = None,
     verdict: bool = False,
+    mark: int = 0,
 ) -> bytes:
     blob = pickle.dumps(ops) if ops else b""
-    parts = [_REQUEST.pack(kind, set_index, verdict, seq, len(rows), len(blob)), blob]
+    parts = [_REQUEST.pack(kind, set_index, verdict, seq, len(rows), len(blob), mark), blob]
     parts += [np.asarray(a, dtype=np.int32).tobytes() for a in (rows, slots) if a is not None]
     if tokens is not None:
         parts.append(np.asarray(tokens, dtype=np.int32).tobytes())
@@ -74,14 +80,15 @@ def encode_request(
 
 
 def decode_request(data: bytes) -> Request:
-    kind, set_index, verdict, seq, n, blob = _REQUEST.unpack_from(data)
+    kind, set_index, verdict, seq, n, blob, mark = _REQUEST.unpack_from(data)
     at = _REQUEST.size
     ops: list[Op] = pickle.loads(data[at : at + blob]) if blob else []
     at += blob
     arrays = [np.frombuffer(data, np.int32, n, at + 4 * n * k) for k in range(3 if kind == STEP else 2)]
-    if kind == OPS:
+    if kind in (OPS, MARK):
         arrays = [np.zeros(0, np.int32)] * 2
-    return Request(kind, set_index, bool(verdict), seq, ops, arrays[0], arrays[1], arrays[2] if kind == STEP else None)
+    tokens = arrays[2] if kind == STEP else None
+    return Request(kind, set_index, bool(verdict), seq, ops, arrays[0], arrays[1], tokens, mark)
 
 
 def encode_reply(kind: int, seq: int, payload: dict[int, str] | str | None = None) -> bytes:

@@ -25,6 +25,7 @@ from asyncllm.sample.grammar import GrammarBackend
 from asyncllm.sample.grammar_wire import (
     ACCEPTED,
     FAILED,
+    FILL,
     FILLED,
     OPS,
     READY,
@@ -44,12 +45,20 @@ MIN_ROWS_PER_THREAD = 16
 class GrammarWorker:
     """Serves requests until the pipe closes: `serve(requests, replies)`."""
 
-    def __init__(self, backend: GrammarBackend, sets: list[tuple[np.ndarray, np.ndarray]], threads: int) -> None:
+    def __init__(
+        self,
+        backend: GrammarBackend,
+        sets: list[tuple[np.ndarray, np.ndarray]],
+        threads: int,
+        flags: np.ndarray | None = None,
+    ) -> None:
+        """`flags`: the sets' flags, where requests' marks go (None: marks are ignored)."""
         from xgrammar import BatchGrammarMatcher
 
         self._backend = backend
         self.matchers = MatcherSet(backend, sets[0][0].shape[1])
         self._sets = sets
+        self._flags = flags
         self._threads = max(1, threads)
         # One single-threaded batch filler per share: xgrammar's own multi-threaded one starts its threads
         # anew on every call.
@@ -74,8 +83,19 @@ class GrammarWorker:
                     self._backend.compile_async(op[2])  # type: ignore[misc]
             if request.kind == OPS:
                 continue
-            errors = self._step(request, replies) if request.kind == STEP else self._fill(request)
+            errors: dict[int, str] = {}
+            if request.kind == STEP:
+                errors = self._step(request, replies)
+            elif request.kind == FILL:
+                errors = self._fill(request)
+            self._mark(request)  # the device may read the rows now: it need not wait for the reply's trip
             replies.send_bytes(encode_reply(FILLED, request.seq, errors))
+
+    def _mark(self, request: Request) -> None:
+        # The rows' stores (this thread's, and the filling threads', joined) are made before this one; x86
+        # keeps stores in order, so whoever sees the flag sees the rows.
+        if request.mark and self._flags is not None:
+            self._flags[request.set] = request.mark
 
     def _step(self, request: Request, replies: Connection) -> dict[int, str]:
         rows, slots, tokens = request.rows.tolist(), request.slots.tolist(), request.tokens
@@ -117,7 +137,8 @@ def main() -> None:
     try:
         init: Init = pickle.loads(requests.recv_bytes())
         segment = RowsSegment.attach(rows_fd, init.layout)
-        worker = GrammarWorker(GrammarBackend.from_tables(init.tables), init.layout.views(segment.buffer), init.threads)
+        views = init.layout.views(segment.buffer)
+        worker = GrammarWorker(GrammarBackend.from_tables(init.tables), views, init.threads, segment.flags)
     except EOFError:
         return
     except BaseException:

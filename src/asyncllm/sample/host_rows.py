@@ -22,7 +22,9 @@ _PAGE = 4096
 
 @dataclass(frozen=True)
 class RowsLayout:
-    """`sets` sets of `rows` rows, `words` int32 words each: set k's bits, then its states (int64), page-aligned."""
+    """`sets` sets of `rows` rows, `words` int32 words each: set k's bits, then its states (int64), page-aligned;
+    then a page whose first `sets` uint32 words are the sets' flags (`flags`: each counts the fills of its set
+    that are complete, for the device to wait on)."""
 
     sets: int
     rows: int
@@ -35,7 +37,11 @@ class RowsLayout:
 
     @property
     def nbytes(self) -> int:
-        return self.sets * self.set_bytes
+        return self.sets * self.set_bytes + _PAGE
+
+    def flags(self, buffer: memoryview | mmap.mmap) -> np.ndarray:
+        """The sets' flags [sets] uint32, viewing `buffer`."""
+        return np.frombuffer(buffer, np.uint32, self.sets, self.sets * self.set_bytes)
 
     def views(self, buffer: memoryview | mmap.mmap) -> list[tuple[np.ndarray, np.ndarray]]:
         """Each set's (bits [rows, words] int32, states [rows] int64), viewing `buffer`."""
@@ -59,6 +65,7 @@ class RowsSegment:
             os.ftruncate(fd, layout.nbytes)
         self.fd = fd
         self.buffer = mmap.mmap(fd, layout.nbytes)
+        self.flags = layout.flags(self.buffer)
         self._registered: int | None = None  # the address CUDA pinned
 
     @classmethod
@@ -75,6 +82,14 @@ class RowsSegment:
             return False
         self._registered = address
         return True
+
+    @property
+    def pinned(self) -> bool:
+        return self._registered is not None
+
+    def flag_address(self, index: int) -> int:
+        """The host address of set `index`'s flag."""
+        return int(self.flags.ctypes.data) + 4 * index
 
     def close(self) -> None:
         """Unpin and close the descriptor; the mapping goes with the last view of it."""

@@ -60,6 +60,15 @@ def by_home(entries: list[tuple[int, RequestGrammar]]) -> dict[MatcherHome, tupl
     return out
 
 
+class MarkTicket:
+    """Which message of its home (`seq`) carries an awaited draw's mark: set when the mark is sent."""
+
+    __slots__ = ("seq",)
+
+    def __init__(self) -> None:
+        self.seq: int | None = None
+
+
 class FillJob:
     """One constrained step's follow-up: `accept()` hands its tokens to its requests' homes (a token one
     refuses fails that request in this step's own output, when the home can tell at once), which fill each
@@ -82,6 +91,13 @@ class FillJob:
         self._sampled = [row for row, _ in rows]  # host row i's sampled row in the step
         self._output: ModelRunnerOutput | None = None
         self.sampled_next: list[tuple[int, RequestGrammar]] = []  # the next step's constrained rows, if planned
+        # Homes beside the step thread whose rows a queued draw waits for on the device: each sets this job's
+        # flag to the mark once this job's rows are written (`GrammarTable.fill`, awaited), and the ticket
+        # learns which message carries it.
+        self.marks: dict[MatcherHome, tuple[int, MarkTicket]] = {}
+        # This job's step drew from rows nobody waited for on the host (awaited): the errors the fills of
+        # those rows found (their replies, up to the ticket's message) fail its requests when it is read.
+        self.ticket: MarkTicket | None = None
         # Runs are taken only after steps of few rows (`JUMP_MAX_ROWS`): the step's count, in either schedule.
         self._jump = step_rows <= JUMP_MAX_ROWS
 
@@ -94,7 +110,11 @@ class FillJob:
         if self._output is not None:
             return self._output
         output = self._step.result()
-        self.host.writable()
+        late = self._late_errors(self.ticket) if self.ticket is not None else {}
+        # With marks, an upload from these rows waits on the device for them: not for it (the upload before
+        # it preceded this step's draw, so it is done).
+        if not self.marks:
+            self.host.writable()
         homes = self._by_home(output.sampled_token_ids)
         # The grammar process's share first: it works while the step thread does its own.
         jumping = any(g.jumps for g in self.grammars)
@@ -104,10 +124,11 @@ class FillJob:
                 continue
             # A row its mask left empty draws token 0, and its refusal must end the request now, before the
             # token is output: only then does this step wait for the grammar process's verdict.
+            mark, ticket = self.marks.pop(home, (0, None))
             if jumping:
                 jump = self._jump
                 after = {g.slot: g for _, g in self.sampled_next if g.home is home and g.jumps} if jump else {}
-                home.step(self.host, rows, slots, tokens, verdict=0 in tokens, sampled_next=after, jump=jump)
+                home.step(self.host, rows, slots, tokens, 0 in tokens, after, jump, mark)
                 for slot in after.keys() & home.forced().keys():
                     # That draw repeats the run's first token: its noise offset is the next real draw's, as
                     # when the run is known before the next step is planned (serial scheduling).
@@ -115,8 +136,14 @@ class FillJob:
                     assert state is not None
                     state.num_sampled -= 1
             else:
-                home.step(self.host, rows, slots, tokens, verdict=0 in tokens)
-        failed: dict[int, str | AsyncLLMError] = {}
+                home.step(self.host, rows, slots, tokens, verdict=0 in tokens, mark=mark)
+            if ticket is not None:
+                ticket.seq = home.last_seq
+        for home, (mark, ticket) in self.marks.items():  # homes with no row of this step's: the mark alone
+            home.mark(self.host, mark)
+            ticket.seq = home.last_seq
+        self.marks = {}
+        failed: dict[int, str | AsyncLLMError] = dict(late)
         forced: dict[int, list[int]] = {}
         for home, (rows, slots, _) in homes.items():
             refused = home.refusals()
@@ -130,6 +157,22 @@ class FillJob:
             output = replace(output, failed={**(output.failed or {}), **failed} or None, forced=forced or None)
         self._output = output
         return output
+
+    def _late_errors(self, ticket: MarkTicket) -> dict[int, str | AsyncLLMError]:
+        """The errors, by sampled row, that the fills of this step's rows reported (their replies come as
+        soon as asked for: the device has read the rows), or the failure of a home that died: those requests
+        end with this step (their rows allowed any token). Replies after the ticket's stay for later steps."""
+        failed: dict[int, str | AsyncLLMError] = {}
+        for home in {g.home for g in self.grammars if g.home.beside and not g.removed}:
+            errors = home.collect(ticket.seq)
+            for i, grammar in enumerate(self.grammars):
+                if grammar.home is not home or grammar.removed:
+                    continue
+                error = home.failure or errors.get(grammar.slot)
+                if error is not None:
+                    grammar.error = grammar.error or error
+                    failed[self._sampled[i]] = grammar.error
+        return failed
 
     def _by_home(self, sampled: list[int]) -> dict[MatcherHome, tuple[list[int], list[int], list[int]]]:
         """Each home's (host rows, slots, tokens) of the step's live requests: comprehensions in the common

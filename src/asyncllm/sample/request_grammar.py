@@ -44,11 +44,13 @@ class MatcherHome(Protocol):
         verdict: bool,
         sampled_next: Collection[int] = (),
         jump: bool = True,
+        mark: int = 0,
     ) -> None:
         """slots[i] accepts tokens[i], then host row rows[i] is filled for slots[i]. `verdict`: `refusals()`
         will be asked for this step's refusals. `sampled_next`: the slots the step planned after this one
         samples (a jumping slot's row there allows its forced run's first token alone). `jump`: False takes
-        no new forced run this step (every slot's next token is drawn)."""
+        no new forced run this step (every slot's next token is drawn). `mark`: for a home beside the step
+        thread, `host`'s flag once the rows are written (`mark()`)."""
         ...
 
     def forced(self) -> dict[int, list[int]]:
@@ -64,8 +66,19 @@ class MatcherHome(Protocol):
         """Host row rows[i] filled for slots[i]."""
         ...
 
-    def collect(self) -> dict[int, str]:
-        """Once every row asked for is written: the errors of the slots filled since the last call."""
+    def collect(self, upto: int | None = None) -> dict[int, str]:
+        """Once every row asked for is written (`upto`: by the messages up to that `last_seq`): the errors of
+        the slots filled since the last call."""
+        ...
+
+    @property
+    def last_seq(self) -> int:
+        """A home beside the step thread: the number of the last message sent to it (0 for the step thread's)."""
+        ...
+
+    def mark(self, host: HostRows, mark: int) -> None:
+        """A home beside the step thread: set `host`'s flag to `mark` once every row asked for is written
+        (the device waits on it: `stream_wait.py`). The step thread's home never is asked."""
         ...
 
     def close(self) -> None: ...
@@ -130,6 +143,7 @@ class InlineMatchers:
         verdict: bool,
         sampled_next: Collection[int] = (),
         jump: bool = True,
+        mark: int = 0,
     ) -> None:
         matchers = self.matchers
         self._refused, errors = matchers.step(
@@ -147,9 +161,14 @@ class InlineMatchers:
     def fill(self, host: HostRows, rows: list[int], slots: list[int]) -> None:
         self._errors.update(self.matchers.fill(host.bits_np, host.states_np, rows, slots, self._spread))
 
-    def collect(self) -> dict[int, str]:
+    def collect(self, upto: int | None = None) -> dict[int, str]:
         errors, self._errors = self._errors, {}
         return errors
+
+    last_seq = 0
+
+    def mark(self, host: HostRows, mark: int) -> None:
+        raise AssertionError("the step thread's rows are written when asked for: nothing waits on a flag")
 
     def close(self) -> None:
         pass

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import os
+import platform
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,9 +31,10 @@ from asyncllm.errors import AsyncLLMError
 from asyncllm.sample.grammar import GrammarBackend
 from asyncllm.sample.grammar_process import GrammarProcess
 from asyncllm.sample.host_rows import HostRows, RowsLayout, RowsSegment, host_row_sets
-from asyncllm.sample.mask_fill import ConstrainedStep, DeviceMasks, FillJob, by_home
+from asyncllm.sample.mask_fill import ConstrainedStep, DeviceMasks, FillJob, MarkTicket, by_home
 from asyncllm.sample.request_grammar import InlineMatchers, MatcherHome, RequestGrammar
 from asyncllm.sample.state import SamplingState
+from asyncllm.sample.stream_wait import StreamWaiter
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.step import StepResult
 
@@ -70,6 +72,7 @@ class MaskPlan:
     extras: list[tuple[int, RequestGrammar]]  # rows filled at `fill`, for requests the job did not cover
     constrained: list[tuple[int, RequestGrammar]]  # (sampled row, its grammar), in row order
     num_rows: int  # bitmask rows uploaded
+    ticket: MarkTicket | None = None  # awaited (`GrammarTable.fill`): which message carries the rows' mark
 
 
 class GrammarTable:
@@ -84,11 +87,15 @@ class GrammarTable:
         process: GrammarProcessMode = GrammarProcessMode.OFF,
         process_threads: int | None = None,
         jump_forward: bool = False,
+        awaited_masks: bool = False,
     ) -> None:
         """`process_threads`: how many of the grammar process's threads share a step's rows (None: the cores
         this process may use, less two for the step thread and the device's driver, at most 16).
         `jump_forward`: requests whose matcher is in the step thread and that ask for no logprobs or
-        penalties output their constraint's forced text without draws (`FillJob`, `jump_forward.py`)."""
+        penalties output their constraint's forced text without draws (`FillJob`, `jump_forward.py`).
+        `awaited_masks`: a step whose constrained rows all live in the grammar process may queue its draw at
+        once, behind a device-side wait for their flag (`awaits`; CUDA, one rank, and an x86 host, whose
+        stores reach others in order: the worker writes the flag after the rows)."""
         self.backend = backend
         self.jump_forward = jump_forward
         self.device = device
@@ -109,6 +116,10 @@ class GrammarTable:
         self._segment: RowsSegment | None = None
         self._flip = 0
         self._device_masks: DeviceMasks | None = None
+        self._awaited_masks = awaited_masks and device.type == "cuda" and platform.machine() in ("x86_64", "AMD64")
+        self._waiter: StreamWaiter | None = None  # opened with the shared rows, where awaited masks may be
+        self._flag_at: list[int] = []  # each set's flag, as the device addresses it
+        self._epochs = [0, 0]  # each set's last mark: the flag values the device waits for
         if process is GrammarProcessMode.EAGER:
             self._start_process()
 
@@ -160,10 +171,29 @@ class GrammarTable:
                     extras.append((rows[i], grammar))
         return MaskPlan(rows, source, extras, constrained, base + len(extras))
 
+    @property
+    def waits_on_device(self) -> bool:
+        """Draws whose rows the grammar process fills may wait for them on the device (`awaits`)."""
+        return self._waiter is not None
+
+    def awaits(self, plan: MaskPlan) -> bool:
+        """Whether `fill` queues the plan's draw behind a device-side wait (its rows all in the grammar
+        process, alive) rather than waiting for the rows on the host."""
+        process = self._process
+        if self._waiter is None or process is None or not process.ready:
+            return False
+        if not process.alive():
+            self._release_flags()
+            return False
+        return all(grammar.home is process for _, grammar in plan.constrained)
+
     def fill(self, plan: MaskPlan, mask_rows: torch.Tensor) -> tuple[TokenMask, dict[int, str | AsyncLLMError] | None]:
         """The step's bitmask, uploaded (the plan's job has its rows under way; the extras are asked for
-        here, and every home's rows waited for); and the rows whose request cannot go on, by row (its
-        constraint failed to compile or refused a token, or its matcher was lost with the grammar process)."""
+        here, and every home's rows waited for, on the host or, where `awaits`, by the device); and the rows
+        whose request cannot go on, by row (its constraint failed to compile or refused a token, or its
+        matcher was lost with the grammar process)."""
+        if self.awaits(plan):
+            return self._fill_awaited(plan, mask_rows)
         device_masks = self._buffers()
         if plan.source is not None:
             plan.source.accept()  # its rows under way (from here, if nobody read its step)
@@ -180,10 +210,48 @@ class GrammarTable:
         }
         return TokenMask(device_masks.upload(host, plan.num_rows), mask_rows), failed or None
 
+    def _fill_awaited(
+        self, plan: MaskPlan, mask_rows: torch.Tensor
+    ) -> tuple[TokenMask, dict[int, str | AsyncLLMError] | None]:
+        """`fill` without waiting: the extras asked for now, the plan's job (when the core reads its step) or
+        a MARK now asked to set the rows' flag to a new mark once they are written, and the upload queued
+        behind the device's wait for that mark. The errors those fills find fail their requests when this
+        step is read (`FillJob`); those known now, now."""
+        process, waiter = self._process, self._waiter
+        assert process is not None and waiter is not None
+        device_masks = self._buffers()
+        source = plan.source
+        host = source.host if source is not None else self._hosts[self._flip]
+        host.writable()  # the last upload from these rows preceded a step whose tokens are in
+        if plan.extras:
+            rows, slots = by_home(plan.extras).get(process, ([], []))
+            process.fill(host, rows, slots)
+        mark = self._epochs[host.index] = (self._epochs[host.index] + 1) & 0xFFFFFFFF or 1  # 0 is "no mark"
+        ticket = MarkTicket()
+        if source is not None and not source.accepted:
+            source.marks[process] = (mark, ticket)  # sent with the job's tokens
+        else:
+            process.mark(host, mark)
+            ticket.seq = process.last_seq
+        plan.ticket = ticket
+        failed: dict[int, str | AsyncLLMError] = {
+            i: grammar.error for i, grammar in plan.constrained if grammar.error is not None
+        }
+        waiter.wait(self._flag_at[host.index], mark)
+        return TokenMask(device_masks.upload(host, plan.num_rows), mask_rows), failed or None
+
+    def _release_flags(self) -> None:
+        """Let every wait queued on the device pass, and any queued later: the grammar process is gone (or
+        the engine is closing), so no mark will come. Its requests end with its failure (`FillJob`)."""
+        if self._segment is not None and self._flag_at:
+            for k, mark in enumerate(self._epochs):
+                self._segment.flags[k] = (mark + (1 << 30)) & 0xFFFFFFFF
+
     def sent(self, result: StepResult, plan: MaskPlan) -> StepResult:
         """The step `plan` masked was sampled: start its job, and return its result as the job gives it."""
         self._flip ^= 1
         job = FillJob(result, plan.constrained, self._hosts[self._flip], len(plan.rows))
+        job.ticket = plan.ticket
         self._last = job
         return ConstrainedStep(result, job)
 
@@ -192,6 +260,7 @@ class GrammarTable:
         return self._process is not None and self._process.wait_ready(timeout)
 
     def close(self) -> None:
+        self._release_flags()  # nothing queued on the device may wait for a process that is going
         if self._process is not None:
             self._process.close()
             self._process = None
@@ -211,7 +280,7 @@ class GrammarTable:
     def _start_process(self) -> None:
         self._host_rows()
         assert self.backend is not None and self._segment is not None
-        self._process = GrammarProcess(self.backend, self._segment, self._process_threads)
+        self._process = GrammarProcess(self.backend, self._segment, self._process_threads, self._release_flags)
         self._process.start()
 
     def _collect(self, plan: MaskPlan, host: HostRows) -> None:
@@ -246,6 +315,11 @@ class GrammarTable:
             layout = RowsLayout(2, 2 * self._max_rows, self._words)
             shared = self._process_mode is not GrammarProcessMode.OFF
             self._hosts, self._segment = host_row_sets(layout, self.device, shared)
+            segment = self._segment
+            if segment is not None and segment.pinned and self._awaited_masks:
+                self._waiter = StreamWaiter.open(segment.flag_address(0))
+                if self._waiter is not None:
+                    self._flag_at = [self._waiter.device_address(segment.flag_address(k)) for k in range(2)]
 
     def _buffers(self) -> DeviceMasks:
         if self._device_masks is None:

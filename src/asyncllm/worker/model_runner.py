@@ -14,8 +14,11 @@ tokens (the matchers took them then, in the grammar process beside this thread, 
 Where the device runs steps asynchronously (`defer_masked_draw`) the draw itself is held back (`HeldDraw`)
 until the next `submit` (or whoever reads the step's result first):
 the forward pass runs while the host feeds the matchers, fills the masks and does the core's work, and the
-draw goes out just before the next forward pass, its masks ready. Steps without constrained rows pay for
-none of this.
+draw goes out just before the next forward pass, its masks ready. Where every constrained row's matcher is in
+the grammar process (one rank, an x86 host: `GrammarTable.awaits`), the draw goes out at once instead, behind
+a wait on the device for its rows' flag, which the process sets once it has written them (`stream_wait.py`):
+the host never waits for the rows, and the device only where they come after the forward pass. Steps
+without constrained rows pay for none of this.
 
 A step that computes prompt positions of a request asking for prompt logprobs also runs the LM head over
 those rows (`sample/prompt_logprobs.py`: in slices of at most `max_num_seqs` rows, the sampler's own size,
@@ -76,6 +79,7 @@ class ModelRunner:
         grammar_process_threads: int | None = None,
         jump_forward: bool = False,
         graph_draw: bool = False,
+        awaited_masks: bool = False,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -86,7 +90,14 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler(vocab_size, device)
         self.grammars = GrammarTable(
-            grammar, buffers.max_num_seqs, vocab_size, device, grammar_process, grammar_process_threads, jump_forward
+            grammar,
+            buffers.max_num_seqs,
+            vocab_size,
+            device,
+            grammar_process,
+            grammar_process_threads,
+            jump_forward,
+            awaited_masks,
         )
         self.states: dict[str, SamplingState] = {}
         self._outputs = SampledOutputs(buffers.max_num_seqs, device)
@@ -158,7 +169,7 @@ class ModelRunner:
         def sample() -> StepResult:
             return self._sample(logits, states, draw, slots, masks, prompt)
 
-        if masks is not None and self.defer_masked_draw:
+        if masks is not None and self.defer_masked_draw and not self.grammars.awaits(masks[0]):
             self._held = HeldDraw(sample)
             return self._held
         return sample()
@@ -254,10 +265,10 @@ class ModelRunner:
         return self.grammars.backend
 
     def shutdown(self) -> None:
+        self.grammars.close()  # first: a draw queued behind its rows' flag must not hold the syncs below
         self._held = None
         self.graphs.release()
         self.states.clear()
-        self.grammars.close()
         if self.grammars.backend is not None:
             self.grammars.backend.close()
 

@@ -269,6 +269,8 @@ class WorkerSetup:
             jump_forward=self.config.device_config.jump_forward
             and (self.parallel is None or self.parallel.world_size == 1),
             graph_draw=graph_sampling,
+            # A draw queued behind its rows' flag needs the core to read the step before (FillJob): one rank.
+            awaited_masks=self.parallel is None or self.parallel.world_size == 1,
         )
         if loaded.loras is not None:  # after the runner declared its fixed regions (the graphed draw's): binding
             loaded.loras.bind(buffers.staging, buffers.max_num_tokens)  # allocates the staging buffer
