@@ -35,16 +35,23 @@ Spread = Callable[[int, Callable[[BatchFill, int, int], None]], None]
 PARALLEL_MIN_ROWS = 16
 
 
+# A many-row fill's threads at most: on the H200's 16-core host 256 rows of W6's schema filled in 5.1 ms on
+# one thread, 2.1 on 4, 1.49 on 8, 1.69 on 14 and 1.89 on 16 (bench/w6_host.py, bench/RESULTS.md run 73).
+MAX_FILL_THREADS = 8
+
+
 class Filler:
     """xgrammar's batch fill, its thread count chosen per call: fewer than `PARALLEL_MIN_ROWS` rows on one
-    thread, more on most of the host's cores (the step thread and the device's driver keep two)."""
+    thread, more on up to `MAX_FILL_THREADS` of the host's cores (the step thread and the device's driver keep
+    two)."""
 
     def __init__(self, threads: int | None = None) -> None:
-        """`threads`: the many-row fill's (None: the host's cores less two, at most 16)."""
+        """`threads`: the many-row fill's (None: the host's cores less two, at most `MAX_FILL_THREADS`)."""
         from xgrammar import BatchGrammarMatcher  # loaded by the compile of the grammars it fills for
 
         self._one = BatchGrammarMatcher(max_threads=1)
-        many = threads if threads is not None else max(1, min(16, len(os.sched_getaffinity(0)) - 2))
+        cores = len(os.sched_getaffinity(0))
+        many = threads if threads is not None else max(1, min(MAX_FILL_THREADS, cores - 2))
         self._many = BatchGrammarMatcher(max_threads=many)
 
     def __call__(self, matchers: list[xgr.GrammarMatcher], bitmask: np.ndarray, indices: list[int]) -> None:
