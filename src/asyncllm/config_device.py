@@ -90,19 +90,22 @@ class DeviceConfig:
         "False: a step thread in this process (the default; for embedding). AsyncLLMEngine only.",
     )
     grammar_process: bool | None = arg(
-        False,
+        None,
         "Keep structured output's grammar matchers in a process of its own, which takes each step's tokens and "
-        "fills the next token masks while the step thread does its own host work (many constrained streams). "
-        "False (the default): in the step thread, measured faster on the H200 (bench/RESULTS.md, run 60); "
-        "None: on CUDA, started in the background at the first constrained request (requests that arrive "
-        "before it is ready keep theirs in the step thread); True: started with the engine (start-up waits "
-        "for it), on any device.",
+        "fills the next token masks beside the step thread; on CUDA each draw is queued at once behind a "
+        "device-side wait for its masks, so neither the host nor (mostly) the device waits for them. None (the "
+        "default): on CUDA, started in the background at the first constrained request (requests that arrive "
+        "before it is ready keep theirs in the step thread, with jump-forward; its own never jump forward); on "
+        "CPU, the step thread. On the H200, 256 constrained streams ran at 0.81-0.99 of unconstrained "
+        "throughput with it against 0.54-1.08 (mostly ~0.83) in the step thread, and batch 1 at 1.0x against "
+        "1.2-1.5x with jump-forward (bench/RESULTS.md, runs 74-76). False: always the step thread; True: "
+        "started with the engine (start-up waits for it), on any device.",
     )
     grammar_process_threads: int | None = arg(
         None,
         "The grammar process's threads, each accepting and filling a share of a step's rows (with "
         "grammar_process None or True). None: the cores this process may use less two (the step thread and "
-        "the device's driver), shared among tensor-parallel ranks, at most 16.",
+        "the device's driver), shared among tensor-parallel ranks, at most 8.",
     )
     jump_forward: bool = arg(
         True,

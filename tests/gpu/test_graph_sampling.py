@@ -23,7 +23,8 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-COMMON = dict(device="cuda", block_size=4, max_num_seqs=40, num_kv_blocks=1024)
+# Matchers in the step thread: a grammar process started mid-test would take later requests without jumps.
+COMMON = dict(device="cuda", block_size=4, max_num_seqs=40, num_kv_blocks=1024, grammar_process=False)
 
 
 def _prompts(vocab: int, n: int, seed: int = 3) -> list[list[int]]:

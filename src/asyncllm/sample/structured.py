@@ -32,6 +32,7 @@ from asyncllm.sample.grammar import GrammarBackend
 from asyncllm.sample.grammar_process import GrammarProcess
 from asyncllm.sample.host_rows import HostRows, RowsLayout, RowsSegment, host_row_sets
 from asyncllm.sample.mask_fill import ConstrainedStep, DeviceMasks, FillJob, MarkTicket, by_home
+from asyncllm.sample.matcher_set import MAX_FILL_THREADS
 from asyncllm.sample.request_grammar import InlineMatchers, MatcherHome, RequestGrammar
 from asyncllm.sample.state import SamplingState
 from asyncllm.sample.stream_wait import StreamWaiter
@@ -90,7 +91,7 @@ class GrammarTable:
         awaited_masks: bool = False,
     ) -> None:
         """`process_threads`: how many of the grammar process's threads share a step's rows (None: the cores
-        this process may use, less two for the step thread and the device's driver, at most 16).
+        this process may use, less two for the step thread and the device's driver, at most `MAX_FILL_THREADS`).
         `jump_forward`: requests whose matcher is in the step thread and that ask for no logprobs or
         penalties output their constraint's forced text without draws (`FillJob`, `jump_forward.py`).
         `awaited_masks`: a step whose constrained rows all live in the grammar process may queue its draw at
@@ -107,7 +108,8 @@ class GrammarTable:
         if backend is None or not hasattr(os, "memfd_create"):
             process = GrammarProcessMode.OFF  # nothing to compile with, or no shared memory to fill
         self._process_mode = process
-        self._process_threads = process_threads or max(1, min(16, len(os.sched_getaffinity(0)) - 2))
+        cores = len(os.sched_getaffinity(0))
+        self._process_threads = process_threads or max(1, min(MAX_FILL_THREADS, cores - 2))
         self._process: GrammarProcess | None = None
         # Two sets of host rows that jobs alternate between (a job fills one while the other's upload may
         # still be in flight), each with room for a job's rows and as many more; shared with the grammar

@@ -30,6 +30,7 @@ from asyncllm.model_loader.loader import load_model
 from asyncllm.models.base import CausalLM
 from asyncllm.models.tensor_parallel import shard_arch
 from asyncllm.sample.grammar import GrammarBackend
+from asyncllm.sample.matcher_set import MAX_FILL_THREADS
 from asyncllm.sample.structured import GrammarProcessMode
 from asyncllm.step import RuntimeInfo
 from asyncllm.worker.buckets import Buckets
@@ -362,12 +363,12 @@ class WorkerSetup:
     def _grammar_process_threads(self) -> int:
         """The grammar process's filling threads: `grammar_process_threads` where given, else the cores this
         process may use, less two (the step thread and the device's driver), shared among the ranks (each
-        rank has its own process), at most 16."""
+        rank has its own process), at most `MAX_FILL_THREADS` (more fill no faster: bench/RESULTS.md run 73)."""
         chosen = self.config.device_config.grammar_process_threads
         if chosen is not None:
             return chosen
         world = 1 if self.parallel is None else self.parallel.world_size
-        return max(1, min(16, (len(os.sched_getaffinity(0)) - 2) // world))
+        return max(1, min(MAX_FILL_THREADS, (len(os.sched_getaffinity(0)) - 2) // world))
 
     def _use_cuda_graphs(self, backend: AttentionBackend) -> bool:
         """Graphs on CUDA unless enforce_eager, with a backend that can be captured (Triton, not the torch
