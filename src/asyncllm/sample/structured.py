@@ -50,9 +50,11 @@ class GrammarProcessMode(enum.Enum):
     EAGER = "eager"  # a process started with the engine
 
     @classmethod
-    def of(cls, grammar_process: bool | None, device: torch.device) -> GrammarProcessMode:
+    def of(cls, grammar_process: bool | None, device: torch.device, ranks: int = 1) -> GrammarProcessMode:
+        """None: the process on CUDA with one rank, where its draws wait on the device for their masks (with
+        several ranks its draws would wait on the host, which measured slower than the step thread)."""
         if grammar_process is None:
-            return cls.LAZY if device.type == "cuda" else cls.OFF
+            return cls.LAZY if device.type == "cuda" and ranks == 1 else cls.OFF
         return cls.EAGER if grammar_process else cls.OFF
 
 

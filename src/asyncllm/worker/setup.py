@@ -263,7 +263,11 @@ class WorkerSetup:
             self._grammar(arch.vocab_size),
             defer_masked_draw=device.type == "cuda",
             loras=loaded.loras,
-            grammar_process=GrammarProcessMode.of(self.config.device_config.grammar_process, device),
+            grammar_process=GrammarProcessMode.of(
+                self.config.device_config.grammar_process,
+                device,
+                1 if self.parallel is None else self.parallel.world_size,
+            ),
             grammar_process_threads=self._grammar_process_threads(),
             # Every rank's matchers must give the same masks; whether a run's first token is drawn already
             # depends on when rank 0's core reads the step (FillJob): one rank only.
