@@ -136,6 +136,25 @@ def test_draws_that_wait_on_the_device_for_the_process_rows_see_the_same_masks(b
         awaited.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_draws_that_wait_on_the_device_for_both_homes_rows_see_the_same_masks(backend: GrammarBackend) -> None:
+    """A lazily started process: the first requests keep their matchers in the step thread (steps whose rows
+    are all there, then steps mixing both homes), each draw waiting on the device for every home's flag."""
+    cuda = torch.device("cuda")
+    inline = GrammarTable(backend, ROWS, VOCAB, cuda, GrammarProcessMode.OFF)
+    mixed = GrammarTable(backend, ROWS, VOCAB, cuda, GrammarProcessMode.LAZY, process_threads=3, awaited_masks=True)
+    try:
+        want = _run(inline, backend, 60, seed=7)
+        got = _run(mixed, backend, 60, seed=7)
+        process = mixed.process
+        assert process is not None and process.live > 0 and mixed.waits_on_device
+        assert got == want
+    finally:
+        inline.close()
+        mixed.close()
+
+
 def test_unconstrained_requests_never_start_the_process(backend: GrammarBackend) -> None:
     table = GrammarTable(backend, 8, VOCAB, torch.device("cpu"), GrammarProcessMode.LAZY)
     states = [SamplingState.create(SamplingParams(max_tokens=4), i, [1]) for i in range(3)]

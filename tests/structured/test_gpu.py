@@ -24,10 +24,13 @@ pytestmark = [
 
 
 @pytest.mark.usefixtures("exact_fp32")
+@pytest.mark.parametrize("process", [False, None], ids=["held-draws", "device-waits"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_constrained_outputs_on_the_gpu_overlapped_equal_serial(tiny_model: Path, dtype: str) -> None:
-    # Matchers in the step thread (jump-forward): a grammar process started mid-test would take later requests.
-    common = dict(device="cuda", dtype=dtype, block_size=4, num_kv_blocks=256, max_num_seqs=16, grammar_process=False)
+def test_constrained_outputs_on_the_gpu_overlapped_equal_serial(tiny_model: Path, dtype: str, process: bool) -> None:
+    """Matchers in the step thread with jump-forward, each constrained draw held on the host until the next
+    submit (grammar_process=False), or queued at once behind a wait on the device for its rows (the default:
+    with at most 16 requests live every jumping request stays in the step thread, wherever the process is)."""
+    common = dict(device="cuda", dtype=dtype, block_size=4, num_kv_blocks=256, max_num_seqs=16, grammar_process=process)
     cases = list(itertools.product(CONSTRAINTS, DRAWS, range(2)))
     params = [constrained(*case) for case in cases]
     prompts = [[5 + i % 7, 6, 7] for i in range(len(cases))]

@@ -23,8 +23,9 @@ _PAGE = 4096
 @dataclass(frozen=True)
 class RowsLayout:
     """`sets` sets of `rows` rows, `words` int32 words each: set k's bits, then its states (int64), page-aligned;
-    then a page whose first `sets` uint32 words are the sets' flags (`flags`: each counts the fills of its set
-    that are complete, for the device to wait on)."""
+    then a page whose first 2 x `sets` uint32 words are the sets' flags (`flags`: the grammar process's for
+    each set, then the step thread's; each counts the fills of its set that are complete, for the device to
+    wait on)."""
 
     sets: int
     rows: int
@@ -40,8 +41,8 @@ class RowsLayout:
         return self.sets * self.set_bytes + _PAGE
 
     def flags(self, buffer: memoryview | mmap.mmap) -> np.ndarray:
-        """The sets' flags [sets] uint32, viewing `buffer`."""
-        return np.frombuffer(buffer, np.uint32, self.sets, self.sets * self.set_bytes)
+        """The sets' flags [2 * sets] uint32 (the process's, then the step thread's), viewing `buffer`."""
+        return np.frombuffer(buffer, np.uint32, 2 * self.sets, self.sets * self.set_bytes)
 
     def views(self, buffer: memoryview | mmap.mmap) -> list[tuple[np.ndarray, np.ndarray]]:
         """Each set's (bits [rows, words] int32, states [rows] int64), viewing `buffer`."""

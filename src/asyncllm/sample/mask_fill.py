@@ -91,8 +91,8 @@ class FillJob:
         self._sampled = [row for row, _ in rows]  # host row i's sampled row in the step
         self._output: ModelRunnerOutput | None = None
         self.sampled_next: list[tuple[int, RequestGrammar]] = []  # the next step's constrained rows, if planned
-        # Homes beside the step thread whose rows a queued draw waits for on the device: each sets this job's
-        # flag to the mark once this job's rows are written (`GrammarTable.fill`, awaited), and the ticket
+        # Homes whose rows a queued draw waits for on the device: each sets its flag of this job's rows to the
+        # mark once they are written (`GrammarTable.fill`, awaited); for the grammar process the ticket
         # learns which message carries it.
         self.marks: dict[MatcherHome, tuple[int, MarkTicket]] = {}
         # This job's step drew from rows nobody waited for on the host (awaited): the errors the fills of
@@ -137,11 +137,14 @@ class FillJob:
                     state.num_sampled -= 1
             else:
                 home.step(self.host, rows, slots, tokens, verdict=0 in tokens, mark=mark)
-            if ticket is not None:
+            if mark and not home.beside:  # the step thread's rows are written: its flag now
+                home.mark(self.host, mark)
+            if ticket is not None and home.beside:
                 ticket.seq = home.last_seq
         for home, (mark, ticket) in self.marks.items():  # homes with no row of this step's: the mark alone
             home.mark(self.host, mark)
-            ticket.seq = home.last_seq
+            if home.beside:
+                ticket.seq = home.last_seq
         self.marks = {}
         failed: dict[int, str | AsyncLLMError] = dict(late)
         forced: dict[int, list[int]] = {}
@@ -163,8 +166,8 @@ class FillJob:
         soon as asked for: the device has read the rows), or the failure of a home that died: those requests
         end with this step (their rows allowed any token). Replies after the ticket's stay for later steps."""
         failed: dict[int, str | AsyncLLMError] = {}
-        for home in {g.home for g in self.grammars if g.home.beside and not g.removed}:
-            errors = home.collect(ticket.seq)
+        for home in {g.home for g in self.grammars if not g.removed}:
+            errors = home.collect(ticket.seq)  # the step thread's: what its fills found, at once
             for i, grammar in enumerate(self.grammars):
                 if grammar.home is not home or grammar.removed:
                     continue

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
+
 from asyncllm.errors import AsyncLLMError
 from asyncllm.sample.grammar import GrammarBackend
 from asyncllm.sample.host_rows import HostRows
@@ -77,8 +79,8 @@ class MatcherHome(Protocol):
         ...
 
     def mark(self, host: HostRows, mark: int) -> None:
-        """A home beside the step thread: set `host`'s flag to `mark` once every row asked for is written
-        (the device waits on it: `stream_wait.py`). The step thread's home never is asked."""
+        """Set this home's flag of `host` to `mark` once every row asked for is written (the device waits on
+        it: `stream_wait.py`): a home beside the step thread when it gets there, the step thread's now."""
         ...
 
     def close(self) -> None: ...
@@ -114,6 +116,7 @@ class InlineMatchers:
 
     def __init__(self, backend: GrammarBackend | None, words: int) -> None:
         self.matchers = MatcherSet(backend, words)
+        self.flags: np.ndarray | None = None  # its flag of each set of rows, where a device waits on them
         self._free: list[int] = []
         self._next_slot = 0
         self._refused: dict[int, str] = {}
@@ -168,7 +171,8 @@ class InlineMatchers:
     last_seq = 0
 
     def mark(self, host: HostRows, mark: int) -> None:
-        raise AssertionError("the step thread's rows are written when asked for: nothing waits on a flag")
+        assert self.flags is not None, "no device waits on this home's rows"
+        self.flags[host.index] = mark  # its rows are written: `step` and `fill` return once they are
 
     def close(self) -> None:
         pass

@@ -31,7 +31,7 @@ from asyncllm.errors import AsyncLLMError
 from asyncllm.sample.grammar import GrammarBackend
 from asyncllm.sample.grammar_process import GrammarProcess
 from asyncllm.sample.host_rows import HostRows, RowsLayout, RowsSegment, host_row_sets
-from asyncllm.sample.mask_fill import ConstrainedStep, DeviceMasks, FillJob, MarkTicket, by_home
+from asyncllm.sample.mask_fill import JUMP_MAX_ROWS, ConstrainedStep, DeviceMasks, FillJob, MarkTicket, by_home
 from asyncllm.sample.matcher_set import MAX_FILL_THREADS
 from asyncllm.sample.request_grammar import InlineMatchers, MatcherHome, RequestGrammar
 from asyncllm.sample.state import SamplingState
@@ -40,6 +40,8 @@ from asyncllm.sampling_params import SamplingParams
 from asyncllm.step import StepResult
 
 __all__ = ["GrammarProcessMode", "GrammarTable", "MaskPlan", "RequestGrammar", "TokenMask"]
+
+_PROCESS, _STEP_THREAD = 0, 1  # whose flags: the grammar process's rows, the step thread's
 
 
 class GrammarProcessMode(enum.Enum):
@@ -96,9 +98,10 @@ class GrammarTable:
         this process may use, less two for the step thread and the device's driver, at most `MAX_FILL_THREADS`).
         `jump_forward`: requests whose matcher is in the step thread and that ask for no logprobs or
         penalties output their constraint's forced text without draws (`FillJob`, `jump_forward.py`).
-        `awaited_masks`: a step whose constrained rows all live in the grammar process may queue its draw at
-        once, behind a device-side wait for their flag (`awaits`; CUDA, one rank, and an x86 host, whose
-        stores reach others in order: the worker writes the flag after the rows)."""
+        `awaited_masks`: once the rows are shared (a grammar process may run), a step queues its draw at once,
+        behind device-side waits for its rows' flags, one a home: the grammar process's and the step thread's
+        (`awaits`; CUDA, one rank, and an x86 host, whose stores reach others in order: each home writes its
+        flag after its rows)."""
         self.backend = backend
         self.jump_forward = jump_forward
         self.device = device
@@ -122,8 +125,8 @@ class GrammarTable:
         self._device_masks: DeviceMasks | None = None
         self._awaited_masks = awaited_masks and device.type == "cuda" and platform.machine() in ("x86_64", "AMD64")
         self._waiter: StreamWaiter | None = None  # opened with the shared rows, where awaited masks may be
-        self._flag_at: list[int] = []  # each set's flag, as the device addresses it
-        self._epochs = [0, 0]  # each set's last mark: the flag values the device waits for
+        self._flag_at: list[list[int]] = []  # each home's flag of each set, as the device addresses them
+        self._epochs = [[0, 0], [0, 0]]  # each home's last mark for each set: the flag values waited for
         if process is GrammarProcessMode.EAGER:
             self._start_process()
 
@@ -136,9 +139,9 @@ class GrammarTable:
         spec = state.params.structured
         if spec is None:
             return
-        home = self._home()
+        jumps = self.jump_forward and _may_jump(state.params)
+        home = self._home(jumps)
         if home is self._inline:
-            jumps = self.jump_forward and _may_jump(state.params)
             state.grammar = RequestGrammar(spec.field, home, self._inline.add(spec, jumps), jumps, state)
         else:
             state.grammar = RequestGrammar(spec.field, home, home.add(spec))
@@ -181,15 +184,19 @@ class GrammarTable:
         return self._waiter is not None
 
     def awaits(self, plan: MaskPlan) -> bool:
-        """Whether `fill` queues the plan's draw behind a device-side wait (its rows all in the grammar
-        process, alive) rather than waiting for the rows on the host."""
+        """Whether `fill` queues the plan's draw behind device-side waits for its rows (the grammar process
+        alive where it holds some of them) rather than waiting for the rows on the host."""
+        if self._waiter is None:
+            return False
         process = self._process
-        if self._waiter is None or process is None or not process.ready:
+        if process is None or not any(grammar.home is process for _, grammar in plan.constrained):
+            return True
+        if not process.ready:
             return False
         if not process.alive():
-            self._release_flags()
+            self._release_flags(_PROCESS)
             return False
-        return all(grammar.home is process for _, grammar in plan.constrained)
+        return True
 
     def fill(self, plan: MaskPlan, mask_rows: torch.Tensor) -> tuple[TokenMask, dict[int, str | AsyncLLMError] | None]:
         """The step's bitmask, uploaded (the plan's job has its rows under way; the extras are asked for
@@ -217,39 +224,48 @@ class GrammarTable:
     def _fill_awaited(
         self, plan: MaskPlan, mask_rows: torch.Tensor
     ) -> tuple[TokenMask, dict[int, str | AsyncLLMError] | None]:
-        """`fill` without waiting: the extras asked for now, the plan's job (when the core reads its step) or
-        a MARK now asked to set the rows' flag to a new mark once they are written, and the upload queued
-        behind the device's wait for that mark. The errors those fills find fail their requests when this
-        step is read (`FillJob`); those known now, now."""
-        process, waiter = self._process, self._waiter
-        assert process is not None and waiter is not None
+        """`fill` without waiting: the extras asked for now; each home with rows in the step sets its flag of
+        them to a new mark once they are written (when the core reads the job's step, or now if it has), and
+        the upload is queued behind the device's waits for those marks. The errors those fills find fail
+        their requests when this step is read (`FillJob`); those known now, now."""
+        waiter = self._waiter
+        assert waiter is not None
         device_masks = self._buffers()
         source = plan.source
         host = source.host if source is not None else self._hosts[self._flip]
         host.writable()  # the last upload from these rows preceded a step whose tokens are in
-        if plan.extras:
-            rows, slots = by_home(plan.extras).get(process, ([], []))
-            process.fill(host, rows, slots)
-        mark = self._epochs[host.index] = (self._epochs[host.index] + 1) & 0xFFFFFFFF or 1  # 0 is "no mark"
+        for home, (rows, slots) in by_home(plan.extras).items():
+            home.fill(host, rows, slots)
         ticket = MarkTicket()
-        if source is not None and not source.accepted:
-            source.marks[process] = (mark, ticket)  # sent with the job's tokens
-        else:
-            process.mark(host, mark)
-            ticket.seq = process.last_seq
+        waits = []
+        for home in {grammar.home for _, grammar in plan.constrained if not grammar.removed}:
+            kind = _PROCESS if home.beside else _STEP_THREAD
+            marks = self._epochs[kind]
+            mark = marks[host.index] = (marks[host.index] + 1) & 0xFFFFFFFF or 1  # 0 is "no mark"
+            if source is not None and not source.accepted:
+                source.marks[home] = (mark, ticket)  # set once the job's tokens are in and its rows written
+            else:
+                home.mark(host, mark)
+                if home.beside:
+                    ticket.seq = home.last_seq
+            waits.append((self._flag_at[kind][host.index], mark))
         plan.ticket = ticket
         failed: dict[int, str | AsyncLLMError] = {
             i: grammar.error for i, grammar in plan.constrained if grammar.error is not None
         }
-        waiter.wait(self._flag_at[host.index], mark)
+        for address, mark in waits:
+            waiter.wait(address, mark)
         return TokenMask(device_masks.upload(host, plan.num_rows), mask_rows), failed or None
 
-    def _release_flags(self) -> None:
-        """Let every wait queued on the device pass, and any queued later: the grammar process is gone (or
-        the engine is closing), so no mark will come. Its requests end with its failure (`FillJob`)."""
+    def _release_flags(self, kind: int | None = None) -> None:
+        """Let every wait queued on the device for `kind`'s flags (None: both) pass, and any queued later: the
+        grammar process is gone, so no mark of its will come (its requests end with its failure: `FillJob`),
+        or the engine is closing."""
         if self._segment is not None and self._flag_at:
-            for k, mark in enumerate(self._epochs):
-                self._segment.flags[k] = (mark + (1 << 30)) & 0xFFFFFFFF
+            sets = len(self._epochs[0])
+            for k in (_PROCESS, _STEP_THREAD) if kind is None else (kind,):
+                for index, mark in enumerate(self._epochs[k]):
+                    self._segment.flags[k * sets + index] = (mark + (1 << 30)) & 0xFFFFFFFF
 
     def sent(self, result: StepResult, plan: MaskPlan) -> StepResult:
         """The step `plan` masked was sampled: start its job, and return its result as the job gives it."""
@@ -272,10 +288,17 @@ class GrammarTable:
             self._segment.close()
             self._segment = None
 
-    def _home(self) -> MatcherHome:
-        """Where a request admitted now keeps its matcher: the grammar process once it is ready."""
+    def _home(self, jumps: bool) -> MatcherHome:
+        """Where a request admitted now keeps its matcher: the grammar process once it is ready. With the
+        process started lazily (the default) and draws that wait on the device, a request that may jump
+        forward stays in the step thread while fewer than `JUMP_MAX_ROWS` constrained requests are live:
+        jumps are taken only at such sizes, where they beat the draws (batch 1: 1.2-1.5x), and the step
+        thread's few rows cost little; the process takes the many rows that would load the step thread."""
         process = self._process
         if process is not None and process.ready and process.failure is None:
+            few = jumps and self._num_live < JUMP_MAX_ROWS and self._waiter is not None
+            if few and self._process_mode is GrammarProcessMode.LAZY:
+                return self._inline
             return process
         if process is None and self._process_mode is GrammarProcessMode.LAZY:
             self._start_process()  # the first constrained request: in the background, this one stays here
@@ -284,7 +307,9 @@ class GrammarTable:
     def _start_process(self) -> None:
         self._host_rows()
         assert self.backend is not None and self._segment is not None
-        self._process = GrammarProcess(self.backend, self._segment, self._process_threads, self._release_flags)
+        self._process = GrammarProcess(
+            self.backend, self._segment, self._process_threads, lambda: self._release_flags(_PROCESS)
+        )
         self._process.start()
 
     def _collect(self, plan: MaskPlan, host: HostRows) -> None:
@@ -323,7 +348,10 @@ class GrammarTable:
             if segment is not None and segment.pinned and self._awaited_masks:
                 self._waiter = StreamWaiter.open(segment.flag_address(0))
                 if self._waiter is not None:
-                    self._flag_at = [self._waiter.device_address(segment.flag_address(k)) for k in range(2)]
+                    at = self._waiter.device_address
+                    sets = layout.sets
+                    self._flag_at = [[at(segment.flag_address(k * sets + i)) for i in range(sets)] for k in range(2)]
+                    self._inline.flags = segment.flags[_STEP_THREAD * sets :]
 
     def _buffers(self) -> DeviceMasks:
         if self._device_masks is None:
