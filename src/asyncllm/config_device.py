@@ -92,14 +92,15 @@ class DeviceConfig:
     grammar_process: bool | None = arg(
         None,
         "Keep structured output's grammar matchers in a process of its own, which takes each step's tokens and "
-        "fills the next token masks beside the step thread; on CUDA each draw is queued at once behind a "
-        "device-side wait for its masks, so neither the host nor (mostly) the device waits for them. None (the "
-        "default): on CUDA with one rank, started in the background at the first constrained request "
-        "(requests that arrive before it is ready keep theirs in the step thread, with jump-forward; its own "
-        "never jump forward); on CPU or with tensor parallelism, the step thread. On the H200, 256 constrained "
-        "streams ran at a median 0.93 of unconstrained throughput with it against ~0.83 in the step thread, "
-        "and batch 1 at 1.0x against 1.2-1.5x with jump-forward (bench/RESULTS.md, runs 75-77). False: always "
-        "the step thread; True: started with the engine (start-up waits for it), on any device.",
+        "fills the next token masks beside the step thread (many constrained streams). None (the default): on "
+        "CUDA with one rank, started in the background at the first constrained request; a request that may "
+        "jump forward keeps its matcher in the step thread while fewer than 32 constrained requests are live "
+        "(the process's never jump forward), others go to the process once it is up, and every constrained "
+        "draw is queued at once behind a device-side wait for its masks. On the H200, 256 constrained streams "
+        "ran at a median 0.93 of unconstrained throughput against ~0.83 with every matcher in the step thread, "
+        "batch 1 at 1.36x with jump-forward (bench/RESULTS.md, runs 75-78). On CPU or with tensor parallelism: "
+        "the step thread. False: always the step thread (draws held on the host until their masks are in); "
+        "True: every matcher in the process, started with the engine (start-up waits for it), on any device.",
     )
     grammar_process_threads: int | None = arg(
         None,
