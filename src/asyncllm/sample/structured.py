@@ -12,7 +12,11 @@ the previous one's rows were drawn from.
 
 Where matchers live (`GrammarProcessMode`): in the step thread (`InlineMatchers`), or in the grammar process
 (`grammar_process.py`), which does the accepting and filling beside the step thread; requests admitted while
-that process starts keep theirs in the step thread for their whole life, so one step may mix both. If the
+that process starts keep theirs in the step thread for their whole life, so one step may mix both (and, with
+the process started lazily, so do requests that may jump forward while few constrained requests are live).
+On one CUDA rank with shared rows the draw does not wait on the host at all (`awaits`): it is queued at once
+behind a device-side wait per home for that home's flag of the rows, which the home sets once it has
+written them (`stream_wait.py`). If the
 process dies, its requests end with its error and new ones stay in the step thread. Knows nothing of models
 or scheduling.
 """
@@ -180,7 +184,7 @@ class GrammarTable:
 
     @property
     def waits_on_device(self) -> bool:
-        """Draws whose rows the grammar process fills may wait for them on the device (`awaits`)."""
+        """Constrained draws may wait for their rows on the device (`awaits`): the rows are shared, on CUDA."""
         return self._waiter is not None
 
     def awaits(self, plan: MaskPlan) -> bool:
