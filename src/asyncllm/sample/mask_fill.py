@@ -98,6 +98,9 @@ class FillJob:
         # This job's step drew from rows nobody waited for on the host (awaited): the errors the fills of
         # those rows found (their replies, up to the ticket's message) fail its requests when it is read.
         self.ticket: MarkTicket | None = None
+        # The job whose accept sets the marks this job's draw waits for: accepted before this job's step is
+        # read, even where the core dropped it (an error mid-step), or that read would wait forever.
+        self.after: FillJob | None = None
         # Runs are taken only after steps of few rows (`JUMP_MAX_ROWS`): the step's count, in either schedule.
         self._jump = step_rows <= JUMP_MAX_ROWS
 
@@ -109,6 +112,9 @@ class FillJob:
         """The step's output with the refusals known at once (waits for the step); the rows are under way."""
         if self._output is not None:
             return self._output
+        setter, self.after = self.after, None
+        if setter is not None:
+            setter.accept()  # a no-op unless its step was never read
         output = self._step.result()
         late = self._late_errors(self.ticket) if self.ticket is not None else {}
         # With marks, an upload from these rows waits on the device for them: not for it (the upload before
@@ -171,7 +177,7 @@ class FillJob:
             for i, grammar in enumerate(self.grammars):
                 if grammar.home is not home or grammar.removed:
                     continue
-                error = home.failure or errors.get(grammar.slot)
+                error = home.failure or errors.get(grammar.slot) or grammar.error
                 if error is not None:
                     grammar.error = grammar.error or error
                     failed[self._sampled[i]] = grammar.error

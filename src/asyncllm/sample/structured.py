@@ -82,6 +82,7 @@ class MaskPlan:
     constrained: list[tuple[int, RequestGrammar]]  # (sampled row, its grammar), in row order
     num_rows: int  # bitmask rows uploaded
     ticket: MarkTicket | None = None  # awaited (`GrammarTable.fill`): which message carries the rows' mark
+    after: FillJob | None = None  # awaited: the job that sets the marks (it must be accepted first)
 
 
 class GrammarTable:
@@ -127,7 +128,8 @@ class GrammarTable:
         self._segment: RowsSegment | None = None
         self._flip = 0
         self._device_masks: DeviceMasks | None = None
-        self._awaited_masks = awaited_masks and device.type == "cuda" and platform.machine() in ("x86_64", "AMD64")
+        self._wants_awaited = awaited_masks and device.type == "cuda"
+        self._awaited_masks = self._wants_awaited and platform.machine() in ("x86_64", "AMD64")
         self._waiter: StreamWaiter | None = None  # opened with the shared rows, where awaited masks may be
         self._flag_at: list[list[int]] = []  # each home's flag of each set, as the device addresses them
         self._epochs = [[0, 0], [0, 0]]  # each home's last mark for each set: the flag values waited for
@@ -240,6 +242,11 @@ class GrammarTable:
         host.writable()  # the last upload from these rows preceded a step whose tokens are in
         for home, (rows, slots) in by_home(plan.extras).items():
             home.fill(host, rows, slots)
+            if not home.beside:  # the step thread's errors are known now (its earlier ones too: kept on
+                errors = home.collect()  # the grammars, for the job that reads them, `FillJob._late_errors`)
+                for _, grammar in plan.constrained:
+                    if grammar.home is home and grammar.slot in errors:
+                        grammar.error = grammar.error or errors[grammar.slot]
         ticket = MarkTicket()
         waits = []
         for home in {grammar.home for _, grammar in plan.constrained if not grammar.removed}:
@@ -248,6 +255,7 @@ class GrammarTable:
             mark = marks[host.index] = (marks[host.index] + 1) & 0xFFFFFFFF or 1  # 0 is "no mark"
             if source is not None and not source.accepted:
                 source.marks[home] = (mark, ticket)  # set once the job's tokens are in and its rows written
+                plan.after = source
             else:
                 home.mark(host, mark)
                 if home.beside:
@@ -275,7 +283,7 @@ class GrammarTable:
         """The step `plan` masked was sampled: start its job, and return its result as the job gives it."""
         self._flip ^= 1
         job = FillJob(result, plan.constrained, self._hosts[self._flip], len(plan.rows))
-        job.ticket = plan.ticket
+        job.ticket, job.after = plan.ticket, plan.after
         self._last = job
         return ConstrainedStep(result, job)
 
@@ -284,10 +292,10 @@ class GrammarTable:
         return self._process is not None and self._process.wait_ready(timeout)
 
     def close(self) -> None:
-        self._release_flags()  # nothing queued on the device may wait for a process that is going
         if self._process is not None:
-            self._process.close()
+            self._process.close()  # reaped: no flag of its changes after this
             self._process = None
+        self._release_flags()  # nothing queued on the device may wait for a mark that will not come
         if self._segment is not None:
             self._segment.close()
             self._segment = None
@@ -299,7 +307,7 @@ class GrammarTable:
         jumps are taken only at such sizes, where they beat the draws (batch 1: 1.2-1.5x), and the step
         thread's few rows cost little; the process takes the many rows that would load the step thread."""
         process = self._process
-        if process is not None and process.ready and process.failure is None:
+        if process is not None and process.ready and process.alive():
             few = jumps and self._num_live < JUMP_MAX_ROWS and self._waiter is not None
             if few and self._process_mode is GrammarProcessMode.LAZY:
                 return self._inline
@@ -311,6 +319,11 @@ class GrammarTable:
     def _start_process(self) -> None:
         self._host_rows()
         assert self.backend is not None and self._segment is not None
+        if self._process_mode is GrammarProcessMode.LAZY and self._wants_awaited and self._waiter is None:
+            # No device-side waits here (not an x86 host, or the driver refused): the process's draws would
+            # wait for its rows on the host, slower than the step thread (bench/RESULTS.md run 69).
+            self._process_mode = GrammarProcessMode.OFF
+            return
         self._process = GrammarProcess(
             self.backend, self._segment, self._process_threads, lambda: self._release_flags(_PROCESS)
         )
