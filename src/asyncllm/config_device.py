@@ -98,9 +98,10 @@ class DeviceConfig:
         "(the process's never jump forward), others go to the process once it is up, and every constrained "
         "draw is queued at once behind a device-side wait for its masks. On the H200, 256 constrained streams "
         "ran at a median 0.93 of unconstrained throughput against ~0.83 with every matcher in the step thread, "
-        "batch 1 at 1.36x with jump-forward (bench/RESULTS.md, runs 75-78). On CPU or with tensor parallelism: "
-        "the step thread. False: always the step thread (draws held on the host until their masks are in); "
-        "True: every matcher in the process, started with the engine (start-up waits for it), on any device.",
+        "and batch 1 at 1.36x with jump-forward (bench/RESULTS.md, runs 75-78). On CPU, with tensor "
+        "parallelism, or where the device cannot wait on host memory (not an x86 host): the step thread. "
+        "False: always the step thread (draws held on the host until their masks are in); True: every "
+        "matcher in the process, started with the engine (start-up waits for it), on any device.",
     )
     grammar_process_threads: int | None = arg(
         None,
