@@ -143,8 +143,6 @@ class FillJob:
                     state.num_sampled -= 1
             else:
                 home.step(self.host, rows, slots, tokens, verdict=0 in tokens, mark=mark)
-            if mark and not home.beside:  # the step thread's rows are written: its flag now
-                home.mark(self.host, mark)
             if ticket is not None and home.beside:
                 ticket.seq = home.last_seq
         for home, (mark, ticket) in self.marks.items():  # homes with no row of this step's: the mark alone

@@ -51,8 +51,7 @@ class MatcherHome(Protocol):
         """slots[i] accepts tokens[i], then host row rows[i] is filled for slots[i]. `verdict`: `refusals()`
         will be asked for this step's refusals. `sampled_next`: the slots the step planned after this one
         samples (a jumping slot's row there allows its forced run's first token alone). `jump`: False takes
-        no new forced run this step (every slot's next token is drawn). `mark`: for a home beside the step
-        thread, `host`'s flag once the rows are written (`mark()`)."""
+        no new forced run this step (every slot's next token is drawn). `mark`: then `mark(host, mark)`."""
         ...
 
     def forced(self) -> dict[int, list[int]]:
@@ -153,6 +152,8 @@ class InlineMatchers:
             host.bits_np, host.states_np, rows, slots, tokens, self._spread, sampled_next, jump
         )
         self._errors.update(errors)
+        if mark:
+            self.mark(host, mark)
 
     def forced(self) -> dict[int, list[int]]:
         return self.matchers.forced
