@@ -36,7 +36,6 @@ def engine_part(threads: int | None, reference_draw: bool, repeats: int) -> dict
 
     if reference_draw:  # the draw before issue 23, gumbel_argmax_ref (this imports torch before the build)
         from asyncllm.kernels.sampling_ref import gumbel_argmax_ref
-
         from asyncllm.sample import sampler
 
         sampler.load_draw = lambda device: gumbel_argmax_ref  # type: ignore[assignment]

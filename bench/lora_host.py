@@ -27,11 +27,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from asyncllm.kernels.lora_plan import plan_lora_blocks
 from shapes import SHAPES
 from w1_lora import write_adapter
 
 from asyncllm.attention.torch_ref import TorchAttentionBackend
+from asyncllm.kernels.lora_plan import plan_lora_blocks
 from asyncllm.layers.fusion import use_fused_kernels
 from asyncllm.layers.linear import Linear
 from asyncllm.layers.lora import LoRABatch, LoRALinear

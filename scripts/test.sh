@@ -1,12 +1,36 @@
 #!/usr/bin/env bash
-# The whole CPU test suite, from a fresh clone: set-up, lint, types, tests.
+# The CPU test suite, from a fresh clone: set-up, lint, types, tests. CI runs it (.ci/run).
+#
+#   scripts/test.sh            everything, at the locked versions (constraints.txt), in .venv
+#   scripts/test.sh --latest   everything, at the newest versions pyproject.toml allows, in .venv-latest
+#   scripts/test.sh --quick    the inner loop: lint and the tests not marked `slow` (no mypy)
+#
+# Other arguments go to pytest (`scripts/test.sh tests/core -k block`). pytest runs on one worker per core
+# (pytest-xdist; `-n 1` runs serially).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
+setup=(--dev) venv=.venv quick=0 args=()
+for arg in "$@"; do
+  case $arg in
+  --latest) setup+=(--latest) venv=.venv-latest ;;
+  --quick) quick=1 ;;
+  *) args+=("$arg") ;;
+  esac
+done
+scripts/setup.sh "${setup[@]}"
+start=$SECONDS
 echo "test: ruff (lint and format)" >&2
-.venv/bin/ruff check -q src tests kernels examples bench
-.venv/bin/ruff format -q --check src tests kernels examples bench
-echo "test: mypy (strict, over the files listed in pyproject.toml)" >&2
-.venv/bin/mypy
+"$venv/bin/ruff" check -q src tests kernels examples bench
+"$venv/bin/ruff" format -q --check src tests kernels examples bench
+if [ $quick = 0 ]; then
+  echo "test: mypy (strict, over the files listed in pyproject.toml)" >&2
+  "$venv/bin/mypy"
+  marks=()
+else
+  marks=(-m "not slow and not gpu")
+fi
 echo "test: pytest" >&2
-.venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+status=0
+"$venv/bin/python" -m pytest -q -p no:cacheprovider -n auto "${marks[@]}" "${args[@]}" || status=$?
+echo "test: $((SECONDS - start)) s after set-up" >&2
+exit $status

@@ -19,12 +19,12 @@ from typing import Any
 
 import pytest
 import torch
-from asyncllm.kernels.kv_cache_fp8_ref import quantize_kv, read_kv
 
 from asyncllm import LLM, SamplingParams
 from asyncllm.attention.torch_ref import TorchAttentionBackend
 from asyncllm.config import EngineConfig
 from asyncllm.errors import InvalidConfigError, UnsupportedModelError
+from asyncllm.kernels.kv_cache_fp8_ref import quantize_kv, read_kv
 from tests.fixtures.kv_scales import NAMINGS, with_kv_scales
 
 ENGINE: dict[str, Any] = dict(device="cpu", dtype="float32", block_size=4, num_kv_blocks=256)

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import torch
+
 from asyncllm.kernels import fused_moe
 from asyncllm.kernels.moe_ref import experts_ref, route_ref
 

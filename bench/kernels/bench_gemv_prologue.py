@@ -19,11 +19,11 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
+
 from asyncllm.kernels import quant_matmul_gemv as gemv
 from asyncllm.kernels.gemv_prologue_ref import rms_norm_gemv_ref, silu_mul_gemv_ref
 from asyncllm.kernels.rms_norm import rms_norm
 from asyncllm.kernels.silu_mul import silu_and_mul
-
 from asyncllm.worker.gemm_layout import graph_time_us
 
 PAIRS = {  # pair: (prologue, N, K)

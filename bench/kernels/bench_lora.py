@@ -18,9 +18,9 @@ import json
 
 import torch
 import torch.nn.functional as F
+
 from asyncllm.kernels.lora import lora_add
 from asyncllm.kernels.lora_plan import plan_lora_blocks, plan_lora_launch
-
 from asyncllm.worker.gemm_layout import graph_time_us
 
 SHAPES = {  # layer -> (in, output shards)

@@ -21,11 +21,11 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
 from asyncllm.kernels import quant_matmul as qm
 from asyncllm.kernels import quant_matmul_gemv as gemv
 from asyncllm.kernels.fp8_scaled_mm import fp8_w8a8_matmul, supports_w8a8
 from asyncllm.kernels.quant_matmul_ref import pack_codes, quantize_fp8_rows
-
 from asyncllm.worker.gemm_layout import graph_time_us
 
 SHAPES = {  # layer: (N, K)

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import torch
+
 from asyncllm.kernels import sampling
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_fused, beside this file

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 
 import torch
+
 from asyncllm.kernels.sampling_cpu import gumbel_argmax_cpu
 from asyncllm.kernels.sampling_ref import gumbel_argmax_ref
 

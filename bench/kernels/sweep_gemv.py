@@ -27,11 +27,11 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
 from asyncllm.kernels import gemv_plan as plans
 from asyncllm.kernels import quant_matmul as qm
 from asyncllm.kernels import quant_matmul_gemv as gemv
 from asyncllm.kernels.quant_matmul_ref import pack_codes, quant_matmul_ref, quantize_fp8_rows
-
 from asyncllm.worker.gemm_layout import graph_time_us
 
 SHAPES = {  # layer: (N, K)

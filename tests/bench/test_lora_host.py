@@ -9,8 +9,8 @@ from types import ModuleType
 
 import pytest
 import torch
-from asyncllm.kernels.lora_ref import lora_ref
 
+from asyncllm.kernels.lora_ref import lora_ref
 from tests.bench.scripts import bench_script
 from tests.fixtures.triton_kernels import import_kernel
 

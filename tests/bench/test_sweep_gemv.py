@@ -11,6 +11,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+
 from asyncllm.kernels import gemv_plan as plans
 
 KERNEL_BENCH = Path(__file__).resolve().parents[2] / "bench" / "kernels"

@@ -13,12 +13,13 @@ from functools import partial
 assert not os.environ.get("TRITON_INTERPRET"), "compiling needs the real Triton, not the interpreter"
 
 import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
 from asyncllm.kernels import gemv_plan, rms_norm  # noqa: E402
 from asyncllm.kernels import qk_norm_rope_kv as qk  # noqa: E402
 from asyncllm.kernels import quant_matmul as qm  # noqa: E402
 from asyncllm.kernels import quant_matmul_gemv as gemv  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 POINTERS = {4: ("*i32", "*fp16"), 8: ("*i32", "*fp16"), 0: ("*fp8e4nv", "*fp32")}  # codes, scales

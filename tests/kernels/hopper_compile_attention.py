@@ -16,11 +16,12 @@ from typing import Any
 assert not os.environ.get("TRITON_INTERPRET"), "compiling needs the real Triton, not the interpreter"
 
 import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
 from asyncllm.kernels import paged_attention_cascade as pac  # noqa: E402
 from asyncllm.kernels import paged_attention_kernels as pak  # noqa: E402
 from asyncllm.kernels import qk_norm_rope_kv as qk  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 TYPES = {"bf16": ("*bf16", "tf32"), "fp16": ("*fp16", "tf32"), "fp32": ("*fp32", "ieee")}

@@ -14,6 +14,9 @@ from typing import Any
 assert not os.environ.get("TRITON_INTERPRET"), "compiling needs the real Triton, not the interpreter"
 
 import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
 from asyncllm.kernels import lora  # noqa: E402
 from asyncllm.kernels.lora_plan import (  # noqa: E402
     FUSED_WARPS,
@@ -23,8 +26,6 @@ from asyncllm.kernels.lora_plan import (  # noqa: E402
     LoRALaunch,
     plan_lora_launch,
 )
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 SHARED_LIMIT = 232_448  # bytes of shared memory one program may take on sm_90

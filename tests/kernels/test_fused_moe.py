@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from asyncllm.kernels.moe_ref import align_ref, experts_ref, padded_capacity, route_ref
 
+from asyncllm.kernels.moe_ref import align_ref, experts_ref, padded_capacity, route_ref
 from tests.fixtures.triton_kernels import CUDA_GRAPH_SIZES, DEVICE, HAS_CUDA, TOLERANCE, import_kernel
 
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")

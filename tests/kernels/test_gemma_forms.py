@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from asyncllm.kernels.qk_norm_rope_kv_ref import qk_norm_rope_kv_ref
 from asyncllm.kernels.rms_norm_ref import gemma_rms_norm_ref
 from asyncllm.kernels.silu_mul_ref import gelu_tanh_and_mul_ref
-
 from tests.fixtures.triton_kernels import (
     CPU_TOKENS,
     DEVICE,

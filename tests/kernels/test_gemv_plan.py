@@ -4,6 +4,7 @@ config is what the launch runs; the split nears the config's programs per SM and
 from __future__ import annotations
 
 import pytest
+
 from asyncllm.kernels import gemv_plan as plans
 
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from asyncllm.kernels import gemv_plan as plans
 from asyncllm.kernels.gemv_prologue_ref import rms_norm_gemv_ref, silu_mul_gemv_ref
-
 from tests.fixtures.triton_kernels import DEVICE, HAS_CUDA, TOLERANCE, import_kernel
 from tests.kernels.test_quant_matmul import MODEL_SHAPES
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from asyncllm.kernels.kv_cache_fp8_ref import E4M3_MAX, quantize_kv, read_kv, write_kv
 from asyncllm.kernels.qk_norm_rope_kv_ref import qk_norm_rope_kv_ref
-
 from tests.fixtures.triton_kernels import CPU_TOKENS, DEVICE, GPU_TOKENS, HAS_CUDA, import_kernel
 from tests.kernels.test_qk_norm_rope_kv import make_case
 

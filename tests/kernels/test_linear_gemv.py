@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from asyncllm.kernels import gemv_plan as plans
 
+from asyncllm.kernels import gemv_plan as plans
 from tests.fixtures.triton_kernels import DEVICE, HAS_CUDA, TOLERANCE, import_kernel
 from tests.kernels.test_quant_matmul import MODEL_SHAPES
 

@@ -16,6 +16,7 @@ import random
 import numpy as np
 import pytest
 import torch
+
 from asyncllm.kernels.lora_plan import (
     FUSED_WARPS,
     LORA_BLOCK_M,
@@ -27,7 +28,6 @@ from asyncllm.kernels.lora_plan import (
     token_slots,
 )
 from asyncllm.kernels.lora_ref import lora_ref
-
 from tests.fixtures.triton_kernels import CPU_TOKENS, DEVICE, GPU_TOKENS, HAS_CUDA, TOLERANCE, import_kernel
 
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")

@@ -12,13 +12,13 @@ import random
 import numpy as np
 import pytest
 import torch
+
 from asyncllm.kernels.cascade_plan import (
     cascade_work,
     find_shared_prefixes,
     unit_capacity,
     unit_members,
 )
-
 from tests.fixtures.triton_kernels import DEVICE, HAS_CUDA, TOLERANCE, import_paged_attention
 
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")

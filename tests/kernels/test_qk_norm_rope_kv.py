@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from asyncllm.kernels.qk_norm_rope_kv_ref import qk_norm_rope_kv_ref
 
+from asyncllm.kernels.qk_norm_rope_kv_ref import qk_norm_rope_kv_ref
 from tests.fixtures.triton_kernels import (
     CPU_TOKENS,
     DEVICE,

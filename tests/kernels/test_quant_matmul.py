@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
 from asyncllm.kernels.quant_matmul_ref import (
     FP8_DTYPE,
     dequantize_ref,
@@ -26,7 +27,6 @@ from asyncllm.kernels.quant_matmul_ref import (
     quantize_fp8_rows,
     unpack_codes,
 )
-
 from tests.fixtures.triton_kernels import CPU_TOKENS, DEVICE, GPU_TOKENS, HAS_CUDA, TOLERANCE, import_kernel
 
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from asyncllm.kernels.quant_matmul_ref import quant_matmul_ref
 
+from asyncllm.kernels.quant_matmul_ref import quant_matmul_ref
 from tests.fixtures.triton_kernels import DEVICE, HAS_CUDA, TOLERANCE, import_kernel
 from tests.kernels.test_quant_matmul import MODEL_SHAPES, random_mins, random_weight
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from asyncllm.kernels.rms_norm_ref import rms_norm_ref
 
+from asyncllm.kernels.rms_norm_ref import rms_norm_ref
 from tests.fixtures.triton_kernels import (
     CPU_TOKENS,
     DEVICE,

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from asyncllm.kernels.sampling_ref import apply_token_bitmask_ref, gumbel_argmax_ref, uniform_noise_ref
 
+from asyncllm.kernels.sampling_ref import apply_token_bitmask_ref, gumbel_argmax_ref, uniform_noise_ref
 from tests.fixtures.triton_kernels import CPU_TOKENS, DEVICE, GPU_TOKENS, HAS_CUDA, import_kernel
 
 

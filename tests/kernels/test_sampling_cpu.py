@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from asyncllm.kernels.sampling_cpu import gumbel_argmax_cpu
 from asyncllm.kernels.sampling_ref import gumbel_argmax_ref
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from asyncllm.kernels.silu_mul_ref import silu_and_mul_ref
 
+from asyncllm.kernels.silu_mul_ref import silu_and_mul_ref
 from tests.fixtures.triton_kernels import (
     CPU_TOKENS,
     DEVICE,

@@ -6,11 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from asyncllm.kernels.quant_matmul_ref import dequantize_ref
 from torch import nn
 
 from asyncllm.attention.torch_ref import TorchAttentionBackend
 from asyncllm.config import LoadFormat
+from asyncllm.kernels.quant_matmul_ref import dequantize_ref
 from asyncllm.layers.linear import Packed
 from asyncllm.model_loader.checkpoint import open_checkpoint
 from asyncllm.model_loader.loader import load_model

@@ -71,9 +71,9 @@ def test_fp8_at_load_equals_transformers_on_e4m3_weights(tiny_checkpoints, tmp_p
     through `quantize_fp8_rows` (the specification: one scale per output channel)."""
     import shutil
 
-    from asyncllm.kernels.quant_matmul_ref import quantize_fp8_rows
     from safetensors.torch import load_file, save_file
 
+    from asyncllm.kernels.quant_matmul_ref import quantize_fp8_rows
     from tests.fixtures.quantized import is_linear
 
     source = tiny_checkpoints["qwen3"]

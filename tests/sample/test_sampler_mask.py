@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from asyncllm.kernels.sampling_ref import token_bitmask_allowed
 
+from asyncllm.kernels.sampling_ref import token_bitmask_allowed
 from asyncllm.sample.request_grammar import InlineMatchers, RequestGrammar
 from asyncllm.sample.sampler import Sampler, TokenMask
 from asyncllm.sample.state import SamplingState

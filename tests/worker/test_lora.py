@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from asyncllm.kernels.lora_plan import max_lora_blocks
 
+from asyncllm.kernels.lora_plan import max_lora_blocks
 from asyncllm.layers.lora import LoRALinear
 from asyncllm.model_loader.lora import read_peft_adapter
 from asyncllm.models.lora import pack_adapter
