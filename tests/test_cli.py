@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
@@ -12,7 +13,7 @@ import pytest
 import asyncllm.default_model as default_model
 from asyncllm import SamplingParams
 from asyncllm.cli import build_parser, chat_engine_args, main
-from asyncllm.console import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from asyncllm.console import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 from tests.fixtures.default_model import smollm2_path
 
 
@@ -80,6 +81,37 @@ def _one_line(err: str) -> str:
     lines = [line for line in err.splitlines() if line.startswith("asyncllm: ")]
     assert len(lines) == 1, err
     return lines[0]
+
+
+@pytest.mark.parametrize("core_process", [False, True], ids=["step-thread", "core-process"])
+def test_ctrl_c_while_chat_loads_the_model_stops_at_once(tiny_model: Path, core_process: bool) -> None:
+    """Regression: Ctrl-C during `asyncllm chat`'s model load was ignored until the load finished (15-23 s
+    for the built-in model): the engine was built inside asyncio.run, whose SIGINT handler only asks to
+    cancel the main task, which cannot happen before the constructor returns. Now the load stops within a
+    second (a core process, which ignores Ctrl-C, is ended too): exit 130, one line, no traceback."""
+    cmd = [sys.executable, "-m", "asyncllm.cli", "chat", "--model", str(tiny_model), "--prompt", "hi"]
+    cmd += ["--device", "cpu", "--core-process" if core_process else "--no-core-process"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        seen = []
+        for line in proc.stderr:  # the load began: torch's import and the checkpoint's opening are to come
+            seen.append(line)
+            if "loading " in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        _, err = proc.communicate(timeout=30)  # its stderr closes when a core process has left too
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    err = "".join(seen) + err
+    assert proc.returncode == EXIT_INTERRUPTED, err
+    assert _one_line(err) == "asyncllm: interrupted while loading the model"
+    assert "engine ready" not in err  # the load did not run on
+    assert took < 2.0, err  # ~0.3 s on a 2-core machine, most of it the interpreter's exit
 
 
 @pytest.mark.skipif(torch_has_cuda(), reason="needs a machine without a CUDA device")

@@ -12,6 +12,7 @@ Python puts the script's own folder first on `sys.path`.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import multiprocessing
 import os
@@ -32,6 +33,7 @@ def _is_ours(path: str) -> bool:
     return ROOT in resolved.parents and Path(sys.prefix).resolve() not in resolved.parents
 
 
+@functools.cache
 def _tracked(pattern: str) -> list[Path]:
     out = subprocess.run(["git", "ls-files", pattern], cwd=ROOT, capture_output=True, text=True, check=False)
     if out.returncode != 0:  # not a git checkout (an unpacked sdist): every file on disk
@@ -39,6 +41,7 @@ def _tracked(pattern: str) -> list[Path]:
     return [ROOT / line for line in out.stdout.splitlines() if (ROOT / line).exists()]
 
 
+@functools.cache
 def _path_folders() -> list[Path]:
     scripts = {p.parent for p in _tracked("*.py") if MAIN_GUARD.search(p.read_text(encoding="utf-8"))}
     # Modules under src/ are run with `python -m`, which puts the working folder on the path, not theirs.
@@ -59,8 +62,9 @@ def _names(folder: Path) -> dict[str, bool]:
     return names
 
 
-def _taken() -> set[str]:
-    return set(sys.stdlib_module_names) | set(importlib.metadata.packages_distributions())
+@functools.cache
+def _taken() -> frozenset[str]:
+    return frozenset(sys.stdlib_module_names) | frozenset(importlib.metadata.packages_distributions())
 
 
 def _resolve(name: str, cwd: Path) -> list[str]:

@@ -89,11 +89,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         engine_args = chat_engine_args(args)
         check_engine_args(model, engine_args)  # a refused engine argument fails before anything loads
-        return _run(_chat(model, engine_args, args, params))
+        engine = _load(model, engine_args)
+    except KeyboardInterrupt:
+        return report("interrupted while loading the model", EXIT_INTERRUPTED)
+    except AsyncLLMError as exc:  # no such model or device, unsupported model, bad value: one line, no traceback
+        return report_error(exc)
+    try:
+        return _run(_chat(engine, args, params))
     except KeyboardInterrupt:  # leaving the stream aborted the request; the engine closed on the way out
         print(file=sys.stderr)
         return EXIT_INTERRUPTED
-    except AsyncLLMError as exc:  # no such model or device, unsupported model, bad value: one line, no traceback
+    except AsyncLLMError as exc:
         return report_error(exc)
 
 
@@ -130,10 +136,17 @@ def _run(main: Coroutine[Any, Any, int]) -> int:
     return uvloop.run(main)
 
 
-async def _chat(model: str, engine_args: dict[str, Any], args: argparse.Namespace, params: SamplingParams) -> int:
+def _load(model: str, engine_args: dict[str, Any]) -> AsyncLLMEngine:
+    """The engine, built before the event loop starts. Within the loop, Ctrl-C would only ask asyncio.run to
+    cancel its task, which cannot happen before the constructor returns: the whole load would run on. Here
+    Python's own handler raises KeyboardInterrupt at once, in the wait for the load."""
     from asyncllm import AsyncLLMEngine
 
-    async with AsyncLLMEngine(model, **engine_args) as engine:
+    return AsyncLLMEngine(model, **engine_args)
+
+
+async def _chat(engine: AsyncLLMEngine, args: argparse.Namespace, params: SamplingParams) -> int:
+    async with engine:
         system: list[Message] = [{"role": "system", "content": args.system}] if args.system else []
         template = args.chat_template
         if args.prompt is not None:

@@ -4,6 +4,9 @@ nothing else, an engine streams, aborts, reports stats and health, and ends ever
 from __future__ import annotations
 
 import asyncio
+import signal
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -13,7 +16,7 @@ from asyncllm.async_engine.core_client import EngineCoreClient
 from asyncllm.async_engine.inproc_client import InProcClient
 from asyncllm.async_engine.router import OutputRouter
 from tests.async_engine.conftest import wait_drained
-from tests.fixtures.fake_core import fake_built, offline_run
+from tests.fixtures.fake_core import FakeBuilt, fake_built, offline_run
 
 PROTOCOL = {name for name in vars(EngineCoreClient) if not name.startswith("_")}
 
@@ -62,3 +65,37 @@ async def test_an_engine_needs_nothing_of_its_core_beyond_the_protocol(bpe_token
         assert not engine.is_running and built.executor.is_shut_down
     finally:
         engine.shutdown()
+
+
+def test_ctrl_c_during_the_load_leaves_the_constructor_at_once_and_the_core_is_released(bpe_tokenizer: Any) -> None:
+    """Ctrl-C while the step thread builds the core raises KeyboardInterrupt from the constructor at once,
+    even when the kernel delivered the signal to another thread (whose handler wakes no wait in this one),
+    and the step thread releases the core once its build returns, rather than holding it (and the device)
+    with no engine left to reach it."""
+    built = fake_built(bpe_tokenizer)
+    building, finish = threading.Event(), threading.Event()
+
+    def build() -> FakeBuilt:
+        building.set()
+        finish.wait(10)  # a load that takes its time
+        return built
+
+    def ctrl_c_in_this_thread() -> None:
+        building.wait(10)
+        time.sleep(0.3)  # the constructor waits for the load by now
+        signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+
+    interrupter = threading.Thread(target=ctrl_c_in_this_thread)
+    interrupter.start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            AsyncLLMEngine.from_builder(build)
+        assert time.monotonic() - start < 5  # not at the end of the load
+    finally:
+        finish.set()
+        interrupter.join()
+    deadline = time.monotonic() + 10
+    while not built.executor.is_shut_down:
+        assert time.monotonic() < deadline, "the step thread kept the core it built"
+        time.sleep(0.01)

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _IDLE_RECHECK_S = 0.001  # pause when the core has requests yet scheduled nothing (no hot spin)
+_SIGNAL_RECHECK_S = 0.1  # the longest a Ctrl-C during the load waits to be noticed
 
 
 class Built(CoreInfo, Protocol):
@@ -66,8 +67,15 @@ class InProcClient(Generic[S]):
 
     def start(self) -> Built:
         """Start the thread, wait until the core is built, and re-raise a load error here."""
-        self._thread.start()
-        self._ready.wait()
+        try:
+            self._thread.start()
+            # In slices: a Ctrl-C that the kernel delivered to another thread wakes no wait; Python runs its
+            # handler (KeyboardInterrupt) in this thread at the next slice.
+            while not self._ready.wait(_SIGNAL_RECHECK_S):
+                pass
+        except BaseException:  # Ctrl-C while loading: the thread releases what it built once the build returns
+            self.request_stop()
+            raise
         if self._load_error is not None:
             self._thread.join()
             raise self._load_error

@@ -101,6 +101,13 @@ class ProcClient:
             except (EOFError, OSError):
                 error: BaseException = CoreProcessDiedError(f"{self._describe_exit()} while loading the engine")
                 break
+            except KeyboardInterrupt:  # Ctrl-C, which the core ignores: its load would run on, orphaned
+                assert self._proc is not None
+                self._proc.kill()
+                self._router.close("engine load interrupted", None)
+                self._stop_process(None)
+                self._from_core.close()
+                raise
             if message[0] == wire.READY:
                 _, runtime, tokenizer, encode, encode_batch, can_check = message
                 self._reader.start()

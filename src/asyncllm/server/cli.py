@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import importlib.util
 import logging
 import os
@@ -229,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
         except ConnectionError as exc:  # the Ray cluster could not be joined
             return report(exc)
         except KeyboardInterrupt:
-            return EXIT_INTERRUPTED
+            return report("interrupted while loading the model", EXIT_INTERRUPTED)
         try:
             if adapters:
                 asyncio.run(_add_adapters(engine, adapters))  # the engine serves any loop: this one is brief
@@ -279,8 +278,7 @@ def _serve(engine: AsyncLLMEngine, model: str, args: argparse.Namespace, sock: s
 
     config = uvicorn.Config(app, log_level=args.log_level, loop="auto")
     server = DrainingServer(config, started, app.state.asyncllm, drain_timeout=args.drain_timeout)
-    with contextlib.suppress(KeyboardInterrupt):  # uvicorn shut down gracefully, then re-raised Ctrl-C
-        server.run(sockets=[sock])
+    server.run(sockets=[sock])  # SIGTERM and Ctrl-C end it (asyncllm.server.drain), re-raising nothing
     return EXIT_OK if server.started else EXIT_FAILED
 
 
