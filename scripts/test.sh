@@ -5,8 +5,8 @@
 #   scripts/test.sh --latest   everything, at the newest versions pyproject.toml allows, in .venv-latest
 #   scripts/test.sh --quick    the inner loop: lint and the tests not marked `slow` (no mypy)
 #
-# Other arguments go to pytest (`scripts/test.sh tests/core -k block`). pytest runs on one worker per core
-# (pytest-xdist; `-n 1` runs serially).
+# Other arguments go to pytest (`scripts/test.sh tests/core -k block`). pytest runs one worker per core
+# (pytest-xdist; `-n 1` runs on one), and mypy beside it: the workers wait on processes they start.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 setup=(--dev) venv=.venv quick=0 args=()
@@ -22,15 +22,24 @@ start=$SECONDS
 echo "test: ruff (lint and format)" >&2
 "$venv/bin/ruff" check -q src tests kernels examples bench
 "$venv/bin/ruff" format -q --check src tests kernels examples bench
+marks=() mypy_log=$(mktemp)
+trap 'rm -f "$mypy_log"' EXIT
 if [ $quick = 0 ]; then
-  echo "test: mypy (strict, over the files listed in pyproject.toml)" >&2
-  "$venv/bin/mypy"
-  marks=()
+  echo "test: mypy (strict, over the files listed in pyproject.toml), beside pytest" >&2
+  "$venv/bin/mypy" >"$mypy_log" 2>&1 &
+  mypy_pid=$!
 else
   marks=(-m "not slow and not gpu")
 fi
 echo "test: pytest" >&2
 status=0
-"$venv/bin/python" -m pytest -q -p no:cacheprovider -n auto "${marks[@]}" "${args[@]}" || status=$?
+"$venv/bin/python" -m pytest -q -p no:cacheprovider -n auto --dist loadgroup "${marks[@]}" "${args[@]}" || status=$?
+if [ $quick = 0 ]; then
+  if ! wait "$mypy_pid"; then
+    echo "test: mypy failed:" >&2
+    cat "$mypy_log" >&2
+    status=1
+  fi
+fi
 echo "test: $((SECONDS - start)) s after set-up" >&2
 exit $status

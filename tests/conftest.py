@@ -26,6 +26,15 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "core_process: make_engine also runs the test against a core in its own process")
 
 
+@pytest.hookimpl(trylast=True)  # after the folders' own hooks have marked their tests
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Modules with `slow` tests run first, each module's tests still together (its fixtures built once):
+    pytest-xdist hands tests out in this order, and seconds-long tests started last would leave one worker
+    running alone at the end of the suite."""
+    slow_modules = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.path not in slow_modules)  # stable: the order within a module is kept
+
+
 @pytest.fixture(scope="session")
 def structured_output_enforced(tiny_checkpoints: dict[str, Path]) -> bool:
     """Whether the engine enforces output constraints: a random model asked for one of ["x"] says "x"."""

@@ -16,6 +16,7 @@ TEXTS = ["Hello world!", "日本語のテキスト 😀", "  leading spaces\n\na
 
 
 @pytest.mark.parametrize("which", ["hf", "gguf"])
+@pytest.mark.slow
 def test_batch_encoding_equals_the_tokenizers_own(which: str, tiny_model) -> None:
     path = str(tiny_model) if which == "hf" else str(smollm2_path())
     built = build_engine(EngineConfig.from_kwargs(path, device="cpu", num_kv_blocks=16), time.monotonic)

@@ -14,6 +14,8 @@ import pytest
 from tests.fixtures.scripts import started_together
 from tests.fixtures.tiny_models import build_checkpoint
 
+pytestmark = pytest.mark.slow  # starts processes or servers: seconds each
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 # example -> whether it runs on a checkpoint of its own (the tool-calling one needs room for its tools)
 RUNS = {

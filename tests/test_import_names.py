@@ -108,6 +108,7 @@ def test_kernels_is_hugging_faces_in_pytest_and_in_spawned_workers() -> None:
         assert not _is_ours(pool.apply(_kernels_origin))
 
 
+@pytest.mark.slow
 def test_transformers_imports_from_the_repo_root() -> None:
     """The import that failed at collection: transformers' activations import `kernels` when present."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}

@@ -11,6 +11,10 @@ import venv
 import zipfile
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # starts processes or servers: seconds each
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

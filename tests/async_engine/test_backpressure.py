@@ -28,6 +28,7 @@ async def _read(stream: RequestStream, delay: float) -> tuple[list[StreamOutput]
 
 
 @pytest.mark.core_process
+@pytest.mark.slow
 async def test_slow_consumer_gets_everything_in_fewer_chunks(make_engine: EngineFactory, bpe_tokenizer: object) -> None:
     prompts = [[(7 * i + j) % 383 + 1 for j in range(6)] for i in range(9)]
     params = [SamplingParams(max_tokens=60)] * 9

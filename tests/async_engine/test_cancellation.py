@@ -257,6 +257,7 @@ async def test_cancellation_swallowed_by_the_reader_still_aborts(make_engine: En
     assert stream.finished
 
 
+@pytest.mark.slow
 async def test_long_lived_reader_does_not_collect_callbacks(make_engine: EngineFactory) -> None:
     """Regression: each stream a task read (then broke out of) left a done-callback on that task, so a
     long-lived reader held memory for every stream it ever read. Measured from outside: what asyncllm's own

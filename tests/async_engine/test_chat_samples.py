@@ -97,6 +97,7 @@ async def test_replies_equal_chats_seeded_seed_plus_index(engine: AsyncLLMEngine
 
 
 @pytest.mark.parametrize("how", ["break", "cancel", "aclose"])
+@pytest.mark.slow
 async def test_leaving_a_chat_of_samples_early_frees_every_block(engine: AsyncLLMEngine, how: str) -> None:
     stream = engine.chat(ASK, SamplingParams(n=3, max_tokens=400, ignore_eos=True))
     if how == "break":

@@ -57,6 +57,7 @@ async def test_fault_in_forward_kills_engine_and_every_stream(make_engine: Engin
 
 # One loop: the bounded wait (6 s, spent in full on purpose) is the step thread's join, which no loop touches.
 @pytest.mark.asyncio(loop_factories=["asyncio"])
+@pytest.mark.slow
 async def test_shutdown_of_a_dead_engine_does_not_wait_on_a_stuck_release(make_engine: EngineFactory) -> None:
     """A dead tensor-parallel peer can leave a kernel spinning on the GPU, and the step thread's release of the
     device (a device-wide sync) stuck behind it for good: the engine is dead already, so shutdown returns after

@@ -43,6 +43,7 @@ _VALUES = st.one_of(_ATOMS, st.lists(_ATOMS, max_size=4), st.dictionaries(st.tex
 
 @settings(max_examples=600, deadline=None)
 @given(st.dictionaries(st.sampled_from(_FIELDS), _VALUES, max_size=4))
+@pytest.mark.slow
 def test_sampling_params_accept_or_name_the_field(kwargs: dict[str, Any]) -> None:
     try:
         params = SamplingParams(**kwargs)

@@ -44,6 +44,7 @@ def core_process(request: pytest.FixtureRequest) -> bool:
     return bool(request.param)
 
 
+@pytest.mark.slow
 async def test_adding_and_removing_adapters_while_streams_run_loses_nothing(
     tiny_model: Path, tiny_lora_adapters: dict[str, Path], expected, core_process: bool
 ) -> None:
@@ -85,6 +86,7 @@ async def test_adding_and_removing_adapters_while_streams_run_loses_nothing(
         await engine.aclose()
 
 
+@pytest.mark.slow
 async def test_requests_and_calls_are_checked_in_the_callers_thread(
     tiny_model: Path, tiny_lora_adapters, core_process: bool
 ) -> None:

@@ -118,6 +118,7 @@ async def test_the_bound_is_exact_across_threads_and_loops(bpe_tokenizer: Any) -
         engine.shutdown()
 
 
+@pytest.mark.slow
 async def test_admitting_while_the_step_thread_starts_requests_loses_nothing(bpe_tokenizer: Any) -> None:
     """The race between callers adding and the step thread starting: four threads add 60 requests each
     while four seats turn over; the queue never holds more than the bound, refusals are counted, and every

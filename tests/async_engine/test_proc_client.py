@@ -292,6 +292,7 @@ os._exit(0)
 """
 
 
+@pytest.mark.slow
 def test_a_front_that_dies_takes_its_core_with_it() -> None:
     root = str(Path(__file__).resolve().parents[2])
     script = _FRONT.format(root=root)

@@ -78,6 +78,7 @@ STEPS = [
 
 
 @pytest.mark.parametrize("groups, singles", STEPS)
+@pytest.mark.slow
 def test_cascade_plan_gives_the_reference_outputs(kernels, groups, singles) -> None:
     out, expected, variant = _run(_decode_step(groups, singles, seed=1), CascadeDecode(GROUP, min_prefix_tokens=8))
     assert variant == 1  # the cascade ran

@@ -31,6 +31,7 @@ def _backend(fold_reduce: bool):
 
 
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph-planned"])
+@pytest.mark.slow
 def test_fold_and_reduce_equal_torch_backend_over_steps(kernels, graph: bool) -> None:
     gen = torch.Generator().manual_seed(int(graph))
     batcher = PagedBatcher(num_blocks=64, block_size=16, seed=1)

@@ -111,11 +111,13 @@ MIXED_STEPS = [
 
 
 @pytest.mark.parametrize("block_size,group,head_dim", [(16, 2, 64), (32, 1, 24), (16, 8, 32), (4, 2, 16)])
+@pytest.mark.slow
 def test_mixed_steps_match_torch_backend(kernels, block_size: int, group: int, head_dim: int) -> None:
     _compare_steps(MIXED_STEPS, block_size, group, head_dim, torch.float32)
 
 
 @pytest.mark.parametrize("block_size,group,head_dim", [(16, 2, 64), (4, 8, 16)])
+@pytest.mark.slow
 def test_graph_planned_steps_match_torch_backend(kernels, block_size: int, group: int, head_dim: int) -> None:
     """Steps of 5 to 74 tokens in up to 9 sequences, each planned for one 96-row, 9-sequence graph shape:
     the same launches every step (shapes and work-list addresses), the reference's outputs."""
@@ -124,6 +126,7 @@ def test_graph_planned_steps_match_torch_backend(kernels, block_size: int, group
     _compare_steps(steps, block_size, group, head_dim, torch.float32, graph_tokens=96)
 
 
+@pytest.mark.slow
 def test_graph_planned_decode_steps_match_torch_backend(kernels) -> None:
     """Decode steps planned as a captured decode graph replays them: the work list is rewritten each step in
     its own order (longest first: 2, 0, 3, 1 here, then changed by a prefill), the launch stays the same."""
@@ -134,6 +137,7 @@ def test_graph_planned_decode_steps_match_torch_backend(kernels) -> None:
 
 
 @pytest.mark.parametrize("window", [1, 7, 20])
+@pytest.mark.slow
 def test_sliding_window_steps_match_torch_backend(kernels, window: int) -> None:
     """A sliding-window layer's steps, eager, planned as a captured mixed step, and as a captured decode step
     (the window's own split count is fixed by the bounds: one launch shape throughout)."""
@@ -146,6 +150,7 @@ def test_sliding_window_steps_match_torch_backend(kernels, window: int) -> None:
                    window=window)  # fmt: skip
 
 
+@pytest.mark.slow
 def test_fp8_cache_steps_match_torch_backend(kernels) -> None:
     """An e4m3 cache with scales other than 1: both backends store the same codes and read them alike, eagerly,
     planned as a captured mixed step and as a captured decode step, globally and in a sliding window."""
@@ -187,6 +192,7 @@ def _greedy(
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+@pytest.mark.slow
 def test_engine_greedy_equals_torch_backend_in_interpreter(kernels, tiny_checkpoints, family: str) -> None:
     """The whole engine on CPU with the interpreted kernels (chunked prefill forced by the token budget): every
     fused kernel in its family's form, and Gemma 3's 8-key sliding windows."""
@@ -201,6 +207,7 @@ def test_engine_greedy_equals_torch_backend_in_interpreter(kernels, tiny_checkpo
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+@pytest.mark.slow
 def test_engine_fp8_cache_greedy_equals_torch_backend_in_interpreter(kernels, tiny_checkpoints, family: str) -> None:
     """kv_cache_dtype="fp8" with the interpreted kernels: the fused KV write's codes and the kernels' reads
     against the torch backend's store and read of the same codes (Gemma 3: its sliding windows, its q/k norm

@@ -42,6 +42,7 @@ def test_host_plans_cascade_only_where_prefixes_are_shared(kernel_bench: ModuleT
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="CPU smoke test (the interpreter runs only without CUDA)")
+@pytest.mark.slow
 def test_device_part_runs_in_the_interpreter(kernel_bench: ModuleType, capsys, monkeypatch) -> None:
     """The GPU half's plans, binds and launches, float32 in the interpreter at a toy size (timed once on the
     host): every cascade run equals the plain one."""
@@ -72,6 +73,7 @@ def test_w3_prompts_are_the_peer_scripts() -> None:
     assert prompts[0][20:] != prompts[1][20:]
 
 
+@pytest.mark.slow
 def test_w3_measure_runs_on_cpu() -> None:
     with bench_script("w3_cascade", needs_tokenizer=True) as w3:
         argv = ["--shape", "qwen3-tiny", "--device", "cpu", "--groups", "1", "--prefix", "16", "--unique", "4"]

@@ -34,6 +34,7 @@ def test_limits_of_the_4b_shape(bench: ModuleType) -> None:
     assert limit == pytest.approx(W1_LIMIT["gemma3-4b"], rel=0.01)
 
 
+@pytest.mark.slow
 def test_runs_on_cpu(bench: ModuleType, monkeypatch, capsys) -> None:
     from shapes import find_qwen3_tokenizer
 

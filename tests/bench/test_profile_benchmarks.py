@@ -201,6 +201,7 @@ def _json_lines(text: str) -> list[dict[str, object]]:
     return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
 
 
+@pytest.mark.slow
 def test_w1_profile_runs_on_cpu(bench: dict[str, ModuleType], monkeypatch, capsys, tmp_path: Path) -> None:
     _needs_tokenizer(bench)
     argv = ["w1_profile.py", "--shape", "qwen3-tiny", "--device", "cpu", "--num-seqs", "2", "--max-tokens-cap", "4"]
@@ -214,6 +215,7 @@ def test_w1_profile_runs_on_cpu(bench: dict[str, ModuleType], monkeypatch, capsy
     assert "aten::" in (tmp_path / "w1_profile_key_averages.txt").read_text()
 
 
+@pytest.mark.slow
 def test_w4_prefill_runs_on_cpu(bench: dict[str, ModuleType], monkeypatch, capsys) -> None:
     _needs_tokenizer(bench)
     argv = ["w4_prefill.py", "--shape", "qwen3-tiny", "--device", "cpu", "--lengths", "96", "200"]

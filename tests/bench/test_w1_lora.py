@@ -11,6 +11,8 @@ import pytest
 
 from tests.bench.scripts import bench_script
 
+pytestmark = pytest.mark.slow  # starts processes or servers: seconds each
+
 
 @pytest.fixture(scope="module")
 def w1_lora() -> Iterator[ModuleType]:

@@ -27,6 +27,7 @@ def test_separate_requests_are_the_samples_seeded_s_plus_i(w7: ModuleType) -> No
     assert all(100 <= len(p) <= 1024 for p in prompts)
 
 
+@pytest.mark.slow
 def test_measure_runs_on_cpu(w7: ModuleType) -> None:
     argv = ["--shape", "qwen3-tiny", "--device", "cpu", "--num-seqs", "2", "--n", "3", "--max-tokens", "2"]
     args = w7.parser().parse_args([*argv, "--rounds", "1"])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -151,6 +152,7 @@ _op = st.tuples(
     max_seqs=st.integers(1, 4),
     overlap=st.booleans(),
 )
+@pytest.mark.slow
 def test_nobody_is_passed_by_a_worse_ranked_request(
     ops: list, num_blocks: int, budget: int, max_seqs: int, overlap: bool
 ) -> None:

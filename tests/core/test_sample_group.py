@@ -234,6 +234,7 @@ _op = st.tuples(
     prefix_caching=st.booleans(),
     overlap=st.booleans(),
 )
+@pytest.mark.slow
 def test_random_workloads_with_samples_keep_invariants_and_outputs(
     ops: list, num_blocks: int, block_size: int, budget: int, max_seqs: int, prefix_caching: bool, overlap: bool
 ) -> None:

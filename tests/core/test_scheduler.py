@@ -325,6 +325,7 @@ _op = st.tuples(
     prefix_caching=st.booleans(),
     overlap=st.booleans(),
 )
+@pytest.mark.slow
 def test_random_workloads_keep_invariants_and_outputs(
     ops: list,
     num_blocks: int,

@@ -75,6 +75,7 @@ def test_each_kind_counts_from_its_own_first_number_and_other_keys_pass_through(
         assert store.aligned(key) == key
 
 
+@pytest.mark.slow
 def test_a_wait_fails_within_the_stores_limit() -> None:
     """Set-up gives up on a peer that never writes (NCCL is kept) instead of waiting for the caller's timeout."""
     store = SequenceAlignedStore(HashStore(), timedelta(seconds=0.5))

@@ -120,6 +120,7 @@ def _messages(count: int, max_size: int, seed: int) -> list[bytes]:
 
 
 @pytest.mark.parametrize("n_readers", [1, 2, 8])
+@pytest.mark.slow
 def test_every_reader_gets_every_message_in_order(n_readers: int) -> None:
     """1, 2 and 8 reader processes each receive all messages, in order and intact; sizes span 0 bytes to
     several slots (continued messages), written whole or in parts, over many laps of a 4-slot ring."""
@@ -142,6 +143,7 @@ def test_every_reader_gets_every_message_in_order(n_readers: int) -> None:
         assert got[rank] == wanted, f"reader {rank} got different messages"
 
 
+@pytest.mark.slow
 def test_hundred_thousand_messages_two_readers_check_content() -> None:
     """Stress: 10^5 messages (12-300 bytes, some continued over two slots) through an 8-slot ring (12,000+ laps);
     both reader processes check each message's sequence number and crc32 and count them."""
@@ -162,6 +164,7 @@ def test_hundred_thousand_messages_two_readers_check_content() -> None:
     assert got == {0: (n, []), 1: (n, [])}
 
 
+@pytest.mark.slow
 def test_fifty_megabyte_message_among_small_ones() -> None:
     """Messages far larger than a slot (50 MB over 64 KiB slots) and around the slot size (slot-1, 2 slots,
     2 slots + 1, empty) arrive intact and in order in two reader processes, mixed with small ones."""
@@ -183,6 +186,7 @@ def test_fifty_megabyte_message_among_small_ones() -> None:
     assert got == {0: wanted, 1: wanted}
 
 
+@pytest.mark.slow
 def test_slow_reader_blocks_writer_without_loss() -> None:
     """A reader slower than the writer (5 ms per message for 60 messages) holds the writer back once the 4-slot
     ring is full: the writer takes at least ~(60 - 4) x 5 ms, and both readers get all 120 messages in order."""
@@ -205,6 +209,7 @@ def test_slow_reader_blocks_writer_without_loss() -> None:
     assert got == {0: wanted, 1: wanted}
 
 
+@pytest.mark.slow
 def test_sleeping_reader_is_woken_by_write_and_by_close() -> None:
     """A reader asleep on an idle ring (its re-check set to 10 s) gets a new message and then the writer's
     close within a second: the wake-up reaches it, not the re-check; the close raises a clear
@@ -227,6 +232,7 @@ def test_sleeping_reader_is_woken_by_write_and_by_close() -> None:
     assert "closed by its writer" in close_error and got_close - closed < 1.0
 
 
+@pytest.mark.slow
 def test_reader_killed_with_sigkill_makes_writer_time_out_naming_it() -> None:
     """A reader killed with SIGKILL (left a zombie, not reaped) cannot hang the writer: once the ring is full the
     write's timeout fires, naming that reader, its pid and that it exited; the live reader is not blamed."""
@@ -323,6 +329,7 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
+@pytest.mark.slow
 def test_idle_reader_uses_almost_no_cpu() -> None:
     """A reader process blocked on an idle ring for 1 s sleeps: under 5% of a core (a spinning one uses 100%)."""
     with ShmRingWriter(1) as writer:

@@ -73,6 +73,7 @@ def _parts(message: bytes, n: int) -> list[bytes | bytearray | memoryview]:
     n_parts=st.integers(1, 4),
     spin_s=st.sampled_from([0.0, 50e-6]),
 )
+@pytest.mark.slow
 def test_any_message_sizes_arrive_intact_in_order(
     sizes: list[int], slot_bytes: int, n_slots: int, n_readers: int, n_parts: int, spin_s: float
 ) -> None:

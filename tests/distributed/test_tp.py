@@ -37,6 +37,8 @@ from asyncllm.step import PLACEHOLDER, ModelExecutor, NewRequestData, ScheduledS
 from tests.fixtures.shm import ring_segments
 from tests.fixtures.tiny_models import FAMILIES, build_checkpoint
 
+pytestmark = pytest.mark.slow  # starts processes or servers: seconds each
+
 # 16 blocks of 4 tokens for six prompts sharing a 13-token prefix, 8 tokens per step: chunked prefill,
 # preemption, and prefix hits (the second pass hits the first's blocks).
 # 14 blocks: the sliding-window Mistral, which gives blocks back behind its window, preempts too.

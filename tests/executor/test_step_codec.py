@@ -64,6 +64,7 @@ def runs(draw: st.DrawFn) -> list[SchedulerOutput]:
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(runs())
+@pytest.mark.slow
 def test_every_step_round_trips(steps: list[SchedulerOutput]) -> None:
     """decode(encode(step)) equals the step, field by field, for every step of a run, in order."""
     encoder, decoder = StepEncoder(), StepDecoder()

@@ -79,6 +79,7 @@ def _pairs() -> list[tuple[str, int, int]]:
 
 
 @pytest.mark.parametrize("pair", _pairs(), ids=lambda p: "{}-{}x{}".format(*p))
+@pytest.mark.slow
 def test_every_model_pair_at_the_h200_split(gemv, pair: tuple[str, int, int]) -> None:
     """Each pair at the K split the H200 runs its bfloat16 layer with, on the same K tiles in float32 (twice
     the bytes a row), over the first tile of output rows."""

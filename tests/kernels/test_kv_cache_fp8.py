@@ -106,6 +106,7 @@ def check(qk, case: dict, exact: bool) -> None:
     "shape,block_size", [((4, 2, 16), 16), ((2, 1, 24), 5), ((4, 1, 128), 5)], ids=["tiny-qwen3", "d24", "gqa4-d128"]
 )
 @pytest.mark.parametrize("norm", [False, True], ids=["llama", "qwen3"])
+@pytest.mark.slow
 def test_fused_write_matches_ref(qk, shape: tuple[int, int, int], block_size: int, norm: bool) -> None:
     """Without the norm the kernel's values before quantizing are torch's bit for bit, so the codes are too;
     with it, within a step where a norm's last float32 bit differs."""

@@ -122,12 +122,14 @@ LAUNCHES = [
 
 @pytest.mark.parametrize("launch", [launch for _, launch in LAUNCHES], ids=[name for name, _ in LAUNCHES])
 @pytest.mark.parametrize("shards", SHARDS, ids=str)
+@pytest.mark.slow
 def test_matches_ref(lora, shards: tuple[int, ...], launch: LoRALaunch | None) -> None:
     for num_tokens in CPU_TOKENS:
         check(lora, num_tokens, shards, torch.float32, seed=num_tokens + sum(shards), launch=launch)
 
 
 @pytest.mark.parametrize("path", ["fused", "split"])
+@pytest.mark.slow
 def test_larger_ranks_and_wide_input(lora, path: str) -> None:
     """Ranks 32, 64 and 128 (the expand sums its partial sums in turn past 64), an input wider than one K tile
     and not a multiple of it (split 5 ways on the split path), several blocks per slot, q/k/v-like shards; a

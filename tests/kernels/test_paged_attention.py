@@ -86,6 +86,7 @@ SHAPES = [(2, 1, 64, 32), (2, 2, 128, 16), (1, 8, 64, 16), (2, 2, 24, 32)]  # kv
 
 
 @pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size", SHAPES)
+@pytest.mark.slow
 def test_decode_matches_ref(pa, num_kv_heads: int, group: int, head_dim: int, block_size: int) -> None:
     seqs = [(n - 1, 1) for n in LENGTHS]
     batch = make_batch(seqs, num_kv_heads, group, head_dim, block_size, torch.float32, seed=block_size + group)
@@ -96,6 +97,7 @@ def test_decode_matches_ref(pa, num_kv_heads: int, group: int, head_dim: int, bl
 
 
 @pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size", SHAPES)
+@pytest.mark.slow
 def test_prefill_matches_ref(pa, num_kv_heads: int, group: int, head_dim: int, block_size: int) -> None:
     seqs = [(0, n) for n in LENGTHS if n > 1]
     batch = make_batch(seqs, num_kv_heads, group, head_dim, block_size, torch.float32, seed=7 + block_size + group)
@@ -104,6 +106,7 @@ def test_prefill_matches_ref(pa, num_kv_heads: int, group: int, head_dim: int, b
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.slow
 def test_chunked_prefill_with_offsets_matches_ref(pa, block_size: int) -> None:
     """Chunks whose keys start before their queries (context = seq_len - query_len), not aligned to tiles.
     Block size 4 is below the tile (the table read per token, as for 1: test_decode_small_blocks takes both)."""
@@ -112,6 +115,7 @@ def test_chunked_prefill_with_offsets_matches_ref(pa, block_size: int) -> None:
     check(pa, run_prefill(pa, *batch, 0.125, block_m=16, block_n=16), *batch, 0.125)
 
 
+@pytest.mark.slow
 def test_graph_shaped_launches_match_ref(pa) -> None:
     """A fixed grid larger or smaller than the work: decode entries of -1 exit, prefill programs stride over
     the live tile count (fewer programs than tiles, and more), and nothing else is written."""

@@ -97,6 +97,7 @@ CASES = [  # (groups: (prefix blocks, member suffix keys)), singles, block size,
 
 
 @pytest.mark.parametrize("groups, singles, block_size, group, num_splits, prefix_splits", CASES)
+@pytest.mark.slow
 def test_cascade_equals_plain_decode(pa, groups, singles, block_size, group, num_splits, prefix_splits) -> None:
     dtype, head_dim, num_kv_heads = torch.float32, 32, 2
     tables, seq_lens, given = shared_batch(groups, singles, block_size, seed=block_size * group + num_splits)
@@ -127,6 +128,7 @@ def test_members_diverging_inside_the_prefix_share_only_the_common_blocks(pa) ->
     torch.testing.assert_close(cascade, plain, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_fp8_cache_cascade_equals_plain(pa) -> None:
     """An e4m3 cache (NaN codes in never-written slots), scales that are no power of two: the prefix kernel
     applies both, as the decode kernel does (a scale missed or applied twice is off by its factor)."""

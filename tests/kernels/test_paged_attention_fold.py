@@ -47,6 +47,7 @@ def every_live_count(max_splits: int, block_n: int, seed: int) -> list[int]:
 
 
 @pytest.mark.parametrize("group", [1, 2, 4, 7, 8])
+@pytest.mark.slow
 def test_fold_equals_reduce_equals_ref_every_live_count(pa, group: int) -> None:
     num_splits, block_n = 6, 16
     counters = None
@@ -59,6 +60,7 @@ def test_fold_equals_reduce_equals_ref_every_live_count(pa, group: int) -> None:
         torch.testing.assert_close(folded, twin, atol=1e-6, rtol=1e-6, msg=lambda m, call=call: f"call {call}: {m}")
 
 
+@pytest.mark.slow
 def test_fold_most_splits(pa) -> None:
     """MAX_SPLITS splits: live counts 1, 2, half, all but one, all; then batch 1 of the longest."""
     splits = pa.MAX_SPLITS
@@ -73,6 +75,7 @@ def test_fold_most_splits(pa) -> None:
 
 
 @pytest.mark.parametrize("batch_size", [5, 64])
+@pytest.mark.slow
 def test_fold_batch_sizes_and_graph_padding(pa, batch_size: int) -> None:
     """Batches up to 64, with -1 entries (a graph's fixed grid) after the real ones and counters sized for the
     padded grid; some sequences one split long, some two."""
@@ -85,6 +88,7 @@ def test_fold_batch_sizes_and_graph_padding(pa, batch_size: int) -> None:
     torch.testing.assert_close(folded, twin, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_fold_sliding_window(pa) -> None:
     """A window's keys split as the window's (live counts from the window's length, not the sequence's)."""
     lens = [1, 20, 64, 65, 130, 300]

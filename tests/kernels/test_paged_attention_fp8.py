@@ -40,6 +40,7 @@ def fp8_batch(seqs, num_kv_heads: int, group: int, head_dim: int, block_size: in
 
 
 @pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size", [(2, 2, 64, 16), (1, 8, 24, 4)])
+@pytest.mark.slow
 def test_decode_matches_ref(pa, num_kv_heads: int, group: int, head_dim: int, block_size: int) -> None:
     kv = scales()
     batch = fp8_batch([(n - 1, 1) for n in (1, 2, 17, 100, 257)], num_kv_heads, group, head_dim, block_size,
@@ -50,6 +51,7 @@ def test_decode_matches_ref(pa, num_kv_heads: int, group: int, head_dim: int, bl
 
 
 @pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size", [(2, 2, 64, 16), (1, 8, 24, 4)])
+@pytest.mark.slow
 def test_prefill_and_chunks_match_ref(pa, num_kv_heads: int, group: int, head_dim: int, block_size: int) -> None:
     kv = scales()
     seqs = [(0, 2), (0, 17), (13, 2), (16, 15), (157, 100), (3, 7)]
@@ -74,6 +76,7 @@ def test_scales_are_applied_on_read(pa) -> None:
 
 
 @pytest.mark.parametrize("window", [1, 5, 33])
+@pytest.mark.slow
 def test_sliding_window_matches_ref(pa, window: int) -> None:
     """Decode and chunked prefill of a sliding layer; every slot outside every window is e4m3 NaN."""
     kv = scales()
@@ -144,6 +147,7 @@ def test_gpu_kernels_match_ref(pa, dtype: torch.dtype, block_size: int) -> None:
         torch.testing.assert_close(out.float(), ref.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+@pytest.mark.slow
 def test_every_variant_compiles_for_hopper() -> None:
     """Each paged-attention and KV-write kernel variant the engine launches (bf16 / fp16 / fp32 queries over a
     cache of their dtype or e4m3, global and sliding) through Triton's compiler and ptxas for sm_90, as

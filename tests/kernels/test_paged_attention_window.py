@@ -48,6 +48,7 @@ def _check(out: torch.Tensor, ref: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.slow
 def test_decode_window_matches_ref(pa, window: int, block_size: int) -> None:
     q, k_cache, v_cache, meta = make_batch(
         [(n - 1, 1) for n in (1, 2, 15, 16, 17, 100, 257)], 2, 2, 64, block_size, torch.float32, seed=window
@@ -60,6 +61,7 @@ def test_decode_window_matches_ref(pa, window: int, block_size: int) -> None:
 
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("block_m,block_n", [(32, 16), (16, 32)])
+@pytest.mark.slow
 def test_prefill_window_matches_ref(pa, window: int, block_m: int, block_n: int) -> None:
     """Whole prompts and chunks after cached keys (context not aligned to tiles or blocks); tiles taller than
     the key tiles, so a row can see no key of a whole tile."""

@@ -102,6 +102,7 @@ def test_noise_is_uniform_in_the_open_interval() -> None:
     assert abs(u.mean().item() - 0.5) < 0.01
 
 
+@pytest.mark.slow
 def test_the_extreme_hashes_map_strictly_inside_the_unit_interval() -> None:
     """Regression: u = ((h >> 8) + 0.5) * 2**-24 rounded to exactly 1.0 in float32 for the top hash value, so
     that column's noise was +inf and it won whatever its logit (~1 % of draws over a 150k vocabulary; NaN

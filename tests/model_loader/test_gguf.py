@@ -211,6 +211,7 @@ def test_smollm2_checkpoint_facts(smollm2: Checkpoint) -> None:
     assert tok.convert_tokens_to_ids("<|im_end|>") in smollm2.eos_token_ids
 
 
+@pytest.mark.slow
 def test_smollm2_tokenizer_equals_autotokenizer(smollm2: Checkpoint) -> None:
     """Our direct tokenizer build encodes, decodes and templates exactly as AutoTokenizer's GGUF path."""
     from transformers import AutoTokenizer
@@ -230,6 +231,7 @@ def test_smollm2_tokenizer_equals_autotokenizer(smollm2: Checkpoint) -> None:
     assert (ours.bos_token, ours.eos_token) == (auto.bos_token, auto.eos_token)
 
 
+@pytest.mark.slow
 def test_smollm2_weights_equal_transformers(smollm2: Checkpoint, reference: Any) -> None:
     """Every dequantized, renamed, un-permuted tensor equals transformers' load of the same file."""
     theirs = reference.state_dict()
@@ -240,6 +242,7 @@ def test_smollm2_weights_equal_transformers(smollm2: Checkpoint, reference: Any)
     assert names == set(theirs) - {"lm_head.weight"}
 
 
+@pytest.mark.slow
 def test_smollm2_logits_match_transformers(smollm2: Checkpoint, reference: Any) -> None:
     """Prefill, a chunked prefill and decodes through our paged Llama equal transformers within 1e-4."""
     arch = ModelArchConfig.from_hf(smollm2.hf_config, None)

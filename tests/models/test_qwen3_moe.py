@@ -79,6 +79,7 @@ def test_dense_layers_are_those_transformers_builds(fields: dict) -> None:
         assert moe is not None and set(range(6)) - moe.dense_layers == sparse
 
 
+@pytest.mark.slow
 def test_fused_experts_match_the_torch_form(tiny_checkpoints: dict[str, Path]) -> None:
     """The model with its MoE layers on the Triton kernel (the interpreter on CPU) gives the torch form's
     logits, through chunked prefill and decodes."""

@@ -90,6 +90,7 @@ def test_fp8_at_load_equals_transformers_on_e4m3_weights(tiny_checkpoints, tmp_p
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="the interpreter runs only without CUDA (tests/gpu covers the kernels there)")
+@pytest.mark.slow
 def test_triton_kernels_equal_the_reference_path_in_the_interpreter(quantized_checkpoints) -> None:
     """attention_backend="triton" turns on the quantized GEMM kernel (run by Triton's interpreter here); the
     kernel itself is checked for every code type in tests/kernels/test_quant_matmul.py."""
@@ -113,6 +114,7 @@ def test_tensor_parallel_fp8_at_load_equals_one_rank(tiny_checkpoints) -> None:
     assert _ours(path, prompts, tensor_parallel_size=2, quantization="fp8") == _ours(path, prompts, quantization="fp8")
 
 
+@pytest.mark.slow
 def test_tensor_parallel_cut_inside_a_group_is_refused(quantized_checkpoints) -> None:
     """o_proj's 128 inputs split over two ranks cut AWQ's 128-input group in half."""
     path, _, _ = quantized_checkpoints["awq"]

@@ -86,6 +86,7 @@ def _smollm2() -> Path:
         pytest.skip("SmolLM2's GGUF is not installed (asyncllm fetch-model)")
 
 
+@pytest.mark.slow
 def test_smollm2_q4_1_kept_quantized_same_weights_and_perplexity() -> None:
     """The real file: every Q4_1 linear layer repacked equals its dequantized tensor, and the perplexity of a
     fixed text through the model is the dequantized path's (float32: the same weights, within 1e-4)."""

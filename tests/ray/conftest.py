@@ -20,6 +20,16 @@ NO_CPU: dict[str, Any] = {"num_cpus": 0}
 ENGINE_ARGS: dict[str, Any] = dict(device="cpu", dtype="float32", block_size=4, num_kv_blocks=1024, max_model_len=512)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """This folder's tests start a Ray cluster: all `slow`, and under pytest-xdist (`--dist loadgroup`,
+    scripts/test.sh) they share one worker, so the cluster and the pool below start once, not once per worker."""
+    here = Path(__file__).parent
+    for item in items:
+        if here in item.path.parents:
+            item.add_marker(pytest.mark.slow)
+            item.add_marker(pytest.mark.xdist_group("ray"))
+
+
 @pytest.fixture(scope="package")
 def ray_cluster() -> Iterator[str]:
     """The cluster's address (subprocesses join it through $RAY_ADDRESS)."""

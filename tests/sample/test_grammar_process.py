@@ -101,6 +101,7 @@ def _run(table: GrammarTable, backend: GrammarBackend, steps: int, seed: int) ->
     return seen + sorted(("failed", *f) for f in failures)
 
 
+@pytest.mark.slow
 def test_process_gives_the_step_threads_masks_and_failures(backend: GrammarBackend) -> None:
     inline = GrammarTable(backend, ROWS, VOCAB, torch.device("cpu"), GrammarProcessMode.OFF)
     mixed = GrammarTable(backend, ROWS, VOCAB, torch.device("cpu"), GrammarProcessMode.LAZY, process_threads=3)

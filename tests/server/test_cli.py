@@ -28,6 +28,7 @@ from tests.server.serving import core_processes, free_port
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_serve_a_checkpoint_from_the_command_line(tiny_model: Path) -> None:
     port = free_port()
     cmd = [sys.executable, "-m", "asyncllm.cli", "serve", str(tiny_model), "--port", str(port)]
@@ -93,6 +94,7 @@ def test_bad_arguments_fail_in_one_line_with_their_exit_code(
     assert "block_size=3 is invalid" in _one_line(capsys.readouterr().err)
 
 
+@pytest.mark.slow
 def test_a_model_that_fails_to_load_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Regression: a failed start-up printed uvicorn's ~40-line traceback of the app's lifespan. The engine
     core's process (the default) sends its load error back to the server, which reports it so."""

@@ -7,9 +7,12 @@ import asyncio
 from typing import Any
 
 import openai
+import pytest
 
 from asyncllm import AsyncLLMEngine
 from tests.server.conftest import MODEL, wait_drained
+
+pytestmark = pytest.mark.slow  # starts processes or servers: seconds each
 
 CLIENTS = 64
 

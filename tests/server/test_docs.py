@@ -35,6 +35,7 @@ def test_curl_snippet(server: RunningServer) -> None:
     assert answer["usage"]["completion_tokens"] <= 32
 
 
+@pytest.mark.slow
 def test_openai_snippet(server: RunningServer) -> None:
     code = _block("python", "OpenAI(", server)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -55,6 +56,7 @@ def examples(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         yield finish
 
 
+@pytest.mark.slow
 def test_openai_client_example(examples: Callable[[str], str]) -> None:
     stdout = examples("openai_client.py")
     assert "completion_tokens=16" in stdout.splitlines()[-1], stdout  # the completion's usage

@@ -127,6 +127,7 @@ def test_a_bad_lora_module_fails_in_one_line(tiny_model: Path, capsys: pytest.Ca
     assert "asyncllm: cannot add LoRA adapter 'x': no LoRA adapter at" in err, err
 
 
+@pytest.mark.slow
 def test_serve_lora_modules_from_the_command_line(tiny_model: Path, tiny_lora_adapters) -> None:
     port = free_port()
     cmd = [sys.executable, "-m", "asyncllm.cli", "serve", str(tiny_model), "--port", str(port), "--device", "cpu"]

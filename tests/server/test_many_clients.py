@@ -31,6 +31,8 @@ from asyncllm import AsyncLLMEngine
 from asyncllm.server import create_app
 from tests.server.serving import RunningServer, start_server
 
+pytestmark = pytest.mark.slow  # starts processes or servers: seconds each
+
 NUM_CLIENTS = 2000
 ENGINE_ARGS: dict[str, Any] = dict(
     device="cpu", dtype="float32", block_size=16, num_kv_blocks=2048, max_model_len=256, max_num_seqs=256

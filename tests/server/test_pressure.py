@@ -161,6 +161,7 @@ def test_no_room_for_max_tokens_is_400(client: openai.OpenAI, server: RunningSer
     assert '"type":"invalid_request_error"' in events[-1] and '"param":"max_tokens"' in events[-1]
 
 
+@pytest.mark.slow
 async def test_a_stuck_step_turns_health_to_503_within_the_bound() -> None:
     """The engine's max_step_seconds (0.5 here) is the server's bound: /health and /health/live turn 503
     (code engine_stalled) once a step has run past it, and 200 again when it returns."""

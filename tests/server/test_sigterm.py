@@ -22,6 +22,8 @@ import pytest
 
 from tests.server.serving import core_processes, free_port
 
+pytestmark = pytest.mark.slow  # starts processes or servers: seconds each
+
 # The stream in flight must outlast the window between its first token and the refused request (the
 # signal, the drain starting at the server's next tick, two health checks: 0.12 s on an idle 2-core
 # machine, more on a busy one). 48 tokens of the tiny model fit inside it, so the drain had finished and

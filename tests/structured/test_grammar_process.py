@@ -40,6 +40,7 @@ def test_grammar_process_must_be_a_bool_or_none(tiny_model: Path) -> None:
         LLM(str(tiny_model), grammar_process=1, **ENGINE_ARGS)
 
 
+@pytest.mark.slow
 async def test_grammar_process_gives_the_step_threads_tokens(tiny_model: Path, llm_drawing: LLM) -> None:
     """The grammar process's matchers never jump forward: its twin is the step thread's without it."""
     prompts, params, names = _workload()
@@ -71,6 +72,7 @@ async def test_grammar_process_gives_the_step_threads_tokens(tiny_model: Path, l
     assert grammar_processes() == [], "the engine's shutdown ends its grammar process"
 
 
+@pytest.mark.slow
 async def test_grammar_process_death_fails_its_requests_alone(tiny_model: Path) -> None:
     await process_death_fails_its_requests_alone(tiny_model, **ENGINE_ARGS)
 

@@ -52,6 +52,7 @@ def _generate(llm: LLM, prompts: list[Any], params: list[SamplingParams]) -> tup
     return outs, int(llm.stats()["num_steps"] - before)
 
 
+@pytest.mark.slow
 def test_forced_heavy_schema_takes_fewer_steps(jumping: LLM, drawing: LLM) -> None:
     params = [constrained("person", "t1", seed=i) for i in range(6)]
     prompts: list[Any] = [[5 + i, 6, 7] for i in range(6)]
@@ -133,6 +134,7 @@ async def _stream(engine: Any, prompt: Any, params: SamplingParams) -> tuple[lis
     ],
     ids=["overlap", "held", "held-chunked", "held-preempted"],
 )
+@pytest.mark.slow
 async def test_overlapped_paths_give_the_serial_tokens(tiny_model: Path, jumping: LLM, variant: dict[str, Any]) -> None:
     """Overlapped scheduling plans the next step before a run is known: that step's draw is the run's first
     token (its row allows it alone). The outputs are still serial scheduling's, token for token; the same

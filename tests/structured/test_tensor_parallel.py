@@ -7,8 +7,12 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
+
 from asyncllm import LLM
 from tests.structured.conftest import ENGINE_ARGS, check, constrained, overlapped_engine
+
+pytestmark = pytest.mark.slow  # starts processes or servers: seconds each
 
 
 async def test_tp2_overlapped_constrained_equals_one_process(tiny_model: Path, llm_drawing: LLM) -> None:

@@ -42,6 +42,7 @@ def tokens(path: Path, prompts: list[list[int]], **engine_args) -> tuple[list[li
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="the interpreter runs only without CUDA (tests/gpu runs the GPU's)")
+@pytest.mark.slow
 def test_cascade_on_gives_the_tokens_of_the_reference(tiny_model: Path) -> None:
     """The Triton kernels with cascade, in the interpreter, against the torch backend (the specification the
     plain Triton path is held to in tests/attention/test_triton_backend.py): the same greedy tokens."""

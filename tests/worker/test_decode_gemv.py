@@ -45,6 +45,7 @@ def _prompts(vocab: int, lengths: tuple[int, ...]) -> list[list[int]]:
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="the interpreter runs only without CUDA (the GPU tests below run there)")
+@pytest.mark.slow
 def test_gemv_on_gives_the_tokens_of_gemv_off(tiny_model: Path) -> None:
     """One request alone: every decode step one row, through the GEMV (more rows take F.linear: the layer's
     tests, tests/layers/test_linear_gemv.py); with "on", qkv, gate_up and down fold the norm (the residual add
