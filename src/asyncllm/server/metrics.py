@@ -72,7 +72,7 @@ class ServerMetrics:
 class RequestTracker:
     """Feeds one engine request's chunks into the metrics; `end()` records how it ended, exactly once."""
 
-    __slots__ = ("_ended", "_last", "_metrics", "_num_tokens", "_start", "request_id")
+    __slots__ = ("_behind_first", "_ended", "_last", "_metrics", "_num_tokens", "_start", "request_id")
 
     def __init__(self, metrics: ServerMetrics, request_id: str = "") -> None:
         self._metrics = metrics
@@ -80,6 +80,7 @@ class RequestTracker:
         self._start = time.perf_counter()
         self._last: float | None = None  # when the previous chunk with tokens arrived
         self._num_tokens = 0
+        self._behind_first = 0  # tokens that came in the first chunk after its first token: no gap seen here
         self._ended = False
 
     def observe(self, chunk: StreamOutput) -> None:
@@ -88,16 +89,32 @@ class RequestTracker:
         if n:
             self._num_tokens += n
             now = time.perf_counter()
-            m.tokens.add(n, None if self._last is None else (now - self._last) / n)
+            if self._last is None:
+                self._behind_first = n - 1
+                m.tokens.add(n, None, 0)
+            else:
+                m.tokens.add(n, (now - self._last) / n, n)
             self._last = now
         if chunk.finish_reason is not None:
-            if chunk.metrics is not None:
-                m.prompt_tokens.inc(chunk.metrics.num_prompt_tokens)
-                if chunk.metrics.time_to_first_token is not None:
-                    m.ttft.observe(chunk.metrics.time_to_first_token)
-                if chunk.metrics.e2e_latency is not None:
-                    m.e2e.observe(chunk.metrics.e2e_latency)
-            self.end(chunk.finish_reason, chunk.metrics)
+            metrics = chunk.metrics
+            if metrics is not None:
+                m.prompt_tokens.inc(metrics.num_prompt_tokens)
+                if metrics.time_to_first_token is not None:
+                    m.ttft.observe(metrics.time_to_first_token)
+                if metrics.e2e_latency is not None:
+                    m.e2e.observe(metrics.e2e_latency)
+                self._observe_behind_first(metrics)
+            self.end(chunk.finish_reason, metrics)
+
+    def _observe_behind_first(self, metrics: RequestMetrics) -> None:
+        """Tokens merged into the first chunk (a consumer that read late, a non-streamed request) get the
+        request's mean gap after its first token, as the engine timed it: every token after the first is one
+        observation, however the reader kept up (regression: a non-streamed request read in one chunk
+        counted none)."""
+        ttft, e2e, generated = metrics.time_to_first_token, metrics.e2e_latency, metrics.num_generated_tokens
+        if self._behind_first and ttft is not None and e2e is not None and generated > 1:
+            self._metrics.tokens.add(0, max(e2e - ttft, 0.0) / (generated - 1), self._behind_first)
+        self._behind_first = 0
 
     def end(self, reason: str, metrics: RequestMetrics | None = None) -> None:
         """ "stop", "length", "abort" (the client left) or "error" (the engine died)."""
@@ -136,13 +153,13 @@ class TokenMetrics:
         self.gap_sum = 0.0
         self.num_tokens = 0
 
-    def add(self, n: int, gap: float | None) -> None:
-        """`n` more tokens; with `gap`, n observations of it (the first chunk of a request has none)."""
+    def add(self, n: int, gap: float | None, times: int) -> None:
+        """`n` more tokens, and `times` observations of `gap` between tokens."""
         with self._lock:
             self.num_tokens += n
-            if gap is not None:
-                self.counts[bisect.bisect_left(self.bounds, gap)] += n
-                self.gap_sum += gap * n
+            if gap is not None and times:
+                self.counts[bisect.bisect_left(self.bounds, gap)] += times
+                self.gap_sum += gap * times
 
     def snapshot(self) -> tuple[int, list[int], float]:
         with self._lock:
