@@ -3,8 +3,8 @@ the same greedy tokens and `stats()` for every family of its own sharding under 
 and prefix hits (KV heads split, and replicated); the same tokens when steps feed PLACEHOLDER inputs, finish,
 preempt and reuse ids; two engines side by side; a bad size refused before any process starts, a worker
 failing at start-up reported with its traceback; a worker killed mid-stream failing every stream with
-EngineDeadError within a second, leaving no process and no /dev/shm segment; and workers gone with their
-engine's process when it is killed."""
+EngineDeadError within a second, leaving no process and no /dev/shm segment; workers gone with their
+engine's process when it is killed; and a worker that loads no tokenizer unless a constraint needs one."""
 
 from __future__ import annotations
 
@@ -182,7 +182,9 @@ def _scripted_run(executor: ModelExecutor) -> list[list[int]]:
 
 
 def test_scripted_steps_match_one_process(tiny_checkpoints: dict[str, Path]) -> None:
-    """Driven directly through the executor protocol, TP=2 samples what one process samples, step by step."""
+    """Driven directly through the executor protocol, TP=2 samples what one process samples, step by step.
+    The worker reopens the checkpoint for its weights alone: with no constraint asked for, it never loads the
+    tokenizer (its start-up once paid for transformers' import and the tokenizer, which only grammars read)."""
     path = str(tiny_checkpoints["qwen2"])
     checkpoint = open_checkpoint(path, torch.float32)
     args = dict(device="cpu", dtype="float32", block_size=4, num_kv_blocks=32)
@@ -193,6 +195,8 @@ def test_scripted_steps_match_one_process(tiny_checkpoints: dict[str, Path]) -> 
     try:
         assert tp.runtime.num_kv_blocks == 32 and len(tp.worker_pids) == 1
         assert _scripted_run(tp) == want
+        (pid,) = tp.worker_pids
+        assert "/tokenizers/" not in Path(f"/proc/{pid}/maps").read_text()  # the tokenizers library never loaded
     finally:
         tp.shutdown()
         tp.shutdown()  # idempotent

@@ -1,4 +1,5 @@
-"""A tokenizer path the user gives must exist and hold a tokenizer; the checkpoint's own stays optional."""
+"""A tokenizer path the user gives must exist and hold a tokenizer; the checkpoint's own stays optional; a
+tensor-parallel worker's reopened checkpoint loads the same one, only when asked."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from asyncllm.errors import ModelNotFoundError
-from asyncllm.model_loader.checkpoint import open_checkpoint
+from asyncllm.model_loader.checkpoint import open_checkpoint, reopen_checkpoint
 from tests.fixtures.tiny_models import build_checkpoint, build_tokenizer
 
 
@@ -47,3 +48,35 @@ def test_gguf_uses_a_given_tokenizer_and_checks_it(tmp_path: Path) -> None:
     assert Path(given.name_or_path) == tok_dir
     with pytest.raises(ModelNotFoundError, match=r"tokenizer='/nonexistent' is not a directory"):
         open_checkpoint(str(gguf_path), torch.float32, "/nonexistent")
+
+
+def test_a_reopened_checkpoint_loads_rank_0s_tokenizer_only_when_asked(checkpoint_dir: Path, tmp_path: Path) -> None:
+    """A tensor-parallel worker reopens rank 0's checkpoint (`reopen_checkpoint`): the same weights and rank 0's
+    EOS ids, no config parsed and no tokenizer loaded; `load_tokenizer` loads the one rank 0 has (the given one,
+    else the checkpoint's own), and a directory without one has none to load."""
+    from tests.fixtures.tiny_gguf import build_hf_model, write_gguf
+
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    build_tokenizer(tok_dir)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in checkpoint_dir.iterdir():
+        if not f.name.startswith("tokenizer"):
+            (bare / f.name).symlink_to(f)
+    gguf_path = write_gguf(tmp_path / "m.gguf", "llama", build_hf_model("llama"))
+    for model, given in [(checkpoint_dir, None), (checkpoint_dir, tok_dir), (gguf_path, tok_dir), (bare, None)]:
+        given_path = None if given is None else str(given)
+        opened = open_checkpoint(str(model), torch.float32, given_path)
+        reopened = reopen_checkpoint(str(model), torch.float32, given_path, frozenset({5}))
+        assert reopened.tokenizer is None and reopened.eos_token_ids == {5}
+        assert model.suffix == ".gguf" or reopened.hf_config is None
+        got, want = dict(reopened.iter_weights()), dict(opened.iter_weights())
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+        if opened.tokenizer is None:
+            assert reopened.load_tokenizer is None, model
+            continue
+        assert reopened.load_tokenizer is not None
+        loaded = reopened.load_tokenizer()
+        assert Path(loaded.name_or_path) == Path(opened.tokenizer.name_or_path) == (given or model)
+        assert loaded.get_vocab() == opened.tokenizer.get_vocab()

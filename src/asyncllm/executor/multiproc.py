@@ -109,6 +109,7 @@ class MultiProcExecutor:
                     threads,
                     None if cuda_base is None else cuda_base + rank,
                     all_reduce_bytes,
+                    checkpoint.eos_token_ids,
                 )
                 for rank in range(1, world)
             ]

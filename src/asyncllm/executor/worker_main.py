@@ -1,11 +1,12 @@
 """A tensor-parallel worker process (ranks 1..N-1): the entry point `worker_procs` starts.
 
 The process attaches to the ring, joins the engine's process group, builds its `Worker` as rank 0 does
-(`build_worker`, in lock-step, from rank 0's resolved model) on its own device, then runs every step the
-ring brings and discards the output (rank 0's is the engine's; every rank samples the same tokens from the
-same gathered logits and seeds). It reports "attached", "ready" or its failure (with the traceback) on its
-report pipe, exits when the ring closes, and exits at once when the pipe from its parent closes (the parent
-died). Knows nothing of scheduling.
+(`build_worker`, in lock-step, from rank 0's resolved model and EOS ids; the checkpoint is reopened for its
+weights alone, no config parsed and no tokenizer loaded until a constraint needs one) on its own device,
+then runs every step the ring brings and discards the output (rank 0's is the engine's; every rank samples
+the same tokens from the same gathered logits and seeds). It reports "attached", "ready" or its failure (with
+the traceback) on its report pipe, exits when the ring closes, and exits at once when the pipe from its parent
+closes (the parent died). Knows nothing of scheduling.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class WorkerSpec:
     num_threads: int  # torch CPU threads: the host's cores shared among the ranks
     cuda_device: int | None  # the GPU this rank owns (rank 0's index + rank); None on CPU
     custom_all_reduce_bytes: int  # rank 0's choice (every rank must size the shared buffer alike); 0: NCCL only
+    eos_token_ids: frozenset[int]  # rank 0's checkpoint's: the worker reopens only its weights (`reopen_checkpoint`)
 
 
 def main() -> None:
@@ -67,7 +69,7 @@ def run_worker(spec: WorkerSpec, parent_alive: Connection, status: Connection) -
     """Run rank `spec.rank` until the ring closes; `parent_alive` closing ends the process at once."""
     _exit_with_parent(parent_alive)
     from asyncllm.distributed.shm_reader import ShmRingReader
-    from asyncllm.model_loader.checkpoint import open_checkpoint
+    from asyncllm.model_loader.checkpoint import reopen_checkpoint
     from asyncllm.worker.setup import build_worker
 
     worker: Worker | None = None
@@ -83,7 +85,7 @@ def run_worker(spec: WorkerSpec, parent_alive: Connection, status: Connection) -
             _send(status, ATTACHED)
             parallel = ParallelContext.join(spec.rendezvous, spec.rank, resolved.device, spec.custom_all_reduce_bytes)
             mc = spec.config.model_config
-            checkpoint = open_checkpoint(mc.model, torch.float32, mc.tokenizer)
+            checkpoint = reopen_checkpoint(mc.model, torch.float32, mc.tokenizer, spec.eos_token_ids)
             worker = build_worker(spec.config, checkpoint, resolved, parallel, parallel.min_int)
             _send(status, READY)
             decoder = StepDecoder()

@@ -25,8 +25,8 @@ ShardIterator = Callable[[ShardSelector], Iterator[tuple[str, torch.Tensor]]]
 @dataclass
 class Checkpoint:
     path: Path
-    hf_config: Any  # transformers.PretrainedConfig
-    tokenizer: Any | None  # transformers fast tokenizer (chat template included), None if absent
+    hf_config: Any  # transformers.PretrainedConfig; None in a directory a worker rank reopened (`reopen_checkpoint`)
+    tokenizer: Any | None  # transformers fast tokenizer (chat template included), None if absent or deferred
     eos_token_ids: frozenset[int]
     iter_weights: WeightIterator  # yields (hf_name, tensor) pairs
     # Yields each tensor's selected slice, reading only that from disk; None where the format cannot (the
@@ -36,3 +36,6 @@ class Checkpoint:
     # GGUF: `iter_weights` with the given checkpoint modules' weights kept quantized, each in its layer scheme's
     # layout (model_loader/gguf/repack.py); None for formats whose quantized tensors come through `iter_weights`.
     iter_quantized_weights: Callable[[Mapping[str, QuantScheme]], Iterator[tuple[str, torch.Tensor]]] | None = None
+    # The tokenizer, not loaded yet (`tokenizer` is None): a worker rank's reopened checkpoint, whose only reader
+    # of it is a constraint's grammar. None where `tokenizer` is loaded, or absent.
+    load_tokenizer: Callable[[], Any] | None = None

@@ -12,10 +12,10 @@ import torch
 
 from asyncllm.errors import ModelNotFoundError
 from asyncllm.model_loader.base import Checkpoint
-from asyncllm.model_loader.gguf.checkpoint import open_gguf_checkpoint
-from asyncllm.model_loader.hf import open_hf_checkpoint
+from asyncllm.model_loader.gguf.checkpoint import open_gguf_checkpoint, reopen_gguf_checkpoint
+from asyncllm.model_loader.hf import open_hf_checkpoint, reopen_hf_checkpoint
 
-__all__ = ["Checkpoint", "open_checkpoint"]
+__all__ = ["Checkpoint", "open_checkpoint", "reopen_checkpoint"]
 
 
 def open_checkpoint(model: str, dtype: torch.dtype, tokenizer_path: str | None = None) -> Checkpoint:
@@ -28,3 +28,16 @@ def open_checkpoint(model: str, dtype: torch.dtype, tokenizer_path: str | None =
             f"model {model!r} is neither a checkpoint directory nor a .gguf file (no network access is attempted)"
         )
     return open_hf_checkpoint(path, dtype, given)
+
+
+def reopen_checkpoint(
+    model: str, dtype: torch.dtype, tokenizer_path: str | None, eos_token_ids: frozenset[int]
+) -> Checkpoint:
+    """The checkpoint rank 0 opened (`open_checkpoint`), reopened by a tensor-parallel worker: the weights, with
+    rank 0's EOS ids. The tokenizer is not loaded (`Checkpoint.load_tokenizer` loads it at first use: only a
+    constraint's grammar needs it), nor a directory's config (the worker builds from rank 0's resolved model)."""
+    path = Path(model).expanduser()
+    given = Path(tokenizer_path).expanduser() if tokenizer_path else None
+    if path.is_file() and path.suffix == ".gguf":
+        return reopen_gguf_checkpoint(path, dtype, given, eos_token_ids)
+    return reopen_hf_checkpoint(path, dtype, given, eos_token_ids)

@@ -6,6 +6,8 @@ Nothing here touches the network: transformers is asked for local files only.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,29 @@ def open_hf_checkpoint(path: Path, dtype: torch.dtype, tokenizer_path: Path | No
     )
 
 
+def reopen_hf_checkpoint(
+    path: Path, dtype: torch.dtype, tokenizer_path: Path | None, eos_token_ids: frozenset[int]
+) -> Checkpoint:
+    """A directory rank 0 opened, reopened by a worker rank: its weights, with rank 0's EOS ids. The config is
+    not parsed (the worker builds from rank 0's resolved model) and the tokenizer is loaded at first use: the
+    worker imports transformers, a large part of its start-up, only once a constraint needs the tokenizer."""
+    load: Callable[[], Any] | None = None
+    if tokenizer_path is not None:
+        load = partial(load_given_tokenizer, tokenizer_path)
+    elif has_tokenizer(path):
+        load = partial(load_tokenizer, path)
+    return Checkpoint(
+        path=path,
+        hf_config=None,
+        tokenizer=None,
+        eos_token_ids=eos_token_ids,
+        iter_weights=lambda: iter_safetensors(path, dtype),
+        iter_weight_shards=lambda select: iter_safetensors(path, dtype, select),
+        num_tensors=count_safetensors(path),
+        load_tokenizer=load,
+    )
+
+
 def check_architecture(config_json: Path) -> None:
     """UnsupportedModelError naming the checkpoint's architecture and the supported ones, before anything
     else reads the config: another family's fields (GPT-2's n_embd, Phi's activation) would fail less clearly."""
@@ -50,11 +75,16 @@ def check_architecture(config_json: Path) -> None:
 
 def load_tokenizer(path: Path) -> Any | None:
     """The fast tokenizer saved in `path`, None when the directory has no tokenizer files."""
-    if not ((path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()):
+    if not has_tokenizer(path):
         return None
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def has_tokenizer(path: Path) -> bool:
+    """Whether the directory holds tokenizer files."""
+    return (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()
 
 
 def load_given_tokenizer(path: Path) -> Any:

@@ -24,7 +24,7 @@ from asyncllm.model_loader.kv_scales import KVScales, kv_scale_name
 from asyncllm.model_loader.progress import with_progress
 from asyncllm.models.base import CausalLM
 from asyncllm.models.config import ModelArchConfig
-from asyncllm.models.registry import resolve_model_class
+from asyncllm.models.registry import resolve_architecture
 from asyncllm.models.tensor_parallel import shard_arch, shard_model, weight_shard
 from asyncllm.quantization.apply import quantize_linear_layers
 from asyncllm.quantization.convert import CheckpointConverter
@@ -53,7 +53,7 @@ def load_model(
     communicating layers swapped in, and only its slices of the weights read. With `quant`, its linear layers
     quantized (swapped after sharding; the checkpoint's tensors converted to their layout as they are read).
     """
-    model_cls = resolve_model_class(checkpoint.hf_config)
+    model_cls = resolve_architecture(arch.architecture).model_class  # a worker rank's checkpoint has no hf_config
     world_size = 1 if parallel is None else parallel.world_size
     # Parameters are allocated in `dtype` (never the whole model in float32 first); buffers computed at
     # construction are cast once below. Weights are then copied (and cast) into place, never held twice.

@@ -63,12 +63,15 @@ class GrammarBackend:
     """`compile(spec)` a constraint (cached), `check(spec)` it for the front, `compile_async(spec)` off the
     calling thread; all three raise (or resolve to) `InvalidRequestError` naming the constraint's field.
     `prepare_async()` builds the vocabulary's tables ahead of the first compile; `tables()` exports them,
-    and `from_tables` makes a backend of them in another process."""
+    and `from_tables` makes a backend of them in another process. A `deferred` backend loads its tokenizer
+    when first read."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Collection[int]) -> None:
         if not stop_token_ids:
             raise ValueError("GrammarBackend: a complete constraint ends with a stop token; give the EOS ids")
-        self.tokenizer = tokenizer
+        self._tokenizer = tokenizer
+        self._load_tokenizer: Callable[[], Any] | None = None  # set by `deferred`: loads `tokenizer` at first read
+        self._tokenizer_lock = threading.Lock()
         self.vocab_size = vocab_size  # the model's embedding rows (the tokenizer may have fewer tokens)
         self.stop_token_ids = sorted(stop_token_ids)
         self._lock = threading.Lock()  # held while the vocabulary's tables are built
@@ -80,6 +83,24 @@ class GrammarBackend:
         self._watch_lock = threading.Lock()
         self._watchers: list[Callable[[StructuredOutput], None]] = []
         self._recent: OrderedDict[StructuredOutput, None] = OrderedDict()  # the last constraints compiled
+
+    @classmethod
+    def deferred(
+        cls, load_tokenizer: Callable[[], Any], vocab_size: int, stop_token_ids: Collection[int]
+    ) -> GrammarBackend:
+        """A backend whose tokenizer is loaded at its first read (a tensor-parallel worker's: only a constraint
+        needs it, and most engines never see one)."""
+        backend = cls(None, vocab_size, stop_token_ids)
+        backend._load_tokenizer = load_tokenizer
+        return backend
+
+    @property
+    def tokenizer(self) -> Any:
+        """The vocabulary's tokenizer (loaded now if it was `deferred`); None for a backend `from_tables`."""
+        with self._tokenizer_lock:  # its own lock: `_vocabulary` reads it holding `_lock`
+            if self._load_tokenizer is not None:
+                self._tokenizer, self._load_tokenizer = self._load_tokenizer(), None
+            return self._tokenizer
 
     @classmethod
     def from_tables(cls, tables: VocabularyTables) -> GrammarBackend:

@@ -361,8 +361,14 @@ class WorkerSetup:
     def _grammar(self, vocab_size: int) -> GrammarBackend | None:
         """This process's compiler of output constraints, over the checkpoint's tokenizer and the model's
         embedding rows, ending with its EOS ids (built lazily: free until the first constrained request)."""
-        tokenizer, eos = self.checkpoint.tokenizer, self.checkpoint.eos_token_ids
-        return GrammarBackend(tokenizer, vocab_size, eos) if tokenizer is not None and eos else None
+        checkpoint, eos = self.checkpoint, self.checkpoint.eos_token_ids
+        if not eos:
+            return None
+        if checkpoint.tokenizer is not None:
+            return GrammarBackend(checkpoint.tokenizer, vocab_size, eos)
+        if checkpoint.load_tokenizer is not None:  # a worker rank's: loaded by the first constraint
+            return GrammarBackend.deferred(checkpoint.load_tokenizer, vocab_size, eos)
+        return None
 
     def _grammar_process_threads(self) -> int:
         """The grammar process's filling threads: `grammar_process_threads` where given, else the cores this

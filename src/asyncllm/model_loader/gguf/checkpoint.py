@@ -10,7 +10,9 @@ Nothing here touches the network.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,29 @@ logger = logging.getLogger("asyncllm.model_loader")
 def open_gguf_checkpoint(path: Path, dtype: torch.dtype, tokenizer_path: Path | None = None) -> Checkpoint:
     """Validate the whole file, then return its config, tokenizer and a weight iterator yielding `dtype`.
     `tokenizer_path`: a tokenizer directory the user named, used instead of the one the file describes."""
+    header, checkpoint = _open(path, dtype)
+    tokenizer = _load_tokenizer(path, header) if tokenizer_path is None else load_given_tokenizer(tokenizer_path)
+    eos = eos_token_ids(header) | _turn_end_ids(tokenizer)
+    return replace(checkpoint, tokenizer=tokenizer, eos_token_ids=frozenset(eos))
+
+
+def reopen_gguf_checkpoint(
+    path: Path, dtype: torch.dtype, tokenizer_path: Path | None, eos: frozenset[int]
+) -> Checkpoint:
+    """The file rank 0 opened, reopened by a worker rank: its config and weights, with rank 0's EOS ids (they
+    depend on the tokenizer); the tokenizer, rebuilt from the vocabulary, is loaded at first use (only a
+    constraint's grammar reads it)."""
+    header, checkpoint = _open(path, dtype)
+    load: Callable[[], Any] | None = None
+    if tokenizer_path is not None:
+        load = partial(load_given_tokenizer, tokenizer_path)
+    elif read_field(header, "tokenizer.ggml.model") is not None:
+        load = partial(_load_tokenizer, path, header)
+    return replace(checkpoint, eos_token_ids=eos, load_tokenizer=load)
+
+
+def _open(path: Path, dtype: torch.dtype) -> tuple[GGUFHeader, Checkpoint]:
+    """The header, and the checkpoint without its tokenizer and EOS ids, every tensor checked."""
     try:
         header = read_gguf_header(path)  # tensors are read (mapped) only when iterated
     except OSError as exc:
@@ -52,8 +77,6 @@ def open_gguf_checkpoint(path: Path, dtype: torch.dtype, tokenizer_path: Path | 
         hf_name(name, names)  # raises on a tensor we would not know where to put
     check_tensor_types(header.tensors)
     check_tensor_sizes(header)
-    tokenizer = _load_tokenizer(path, header) if tokenizer_path is None else load_given_tokenizer(tokenizer_path)
-    eos = eos_token_ids(header) | _turn_end_ids(tokenizer)
 
     # The linear layers' tensor types: the scheme decides from them which layers stay quantized, and how.
     plan = arch.model_class.family.weights
@@ -80,11 +103,11 @@ def open_gguf_checkpoint(path: Path, dtype: torch.dtype, tokenizer_path: Path | 
             keep=keep,
         )
 
-    return Checkpoint(
+    return header, Checkpoint(
         path=path,
         hf_config=hf_config,
-        tokenizer=tokenizer,
-        eos_token_ids=frozenset(eos),
+        tokenizer=None,
+        eos_token_ids=frozenset(),
         iter_weights=lambda: iter_quantized_weights({}),
         num_tensors=len(header.tensors),
         iter_quantized_weights=iter_quantized_weights,
