@@ -18,6 +18,9 @@ for arg in "$@"; do
   esac
 done
 scripts/setup.sh "${setup[@]}"
+# Every engine, core and worker process the tests start imports the package: compiled once, not per process
+# (__pycache__ is ignored by git).
+unset PYTHONDONTWRITEBYTECODE
 start=$SECONDS
 echo "test: ruff (lint and format)" >&2
 "$venv/bin/ruff" check -q src tests kernels examples bench
