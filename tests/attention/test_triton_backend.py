@@ -108,6 +108,13 @@ MIXED_STEPS = [
     [(0, 1), (1, 1), (2, 23), (4, 5), (3, 1)],
     [(0, 1), (1, 2), (2, 1), (4, 1), (5, 1)],
 ]
+# then a prompt beside five decodes, then eight two-token prompts beside a decode: more prefill tiles than a
+# 96-row graph's prefill programs, which stride over them
+LONGER_STEPS = [
+    *MIXED_STEPS,
+    [(6, 30), (0, 1), (1, 1), (4, 9), (7, 2), (8, 1)],
+    [(i, 2) for i in range(9, 17)] + [(6, 1)],
+]
 
 
 @pytest.mark.parametrize("block_size,group,head_dim", [(16, 2, 64), (32, 1, 24), (16, 8, 32), (4, 2, 16)])
@@ -121,9 +128,7 @@ def test_mixed_steps_match_torch_backend(kernels, block_size: int, group: int, h
 def test_graph_planned_steps_match_torch_backend(kernels, block_size: int, group: int, head_dim: int) -> None:
     """Steps of 5 to 74 tokens in up to 9 sequences, each planned for one 96-row, 9-sequence graph shape:
     the same launches every step (shapes and work-list addresses), the reference's outputs."""
-    many_short = [(i, 2) for i in range(9, 17)] + [(6, 1)]  # more prefill tiles than programs: they stride
-    steps = [*MIXED_STEPS, [(6, 30), (0, 1), (1, 1), (4, 9), (7, 2), (8, 1)], many_short]
-    _compare_steps(steps, block_size, group, head_dim, torch.float32, graph_tokens=96)
+    _compare_steps(LONGER_STEPS, block_size, group, head_dim, torch.float32, graph_tokens=96)
 
 
 @pytest.mark.slow
@@ -139,26 +144,30 @@ def test_graph_planned_decode_steps_match_torch_backend(kernels) -> None:
 @pytest.mark.parametrize("window", [1, 7, 20])
 @pytest.mark.slow
 def test_sliding_window_steps_match_torch_backend(kernels, window: int) -> None:
-    """A sliding-window layer's steps, eager, planned as a captured mixed step, and as a captured decode step
-    (the window's own split count is fixed by the bounds: one launch shape throughout)."""
-    many_short = [(i, 2) for i in range(9, 17)] + [(6, 1)]
-    steps = [*MIXED_STEPS, [(6, 30), (0, 1), (1, 1), (4, 9), (7, 2), (8, 1)], many_short]
-    _compare_steps(steps, 4, 2, 16, torch.float32, window=window)
-    _compare_steps(steps, 16, 2, 16, torch.float32, graph_tokens=96, window=window)
+    """A sliding-window layer's steps, eager: windows of the query alone, inside a prefill tile of 16 rows,
+    and across tiles."""
+    _compare_steps(LONGER_STEPS, 4, 2, 16, torch.float32, window=window)
+
+
+@pytest.mark.slow
+def test_sliding_window_graph_planned_steps_match_torch_backend(kernels) -> None:
+    """The same steps planned as a captured mixed step, and decode steps as a captured decode step, the window
+    across tiles (the window's own split count is fixed by the bounds: one launch shape throughout). A plan
+    sets the grid, its padding and the split count, the window only the kernels' masks: each width is the
+    eager test's."""
+    _compare_steps(LONGER_STEPS, 16, 2, 16, torch.float32, graph_tokens=96, window=20)
     decode = [(0, 1), (1, 1), (2, 1), (3, 1)]
     _compare_steps([[(0, 17), (1, 3), (2, 40), (3, 16)], decode, decode], 16, 2, 16, torch.float32, graph_decode=True,
-                   window=window)  # fmt: skip
+                   window=20)  # fmt: skip
 
 
 @pytest.mark.slow
 def test_fp8_cache_steps_match_torch_backend(kernels) -> None:
     """An e4m3 cache with scales other than 1: both backends store the same codes and read them alike, eagerly,
     planned as a captured mixed step and as a captured decode step, globally and in a sliding window."""
-    many_short = [(i, 2) for i in range(9, 17)] + [(6, 1)]
-    steps = [*MIXED_STEPS, [(6, 30), (0, 1), (1, 1), (4, 9), (7, 2), (8, 1)], many_short]
     fp8 = dict(kv_dtype=torch.float8_e4m3fn, kv_scales=(0.37, 1.55))
     _compare_steps(MIXED_STEPS, 16, 2, 64, torch.float32, **fp8)
-    _compare_steps(steps, 4, 2, 16, torch.float32, graph_tokens=96, window=7, **fp8)
+    _compare_steps(LONGER_STEPS, 4, 2, 16, torch.float32, graph_tokens=96, window=7, **fp8)
     decode = [(0, 1), (1, 1), (2, 1), (3, 1)]
     _compare_steps([[(0, 17), (1, 3), (2, 40), (3, 16)], decode, decode], 16, 2, 16, torch.float32, graph_decode=True,
                    **fp8)  # fmt: skip

@@ -108,9 +108,11 @@ def test_prefill_matches_ref(pa, num_kv_heads: int, group: int, head_dim: int, b
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.slow
 def test_chunked_prefill_with_offsets_matches_ref(pa, block_size: int) -> None:
-    """Chunks whose keys start before their queries (context = seq_len - query_len), not aligned to tiles.
-    Block size 4 is below the tile (the table read per token, as for 1: test_decode_small_blocks takes both)."""
-    seqs = [(13, 2), (16, 15), (1, 16), (240, 17), (157, 100), (3, 7)]
+    """Chunks whose keys start before their queries (context = seq_len - query_len), not aligned to tiles:
+    contexts shorter than a tile, of one, of several whole tiles (48) and of several tiles and a part (45),
+    chunks of a tile or less, a tile and a row (17), several tiles and a part (40). Block size 4 is below the
+    tile (the table read per token, as for 1: test_decode_small_blocks takes both)."""
+    seqs = [(13, 2), (16, 15), (1, 16), (48, 17), (45, 40), (3, 7)]
     batch = make_batch(seqs, 2, 2, 64, block_size, torch.float32, seed=block_size)
     check(pa, run_prefill(pa, *batch, 0.125, block_m=16, block_n=16), *batch, 0.125)
 
@@ -119,14 +121,14 @@ def test_chunked_prefill_with_offsets_matches_ref(pa, block_size: int) -> None:
 def test_graph_shaped_launches_match_ref(pa) -> None:
     """A fixed grid larger or smaller than the work: decode entries of -1 exit, prefill programs stride over
     the live tile count (fewer programs than tiles, and more), and nothing else is written."""
-    seqs = [(13, 2), (16, 15), (0, 40), (240, 17), (8, 1), (0, 3), (30, 1)]
+    seqs = [(13, 2), (16, 15), (0, 40), (48, 17), (8, 1), (0, 3), (30, 1)]
     q, k_cache, v_cache, meta = batch = make_batch(seqs, 2, 2, 64, 16, torch.float32, seed=5)
     decode_rows = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
     starts = meta.query_start_loc.tolist()
     prefill = torch.ones(q.shape[0], dtype=torch.bool)
     prefill[[starts[i] for i in decode_rows]] = False
     ref = pa.paged_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.query_lens_cpu, meta.seq_lens_cpu, 0.125)
-    for programs in (1, 3, 40):  # 7 tiles of 16 rows
+    for programs in (1, 3, 40):  # 8 tiles of 16 rows
         out = run_prefill(pa, *batch, 0.125, block_m=16, block_n=16, capacity=12, num_programs=programs)
         assert out[~prefill.to(out.device)].isnan().all(), "decode rows are the decode kernel's"
         torch.testing.assert_close(out[prefill.to(out.device)], ref[prefill.to(ref.device)], atol=1e-4, rtol=1e-4)

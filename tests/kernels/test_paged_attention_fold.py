@@ -71,7 +71,8 @@ def test_fold_most_splits(pa) -> None:
     check(pa, folded, *batch, 0.125)
     torch.testing.assert_close(folded, twin, atol=1e-6, rtol=1e-6)
     batch = make_batch([(lens[-1] - 1, 1)], 1, 2, 32, 16, torch.float32, seed=12)
-    check(pa, fold_and_twin(pa, batch, 0.125, splits, counters, block_n=16)[0], *batch, 0.125)
+    check(pa, run_decode(pa, *batch, 0.125, splits, counters=counters, block_n=16), *batch, 0.125)
+    assert not counters.any(), f"counters left at {counters.tolist()}"
 
 
 @pytest.mark.parametrize("batch_size", [5, 64])

@@ -54,7 +54,7 @@ def test_decode_matches_ref(pa, num_kv_heads: int, group: int, head_dim: int, bl
 @pytest.mark.slow
 def test_prefill_and_chunks_match_ref(pa, num_kv_heads: int, group: int, head_dim: int, block_size: int) -> None:
     kv = scales()
-    seqs = [(0, 2), (0, 17), (13, 2), (16, 15), (157, 100), (3, 7)]
+    seqs = [(0, 2), (0, 17), (13, 2), (16, 15), (45, 40), (3, 7)]  # contexts of 0, part of a tile, one, 2.8 tiles
     batch = fp8_batch(seqs, num_kv_heads, group, head_dim, block_size, torch.float32, seed=3 + group, **kv)
     check(pa, run_prefill(pa, *batch, 0.125, block_m=16, block_n=16, **kv), *batch, 0.125, **kv)
 

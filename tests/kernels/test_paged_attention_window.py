@@ -63,9 +63,10 @@ def test_decode_window_matches_ref(pa, window: int, block_size: int) -> None:
 @pytest.mark.parametrize("block_m,block_n", [(32, 16), (16, 32)])
 @pytest.mark.slow
 def test_prefill_window_matches_ref(pa, window: int, block_m: int, block_n: int) -> None:
-    """Whole prompts and chunks after cached keys (context not aligned to tiles or blocks); tiles taller than
-    the key tiles, so a row can see no key of a whole tile."""
-    seqs = [(0, 2), (0, 40), (13, 2), (16, 15), (1, 16), (240, 17), (57, 100), (3, 7)]
+    """Whole prompts and chunks after cached keys (contexts not aligned to tiles or blocks, 80 past a window of
+    33 and a key tile: the whole tiles before its window are skipped); tiles taller than the key tiles, so a
+    row can see no key of a whole tile."""
+    seqs = [(0, 2), (0, 40), (13, 2), (16, 15), (1, 16), (80, 17), (57, 40), (3, 7)]
     q, k_cache, v_cache, meta = make_batch(seqs, 2, 2, 64, 4, torch.float32, seed=window + block_m)
     ref = _reference(pa, q, k_cache, v_cache, meta, 0.125, window)
     _poison_outside_windows(k_cache, v_cache, meta, window)
