@@ -1,8 +1,9 @@
 """Compiles the quantized GEMM, GEMV (its quantized and 16-bit modes, every tile the GEMV sweep may pick) and
-dequantization kernels for Hopper (sm_90) without a GPU: Triton's compiler
-and the ptxas it ships, in a process without TRITON_INTERPRET. Catches what the interpreter accepts and the
-compiler does not (a kernel reading a plain module global, a shape that is not a power of two, an unsupported
-conversion). Run by tests/kernels/test_quant_matmul.py; prints one line per variant, "ok" or the error."""
+dequantization kernels for Hopper (sm_90) without a GPU: Triton's compiler up to PTX
+(tests/kernels/hopper_target.py), in a process without TRITON_INTERPRET. Catches what the interpreter accepts
+and the compiler does not (a kernel reading a plain module global, a shape that is not a power of two, an
+unsupported conversion). Run by tests/kernels/test_quant_matmul.py; prints one line per variant, "ok" or the
+error."""
 
 from __future__ import annotations
 
@@ -12,8 +13,7 @@ from functools import partial
 
 assert not os.environ.get("TRITON_INTERPRET"), "compiling needs the real Triton, not the interpreter"
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
+from hopper_target import compile_for_hopper  # noqa: E402  (beside this script)
 from triton.compiler import ASTSource  # noqa: E402
 
 from asyncllm.kernels import gemv_plan, rms_norm  # noqa: E402
@@ -21,7 +21,6 @@ from asyncllm.kernels import qk_norm_rope_kv as qk  # noqa: E402
 from asyncllm.kernels import quant_matmul as qm  # noqa: E402
 from asyncllm.kernels import quant_matmul_gemv as gemv  # noqa: E402
 
-TARGET = GPUTarget("cuda", 90, 32)
 POINTERS = {4: ("*i32", "*fp16"), 8: ("*i32", "*fp16"), 0: ("*fp8e4nv", "*fp32")}  # codes, scales
 GROUPS = {0: 4096, 1: 128, 2: 32, 3: 40}  # a group size that takes each MODE at BLOCK_K 128 or 64
 
@@ -40,7 +39,7 @@ def gemm(
     consts |= dict(BLOCK_M=blocks[0], BLOCK_N=blocks[1], BLOCK_K=blocks[2])
     signature |= {name: "constexpr" for name in consts}
     source = ASTSource(fn=qm._quant_matmul_kernel, signature=signature, constexprs=consts)
-    triton.compile(source, target=TARGET, options={"num_warps": 4, "num_stages": 3})
+    compile_for_hopper(source, num_warps=4, num_stages=3)
 
 
 def dequantize(bits: int) -> None:
@@ -49,7 +48,7 @@ def dequantize(bits: int) -> None:
     signature |= {name: "i32" for name in ("N", "K", "stride_wn", "stride_sn", "stride_zn", "stride_mn", "stride_on")}
     consts = dict(BITS=bits, GROUP=128, HAS_ZEROS=bits != 0, HAS_MINS=False, BLOCK_N=32, BLOCK_K=128)
     signature |= {name: "constexpr" for name in consts}
-    triton.compile(ASTSource(fn=qm._dequantize_kernel, signature=signature, constexprs=consts), target=TARGET)
+    compile_for_hopper(ASTSource(fn=qm._dequantize_kernel, signature=signature, constexprs=consts))
 
 
 def rms_norm_pdl(residual: bool) -> None:
@@ -60,7 +59,7 @@ def rms_norm_pdl(residual: bool) -> None:
     consts = dict(HIDDEN=1024, BLOCK_H=block_h, ROWS=rows, HAS_RESIDUAL=residual, UNIT_OFFSET=False, PDL=True)
     signature |= {name: "constexpr" for name in consts}
     source = ASTSource(fn=rms_norm._rms_norm_kernel, signature=signature, constexprs=consts)
-    triton.compile(source, target=TARGET, options={"num_warps": warps, "launch_pdl": True})
+    compile_for_hopper(source, num_warps=warps, launch_pdl=True)
 
 
 def qk_norm_rope_kv_pdl() -> None:
@@ -76,7 +75,7 @@ def qk_norm_rope_kv_pdl() -> None:
                   HAS_NORM=True, UNIT_OFFSET=False, KV_FP8=False, PDL=True)  # fmt: skip
     signature |= {name: "constexpr" for name in consts}
     source = ASTSource(fn=qk._qk_norm_rope_kv_kernel, signature=signature, constexprs=consts)
-    triton.compile(source, target=TARGET, options={"num_warps": 2, "launch_pdl": True, "enable_fp_fusion": False})
+    compile_for_hopper(source, num_warps=2, launch_pdl=True, enable_fp_fusion=False)
 
 
 def gemv_kernel(
@@ -104,7 +103,7 @@ def gemv_kernel(
                   PDL=pdl)  # fmt: skip
     signature |= {name: "constexpr" for name in consts}
     source = ASTSource(fn=gemv._gemv_kernel, signature=signature, constexprs=consts)
-    triton.compile(source, target=TARGET, options={"num_warps": config.num_warps, "launch_pdl": pdl})
+    compile_for_hopper(source, num_warps=config.num_warps, launch_pdl=pdl)
 
 
 FOLDED = gemv_plan.GemvConfig(fold_offsets=True)

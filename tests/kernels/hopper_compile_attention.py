@@ -1,11 +1,11 @@
 """Compiles the paged attention kernels (kernels/paged_attention_kernels.py: split-KV decode, its reduction, the
 varlen prefill; the split kernel with the reduce folded in (paged_attention_fold.py); both decode kernels in
-cascade form too, with kernels/paged_attention_cascade.py's prefix kernel)
-and the fused q/k norm + rotary + KV write (kernels/qk_norm_rope_kv.py) for Hopper (sm_90) without a GPU:
-Triton's compiler and the ptxas it ships, in a process without TRITON_INTERPRET, at the constants their
-launchers pick for head_dim 128 (Qwen3's): over an FP8 (e4m3) cache, bf16 queries global and sliding and
-float32 ones (the write also in Gemma's float16 form); over a cache of their dtype, bf16 queries.
-Run by tests/kernels/test_paged_attention_fp8.py; prints one line per variant, "ok" or the error."""
+cascade form too, with kernels/paged_attention_cascade.py's prefix kernel) and the fused q/k norm + rotary +
+KV write (kernels/qk_norm_rope_kv.py) for Hopper (sm_90) without a GPU: Triton's compiler up to PTX
+(tests/kernels/hopper_target.py), in a process without TRITON_INTERPRET, at the constants their launchers pick
+for head_dim 128 (Qwen3's): over an FP8 (e4m3) cache, bf16 queries global and sliding and float32 ones (the
+write also in Gemma's float16 form); over a cache of their dtype, bf16 queries. Run by
+tests/kernels/test_paged_attention_fp8.py; prints one line per variant, "ok" or the error."""
 
 from __future__ import annotations
 
@@ -15,15 +15,13 @@ from typing import Any
 
 assert not os.environ.get("TRITON_INTERPRET"), "compiling needs the real Triton, not the interpreter"
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
+from hopper_target import compile_for_hopper  # noqa: E402  (beside this script)
 from triton.compiler import ASTSource  # noqa: E402
 
 from asyncllm.kernels import paged_attention_cascade as pac  # noqa: E402
 from asyncllm.kernels import paged_attention_kernels as pak  # noqa: E402
 from asyncllm.kernels import qk_norm_rope_kv as qk  # noqa: E402
 
-TARGET = GPUTarget("cuda", 90, 32)
 TYPES = {"bf16": ("*bf16", "tf32"), "fp16": ("*fp16", "tf32"), "fp32": ("*fp32", "ieee")}
 FLOATS = ("qk_scale", "eps")
 
@@ -42,7 +40,7 @@ def _compile(fn: Any, pointers: dict[str, str], consts: dict[str, object], warps
     divisible = [name for name in fn.arg_names if name in pointers or name.startswith("stride")]
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
     source = ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
-    triton.compile(source, target=TARGET, options={"num_warps": warps, "num_stages": stages})
+    compile_for_hopper(source, num_warps=warps, num_stages=stages)
 
 
 def _cache(act: str, fp8: bool) -> tuple[str, dict[str, str]]:

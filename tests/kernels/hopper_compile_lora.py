@@ -1,8 +1,8 @@
-"""Compiles the batched LoRA kernels (kernels/lora.py: fused, split-K shrink, expand) for Hopper (sm_90)
-without a GPU: Triton's compiler and the ptxas it ships, in a process without TRITON_INTERPRET, at the launch
-shapes `plan_lora_launch` picks for Qwen3-0.6B's qkv and down layers at a decode step's 64 rows and a prompt
-step's 8,192 (each distinct kernel once), at ranks 16, 64 and 512 in bf16, rank 16 in fp16 and fp32. Also
-checks each variant's shared memory against the H100/H200's 227 KiB a program may take (a launch past it
+"""Compiles the batched LoRA kernels (kernels/lora.py: fused, split-K shrink, expand) for Hopper (sm_90) without
+a GPU: Triton's compiler up to PTX (tests/kernels/hopper_target.py), in a process without TRITON_INTERPRET, at
+the launch shapes `plan_lora_launch` picks for Qwen3-0.6B's qkv and down layers at a decode step's 64 rows and
+a prompt step's 8,192 (each distinct kernel once), at ranks 16, 64 and 512 in bf16, rank 16 in fp16 and fp32.
+Also checks each variant's shared memory against the H100/H200's 227 KiB a program may take (a launch past it
 fails on the device only). Run by tests/kernels/test_lora.py; prints one line per variant, "ok" or the error."""
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ from typing import Any
 
 assert not os.environ.get("TRITON_INTERPRET"), "compiling needs the real Triton, not the interpreter"
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
+from hopper_target import compile_for_hopper  # noqa: E402  (beside this script)
 from triton.compiler import ASTSource  # noqa: E402
 
 from asyncllm.kernels import lora  # noqa: E402
@@ -27,7 +26,6 @@ from asyncllm.kernels.lora_plan import (  # noqa: E402
     plan_lora_launch,
 )
 
-TARGET = GPUTarget("cuda", 90, 32)
 SHARED_LIMIT = 232_448  # bytes of shared memory one program may take on sm_90
 TYPES = {"bf16": ("*bf16", "tf32"), "fp16": ("*fp16", "tf32"), "fp32": ("*fp32", "ieee")}
 SHAPES = {"qkv": (1024, (2048, 1024, 1024)), "down": (3072, (1024,))}  # at 64 rows: fused, then split
@@ -41,7 +39,7 @@ def _compile(fn: Any, pointers: dict[str, str], ints: list[str], consts: dict[st
     divisible = [*pointers, *(name for name in ints if name.startswith("stride") or name in wide)]
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
     source = ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
-    compiled = triton.compile(source, target=TARGET, options={"num_warps": warps, "num_stages": 3})
+    compiled = compile_for_hopper(source, num_warps=warps, num_stages=3)
     shared = compiled.metadata.shared
     assert shared <= SHARED_LIMIT, f"takes {shared} bytes of shared memory, more than sm_90's {SHARED_LIMIT}"
 

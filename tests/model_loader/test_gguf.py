@@ -201,6 +201,7 @@ def reference(smollm2: Checkpoint) -> Any:
     return model.eval()
 
 
+@pytest.mark.slow
 def test_smollm2_checkpoint_facts(smollm2: Checkpoint) -> None:
     cfg, tok = smollm2.hf_config, smollm2.tokenizer
     assert cfg.architectures == ["LlamaForCausalLM"]

@@ -50,6 +50,8 @@ from tests.server.test_structured import (  # noqa: F401
     test_extras_regex_and_choice_streamed_and_not,
 )
 
+pytestmark = pytest.mark.slow  # the module's engine core runs in a process of its own: seconds to start
+
 
 @pytest.fixture(scope="module")
 def engine(tiny_model: Path) -> Iterator[AsyncLLMEngine]:

@@ -62,6 +62,7 @@ def test_openai_client_example(examples: Callable[[str], str]) -> None:
     assert "completion_tokens=16" in stdout.splitlines()[-1], stdout  # the completion's usage
 
 
+@pytest.mark.slow
 def test_openai_tools_example(examples: Callable[[str], str], structured_output_enforced: bool) -> None:
     lines = examples("openai_tools.py").splitlines()
     if not structured_output_enforced:
