@@ -37,6 +37,7 @@ LAYERS: list[tuple[str, ...]] = [  # top to bottom; each entry: module prefixes 
 ]
 FOUNDATION = {
     "asyncllm.chat",
+    "asyncllm.envs",  # the ASYNCLLM_* tuning variables
     "asyncllm.errors",
     "asyncllm.install",  # the distribution's name and the pip commands error messages print
     "asyncllm.validation",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+from asyncllm import envs
 from asyncllm.async_engine.admission import Admission
 from asyncllm.async_engine.core_client import EngineCoreClient
 from asyncllm.async_engine.inproc_client import Built
@@ -13,10 +14,6 @@ from asyncllm.config import EngineConfig
 from asyncllm.errors import EngineDrainingError
 
 _SHUTDOWN_JOIN_S = 60.0  # longest a shutdown waits for a step in flight before giving up on the join
-# A dead engine has no step in flight, only its release of the device, which a kernel stuck on a dead
-# tensor-parallel peer can block for good: the shutdown waits this long, then leaves the (daemon) thread.
-# Longer than the executor's own bound on that release (3 s) plus its stop of the workers (1 s).
-_DEAD_JOIN_S = 6.0
 
 
 def build_core(config: EngineConfig) -> Built:
@@ -32,4 +29,6 @@ def draining_error() -> EngineDrainingError:
 def shutdown(client: EngineCoreClient, admission: Admission) -> None:
     client.request_stop()  # streams fail first, so the tokenizer thread skips what is left in its queue
     admission.stop(_SHUTDOWN_JOIN_S)
-    client.shutdown(_DEAD_JOIN_S if client.failure is not None else _SHUTDOWN_JOIN_S)
+    # A dead engine has no step in flight, only its release of the device, which can block for good: the
+    # shutdown waits a shorter bound, then leaves the (daemon) thread.
+    client.shutdown(envs.DEAD_ENGINE_JOIN_S.get() if client.failure is not None else _SHUTDOWN_JOIN_S)
