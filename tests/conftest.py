@@ -5,6 +5,7 @@ Tests marked `needs_structured_output` skip unless the engine enforces output co
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,10 +14,13 @@ import torch
 
 from tests.fixtures.quantized import VARIANTS, build_quantized
 from tests.fixtures.tiny_models import FAMILIES, build_checkpoint
+from tests.fixtures.triton_interpreter import patch_lang_once_per_launch
 from tests.fixtures.triton_kernels import use_interpreter_without_cuda
 
 # Before anything imports triton (transformers does, during collection): see tests/fixtures/triton_kernels.py.
 use_interpreter_without_cuda()
+if os.environ.get("TRITON_INTERPRET") == "1":
+    patch_lang_once_per_launch()  # see tests/fixtures/triton_interpreter.py
 
 
 def pytest_configure(config: pytest.Config) -> None:
