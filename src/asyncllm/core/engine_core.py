@@ -90,13 +90,14 @@ class EngineCore:
             else WindowedBlockManager(rt.num_kv_blocks, rt.block_size, enable_prefix_caching, rt.kv_window)
         )
         self.loras = LoRARegistry(LoRASettings(rt.max_loras, max_cpu_loras))
+        self.groups = SampleGroups()
         self.scheduler = Scheduler(
             SchedulerLimits(max_num_seqs, max_num_batched_tokens, max_prefill_tokens_while_decoding),
             self.block_manager,
             AdapterBudget(rt.max_loras) if rt.max_loras else None,
+            self.groups,
         )
         self.output_processor = OutputProcessor(tokenizer)
-        self.groups = SampleGroups()
         self._clock = clock
         self._seed_rng = random.Random(seed)
         self.last_step = StepCounts(0, 0)
@@ -312,8 +313,9 @@ class EngineCore:
             request = self.scheduler.requests.get(sampling[index])
             if request is None:
                 continue  # finished meanwhile (aborted, or stopped by the step before)
-            if request.group is not None:  # the constraint is the request's: every sample ends, this one last
-                for sample in request.group.samples:
+            group = self.groups.get(request.group_id) if request.group_id is not None else None
+            if group is not None:  # the constraint is the request's: every sample ends, this one last
+                for sample in group.samples:
                     if sample is not request and (d := self._finish(sample.request_id, "abort", flush=True)):
                         deltas.append(d)
             delta = self._finish(request.request_id, "abort", flush=True)

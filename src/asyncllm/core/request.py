@@ -8,13 +8,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
 from asyncllm.outputs import FinishReason
 from asyncllm.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from asyncllm.core.sample_group import SampleGroup
 
 
 class RequestStatus(enum.Enum):
@@ -55,7 +50,8 @@ class Request:
     num_preemptions: int = 0
     first_token_time: float | None = None
     finish_time: float | None = None
-    group: SampleGroup | None = None  # set on each sample of a request with n > 1 (sample_group.py)
+    # On each sample of a request with n > 1: that request's id, its `SampleGroup`'s key (sample_group.py).
+    group_id: str | None = None
     # SamplingParams.prompt_logprobs: the prompt's logprobs scored so far (None for the first token), until
     # they go out with the first sampled token; None for requests that did not ask, and once they went out.
     prompt_logprobs: list[dict[int, float] | None] | None = field(init=False)

@@ -52,7 +52,7 @@ class SampleGroup:
                 request.arrival_time,
                 request.max_tokens,
                 request.eos_token_ids,
-                group=self,
+                group_id=self.request_id,
                 priority=request.priority,
                 lora_name=request.lora_name,
                 lora_id=request.lora_id,

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from asyncllm.core.block_manager import BlockManager
 from asyncllm.core.lora import AdapterBudget
 from asyncllm.core.request import Request, RequestStatus
-from asyncllm.core.sample_group import SampleGroup
+from asyncllm.core.sample_group import SampleGroup, SampleGroups
 from asyncllm.core.waiting_queue import WaitingQueue
 from asyncllm.errors import InvalidRequestError
 from asyncllm.outputs import FinishReason
@@ -48,11 +48,16 @@ class SchedulerLimits:
 
 class Scheduler:
     def __init__(
-        self, limits: SchedulerLimits, block_manager: BlockManager, adapters: AdapterBudget | None = None
+        self,
+        limits: SchedulerLimits,
+        block_manager: BlockManager,
+        adapters: AdapterBudget | None = None,
+        groups: SampleGroups | None = None,
     ) -> None:
         self.limits = limits
         self.block_manager = block_manager
         self.adapters = adapters  # None: no LoRA (no check anywhere)
+        self.groups = SampleGroups() if groups is None else groups  # the engine core's live sample groups
         self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -85,7 +90,7 @@ class Scheduler:
                 self._release_adapter(request)
         else:
             self.waiting.remove(request)
-        if request.group is not None:
+        if request.group_id is not None:
             self._sample_finishing(request)
         self.block_manager.free(request)
         request.status = RequestStatus.FINISHED
@@ -161,7 +166,7 @@ class Scheduler:
             if request.num_pending_tokens:
                 break  # preempted with a token in flight: it resumes once that token is known (in order)
             cached = []
-            group = request.group
+            group = None if request.group_id is None else self.groups.get(request.group_id)
             # One that scores its prompt (prompt logprobs) computes every position: no prefix of any kind.
             scores = request.scores_prompt
             if group is not None and not scores:
@@ -274,9 +279,10 @@ class Scheduler:
             request.num_pending_tokens += 1
 
     def _sample_finishing(self, request: Request) -> None:
-        assert request.group is not None
-        if request.group.finishing(request, self.block_manager):
-            self._holds.append(request.group)
+        group = self.groups.get(request.group_id) if request.group_id is not None else None
+        assert group is not None
+        if group.finishing(request, self.block_manager):
+            self._holds.append(group)
         elif self._holds:
             self._holds = [g for g in self._holds if g.held]
 

@@ -37,7 +37,7 @@ class WindowedBlockManager(BlockManager):
     def allocate(self, request: Request, num_new_tokens: int, cached: list[KVBlock] | None = None) -> bool:
         """`BlockManager.allocate`, after giving back the running request's blocks behind its window: dead
         whatever this allocation does, so they go back even when it fails for want of memory."""
-        if not cached and request.block_ids and request.group is None:
+        if not cached and request.block_ids and request.group_id is None:
             # Keys before `num_computed_tokens - window + 1` are outside every query still to come.
             dead = (request.num_computed_tokens - self.window + 1) // self.block_size
             released = self._num_released.get(request.request_id, 0)
