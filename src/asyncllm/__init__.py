@@ -17,6 +17,7 @@ from asyncllm.errors import (
     InvalidRequestError,
     LoRAError,
     RequestFailedError,
+    RequestTimeoutError,
     StreamInUseError,
     UnsupportedModelError,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "RequestMetrics",
     "RequestOutput",
     "RequestStream",
+    "RequestTimeoutError",
     "SamplingParams",
     "StreamInUseError",
     "StreamOutput",

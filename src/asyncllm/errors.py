@@ -60,6 +60,12 @@ class RequestFailedError(AsyncLLMError, RuntimeError):
     fault, and not the engine's death: every other request carries on."""
 
 
+class RequestTimeoutError(AsyncLLMError, TimeoutError):
+    """The request's `timeout` passed before it gave any output (waiting to start, or still computing its
+    prompt): it ended, its blocks freed. One that timed out after some output ends with finish_reason
+    "timeout" instead."""
+
+
 class EngineStalledError(EngineDeadError):
     """`check_health`: the step in flight has run past the bound (a stuck device or kernel). The engine
     is not serving, though it may recover if the step ever returns."""

@@ -150,9 +150,11 @@ class InputProcessor:
         encoded: list[int] | None = None,
         priority: int = 0,
         lora: str | None = None,
+        deadline: float | None = None,
     ) -> Request:
         """The checked `Request`; `encoded`: a text prompt's ids from `encode_texts`, to skip encoding it;
-        `priority` and `lora` checked already (`check_priority`, `check_lora`)."""
+        `priority` and `lora` checked already (`check_priority`, `check_lora`); `deadline` on the engine's
+        clock (`arrival_time` plus a checked timeout)."""
         params = self.check_params(params)
         if isinstance(prompt, (list, tuple)):
             self._check_length(len(prompt), params)  # before looking at a single id: cost bounded by the limit
@@ -176,6 +178,7 @@ class InputProcessor:
             eos_token_ids=eos,
             priority=priority,
             lora_name=lora,
+            deadline=deadline,
         )
 
     def check_lora(self, lora: object, known: Collection[str] | None = None) -> str | None:
@@ -191,6 +194,17 @@ class InputProcessor:
             added = ", ".join(repr(n) for n in known) or "none"
             raise InvalidRequestError(f"lora={lora!r} is not an added LoRA adapter (added: {added}); add_lora it first")
         return lora
+
+    @staticmethod
+    def check_timeout(timeout: object) -> float | None:
+        """A request's timeout in seconds (None: none): a finite number > 0."""
+        if timeout is None:
+            return None
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise InvalidRequestError(
+                f"timeout={short_repr(timeout)} is invalid: give seconds > 0 (a finite number), or None for no deadline"
+            )
+        return float(timeout)
 
     @staticmethod
     def check_priority(priority: object) -> int:

@@ -12,7 +12,7 @@ from typing import Literal
 
 from asyncllm.errors import AsyncLLMError, InvalidRequestError
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "timeout"]
 # Per generated token, when SamplingParams.logprobs is set: {token id: log-probability} holding the sampled
 # token and the `logprobs` most likely alternatives, over the model's raw (unprocessed) distribution.
 TokenLogprobs = dict[int, float]

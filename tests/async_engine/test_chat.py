@@ -333,3 +333,18 @@ async def test_chat_takes_a_priority(engine: AsyncLLMEngine) -> None:
         engine.chat(ASK, SamplingParams(max_tokens=2), priority="urgent")  # type: ignore[arg-type]
     chunks = [c async for c in engine.chat(ASK, SamplingParams(max_tokens=3, ignore_eos=True), priority=-2)]
     assert chunks[-1].finish_reason == "length"
+
+
+async def test_a_chat_takes_a_timeout(engine: AsyncLLMEngine) -> None:
+    """`chat(..., timeout=)` reaches the request: the reply ends with "timeout" (or, with no output yet,
+    `RequestTimeoutError`), and its blocks are freed."""
+    from asyncllm.errors import RequestTimeoutError
+
+    params = SamplingParams(max_tokens=4000, ignore_eos=True)
+    try:
+        chunks = [c async for c in engine.chat(ASK, params, timeout=0.2)]
+        assert chunks[-1].finish_reason == "timeout"
+    except RequestTimeoutError:
+        pass
+    stats = engine.stats()
+    assert stats["num_running"] == 0

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from asyncllm.async_engine.mailbox import OutputSlot
 from asyncllm.core.output_processor import RequestDelta
-from asyncllm.errors import AsyncLLMError, InvalidRequestError
+from asyncllm.errors import AsyncLLMError, InvalidRequestError, RequestTimeoutError
 from asyncllm.outputs import RequestMetrics
 from asyncllm.sampling_params import SamplingParams
 
@@ -32,7 +32,18 @@ _MAX_BATCH = 64  # texts tokenized per call: large enough to amortise, small eno
 
 
 class _Job:
-    __slots__ = ("arrival_time", "cancelled", "lora", "params", "priority", "prompt", "ready", "request", "slot")
+    __slots__ = (
+        "arrival_time",
+        "cancelled",
+        "deadline",
+        "lora",
+        "params",
+        "priority",
+        "prompt",
+        "ready",
+        "request",
+        "slot",
+    )
 
     def __init__(
         self,
@@ -43,9 +54,11 @@ class _Job:
         t: float,
         priority: int,
         lora: str | None = None,
+        deadline: float | None = None,
     ) -> None:
         self.slot = slot
         self.lora = lora
+        self.deadline = request.deadline if request is not None else deadline
         self.request = request  # None until the worker has tokenized `prompt`
         self.prompt = prompt
         self.params = params
@@ -92,10 +105,11 @@ class Admission:
         arrival_time: float,
         priority: int,
         lora: str | None = None,
+        deadline: float | None = None,
     ) -> None:
         """A text prompt that passed the cheap checks: tokenized and checked on the worker thread."""
         with self._cond:
-            self._enqueue(_Job(slot, None, prompt, params, arrival_time, priority, lora))
+            self._enqueue(_Job(slot, None, prompt, params, arrival_time, priority, lora, deadline))
 
     def abort(self, slot: OutputSlot) -> None:
         """Any thread, idempotent. A request still here ends at once with "abort" and never reaches the core."""
@@ -128,7 +142,7 @@ class Admission:
         self._queued[job.slot] = job
         self._cond.notify()
 
-    def _finals(self, job: _Job, error: str | None) -> list[RequestDelta]:
+    def _finals(self, job: _Job, error: str | AsyncLLMError | None) -> list[RequestDelta]:
         """The last outputs of a request that never reached the core: "abort" for each sample, or one
         delta with `error` when refused (which ends every sample)."""
         n = len(job.slot.prompt_token_ids or ())
@@ -179,7 +193,14 @@ class Admission:
         failure = ("tokenizing", "the tokenizer failed on this prompt")
         try:
             request = job.request or ip.make_request(
-                rid, job.prompt, job.params, job.arrival_time, encoded, priority=job.priority, lora=job.lora
+                rid,
+                job.prompt,
+                job.params,
+                job.arrival_time,
+                encoded,
+                priority=job.priority,
+                lora=job.lora,
+                deadline=job.deadline,
             )
             failure = ("compiling the output constraint of", "compiling this request's output constraint failed")
             ip.check_constraint(request.params)
@@ -195,7 +216,12 @@ class Admission:
         if job.cancelled:
             return  # `abort` already ended it
         del self._queued[job.slot]
-        if request is not None:
+        if request is not None and job.deadline is not None and self._clock() >= job.deadline:
+            waited = self._clock() - job.arrival_time
+            late = RequestTimeoutError(f"request {job.slot.request_id!r} gave no output within its timeout "
+                                       f"({waited:.3g} s after it was added, still being prepared): ended")  # fmt: skip
+            self._client.end_request(job.slot, *self._finals(job, late))
+        elif request is not None:
             job.slot.prompt_token_ids = tuple(request.prompt_token_ids)
             self._client.add_request(request, job.slot)
         elif error is not None:

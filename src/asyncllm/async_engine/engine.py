@@ -150,12 +150,16 @@ class AsyncLLMEngine:
         *,
         priority: int = 0,
         lora: str | None = None,
+        timeout: float | None = None,
     ) -> RequestStream:
         """Queue a request and return its stream at once; call it from the loop that will read the stream.
 
         `priority`: lower runs first (FIFO within a priority); a waiting request may preempt running ones
         of a lower priority when memory or seats run out. `lora`: the name of an adapter added with
-        `add_lora`, whose weights the request runs through (None: the base model).
+        `add_lora`, whose weights the request runs through (None: the base model). `timeout`: seconds from
+        now; a request not finished by then ends, waiting or running, its blocks freed within a step: its
+        last chunk has finish_reason "timeout" once it has output, else the stream raises
+        `RequestTimeoutError`.
 
         Raises at once: `InvalidRequestError` for a bad prompt (except its length in tokens, for text: see
         the class), bad params, priority or adapter name, or a duplicate live id; `EngineOverloadedError` when
@@ -170,7 +174,9 @@ class AsyncLLMEngine:
         ip = self._input_processor
         priority = ip.check_priority(priority)
         lora = ip.check_lora(lora, self._loras.added)
+        seconds = ip.check_timeout(timeout)
         arrival = self._clock()
+        deadline = None if seconds is None else arrival + seconds
         text: tuple[str, SamplingParams] | None = None
         request = None
         if isinstance(prompt, str):
@@ -178,7 +184,9 @@ class AsyncLLMEngine:
             ip.check_text(prompt, self._max_token_chars)
             n = text[1].n
         else:  # token ids: cheap, checked whole
-            request = ip.make_request(request_id, prompt, params, arrival, priority=priority, lora=lora)
+            request = ip.make_request(
+                request_id, prompt, params, arrival, priority=priority, lora=lora, deadline=deadline
+            )
             n = request.params.n
         mailbox = self._fanout.attach(library, loop_key)
         slot = new_slot(request_id, mailbox, n)
@@ -188,7 +196,7 @@ class AsyncLLMEngine:
             self._fanout.detach(mailbox)
             raise
         if text is not None:
-            self._admission.submit_text(slot, *text, arrival, priority, lora)
+            self._admission.submit_text(slot, *text, arrival, priority, lora, deadline)
         else:
             assert request is not None
             self._admission.submit(slot, request)
@@ -204,9 +212,11 @@ class AsyncLLMEngine:
         *,
         priority: int = 0,
         lora: str | None = None,
+        timeout: float | None = None,
     ) -> RequestOutput:
         """The whole result of one request. Cancelling the awaiting task aborts the request."""
-        return await collect(self.add_request(prompt, params, request_id, priority=priority, lora=lora))
+        stream = self.add_request(prompt, params, request_id, priority=priority, lora=lora, timeout=timeout)
+        return await collect(stream)
 
     async def abort(self, request_id: str) -> None:
         """End a live request; its stream then yields a final chunk with finish_reason "abort".
@@ -228,22 +238,25 @@ class AsyncLLMEngine:
         request_id: str | None = None,
         priority: int = 0,
         lora: str | None = None,
+        timeout: float | None = None,
     ) -> ChatStream:
         """`async for chunk in engine.chat(messages, params, tools=..., tool_choice=...)`: the reply as
         `ChatChunk`s (`text`, `reasoning_text`, `tool_calls` deltas, `finish_reason`; "tool_calls" when it
         called tools). `tools`: OpenAI function tools; `tool_choice`: "auto", "none" (the prompt lists the
         tools, the reply is text), "required" or `{"type": "function", "function": {"name": ...}}` (the last
         two force calls through a grammar); `parallel_tool_calls=False`: one call at most. `chat_template`
-        replaces the model's template, `chat_template_kwargs` adds variables to it; `priority` and `lora` as in
-        `add_request`. Bad messages, tools, params, priority or adapter raise `InvalidRequestError` here; what
-        needs the template raises from the first chunk (see `ChatStream`). Leaving the stream early aborts it.
-        `params.n` > 1: n replies as one request (the prompt prefilled once), their chunks labelled by
-        `ChatChunk.index`, each reply parsed on its own and ended by its own finish reason."""
+        replaces the model's template, `chat_template_kwargs` adds variables to it; `priority`, `lora` and
+        `timeout` as in `add_request`. Bad messages, tools, params, priority, adapter or timeout raise
+        `InvalidRequestError` here; what needs the template raises from the first chunk (see `ChatStream`).
+        Leaving the stream early aborts it. `params.n` > 1: n replies as one request (the prompt prefilled
+        once), their chunks labelled by `ChatChunk.index`, each reply parsed on its own and ended by its own
+        finish reason."""
         priority = self._input_processor.check_priority(priority)
         lora = self._input_processor.check_lora(lora, self._loras.added)
+        self._input_processor.check_timeout(timeout)
         return open_chat(
             self.tokenizer,
-            functools.partial(self.add_request, priority=priority, lora=lora),
+            functools.partial(self.add_request, priority=priority, lora=lora, timeout=timeout),
             messages,
             params,
             tools=tools,

@@ -21,13 +21,14 @@ from dataclasses import dataclass
 from tokenizers import Tokenizer
 
 from asyncllm.core.block_manager import BlockManager
+from asyncllm.core.deadlines import Deadlines
 from asyncllm.core.lora import AdapterBudget, LoRARegistry, LoRASettings
 from asyncllm.core.output_processor import OutputProcessor, RequestDelta, request_metrics
 from asyncllm.core.request import Request
 from asyncllm.core.sample_group import SampleGroups
 from asyncllm.core.scheduler import Scheduler, SchedulerLimits
 from asyncllm.core.window_blocks import WindowedBlockManager
-from asyncllm.errors import AsyncLLMError, InvalidRequestError
+from asyncllm.errors import AsyncLLMError, InvalidRequestError, RequestTimeoutError
 from asyncllm.outputs import FinishReason
 from asyncllm.step import ModelExecutor, SchedulerOutput, StepResult
 
@@ -91,6 +92,7 @@ class EngineCore:
         )
         self.loras = LoRARegistry(LoRASettings(rt.max_loras, max_cpu_loras))
         self.groups = SampleGroups()
+        self.deadlines = Deadlines()
         self.scheduler = Scheduler(
             SchedulerLimits(max_num_seqs, max_num_batched_tokens, max_prefill_tokens_while_decoding),
             self.block_manager,
@@ -121,11 +123,15 @@ class EngineCore:
             for i, sample in enumerate(group.samples):
                 self.scheduler.add_request(sample, params.seed + i if params.seed is not None else self._draw_seed())
                 self.output_processor.add_request(sample)
+                if sample.deadline is not None:
+                    self.deadlines.add(sample.request_id, sample.deadline)
             return
         if self.groups.get(request.request_id) is not None:
             raise InvalidRequestError(f"request_id={request.request_id!r} is already live: give another id")
         self.scheduler.add_request(request, params.seed if params.seed is not None else self._draw_seed())
         self.output_processor.add_request(request)
+        if request.deadline is not None:
+            self.deadlines.add(request.request_id, request.deadline)
 
     # ------------------------------------------------------------------ LoRA adapters
     def add_lora(self, name: str, path: str) -> None:
@@ -188,6 +194,7 @@ class EngineCore:
         its blocks are freed exactly once.
         """
         self.last_started = ()
+        expired = self._expire() if self.deadlines else []  # before planning: they take no further step
         submitted = self._submit_next()
         ready = [self._in_flight] if self._in_flight is not None else []
         self._in_flight = None
@@ -201,9 +208,34 @@ class EngineCore:
         # Nothing submitted and nothing completed: the caller may wait a little instead of spinning (a step
         # submitted but not finished yet is progress: its output comes with the next call).
         self.last_step_idle = submitted is None and not ready
-        deltas: list[RequestDelta] = []
+        deltas: list[RequestDelta] = expired
         for step in ready:
             deltas += self._complete(step, after_execute)
+        return deltas
+
+    def _expire(self) -> list[RequestDelta]:
+        """End the requests whose deadline has passed, waiting or running, as an abort would, freeing their
+        blocks: "timeout" for one that has output; one that has none (no sample of it has) fails with
+        `RequestTimeoutError`."""
+        now = self._clock()
+        deltas: list[RequestDelta] = []
+        for request_id in self.deadlines.due(now):
+            request = self.scheduler.requests.get(request_id)
+            if request is None:
+                continue  # finished before its deadline
+            group = self.groups.get(request.group_id) if request.group_id is not None else None
+            samples = group.samples if group is not None else [request]
+            waited = now - request.arrival_time
+            delta = self._finish(request_id, "timeout", flush=True)
+            assert delta is not None
+            if not any(s.num_output_tokens for s in samples):
+                delta.error = RequestTimeoutError(
+                    f"request {group.request_id if group else request_id!r} gave no output within its timeout "
+                    f"({waited:.3g} s after it was added): ended"
+                )
+            deltas.append(delta)
+        if self.groups:
+            self.groups.label(deltas)
         return deltas
 
     def _submit_next(self) -> _Submitted | None:

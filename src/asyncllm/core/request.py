@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+
 from asyncllm.outputs import FinishReason
 from asyncllm.sampling_params import SamplingParams
 
@@ -33,6 +34,7 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     priority: int = 0  # lower runs first (vLLM's convention)
     lora_name: str | None = None  # the LoRA adapter the caller named; None: the base model
+    deadline: float | None = None  # on the engine's clock: not finished by then, it ends ("timeout")
 
     arrival_index: int = 0  # set by the scheduler: requests added before this one (the order within a priority)
 

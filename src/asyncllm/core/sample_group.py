@@ -56,6 +56,7 @@ class SampleGroup:
                 priority=request.priority,
                 lora_name=request.lora_name,
                 lora_id=request.lora_id,
+                deadline=request.deadline,
             )
             for i in range(request.params.n)
         ]

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-ChatFinishReason = Literal["stop", "length", "abort", "tool_calls"]
+ChatFinishReason = Literal["stop", "length", "abort", "timeout", "tool_calls"]
 
 _ID_ALPHABET = string.ascii_letters + string.digits
 _ID_LENGTH = 24  # OpenAI's ids read `call_` + 24 alphanumerics

@@ -48,6 +48,7 @@ def create_app(
     engine_args: dict[str, Any] | None = None,
     chat_template: str | None = None,
     lora_modules: dict[str, str] | None = None,
+    request_timeout: float | None = None,
 ) -> FastAPI:
     """The app serving one model under `served_model_name` (default: the checkpoint's name), and each of
     its LoRA adapters under the adapter's name (`engine.list_loras()`, as they are added and removed).
@@ -58,6 +59,7 @@ def create_app(
     `chat_template`: Jinja text that replaces the model's own chat template (one that lists tools, say).
     `lora_modules`: {name: adapter directory} added to the engine the lifespan builds (give a model path
     and `enable_lora=True` in `engine_args`); with an engine, add them with `engine.add_lora` yourself.
+    `request_timeout`: seconds a request may run, its default when it asks for no `timeout` (None: none).
     """
     if isinstance(engine_or_model, (str, os.PathLike)):
         model: str | None = os.fspath(engine_or_model)
@@ -71,7 +73,10 @@ def create_app(
         raise TypeError("engine_args and lora_modules apply to a model path only: this engine is already built")
     if chat_template is not None and (not isinstance(chat_template, str) or not chat_template.strip()):
         raise ValueError(f"chat_template must be non-empty Jinja text, got {chat_template!r}")
-    state = ServerState(name, ServerMetrics(lambda: state.stats(), name), chat_template=chat_template)
+    if request_timeout is not None and not 0 < request_timeout < float("inf"):
+        raise ValueError(f"request_timeout must be seconds > 0, got {request_timeout!r}")
+    counters = ServerMetrics(lambda: state.stats(), name)
+    state = ServerState(name, counters, chat_template=chat_template, request_timeout=request_timeout)
     if given is not None:
         state.attach(given)
 

@@ -91,6 +91,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "aborted and the server exits (default: 30)",
     )
     server.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help='a request not finished this long after it arrived ends (finish_reason "timeout", or 408 before any '
+        "output); the default for requests that send no `timeout`, and the most one may ask (default: none)",
+    )
+    server.add_argument(
         "--core-process",
         action=argparse.BooleanOptionalAction,
         dest="core_process",
@@ -191,6 +199,8 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
     if not args.drain_timeout >= 0:  # NaN too
         return report(f"--drain-timeout {args.drain_timeout} is invalid: give seconds >= 0", EXIT_USAGE)
+    if args.request_timeout is not None and not 0 < args.request_timeout < float("inf"):
+        return report(f"--request-timeout {args.request_timeout} is invalid: give seconds > 0", EXIT_USAGE)
     if args.replicas is not None and args.replicas < 1:
         return report(f"--replicas {args.replicas} is invalid: give a number of engines >= 1", EXIT_USAGE)
     if args.ray_address is not None and args.replicas is None:
@@ -265,7 +275,13 @@ def _serve(engine: AsyncLLMEngine, model: str, args: argparse.Namespace, sock: s
     from asyncllm.server.drain import DrainingServer
 
     name = served_model_name(args)
-    app = create_app(engine, served_model_name=name, api_key=args.api_key, chat_template=args.chat_template)
+    app = create_app(
+        engine,
+        served_model_name=name,
+        api_key=args.api_key,
+        chat_template=args.chat_template,
+        request_timeout=args.request_timeout,
+    )
     engine_seconds = sum(seconds for _, seconds in engine.runtime.startup_seconds)
 
     def started() -> None:

@@ -29,6 +29,7 @@ from asyncllm.errors import (
     EngineStalledError,
     InvalidRequestError,
     RequestFailedError,
+    RequestTimeoutError,
     UnsupportedModelError,
 )
 
@@ -105,6 +106,8 @@ def engine_error(exc: AsyncLLMError) -> OpenAIError:
     if isinstance(exc, EngineOverloadedError):
         headers = {"Retry-After": str(RETRY_AFTER_S)}
         return OpenAIError(str(exc), status=429, type="rate_limit_error", code="engine_overloaded", headers=headers)
+    if isinstance(exc, RequestTimeoutError):
+        return OpenAIError(str(exc), status=408, type="timeout_error", code="request_timeout")
     if isinstance(exc, RequestFailedError):
         return OpenAIError(str(exc), status=500, type="server_error", code="request_failed")
     if isinstance(exc, DeviceError):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from asyncllm import AsyncLLMEngine, SamplingParams, StreamOutput
-from asyncllm.errors import AsyncLLMError, InvalidRequestError
+from asyncllm.errors import AsyncLLMError, InvalidRequestError, RequestTimeoutError
 from asyncllm.outputs import OutputAccumulator
 from asyncllm.server.errors import invalid_request
 from asyncllm.server.metrics import RequestTracker, ServerMetrics
@@ -73,9 +73,11 @@ def submit(
     prompt_param: str,
     priority: int = 0,
     lora: str | None = None,
+    timeout: float | None = None,
 ) -> Submission:
     """Add every engine request, or none: a refused one (400 naming `prompt_param`) closes those added.
-    `lora`: the LoRA adapter every request runs through (None: the base model)."""
+    `lora`: the LoRA adapter every request runs through (None: the base model); `timeout`: seconds each
+    has (checked: `ServerState.timeout_for`)."""
     streams: list[RequestStream] = []
     first_choice: list[int] = []
     num_choices = 0
@@ -83,7 +85,9 @@ def submit(
         for prompt in prompts:
             for sp in params:
                 streams.append(
-                    engine.add_request(prompt, sp, f"{request_id}-{num_choices}", priority=priority, lora=lora)
+                    engine.add_request(
+                        prompt, sp, f"{request_id}-{num_choices}", priority=priority, lora=lora, timeout=timeout
+                    )
                 )
                 first_choice.append(num_choices)
                 num_choices += sp.n
@@ -143,9 +147,9 @@ async def merged(sub: Submission) -> MergedOutputs:
             if out.finish_reason is not None:
                 remaining -= 1
             yield choice, out
-    except AsyncLLMError:  # counted as "error", not as a client that left
+    except AsyncLLMError as exc:  # counted as "error" (or "timeout"), not as a client that left
         for tracker in trackers:
-            tracker.end("error")
+            tracker.end("timeout" if isinstance(exc, RequestTimeoutError) else "error")
         raise
     finally:
         for task in tasks:

@@ -80,6 +80,7 @@ class _SamplingRequest(_Strict):
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     priority: int | None = None  # lower runs first, FIFO within a priority (vLLM's extra; default 0)
+    timeout: float | None = None  # seconds until the request ends (asyncllm's extra; --request-timeout: the default)
     # Structured output beyond response_format (vLLM's guided_* under their engine's own names).
     regex: str | None = None
     choice: list[str] | None = None

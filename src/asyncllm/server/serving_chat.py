@@ -44,11 +44,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     state = server_state(request)
     engine, lora = state.resolve(body.model)
     params = chat_sampling_params(body)
+    timeout = state.timeout_for(body.timeout)
     plan = await plan_chat_request(engine, body, params, state.chat_template)
     request_id = f"chatcmpl-{secrets.token_hex(16)}"  # 32 hex digits, as uuid4().hex (a fifth the cost)
     head = {"id": request_id, "created": int(time.time()), "model": body.model}
     prompts, constrained = [plan.prompt_token_ids], [plan.constrain(params)]
-    sub = submit(engine, prompts, constrained, request_id, state.metrics, "messages", body.priority or 0, lora)
+    sub = submit(engine, prompts, constrained, request_id, state.metrics, "messages", body.priority or 0, lora, timeout)
     parsers = [plan.parser() for _ in range(sub.num_choices)]  # choice i's: OpenAI's choice index is the sample's
     top_k = params.logprobs  # None unless logprobs were asked for
     renames = chat_renames(body)

@@ -39,10 +39,11 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     state = server_state(request)
     engine, lora = state.resolve(body.model)
     params = completion_sampling_params(body)
+    timeout = state.timeout_for(body.timeout)
     prompts = completion_prompts(body)
     request_id = f"cmpl-{secrets.token_hex(16)}"  # 32 hex digits, as uuid4().hex (a fifth the cost)
     head = {"id": request_id, "created": int(time.time()), "model": body.model}
-    sub = submit(engine, prompts, [params], request_id, state.metrics, "prompt", body.priority or 0, lora)
+    sub = submit(engine, prompts, [params], request_id, state.metrics, "prompt", body.priority or 0, lora, timeout)
     top_k = body.logprobs
     echo = None
     if body.echo:

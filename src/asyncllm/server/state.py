@@ -23,11 +23,22 @@ class ServerState:
     metrics: ServerMetrics
     engine: AsyncLLMEngine | None = None  # None until the lifespan has built it
     chat_template: str | None = None  # replaces the model's own (create_app's `chat_template`)
+    request_timeout: float | None = None  # seconds: a request's default and longest timeout (None: none)
     token_strings: TokenStrings = field(default_factory=lambda: TokenStrings(None))
 
     def attach(self, engine: AsyncLLMEngine) -> None:
         self.engine = engine
         self.token_strings = TokenStrings(engine.tokenizer)
+
+    def timeout_for(self, asked: float | None) -> float | None:
+        """A request's timeout: what it asked for, at most the server's (`request_timeout`), which is also
+        the default; 400 naming `timeout` for a value that is not seconds > 0."""
+        if asked is not None and not 0 < asked < float("inf"):  # NaN too
+            raise OpenAIError(f"timeout={asked} is invalid: give seconds > 0", param="timeout")
+        limit = self.request_timeout
+        if asked is None or (limit is not None and asked > limit):
+            return limit
+        return asked
 
     def resolve(self, model: str) -> tuple[AsyncLLMEngine, str | None]:
         """The engine, and the LoRA adapter `model` names (None: the base model)."""
