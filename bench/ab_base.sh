@@ -9,7 +9,8 @@ grep -qx ".ab/" .git/info/exclude 2>/dev/null || echo ".ab/" >> .git/info/exclud
 tmp=$(mktemp -d)
 git archive "$rev" src/asyncllm kernels | tar -x -C "$tmp"
 rm -rf .ab/base && mkdir -p .ab/base
-mv "$tmp/src/asyncllm" .ab/base/asyncllm && mv "$tmp/kernels" .ab/base/asyncllm/kernels
+mv "$tmp/src/asyncllm" .ab/base/asyncllm && rm -f .ab/base/asyncllm/kernels  # the link to kernels/, if the commit has it
+mv "$tmp/kernels" .ab/base/asyncllm/kernels
 rm -rf "$tmp"
 echo "$(git rev-parse --short "$rev")" > .ab/base/REV
 echo ".ab/base: $(cat .ab/base/REV)"
