@@ -50,9 +50,9 @@ _PHASES = (
 #   grammar_fill    GrammarTable.fill     (part of runner) waiting for every home's rows, uploading the mask
 #   grammar_plan    GrammarTable.plan     (part of runner) which bitmask row each sampled row reads
 GRAMMAR_PHASES = (
-    ("asyncllm.sample.mask_fill", "FillJob", "accept", "grammar_accept"),
-    ("asyncllm.sample.structured", "GrammarTable", "fill", "grammar_fill"),
-    ("asyncllm.sample.structured", "GrammarTable", "plan", "grammar_plan"),
+    ("asyncllm.structured_output.mask_fill", "FillJob", "accept", "grammar_accept"),
+    ("asyncllm.structured_output.grammar_table", "GrammarTable", "fill", "grammar_fill"),
+    ("asyncllm.structured_output.grammar_table", "GrammarTable", "plan", "grammar_plan"),
 )
 
 

@@ -28,7 +28,7 @@ from w6_steps import run_steps
 from w6_structured import SCHEMA
 
 from asyncllm import SamplingParams
-from asyncllm.sample.grammar import GrammarBackend
+from asyncllm.structured_output.backend import GrammarBackend
 
 ROWS, STEPS, VOCAB = 256, 40, 151_936
 

@@ -23,11 +23,11 @@ import numpy as np
 import torch
 
 from asyncllm import SamplingParams
-from asyncllm.sample.grammar import GrammarBackend
-from asyncllm.sample.mask_fill import DeviceMasks
 from asyncllm.sample.state import SamplingState
-from asyncllm.sample.structured import GrammarProcessMode, GrammarTable, MaskPlan
 from asyncllm.step import ModelRunnerOutput
+from asyncllm.structured_output.backend import GrammarBackend
+from asyncllm.structured_output.grammar_table import GrammarProcessMode, GrammarTable, MaskPlan
+from asyncllm.structured_output.mask_fill import DeviceMasks
 
 MAX_TOKENS = 256  # a request that has not closed its JSON by then ends ("length") and a new one takes its row
 
@@ -129,20 +129,20 @@ def _drive(
             pending_ids = ids
         for request_id in finished:
             order.remove(request_id)
-            state = states.pop(request_id)
+            states.pop(request_id)
             if table is not None:
-                table.remove(state)
+                table.remove(str(request_id))
         finished = []
         while len(order) < rows:
             state = SamplingState.create(params, seed=next_id, prompt_token_ids=[1])
             if table is not None:
-                table.add(state)
+                table.add(str(next_id), state)
             states[next_id] = state
             order.append(next_id)
             lengths[next_id] = 0
             next_id += 1
         ids = list(order)
-        plan = table.plan([states[i] for i in ids]) if table is not None else None
+        plan = table.plan([str(i) for i in ids]) if table is not None else None
         device.launch(forward_ms)
         held = (step, plan, ids)
         # complete: the previous step's tokens, then the core's own work

@@ -51,7 +51,7 @@ class GrammarProcessReady(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.INFO)
         self._ready = threading.Event()
-        source = logging.getLogger("asyncllm.sample.grammar_process")
+        source = logging.getLogger("asyncllm.structured_output.grammar_process")
         source.setLevel(logging.INFO)
         source.addHandler(self)
 
@@ -175,8 +175,8 @@ def main() -> None:
     ap.add_argument("--fill-split", type=int, default=0, help="the step thread's fill over N threads of ours")
     ap.add_argument("--fill-threads", type=int, default=0, help="the step thread's fill on N of xgrammar's threads")
     args = ap.parse_args()
-    from asyncllm.sample import request_grammar
-    from asyncllm.sample.matcher_set import Filler
+    from asyncllm.structured_output import request_grammar
+    from asyncllm.structured_output.matcher_set import Filler
 
     if args.fill_split:
         request_grammar.Filler = lambda: SplitFill(args.fill_split)  # type: ignore[assignment,misc]

@@ -2,7 +2,8 @@
 
 Layers, top to bottom (README's layout table): the public surface; replicas on Ray; the async layer with
 input processing (the front side, shared by `AsyncLLMEngine` and `LLM`); the composition root; the engine
-core; executors; the worker; sampling and model loading; models; attention; layers; kernels.
+core; executors; the worker; structured output; sampling and model loading; models; attention; layers;
+kernels.
 A module imports its own layer or lower ones, plus the foundation modules every layer shares (errors,
 validation, config, outputs, sampling_params, chat templating and the step contract `asyncllm.step`), which
 import only each other. The core and the foundation never import torch (or numpy, triton, transformers), not even
@@ -13,6 +14,7 @@ module-level imports.
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -29,6 +31,7 @@ LAYERS: list[tuple[str, ...]] = [  # top to bottom; each entry: module prefixes 
     ("asyncllm.core",),
     ("asyncllm.executor", "asyncllm.distributed"),
     ("asyncllm.worker",),
+    ("asyncllm.structured_output",),  # grammars and their bitmasks: above the sampler, which never imports it
     ("asyncllm.sample", "asyncllm.model_loader"),
     ("asyncllm.models",),
     ("asyncllm.attention",),
@@ -94,7 +97,7 @@ class _Imports(ast.NodeVisitor):
 
     def __init__(self, module: str, is_package: bool) -> None:
         self.package = module if is_package else module.rpartition(".")[0]
-        self.found: list[tuple[str, bool, int]] = []
+        self.found: list[tuple[str, bool, bool, int]] = []  # (name, eager, top level, line)
         self._depth = 0  # inside a function
         self._type_checking = 0
 
@@ -116,7 +119,7 @@ class _Imports(ast.NodeVisitor):
 
     def _add(self, name: str, node: ast.AST) -> None:
         eager = self._depth == 0 and self._type_checking == 0
-        self.found.append((name, eager, getattr(node, "lineno", 0)))
+        self.found.append((name, eager, self._depth == 0, getattr(node, "lineno", 0)))
 
     def visit_Import(self, node: ast.Import) -> None:
         for alias in node.names:
@@ -131,7 +134,8 @@ class _Imports(ast.NodeVisitor):
             self._add(f"{base}.{alias.name}", node)
 
 
-def _imports(module: str, path: Path) -> list[tuple[str, bool, int]]:
+def _imports(module: str, path: Path) -> list[tuple[str, bool, bool, int]]:
+    """(imported name, run when the module is imported, outside any function (`TYPE_CHECKING` included), line)."""
     visitor = _Imports(module, path.name == "__init__.py")
     visitor.visit(ast.parse(path.read_text(), str(path)))
     return visitor.found
@@ -150,7 +154,7 @@ SOURCES = _sources()
 @pytest.mark.parametrize("module", sorted(SOURCES))
 def test_imports_run_down_the_layers(module: str) -> None:
     rank = _rank(module)
-    for name, eager, line in _imports(module, SOURCES[module]):
+    for name, eager, _, line in _imports(module, SOURCES[module]):
         where = f"{SOURCES[module].relative_to(ROOT)}:{line}"
         top = name.split(".")[0]
         if top in HEAVY:
@@ -171,24 +175,47 @@ def test_imports_run_down_the_layers(module: str) -> None:
             raise AssertionError(f"{where}: {module} imports the torch layer {target} at import time")
 
 
-def test_no_import_cycles() -> None:
-    """Among module-level imports (what runs when a module is first imported) there is no cycle."""
-    graph = {
-        m: {t for name, eager, _ in _imports(m, p) if eager and (t := _resolve(name, SOURCES)) and t != m}
-        for m, p in SOURCES.items()
-    }
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of `graph` (module -> modules it imports), or None."""
     state: dict[str, int] = {}  # 1: on the current path, 2: done
 
-    def visit(node: str, path: list[str]) -> None:
+    def visit(node: str, path: list[str]) -> list[str] | None:
         state[node] = 1
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                cycle = [*path[path.index(nxt) :], nxt] if nxt in path else [node, nxt]
-                raise AssertionError("import cycle: " + " -> ".join(cycle))
-            if nxt not in state:
-                visit(nxt, [*path, nxt])
+                return [*path[path.index(nxt) :], nxt] if nxt in path else [node, nxt]
+            if nxt not in state and (found := visit(nxt, [*path, nxt])) is not None:
+                return found
         state[node] = 2
+        return None
 
     for module in sorted(graph):
-        if module not in state:
-            visit(module, [module])
+        if module not in state and (found := visit(module, [module])) is not None:
+            return found
+    return None
+
+
+def _graph(keep: Callable[[bool, bool], bool]) -> dict[str, set[str]]:
+    return {
+        m: {
+            t
+            for name, eager, top, _ in _imports(m, p)
+            if keep(eager, top) and (t := _resolve(name, SOURCES)) and t != m
+        }
+        for m, p in SOURCES.items()
+    }
+
+
+def test_no_import_cycles() -> None:
+    """Among module-level imports (what runs when a module is first imported) there is no cycle."""
+    cycle = _cycle(_graph(lambda eager, top: eager))
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_no_import_circles_counting_type_checking_imports() -> None:
+    """Nor among every import outside a function, `if TYPE_CHECKING` ones included: a circle there is two
+    modules that each need the other's names, whichever one Python happens to load first (regression: the
+    core's request -> sample_group -> block_manager -> request, and sample/'s mask_fill -> request_grammar ->
+    state -> structured -> mask_fill)."""
+    cycle = _cycle(_graph(lambda eager, top: top))
+    assert cycle is None, "import circle: " + " -> ".join(cycle or [])

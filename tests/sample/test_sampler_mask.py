@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from asyncllm.kernels.sampling_ref import token_bitmask_allowed
-from asyncllm.sample.request_grammar import InlineMatchers, RequestGrammar
 from asyncllm.sample.sampler import Sampler, TokenMask
 from asyncllm.sample.state import SamplingState
 from asyncllm.sampling_params import SamplingParams
@@ -37,7 +36,7 @@ def _states(params: list[SamplingParams], constrained: list[bool], sampler: Samp
     for state, masked in zip(states, constrained):
         sampler.add(state)
         if masked:
-            state.grammar = RequestGrammar("regex", InlineMatchers(None, WORDS), 0)  # the sampler reads only that
+            state.constrained = True  # the sampler reads only that (a runner's state: `params.structured` set)
     return states
 
 

@@ -14,9 +14,9 @@ import xgrammar as xgr
 from transformers import AutoTokenizer
 
 from asyncllm import InvalidRequestError
-from asyncllm.sample.grammar import GrammarBackend, bounded_strings_as_patterns
-from asyncllm.sample.utf8 import BOUNDARY, Utf8Table
 from asyncllm.structured import StructuredKind, StructuredOutput
+from asyncllm.structured_output.backend import GrammarBackend, bounded_strings_as_patterns
+from asyncllm.structured_output.utf8 import BOUNDARY, Utf8Table
 
 
 @pytest.fixture(scope="module")

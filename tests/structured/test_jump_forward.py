@@ -16,7 +16,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from asyncllm import LLM, RequestOutput, SamplingParams
-from asyncllm.sample.mask_fill import JUMP_MAX_ROWS
+from asyncllm.structured_output.mask_fill import JUMP_MAX_ROWS
 from tests.structured.conftest import (
     CONSTRAINTS,
     ENGINE_ARGS,

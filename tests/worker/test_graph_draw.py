@@ -5,7 +5,6 @@ tokens and recording them as the requests' latest. The graphs themselves: tests/
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -56,7 +55,7 @@ def test_plain_draw_rule_follows_penalties_stop_masks_and_grammars() -> None:
     assert not takes_plain_draw(masked)
     Sampler.drawn([masked])  # one token drawn: min_tokens reached, EOS allowed again
     assert takes_plain_draw(masked)
-    assert not takes_plain_draw(dataclasses.replace(_state(temperature=0.8), grammar=object()))  # type: ignore[arg-type]
+    assert not takes_plain_draw(_state(temperature=0.8, regex="a+"))  # constrained: a bitmask row in its draw
 
 
 def _rig(capacity: int = 16) -> tuple[StepStaging, GraphDraw, LatestTokens, Sampler]:

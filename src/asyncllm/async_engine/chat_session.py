@@ -7,8 +7,8 @@ server's chat endpoint share these two steps: the first streams a request's repl
 first `__anext__`; n samples are one engine request, each reply read by its own parser), the second submits
 a plan's samples itself. The request is an ordinary engine request
 (`RequestStream`), which owns cancellation. Knows the parsers
-(`asyncllm.parsing`) and the grammar builder (`sample/tool_grammar.py`, imported in that thread: it brings
-in xgrammar, hence torch) only through their interfaces; nothing of the core.
+(`asyncllm.parsing`) and the grammar builder (`structured_output/tool_grammar.py`, imported in that thread:
+it brings in xgrammar, hence torch) only through their interfaces; nothing of the core.
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ def make_plan(request: ChatRequest) -> ChatPlan:
 
 
 def _grammar(request: ChatRequest, prompt: str) -> str:
-    from asyncllm.sample.tool_grammar import ReasoningStart, ToolGrammarSpec, tool_grammar
+    from asyncllm.structured_output.tool_grammar import ReasoningStart, ToolGrammarSpec, tool_grammar
 
     tools, tags, fmt = request.tools, request.parsers.reasoning, request.parsers.tool_parser
     assert fmt is not None and tools.mode != "none"

@@ -28,9 +28,9 @@ from asyncllm.executor.worker_main import ATTACHED, READY, WorkerSpec
 from asyncllm.executor.worker_procs import WorkerProcesses
 from asyncllm.model_loader.base import Checkpoint
 from asyncllm.models.tensor_parallel import check_tensor_parallel
-from asyncllm.sample.grammar import GrammarBackend
 from asyncllm.step import LoRAAdapter, ModelRunnerOutput, RuntimeInfo, SchedulerOutput, StepResult
 from asyncllm.worker.device import ResolvedModel
+from asyncllm.structured_output.backend import GrammarBackend
 from asyncllm.worker.setup import build_worker
 from asyncllm.worker.threads import resolve_num_threads
 from asyncllm.worker.worker import Worker

@@ -10,8 +10,8 @@ from collections.abc import Callable
 
 from asyncllm.config import EngineConfig
 from asyncllm.model_loader.base import Checkpoint
-from asyncllm.sample.grammar import GrammarBackend
 from asyncllm.step import LoRAAdapter, RuntimeInfo, SchedulerOutput, StepResult
+from asyncllm.structured_output.backend import GrammarBackend
 from asyncllm.worker.device import ResolvedModel
 from asyncllm.worker.setup import build_worker
 

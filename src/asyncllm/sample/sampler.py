@@ -26,7 +26,6 @@ from asyncllm.sample.filters import apply_min_p, apply_top_k_top_p
 from asyncllm.sample.logprobs import LogprobsOutput, gather_logprobs
 from asyncllm.sample.penalties import PenaltyTable
 from asyncllm.sample.state import SamplingState
-from asyncllm.sample.structured import TokenMask
 
 __all__ = [
     "Sampler",
@@ -60,12 +59,21 @@ def takes_plain_draw(state: SamplingState) -> bool:
     logprobs. A step whose every row does can draw inside a CUDA graph (worker/graph_draw.py); the tokens
     are the ones `Sampler.__call__` draws from the same logits."""
     return (
-        state.grammar is None
+        not state.constrained
         and state.penalty_row is None
         and state.params.logprobs is None
         and (state.greedy or not state.filters)
         and not state.masks_stops
     )
+
+
+@dataclass
+class TokenMask:
+    """What the sampler applies: bitmask row `mask_rows[r]` to logits row r (-1: unconstrained). The one
+    thing structured output hands the sampler (`structured_output/grammar_table.py` fills and uploads it)."""
+
+    bitmask: torch.Tensor  # [C, W] int32 on the device, xgrammar's layout (bit t % 32 of word t // 32)
+    mask_rows: torch.Tensor  # [S] int64 on the device
 
 
 @dataclass
@@ -170,7 +178,7 @@ class Sampler:
     ) -> SamplerOutput:
         """Sample one token per row. `draw`: `draw_params(states)` on the device, sent before this call;
         without it the parameters are uploaded here. `mask`: the bitmask of the constrained rows (those
-        whose state has a `grammar`); a row it allows nothing gets token 0, which its caller reports."""
+        whose state is `constrained`); a row it allows nothing gets token 0, which its caller reports."""
         if logits.dim() != 2 or logits.shape[0] != len(states) or not logits.dtype.is_floating_point:
             raise ValueError(
                 f"Sampler: logits must be a float [num_states={len(states)}, vocab] tensor, "
@@ -225,7 +233,7 @@ class Sampler:
         )  # [R, 4]
         row_index = packed[:, 0].long()
         sub = x.index_select(0, row_index) / packed[:, 1:2]  # a fresh tensor: the filters write into it
-        if mask is not None and any(s.grammar is not None for s in states):
+        if mask is not None and any(s.constrained for s in states):
             # Before the filters: top-k of the unmasked row could keep only tokens the grammar forbids.
             apply_token_bitmask_ref(sub, mask.bitmask, mask.mask_rows.index_select(0, row_index))
         top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]  # vocab means "off"

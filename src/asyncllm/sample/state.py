@@ -2,20 +2,17 @@
 
 Owns what a request's draws depend on: its seed, how many tokens it has drawn (the offset into its noise
 stream, advanced when a draw is launched, so nothing waits for the device), the ids masked until
-`min_tokens`, its row in the sampler's penalty table and its grammar matcher (`structured.py`). Knows
-nothing of scheduling, the model, or how logits become tokens (`sampler.py`).
+`min_tokens`, its row in the sampler's penalty table and whether its draws are constrained (the grammar
+itself is `structured_output/`'s, which hands the sampler only a bitmask). Knows nothing of scheduling, the
+model, or how logits become tokens (`sampler.py`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from asyncllm.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from asyncllm.sample.structured import RequestGrammar
 
 # Below this temperature logits / temperature overflows float32; the distribution is already its limit,
 # the argmax, so such rows are sampled greedily (vLLM draws the same line).
@@ -37,7 +34,9 @@ class SamplingState:
     min_tokens_stop_ids: tuple[int, ...] = ()
     num_sampled: int = 0  # draws so far: the noise offset of the next one
     penalty_row: int | None = None  # set by the sampler's PenaltyTable for requests with penalties
-    grammar: RequestGrammar | None = None  # set by the runner's GrammarTable for constrained requests
+    # Its draws apply a grammar's bitmask row (`params.structured` is set): a fact of the request, so the
+    # sampler asks this, never the grammar's handle (structured_output/ imports sample/, not the reverse).
+    constrained: bool = False
 
     @classmethod
     def create(
@@ -50,7 +49,8 @@ class SamplingState:
         stops: tuple[int, ...] = ()
         if params.min_tokens > 0:
             stops = tuple(sorted(params.stop_token_set | (frozenset() if params.ignore_eos else eos_token_ids)))
-        return cls(params, fold_seed(seed), tuple(prompt_token_ids), min_tokens_stop_ids=stops)
+        constrained = params.structured is not None
+        return cls(params, fold_seed(seed), tuple(prompt_token_ids), stops, constrained=constrained)
 
     @property
     def greedy(self) -> bool:

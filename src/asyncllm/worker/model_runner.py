@@ -48,12 +48,12 @@ import torch
 
 from asyncllm.attention.backend import AttentionBackend
 from asyncllm.models.base import CausalLM
-from asyncllm.sample.grammar import GrammarBackend
 from asyncllm.sample.prompt_logprobs import PromptLogprobsOutput, PromptScorer, score_prompts
 from asyncllm.sample.sampler import DrawInputs, Sampler, takes_plain_draw
 from asyncllm.sample.state import SamplingState
-from asyncllm.sample.structured import GrammarProcessMode, GrammarTable, MaskPlan
 from asyncllm.step import ModelRunnerOutput, ReadyStep, SchedulerOutput, StepResult
+from asyncllm.structured_output.backend import GrammarBackend
+from asyncllm.structured_output.grammar_table import GrammarProcessMode, GrammarTable, MaskPlan
 from asyncllm.worker.cuda_graph import CudaGraphRunner
 from asyncllm.worker.graph_draw import GraphDraw
 from asyncllm.worker.input_batch import InputBuffers, ModelInputs
@@ -212,7 +212,7 @@ class ModelRunner:
             feed = stage(self._latest.feed_index(x.placeholder_rows, x.placeholder_owners), torch.int64)
         if not sampling:
             return _Staged(feed, None, None, None, False)
-        plan = self.grammars.plan(states)  # None unless a request with a grammar is live and sampled
+        plan = self.grammars.plan(sampling)  # None unless a request with a grammar is live and sampled
         if tail is not None and plan is None and all(map(takes_plain_draw, states)):
             assert self._graph_draw is not None
             self._graph_draw.stage(self.sampler.draw_params(states), self._latest.slots(sampling), tail)
@@ -235,7 +235,7 @@ class ModelRunner:
         for new in scheduled.new_requests:
             state = SamplingState.create(new.params, new.seed, new.prompt_token_ids, self.eos_token_ids)
             self.sampler.add(state)
-            self.grammars.add(state)
+            self.grammars.add(new.request_id, state)
             self.states[new.request_id] = state
             self._latest.add(new.request_id)
             if new.params.prompt_logprobs is not None:
@@ -254,7 +254,7 @@ class ModelRunner:
             state = self.states.pop(request_id, None)
             if state is not None:
                 self.sampler.remove(state)
-                self.grammars.remove(state)
+                self.grammars.remove(request_id)
                 self._latest.remove(request_id)
                 if self.loras is not None:
                     self.loras.remove_request(request_id)

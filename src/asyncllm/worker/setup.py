@@ -29,10 +29,10 @@ from asyncllm.model_loader.base import Checkpoint
 from asyncllm.model_loader.loader import load_model
 from asyncllm.models.base import CausalLM
 from asyncllm.models.tensor_parallel import shard_arch
-from asyncllm.sample.grammar import GrammarBackend
-from asyncllm.sample.matcher_set import MAX_FILL_THREADS
-from asyncllm.sample.structured import GrammarProcessMode
 from asyncllm.step import RuntimeInfo
+from asyncllm.structured_output.backend import GrammarBackend
+from asyncllm.structured_output.grammar_table import GrammarProcessMode
+from asyncllm.structured_output.matcher_set import MAX_FILL_THREADS
 from asyncllm.worker.buckets import Buckets
 from asyncllm.worker.cuda_graph import CudaGraphRunner
 from asyncllm.worker.device import ResolvedModel, check_pdl

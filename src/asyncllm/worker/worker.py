@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from asyncllm.errors import LoRAError
-from asyncllm.sample.grammar import GrammarBackend
 from asyncllm.step import LoRAAdapter, RuntimeInfo, SchedulerOutput, StepResult
+from asyncllm.structured_output.backend import GrammarBackend
 from asyncllm.worker.model_runner import ModelRunner
 
 

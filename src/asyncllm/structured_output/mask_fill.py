@@ -18,9 +18,9 @@ import numpy as np
 import torch
 
 from asyncllm.errors import AsyncLLMError
-from asyncllm.sample.host_rows import HostRows
-from asyncllm.sample.request_grammar import MatcherHome, RequestGrammar
 from asyncllm.step import ModelRunnerOutput, StepResult
+from asyncllm.structured_output.host_rows import HostRows
+from asyncllm.structured_output.request_grammar import MatcherHome, RequestGrammar
 
 # Jump-forward takes forced runs only after steps that sampled at most this many rows. A run makes the
 # request's next step a multi-token slice, so that step is no longer decode-only (no decode graph, the prompt

@@ -1,4 +1,4 @@
-"""The grammar process's side (`python -c "from asyncllm.sample.grammar_worker import main; main()"`): it
+"""The grammar process's side (`python -c "from asyncllm.structured_output.grammar_worker import main; main()"`): it
 holds the constrained requests' matchers (`MatcherSet`, compiled with its own `GrammarBackend` made of the
 engine's vocabulary tables), takes each step's tokens and writes the next bitmask rows straight into the
 shared rows, while the engine's step thread does its own host work. A step's rows are split over a few
@@ -21,8 +21,8 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 
-from asyncllm.sample.grammar import GrammarBackend
-from asyncllm.sample.grammar_wire import (
+from asyncllm.structured_output.backend import GrammarBackend
+from asyncllm.structured_output.grammar_wire import (
     ACCEPTED,
     FAILED,
     FILL,
@@ -35,8 +35,8 @@ from asyncllm.sample.grammar_wire import (
     decode_request,
     encode_reply,
 )
-from asyncllm.sample.host_rows import RowsSegment
-from asyncllm.sample.matcher_set import BatchFill, MatcherSet
+from asyncllm.structured_output.host_rows import RowsSegment
+from asyncllm.structured_output.matcher_set import BatchFill, MatcherSet
 
 # A share smaller than this goes with another: a thread's hand-off costs more than filling a few rows.
 MIN_ROWS_PER_THREAD = 16

@@ -25,8 +25,9 @@ from collections.abc import Callable, Collection
 from multiprocessing.connection import Connection
 
 from asyncllm.errors import AsyncLLMError, RequestFailedError
-from asyncllm.sample.grammar import GrammarBackend
-from asyncllm.sample.grammar_wire import (
+from asyncllm.structured import StructuredOutput
+from asyncllm.structured_output.backend import GrammarBackend
+from asyncllm.structured_output.grammar_wire import (
     ACCEPTED,
     FAILED,
     FILL,
@@ -40,12 +41,11 @@ from asyncllm.sample.grammar_wire import (
     decode_reply,
     encode_request,
 )
-from asyncllm.sample.host_rows import HostRows, RowsSegment
-from asyncllm.structured import StructuredOutput
+from asyncllm.structured_output.host_rows import HostRows, RowsSegment
 
 logger = logging.getLogger(__name__)
 
-_ENTRY = "from asyncllm.sample.grammar_worker import main; main()"
+_ENTRY = "from asyncllm.structured_output.grammar_worker import main; main()"
 PRECOMPILED_SPECS = 4096  # remembered as sent to compile (one a new distinct constraint: a bounded record)
 _EXIT_S = 5.0  # at close, the worker gets this long to leave on its own before it is killed
 

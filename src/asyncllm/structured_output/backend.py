@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from asyncllm.errors import InvalidRequestError
-from asyncllm.sample.utf8 import Utf8Table
 from asyncllm.structured import StructuredKind, StructuredOutput
+from asyncllm.structured_output.utf8 import Utf8Table
 
 if TYPE_CHECKING:
     import xgrammar as xgr  # imported at the first compile: engines without constraints never load it

@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from asyncllm.sample.host_rows import RowsLayout, RowsSegment
-from asyncllm.sample.stream_wait import StreamWaiter
+from asyncllm.structured_output.host_rows import RowsLayout, RowsSegment
+from asyncllm.structured_output.stream_wait import StreamWaiter
 
 pytestmark = [
     pytest.mark.gpu,

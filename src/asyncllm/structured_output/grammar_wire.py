@@ -42,8 +42,8 @@ class Init:
     """The worker's start-up message: what `GrammarBackend.from_tables` needs, the rows' layout, and how
     many threads may fill rows at once."""
 
-    tables: Any  # sample.grammar.VocabularyTables
-    layout: Any  # sample.host_rows.RowsLayout
+    tables: Any  # structured_output.backend.VocabularyTables
+    layout: Any  # structured_output.host_rows.RowsLayout
     threads: int
 
 

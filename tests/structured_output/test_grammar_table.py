@@ -17,10 +17,10 @@ import torch
 from transformers import AutoTokenizer
 
 from asyncllm import SamplingParams
-from asyncllm.sample.grammar import GrammarBackend
 from asyncllm.sample.state import SamplingState
-from asyncllm.sample.structured import GrammarProcessMode, GrammarTable
 from asyncllm.step import ModelRunnerOutput, ReadyStep
+from asyncllm.structured_output.backend import GrammarBackend
+from asyncllm.structured_output.grammar_table import GrammarProcessMode, GrammarTable
 from tests.structured.conftest import CONSTRAINTS
 
 VOCAB = 384
@@ -58,7 +58,7 @@ def _run(table: GrammarTable, backend: GrammarBackend, steps: int, seed: int) ->
         nonlocal made
         spec = SPECS[made % len(SPECS)]
         state = SamplingState.create(SamplingParams(**spec, temperature=1.0, max_tokens=24), made, [1])
-        table.add(state)
+        table.add(str(made), state)
         number[id(state)] = made
         made += 1
         return state
@@ -73,12 +73,12 @@ def _run(table: GrammarTable, backend: GrammarBackend, steps: int, seed: int) ->
     for _ in range(steps):
         for state in ended:  # gone at the next submit, as the core's finished requests are
             live.remove(state)
-            table.remove(state)
+            table.remove(str(number[id(state)]))
         ended = []
         while len(live) < ROWS:
             live.append(admit())
             lengths[id(live[-1])] = 0
-        plan = table.plan(live)
+        plan = table.plan([str(number[id(state)]) for state in live])
         states = list(live)
         mask, failed = table.fill(plan, torch.tensor(plan.rows, device=table.device))
         failures.update((number[id(states[i])], str(e)) for i, e in (failed or {}).items())
@@ -159,7 +159,7 @@ def test_draws_that_wait_on_the_device_for_both_homes_rows_see_the_same_masks(ba
 def test_unconstrained_requests_never_start_the_process(backend: GrammarBackend) -> None:
     table = GrammarTable(backend, 8, VOCAB, torch.device("cpu"), GrammarProcessMode.LAZY)
     states = [SamplingState.create(SamplingParams(max_tokens=4), i, [1]) for i in range(3)]
-    for state in states:
-        table.add(state)
-    assert table.plan(states) is None and table.process is None
+    for i, state in enumerate(states):
+        table.add(str(i), state)
+    assert table.plan(["0", "1", "2"]) is None and table.process is None
     table.close()

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from asyncllm.errors import AsyncLLMError
-from asyncllm.sample.grammar import GrammarBackend
-from asyncllm.sample.host_rows import HostRows
-from asyncllm.sample.matcher_set import BatchFill, Filler, MatcherSet
 from asyncllm.structured import StructuredOutput
+from asyncllm.structured_output.backend import GrammarBackend
+from asyncllm.structured_output.host_rows import HostRows
+from asyncllm.structured_output.matcher_set import BatchFill, Filler, MatcherSet
 
 if TYPE_CHECKING:
     from asyncllm.sample.state import SamplingState

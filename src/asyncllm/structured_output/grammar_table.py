@@ -32,18 +32,26 @@ import numpy as np
 import torch
 
 from asyncllm.errors import AsyncLLMError
-from asyncllm.sample.grammar import GrammarBackend
-from asyncllm.sample.grammar_process import GrammarProcess
-from asyncllm.sample.host_rows import HostRows, RowsLayout, RowsSegment, host_row_sets
-from asyncllm.sample.mask_fill import JUMP_MAX_ROWS, ConstrainedStep, DeviceMasks, FillJob, MarkTicket, by_home
-from asyncllm.sample.matcher_set import MAX_FILL_THREADS
-from asyncllm.sample.request_grammar import InlineMatchers, MatcherHome, RequestGrammar
+from asyncllm.sample.sampler import TokenMask
 from asyncllm.sample.state import SamplingState
-from asyncllm.sample.stream_wait import StreamWaiter
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.step import StepResult
+from asyncllm.structured_output.backend import GrammarBackend
+from asyncllm.structured_output.grammar_process import GrammarProcess
+from asyncllm.structured_output.host_rows import HostRows, RowsLayout, RowsSegment, host_row_sets
+from asyncllm.structured_output.mask_fill import (
+    JUMP_MAX_ROWS,
+    ConstrainedStep,
+    DeviceMasks,
+    FillJob,
+    MarkTicket,
+    by_home,
+)
+from asyncllm.structured_output.matcher_set import MAX_FILL_THREADS
+from asyncllm.structured_output.request_grammar import InlineMatchers, MatcherHome, RequestGrammar
+from asyncllm.structured_output.stream_wait import StreamWaiter
 
-__all__ = ["GrammarProcessMode", "GrammarTable", "MaskPlan", "RequestGrammar", "TokenMask"]
+__all__ = ["GrammarProcessMode", "GrammarTable", "MaskPlan", "RequestGrammar"]
 
 _PROCESS, _STEP_THREAD = 0, 1  # whose flags: the grammar process's rows, the step thread's
 
@@ -65,14 +73,6 @@ class GrammarProcessMode(enum.Enum):
 
 
 @dataclass
-class TokenMask:
-    """What the sampler applies: bitmask row `mask_rows[r]` to logits row r (-1: unconstrained)."""
-
-    bitmask: torch.Tensor  # [C, W] int32 on the device, xgrammar's layout (bit t % 32 of word t // 32)
-    mask_rows: torch.Tensor  # [S] int64 on the device
-
-
-@dataclass
 class MaskPlan:
     """Where a step's constrained rows find their masks (`GrammarTable.plan`)."""
 
@@ -86,7 +86,8 @@ class MaskPlan:
 
 
 class GrammarTable:
-    """The runner's constrained requests: `add`/`remove` them; per constrained step `plan`, `fill`, `sent`."""
+    """The runner's constrained requests, by request id: `add`/`remove` them; per constrained step `plan`,
+    `fill`, `sent`."""
 
     def __init__(
         self,
@@ -112,7 +113,7 @@ class GrammarTable:
         self.device = device
         self._max_rows = max_rows
         self._words = -(-vocab_size // 32)
-        self._num_live = 0  # requests with a grammar: while none, a step looks at no state
+        self._grammars: dict[str, RequestGrammar] = {}  # by request id; while empty, a step looks at no row
         self._last: FillJob | None = None  # the last constrained step's job
         self._inline = InlineMatchers(backend, self._words)
         if backend is None or not hasattr(os, "memfd_create"):
@@ -141,41 +142,42 @@ class GrammarTable:
         """The grammar process, once started (None: matchers in the step thread only)."""
         return self._process
 
-    def add(self, state: SamplingState) -> None:
+    def add(self, request_id: str, state: SamplingState) -> None:
+        """A new request: a grammar for it if its parameters ask for one (its `state.constrained`)."""
         spec = state.params.structured
         if spec is None:
             return
         jumps = self.jump_forward and _may_jump(state.params)
         home = self._home(jumps)
         if home is self._inline:
-            state.grammar = RequestGrammar(spec.field, home, self._inline.add(spec, jumps), jumps, state)
+            grammar = RequestGrammar(spec.field, home, self._inline.add(spec, jumps), jumps, state)
         else:
-            state.grammar = RequestGrammar(spec.field, home, home.add(spec))
-        self._num_live += 1
+            grammar = RequestGrammar(spec.field, home, home.add(spec))
+        self._grammars[request_id] = grammar
 
-    def remove(self, state: SamplingState) -> None:
-        grammar = state.grammar
+    def remove(self, request_id: str) -> None:
+        grammar = self._grammars.pop(request_id, None)
         if grammar is not None:
-            state.grammar = None
             grammar.removed = True
             grammar.home.remove(grammar.slot)
-            self._num_live -= 1
 
-    def plan(self, states: list[SamplingState]) -> MaskPlan | None:
-        """Each sampled row's bitmask row; None when no row is constrained. Known before the forward pass."""
-        if not self._num_live:
+    def plan(self, request_ids: list[str]) -> MaskPlan | None:
+        """Each sampled row's bitmask row (the rows' requests in order); None when no row is constrained.
+        Known before the forward pass."""
+        if not self._grammars:
             return None
         source = self._last
         index = source.index if source is not None else {}
         base = len(index)
-        grammars = [state.grammar for state in states]  # comprehensions: a step may have hundreds of rows
+        get = self._grammars.get
+        grammars = [get(r) for r in request_ids]  # comprehensions: a step may have hundreds of rows
         constrained = [(i, grammar) for i, grammar in enumerate(grammars) if grammar is not None]
         if source is not None and not source.accepted:
             source.sampled_next = constrained  # its jumping rows' next draws are under way (FillJob)
         if not constrained:
             return None
-        get = index.get
-        rows = [-1 if grammar is None else get(grammar, -2) for grammar in grammars]  # -2: not in the job
+        row_of = index.get
+        rows = [-1 if grammar is None else row_of(grammar, -2) for grammar in grammars]  # -2: not in the job
         extras: list[tuple[int, RequestGrammar]] = []
         if -2 in rows:
             for i, grammar in constrained:
@@ -308,7 +310,7 @@ class GrammarTable:
         thread's few rows cost little; the process takes the many rows that would load the step thread."""
         process = self._process
         if process is not None and process.ready and process.alive():
-            few = jumps and self._num_live < JUMP_MAX_ROWS and self._waiter is not None
+            few = jumps and len(self._grammars) < JUMP_MAX_ROWS and self._waiter is not None
             if few and self._process_mode is GrammarProcessMode.LAZY:
                 return self._inline
             return process

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from asyncllm.errors import InvalidRequestError
-from asyncllm.sample.grammar import GrammarBackend
-from asyncllm.sample.jump_forward import ForcedTokens
-from asyncllm.sample.utf8 import BOUNDARY, Utf8Table
 from asyncllm.structured import StructuredOutput
+from asyncllm.structured_output.backend import GrammarBackend
+from asyncllm.structured_output.jump_forward import ForcedTokens
+from asyncllm.structured_output.utf8 import BOUNDARY, Utf8Table
 
 if TYPE_CHECKING:
     import xgrammar as xgr

@@ -15,7 +15,7 @@ import xgrammar as xgr
 
 from asyncllm.errors import InvalidRequestError
 from asyncllm.parsing import ChatStreamParser, ReasoningParser, encode_arguments, make_tool_parser
-from asyncllm.sample.tool_grammar import ReasoningStart, ToolGrammarSpec, tool_grammar
+from asyncllm.structured_output.tool_grammar import ReasoningStart, ToolGrammarSpec, tool_grammar
 from tests.fixtures.tiny_models import EOS_TOKEN, build_tokenizer
 
 WEATHER = {

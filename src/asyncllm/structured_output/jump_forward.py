@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from asyncllm.sample.utf8 import BOUNDARY, Utf8Table
+from asyncllm.structured_output.utf8 import BOUNDARY, Utf8Table
 
 if TYPE_CHECKING:
     import xgrammar as xgr
