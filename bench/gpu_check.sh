@@ -7,6 +7,8 @@
 #   8 separate requests, prefix cache on and off, ~3 min), moe (Qwen3-30B-A3B shape, ~6 min), gemma3 (Gemma 3 4B shape, ~3 min), serve (issue 24, ~6 min), w8 (prompt logprobs), lora (~5 min), quant (~15 min), abpeers (W1+W5 of AB_BASE against this tree, then nano-vllm), enginetests, quicktests, attntests, w12var, w2var, sampling, ab (W1 of AB_BASE against this tree), decodesweep, w1big, gemm, pa, w2ab (W1/W2 under graph and scheduling variants), w1prof (W1 plain + under
 #   torch.profiler, ~2 min), w4 (long-context prefill and decode, 16K/32K, two token budgets, ~1 min), and
 #   on two GPUs tptests, tpbench (tensor parallelism).
+# Tuning variables (ASYNCLLM_*, docs/tuning.md) pass through to every step: ASYNCLLM_DECODE_PDL=1 bash bench/gpu_check.sh
+#   w12var; a variant's bench flags take them as --engine-arg with the lower-case name (cuda_graph_max_tokens=0).
 # Set-up here first: rm -rf .peers && cp -r ../shared/peers .peers && cp -r ../shared/models/qwen3-tokenizer .peers/
 #   && git describe --always --dirty > .peers/COMMIT   (then carry [".peers"], and ".ab" for the ab step)
 set -uo pipefail
@@ -15,7 +17,8 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 mkdir -p .cache && [ -d .peers/qwen3-tokenizer ] && [ ! -d .cache/qwen3-tokenizer ] && cp -r .peers/qwen3-tokenizer .cache/
 # The installed layout without installing: src/asyncllm with top-level kernels/ as asyncllm.kernels.
-overlay=$(mktemp -d); cp -r src/asyncllm "$overlay/asyncllm"; cp -r kernels "$overlay/asyncllm/kernels"
+overlay=$(mktemp -d); cp -r src/asyncllm "$overlay/asyncllm"; rm -f "$overlay/asyncllm/kernels"  # the link to kernels/
+cp -r kernels "$overlay/asyncllm/kernels"
 export PYTHONPATH="$overlay:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # Wheels carried in .whl (xgrammar and what structured output's tests use), installed beside the overlay.
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -225,7 +228,9 @@ if has startup; then
   rows+=("startup: $(grep '^{' "$OUT/startup.log" | tail -1)")
 fi
 if has compare; then
-  PROJ=. timeout 420 bash .peers/compare.sh 0.6b "${COMPARE_STEPS:-nv,al,w2s,prof}" 2>&1 | tee "$OUT/compare.log" | grep -E "RESULT|Error|B=|Self CUDA|Self CPU" | tail -20
+  # compare.sh copies $PROJ/src/asyncllm, whose kernels/ is a link here: hand it the overlay's layout instead.
+  proj=$(mktemp -d) && mkdir "$proj/src" && cp -r "$overlay/asyncllm" "$proj/src/asyncllm"
+  PROJ=$proj timeout 420 bash .peers/compare.sh 0.6b "${COMPARE_STEPS:-nv,al,w2s,prof}" 2>&1 | tee "$OUT/compare.log" | grep -E "RESULT|Error|B=|Self CUDA|Self CPU" | tail -20
   while read -r line; do rows+=("compare: $line"); done < <(grep RESULT "$OUT/compare.log")
 fi
 echo "================ summary ================"

@@ -143,7 +143,8 @@ def run_child(args: argparse.Namespace) -> None:
     out = write_checkpoint(args.shape, args.quant, args.weights, Path(tempfile.mkdtemp()) / args.shape, args.device)
     start = time.perf_counter()
     load_format = "dummy" if args.weights == "dummy" else "auto"
-    llm = LLM(str(out), device=args.device, load_format=load_format, max_model_len=4096, decode_gemv=args.decode_gemv)
+    os.environ["ASYNCLLM_DECODE_GEMV"] = args.decode_gemv  # this child's mode (a tuning variable: docs/tuning.md)
+    llm = LLM(str(out), device=args.device, load_format=load_format, max_model_len=4096)
     base = {"shape": args.shape, "quant": args.quant, "weights": args.weights, "decode_gemv": args.decode_gemv}
     base["startup_s"] = round(time.perf_counter() - start, 1)
     base["tune_gemm_s"] = round(dict(llm.runtime.startup_seconds).get("tune_gemm", 0.0), 3)
@@ -202,7 +203,7 @@ def main() -> None:
     ap.add_argument("--w5-tokens", type=int, default=512, help="decode tokens timed for W5")
     ap.add_argument("--peers", action="store_true", help="nano-vllm's bf16 W5 beside (needs .peers)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script (--shapes qwen3-tiny)")
-    gemv_help = "the engine's decode_gemv; several: each (shape, quant) under each, an A/B in one call"
+    gemv_help = "the engines' ASYNCLLM_DECODE_GEMV; several: each (shape, quant) under each, an A/B in one call"
     ap.add_argument("--decode-gemv", nargs="+", default=["auto"], choices=["auto", "on", "off"], help=gemv_help)
     ap.add_argument("--child", nargs=2, metavar=("SHAPE", "QUANT"), help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -50,7 +50,7 @@ def run_size(args: argparse.Namespace) -> None:
     )
     base = {"shape": args.shape, "tp": args.child, "kv_blocks": llm.runtime.num_kv_blocks}
     if args.engine_arg:
-        base["engine_args"] = engine_kwargs(args.engine_arg)
+        base["engine_args"] = args.engine_arg  # as given: tuning variables' pairs too
     base["startup_s"] = round(time.perf_counter() - start, 1)
     llm.generate([[1, 2, 3]], SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=16), use_tqdm=False)
     rng = Random(1)

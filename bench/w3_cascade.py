@@ -20,15 +20,15 @@ import time
 from random import randint, seed
 from typing import Any
 
-from engine_args import run_child
+from engine_args import run_child, tuning_env
 from w1_throughput import add_w1_arguments, w1_engine
 
 from asyncllm import SamplingParams
 
-KINDS = {  # run name -> engine arguments
-    "cascade_auto": {"cascade_attention": "auto"},
-    "cascade_off": {"cascade_attention": "off"},
-    "no_prefix_caching": {"enable_prefix_caching": False, "cascade_attention": "off"},
+KINDS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {  # run name -> (engine arguments, tuning variables)
+    "cascade_auto": ({}, {"cascade_attention": "auto"}),
+    "cascade_off": ({}, {"cascade_attention": "off"}),
+    "no_prefix_caching": ({"enable_prefix_caching": False}, {"cascade_attention": "off"}),
 }
 
 
@@ -44,8 +44,10 @@ def w3_prompts(groups: int, prefix: int, unique: int, members: int = 16) -> list
 
 
 def measure(args: argparse.Namespace, kind: str) -> dict[str, Any]:
+    engine_args, tuning = KINDS[kind]
     built = time.perf_counter()
-    llm = w1_engine(args, **KINDS[kind])
+    with tuning_env(**tuning):  # ASYNCLLM_CASCADE_ATTENTION
+        llm = w1_engine(args, **engine_args)
     startup_s = time.perf_counter() - built  # load, tuning, warm-up and graph capture (cascade adds variants)
     try:
         prompts = w3_prompts(args.groups, args.prefix, args.unique)

@@ -1,10 +1,10 @@
 """W5 (batch-1 decode: 128 prompt tokens, ms per output token over 512, best of 3) with the one-row GEMV and its
 prologues (layers/prologue.py: the norm folded into qkv and gate_up, SiLU-and-mul into down) against cuBLAS, in
-one process: an engine per `decode_gemv` mode, one after the other, each on random weights of the real shape.
+one process: an engine per ASYNCLLM_DECODE_GEMV mode, one after the other, each on random weights of the real shape.
 
 Modes: "auto" (start-up timing: each layer shape and each norm/activation pair takes the fused GEMV only where
 it timed faster, the saved launch included), "off" (cuBLAS and separate norm/activation launches everywhere),
-"on" (every layer the GEMV, every fusable pair folded); "+pdl" adds decode_pdl=True (the chain's Triton kernels
+"on" (every layer the GEMV, every fusable pair folded); "+pdl" adds ASYNCLLM_DECODE_PDL=1 (the chain's Triton kernels
 launched as programmatic dependents). Each row: ms per token, the start-up (the engine's construction, and its
 tune_gemm phase: the GEMM layouts and the GEMV/prologue timing), how many linear layers take a GEMV at one row
 and how many of them fold the op before them. "auto" runs first, so its start-up pays the Triton compiles of the
@@ -26,13 +26,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine_args import add_engine_arg_option, engine_kwargs, free_device_memory
+from engine_args import add_engine_arg_option, engine_kwargs, free_device_memory, tuning_env
 from gemma3_w1_w5 import run_w5
 from shapes import write_shape_dir
 
 from asyncllm import LLM, SamplingParams
 
-MODES = ("auto", "off", "on", "auto+pdl", "on+pdl")  # "+pdl": decode_pdl=True (Hopper or newer)
+MODES = ("auto", "off", "on", "auto+pdl", "on+pdl")  # "+pdl": ASYNCLLM_DECODE_PDL=1 (Hopper or newer)
 
 
 def measure(args: argparse.Namespace, model_dir: Path, mode: str) -> dict[str, Any]:
@@ -41,7 +41,8 @@ def measure(args: argparse.Namespace, model_dir: Path, mode: str) -> dict[str, A
     kwargs |= dict(attention_backend=args.attention_backend) | engine_kwargs(args.engine_arg)
     start = time.perf_counter()
     gemv, _, pdl = mode.partition("+")
-    llm = LLM(str(model_dir), device=args.device, load_format="dummy", decode_gemv=gemv, decode_pdl=bool(pdl), **kwargs)
+    with tuning_env(decode_gemv=gemv, decode_pdl=bool(pdl)):
+        llm = LLM(str(model_dir), device=args.device, load_format="dummy", **kwargs)
     startup = time.perf_counter() - start
     try:
         runtime = llm.runtime

@@ -1,4 +1,4 @@
-"""`cuda_graph_sampling` on against off, in one process: decode steps whose LM head, plain draw and latest-token
+"""ASYNCLLM_CUDA_GRAPH_SAMPLING on against off, in one process: decode steps whose LM head, plain draw and latest-token
 record replay inside CUDA graphs against the same graphs with the LM head and sampler launched eagerly after.
 
 Per mode, one engine after the other on random weights of the real shape: W5 (batch-1 decode, temperature 0.6,
@@ -23,7 +23,7 @@ from pathlib import Path
 from random import Random
 from typing import Any
 
-from engine_args import add_engine_arg_option, engine_kwargs, free_device_memory
+from engine_args import add_engine_arg_option, engine_kwargs, free_device_memory, tuning_env
 from gemma3_w1_w5 import run_w5
 from shapes import SHAPES, write_shape_dir
 
@@ -34,7 +34,8 @@ def measure(args: argparse.Namespace, model_dir: Path, on: bool) -> tuple[dict[s
     kwargs: dict[str, Any] = dict(max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks)
     kwargs |= engine_kwargs(args.engine_arg)
     start = time.perf_counter()
-    llm = LLM(str(model_dir), device=args.device, load_format="dummy", cuda_graph_sampling=on, **kwargs)
+    with tuning_env(cuda_graph_sampling=on):
+        llm = LLM(str(model_dir), device=args.device, load_format="dummy", **kwargs)
     startup = time.perf_counter() - start
     try:
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up

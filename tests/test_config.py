@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from asyncllm import envs
 from asyncllm.config import (
     DEFAULT_GRAPH_TOKENS,
     STREAMING_PREFILL_CAP,
@@ -103,10 +104,8 @@ def test_unknown_argument_is_a_type_error_naming_it() -> None:
         ("kv_cache_dtype", None),
         ("enforce_eager", "no"),
         ("jump_forward", "yes"),
-        ("decode_fold_reduce", 1),
         ("grammar_process_threads", 0),
         ("grammar_process_threads", 2.5),
-        ("tp_custom_all_reduce", 1),
         ("num_threads", 0),
         ("num_threads", 1.5),
         ("num_threads", True),
@@ -140,12 +139,13 @@ def test_frozen() -> None:
 
 def test_entry_points_settle_the_prefill_cap_and_the_graphs_that_cover_it() -> None:
     """Streaming caps the prompt tokens of steps that also decode and graphs the capped steps; offline gives
-    prompts the whole budget. What the user chose is kept, and settling twice changes nothing."""
+    prompts the whole budget. What the user chose is kept, and settling twice changes nothing. The graphs'
+    bound follows the settled cap unless ASYNCLLM_CUDA_GRAPH_MAX_TOKENS chose it (`chosen`)."""
 
-    def settled(streaming: bool, **kwargs: object) -> tuple[int | None, int | None]:
+    def settled(streaming: bool, chosen: int | None = None, **kwargs: object) -> tuple[int | None, int]:
         cfg = EngineConfig.from_kwargs("m", **kwargs).resolved(streaming=streaming)
         assert cfg.resolved(streaming=not streaming) == cfg
-        return cfg.scheduler_config.max_prefill_tokens_while_decoding, cfg.device_config.cuda_graph_max_tokens
+        return cfg.scheduler_config.max_prefill_tokens_while_decoding, cfg.graph_max_tokens(chosen)
 
     assert settled(True) == (STREAMING_PREFILL_CAP, 256 + STREAMING_PREFILL_CAP)
     assert settled(False) == (8192, DEFAULT_GRAPH_TOKENS)  # the whole budget: no cap
@@ -154,4 +154,38 @@ def test_entry_points_settle_the_prefill_cap_and_the_graphs_that_cover_it() -> N
     assert settled(True, max_prefill_tokens_while_decoding=512) == (512, DEFAULT_GRAPH_TOKENS)
     assert settled(True, max_prefill_tokens_while_decoding=8192) == (8192, DEFAULT_GRAPH_TOKENS)
     assert settled(False, max_prefill_tokens_while_decoding=4000) == (4000, 4256)
-    assert settled(True, cuda_graph_max_tokens=0) == (STREAMING_PREFILL_CAP, 0)
+    assert settled(True, 0) == (STREAMING_PREFILL_CAP, 0)
+    assert settled(True, 64, max_prefill_tokens_while_decoding=512) == (512, 64)
+    assert EngineConfig.from_kwargs("m").graph_max_tokens(None) == DEFAULT_GRAPH_TOKENS  # unsettled: offline
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "decode_gemv",
+        "decode_pdl",
+        "decode_fold_reduce",
+        "cascade_attention",
+        "cuda_graph_sampling",
+        "cuda_graph_max_tokens",
+        "tp_custom_all_reduce",
+    ],
+)
+def test_tuning_knobs_are_not_engine_arguments(name: str) -> None:
+    """Issue 38: the tuning knobs left the engine arguments for ASYNCLLM_* variables (docs/tuning.md)."""
+    assert name not in {a.name for a in engine_arguments()}
+    assert f"ASYNCLLM_{name.upper()}" in {var.name for var in envs.ALL}
+    with pytest.raises(TypeError, match=f"unknown engine argument {name!r}"):
+        EngineConfig.from_kwargs("m", **{name: None})
+
+
+def test_docs_api_table_lists_every_engine_argument() -> None:
+    """docs/API.md's argument table and the engine's arguments (also `serve --help`'s flags) are one list."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "API.md").read_text()
+    start = doc.index("| argument | default | what |")
+    rows = []
+    for line in doc[start:].splitlines()[2:]:
+        if not line.startswith("| `"):
+            break
+        rows.append(line.split("|")[1].strip(" `"))
+    assert sorted(rows) == sorted(a.name for a in engine_arguments() if a.name != "model")

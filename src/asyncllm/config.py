@@ -27,8 +27,9 @@ from asyncllm.config_values import (
 from asyncllm.errors import InvalidConfigError, UnknownArgumentError
 from asyncllm.validation import check_bool, check_enum, check_float, check_int, check_optional_int
 
-# Entry-point defaults (`EngineConfig.resolved`): the prompt tokens a streaming step may carry beside its
-# decodes, and the largest step carrying prompts that replays a graph (a capped step's prompt tokens fit it).
+# Entry-point defaults: the prompt tokens a streaming step may carry beside its decodes (`EngineConfig.resolved`),
+# and the largest step carrying prompts that replays a graph (`EngineConfig.graph_max_tokens`: a capped step
+# fits it).
 STREAMING_PREFILL_CAP = 2048  # W2's p99 token gap 1.9x the median, 5.9x uncapped (bench/RESULTS.md, run 28)
 DEFAULT_GRAPH_TOKENS = 2048
 
@@ -172,16 +173,9 @@ class ParallelConfig:
         "Ranks one model is split across on this host (worker processes; one GPU each on CUDA, gloo on CPU). "
         "Must divide the model's attention heads; checked against the model and the GPUs when the engine starts.",
     )
-    tp_custom_all_reduce: bool = arg(
-        True,
-        "On CUDA with tensor_parallel_size=2, sum all-reduces up to a decode step's hidden states "
-        "([max_num_seqs, hidden], bfloat16/float32) with a one-shot kernel over symmetric memory instead of NCCL "
-        "(faster for small messages); checked against NCCL at start-up, NCCL on any failure. False: NCCL only.",
-    )
 
     def __post_init__(self) -> None:
         check_int(invalid, "tensor_parallel_size", self.tensor_parallel_size, "an integer >= 1", lo=1)
-        check_bool(invalid, "tp_custom_all_reduce", self.tp_custom_all_reduce)
 
 
 # A LoRA rank padded for the kernels stays within a Triton tile; vLLM's largest supported rank is the same.
@@ -271,19 +265,24 @@ class EngineConfig:
         """This config with the defaults that depend on the entry point settled (idempotent: only None
         fields change). Streaming (`AsyncLLMEngine`, the server) caps the prompt tokens of steps that also
         decode, for even gaps between tokens; offline (`LLM`) gives prompts the whole step budget."""
-        sched, dev = self.scheduler_config, self.device_config
-        budget = sched.max_num_batched_tokens
+        sched = self.scheduler_config
         cap = sched.max_prefill_tokens_while_decoding
         if cap is None:
-            cap = STREAMING_PREFILL_CAP if streaming else budget
-        graph_tokens = dev.cuda_graph_max_tokens
-        if graph_tokens is None:  # a capped step (every decode plus the cap's prompt tokens) fits the graphs
-            graph_tokens = max(DEFAULT_GRAPH_TOKENS, sched.max_num_seqs + cap) if cap < budget else DEFAULT_GRAPH_TOKENS
+            cap = STREAMING_PREFILL_CAP if streaming else sched.max_num_batched_tokens
         return dataclasses.replace(
-            self,
-            scheduler_config=dataclasses.replace(sched, max_prefill_tokens_while_decoding=cap),
-            device_config=dataclasses.replace(dev, cuda_graph_max_tokens=graph_tokens),
+            self, scheduler_config=dataclasses.replace(sched, max_prefill_tokens_while_decoding=cap)
         )
+
+    def graph_max_tokens(self, chosen: int | None) -> int:
+        """The largest step carrying prompts that replays a CUDA graph: `chosen`
+        (ASYNCLLM_CUDA_GRAPH_MAX_TOKENS), else 2048, or every decode plus the prefill cap when that is larger,
+        so that capped steps replay graphs (an unsettled cap is the offline one: the whole step budget)."""
+        if chosen is not None:
+            return chosen
+        sched = self.scheduler_config
+        budget = sched.max_num_batched_tokens
+        cap = sched.max_prefill_tokens_while_decoding or budget
+        return max(DEFAULT_GRAPH_TOKENS, sched.max_num_seqs + cap) if cap < budget else DEFAULT_GRAPH_TOKENS
 
     @property
     def model(self) -> str:

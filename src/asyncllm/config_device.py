@@ -1,7 +1,7 @@
 """`DeviceConfig`: where and how the model executes (device, threads, attention backend, CUDA graphs, the
-decode kernels' switches, the core's and the grammar matchers' process). One part of `EngineConfig`
-(config.py), split out for size; every field validated at construction with an `InvalidConfigError`
-naming it. Plain Python; no torch.
+core's and the grammar matchers' process). One part of `EngineConfig` (config.py), split out for size;
+every field validated at construction with an `InvalidConfigError` naming it. Plain Python; no torch. The
+decode kernels' switches and the graphs' tuning are not engine arguments: `asyncllm.envs`.
 """
 
 from __future__ import annotations
@@ -9,12 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from asyncllm.config_fields import arg, invalid, set_field
-from asyncllm.config_values import (
-    AttentionBackendName,
-    CascadeAttention,
-    DecodeGemv,
-    Device,
-)
+from asyncllm.config_values import AttentionBackendName, Device
 from asyncllm.validation import check_bool, check_enum, check_float, check_optional_int
 
 # A step running longer than this fails the health check: far above any real step (a GPU step takes
@@ -33,51 +28,6 @@ class DeviceConfig:
         "installed, else torch).",
     )
     enforce_eager: bool = arg(False, "Never capture CUDA graphs.")
-    decode_gemv: DecodeGemv = arg(
-        DecodeGemv.AUTO,
-        "At one token row (batch-1 decode), dense linear layers with the Triton backend run a one-launch GEMV "
-        'instead of cuBLAS: "auto" (with CUDA graphs, for each layer shape that timed faster than cuBLAS at '
-        'start-up), "on" (every layer it can run; the same numbers eager and graphed), "off" (never, the '
-        "quantized layers' GEMV included).",
-    )
-    decode_pdl: bool = arg(
-        False,
-        "Launch the Triton kernels of the decode chain (the dense layers' GEMV and its folded norms, RMSNorm, "
-        "the q/k norm + rotary + KV write) as programmatic dependent launches, each overlapping the previous "
-        "kernel's tail, CUDA graphs included (CUDA on Hopper or newer, the Triton backend). Results unchanged.",
-    )
-    decode_fold_reduce: bool = arg(
-        True,
-        "The Triton decode attention merges a sequence's KV splits inside its split kernel (the last split to "
-        "finish merges, one launch a layer) instead of in a second reduce launch. False: the reduce launch, the "
-        "simple twin (results equal to rounding). Cascade decode's merge is the reduce launch either way.",
-    )
-    cascade_attention: CascadeAttention = arg(
-        CascadeAttention.AUTO,
-        "Cascade decode attention (Triton backend): decode sequences whose KV blocks begin with the same prefix "
-        "(prefix-cache hits of a shared prompt prefix, 128 tokens or more) attend to it in one read per group "
-        'and step, merged exactly with each one\'s own keys. "auto": on CUDA; "on": also in Triton\'s CPU '
-        'interpreter (tests); "off": never. Decode-only steps and global-attention layers only (sliding-window '
-        "layers read their window as before).",
-    )
-    cuda_graph_sampling: bool = arg(
-        False,
-        "Decode steps replayed from CUDA graphs run the LM head inside the graph, and, when every row's token is "
-        "the plain draw (temperature or greedy, with no top-k/top-p/min-p, penalties, logprobs, min_tokens stop "
-        "masks or structured output), the draw and the record of each request's latest token in a small graph "
-        "replayed right after: a few launches instead of a dozen. Other steps sample eagerly from the graph's "
-        "logits. False (the default: on the H200 it measured no gain at batch 1, 1.206 ms a token either way): "
-        "the LM head and the sampler run eagerly after the graph. The same tokens either way in float32 (in "
-        "bfloat16 one GPU test still finds overlapped and serial scheduling apart with it on: docs/API.md); no "
-        "effect without CUDA graphs.",
-    )
-    cuda_graph_max_tokens: int | None = arg(
-        None,
-        "Steps that are not decode-only (prompt chunks, alone or beside decodes) of up to this many tokens replay "
-        "CUDA graphs captured per token count (padded up by at most a quarter); larger steps run eagerly. 0: "
-        "decode steps only. None: 2048, or max_num_seqs plus the prefill cap when that is larger (so capped "
-        "steps replay graphs). Each count costs a capture at start-up; the largest sets the graphs' memory.",
-    )
     max_step_seconds: float = arg(
         DEFAULT_MAX_STEP_SECONDS,
         "A step running longer than this makes check_health() (and the server's /health) fail: a stuck device "
@@ -130,22 +80,13 @@ class DeviceConfig:
         backend = check_enum(invalid, AttentionBackendName, "attention_backend", self.attention_backend)
         set_field(self, "attention_backend", backend)
         check_bool(invalid, "enforce_eager", self.enforce_eager)
-        set_field(self, "decode_gemv", check_enum(invalid, DecodeGemv, "decode_gemv", self.decode_gemv))
-        check_bool(invalid, "decode_pdl", self.decode_pdl)
-        check_bool(invalid, "decode_fold_reduce", self.decode_fold_reduce)
-        cascade = check_enum(invalid, CascadeAttention, "cascade_attention", self.cascade_attention)
-        set_field(self, "cascade_attention", cascade)
         check_bool(invalid, "core_process", self.core_process)
         check_bool(invalid, "jump_forward", self.jump_forward)
-        check_bool(invalid, "cuda_graph_sampling", self.cuda_graph_sampling)
         if not isinstance(self.grammar_process, bool | None):
             lazily = "None (started at the first constrained request on CUDA)"
             raise invalid("grammar_process", self.grammar_process, f"True, False or {lazily}")
         check_optional_int(
             invalid, "grammar_process_threads", self.grammar_process_threads, "an integer >= 1, or None", lo=1
-        )
-        check_optional_int(
-            invalid, "cuda_graph_max_tokens", self.cuda_graph_max_tokens, "an integer >= 0, or None", lo=0
         )
         seconds = check_float(
             invalid, "max_step_seconds", self.max_step_seconds, "a positive number of seconds", lo=0.0, lo_open=True

@@ -1,6 +1,6 @@
 """The value sets of the engine arguments that take one of a few names (device, dtype, load format,
-quantization, KV-cache dtype, attention backend, decode GEMV, cascade attention): each a `str` enum, so users
-pass plain strings and `config.py` checks them with `check_enum`. Plain Python; no torch.
+quantization, KV-cache dtype, attention backend): each a `str` enum, so users pass plain strings and
+`config.py` checks them with `check_enum`. Plain Python; no torch.
 """
 
 from __future__ import annotations
@@ -10,9 +10,7 @@ import enum
 __all__ = [
     "KV_CACHE_DTYPES_REFUSED",
     "AttentionBackendName",
-    "CascadeAttention",
     "DType",
-    "DecodeGemv",
     "Device",
     "KVCacheDType",
     "LoadFormat",
@@ -74,19 +72,3 @@ class AttentionBackendName(str, enum.Enum):
     AUTO = "auto"  # the fastest available for the device
     TORCH = "torch"  # the pure-PyTorch reference every kernel is checked against
     TRITON = "triton"  # the paged Triton kernels (CUDA; on CPU only in Triton's interpreter)
-
-
-class DecodeGemv(str, enum.Enum):
-    """When a dense linear layer takes the one-launch GEMV at one token row (`DeviceConfig.decode_gemv`)."""
-
-    AUTO = "auto"  # with CUDA graphs, per layer shape, where it timed faster than cuBLAS at start-up
-    ON = "on"  # every layer it can run (the Triton backend): the fast path's test switch
-    OFF = "off"  # never, quantized layers' GEMV included: F.linear (and their split-K GEMM) everywhere
-
-
-class CascadeAttention(str, enum.Enum):
-    """When decode steps read a shared prompt prefix once per group (`DeviceConfig.cascade_attention`)."""
-
-    AUTO = "auto"  # on CUDA with the Triton backend
-    ON = "on"  # with the Triton backend on any device (its CPU interpreter too): the fast path's test switch
-    OFF = "off"  # never: every decode sequence reads all its keys itself

@@ -1,11 +1,12 @@
 """Tuning knobs that are not engine arguments: `ASYNCLLM_*` environment variables, each declared here once
 with its type, default and meaning, and read when it is used (never at import), so a test or a benchmark
 that sets one affects the engines it makes next. Users should need none of them; a bad value fails where
-it is read, naming the variable. Imports nothing of the package but its errors.
+it is read, naming the variable and the values it takes. Imports nothing of the package but its errors.
 """
 
 from __future__ import annotations
 
+import enum
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from typing import Any, Generic, TypeVar
 from asyncllm.errors import InvalidConfigError
 
 T = TypeVar("T")
+E = TypeVar("E", bound=enum.Enum)
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,51 @@ def _seconds(raw: str) -> float:
     return value
 
 
+def _flag(raw: str) -> bool:
+    """A switch: 1 or true, 0 or false (any case)."""
+    value = {"1": True, "true": True, "0": False, "false": False}.get(raw.lower())
+    if value is None:
+        raise ValueError("use 1, 0, true or false")
+    return value
+
+
+def _count_or_auto(raw: str) -> int | None:
+    """A count of tokens >= 0, or "auto" (None: the engine settles it)."""
+    if raw.lower() == "auto":
+        return None
+    if not (raw.isascii() and raw.isdigit()):
+        raise ValueError("use auto or an integer >= 0")
+    return int(raw)
+
+
+def _one_of(choices: type[E]) -> Callable[[str], E]:
+    """One of an enum's values (any case)."""
+
+    def parse(raw: str) -> E:
+        for member in choices:
+            if member.value == raw.lower():
+                return member
+        raise ValueError("use one of " + ", ".join(str(m.value) for m in choices))
+
+    return parse
+
+
+class DecodeGemv(str, enum.Enum):
+    """When a dense linear layer takes the one-launch GEMV at one token row (`DECODE_GEMV`)."""
+
+    AUTO = "auto"  # with CUDA graphs, per layer shape, where it timed faster than cuBLAS at start-up
+    ON = "on"  # every layer it can run (the Triton backend): the fast path's test switch
+    OFF = "off"  # never, quantized layers' GEMV included: F.linear (and their split-K GEMM) everywhere
+
+
+class CascadeAttention(str, enum.Enum):
+    """When decode steps read a shared prompt prefix once per group (`CASCADE_ATTENTION`)."""
+
+    AUTO = "auto"  # on CUDA with the Triton backend
+    ON = "on"  # with the Triton backend on any device (its CPU interpreter too): the fast path's test switch
+    OFF = "off"  # never: every decode sequence reads all its keys itself
+
+
 DEAD_ENGINE_JOIN_S: EnvVar[float] = EnvVar(
     "ASYNCLLM_DEAD_ENGINE_JOIN_S",
     6.0,
@@ -50,4 +97,78 @@ DEAD_ENGINE_JOIN_S: EnvVar[float] = EnvVar(
     "own bound on the release (3 s) plus its stop of the workers (1 s)",
 )
 
-ALL: tuple[EnvVar[Any], ...] = (DEAD_ENGINE_JOIN_S,)  # every variable, for docs/tuning.md's table and its test
+# The model's build on every rank (read once per engine where the model is resolved, the same for all ranks).
+DECODE_GEMV: EnvVar[DecodeGemv] = EnvVar(
+    "ASYNCLLM_DECODE_GEMV",
+    DecodeGemv.AUTO,
+    _one_of(DecodeGemv),
+    "at one token row (batch-1 decode), dense linear layers with the Triton backend run a one-launch GEMV "
+    "instead of cuBLAS, and the op before a layer (RMSNorm with the residual add, SiLU-and-mul) folds into "
+    "that GEMV: auto (with CUDA graphs, for each layer shape, and each pair, that timed faster at start-up), "
+    "on (every layer and pair it can run, eager or graphed: the fast path's test switch), off (never, the "
+    "quantized layers' GEMV included)",
+)
+DECODE_PDL: EnvVar[bool] = EnvVar(
+    "ASYNCLLM_DECODE_PDL",
+    False,
+    _flag,
+    "launch the decode chain's Triton kernels (the GEMV and its folded ops, RMSNorm, the q/k norm + rotary + "
+    "KV write) as programmatic dependent launches, each overlapping the previous kernel's tail, CUDA graphs "
+    "included; results unchanged. CUDA on Hopper or newer with the Triton backend only (refused otherwise)",
+)
+DECODE_FOLD_REDUCE: EnvVar[bool] = EnvVar(
+    "ASYNCLLM_DECODE_FOLD_REDUCE",
+    True,
+    _flag,
+    "the Triton decode attention merges a sequence's KV splits inside its split kernel (the last split to "
+    "finish merges: one launch a layer) instead of in a second reduce launch; false: the reduce launch, the "
+    "simple twin (results equal to rounding). Cascade decode's merge is the reduce launch either way",
+)
+CASCADE_ATTENTION: EnvVar[CascadeAttention] = EnvVar(
+    "ASYNCLLM_CASCADE_ATTENTION",
+    CascadeAttention.AUTO,
+    _one_of(CascadeAttention),
+    "cascade decode attention (Triton backend): decode sequences whose KV blocks begin with the same prefix "
+    "(128 tokens or more) read it once per group and step, merged exactly with each one's own keys: auto (on "
+    "CUDA), on (also in Triton's CPU interpreter, for tests; refused with attention_backend='torch'), off "
+    "(never). Decode-only steps and global-attention layers only",
+)
+CUDA_GRAPH_SAMPLING: EnvVar[bool] = EnvVar(
+    "ASYNCLLM_CUDA_GRAPH_SAMPLING",
+    False,
+    _flag,
+    "decode steps replayed from CUDA graphs run the LM head inside the graph and, when every row's token is "
+    "the plain draw (temperature or greedy, no filters, penalties, logprobs, min_tokens masks or constraints), "
+    "the draw and the record of each request's latest token in a small graph replayed right after; other "
+    "steps sample eagerly from the graph's logits. The same tokens either way in float32 (in bfloat16 one GPU "
+    "test finds overlapped and serial scheduling apart with it on: docs/tuning.md); no effect without CUDA graphs",
+)
+CUDA_GRAPH_MAX_TOKENS: EnvVar[int | None] = EnvVar(
+    "ASYNCLLM_CUDA_GRAPH_MAX_TOKENS",
+    None,
+    _count_or_auto,
+    "steps that are not decode-only (prompt chunks, alone or beside decodes) of up to this many tokens replay "
+    "CUDA graphs captured per token count (padded up by at most a quarter); larger steps run eagerly. 0: "
+    "decode steps only; auto: 2048, or max_num_seqs plus the prefill cap when that is larger (so capped steps "
+    "replay graphs). Each count costs a capture at start-up; the largest sets the graphs' memory",
+)
+# Read once per engine by the tensor-parallel executor, which sends every rank its choice.
+TP_CUSTOM_ALL_REDUCE: EnvVar[bool] = EnvVar(
+    "ASYNCLLM_TP_CUSTOM_ALL_REDUCE",
+    True,
+    _flag,
+    "on CUDA with tensor_parallel_size=2, all-reduces up to a decode step's hidden states ([max_num_seqs, "
+    "hidden], bfloat16/float32) run a one-shot kernel over symmetric memory instead of NCCL; checked against "
+    "NCCL at start-up, NCCL on any failure. false: NCCL only",
+)
+
+ALL: tuple[EnvVar[Any], ...] = (  # every variable, for docs/tuning.md's table and its test
+    DEAD_ENGINE_JOIN_S,
+    DECODE_GEMV,
+    DECODE_PDL,
+    DECODE_FOLD_REDUCE,
+    CASCADE_ATTENTION,
+    CUDA_GRAPH_SAMPLING,
+    CUDA_GRAPH_MAX_TOKENS,
+    TP_CUSTOM_ALL_REDUCE,
+)

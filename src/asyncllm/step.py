@@ -138,7 +138,7 @@ class RuntimeInfo:
     kv_cache_bytes: int = 0  # the KV cache's memory (one rank's share under tensor parallelism)
     num_threads: int | None = None  # torch's CPU threads in the thread that runs steps (rank 0's)
     max_loras: int = 0  # LoRA adapter slots (the most one batch mixes); 0: built without enable_lora
-    gemv_layers: int = 0  # linear layers whose one-token-row steps take the one-launch GEMV (decode_gemv)
+    gemv_layers: int = 0  # linear layers whose one-token-row steps take the one-launch GEMV (ASYNCLLM_DECODE_GEMV)
     prologue_layers: int = 0  # of those, the ones folding the norm or SiLU-and-mul before them into it
     # When every layer of the model slides over at most this many keys (Mistral's sliding_window): keys that
     # far behind a sequence's next token are never read again, and their blocks can be given back early.

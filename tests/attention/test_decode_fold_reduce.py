@@ -1,4 +1,4 @@
-"""The Triton backend's folded decode reduce (`TritonPlan.fold_reduce`, engine argument `decode_fold_reduce`)
+"""The Triton backend's folded decode reduce (`TritonPlan.fold_reduce`, ASYNCLLM_DECODE_FOLD_REDUCE)
 against its twin, the reduce launch, and the torch backend: decode steps over several KV splits, planned
 eagerly and for a mixed graph's fixed shape (decode entries of -1, rows of no sequence), three steps in a row
 on one backend (each launch must leave its tickets clean for the next), a sliding layer beside a global one.

@@ -1,9 +1,9 @@
 """The custom all-reduce's CPU-testable parts (its kernel needs two GPUs: tests/gpu/test_custom_all_reduce.py):
-the buffer's size; the engine argument turning it off; the CPU path untouched (gloo, no custom path, whatever
-the size asked); the process-group registration symmetric memory looks groups up by, built over a bare backend
-as ParallelContext builds it (gloo here, NCCL on CUDA); the ranks' agreement (a failure on any one rank, at
-set-up or in the check, turns it off on every rank, with no collective left waiting); and its lifecycle
-(close and abort release the name once; abort drains and never frees)."""
+the buffer's size; the tuning variable turning it off (ASYNCLLM_TP_CUSTOM_ALL_REDUCE); the CPU path untouched
+(gloo, no custom path, whatever the size asked); the process-group registration symmetric memory looks groups up
+by, built over a bare backend as ParallelContext builds it (gloo here, NCCL on CUDA); the ranks' agreement (a
+failure on any one rank, at set-up or in the check, turns it off on every rank, with no collective left
+waiting); and its lifecycle (close and abort release the name once; abort drains and never frees)."""
 
 from __future__ import annotations
 
@@ -30,17 +30,17 @@ def test_buffer_holds_one_decode_step() -> None:
     assert buffer_bytes(256, 4096, torch.float16) == 0  # the kernel does not sum float16: NCCL only
 
 
-def test_engine_argument_and_device_choose_the_size() -> None:
+def test_tuning_variable_and_device_choose_the_size(monkeypatch: pytest.MonkeyPatch) -> None:
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    on = EngineConfig.from_kwargs("m", max_num_seqs=8, tensor_parallel_size=2)
-    off = EngineConfig.from_kwargs("m", max_num_seqs=8, tensor_parallel_size=2, tp_custom_all_reduce=False)
+    two = EngineConfig.from_kwargs("m", max_num_seqs=8, tensor_parallel_size=2)
     four = EngineConfig.from_kwargs("m", max_num_seqs=8, tensor_parallel_size=4)
-    assert on.parallel_config.tp_custom_all_reduce is True
-    assert custom_all_reduce_bytes(on, 64, torch.bfloat16, cuda) == 8 * 64 * 2
-    assert custom_all_reduce_bytes(off, 64, torch.bfloat16, cuda) == 0
-    assert custom_all_reduce_bytes(on, 64, torch.bfloat16, cpu) == 0
-    assert custom_all_reduce_bytes(on, 64, torch.float16, cuda) == 0  # the kernel does not sum float16
+    monkeypatch.delenv("ASYNCLLM_TP_CUSTOM_ALL_REDUCE", raising=False)  # on by default
+    assert custom_all_reduce_bytes(two, 64, torch.bfloat16, cuda) == 8 * 64 * 2
+    assert custom_all_reduce_bytes(two, 64, torch.bfloat16, cpu) == 0
+    assert custom_all_reduce_bytes(two, 64, torch.float16, cuda) == 0  # the kernel does not sum float16
     assert custom_all_reduce_bytes(four, 64, torch.bfloat16, cuda) == 0  # checked bit for bit at two ranks only
+    monkeypatch.setenv("ASYNCLLM_TP_CUSTOM_ALL_REDUCE", "0")
+    assert custom_all_reduce_bytes(two, 64, torch.bfloat16, cuda) == 0
 
 
 def test_cpu_group_stays_on_gloo() -> None:

@@ -3,7 +3,7 @@
 Through `ParallelContext` in two spawned ranks: it is on; bfloat16 and float32 sums of every decode size equal
 NCCL's bit for bit on both ranks, eager and replayed from CUDA graphs, with messages it must leave to NCCL
 (above its buffer, float16) in the same graph; a second group set up and checked in the same processes after the
-first closed. Through the engine: the same tokens with `tp_custom_all_reduce` on and off (several TP engines in
+first closed. Through the engine: the same tokens with ASYNCLLM_TP_CUSTOM_ALL_REDUCE on and off (several TP engines in
 this process, each with fresh workers: torch's per-process rendezvous counter differs between the ranks, which
 `SequenceAlignedStore` absorbs); and a worker killed mid-stream leaves an engine whose shutdown still ends (its
 kernels, waiting for the dead peer, are drained), checked in a child process that a hang cannot take down.
@@ -147,7 +147,7 @@ def test_custom_all_reduce_matches_nccl_eager_and_in_graphs() -> None:
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_engine_tokens_are_the_same_with_and_without(
-    dtype: str, tiny_checkpoints: dict[str, Path], caplog: pytest.LogCaptureFixture
+    dtype: str, tiny_checkpoints: dict[str, Path], caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """At two ranks the custom sums are NCCL's bits, so the whole engine gives the same greedy and seeded
     tokens either way (CUDA graphs on), and start-up says the custom path is on."""
@@ -157,11 +157,10 @@ def test_engine_tokens_are_the_same_with_and_without(
     params = [SamplingParams(temperature=t, seed=i, max_tokens=16, ignore_eos=True) for i, t in enumerate((0, 0.8) * 2)]
     outs = []
     for custom in (True, False):
+        monkeypatch.setenv("ASYNCLLM_TP_CUSTOM_ALL_REDUCE", str(int(custom)))
         with caplog.at_level(logging.INFO, logger="asyncllm.distributed.parallel_state"):
             caplog.clear()
-            llm = LLM(
-                path, device="cuda", dtype=dtype, tensor_parallel_size=2, num_kv_blocks=256, tp_custom_all_reduce=custom
-            )
+            llm = LLM(path, device="cuda", dtype=dtype, tensor_parallel_size=2, num_kv_blocks=256)
         try:
             assert ("custom all-reduce on" in caplog.text) == custom, caplog.text
             assert llm.runtime.cuda_graph_sizes
@@ -191,8 +190,7 @@ def workers():
 async def main():
     engine = AsyncLLMEngine(
         sys.argv[1], device="cuda", dtype="bfloat16", num_kv_blocks=256, tensor_parallel_size=2,
-        tp_custom_all_reduce=sys.argv[2] == "custom",
-    )
+    )  # ASYNCLLM_TP_CUSTOM_ALL_REDUCE set by the test
     (pid,) = workers()
     streams = [engine.add_request([i + 3, 5, 9], SamplingParams(ignore_eos=True)) for i in range(8)]  # to the limit
     iterators = [s.__aiter__() for s in streams]
@@ -222,7 +220,7 @@ def test_shutdown_ends_after_a_worker_dies_mid_stream(tiny_checkpoints: dict[str
     """SIGKILL the worker while rank 0 replays decode graphs full of all-reduces: custom ones would wait for the
     dead rank for ever (no NCCL abort reaches them), NCCL ones until the abort. Every stream fails with
     EngineDeadError within a second and shutdown ends. In a child process: a hang fails this test only."""
-    env = dict(os.environ)
+    env = dict(os.environ, ASYNCLLM_TP_CUSTOM_ALL_REDUCE=str(int(path == "custom")))
     env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     try:
         done = subprocess.run(

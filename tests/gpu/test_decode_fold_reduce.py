@@ -1,4 +1,4 @@
-"""`decode_fold_reduce` on the GPU (bench/gpu_check.sh runs it; skipped without CUDA): an engine whose decode
+"""ASYNCLLM_DECODE_FOLD_REDUCE on the GPU (bench/gpu_check.sh runs it; skipped without CUDA): an engine whose decode
 graphs fold the reduce into the split kernel gives the greedy tokens of one running the separate reduce launch
 (float32; five sequences of 150-430 keys under a 512-key bound, so every decode step splits, 1 to 5 live
 sequences crossing captured sizes). The kernel's own race and graph-replay checks:
@@ -21,10 +21,11 @@ pytestmark = [
 
 
 @pytest.mark.usefixtures("exact_fp32")
-def test_fold_gives_the_tokens_of_the_reduce_launch(tiny_model: Path) -> None:
+def test_fold_gives_the_tokens_of_the_reduce_launch(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     outputs = []
-    for fold in (True, False):
-        llm = LLM(str(tiny_model), device="cuda", dtype="float32", max_model_len=512, decode_fold_reduce=fold)
+    for fold in ("1", "0"):
+        monkeypatch.setenv("ASYNCLLM_DECODE_FOLD_REDUCE", fold)
+        llm = LLM(str(tiny_model), device="cuda", dtype="float32", max_model_len=512)
         try:
             rng, vocab = random.Random(3), llm.runtime.vocab_size  # the same prompts for both engines
             prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(150, 400))] for _ in range(5)]

@@ -1,4 +1,4 @@
-"""`decode_gemv` on the GPU (bench/gpu_check.sh runs them; skipped without CUDA): batch-1 decode steps replaying
+"""ASYNCLLM_DECODE_GEMV on the GPU (bench/gpu_check.sh runs them; skipped without CUDA): batch-1 decode steps replaying
 graphs that captured the GEMV give the tokens of eager steps launching it (float32 and bfloat16), and in float32
 those of the GEMV off ("on" folds the norms and SiLU-and-mul into it too); "auto" times real decode shapes
 (Qwen3-0.6B's, the folded pairs included) at start-up and decodes; PDL launches give the same tokens."""
@@ -23,14 +23,16 @@ pytestmark = [
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.usefixtures("exact_fp32")
-def test_graphs_equal_eager_with_the_gemv_on(tiny_model: Path, dtype: str) -> None:
+def test_graphs_equal_eager_with_the_gemv_on(tiny_model: Path, dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Batch-1 decode steps replay graphs that captured the GEMV; eager steps launch it: the same tokens."""
-    common = dict(device="cuda", dtype=dtype, block_size=4, num_kv_blocks=256, decode_gemv="on")
+    common = dict(device="cuda", dtype=dtype, block_size=4, num_kv_blocks=256)
     batches = [_prompts(300, (9,)), _prompts(300, (4, 13))]
+    monkeypatch.setenv("ASYNCLLM_DECODE_GEMV", "on")
     graphs, layers = _tokens(tiny_model, batches, **common)
     eager, _ = _tokens(tiny_model, batches, enforce_eager=True, **common)
     assert graphs == eager and layers == 2 * LINEARS_PER_LAYER
-    off, _ = _tokens(tiny_model, batches, **{**common, "decode_gemv": "off"})
+    monkeypatch.setenv("ASYNCLLM_DECODE_GEMV", "off")
+    off, _ = _tokens(tiny_model, batches, **common)
     if dtype == "float32":
         assert graphs == off
 
@@ -38,14 +40,16 @@ def test_graphs_equal_eager_with_the_gemv_on(tiny_model: Path, dtype: str) -> No
 @pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="PDL needs Hopper or newer"
 )
-def test_pdl_launches_give_the_same_tokens(tiny_model: Path) -> None:
-    """decode_pdl: the GEMV (its folded norms and SiLU-and-mul too), RMSNorm and the q/k norm + rotary + KV write
-    launched as programmatic dependents, in captured graphs and eagerly: the tokens of plain launches."""
-    common = dict(device="cuda", dtype="bfloat16", block_size=4, num_kv_blocks=256, decode_gemv="on")
+def test_pdl_launches_give_the_same_tokens(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ASYNCLLM_DECODE_PDL: the GEMV (its folded norms and SiLU-and-mul too), RMSNorm and the q/k norm + rotary +
+    KV write launched as programmatic dependents, in captured graphs and eagerly: the tokens of plain launches."""
+    common = dict(device="cuda", dtype="bfloat16", block_size=4, num_kv_blocks=256)
     batches = [_prompts(300, (9,)), _prompts(300, (4, 13))]
+    monkeypatch.setenv("ASYNCLLM_DECODE_GEMV", "on")
     plain, _ = _tokens(tiny_model, batches, **common)
-    pdl, _ = _tokens(tiny_model, batches, decode_pdl=True, **common)
-    eager, _ = _tokens(tiny_model, batches, decode_pdl=True, enforce_eager=True, **common)
+    monkeypatch.setenv("ASYNCLLM_DECODE_PDL", "1")
+    pdl, _ = _tokens(tiny_model, batches, **common)
+    eager, _ = _tokens(tiny_model, batches, enforce_eager=True, **common)
     assert pdl == plain and eager == plain
 
 

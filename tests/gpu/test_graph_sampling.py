@@ -1,9 +1,9 @@
-"""`cuda_graph_sampling` on the GPU: decode graphs that run the LM head, and the plain draw with the latest-token
-record in a draw graph per decode bucket, give the tokens of the same graphs with the LM head and sampler run
-eagerly (cuda_graph_sampling=False), bit for bit: seeded temperature sampling and greedy, batches crossing
-several buckets, filtered, logprobs and constrained rows beside plain ones (their steps sample eagerly from the
-graph's logits; the next all-plain step goes back to the draw graph), cascade and LoRA graph variants. Also:
-a plain decode step replays two graphs (the forward pass with its LM head, the draw), not one."""
+"""ASYNCLLM_CUDA_GRAPH_SAMPLING on the GPU: decode graphs that run the LM head, and the plain draw with the
+latest-token record in a draw graph per decode bucket, give the tokens of the same graphs with the LM head and
+sampler run eagerly (ASYNCLLM_CUDA_GRAPH_SAMPLING=0), bit for bit: seeded temperature sampling and greedy,
+batches crossing several buckets, filtered, logprobs and constrained rows beside plain ones (their steps sample
+eagerly from the graph's logits; the next all-plain step goes back to the draw graph), cascade and LoRA graph
+variants. Also: a plain decode step replays two graphs (the forward pass with its LM head, the draw), not one."""
 
 from __future__ import annotations
 
@@ -32,9 +32,22 @@ def _prompts(vocab: int, n: int, seed: int = 3) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(rng.randrange(2, 30))] for _ in range(n)]
 
 
-def _generate(path: Path, requests: list[tuple[list[list[int]], list[SamplingParams]]], **engine_args) -> list:
+def _engine(path: Path, graph_sampling: bool, **engine_args: object) -> LLM:
+    """An engine with the LM head and plain draw in the decode graphs (ASYNCLLM_CUDA_GRAPH_SAMPLING) or not:
+    the variable is read when the engine is built."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("ASYNCLLM_CUDA_GRAPH_SAMPLING", "1" if graph_sampling else "0")
+        return LLM(str(path), **{**COMMON, **engine_args})
+
+
+def _generate(
+    path: Path,
+    requests: list[tuple[list[list[int]], list[SamplingParams]]],
+    graph_sampling: bool = True,
+    **engine_args: object,
+) -> list:
     """Each batch of requests in turn, from one engine: token ids (and logprobs' keys, where asked)."""
-    llm = LLM(str(path), **{**COMMON, "cuda_graph_sampling": True, **engine_args})  # on unless turned off
+    llm = _engine(path, graph_sampling, **engine_args)
     try:
         out = []
         for prompts, params in requests:
@@ -63,7 +76,7 @@ def test_plain_draw_in_graphs_equals_eager_sampling(tiny_model: Path, dtype: str
     vocab = 300  # tiny_model's prompts stay well inside its vocabulary
     batches = [(_prompts(vocab, n, seed=n), _plain(n, seed=100 * n)) for n in (1, 3, 8, 21, 37)]
     on = _generate(tiny_model, batches, dtype=dtype)
-    off = _generate(tiny_model, batches, dtype=dtype, cuda_graph_sampling=False)
+    off = _generate(tiny_model, batches, graph_sampling=False, dtype=dtype)
     assert on == off
 
 
@@ -85,7 +98,7 @@ def test_mixed_plain_and_eager_rows_in_consecutive_steps(tiny_model: Path, dtype
     plain_then_special = (_prompts(vocab, 6, seed=2), [*_plain(4, seed=9, longer=6), special[0], special[-1]])
     batches = [first, (_prompts(vocab, 5, seed=4), _plain(5, seed=11)), plain_then_special]
     on = _generate(tiny_model, batches, dtype=dtype)
-    off = _generate(tiny_model, batches, dtype=dtype, cuda_graph_sampling=False)
+    off = _generate(tiny_model, batches, graph_sampling=False, dtype=dtype)
     assert on == off
 
 
@@ -101,15 +114,14 @@ def test_greedy_graphs_equal_enforce_eager(tiny_model: Path) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cascade_variant(tiny_model: Path, dtype: str) -> None:
+def test_cascade_variant(tiny_model: Path, dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Requests sharing a cached prefix decode through the cascade graphs, whose draw is the same draw graph."""
+    monkeypatch.setenv("ASYNCLLM_CASCADE_ATTENTION", "auto")
     prompts = shared_prompts(300, 12)
     warm = (prompts[:1], _plain(1, seed=1))  # fills the prefix cache
     rest = (prompts[1:], _plain(11, seed=2))
-    args = dict(dtype=dtype, cascade_attention="auto")
-    assert _generate(tiny_model, [warm, rest], **args) == _generate(
-        tiny_model, [warm, rest], cuda_graph_sampling=False, **args
-    )
+    on = _generate(tiny_model, [warm, rest], dtype=dtype)
+    assert on == _generate(tiny_model, [warm, rest], graph_sampling=False, dtype=dtype)
 
 
 def test_lora_variant(tiny_model: Path, tmp_path: Path) -> None:
@@ -118,9 +130,8 @@ def test_lora_variant(tiny_model: Path, tmp_path: Path) -> None:
     params = _plain(9, seed=3)
     loras = ["a" if i % 2 else None for i in range(9)]
 
-    def run(**args: object) -> list[list[int]]:
-        on = {**COMMON, "cuda_graph_sampling": True, **args}
-        llm = LLM(str(tiny_model), dtype="bfloat16", enable_lora=True, max_lora_rank=8, **on)
+    def run(graph_sampling: bool = True) -> list[list[int]]:
+        llm = _engine(tiny_model, graph_sampling, dtype="bfloat16", enable_lora=True, max_lora_rank=8)
         try:
             llm.add_lora("a", adapter)
             first = llm.generate(prompts, params, use_tqdm=False, lora=loras)
@@ -129,11 +140,11 @@ def test_lora_variant(tiny_model: Path, tmp_path: Path) -> None:
         finally:
             llm.shutdown()
 
-    assert run() == run(cuda_graph_sampling=False)
+    assert run() == run(graph_sampling=False)
 
 
-def _graph_launches(path: Path, **engine_args: object) -> int:
-    llm = LLM(str(path), dtype="bfloat16", **{**COMMON, "cuda_graph_sampling": True, **engine_args})
+def _graph_launches(path: Path, graph_sampling: bool = True) -> int:
+    llm = _engine(path, graph_sampling, dtype="bfloat16")
     try:
         params = SamplingParams(temperature=0.7, seed=1, max_tokens=17, ignore_eos=True)
         llm.generate([[5, 6, 7]], params, use_tqdm=False)  # warm
@@ -147,6 +158,6 @@ def _graph_launches(path: Path, **engine_args: object) -> int:
 def test_a_plain_decode_step_replays_the_draw_graph(tiny_model: Path) -> None:
     """17 tokens: a prefill step, then 16 decode steps, each one forward graph, and with the draw in graphs
     one draw graph more."""
-    on, off = _graph_launches(tiny_model), _graph_launches(tiny_model, cuda_graph_sampling=False)
+    on, off = _graph_launches(tiny_model), _graph_launches(tiny_model, graph_sampling=False)
     assert off >= 16
     assert 16 <= on - off <= off

@@ -72,7 +72,7 @@ def test_bf16_graphs_equal_eager(tiny_model: Path, adapters) -> None:
     assert graphs == _run(tiny_model, adapters, enforce_eager=True, **common)
 
 
-def test_serving_compiles_no_lora_kernel_after_warm_up(tmp_path: Path) -> None:
+def test_serving_compiles_no_lora_kernel_after_warm_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Warm-up (capture, and the LoRA kernels' own compile step at 16 rows) compiled every LoRA kernel variant
     serving launches: on a model wide enough that prompt steps too large for the graphs give a fused program
     several column tiles (gate/up 2 x 2,048 at rank 16), so the programs per shard change with the row count;
@@ -84,9 +84,10 @@ def test_serving_compiles_no_lora_kernel_after_warm_up(tmp_path: Path) -> None:
     wide = dict(hidden_size=1024, intermediate_size=2048, max_position_embeddings=2048)
     model = build_checkpoint(tmp_path / "wide", "qwen3", **wide)
     adapters = {name: write_adapter(tmp_path / name, model, seed, r=8) for seed, name in enumerate("ab")}
+    monkeypatch.setenv("ASYNCLLM_CUDA_GRAPH_MAX_TOKENS", "64")
     llm = LLM(
         str(model), device="cuda", dtype="bfloat16", enable_lora=True, max_loras=2, max_lora_rank=8,
-        max_num_batched_tokens=1024, cuda_graph_max_tokens=64, num_kv_blocks=1024, block_size=16,
+        max_num_batched_tokens=1024, num_kv_blocks=1024, block_size=16,
     )  # fmt: skip
     try:
         for name, path in adapters.items():

@@ -102,19 +102,20 @@ def test_decode_sizes_fit_the_token_budget(tiny_model) -> None:
     assert [buckets.logit_rows(n) for n in (1, 3, 5, 9, 12)] == [1, 4, 8, 12, 12]
 
 
-def test_token_sizes_follow_the_budget_and_the_graph_limit(tiny_model) -> None:
-    """Mixed steps pad up to min(cuda_graph_max_tokens, max_num_batched_tokens); 0 turns padding off, and
-    the torch reference backend never pads."""
+def test_token_sizes_follow_the_budget_and_the_graph_limit(tiny_model, monkeypatch) -> None:
+    """Mixed steps pad up to min(ASYNCLLM_CUDA_GRAPH_MAX_TOKENS, max_num_batched_tokens); 0 turns padding off,
+    and the torch reference backend never pads."""
     import pytest
 
     pytest.importorskip("triton")
 
-    def token_sizes(**kwargs) -> list[int]:
+    def token_sizes(graph_max_tokens: str = "auto", **kwargs) -> list[int]:
+        monkeypatch.setenv("ASYNCLLM_CUDA_GRAPH_MAX_TOKENS", graph_max_tokens)
         return _buckets(tiny_model, **kwargs).token_sizes
 
     assert token_sizes(attention_backend="triton", max_num_batched_tokens=64) == [16, 32, 48, 64]
-    assert token_sizes(attention_backend="triton", max_num_batched_tokens=512, cuda_graph_max_tokens=48) == [16, 32, 48]
-    assert token_sizes(attention_backend="triton", cuda_graph_max_tokens=0) == []
+    assert token_sizes("48", attention_backend="triton", max_num_batched_tokens=512) == [16, 32, 48]
+    assert token_sizes("0", attention_backend="triton") == []
     assert token_sizes(attention_backend="torch") == []
 
 

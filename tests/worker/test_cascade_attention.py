@@ -1,4 +1,5 @@
-"""`cascade_attention`: decode steps reading a shared prompt prefix once per group give the plain path's tokens.
+"""ASYNCLLM_CASCADE_ATTENTION: decode steps reading a shared prompt prefix once per group give the plain path's
+tokens.
 
 CPU (Triton's interpreter, float32, the Triton backend): four requests whose prompts share a 132-token prefix
 (33 blocks of 4, over the 128-token minimum), admitted after a first request cached it, so their block tables
@@ -18,12 +19,15 @@ from asyncllm import LLM, SamplingParams
 from asyncllm.errors import InvalidConfigError
 from tests.fixtures.triton_kernels import HAS_CUDA
 
-# No mixed-step buckets (cuda_graph_max_tokens=0): the interpreter would run a prompt step's padding rows too;
-# decode steps keep their buckets, whose plans are the cascade's.
-ENGINE = dict(
-    device="cpu", dtype="float32", block_size=4, num_kv_blocks=256, max_num_batched_tokens=512, cuda_graph_max_tokens=0
-)
+ENGINE = dict(device="cpu", dtype="float32", block_size=4, num_kv_blocks=256, max_num_batched_tokens=512)
 PREFIX = 132
+
+
+@pytest.fixture(autouse=True)
+def _no_mixed_step_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The interpreter would run a prompt step's padding rows too; decode steps keep their buckets, whose plans
+    are the cascade's."""
+    monkeypatch.setenv("ASYNCLLM_CUDA_GRAPH_MAX_TOKENS", "0")
 
 
 def shared_prompts(vocab: int, num: int, seed: int = 5) -> list[list[int]]:
@@ -50,27 +54,34 @@ def tokens(path: Path, prompts: list[list[int]], **engine_args) -> tuple[list[li
 
 @pytest.mark.skipif(HAS_CUDA, reason="the interpreter runs only without CUDA (tests/gpu runs the GPU's)")
 @pytest.mark.slow
-def test_cascade_on_gives_the_tokens_of_the_reference(tiny_model: Path) -> None:
+def test_cascade_on_gives_the_tokens_of_the_reference(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The Triton kernels with cascade, in the interpreter, against the torch backend (the specification the
     plain Triton path is held to in tests/attention/test_triton_backend.py): the same greedy tokens."""
     prompts = shared_prompts(300, 5)
-    on, cached = tokens(tiny_model, prompts, attention_backend="triton", cascade_attention="on", **ENGINE)
-    reference, _ = tokens(tiny_model, prompts, attention_backend="torch", cascade_attention="off", **ENGINE)
+    monkeypatch.setenv("ASYNCLLM_CASCADE_ATTENTION", "on")
+    on, cached = tokens(tiny_model, prompts, attention_backend="triton", **ENGINE)
+    monkeypatch.setenv("ASYNCLLM_CASCADE_ATTENTION", "off")
+    reference, _ = tokens(tiny_model, prompts, attention_backend="torch", **ENGINE)
     assert min(cached) >= PREFIX  # the prefix's blocks are shared: the cascade has groups to read
     assert on == reference
 
 
-def test_bad_value_is_refused_naming_the_field(tiny_model: Path) -> None:
-    with pytest.raises(InvalidConfigError, match="cascade_attention='yes' is invalid: use one of 'auto', 'on', 'off'"):
-        LLM(str(tiny_model), cascade_attention="yes", **ENGINE)
+def test_bad_value_is_refused_naming_the_variable(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ASYNCLLM_CASCADE_ATTENTION", "yes")
+    with pytest.raises(
+        InvalidConfigError, match=r"ASYNCLLM_CASCADE_ATTENTION='yes' is invalid \(use one of auto, on, off\)"
+    ):
+        LLM(str(tiny_model), **ENGINE)
 
 
-def test_on_with_the_torch_backend_is_refused(tiny_model: Path) -> None:
-    with pytest.raises(InvalidConfigError, match="cascade_attention='on' needs attention_backend='triton'"):
-        LLM(str(tiny_model), attention_backend="torch", cascade_attention="on", **ENGINE)
+def test_on_with_the_torch_backend_is_refused(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ASYNCLLM_CASCADE_ATTENTION", "on")
+    with pytest.raises(InvalidConfigError, match="ASYNCLLM_CASCADE_ATTENTION=on needs attention_backend='triton'"):
+        LLM(str(tiny_model), attention_backend="torch", **ENGINE)
 
 
-def test_auto_on_cpu_runs_the_reference(tiny_model: Path) -> None:
+def test_auto_on_cpu_runs_the_reference(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The CPU default ("auto" resolves to the torch backend there): accepted, and no cascade to run."""
-    got, _ = tokens(tiny_model, shared_prompts(300, 2), cascade_attention="auto", **ENGINE)
+    monkeypatch.setenv("ASYNCLLM_CASCADE_ATTENTION", "auto")
+    got, _ = tokens(tiny_model, shared_prompts(300, 2), **ENGINE)
     assert [len(t) for t in got] == [1, 4]

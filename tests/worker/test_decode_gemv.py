@@ -1,4 +1,5 @@
-"""`decode_gemv`: dense linear layers taking the one-launch GEMV at one token row give the plain path's tokens.
+"""ASYNCLLM_DECODE_GEMV: dense linear layers taking the one-launch GEMV at one token row give the plain path's
+tokens.
 
 CPU (Triton's interpreter, float32, the Triton backend): greedy tokens with the GEMV forced on ("on") equal
 those with it off, for one request decoding alone (every step one row: the GEMV); `runtime.gemv_layers` shows
@@ -46,32 +47,41 @@ def _prompts(vocab: int, lengths: tuple[int, ...]) -> list[list[int]]:
 
 @pytest.mark.skipif(HAS_CUDA, reason="the interpreter runs only without CUDA (the GPU tests below run there)")
 @pytest.mark.slow
-def test_gemv_on_gives_the_tokens_of_gemv_off(tiny_model: Path) -> None:
+def test_gemv_on_gives_the_tokens_of_gemv_off(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """One request alone: every decode step one row, through the GEMV (more rows take F.linear: the layer's
     tests, tests/layers/test_linear_gemv.py); with "on", qkv, gate_up and down fold the norm (the residual add
     too) and SiLU-and-mul before them into their GEMV (layers/prologue.py)."""
     batches = [_prompts(300, (7,))]
-    on = _run(tiny_model, batches, attention_backend="triton", decode_gemv="on", **ENGINE)
-    off = _run(tiny_model, batches, attention_backend="triton", decode_gemv="off", **ENGINE)
+    monkeypatch.setenv("ASYNCLLM_DECODE_GEMV", "on")
+    on = _run(tiny_model, batches, attention_backend="triton", **ENGINE)
+    monkeypatch.setenv("ASYNCLLM_DECODE_GEMV", "off")
+    off = _run(tiny_model, batches, attention_backend="triton", **ENGINE)
     assert on[0] == off[0]
     assert on[1:] == (2 * LINEARS_PER_LAYER, 2 * PROLOGUES_PER_LAYER) and off[1:] == (0, 0)
 
 
-def test_torch_backend_never_takes_the_gemv(tiny_model: Path) -> None:
-    _, layers = _tokens(tiny_model, [[[5, 6, 7]]], attention_backend="torch", decode_gemv="on", **ENGINE)
+def test_torch_backend_never_takes_the_gemv(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ASYNCLLM_DECODE_GEMV", "on")
+    _, layers = _tokens(tiny_model, [[[5, 6, 7]]], attention_backend="torch", **ENGINE)
     assert layers == 0
 
 
-def test_bad_value_is_refused_naming_the_field(tiny_model: Path) -> None:
-    with pytest.raises(InvalidConfigError, match="decode_gemv='always' is invalid: use one of 'auto', 'on', 'off'"):
-        LLM(str(tiny_model), decode_gemv="always", **ENGINE)
+def test_bad_value_is_refused_naming_the_variable(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read when the engine is built: a bad value fails the build, naming the variable and its values."""
+    monkeypatch.setenv("ASYNCLLM_DECODE_GEMV", "always")
+    with pytest.raises(
+        InvalidConfigError, match=r"ASYNCLLM_DECODE_GEMV='always' is invalid \(use one of auto, on, off\)"
+    ):
+        LLM(str(tiny_model), **ENGINE)
 
 
-def test_decode_pdl_refused_without_cuda_naming_the_field(tiny_model: Path) -> None:
+def test_decode_pdl_refused_without_cuda_naming_the_variable(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Programmatic dependent launch is CUDA's (Hopper or newer) and the Triton backend's: asked for on the CPU
     or with the torch backend, the engine says so instead of ignoring it."""
+    monkeypatch.setenv("ASYNCLLM_DECODE_PDL", "1")
     for backend in ("torch", "triton"):
-        with pytest.raises(InvalidConfigError, match="decode_pdl=True launches the Triton backend's kernels on CUDA"):
-            LLM(str(tiny_model), attention_backend=backend, decode_pdl=True, **ENGINE)
-    with pytest.raises(InvalidConfigError, match="decode_pdl='yes' is invalid"):
-        LLM(str(tiny_model), decode_pdl="yes", **ENGINE)
+        with pytest.raises(InvalidConfigError, match="ASYNCLLM_DECODE_PDL=1 launches the Triton backend's kernels"):
+            LLM(str(tiny_model), attention_backend=backend, **ENGINE)
+    monkeypatch.setenv("ASYNCLLM_DECODE_PDL", "yes")
+    with pytest.raises(InvalidConfigError, match=r"ASYNCLLM_DECODE_PDL='yes' is invalid \(use 1, 0, true or false\)"):
+        LLM(str(tiny_model), **ENGINE)

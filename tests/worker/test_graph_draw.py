@@ -135,6 +135,7 @@ def test_ready_only_while_the_latest_tokens_keep_their_tensor(caplog: pytest.Log
     assert PAD_SLOT not in latest.slots(["a", "b", "c"])
 
 
-def test_bad_value_is_refused_naming_the_field(tiny_model: Path) -> None:
-    with pytest.raises(InvalidConfigError, match="cuda_graph_sampling='yes' is invalid"):
-        LLM(str(tiny_model), device="cpu", num_kv_blocks=16, cuda_graph_sampling="yes")
+def test_bad_value_is_refused_naming_the_variable(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ASYNCLLM_CUDA_GRAPH_SAMPLING", "yes")
+    with pytest.raises(InvalidConfigError, match="ASYNCLLM_CUDA_GRAPH_SAMPLING='yes' is invalid"):
+        LLM(str(tiny_model), device="cpu", num_kv_blocks=16)

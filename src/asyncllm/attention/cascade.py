@@ -33,7 +33,7 @@ _EXPECTED_MEMBERS = 16
 
 @dataclass(frozen=True)
 class CascadeDecode:
-    """Cascade decode attention's settings (`cascade_attention` on): the model's query heads per KV head (a
+    """Cascade decode attention's settings (ASYNCLLM_CASCADE_ATTENTION on): the model's query heads per KV head (a
     unit's rows are members x these) and the shortest shared prefix worth a unit."""
 
     group: int

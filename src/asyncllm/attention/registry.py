@@ -3,7 +3,7 @@
 "torch" is the pure-PyTorch reference; "triton" the paged Triton kernels (on CUDA, or on CPU in Triton's
 interpreter when TRITON_INTERPRET=1 was set before triton was first imported). "auto" takes Triton on
 CUDA when triton is installed (its kernels, backend and engine-level greedy parity passed on the H200:
-bench/RESULTS.md), else the reference (on CPU it is fast enough and exact). `cascade_attention` turns the
+bench/RESULTS.md), else the reference (on CPU it is fast enough and exact). ASYNCLLM_CASCADE_ATTENTION turns the
 Triton backend's cascade decode on ("auto": on CUDA); the reference has none (it is what cascade must equal).
 """
 
@@ -16,7 +16,8 @@ import torch
 
 from asyncllm.attention.backend import AttentionBackend
 from asyncllm.attention.cascade import CascadeDecode
-from asyncllm.config_values import AttentionBackendName, CascadeAttention
+from asyncllm.config_values import AttentionBackendName
+from asyncllm.envs import CascadeAttention
 from asyncllm.errors import InvalidConfigError
 
 # (device, activations' dtype, num_kv_heads, the KV cache's dtype, cascade decode's settings or None, whether
@@ -72,7 +73,7 @@ def make_attention_backend(
     kv_cache_dtype: torch.dtype | None = None,  # None: the activations' dtype (kv_cache_dtype="auto")
     cascade: CascadeAttention = CascadeAttention.OFF,
     group: int = 1,  # query heads per KV head (cascade decode's unit rows)
-    fold_reduce: bool = True,  # the Triton decode's reduce folded into its split kernel (`decode_fold_reduce`)
+    fold_reduce: bool = True,  # the Triton decode's reduce folded into its split kernel (ASYNCLLM_DECODE_FOLD_REDUCE)
 ) -> AttentionBackend:
     name = resolve_backend_name(choice, device)
     factory = BACKENDS.get(name)
@@ -83,8 +84,8 @@ def make_attention_backend(
         )
     if cascade is CascadeAttention.ON and name is not AttentionBackendName.TRITON:
         raise InvalidConfigError(
-            f"cascade_attention='on' needs attention_backend='triton'; the {name.value!r} backend is the reference "
-            "every sequence reads all its keys in: use cascade_attention='auto' or 'off' with it"
+            f"ASYNCLLM_CASCADE_ATTENTION=on needs attention_backend='triton'; the {name.value!r} backend is the "
+            "reference every sequence reads all its keys in: set ASYNCLLM_CASCADE_ATTENTION to auto or off with it"
         )
     on = cascade is CascadeAttention.ON or (cascade is CascadeAttention.AUTO and device.type == "cuda")
     settings = CascadeDecode(group) if on and name is AttentionBackendName.TRITON else None

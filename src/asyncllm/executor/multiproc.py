@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+from asyncllm import envs
 from asyncllm.config import EngineConfig
 from asyncllm.distributed.parallel_state import ParallelContext, open_rendezvous
 from asyncllm.distributed.shm_ring import RingTimeoutError
@@ -29,8 +30,8 @@ from asyncllm.executor.worker_procs import WorkerProcesses
 from asyncllm.model_loader.base import Checkpoint
 from asyncllm.models.tensor_parallel import check_tensor_parallel
 from asyncllm.step import LoRAAdapter, ModelRunnerOutput, RuntimeInfo, SchedulerOutput, StepResult
-from asyncllm.worker.device import ResolvedModel
 from asyncllm.structured_output.backend import GrammarBackend
+from asyncllm.worker.device import ResolvedModel
 from asyncllm.worker.setup import build_worker
 from asyncllm.worker.threads import resolve_num_threads
 from asyncllm.worker.worker import Worker
@@ -65,8 +66,9 @@ def check_parallel_devices(device: torch.device, world_size: int) -> int | None:
 
 def custom_all_reduce_bytes(config: EngineConfig, hidden_size: int, dtype: torch.dtype, device: torch.device) -> int:
     """The custom all-reduce's buffer: one decode step's hidden states, [max_num_seqs, hidden] in the model's
-    dtype (larger messages, prefill chunks, go through NCCL); 0 turns it off."""
-    if not config.parallel_config.tp_custom_all_reduce or device.type != "cuda":
+    dtype (larger messages, prefill chunks, go through NCCL); 0 turns it off (as ASYNCLLM_TP_CUSTOM_ALL_REDUCE=0
+    does: read here once, for every rank)."""
+    if not envs.TP_CUSTOM_ALL_REDUCE.get() or device.type != "cuda":
         return 0
     if config.parallel_config.tensor_parallel_size != 2:
         # Exact against NCCL at two ranks (two terms round the same in either order) and measured there;

@@ -141,7 +141,7 @@ class QuantLinear(nn.Module, Fusable):
 
     def use_gemv(self, on: bool) -> None:
         """Take the GEMV up to GEMV_MAX_TOKENS rows where the layer's groups fit its tiles (for FP8 only up to
-        GEMV_MAX_FP8_WEIGHTS weights), or never (`decode_gemv="off"`: the split-K GEMM there instead)."""
+        GEMV_MAX_FP8_WEIGHTS weights), or never (ASYNCLLM_DECODE_GEMV=off: the split-K GEMM there instead)."""
         from asyncllm.kernels import gemv_plan as plans
 
         fp8 = self.qweight.dtype == FP8_DTYPE

@@ -3,13 +3,15 @@
 A replica on GPUs reserves them through a placement group of one bundle, packed on one node: one GPU, or a
 tensor-parallel group's GPUs, whose worker processes the engine starts itself inside that reservation (Ray
 sets CUDA_VISIBLE_DEVICES to them). The group outlives its actor, so a replacement lands on the same
-reservation. A CPU replica reserves one CPU. `ray_actor_options` (Ray Serve's name) overrides any of it.
-Knows nothing of engines or requests.
+reservation. A CPU replica reserves one CPU. The tuning variables set here (`asyncllm.envs`) go with each
+actor, whose process does not inherit this one's environment. `ray_actor_options` (Ray Serve's name)
+overrides any of it. Knows nothing of engines or requests.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -17,6 +19,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from asyncllm import envs
 from asyncllm.ray.actor import ReplicaActor
 
 logger = logging.getLogger("asyncllm.ray")
@@ -45,6 +48,11 @@ def replica_spawns(
     actor_class = ray.remote(ReplicaActor)
     options: dict[str, Any] = {"num_cpus": 1, "num_gpus": gpus_per_replica, **(overrides or {})}
     options["max_restarts"] = 0  # the pool replaces a dead replica itself: it learns of the death at once
+    tuning = {var.name: os.environ[var.name] for var in envs.ALL if os.environ.get(var.name, "").strip()}
+    if tuning:  # the replicas build as an engine made here would; the options' own env_vars win
+        runtime_env = dict(options.get("runtime_env") or {})
+        runtime_env["env_vars"] = {**tuning, **runtime_env.get("env_vars", {})}
+        options["runtime_env"] = runtime_env
     groups: list[PlacementGroup] = []
     if options["num_gpus"] and "scheduling_strategy" not in options:
         bundle = {k: float(v) for k, v in (("CPU", options["num_cpus"]), ("GPU", options["num_gpus"])) if v}

@@ -145,7 +145,7 @@ class Buckets:
     def logit_rows(self, num_sampling: int) -> int:
         """Rows the LM head runs at for a step sampling `num_sampling` sequences: the next decode bucket (the
         counts warm-up ran), or exactly `num_sampling` where there are no buckets. The LM head runs outside
-        the graphs (but in decode graphs with `cuda_graph_sampling`), and cuBLAS sets up a kernel per new row
+        the graphs (but in decode graphs with ASYNCLLM_CUDA_GRAPH_SAMPLING), and cuBLAS sets up a kernel per new row
         count on first use."""
         i = bisect.bisect_left(self.decode_sizes, num_sampling)
         return self.decode_sizes[i] if num_sampling and i < len(self.decode_sizes) else num_sampling

@@ -1,6 +1,6 @@
 """Resolving the user's device and dtype choices into torch objects, and the checkpoint's config into its
-architecture and quantization: `ResolvedModel`, made once per engine. Knows nothing of loading or running the
-model."""
+architecture and quantization, with the tuning variables the workers build with: `ResolvedModel`, made once
+per engine. Knows nothing of loading or running the model."""
 
 from __future__ import annotations
 
@@ -10,11 +10,13 @@ from typing import Any
 
 import torch
 
+from asyncllm import envs
 from asyncllm.config import EngineConfig
 from asyncllm.config_values import Device, DType, KVCacheDType
 from asyncllm.errors import DeviceError, InvalidConfigError
 from asyncllm.models.config import ModelArchConfig
 from asyncllm.quantization.scheme import QuantScheme, resolve_quantization
+from asyncllm.worker.tuning import WorkerTuning
 
 _DTYPES = {DType.BFLOAT16: torch.bfloat16, DType.FLOAT16: torch.float16, DType.FLOAT32: torch.float32}
 
@@ -48,13 +50,14 @@ def resolve_dtype(choice: DType, device: torch.device, hf_config: Any) -> torch.
 
 @dataclass(frozen=True)
 class ResolvedModel:
-    """The engine's device, dtype and architecture, resolved once (by the executor) and passed down to every
-    worker; picklable, for tensor-parallel worker processes (each takes its own device: `on`)."""
+    """The engine's device, dtype, architecture and tuning, resolved once (by the executor) and passed down to
+    every worker; picklable, for tensor-parallel worker processes (each takes its own device: `on`)."""
 
     device: torch.device
     dtype: torch.dtype
     arch: ModelArchConfig
     kv_cache_dtype: torch.dtype  # the activations' dtype, or float8_e4m3fn (kv_cache_dtype="fp8")
+    tuning: WorkerTuning  # the ASYNCLLM_* variables as the executor read them: every rank builds alike
     quant: QuantScheme | None = None  # None: unquantized linear layers
 
     @classmethod
@@ -66,7 +69,7 @@ class ResolvedModel:
         requested = None if mc.quantization is None else mc.quantization.value
         quant = resolve_quantization(requested, getattr(hf_config, "quantization_config", None), device.type)
         kv_cache_dtype = resolve_kv_cache_dtype(config.cache_config.kv_cache_dtype, dtype)
-        return cls(device, dtype, arch, kv_cache_dtype, quant)
+        return cls(device, dtype, arch, kv_cache_dtype, WorkerTuning.read(config), quant)
 
     def on(self, device: torch.device) -> ResolvedModel:
         """The same model on another device (a tensor-parallel rank's)."""
@@ -74,16 +77,17 @@ class ResolvedModel:
 
 
 def check_pdl(device: torch.device, triton_backend: bool) -> None:
-    """`decode_pdl=True` needs the Triton kernels on a CUDA device that has programmatic dependent launch
+    """ASYNCLLM_DECODE_PDL=1 needs the Triton kernels on a CUDA device that has programmatic dependent launch
     (compute capability 9.0 or newer)."""
+    name = envs.DECODE_PDL.name
     if not triton_backend or device.type != "cuda":
         raise InvalidConfigError(
-            f"decode_pdl=True launches the Triton backend's kernels on CUDA; this engine runs on {device} with "
-            f"{'the Triton' if triton_backend else 'the torch'} backend: leave decode_pdl off"
+            f"{name}=1 launches the Triton backend's kernels on CUDA; this engine runs on {device} with "
+            f"{'the Triton' if triton_backend else 'the torch'} backend: unset {name}"
         )
     major, minor = torch.cuda.get_device_capability(device)
     if major < 9:
         raise InvalidConfigError(
-            f"decode_pdl=True needs compute capability 9.0 or newer (Hopper); {torch.cuda.get_device_name(device)} "
-            f"has {major}.{minor}: leave decode_pdl off"
+            f"{name}=1 needs compute capability 9.0 or newer (Hopper); {torch.cuda.get_device_name(device)} "
+            f"has {major}.{minor}: unset {name}"
         )

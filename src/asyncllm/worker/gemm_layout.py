@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from asyncllm.config_values import DecodeGemv
+from asyncllm.envs import DecodeGemv
 from asyncllm.layers.linear import Linear
 from asyncllm.layers.norm import RMSNorm
 from asyncllm.layers.prologue import PrologueKind, fusable, model_pairs
@@ -53,7 +53,7 @@ class GemmChoice:
 
 
 def set_decode_gemv(model: nn.Module, mode: DecodeGemv) -> None:
-    """`decode_gemv`'s fixed settings, before any timing: "on" turns the GEMV on in every dense layer that can
+    """ASYNCLLM_DECODE_GEMV's fixed settings, before any timing: "on" turns the GEMV on in every dense layer that can
     take it, "off" turns it off everywhere (the quantized layers' too); "auto" leaves it to
     `tune_linear_layers`. Call it only where the Triton kernels run."""
     for module in model.modules():
@@ -86,7 +86,7 @@ def prologue_layers(model: nn.Module) -> int:
 def tune_linear_layers(model: nn.Module, device: torch.device, *, gemv: bool) -> dict[Shape, GemmChoice]:
     """Lay out each 16-bit linear weight as cuBLAS runs it fastest here and, with `gemv`, turn the GEMV on for
     the shapes it runs clearly faster at one row; returns the choice per shape. Layers already taking the GEMV
-    (turned on before: `decode_gemv="on"`) keep their layout."""
+    (turned on before: ASYNCLLM_DECODE_GEMV=on) keep their layout."""
     # With `gemv`, the layers after an op they can fold in (layers/prologue.py) are timed as pairs too: a
     # shape's layers with and without such an op are separate groups.
     pairs = {id(p.linear): p for p in model_pairs(model) if fusable(p)} if gemv else {}
@@ -95,7 +95,7 @@ def tune_linear_layers(model: nn.Module, device: torch.device, *, gemv: bool) ->
     for module in model.modules():
         if isinstance(module, Linear) and module.weight.dtype in _TUNED_DTYPES and not module.gemv:
             if module.prologue_gemv:
-                continue  # turned on before (decode_gemv="on")
+                continue  # turned on before (ASYNCLLM_DECODE_GEMV=on)
             n, k = module.weight.shape
             pair = pairs.get(id(module))
             key = ((n, k, module.weight.dtype), None if pair is None else pair.kind)

@@ -77,8 +77,8 @@ class GraphDraw:
         if self._recorded_into is not None:
             self._recorded_into = None  # warn once
             logger.warning(
-                "cuda_graph_sampling: more live requests than the latest-token slots the draw graphs were captured "
-                "with; decode steps sample eagerly from now on (same tokens, a few more launches a step)"
+                "ASYNCLLM_CUDA_GRAPH_SAMPLING: more live requests than the latest-token slots the draw graphs were "
+                "captured with; decode steps sample eagerly from now on (same tokens, a few more launches a step)"
             )
         return False
 

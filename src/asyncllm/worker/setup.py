@@ -22,7 +22,7 @@ import torch
 from asyncllm.attention.backend import AttentionBackend
 from asyncllm.attention.registry import make_attention_backend
 from asyncllm.config import EngineConfig
-from asyncllm.config_values import CascadeAttention, DecodeGemv
+from asyncllm.envs import CascadeAttention, DecodeGemv
 from asyncllm.layers.fusion import use_fused_kernels, use_pdl
 from asyncllm.layers.parallel import TPGroup
 from asyncllm.model_loader.base import Checkpoint
@@ -121,7 +121,8 @@ class WorkerSetup:
     def load(self) -> LoadedModel:
         start = time.perf_counter()
         device, dtype = self.resolved.device, self.resolved.dtype
-        cascade = self.config.device_config.cascade_attention
+        tuning = self.resolved.tuning
+        cascade = tuning.cascade_attention
         if self.resolved.arch.kv_window is not None:  # every layer slides: no layer would read a shared prefix
             cascade = CascadeAttention.OFF
         backend = make_attention_backend(
@@ -132,7 +133,7 @@ class WorkerSetup:
             self.resolved.kv_cache_dtype,
             cascade,
             self.local_arch.num_heads // self.local_arch.num_kv_heads,
-            self.config.device_config.decode_fold_reduce,
+            tuning.decode_fold_reduce,
         )
         mc = self.config.model_config
         module = load_model(
@@ -151,11 +152,11 @@ class WorkerSetup:
         # Our Triton backend brings the fused kernels with it (norm + residual, q/k norm + rotary + KV write,
         # SiLU-and-mul, batched LoRA); the torch backend keeps every layer in its pure-PyTorch form, the reference.
         fused = backend.name == "triton"
-        mode = self.config.device_config.decode_gemv
+        mode = tuning.decode_gemv
         if fused:
             use_fused_kernels(module)
             set_decode_gemv(module, mode)  # "on" or "off"; "auto" is timed below
-        if self.config.device_config.decode_pdl:
+        if tuning.decode_pdl:
             check_pdl(device, fused)
             use_pdl(module, True)
         self.timings["load"] = time.perf_counter() - start
@@ -387,14 +388,13 @@ class WorkerSetup:
         return self.resolved.device.type == "cuda" and not enforce_eager and backend.supports_cuda_graphs
 
     def _graph_sampling(self, backend: AttentionBackend) -> bool:
-        """Decode graphs run the LM head, and plain steps' draw in a graph of its own (`cuda_graph_sampling`,
+        """Decode graphs run the LM head, and plain steps' draw in a graph of its own (ASYNCLLM_CUDA_GRAPH_SAMPLING,
         where CUDA graphs are captured)."""
-        return self._use_cuda_graphs(backend) and self.config.device_config.cuda_graph_sampling
+        return self._use_cuda_graphs(backend) and self.resolved.tuning.cuda_graph_sampling
 
     def _buckets(self, backend: AttentionBackend, max_seq_len: int) -> Buckets:
         """The buckets steps pad to (also eagerly, with a backend that could be captured, so that
         `enforce_eager` computes the same numbers as graphs)."""
         sched = self.config.scheduler_config
-        graph_tokens = self.config.device_config.cuda_graph_max_tokens
-        assert graph_tokens is not None, "EngineConfig.resolved settled it"
+        graph_tokens = self.resolved.tuning.cuda_graph_max_tokens
         return Buckets.for_engine(backend, sched.max_num_seqs, sched.max_num_batched_tokens, graph_tokens, max_seq_len)

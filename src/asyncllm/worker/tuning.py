@@ -1,0 +1,35 @@
+"""`WorkerTuning`: the tuning variables a worker builds with (`asyncllm.envs`: the decode kernels' switches,
+cascade decode, what the CUDA graphs hold), read once per engine where the model is resolved and sent to
+every rank inside `ResolvedModel`, so tensor-parallel ranks build alike whatever their own environment.
+Plain Python; no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from asyncllm import envs
+from asyncllm.config import EngineConfig
+from asyncllm.envs import CascadeAttention, DecodeGemv
+
+
+@dataclass(frozen=True)
+class WorkerTuning:
+    decode_gemv: DecodeGemv  # ASYNCLLM_DECODE_GEMV
+    decode_pdl: bool  # ASYNCLLM_DECODE_PDL
+    decode_fold_reduce: bool  # ASYNCLLM_DECODE_FOLD_REDUCE
+    cascade_attention: CascadeAttention  # ASYNCLLM_CASCADE_ATTENTION
+    cuda_graph_sampling: bool  # ASYNCLLM_CUDA_GRAPH_SAMPLING
+    cuda_graph_max_tokens: int  # ASYNCLLM_CUDA_GRAPH_MAX_TOKENS, "auto" settled for this engine's step budget
+
+    @classmethod
+    def read(cls, config: EngineConfig) -> WorkerTuning:
+        """The variables now (a bad value raises `InvalidConfigError` naming it)."""
+        return cls(
+            decode_gemv=envs.DECODE_GEMV.get(),
+            decode_pdl=envs.DECODE_PDL.get(),
+            decode_fold_reduce=envs.DECODE_FOLD_REDUCE.get(),
+            cascade_attention=envs.CASCADE_ATTENTION.get(),
+            cuda_graph_sampling=envs.CUDA_GRAPH_SAMPLING.get(),
+            cuda_graph_max_tokens=config.graph_max_tokens(envs.CUDA_GRAPH_MAX_TOKENS.get()),
+        )
