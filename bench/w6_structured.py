@@ -7,7 +7,7 @@ Constrained outputs end when their JSON closes; the unconstrained run is then gi
 constrained length (ignore_eos), so both runs make the same tokens. Targets: W1-style >= 0.9x and batch 1 >= 0.95x
 of unconstrained tokens/s. The constrained requests' matchers are where the engine's default puts them (on
 CUDA the grammar process, started by the first constrained request: the runs wait until it is up; it never
-jumps forward; `--engine-arg grammar_process=false` keeps them in the step thread) with
+jumps forward; `--engine-arg grammar_process=off` (ASYNCLLM_GRAMMAR_PROCESS) keeps them in the step thread) with
 jump-forward on (the default; `--engine-arg jump_forward=false` draws every token); unless `--no-twin`, a
 second engine then gives the W1-style ratio with jump-forward the other way (the twin), in the same call, and
 both runs' engine steps per output token. Prints one JSON line; `--host-timing` first prints the step thread's
@@ -30,7 +30,7 @@ from engine_args import engine_kwargs
 from host_timing import host_timing
 from w1_throughput import RunResult, add_w1_arguments, run_w1, w1_engine, w1_requests
 
-from asyncllm import LLM, RequestOutput, SamplingParams
+from asyncllm import LLM, RequestOutput, SamplingParams, envs
 
 SCHEMA = {  # a typical extraction schema: nested object, enum, bounded integer, bounded strings, arrays
     "type": "object",
@@ -187,9 +187,10 @@ def main() -> None:
     process_ready = GrammarProcessReady()  # before the engine: it logs the moment its grammar process is up
     llm = w1_engine(args, **{**given, "jump_forward": jump})
     cold_ms, warm_ms = first_request_ms(llm, {**SCHEMA, "title": f"cold-{time.time_ns()}"})
-    # On CUDA the default (grammar_process=None) starts the grammar process in the background at that first
-    # constrained request: the runs below begin once it is up, as a server's steady state would.
-    waited_s = process_ready.wait(60.0) if args.device == "cuda" and given.get("grammar_process") is None else None
+    # On CUDA the default (ASYNCLLM_GRAMMAR_PROCESS=auto) starts the grammar process in the background at that
+    # first constrained request: the runs below begin once it is up, as a server's steady state would.
+    lazy = envs.GRAMMAR_PROCESS.get() is envs.GrammarProcessChoice.AUTO
+    waited_s = process_ready.wait(60.0) if args.device == "cuda" and lazy else None
     outs, schema_s, lengths, plain, steps = w1_style(llm, args)
     # On the device's own kernels: every output that ended on its own (its JSON closed) must parse.
     closed = [o for o in outs if o.finish_reason == "stop"]
@@ -210,7 +211,7 @@ def main() -> None:
                 "shape": args.shape,
                 "w1_plain_tok_s": round(plain_tps, 1),
                 "w1_schema_tok_s": round(schema_tps, 1),
-                "grammar_process": given.get("grammar_process"),
+                "grammar_process": envs.GRAMMAR_PROCESS.get().value,
                 "waited_for_grammar_process_s": waited_s,
                 "fill_split": args.fill_split,
                 "fill_threads": args.fill_threads,

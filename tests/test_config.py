@@ -104,8 +104,6 @@ def test_unknown_argument_is_a_type_error_naming_it() -> None:
         ("kv_cache_dtype", None),
         ("enforce_eager", "no"),
         ("jump_forward", "yes"),
-        ("grammar_process_threads", 0),
-        ("grammar_process_threads", 2.5),
         ("num_threads", 0),
         ("num_threads", 1.5),
         ("num_threads", True),
@@ -169,6 +167,8 @@ def test_entry_points_settle_the_prefill_cap_and_the_graphs_that_cover_it() -> N
         "cuda_graph_sampling",
         "cuda_graph_max_tokens",
         "tp_custom_all_reduce",
+        "grammar_process",
+        "grammar_process_threads",
     ],
 )
 def test_tuning_knobs_are_not_engine_arguments(name: str) -> None:

@@ -1,7 +1,8 @@
 """`DeviceConfig`: where and how the model executes (device, threads, attention backend, CUDA graphs, the
-core's and the grammar matchers' process). One part of `EngineConfig` (config.py), split out for size;
+core's process). One part of `EngineConfig` (config.py), split out for size;
 every field validated at construction with an `InvalidConfigError` naming it. Plain Python; no torch. The
-decode kernels' switches and the graphs' tuning are not engine arguments: `asyncllm.envs`.
+decode kernels' switches, the graphs' tuning and where the grammar matchers live are not engine arguments:
+`asyncllm.envs`.
 """
 
 from __future__ import annotations
@@ -39,26 +40,6 @@ class DeviceConfig:
         "so its Python work shares no GIL with the event loops that stream its outputs (a server's HTTP work). "
         "False: a step thread in this process (the default; for embedding). AsyncLLMEngine only.",
     )
-    grammar_process: bool | None = arg(
-        None,
-        "Keep structured output's grammar matchers in a process of its own, which takes each step's tokens and "
-        "fills the next token masks beside the step thread (many constrained streams). None (the default): on "
-        "CUDA with one rank, started in the background at the first constrained request; a request that may "
-        "jump forward keeps its matcher in the step thread while fewer than 32 constrained requests are live "
-        "(the process's never jump forward), others go to the process once it is up, and every constrained "
-        "draw is queued at once behind a device-side wait for its masks. On the H200, 256 constrained streams "
-        "ran at a median 0.93 of unconstrained throughput against ~0.83 with every matcher in the step thread, "
-        "and batch 1 at 1.36x with jump-forward (bench/RESULTS.md, runs 75-78). On CPU, with tensor "
-        "parallelism, or where the device cannot wait on host memory (not an x86 host): the step thread. "
-        "False: always the step thread (draws held on the host until their masks are in); True: every "
-        "matcher in the process, started with the engine (start-up waits for it), on any device.",
-    )
-    grammar_process_threads: int | None = arg(
-        None,
-        "The grammar process's threads, each accepting and filling a share of a step's rows (with "
-        "grammar_process None or True). None: the cores this process may use less two (the step thread and "
-        "the device's driver), shared among tensor-parallel ranks, at most 8.",
-    )
     jump_forward: bool = arg(
         True,
         "Structured output's jump-forward: where a request's constraint forces the next text (a JSON schema's "
@@ -82,12 +63,6 @@ class DeviceConfig:
         check_bool(invalid, "enforce_eager", self.enforce_eager)
         check_bool(invalid, "core_process", self.core_process)
         check_bool(invalid, "jump_forward", self.jump_forward)
-        if not isinstance(self.grammar_process, bool | None):
-            lazily = "None (started at the first constrained request on CUDA)"
-            raise invalid("grammar_process", self.grammar_process, f"True, False or {lazily}")
-        check_optional_int(
-            invalid, "grammar_process_threads", self.grammar_process_threads, "an integer >= 1, or None", lo=1
-        )
         seconds = check_float(
             invalid, "max_step_seconds", self.max_step_seconds, "a positive number of seconds", lo=0.0, lo_open=True
         )

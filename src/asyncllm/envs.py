@@ -60,6 +60,14 @@ def _count_or_auto(raw: str) -> int | None:
     return int(raw)
 
 
+def _positive_or_auto(raw: str) -> int | None:
+    """A count >= 1, or "auto" (None: the engine settles it)."""
+    value = _count_or_auto(raw)
+    if value == 0:
+        raise ValueError("use auto or an integer >= 1")
+    return value
+
+
 def _one_of(choices: type[E]) -> Callable[[str], E]:
     """One of an enum's values (any case)."""
 
@@ -78,6 +86,14 @@ class DecodeGemv(str, enum.Enum):
     AUTO = "auto"  # with CUDA graphs, per layer shape, where it timed faster than cuBLAS at start-up
     ON = "on"  # every layer it can run (the Triton backend): the fast path's test switch
     OFF = "off"  # never, quantized layers' GEMV included: F.linear (and their split-K GEMM) everywhere
+
+
+class GrammarProcessChoice(str, enum.Enum):
+    """Where structured output's matchers live (`GRAMMAR_PROCESS`)."""
+
+    AUTO = "auto"  # a process of their own on CUDA with one rank, started at the first constrained request
+    ON = "on"  # a process of their own on any device, started with the engine
+    OFF = "off"  # the step thread (the twin)
 
 
 class CascadeAttention(str, enum.Enum):
@@ -152,6 +168,27 @@ CUDA_GRAPH_MAX_TOKENS: EnvVar[int | None] = EnvVar(
     "decode steps only; auto: 2048, or max_num_seqs plus the prefill cap when that is larger (so capped steps "
     "replay graphs). Each count costs a capture at start-up; the largest sets the graphs' memory",
 )
+GRAMMAR_PROCESS: EnvVar[GrammarProcessChoice] = EnvVar(
+    "ASYNCLLM_GRAMMAR_PROCESS",
+    GrammarProcessChoice.AUTO,
+    _one_of(GrammarProcessChoice),
+    "where structured output's grammar matchers live: in a process of their own, which takes each step's "
+    "tokens and fills the next token masks beside the step thread, or in the step thread. auto: the process "
+    "on CUDA with one rank, started in the background at the first constrained request (a request that may "
+    "jump forward keeps its matcher in the step thread while fewer than 32 constrained requests are live; "
+    "every constrained draw waits on the device for its masks), the step thread on CPU, with tensor "
+    "parallelism or where the device cannot wait on host memory (not an x86 host); on: the process on any "
+    "device, started with the engine; off: the step thread always (each draw held on the host until its "
+    "masks are in)",
+)
+GRAMMAR_PROCESS_THREADS: EnvVar[int | None] = EnvVar(
+    "ASYNCLLM_GRAMMAR_PROCESS_THREADS",
+    None,
+    _positive_or_auto,
+    "the grammar process's threads, each accepting and filling a share of a step's rows. auto: the cores this "
+    "process may use less two (the step thread and the device's driver), shared among tensor-parallel ranks, "
+    "at most 8",
+)
 # Read once per engine by the tensor-parallel executor, which sends every rank its choice.
 TP_CUSTOM_ALL_REDUCE: EnvVar[bool] = EnvVar(
     "ASYNCLLM_TP_CUSTOM_ALL_REDUCE",
@@ -170,5 +207,7 @@ ALL: tuple[EnvVar[Any], ...] = (  # every variable, for docs/tuning.md's table a
     CASCADE_ATTENTION,
     CUDA_GRAPH_SAMPLING,
     CUDA_GRAPH_MAX_TOKENS,
+    GRAMMAR_PROCESS,
+    GRAMMAR_PROCESS_THREADS,
     TP_CUSTOM_ALL_REDUCE,
 )

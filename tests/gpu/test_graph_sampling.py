@@ -23,8 +23,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-# Matchers in the step thread: a grammar process started mid-test would take later requests without jumps.
-COMMON = dict(device="cuda", block_size=4, max_num_seqs=40, num_kv_blocks=1024, grammar_process=False)
+COMMON = dict(device="cuda", block_size=4, max_num_seqs=40, num_kv_blocks=1024)
 
 
 def _prompts(vocab: int, n: int, seed: int = 3) -> list[list[int]]:
@@ -34,9 +33,11 @@ def _prompts(vocab: int, n: int, seed: int = 3) -> list[list[int]]:
 
 def _engine(path: Path, graph_sampling: bool, **engine_args: object) -> LLM:
     """An engine with the LM head and plain draw in the decode graphs (ASYNCLLM_CUDA_GRAPH_SAMPLING) or not:
-    the variable is read when the engine is built."""
+    the variable is read when the engine is built. Matchers in the step thread: a grammar process started
+    mid-test would take later requests without jumps."""
     with pytest.MonkeyPatch.context() as env:
         env.setenv("ASYNCLLM_CUDA_GRAPH_SAMPLING", "1" if graph_sampling else "0")
+        env.setenv("ASYNCLLM_GRAMMAR_PROCESS", "off")
         return LLM(str(path), **{**COMMON, **engine_args})
 
 

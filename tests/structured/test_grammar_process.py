@@ -1,4 +1,4 @@
-"""The grammar process (`grammar_process=True`) through the engine: constrained requests of every kind and
+"""The grammar process (`ASYNCLLM_GRAMMAR_PROCESS=on`) through the engine: constrained requests of every kind and
 draw, several samples each, overlapped with held draws as on CUDA, chunked and preempted, give the step
 thread's tokens (serial scheduling, matchers in the step thread); the engine's shutdown ends the process; if
 the process dies, each request whose matcher it held ends with `RequestFailedError` naming it, while the
@@ -35,13 +35,20 @@ def grammar_processes() -> list[int]:
     return [c for c in children if b"grammar_worker import main" in _read(Path(f"/proc/{c}/cmdline"))]
 
 
-def test_grammar_process_must_be_a_bool_or_none(tiny_model: Path) -> None:
-    with pytest.raises(InvalidConfigError, match=r"grammar_process=1 is invalid: use True, False or None"):
-        LLM(str(tiny_model), grammar_process=1, **ENGINE_ARGS)
+def test_grammar_process_takes_auto_on_or_off(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ASYNCLLM_GRAMMAR_PROCESS", "1")
+    with pytest.raises(InvalidConfigError, match=r"ASYNCLLM_GRAMMAR_PROCESS.*use one of auto, on, off"):
+        LLM(str(tiny_model), **ENGINE_ARGS)
+    monkeypatch.setenv("ASYNCLLM_GRAMMAR_PROCESS", "on")
+    monkeypatch.setenv("ASYNCLLM_GRAMMAR_PROCESS_THREADS", "0")
+    with pytest.raises(InvalidConfigError, match=r"ASYNCLLM_GRAMMAR_PROCESS_THREADS.*use auto or an integer >= 1"):
+        LLM(str(tiny_model), **ENGINE_ARGS)
 
 
 @pytest.mark.slow
-async def test_grammar_process_gives_the_step_threads_tokens(tiny_model: Path, llm_drawing: LLM) -> None:
+async def test_grammar_process_gives_the_step_threads_tokens(
+    tiny_model: Path, llm_drawing: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The grammar process's matchers never jump forward: its twin is the step thread's without it."""
     prompts, params, names = _workload()
     prompts.append("Hello")
@@ -49,8 +56,9 @@ async def test_grammar_process_gives_the_step_threads_tokens(tiny_model: Path, l
     names.append("person")
     want = llm_drawing.generate(prompts, params, use_tqdm=False)  # step-thread matchers
     variant = dict(hold_masked_draws=True, num_kv_blocks=56, max_num_batched_tokens=16, max_num_seqs=6)
-    # Two threads of its own (grammar_process_threads): a step's rows are shared between them where they are many.
-    variant |= dict(grammar_process=True, grammar_process_threads=2)
+    # Two threads of its own: a step's rows are shared between them where they are many.
+    monkeypatch.setenv("ASYNCLLM_GRAMMAR_PROCESS", "on")
+    monkeypatch.setenv("ASYNCLLM_GRAMMAR_PROCESS_THREADS", "2")
     engine = overlapped_engine(tiny_model, **{**ENGINE_ARGS, **variant})
     try:
         await asyncio.wait_for(engine.generate([5], SamplingParams(max_tokens=1)), 60)  # started with the engine
@@ -73,13 +81,18 @@ async def test_grammar_process_gives_the_step_threads_tokens(tiny_model: Path, l
 
 
 @pytest.mark.slow
-async def test_grammar_process_death_fails_its_requests_alone(tiny_model: Path) -> None:
-    await process_death_fails_its_requests_alone(tiny_model, **ENGINE_ARGS)
+async def test_grammar_process_death_fails_its_requests_alone(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await process_death_fails_its_requests_alone(tiny_model, monkeypatch, **ENGINE_ARGS)
 
 
-async def process_death_fails_its_requests_alone(tiny_model: Path, **engine_args: Any) -> None:
+async def process_death_fails_its_requests_alone(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch, **engine_args: Any
+) -> None:
     """Its body, for any device (on CUDA, draws then wait on the device for the dead process's rows)."""
-    engine = AsyncLLMEngine(str(tiny_model), grammar_process=True, **engine_args)
+    monkeypatch.setenv("ASYNCLLM_GRAMMAR_PROCESS", "on")
+    engine = AsyncLLMEngine(str(tiny_model), **engine_args)
     try:
         await asyncio.wait_for(engine.generate([5], SamplingParams(max_tokens=1)), 60)
         [pid] = grammar_processes()

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from asyncllm.envs import GrammarProcessChoice
 from asyncllm.errors import AsyncLLMError
 from asyncllm.sample.sampler import TokenMask
 from asyncllm.sample.state import SamplingState
@@ -57,19 +58,19 @@ _PROCESS, _STEP_THREAD = 0, 1  # whose flags: the grammar process's rows, the st
 
 
 class GrammarProcessMode(enum.Enum):
-    """Where constrained requests' matchers live (engine argument `grammar_process`)."""
+    """Where constrained requests' matchers live (ASYNCLLM_GRAMMAR_PROCESS, settled for this runner)."""
 
     OFF = "off"  # the step thread (the twin)
     LAZY = "lazy"  # a process started in the background at the first constrained request
     EAGER = "eager"  # a process started with the engine
 
     @classmethod
-    def of(cls, grammar_process: bool | None, device: torch.device, ranks: int = 1) -> GrammarProcessMode:
-        """None: the process on CUDA with one rank, where its draws wait on the device for their masks (with
+    def of(cls, chosen: GrammarProcessChoice, device: torch.device, ranks: int = 1) -> GrammarProcessMode:
+        """auto: the process on CUDA with one rank, where its draws wait on the device for their masks (with
         several ranks its draws would wait on the host, which measured slower than the step thread)."""
-        if grammar_process is None:
+        if chosen is GrammarProcessChoice.AUTO:
             return cls.LAZY if device.type == "cuda" and ranks == 1 else cls.OFF
-        return cls.EAGER if grammar_process else cls.OFF
+        return cls.EAGER if chosen is GrammarProcessChoice.ON else cls.OFF
 
 
 @dataclass

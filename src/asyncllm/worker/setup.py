@@ -75,7 +75,7 @@ def build_worker(
     setup.capture(runner)
     if tables is not None:
         setup.wait_for_grammar_tables(tables)
-    if runner.grammars.process is not None:  # grammar_process=True: started with the runner, ready to serve
+    if runner.grammars.process is not None:  # ASYNCLLM_GRAMMAR_PROCESS=on: started with the runner, ready to serve
         setup.wait_for_grammar_process(runner)
     return Worker(runner, setup.runtime_info(loaded, runner, num_blocks))
 
@@ -265,7 +265,7 @@ class WorkerSetup:
             defer_masked_draw=device.type == "cuda",
             loras=loaded.loras,
             grammar_process=GrammarProcessMode.of(
-                self.config.device_config.grammar_process,
+                self.resolved.tuning.grammar_process,
                 device,
                 1 if self.parallel is None else self.parallel.world_size,
             ),
@@ -312,7 +312,7 @@ class WorkerSetup:
     def wait_for_grammar_process(self, runner: ModelRunner) -> None:
         t0 = time.perf_counter()
         if not runner.grammars.wait_for_process():  # the step thread's matchers serve instead
-            logger.warning("grammar_process=True, but the grammar process did not start")
+            logger.warning("ASYNCLLM_GRAMMAR_PROCESS=on, but the grammar process did not start")
         self.timings["grammar_process_wait"] = time.perf_counter() - t0
 
     def capture(self, runner: ModelRunner) -> None:
@@ -372,10 +372,10 @@ class WorkerSetup:
         return None
 
     def _grammar_process_threads(self) -> int:
-        """The grammar process's filling threads: `grammar_process_threads` where given, else the cores this
-        process may use, less two (the step thread and the device's driver), shared among the ranks (each
-        rank has its own process), at most `MAX_FILL_THREADS` (more fill no faster: bench/RESULTS.md run 73)."""
-        chosen = self.config.device_config.grammar_process_threads
+        """The grammar process's filling threads: ASYNCLLM_GRAMMAR_PROCESS_THREADS where given, else the cores
+        this process may use, less two (the step thread and the device's driver), shared among the ranks (each
+        rank has its own process), at most `MAX_FILL_THREADS` (more fill no faster)."""
+        chosen = self.resolved.tuning.grammar_process_threads
         if chosen is not None:
             return chosen
         world = 1 if self.parallel is None else self.parallel.world_size

@@ -1,6 +1,7 @@
 """`WorkerTuning`: the tuning variables a worker builds with (`asyncllm.envs`: the decode kernels' switches,
-cascade decode, what the CUDA graphs hold), read once per engine where the model is resolved and sent to
-every rank inside `ResolvedModel`, so tensor-parallel ranks build alike whatever their own environment.
+cascade decode, what the CUDA graphs hold, where the grammar matchers live), read once per engine where the
+model is resolved and sent to every rank inside `ResolvedModel`, so tensor-parallel ranks build alike
+whatever their own environment.
 Plain Python; no torch.
 """
 
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 
 from asyncllm import envs
 from asyncllm.config import EngineConfig
-from asyncllm.envs import CascadeAttention, DecodeGemv
+from asyncllm.envs import CascadeAttention, DecodeGemv, GrammarProcessChoice
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,8 @@ class WorkerTuning:
     cascade_attention: CascadeAttention  # ASYNCLLM_CASCADE_ATTENTION
     cuda_graph_sampling: bool  # ASYNCLLM_CUDA_GRAPH_SAMPLING
     cuda_graph_max_tokens: int  # ASYNCLLM_CUDA_GRAPH_MAX_TOKENS, "auto" settled for this engine's step budget
+    grammar_process: GrammarProcessChoice  # ASYNCLLM_GRAMMAR_PROCESS
+    grammar_process_threads: int | None  # ASYNCLLM_GRAMMAR_PROCESS_THREADS (None: auto)
 
     @classmethod
     def read(cls, config: EngineConfig) -> WorkerTuning:
@@ -32,4 +35,6 @@ class WorkerTuning:
             cascade_attention=envs.CASCADE_ATTENTION.get(),
             cuda_graph_sampling=envs.CUDA_GRAPH_SAMPLING.get(),
             cuda_graph_max_tokens=config.graph_max_tokens(envs.CUDA_GRAPH_MAX_TOKENS.get()),
+            grammar_process=envs.GRAMMAR_PROCESS.get(),
+            grammar_process_threads=envs.GRAMMAR_PROCESS_THREADS.get(),
         )
