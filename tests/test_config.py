@@ -189,3 +189,8 @@ def test_docs_api_table_lists_every_engine_argument() -> None:
             break
         rows.append(line.split("|")[1].strip(" `"))
     assert sorted(rows) == sorted(a.name for a in engine_arguments() if a.name != "model")
+
+
+def test_at_most_30_engine_arguments() -> None:
+    """The user's surface stays small: tuning knobs are ASYNCLLM_* variables (docs/tuning.md), not arguments."""
+    assert len(engine_arguments()) <= 30, [a.name for a in engine_arguments()]

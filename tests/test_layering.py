@@ -219,3 +219,13 @@ def test_no_import_circles_counting_type_checking_imports() -> None:
     state -> structured -> mask_fill)."""
     cycle = _cycle(_graph(lambda eager, top: top))
     assert cycle is None, "import circle: " + " -> ".join(cycle or [])
+
+
+MAX_MODULE_LINES = 400  # STYLE.md: split before 400 lines, along a concept
+
+
+def test_no_module_over_400_lines() -> None:
+    """Every module of the package and every kernel file stays under the bound (split along a concept)."""
+    files = [*SOURCES.values(), *(ROOT / "kernels").rglob("*.py")]
+    over = {str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not over, f"modules over {MAX_MODULE_LINES} lines (split them along a concept): {over}"
