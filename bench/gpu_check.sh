@@ -108,15 +108,21 @@ if has sampling; then  # the Gumbel-max draw's launch shapes at 256, 64 and 1 ro
   timeout 150 python3 bench/kernels/bench_sampling.py 2>&1 | tee "$OUT/bench_sampling.log" | grep -E 'best|error|Error'
   rows+=("sampling: $(grep '"best"' "$OUT/bench_sampling.log")")
 fi
-if has ab; then  # W1 (or AB_BENCH, e.g. w2_stream.py) of a base tree (AB_BASE: an installed-layout copy, carried;
-  # bench/ab_base.sh REV makes it) against this one, alternating, AB_ROUNDS times (default 2)
-  base=${AB_BASE:-.ab/base}
-  (cd bench && for i in $(seq "${AB_ROUNDS:-2}"); do for tree in base new; do
-     if [ $tree = base ]; then pp="$PWD/../$base:$PYTHONPATH"; else pp=$PYTHONPATH; fi
-     echo -n "$tree$([ $tree = base ] && [ -f "../$base/REV" ] && echo "@$(cat "../$base/REV")") "; PYTHONPATH=$pp timeout 150 python3 "${AB_BENCH:-w1_throughput.py}" 2>&1 | grep -E '^\{|Error' | tail -1
-   done; done
-  ) | tee "$OUT/ab.log"
-  while read -r line; do rows+=("ab: $line"); done < <(grep '{' "$OUT/ab.log" | cut -c1-200)
+if has ab; then  # W1 (or AB_BENCH, e.g. w6_structured.py, with AB_ARGS) of a base tree (AB_BASE: an installed-layout
+  # copy with its own bench/, carried; bench/ab_base.sh REV makes it) against this one, alternating, AB_ROUNDS times
+  base=${AB_BASE:-.ab/base}; root=$PWD
+  for d in .cache .peers; do [ -e "$base/$d" ] || ln -s "$root/$d" "$base/$d"; done  # where its scripts look
+  for i in $(seq "${AB_ROUNDS:-2}"); do for tree in base new; do
+    if [ $tree = base ]; then
+      pp="$root/$base:$PYTHONPATH" dir="$root/$base/bench"; [ -d "$dir" ] || dir=$root/bench
+    else
+      pp=$PYTHONPATH dir=$root/bench
+    fi
+    echo -n "$tree$([ $tree = base ] && [ -f "$base/REV" ] && echo "@$(cat "$base/REV")") "
+    (cd "$dir" && PYTHONPATH=$pp timeout "${AB_TIMEOUT:-150}" python3 "${AB_BENCH:-w1_throughput.py}" ${AB_ARGS:-} 2>&1 \
+      | grep -E '^\{|Error' | tail -1)
+  done; done | tee "$OUT/ab.log"
+  while read -r line; do rows+=("ab: $line"); done < <(grep '{' "$OUT/ab.log" | cut -c1-300)
 fi
 if has abpeers; then  # W1 and W5 through the peers' w1_w5.py (same checkpoint as compare.sh) for a base tree
   # (AB_BASE, carried; bench/ab_base.sh REV makes it) and this one, alternating AB_ROUNDS times, then nano-vllm once
