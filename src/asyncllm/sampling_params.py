@@ -24,6 +24,9 @@ MAX_STOP_TOKEN_IDS = 1024  # masked per step while min_tokens is not reached: th
 # Samples of one request (`n`): each is a sequence of its own in every step, so one request could otherwise
 # fill the batch on its own; OpenAI's limit too.
 MAX_SAMPLES = 128
+# Greedy below this temperature: logits / temperature would overflow float32, and the distribution is already
+# its limit, the argmax (vLLM draws the same line). `SamplingParams.greedy` is the one test of greediness.
+GREEDY_TEMPERATURE = 1e-5
 
 
 def _fail(name: str, value: object, allowed: str) -> InvalidRequestError:
@@ -35,8 +38,8 @@ def _fail(name: str, value: object, allowed: str) -> InvalidRequestError:
 class SamplingParams:
     """Sampling settings, named and defaulted as in vLLM.
 
-    `temperature=0` is greedy; `top_k` 0 or -1 disables top-k; `max_tokens=None` runs to a stop or to
-    `max_model_len`; a fixed `seed` makes this request reproducible whatever else shares the batch.
+    `temperature=0` is greedy (so is any below 1e-5); `top_k` 0 or -1 disables top-k; `max_tokens=None` runs
+    to a stop or to `max_model_len`; a fixed `seed` makes this request reproducible whatever else shares the batch.
 
     Ranges (ints are accepted for real fields; each real is checked after rounding to float32, so it must
     be finite there, at most ~3.4e38): `temperature` >= 0; `top_p` in (0, 1]; `min_p` in [0, 1];
@@ -173,7 +176,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Drawn by argmax: temperature 0, or any below `GREEDY_TEMPERATURE`."""
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:

@@ -22,6 +22,7 @@ import torch
 
 from asyncllm.kernels.sampling_ref import apply_token_bitmask_ref
 from asyncllm.layers.host_copy import to_device
+from asyncllm.sample.features import takes_plain_draw
 from asyncllm.sample.filters import apply_min_p, apply_top_k_top_p
 from asyncllm.sample.logprobs import LogprobsOutput, gather_logprobs
 from asyncllm.sample.penalties import PenaltyTable
@@ -51,20 +52,6 @@ class Draw(Protocol):
         mask_rows: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
-
-
-def takes_plain_draw(state: SamplingState) -> bool:
-    """Whether a row's token is the draw alone over its raw logits (`gumbel_argmax` at its temperature, 0 for
-    greedy): no stop mask (min_tokens), penalty, top-k/top-p/min-p (greedy rows ignore theirs), grammar or
-    logprobs. A step whose every row does can draw inside a CUDA graph (worker/graph_draw.py); the tokens
-    are the ones `Sampler.__call__` draws from the same logits."""
-    return (
-        not state.constrained
-        and state.penalty_row is None
-        and state.params.logprobs is None
-        and (state.greedy or not state.filters)
-        and not state.masks_stops
-    )
 
 
 @dataclass

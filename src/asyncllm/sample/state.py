@@ -9,14 +9,10 @@ model, or how logits become tokens (`sampler.py`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 from asyncllm.sampling_params import SamplingParams
-
-# Below this temperature logits / temperature overflows float32; the distribution is already its limit,
-# the argmax, so such rows are sampled greedily (vLLM draws the same line).
-GREEDY_TEMPERATURE = 1e-5
 
 
 def fold_seed(seed: int) -> int:
@@ -37,6 +33,16 @@ class SamplingState:
     # Its draws apply a grammar's bitmask row (`params.structured` is set): a fact of the request, so the
     # sampler asks this, never the grammar's handle (structured_output/ imports sample/, not the reverse).
     constrained: bool = False
+    # features.py's memo: the checks that may keep this request's rows off the plain draw, worked out from
+    # its parameters on the first step that asks (`takes_plain_draw`).
+    plain_draw_gates: tuple[Callable[[SamplingState], bool], ...] | None = field(
+        default=None, repr=False, compare=False
+    )
+    # `params.greedy` (the one definition of greedy), kept as a field: read for every row of every step.
+    greedy: bool = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.greedy = self.params.greedy
 
     @classmethod
     def create(
@@ -51,10 +57,6 @@ class SamplingState:
             stops = tuple(sorted(params.stop_token_set | (frozenset() if params.ignore_eos else eos_token_ids)))
         constrained = params.structured is not None
         return cls(params, fold_seed(seed), tuple(prompt_token_ids), stops, constrained=constrained)
-
-    @property
-    def greedy(self) -> bool:
-        return self.params.temperature < GREEDY_TEMPERATURE
 
     @property
     def masks_stops(self) -> bool:

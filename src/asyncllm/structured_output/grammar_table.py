@@ -33,9 +33,9 @@ import torch
 
 from asyncllm.envs import GrammarProcessChoice
 from asyncllm.errors import AsyncLLMError
+from asyncllm.sample.features import may_jump
 from asyncllm.sample.sampler import TokenMask
 from asyncllm.sample.state import SamplingState
-from asyncllm.sampling_params import SamplingParams
 from asyncllm.step import StepResult
 from asyncllm.structured_output.backend import GrammarBackend
 from asyncllm.structured_output.grammar_process import GrammarProcess
@@ -148,7 +148,7 @@ class GrammarTable:
         spec = state.params.structured
         if spec is None:
             return
-        jumps = self.jump_forward and _may_jump(state.params)
+        jumps = self.jump_forward and may_jump(state.params)
         home = self._home(jumps)
         if home is self._inline:
             grammar = RequestGrammar(spec.field, home, self._inline.add(spec, jumps), jumps, state)
@@ -380,9 +380,3 @@ class GrammarTable:
             utf8 = self.backend.utf8.allowed if self.backend is not None else np.full((8, self._words), -1, np.int32)
             self._device_masks = DeviceMasks(2 * self._max_rows, self._words, utf8, self.device)
         return self._device_masks
-
-
-def _may_jump(params: SamplingParams) -> bool:
-    """A forced token has no drawn distribution: requests that read one (logprobs, prompt logprobs) or that
-    count their drawn tokens on the device (penalties) draw every token."""
-    return params.logprobs is None and params.prompt_logprobs is None and not params.has_penalties
