@@ -44,10 +44,11 @@ def _check_prompt_logprobs(lp: Any, ids: list[int], engine: AsyncLLMEngine, refe
         assert math.isclose(lp.token_logprobs[i], want[i - 1, ids[i]].item(), abs_tol=1e-5)
         top_values, top_ids = want[i - 1].topk(k)
         top = lp.top_logprobs[i]
-        assert len(top) <= k  # two ids may decode to one string (pieces of a character)
+        # The k most likely and the prompt's own token (two ids may decode to one string: pieces of a character)
+        assert len(top) <= k + 1 and top[lp.tokens[i]] == lp.token_logprobs[i]
         assert math.isclose(max(top.values()), top_values[0].item(), abs_tol=1e-5)
         for token, value in top.items():
-            assert any(
+            assert token == lp.tokens[i] or any(
                 decode([int(t)]) == token and math.isclose(value, v, abs_tol=1e-5)
                 for v, t in zip(top_values.tolist(), top_ids)
             )

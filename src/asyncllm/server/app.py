@@ -32,6 +32,7 @@ from asyncllm.server.protocol import ChatCompletionRequest, CompletionRequest
 from asyncllm.server.serving_chat import create_chat_completion
 from asyncllm.server.serving_completion import create_completion
 from asyncllm.server.state import ServerState, server_state
+from asyncllm.server.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize, version
 
 
 def default_served_name(model: str | os.PathLike[str]) -> str:
@@ -106,6 +107,8 @@ def create_app(
     app.router.routes[:0] = [
         json_route("/v1/chat/completions", ChatCompletionRequest, create_chat_completion),
         json_route("/v1/completions", CompletionRequest, create_completion),
+        json_route("/tokenize", TokenizeRequest, tokenize),
+        json_route("/detokenize", DetokenizeRequest, detokenize),
     ]
     document_plain_routes(  # FastAPI's schema (/docs) leaves plain routes out
         app,
@@ -119,13 +122,17 @@ def create_app(
     app.get("/health")(health)
     app.get("/health/live")(liveness)
     app.get("/metrics")(metrics)
+    app.get("/version")(version)
     return app
 
 
 def _model_card(request: Request, name: str) -> dict[str, Any]:
     """The base model's card, or a LoRA adapter's (naming the base as its `parent`, as vLLM does)."""
-    base = server_state(request).served_model_name
-    card = {"id": name, "object": "model", "created": request.app.state.created, "owned_by": "asyncllm"}
+    state = server_state(request)
+    base = state.served_model_name
+    card: dict[str, Any] = {"id": name, "object": "model", "created": request.app.state.created, "owned_by": "asyncllm"}
+    if state.engine is not None:  # vLLM's field: the longest prompt + output a request may have
+        card["max_model_len"] = state.engine.runtime.max_model_len
     return card if name == base else {**card, "parent": base}
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from asyncllm import AsyncLLMEngine, SamplingParams, StreamOutput
 from asyncllm.errors import AsyncLLMError, InvalidRequestError, RequestTimeoutError
@@ -44,6 +44,8 @@ class Submission:
     trackers: list[RequestTracker]
     num_prompts: int
     first_choice: list[int]
+    # Prompt tokens the prefix cache served, per stream, as its samples' final chunks report them.
+    cached: dict[int, int] = field(default_factory=dict)
 
     @property
     def num_choices(self) -> int:
@@ -55,6 +57,20 @@ class Submission:
         text prompt is tokenized off the event loop, after `add_request` returned)."""
         n = len(self.streams) // self.num_prompts
         return sum(len(self.streams[i * n].prompt_token_ids or ()) for i in range(self.num_prompts))
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens served by the prefix cache, each prompt counted once (as `num_prompt_tokens`)."""
+        n = len(self.streams) // self.num_prompts
+        return sum(self.cached.get(i * n, 0) for i in range(self.num_prompts))
+
+    def note_end(self, stream: int, out: StreamOutput) -> None:
+        """A sample's final chunk: keep its stream's prefix-cache hits (the samples share one prompt)."""
+        if out.metrics is not None:
+            self.cached[stream] = max(self.cached.get(stream, 0), out.metrics.num_cached_tokens)
+
+    def usage(self, completion_tokens: int) -> dict[str, Any]:
+        return usage(self.num_prompt_tokens, completion_tokens, self.num_cached_tokens)
 
     def close(self) -> None:
         """Abort every stream still running (the client left). Synchronous and idempotent."""
@@ -101,10 +117,15 @@ def submit(
     return Submission(streams, trackers, len(prompts), first_choice)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    """OpenAI's `usage` object."""
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's `usage` object; `prompt_tokens_details.cached_tokens`: prompt tokens the prefix cache served."""
     total = prompt_tokens + completion_tokens
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": total}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": total,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
 
 
 def _close_all(streams: Sequence[RequestStream]) -> None:
@@ -124,6 +145,8 @@ async def merged(sub: Submission) -> MergedOutputs:
         if len(streams) == 1:  # the common case: no helper task, no queue
             async for chunk in streams[0]:
                 trackers[chunk.index].observe(chunk)
+                if chunk.finish_reason is not None:
+                    sub.note_end(0, chunk)
                 yield chunk.index, chunk
             return
         queue: asyncio.Queue[tuple[int, StreamOutput | None, Exception | None]] = asyncio.Queue()
@@ -145,6 +168,7 @@ async def merged(sub: Submission) -> MergedOutputs:
             choice = first[k] + out.index
             trackers[choice].observe(out)
             if out.finish_reason is not None:
+                sub.note_end(k, out)
                 remaining -= 1
             yield choice, out
     except AsyncLLMError as exc:  # counted as "error" (or "timeout"), not as a client that left

@@ -61,8 +61,12 @@ class TokenStrings:
         return text
 
 
-def _lp(value: float) -> float:
+def clamp_logprob(value: float) -> float:
+    """A logprob JSON can carry: at least the floor (NaN too)."""
     return value if value >= _LOGPROB_FLOOR else _LOGPROB_FLOOR  # NaN compares False: floored too
+
+
+_lp = clamp_logprob
 
 
 def _top(logprobs: TokenLogprobs, k: int) -> list[tuple[int, float]]:
@@ -103,18 +107,20 @@ def completion_logprobs(
         text = strings(token_id)
         tokens.append(text)
         token_logprobs.append(_lp(dist[token_id]) if dist is not None else None)
-        top.append(_top_by_string(dist, k, strings) if dist is not None else None)
+        top.append(_top_by_string(dist, k, strings, token_id) if dist is not None else None)
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
-def _top_by_string(logprobs: TokenLogprobs, k: int, strings: TokenStrings) -> dict[str, float]:
+def _top_by_string(logprobs: TokenLogprobs, k: int, strings: TokenStrings, chosen: int) -> dict[str, float]:
     """Completions key the top tokens by their strings: two that read alike (pieces of one character, U+FFFD)
-    keep the likelier one's value."""
+    keep the likelier one's value. The chosen token is always there, beside the k most likely (OpenAI's and
+    vLLM's shape: `logprobs=0` gives the chosen token alone, never `{}`)."""
     top: dict[str, float] = {}
     for token_id, lp in _top(logprobs, k):
         top.setdefault(strings(token_id), _lp(lp))
+    top.setdefault(strings(chosen), _lp(logprobs[chosen]))
     return top
 
 

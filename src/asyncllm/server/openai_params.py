@@ -35,7 +35,18 @@ _SAME_NAME = (
     "regex",
     "choice",
     "grammar",
+    "stop_token_ids",
+    "include_stop_str_in_output",
 )
+# vLLM's `structured_outputs.<name>` -> the SamplingParams field it sets.
+_STRUCTURED_OUTPUTS = {"json_": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+_STRUCTURED_RENAMES = {
+    "json_schema": "structured_outputs.json",
+    "json_object": "structured_outputs.json_object",
+    "regex": "structured_outputs.regex",
+    "choice": "structured_outputs.choice",
+    "grammar": "structured_outputs.grammar",
+}
 
 
 def chat_sampling_params(request: ChatCompletionRequest) -> SamplingParams:
@@ -47,13 +58,21 @@ def chat_sampling_params(request: ChatCompletionRequest) -> SamplingParams:
         raise OpenAIError("top_logprobs needs logprobs set to true", param="top_logprobs")
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    return _with_n(request, max_tokens, logprobs, chat_renames(request), _response_format(request))
+    renames = chat_renames(request)
+    constraint = _response_format(request)
+    if request.structured_outputs is not None:
+        if constraint:
+            raise OpenAIError("give response_format or structured_outputs, not both", param="structured_outputs")
+        constraint = _structured_outputs(request)
+    return _with_n(request, max_tokens, logprobs, renames, constraint, prompt_logprobs=request.prompt_logprobs)
 
 
 def chat_renames(request: ChatCompletionRequest) -> dict[str, str]:
     """SamplingParams field -> the chat request's name for it, for errors."""
     max_field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
     renames = {"max_tokens": max_field, "logprobs": "top_logprobs"}
+    if request.structured_outputs is not None:
+        return renames | _STRUCTURED_RENAMES
     return renames | {"json_schema": "response_format", "json_object": "response_format"}
 
 
@@ -66,20 +85,29 @@ def completion_sampling_params(request: CompletionRequest) -> SamplingParams:
             param="best_of",
         )
     max_tokens = COMPLETION_MAX_TOKENS if request.max_tokens is None else request.max_tokens
-    logprobs, prompt_logprobs, renames = request.logprobs, None, {}
+    logprobs, prompt_logprobs = request.logprobs, request.prompt_logprobs
+    renames: dict[str, str] = {}
     if max_tokens == 0 and not request.echo:
         raise OpenAIError(
             "max_tokens=0 is invalid: at least 1, or 0 with echo=true (the prompt alone)", param="max_tokens"
         )
-    if request.echo:  # the prompt's logprobs too, before the completion's (`echo.py`)
+    # With echo, the prompt's logprobs too, before the completion's (`echo.py`); each reader takes its top k.
+    echoed = request.logprobs if request.echo else None
+    if echoed is not None and (prompt_logprobs is None or prompt_logprobs < echoed):
         prompt_logprobs, renames = request.logprobs, {"prompt_logprobs": "logprobs"}
-        if echoes_prompt_only(request):  # one token is drawn and left out: the engine ends after a draw
-            if request.min_tokens:
-                raise OpenAIError(
-                    f"min_tokens={request.min_tokens} is invalid: at most max_tokens (0)", param="min_tokens"
-                )
-            max_tokens, logprobs = 1, None
-    return _with_n(request, max_tokens, logprobs, renames, prompt_logprobs=prompt_logprobs)
+    if echoes_prompt_only(request):  # one token is drawn and left out: the engine ends after a draw
+        if request.min_tokens:
+            raise OpenAIError(f"min_tokens={request.min_tokens} is invalid: at most max_tokens (0)", param="min_tokens")
+        max_tokens, logprobs = 1, None
+    constraint = _structured_outputs(request) if request.structured_outputs is not None else None
+    renames |= completion_renames(request)
+    return _with_n(request, max_tokens, logprobs, renames, constraint, prompt_logprobs=prompt_logprobs)
+
+
+def completion_renames(request: CompletionRequest) -> dict[str, str]:
+    """SamplingParams field -> the completion request's name for it, for errors the engine raises later (a
+    constraint that does not compile)."""
+    return _STRUCTURED_RENAMES if request.structured_outputs is not None else {}
 
 
 def echoes_prompt_only(request: CompletionRequest) -> bool:
@@ -100,6 +128,21 @@ def _response_format(request: ChatCompletionRequest) -> dict[str, Any]:
     return {"json_schema": fmt.json_schema.schema_}
 
 
+def _structured_outputs(request: _SamplingRequest) -> dict[str, Any]:
+    """vLLM's `structured_outputs` as SamplingParams fields; beside the same constraint given at the top level
+    (`regex`, `choice`, `grammar`: vLLM's older spelling) it is a 400."""
+    given = request.structured_outputs
+    assert given is not None
+    fields = {field: getattr(given, name) for name, field in _STRUCTURED_OUTPUTS.items()}
+    fields = {field: value for field, value in fields.items() if value is not None}
+    if given.json_object:
+        fields["json_object"] = True
+    clash = next((name for name in ("regex", "choice", "grammar") if getattr(request, name) is not None), None)
+    if clash is not None and fields:
+        raise OpenAIError(f"give {clash} or structured_outputs, not both", param="structured_outputs")
+    return fields
+
+
 def _with_n(
     request: _SamplingRequest,
     max_tokens: int | None,
@@ -112,6 +155,8 @@ def _with_n(
     reproducible (choice j equals a request of its own seeded seed + j)."""
     if request.stream_options is not None and not request.stream:
         raise OpenAIError("stream_options is only allowed when stream is true", param="stream_options")
+    if request.prompt_logprobs is not None and request.stream:  # vLLM's rule too: they come whole, once
+        raise OpenAIError("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
     if request.temperature is not None and not 0.0 <= request.temperature <= MAX_TEMPERATURE:
         raise OpenAIError(
             f"temperature={request.temperature} is invalid: a number in [0, {MAX_TEMPERATURE:g}]", param="temperature"

@@ -21,6 +21,17 @@ class _Strict(BaseModel):
 class StreamOptions(_Strict):
     include_usage: bool | None = False
     include_obfuscation: bool | None = None  # OpenAI's side-channel padding: nothing to pad here, accepted
+    continuous_usage_stats: bool | None = False  # vLLM's: every chunk carries the usage so far
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs`: at most one constraint (`json` is a JSON schema, a dict or its text)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class ToolCallFunction(_Strict):
@@ -85,6 +96,13 @@ class _SamplingRequest(_Strict):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's newer spelling of the same constraints
+    # More of vLLM's extras: stop ids, the prompt's logprobs, token ids in the response, prompt truncation.
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    prompt_logprobs: int | None = None
+    return_token_ids: bool | None = None
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: as many as fit)
 
 
 class JsonSchemaFormat(BaseModel):

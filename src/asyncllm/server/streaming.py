@@ -36,12 +36,23 @@ class ChunkFrames:
     """The SSE frames of one streamed response: `{**base, "choices": [choice]}` each, with `base` (id,
     created, model, object, ...) encoded once. `frame(choice)` gives exactly the bytes `sse` would."""
 
-    __slots__ = ("_head", "_tail")
+    __slots__ = ("_base", "_head", "_tail")
 
     def __init__(self, base: dict[str, Any]) -> None:
         assert base and "choices" not in base
+        self._base = base
         self._head = "data: " + _encode(base)[:-1] + ',"choices":['  # "choices" comes last, as in `sse`
         self._tail = "]}\n\n"
+
+    @property
+    def base(self) -> dict[str, Any]:
+        """The fields every frame repeats (with the usage last set)."""
+        return self._base
+
+    def set_usage(self, usage: dict[str, Any]) -> None:
+        """The `usage` the following frames carry (continuous usage stats: re-encoded per output)."""
+        self._base = {**self._base, "usage": usage}
+        self._head = "data: " + _encode(self._base)[:-1] + ',"choices":['
 
     def frame(self, choice: dict[str, Any]) -> bytes:
         return (self._head + _encode(choice) + self._tail).encode()
