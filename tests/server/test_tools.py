@@ -5,6 +5,7 @@ honoured is a 400 naming the request's field."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from typing import Any, Literal
@@ -15,7 +16,7 @@ import openai
 import pydantic
 import pytest
 
-from asyncllm import AsyncLLMEngine
+from asyncllm import AsyncLLMEngine, SamplingParams
 from asyncllm.chat import apply_chat_template
 from asyncllm.server import create_app
 from tests.fixtures.chat_templates import HERMES
@@ -269,3 +270,33 @@ def test_a_model_without_a_call_format_refuses_tools_naming_them(client: openai.
     args: dict[str, Any] = dict(model="tiny", messages=ASK, max_tokens=8, temperature=0, response_format=fmt)
     r = client.chat.completions.create(**args, tools=TOOLS, tool_choice="none")
     assert r.choices[0].message.content == client.chat.completions.create(**args).choices[0].message.content
+
+
+@pytest.mark.needs_structured_output
+def test_a_forced_call_cut_off_by_max_tokens_is_a_call_not_markup(
+    tools_client: openai.OpenAI, hermes_server: RunningServer, tools_engine: AsyncLLMEngine
+) -> None:
+    """Regression: a named call cut off by the token limit came back as raw `<tool_call>` markup in `content`
+    with no tool calls. Now: the call as far as it got (its name, its arguments' JSON so far), finish reason
+    "length", as vLLM answers; streamed the same, and the same through `engine.chat`."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    args = dict(tool_choice=named, max_tokens=50, seed=2)  # the tiny tokenizer's 50: into the arguments
+    choice = _chat(tools_client, **args).choices[0]
+    assert choice.finish_reason == "length" and not choice.message.content
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments.startswith("{")
+    body = {"model": MODEL, "messages": ASK, "tools": TOOLS, "stream": True, **args}
+    deltas = [e["choices"][0] for e in _events(hermes_server, body)]
+    assert deltas[-1]["finish_reason"] == "length"
+    assert not "".join(d["delta"].get("content") or "" for d in deltas)
+    first, *rest = [t for d in deltas for t in d["delta"].get("tool_calls", [])]
+    assert (first["function"]["name"], first["id"].startswith("call_")) == ("get_weather", True)
+    assert "".join(t["function"]["arguments"] for t in rest) == call.function.arguments
+
+    async def chat() -> list[Any]:
+        params = SamplingParams(max_tokens=50, seed=2)
+        return [c async for c in tools_engine.chat(ASK, params, tools=TOOLS, tool_choice=named, chat_template=HERMES)]
+
+    chunks = asyncio.run(chat())
+    assert chunks[-1].finish_reason == "length" and not "".join(c.text for c in chunks)
+    assert [c.name for chunk in chunks for c in chunk.tool_calls] == ["get_weather"]

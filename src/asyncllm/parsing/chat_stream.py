@@ -51,17 +51,17 @@ class ChatStreamParser:
     def finish(self, finish_reason: FinishReason) -> ChatChunk:
         """The last chunk: what was held back, and "stop" read as "tool_calls" when the reply called tools."""
         reasoning, content = self._reasoning.finish() if self._reasoning is not None else ("", "")
-        answer, calls = self._answer(content, last=True)
+        answer, calls = self._answer(content, last=True, cut=finish_reason == "length")
         called = self._tools is not None and self._tools.called
         reason: ChatFinishReason = "tool_calls" if finish_reason == "stop" and called else finish_reason
         return ChatChunk(answer, reasoning, calls, reason)
 
-    def _answer(self, content: str, last: bool) -> tuple[str, tuple[ToolCallDelta, ...]]:
+    def _answer(self, content: str, last: bool, cut: bool = False) -> tuple[str, tuple[ToolCallDelta, ...]]:
         if self._tools is None:
             return content, ()
         text, calls = self._tools.feed(content) if content else ("", ())
         if last:
-            tail, more = self._tools.finish()
+            tail, more = self._tools.finish(cut)
             text, calls = text + tail, calls + more
         return text, calls
 

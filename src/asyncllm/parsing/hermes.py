@@ -49,8 +49,12 @@ class HermesToolParser(ToolParser):
                 self._in_call = False
 
     def _consume_end(self) -> None:
-        if self._in_call:  # never closed: a call only if its JSON is whole
-            self._call_or_text(load_json(self._buf), START + self._buf)
+        if self._in_call:  # never closed: a call if its JSON is whole, or if the token limit cut it
+            call = load_json(self._buf)
+            if call is not None:
+                self._call_or_text(call, START + self._buf)
+            else:
+                self._open_call(self._buf, START + self._buf)
         else:
             self._text(self._buf)
         self._buf, self._in_call = "", False

@@ -96,6 +96,9 @@ class Llama3JsonToolParser(ToolParser):
     def _consume_end(self) -> None:
         if self._state is _State.EXPECT_OBJECT and self.called and not self._buf.strip():
             self._raw = ""  # a `;` after the last call separates nothing
+        if self._state is _State.OBJECT and self._cut:  # a call the token limit cut off
+            self._open_call(self._object + self._buf, "")
+            self._raw, self._object, self._buf = "", "", ""
         if self._state in (_State.EXPECT_OBJECT, _State.OBJECT):
             self._to_content()
         self._text(self._raw + self._buf)

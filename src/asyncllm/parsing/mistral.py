@@ -112,6 +112,25 @@ class MistralToolParser(ToolParser):
             assert f is not None
             self._call(*f)
 
+    def _cut_calls(self, body: str) -> None:
+        """The calls of an array (or lone object) the token limit cut off: each whole one, then the last."""
+        rest = body.lstrip().removeprefix("[")
+        while rest := rest.lstrip().removeprefix(",").lstrip():
+            end = JsonSpan().feed(rest) if rest.startswith("{") else None
+            if end is None:
+                self._open_call(rest, "")
+                return
+            fields = call_fields(load_json(rest[:end]))
+            if fields is not None:
+                self._call(*fields)
+            rest = rest[end:]
+
     def _consume_end(self) -> None:
+        if self._cut and self._state is _State.ARGS:  # a call the token limit cut off, its name known
+            self._open_call(self._json + self._buf, "", self._name)
+            self._raw, self._json, self._buf = "", "", ""
+        elif self._cut and self._state is _State.CALLS:  # inside the array: its whole objects, then the cut one
+            self._cut_calls(self._json + self._buf)
+            self._raw, self._json, self._buf = "", "", ""
         self._text(self._raw + self._json + self._buf)
         self._raw, self._json, self._buf, self._state = "", "", "", _State.TEXT

@@ -3,14 +3,18 @@
 Shared rules: a call is given out whole, as one delta carrying id, name and arguments, once its JSON has
 closed and parsed (a name streamed earlier could not be taken back if the JSON then proved malformed); a
 malformed call is plain content; whitespace next to a call is dropped, except that where content resumes
-after calls the whitespace after the last call is kept to separate it from the content before them. A
-format subclass only finds where calls begin and end; it knows nothing of reasoning or of the server.
+after calls the whitespace after the last call is kept to separate it from the content before them. A call
+the token limit cut off (`finish(cut=True)`) is a call still, never its markup as content: with its name
+and its arguments' JSON as far as it got (vLLM's answer for a cut-off forced call; the finish reason
+"length" tells the client), or left out when the cut came before its name was whole. A format subclass
+only finds where calls begin and end; it knows nothing of reasoning or of the server.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import re
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar, NamedTuple
 
@@ -54,6 +58,24 @@ def call_fields(obj: Any, args_keys: tuple[str, ...] = ("arguments", "parameters
     return obj["name"], encode_arguments(args)
 
 
+# A call object cut off after its name: `{"name": "...", "arguments": <what came of them>`.
+_CUT_CALL = re.compile(
+    r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*(?:,\s*"(?:arguments|parameters)"\s*:\s*(.*))?', re.S
+)
+
+
+def cut_call(text: str) -> tuple[str, str] | None:
+    """(name, arguments text as far as it got) of a call object the output ended inside, or None when its
+    name is not whole."""
+    match = _CUT_CALL.match(text)
+    if match is None:
+        return None
+    name = load_json(f'"{match.group(1)}"')
+    if not isinstance(name, str) or not name:
+        return None
+    return name, (match.group(2) or "").rstrip()
+
+
 class ToolParser(ABC):
     """Feed the answer text in pieces, get (content, call deltas); `finish` flushes and `called` says
     whether the reply called a tool (its finish reason is then "tool_calls")."""
@@ -68,6 +90,7 @@ class ToolParser(ABC):
         self._pending_space = ""  # whitespace whose fate waits on what follows it
         self._after_call = False  # the last thing seen was a call
         self._content_seen = False  # some non-whitespace content was given out
+        self._cut = False  # the output ended at the token limit (set by `finish`)
 
     @property
     def called(self) -> bool:
@@ -77,7 +100,9 @@ class ToolParser(ABC):
         self._consume(text)
         return self._take()
 
-    def finish(self) -> ToolParse:
+    def finish(self, cut: bool = False) -> ToolParse:
+        """The output ended; `cut`: by the token limit (a call left open is given out as far as it got)."""
+        self._cut = cut
         self._consume_end()
         if not self._after_call:
             self._content.append(self._pending_space)
@@ -112,6 +137,16 @@ class ToolParser(ABC):
         self.calls.append(call)
         self._pending_space = ""
         self._after_call = True
+
+    def _open_call(self, body: str, raw: str, name: str | None = None) -> None:
+        """A call the output ended inside (`body`: its JSON so far; `name`: known from outside the JSON): cut
+        off by the token limit, a call as far as it got (or nothing, before its name); else `raw` is content."""
+        if not self._cut:
+            self._text(raw)
+            return
+        fields = (name, body.strip()) if name else cut_call(body)
+        if fields is not None:
+            self._call(*fields)
 
     def _call_or_text(self, obj: Any, raw: str) -> bool:
         """A call from a parsed call object, else `raw` as content; whether it was a call."""
