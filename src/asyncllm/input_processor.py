@@ -15,6 +15,7 @@ from typing import Any
 
 from asyncllm.core.request import Request
 from asyncllm.errors import InvalidRequestError
+from asyncllm.input_limits import check_unicode, text_char_limit
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.step import RuntimeInfo
 from asyncllm.structured import StructuredOutput
@@ -94,21 +95,16 @@ class InputProcessor:
             raise InvalidRequestError("prompt is empty: give a non-empty string or list of token ids")
         if self._encode is None:
             raise InvalidRequestError("this engine has no tokenizer: give the prompt as token ids")
-        if max_token_chars is not None:
+        max_chars = text_char_limit(self.runtime.max_seq_len, max_token_chars)
+        if max_chars is not None and max_token_chars is not None:
             limit = self.runtime.max_seq_len
-            if len(text) > limit * max_token_chars:
+            if len(text) > max_chars:
                 raise InvalidRequestError(
                     f"prompt has {len(text):,} characters, more than any {limit} tokens (the longest sequence "
-                    f"this engine holds) can spell: at most {limit * max_token_chars:,} characters here "
+                    f"this engine holds) can spell: at most {max_chars:,} characters here "
                     f"({max_token_chars} per token at most in this vocabulary); shorten the prompt"
                 )
-        if not text.isascii():
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError as exc:  # a lone surrogate: the tokenizer would raise its own TypeError
-                raise InvalidRequestError(
-                    f"prompt is not valid Unicode text: {exc.reason} {text[exc.start]!r} at index {exc.start}"
-                ) from None
+        check_unicode("prompt", text)  # a lone surrogate: the tokenizer would raise its own TypeError
 
     # ------------------------------------------------------------------ the whole check
     def encode_texts(self, texts: list[str]) -> list[list[int]]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from asyncllm.errors import InvalidRequestError
+from asyncllm.input_limits import check_json_text, check_nested, check_unicode
 from asyncllm.structured import MAX_CONSTRAINT_CHARS, StructuredKind, StructuredOutput
 from asyncllm.validation import check_bool, check_float, check_int, check_optional_int, is_int, short_repr
 
@@ -144,6 +145,7 @@ class SamplingParams:
                 raise _fail(name, text, "a non-empty string")
         if len(text) > MAX_CONSTRAINT_CHARS:
             raise _fail(name, text, f"at most {MAX_CONSTRAINT_CHARS} characters (got {len(text)})")
+        check_unicode(f"SamplingParams.{name}", text)
         return StructuredOutput(StructuredKind(name), text)
 
     def _schema_text(self) -> str:
@@ -156,11 +158,14 @@ class SamplingParams:
         allowed = "a JSON schema: a dict, a JSON object as a string, or a pydantic model class"
         if isinstance(schema, str):
             try:
-                schema = json.loads(schema)
+                schema = check_json_text("SamplingParams.json_schema", schema, max_chars=MAX_CONSTRAINT_CHARS)
+            except InvalidRequestError:
+                raise
             except ValueError as e:
                 raise _fail("json_schema", self.json_schema, f"{allowed} (not valid JSON: {e})") from None
         if not isinstance(schema, dict):
             raise _fail("json_schema", self.json_schema, allowed)
+        check_nested("SamplingParams.json_schema", schema, max_chars=MAX_CONSTRAINT_CHARS)  # before json.dumps recurses
         try:
             return json.dumps(schema, ensure_ascii=False)
         except (TypeError, ValueError) as e:

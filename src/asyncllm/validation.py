@@ -19,11 +19,12 @@ E = TypeVar("E", bound=enum.Enum)
 def short_repr(value: object, limit: int = 80) -> str:
     """repr(value) cut to about `limit` characters, for error messages that echo a caller's value.
 
-    Never raises: a 5,000-digit int has no repr in Python 3.11+ (int-to-str conversion is capped).
+    Never raises: a 5,000-digit int has no repr in Python 3.11+ (int-to-str conversion is capped), and a
+    value nested ~1,000 deep has none either (repr recurses).
     """
     try:
         text = repr(value)
-    except ValueError:
+    except (ValueError, RecursionError):
         return f"<int of {value.bit_length()} bits>" if isinstance(value, int) else f"<{type(value).__name__}>"
     return text if len(text) <= limit else f"{text[: limit - 20]}...({len(text)} characters)"
 

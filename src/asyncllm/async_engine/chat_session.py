@@ -31,6 +31,7 @@ from asyncllm.chat import (
     template_of,
 )
 from asyncllm.errors import InvalidRequestError, UnsupportedModelError
+from asyncllm.input_limits import PromptBounds, check_nested
 from asyncllm.outputs import RequestMetrics, StreamOutput, merge_metrics
 from asyncllm.parsing import (
     ChatChunk,
@@ -58,6 +59,7 @@ class ChatRequest:
     template: str
     template_kwargs: Mapping[str, Any]
     parsers: ParserChoice
+    bounds: PromptBounds | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,11 +93,17 @@ def check_chat(
     chat_template: str | None,
     chat_template_kwargs: Mapping[str, Any] | None,
     architecture: str | None = None,
+    bounds: PromptBounds | None = None,
 ) -> ChatRequest:
     """The cheap checks, in the caller's thread: `InvalidRequestError` naming the field, or
     `UnsupportedModelError` for a model without a template, or whose template shows no tool-call format
-    asyncllm parses (nor its HF `architecture`, when known) while the request offers tools."""
+    asyncllm parses (nor its HF `architecture`, when known) while the request offers tools. `bounds`:
+    the engine's (the messages' characters are bounded before templating, the prompt's tokens before their ids
+    are made)."""
     check_messages(messages)
+    # Bounded before the template or the tokenizer reads a character: size, nesting, valid Unicode.
+    max_chars = bounds.max_chars if bounds is not None else None
+    check_nested("messages", list(messages), max_chars=max_chars, over="no prompt the engine holds is that long")
     if params is None:
         params = SamplingParams()
     elif not isinstance(params, SamplingParams):
@@ -109,6 +117,7 @@ def check_chat(
     if checked.active:
         _check_params_with_tools(params)
     check_template_kwargs(chat_template_kwargs)
+    check_nested("chat_template_kwargs", chat_template_kwargs, max_chars=max_chars)
     template = template_of(tokenizer, chat_template, with_tools=checked.offered)
     assert tokenizer is not None
     parsers = choose_parsers(template, architecture)
@@ -117,7 +126,8 @@ def check_chat(
             "this chat template shows no tool-call format asyncllm can parse (Hermes/Qwen <tool_call>, Llama 3 "
             "JSON, Mistral [TOOL_CALLS]): call without tools, or pass a chat_template that offers them"
         )
-    return ChatRequest(tokenizer, messages, params, checked, template, dict(chat_template_kwargs or {}), parsers)
+    kwargs = dict(chat_template_kwargs or {})
+    return ChatRequest(tokenizer, messages, params, checked, template, kwargs, parsers, bounds)
 
 
 def _check_params_with_tools(params: SamplingParams) -> None:
@@ -158,7 +168,16 @@ def make_plan(request: ChatRequest) -> ChatPlan:
         raise InvalidRequestError(f"the chat template refused these messages: {e}") from e
     from asyncllm.core.detokenizer import backend_tokenizer
 
-    ids = backend_tokenizer(request.tokenizer).encode(prompt, add_special_tokens=False).ids  # thread-safe: no state
+    # encode_batch, not encode: the Rust tokenizer's encode holds the GIL throughout (a long prompt stopped every
+    # event loop for seconds, issue 39), its batch call lets go of it. Thread-safe: no state.
+    encoding = backend_tokenizer(request.tokenizer).encode_batch([prompt], add_special_tokens=False)[0]
+    bounds = request.bounds
+    if bounds is not None and len(encoding) > bounds.max_tokens:  # refused before its ids become a list (GIL held)
+        raise InvalidRequestError(
+            f"messages: the templated conversation has {len(encoding):,} tokens, more than the {bounds.max_tokens:,} "
+            "of the longest sequence this engine holds; shorten the conversation"
+        )
+    ids = encoding.ids
     grammar = _grammar(request, prompt) if tools.active else None
     return ChatPlan(prompt, ids, grammar, request.parsers, tools.active)
 
@@ -289,6 +308,7 @@ def open_chat(
     chat_template_kwargs: Mapping[str, Any] | None,
     request_id: str | None,
     architecture: str | None = None,
+    bounds: PromptBounds | None = None,
 ) -> ChatStream:
     """The stream of one chat request, checked now (see `check_chat`)."""
     request_id = new_request_id() if request_id is None else check_request_id(request_id)
@@ -302,5 +322,6 @@ def open_chat(
         chat_template,
         chat_template_kwargs,
         architecture,
+        bounds,
     )
     return ChatStream(request, submit, request_id)

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from asyncllm.errors import InvalidRequestError
+from asyncllm.input_limits import check_tools_size
+from asyncllm.structured import MAX_CONSTRAINT_CHARS
 from asyncllm.validation import short_repr
 
 ChoiceMode = Literal["auto", "none", "required", "named"]
@@ -59,6 +61,7 @@ def check_tools(
         tools = ()
     if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
         raise InvalidRequestError(f"tools must be a list of function tools, got {type(tools).__name__}")
+    check_tools_size(list(tools), MAX_CONSTRAINT_CHARS)  # before json.dumps recurses into a schema
     schemas = tuple(_check_tool(i, tool) for i, tool in enumerate(tools))
     names = [name for name, _ in schemas]
     for i, name in enumerate(names):

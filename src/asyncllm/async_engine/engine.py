@@ -26,6 +26,7 @@ from asyncllm.async_engine.health import DEFAULT_MAX_STEP_SECONDS, EngineStalled
 from asyncllm.async_engine.ids import LiveRequests, check_request_id, new_request_id
 from asyncllm.async_engine.inproc_client import Built, InProcClient
 from asyncllm.async_engine.lifetime import build_core as _build
+from asyncllm.async_engine.lifetime import drain as _drain
 from asyncllm.async_engine.lifetime import draining_error as _draining
 from asyncllm.async_engine.lifetime import shutdown as _shutdown
 from asyncllm.async_engine.loop_fanout import LoopFanout
@@ -39,15 +40,13 @@ from asyncllm.chat import Message
 from asyncllm.config import EngineConfig, SchedulerConfig
 from asyncllm.config_device import DeviceConfig
 from asyncllm.errors import EngineDeadError
+from asyncllm.input_limits import PromptBounds, text_char_limit
 from asyncllm.input_processor import InputProcessor
 from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 __all__ = ["DEFAULT_MAX_STEP_SECONDS", "AsyncLLMEngine", "EngineStalledError", "Prompt"]
-
-_DRAIN_ABORT_S = 5.0  # after a drain's timeout, how long it waits for its aborts to land (within a step)
-_WAIT_SLICE_S = 0.25  # a drain waits in slices: cancelling it leaves a thread blocked this long at most
 
 
 class AsyncLLMEngine:
@@ -268,6 +267,7 @@ class AsyncLLMEngine:
             # The template's markers decide, not `runtime.architecture`: a Llama architecture (SmolLM2, say) does
             # not mean a template that shows the model its tools, nor Llama 3's call format.
             architecture=None,
+            bounds=self.prompt_bounds,
         )
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
@@ -304,6 +304,12 @@ class AsyncLLMEngine:
         """
         live = self._live
         return {**self._client.stats(), "num_queued": live.num_waiting, "num_rejected": live.num_rejected}
+
+    @property
+    def prompt_bounds(self) -> PromptBounds:
+        """How long a prompt may be, in tokens and in characters (a text prompt or a chat's messages longer
+        than the longest sequence's tokens can spell is refused before tokenizing)."""
+        return PromptBounds(self.runtime.max_seq_len, text_char_limit(self.runtime.max_seq_len, self._max_token_chars))
 
     @property
     def num_live_requests(self) -> int:
@@ -360,26 +366,7 @@ class AsyncLLMEngine:
         and so does `check_health`. Live streams run on for up to `timeout` seconds (None: until they end);
         those still running then end with finish_reason "abort", within a step. The engine stays up,
         refusing requests: close it next (`aclose`). Idempotent; safe to cancel (the refusal stays)."""
-        live = self._live
-        live.stop_admitting(_draining)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if await self._wait_empty(deadline):
-            return 0
-        slots = live.slots()
-        for slot in slots:
-            self._admission.abort(slot)
-        await self._wait_empty(time.monotonic() + _DRAIN_ABORT_S)
-        return len(slots)
-
-    async def _wait_empty(self, deadline: float | None) -> bool:
-        """Wait off the loop until no request is live (True) or `deadline` (time.monotonic()) passed."""
-        live = self._live
-        while len(live):
-            left = _WAIT_SLICE_S if deadline is None else min(_WAIT_SLICE_S, deadline - time.monotonic())
-            if left <= 0:
-                return False
-            await run_in_thread(functools.partial(live.wait_empty, left))
-        return True
+        return await _drain(self._live, self._admission.abort, timeout)
 
     # ------------------------------------------------------------------ lifetime
     def shutdown(self) -> None:

@@ -48,6 +48,7 @@ async def plan_chat_request(
             parallel,
             chat_template,
             body.chat_template_kwargs,
+            bounds=engine.prompt_bounds,
         )
     except UnsupportedModelError as exc:  # no template, or tools offered to a model with no known call format
         if tools.active:
