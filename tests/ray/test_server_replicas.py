@@ -48,7 +48,7 @@ def test_serve_with_two_replicas_from_the_command_line(ray_cluster: str, tiny_mo
             chunks = list(client.completions.create(model=tiny_model.name, prompt="Hi", max_tokens=4, stream=True))
             assert chunks[-1].choices[0].finish_reason == "length"
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
-        assert "asyncllm_num_requests_running" in metrics
+        assert "vllm:num_requests_running" in metrics
     finally:
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)

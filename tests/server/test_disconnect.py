@@ -23,7 +23,7 @@ LONG = {"ignore_eos": True}  # with max_tokens near max_model_len: seconds of wo
 async def test_streaming_client_that_disconnects_aborts(
     aclient: openai.AsyncOpenAI, engine: AsyncLLMEngine, server: RunningServer
 ) -> None:
-    aborted = metric_value(server, "asyncllm_requests_total", finish_reason="abort")
+    aborted = metric_value(server, "vllm:request_success_total", finished_reason="abort")
     stream = await aclient.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": "Tell me everything"}],
@@ -41,18 +41,18 @@ async def test_streaming_client_that_disconnects_aborts(
     t0 = time.monotonic()
     stats = wait_drained(engine, timeout=1.0)
     assert stats["num_free_blocks"] == stats["num_total_blocks"] and time.monotonic() - t0 < 1.0
-    assert metric_value(server, "asyncllm_requests_total", finish_reason="abort") == aborted + 1
+    assert metric_value(server, "vllm:request_success_total", finished_reason="abort") == aborted + 1
 
 
 @pytest.mark.parametrize("n", [1, 3])
 def test_non_streaming_client_that_gives_up_aborts(server: RunningServer, engine: AsyncLLMEngine, n: int) -> None:
-    aborted = metric_value(server, "asyncllm_requests_total", finish_reason="abort")
+    aborted = metric_value(server, "vllm:request_success_total", finished_reason="abort")
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 500, "n": n, **LONG}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.base_url}/completions", json=body, timeout=0.15)  # ~500 tokens take longer
     stats = wait_drained(engine, timeout=1.0)
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
-    assert metric_value(server, "asyncllm_requests_total", finish_reason="abort") == aborted + n
+    assert metric_value(server, "vllm:request_success_total", finished_reason="abort") == aborted + n
 
 
 def test_raw_stream_closed_after_the_role_chunk_aborts(server: RunningServer, engine: AsyncLLMEngine) -> None:
@@ -99,4 +99,4 @@ async def test_client_gone_before_the_first_event_aborts(engine: AsyncLLMEngine)
     with pytest.raises(OSError):
         await app(scope, receive, send)
     await asyncio.to_thread(wait_drained, engine, 1.0)
-    assert b'asyncllm_requests_total{finish_reason="abort",model_name="tiny"} 2.0' in metrics.render()
+    assert b'vllm:request_success_total{engine="0",finished_reason="abort",model_name="tiny"} 2.0' in metrics.render()

@@ -38,7 +38,7 @@ def _post(server: RunningServer, path: str, **body: Any) -> httpx.Response:
 
 
 def test_a_streamed_reply_ends_with_timeout_then_done(slow: RunningServer) -> None:
-    before = metric_value(slow, "asyncllm_requests_total", finish_reason="timeout")
+    before = metric_value(slow, "vllm:request_success_total", finished_reason="timeout")
     events = []
     body = {"model": "fake", "prompt": [1, 2, 3], "max_tokens": 4000, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{slow.url}/v1/completions", json={**body, "timeout": 0.3}, timeout=30) as r:
@@ -47,7 +47,7 @@ def test_a_streamed_reply_ends_with_timeout_then_done(slow: RunningServer) -> No
     assert events[-1] == "[DONE]"
     last = json.loads(events[-2])
     assert last["choices"][0]["finish_reason"] == "timeout"
-    assert metric_value(slow, "asyncllm_requests_total", finish_reason="timeout") == before + 1
+    assert metric_value(slow, "vllm:request_success_total", finished_reason="timeout") == before + 1
 
 
 def test_no_output_before_the_timeout_is_a_408(slow: RunningServer) -> None:
@@ -56,7 +56,7 @@ def test_no_output_before_the_timeout_is_a_408(slow: RunningServer) -> None:
     blocker.start()
     try:
         deadline = time.monotonic() + 5
-        while metric_value(slow, "asyncllm_num_requests_running") < 1:
+        while metric_value(slow, "vllm:num_requests_running") < 1:
             assert time.monotonic() < deadline, "the blocker never started"
             time.sleep(0.005)
         r = _post(slow, "/v1/completions", prompt=[2, 3], max_tokens=5, timeout=0.05)

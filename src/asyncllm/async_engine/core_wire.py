@@ -44,6 +44,8 @@ STATS_KEYS = (
     "prefix_cache_hit_rate",
     "num_preemptions",
     "num_steps",
+    "prefix_cache_queried_tokens",  # the hit rate's terms: /metrics counts them (vLLM's prefix_cache_*)
+    "prefix_cache_hit_tokens",
 )
 
 

@@ -1,10 +1,13 @@
-"""Prometheus metrics of one app, on its own registry (never the process-global one: two apps, two sets).
+"""Prometheus metrics of one app, on its own registry (never the process-global one: two apps, two sets),
+under vLLM's names, labels and buckets (`vllm:*`, labelled `model_name` and `engine`), so dashboards built for
+vLLM read them unchanged; what vLLM has no metric for keeps an `asyncllm_` name.
 
 Owns the metric names, the per-request tracker that feeds counters and latency histograms as chunks pass
 and logs one line when its request ends (INFO on `asyncllm.server`), and a collector that reads
-`engine.stats()` at scrape time for the gauges. The two metrics fed per chunk (generated tokens, the gap
-between tokens) are plain counts under one lock (`TokenMetrics`), rendered at scrape time: prometheus_client's
-own histogram walks its buckets in Python, a cost paid per token. Knows nothing of OpenAI shapes.
+`engine.stats()` at scrape time for the gauges and the engine's own counters. The two metrics fed per chunk
+(generated tokens, the gap between tokens) are plain counts under one lock (`TokenMetrics`), rendered at
+scrape time: prometheus_client's own histogram walks its buckets in Python, a cost paid per token. Knows
+nothing of OpenAI shapes.
 """
 
 from __future__ import annotations
@@ -23,8 +26,22 @@ from prometheus_client.utils import floatToGoString
 from asyncllm.outputs import RequestMetrics, StreamOutput
 
 logger = logging.getLogger("asyncllm.server")
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
-_E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+# vLLM's buckets (vllm/v1/metrics/loggers.py), so its dashboards' quantiles read the same boundaries.
+_TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+    160.0, 640.0, 2560.0,
+)  # fmt: skip
+_ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+_E2E_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
+    1920.0, 7680.0,
+)  # fmt: skip
+# vLLM's 1-2-5 token-count buckets go up to max_model_len; these to a million tokens, whatever the model.
+_TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5) if m * 10**e <= 1_000_000)
+LABELS = ["model_name", "engine"]
+ENGINE = "0"  # vLLM's engine index: one engine core per app (a ReplicaPool's stats are pooled)
 
 
 class ServerMetrics:
@@ -32,33 +49,37 @@ class ServerMetrics:
 
     def __init__(self, stats: Callable[[], dict[str, float | int]], model_name: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        labels = {"model_name": model_name}
+        labels = {"model_name": model_name, "engine": ENGINE}
         reg = self.registry
         self.requests = Counter(
-            "asyncllm_requests",
-            "Engine requests ended, by finish reason",
-            ["model_name", "finish_reason"],
+            "vllm:request_success",
+            "Requests ended, by finish reason (stop, length, abort for clients that left, timeout, error)",
+            [*LABELS, "finished_reason"],
             registry=reg,
         )
-        self.prompt_tokens = Counter("asyncllm_prompt_tokens", "Prompt tokens", ["model_name"], registry=reg).labels(
-            **labels
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens", LABELS, registry=reg).labels(**labels)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, LABELS, buckets=buckets, registry=reg).labels(**labels)
+
+        self.ttft = histogram(
+            "vllm:time_to_first_token_seconds",
+            "Request arrival in the engine to its first token",
+            _TTFT_BUCKETS,
         )
-        self.ttft = Histogram(
-            "asyncllm_time_to_first_token_seconds",
-            "Time from request arrival in the engine to its first token",
-            ["model_name"],
-            buckets=_LATENCY_BUCKETS,
-            registry=reg,
-        ).labels(**labels)
-        self.tokens = TokenMetrics(_LATENCY_BUCKETS)
+        self.e2e = histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Request arrival in the engine to its last token",
+            _E2E_BUCKETS,
+        )
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens per request", _TOKEN_BUCKETS
+        )
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Generated tokens per request", _TOKEN_BUCKETS
+        )
+        self.tokens = TokenMetrics(_ITL_BUCKETS)
         reg.register(_TokenMetricsCollector(self.tokens, model_name))
-        self.e2e = Histogram(
-            "asyncllm_e2e_request_latency_seconds",
-            "Time from request arrival in the engine to its last token",
-            ["model_name"],
-            buckets=_E2E_BUCKETS,
-            registry=reg,
-        ).labels(**labels)
         self.model_name = model_name
         reg.register(_EngineStatsCollector(stats, model_name))
 
@@ -99,6 +120,8 @@ class RequestTracker:
             metrics = chunk.metrics
             if metrics is not None:
                 m.prompt_tokens.inc(metrics.num_prompt_tokens)
+                m.request_prompt_tokens.observe(metrics.num_prompt_tokens)
+                m.request_generation_tokens.observe(metrics.num_generated_tokens)
                 if metrics.time_to_first_token is not None:
                     m.ttft.observe(metrics.time_to_first_token)
                 if metrics.e2e_latency is not None:
@@ -117,10 +140,11 @@ class RequestTracker:
         self._behind_first = 0
 
     def end(self, reason: str, metrics: RequestMetrics | None = None) -> None:
-        """ "stop", "length", "abort" (the client left) or "error" (the engine died)."""
+        """ "stop", "length", "timeout", "abort" (the client left) or "error" (the engine died)."""
         if not self._ended:
             self._ended = True
-            self._metrics.requests.labels(model_name=self._metrics.model_name, finish_reason=reason).inc()
+            m = self._metrics
+            m.requests.labels(model_name=m.model_name, engine=ENGINE, finished_reason=reason).inc()
             if logger.isEnabledFor(logging.INFO):
                 self._log(reason, metrics)
 
@@ -176,20 +200,23 @@ class _TokenMetricsCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         num_tokens, counts, gap_sum = self._tokens.snapshot()
-        generated = CounterMetricFamily("asyncllm_generation_tokens", "Generated tokens", labels=["model_name"])
-        generated.add_metric([self._model_name], float(num_tokens))
+        values = [self._model_name, ENGINE]
+        generated = CounterMetricFamily("vllm:generation_tokens", "Generated tokens", labels=LABELS)
+        generated.add_metric(values, float(num_tokens))
         yield generated
-        itl = HistogramMetricFamily(
-            "asyncllm_inter_token_latency_seconds",
-            "Time between tokens as the server receives them (a merged chunk's gap is shared by its tokens)",
-            labels=["model_name"],
-        )
         cumulative, buckets = 0, []
         for bound, count in zip((*map(floatToGoString, self._tokens.bounds), "+Inf"), counts):
             cumulative += count
             buckets.append((bound, float(cumulative)))
-        itl.add_metric([self._model_name], buckets, gap_sum)
-        yield itl
+        # vLLM's name, and its older one that its Grafana dashboard still reads: the same observations.
+        for name in ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"):
+            itl = HistogramMetricFamily(
+                name,
+                "Time between tokens as the server receives them (a merged chunk's gap is shared by its tokens)",
+                labels=LABELS,
+            )
+            itl.add_metric(values, buckets, gap_sum)
+            yield itl
 
 
 class _EngineStatsCollector(Collector):
@@ -209,34 +236,40 @@ class _EngineStatsCollector(Collector):
             return
         total, free = stats.get("num_total_blocks"), stats.get("num_free_blocks")
         usage = 1.0 - free / total if total and free is not None else None
+        values = [self._model_name, ENGINE]
         for name, doc, value in (
-            ("asyncllm_num_requests_running", "Requests in the running batch", stats.get("num_running")),
-            ("asyncllm_num_requests_waiting", "Requests waiting to be scheduled", stats.get("num_waiting")),
-            (
-                "asyncllm_num_requests_queued",
-                "Requests accepted and not started yet (what max_waiting_requests bounds)",
-                stats.get("num_queued"),
-            ),
-            ("asyncllm_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use", usage),
-            (
-                "asyncllm_prefix_cache_hit_rate",
-                "Share of prompt tokens served from the prefix cache",
-                stats.get("prefix_cache_hit_rate"),
-            ),
+            ("vllm:num_requests_running", "Requests in the running batch", stats.get("num_running")),
+            ("vllm:num_requests_waiting", "Requests waiting to be scheduled", stats.get("num_waiting")),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage: 1 means every block in use", usage),
+            ("vllm:gpu_cache_usage_perc", "KV-cache usage (vLLM's older name, which its dashboard reads)", usage),
         ):
             if value is not None:
-                family = GaugeMetricFamily(name, doc, labels=["model_name"])
-                family.add_metric([self._model_name], float(value))
+                family = GaugeMetricFamily(name, doc, labels=LABELS)
+                family.add_metric(values, float(value))
                 yield family
         for name, doc, key in (
-            ("asyncllm_num_preemptions", "Requests preempted", "num_preemptions"),
-            (
-                "asyncllm_num_requests_rejected",
-                "Requests refused at once because max_waiting_requests waited (429)",
-                "num_rejected",
-            ),
+            ("vllm:num_preemptions", "Requests preempted", "num_preemptions"),
+            ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", "prefix_cache_queried_tokens"),
+            ("vllm:prefix_cache_hits", "Prompt tokens the prefix cache served", "prefix_cache_hit_tokens"),
         ):
             if stats.get(key) is not None:
-                counter = CounterMetricFamily(name, doc, labels=["model_name"])
-                counter.add_metric([self._model_name], float(stats[key]))
+                counter = CounterMetricFamily(name, doc, labels=LABELS)
+                counter.add_metric(values, float(stats[key]))
                 yield counter
+        # asyncllm's own (vLLM has no such metric): the front's queue and its refusals.
+        if stats.get("num_queued") is not None:
+            queued = GaugeMetricFamily(
+                "asyncllm_num_requests_queued",
+                "Requests accepted and not started yet (what max_waiting_requests bounds)",
+                labels=["model_name"],
+            )
+            queued.add_metric([self._model_name], float(stats["num_queued"]))
+            yield queued
+        if stats.get("num_rejected") is not None:
+            rejected = CounterMetricFamily(
+                "asyncllm_num_requests_rejected",
+                "Requests refused at once because max_waiting_requests waited (429)",
+                labels=["model_name"],
+            )
+            rejected.add_metric([self._model_name], float(stats["num_rejected"]))
+            yield rejected
