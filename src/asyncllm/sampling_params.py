@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from asyncllm.errors import InvalidRequestError
-from asyncllm.input_limits import check_json_text, check_nested, check_unicode
+from asyncllm.input_limits import check_json_text, check_logit_bias, check_nested, check_unicode
 from asyncllm.structured import MAX_CONSTRAINT_CHARS, StructuredKind, StructuredOutput
 from asyncllm.validation import check_bool, check_float, check_int, check_optional_int, is_int, short_repr
 
@@ -62,6 +62,9 @@ class SamplingParams:
     the prompt (`RequestOutput.prompt_logprobs`; 0: only the prompt token's own). Such a request takes no
     prefix-cache hit: it computes its whole prompt. `max_tokens` is at least 1: to score a prompt alone, ask
     `max_tokens=1` and leave the token (what the server does for `echo` with `max_tokens=0`).
+
+    `logit_bias` ({token id: bias}, OpenAI's): each bias in [-100, 100] added to its token's logit before any
+    other feature (at most 300 tokens); ids beyond the model's logits change nothing.
     """
 
     temperature: float = 1.0
@@ -86,10 +89,12 @@ class SamplingParams:
     grammar: str | None = None
     json_object: bool = False
     prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
     # Normalised forms, derived once so hot paths never re-check types.
     stop_strings: tuple[str, ...] = field(init=False, repr=False, compare=False)
     stop_token_set: frozenset[int] = field(init=False, repr=False, compare=False)
     structured: StructuredOutput | None = field(init=False, repr=False, compare=False)
+    bias_items: tuple[tuple[int, float], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         number = self._number
@@ -120,6 +125,8 @@ class SamplingParams:
         if self.n > MAX_SAMPLES:
             raise _fail("n", self.n, allowed)
         object.__setattr__(self, "structured", self._normalise_structured())
+        bias = {} if self.logit_bias is None else check_logit_bias("SamplingParams.logit_bias", self.logit_bias)
+        object.__setattr__(self, "bias_items", tuple(bias.items()))
 
     def _normalise_structured(self) -> StructuredOutput | None:
         check_bool(_fail, "json_object", self.json_object)

@@ -37,6 +37,7 @@ EXAMPLES: dict[str, list[dict[str, Any]]] = {
     "top_p": [dict(top_p=0.6)],
     "min_p": [dict(min_p=0.3)],
     "penalties": [dict(repetition_penalty=1.5), dict(presence_penalty=2.0), dict(frequency_penalty=1.5)],
+    "logit_bias": [dict(logit_bias={5: 8.0, 9: -100.0, 299: 3.5}), dict(logit_bias={"7": 100})],
     "min_tokens": [dict(min_tokens=4), dict(min_tokens=4, stop_token_ids=[7, 9], ignore_eos=True)],
     "logprobs": [dict(logprobs=0), dict(logprobs=3)],
     "prompt_logprobs": [dict(prompt_logprobs=2)],

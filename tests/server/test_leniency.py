@@ -72,7 +72,8 @@ def test_a_value_that_changes_nothing_is_accepted(server: RunningServer, field: 
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("logit_bias", {"42": -100}),  # the sampler has no per-token bias: refused rather than ignored
+        ("logit_bias", {"42": -101}),  # OpenAI's range is [-100, 100]
+        ("logit_bias", {"-3": 1}),  # not a token id
         ("store", True),
         ("service_tier", "flex"),
         ("reasoning_effort", "low"),
@@ -95,7 +96,7 @@ def test_a_value_that_cannot_be_honoured_is_a_400_naming_it(server: RunningServe
 
 @pytest.mark.parametrize(
     ("extra", "param"),
-    [({"logit_bias": {"1": 5}}, "logit_bias"), ({"suffix": "end"}, "suffix"), ({"best_of": 3}, "best_of")],
+    [({"logit_bias": {"one": 5}}, "logit_bias"), ({"suffix": "end"}, "suffix"), ({"best_of": 3}, "best_of")],
 )
 def test_completion_values_that_cannot_be_honoured(client: openai.OpenAI, extra: dict[str, Any], param: str) -> None:
     with pytest.raises(openai.BadRequestError) as info:

@@ -37,6 +37,21 @@ def test_stop_token_ids_end_the_reply(client: openai.OpenAI) -> None:
     assert choice.finish_reason == "stop" and choice.token_ids == ids[: ids.index(stop) + 1]
 
 
+def test_logit_bias_moves_the_draw(client: openai.OpenAI) -> None:
+    """OpenAI's logit_bias (refused with a 400 before): -100 rules a token out, +100 all but forces it."""
+    free = _completion(client).choices[0].token_ids
+    banned = _completion(client, logit_bias={str(free[0]): -100}).choices[0].token_ids
+    assert banned[0] != free[0] and free[0] not in banned
+    forced = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=4, temperature=1.0, seed=3, logit_bias={"77": 100}
+    )
+    chat = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=4, logit_bias={"77": 100}, extra_body={"return_token_ids": True}
+    )
+    assert forced.usage is not None and forced.usage.completion_tokens == 4
+    assert chat.choices[0].token_ids == [77] * 4  # type: ignore[attr-defined]
+
+
 def test_min_tokens_hold_back_the_stop_ids(client: openai.OpenAI) -> None:
     first = _completion(client).choices[0].token_ids[0]
     assert len(_completion(client, stop_token_ids=[first]).choices[0].token_ids) == 1

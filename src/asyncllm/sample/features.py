@@ -141,6 +141,17 @@ FEATURES: tuple[Feature, ...] = (
         asked=lambda p: p.has_penalties,
         acts=lambda s: s.penalty_row is not None,
     ),
+    # OpenAI's logit_bias is added to the logits (sampler.py): it moves the argmax, so no path may leave it out
+    # but jump-forward, whose forced token is the one the grammar allows whatever a finite bias does.
+    Feature(
+        "logit_bias",
+        ("logit_bias",),
+        _ALWAYS,
+        plain_draw=Handling.NEEDS_EAGER,
+        jump_forward=Handling.SKIPS,
+        asked=lambda p: bool(p.bias_items),
+        acts=lambda s: bool(s.params.bias_items),
+    ),
     # EOS and stop ids are masked until min_tokens are drawn (sampler.py); forced tokens are never stop ids
     # (jump_forward.py keeps them out), so the mask cannot change one.
     Feature(

@@ -1,4 +1,4 @@
-"""Turns one step's logits into next tokens: stop masks, penalties, filters, then one seeded Gumbel-max.
+"""Turns one step's logits into next tokens: logit bias, stop masks, penalties, filters, then one seeded Gumbel-max.
 
 Everything happens in logit space. Every row ends in one launch (`asyncllm.kernels.sampling.gumbel_argmax`,
 or its torch twin where Triton cannot run): greedy rows take the argmax, others the argmax of
@@ -201,9 +201,12 @@ class Sampler:
         masked = [i for i, s in enumerate(states) if s.masks_stops]
         penalised = any(s.penalty_row is not None for s in states)
         filtered = [i for i, s in enumerate(states) if s.filters and not s.greedy]
-        if not (masked or penalised or filtered):
+        biased = [(i, t, b) for i, s in enumerate(states) for t, b in s.params.bias_items]
+        if not (masked or penalised or filtered or biased):
             return logits
         x = logits.float().clone() if logits.dtype == torch.float32 else logits.float()
+        if biased:
+            _add_bias(x, biased)
         if masked:
             _mask_stops(x, [(i, t) for i in masked for t in states[i].min_tokens_stop_ids])
         if penalised:
@@ -231,6 +234,15 @@ class Sampler:
         if any(p.min_p > 0.0 for p in params):
             sub = apply_min_p(sub, packed[:, 3])
         x.index_copy_(0, row_index, sub)
+
+
+def _add_bias(x: torch.Tensor, entries: list[tuple[int, int, float]]) -> None:
+    """OpenAI's logit_bias: (row, token, bias) added to the raw logits, first (ids beyond them change nothing)."""
+    keep = [(r, t, b) for r, t, b in entries if t < x.shape[1]]
+    if keep:
+        index = to_device([v for r, t, _ in keep for v in (r, t)], torch.int64, x.device).view(-1, 2)
+        bias = to_device([b for _, _, b in keep], torch.float32, x.device)
+        x.index_put_((index[:, 0], index[:, 1]), bias, accumulate=True)
 
 
 def _mask_stops(x: torch.Tensor, pairs: list[tuple[int, int]]) -> None:

@@ -23,10 +23,7 @@ def _never(value: Any) -> bool:
     return False
 
 
-_LOGIT_BIAS: Rule = (lambda v: v == {}, "only {} (no bias): the sampler has no per-token bias")
-
 CHAT_FIELDS: Mapping[str, Rule] = {
-    "logit_bias": _LOGIT_BIAS,
     "store": (lambda v: v is False, "only false: nothing is stored"),
     "service_tier": (lambda v: v in ("auto", "default"), "only 'auto' or 'default': one tier serves every request"),
     "reasoning_effort": (
@@ -44,7 +41,6 @@ CHAT_FIELDS: Mapping[str, Rule] = {
 }
 
 COMPLETION_FIELDS: Mapping[str, Rule] = {
-    "logit_bias": _LOGIT_BIAS,
     "suffix": (lambda v: v == "", "only '': insertion (text after the completion) is not supported"),
 }
 

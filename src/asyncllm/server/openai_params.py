@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from asyncllm.errors import InvalidRequestError
+from asyncllm.input_limits import check_logit_bias
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.server.errors import OpenAIError, invalid_request
 from asyncllm.server.neutral_fields import CHAT_FIELDS, COMPLETION_FIELDS, check_neutral
@@ -165,6 +166,11 @@ def _with_n(
     kwargs.update(max_tokens=max_tokens, stop=request.stop, logprobs=logprobs, **(constraint or {}))
     if prompt_logprobs is not None:
         kwargs["prompt_logprobs"] = prompt_logprobs
+    if request.logit_bias:
+        try:
+            kwargs["logit_bias"] = check_logit_bias("logit_bias", request.logit_bias)
+        except InvalidRequestError as exc:
+            raise OpenAIError(str(exc), param="logit_bias") from None
     try:
         return SamplingParams(**kwargs, n=request.n or 1, seed=request.seed)
     except InvalidRequestError as exc:

@@ -83,7 +83,7 @@ class _SamplingRequest(_Strict):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: str | None = None  # identifies the end user: changes nothing here
-    logit_bias: dict[str, float] | None = None  # null or {} only (checked in `neutral_fields`)
+    logit_bias: dict[str, float] | None = None  # {token id: bias in [-100, 100]}, added to the logits
     # Extras beyond OpenAI's set (vLLM's names; the openai client sends them through `extra_body`).
     top_k: int | None = None
     min_p: float | None = None
