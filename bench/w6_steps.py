@@ -27,7 +27,7 @@ from asyncllm.sample.state import SamplingState
 from asyncllm.step import ModelRunnerOutput
 from asyncllm.structured_output.backend import GrammarBackend
 from asyncllm.structured_output.grammar_table import GrammarProcessMode, GrammarTable, MaskPlan
-from asyncllm.structured_output.mask_fill import DeviceMasks
+from asyncllm.structured_output.mask_fill import DeviceMasks, FillJob
 
 MAX_TOKENS = 256  # a request that has not closed its JSON by then ends ("length") and a new one takes its row
 
@@ -110,7 +110,8 @@ def _drive(
     lengths: dict[int, int] = {}
     ended: set[int] = set()
     held: tuple[int, MaskPlan | None, list[int]] | None = None
-    pending: SimStep | Callable[[], ModelRunnerOutput] | None = None
+    pending: SimStep | None = None
+    job: FillJob | None = None  # the pending step's grammar follow-up, when it was masked
     pending_ids: list[int] = []
     start = cpu = 0.0
     for step in range(steps + 1):
@@ -125,7 +126,8 @@ def _drive(
                 bitmask = mask.bitmask
             tokens = draw(k, plan, bitmask, ids)
             result = SimStep(tokens, device.launch(draw_ms))
-            pending = table.sent(result, plan) if table is not None and plan is not None else result
+            job = table.follow(plan, result) if table is not None and plan is not None else None
+            pending = result
             pending_ids = ids
         for request_id in finished:
             order.remove(request_id)
@@ -145,9 +147,9 @@ def _drive(
         plan = table.plan([str(i) for i in ids]) if table is not None else None
         device.launch(forward_ms)
         held = (step, plan, ids)
-        # complete: the previous step's tokens, then the core's own work
+        # read the previous step's tokens (a masked step's go to the matchers), then the core's own work
         if pending is not None:
-            output = pending.result()
+            output = table.advance(job) if table is not None and job is not None else pending.result()
             for request_id, token in zip(pending_ids, output.sampled_token_ids):
                 if request_id in ended:
                     continue  # its token of the step planned before its end is dropped

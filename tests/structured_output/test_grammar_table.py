@@ -83,8 +83,8 @@ def _run(table: GrammarTable, backend: GrammarBackend, steps: int, seed: int) ->
         mask, failed = table.fill(plan, torch.tensor(plan.rows, device=table.device))
         failures.update((number[id(states[i])], str(e)) for i, e in (failed or {}).items())
         if pending is not None:
-            result, read = pending
-            output = result.result()
+            job, read = pending
+            output = table.advance(job)  # the core reads the step: the matchers take its tokens
             late = output.failed or {}
             failures.update((number[id(read[i])], str(e)) for i, e in late.items())
             for i, (state, token) in enumerate(zip(read, output.sampled_token_ids)):
@@ -97,7 +97,7 @@ def _run(table: GrammarTable, backend: GrammarBackend, steps: int, seed: int) ->
         tokens = [_pick(row, rng) for row in rows]
         seen.append((rows.tobytes(), tokens))
         step = ReadyStep(ModelRunnerOutput(sampled_token_ids=tokens, failed=failed))
-        pending = (table.sent(step, plan), states)
+        pending = (table.follow(plan, step), states)
     return seen + sorted(("failed", *f) for f in failures)
 
 

@@ -1,14 +1,14 @@
 """Structured output in the runner: the constrained requests' grammars (`RequestGrammar` handles, their
 matchers in a `MatcherHome`), and per step the token bitmask of the constrained rows it samples.
 
-A step's masks are mostly filled before its draw is due: when a constrained step's tokens are read (by the
-core, or by the next fill where nobody reads, as on tensor-parallel workers), its `FillJob`
-(`mask_fill.py`) hands them to the matchers' homes, which accept them and fill each of its requests' next
-row. So `plan` (when a step's inputs are staged) points each constrained row at the row the last job fills
-for its request, or at a row of its own after those for a request the job did not cover (new, or one that
-skipped a step); `fill` (just before the draw) asks for those few, waits for every home's rows, and uploads
-the lot; `sent` makes the step's own job. The matchers see every token in order: a job accepts only after
-the previous one's rows were drawn from.
+Per constrained step, in the runner's phases: `plan` (when its inputs are staged) points each constrained row
+at a bitmask row; `fill` (just before the draw) uploads the rows; `follow` (the draw launched) makes the
+step's `FillJob` (`mask_fill.py`); `advance` (when its tokens are read: by the core, or by the next fill
+where nobody reads, as on tensor-parallel workers) hands them to the matchers' homes, which accept them and
+fill each request's next row. So a step's masks are mostly filled before its draw is due: `plan` points a
+row at the one the last job fills for its request, or at a row of its own after those for a request the job
+did not cover (new, or one that skipped a step), which `fill` asks for, before it waits for every home's
+rows. The matchers see every token in order: a job accepts only after the previous one's rows were drawn from.
 
 Where matchers live (`GrammarProcessMode`): in the step thread (`InlineMatchers`), or in the grammar process
 (`grammar_process.py`), which does the accepting and filling beside the step thread; requests admitted while
@@ -36,18 +36,11 @@ from asyncllm.errors import AsyncLLMError
 from asyncllm.sample.features import may_jump
 from asyncllm.sample.sampler import TokenMask
 from asyncllm.sample.state import SamplingState
-from asyncllm.step import StepResult
+from asyncllm.step import ModelRunnerOutput, StepResult
 from asyncllm.structured_output.backend import GrammarBackend
 from asyncllm.structured_output.grammar_process import GrammarProcess
 from asyncllm.structured_output.host_rows import HostRows, RowsLayout, RowsSegment, host_row_sets
-from asyncllm.structured_output.mask_fill import (
-    JUMP_MAX_ROWS,
-    ConstrainedStep,
-    DeviceMasks,
-    FillJob,
-    MarkTicket,
-    by_home,
-)
+from asyncllm.structured_output.mask_fill import JUMP_MAX_ROWS, DeviceMasks, FillJob, MarkTicket, by_home
 from asyncllm.structured_output.matcher_set import MAX_FILL_THREADS
 from asyncllm.structured_output.request_grammar import InlineMatchers, MatcherHome, RequestGrammar
 from asyncllm.structured_output.stream_wait import StreamWaiter
@@ -88,7 +81,7 @@ class MaskPlan:
 
 class GrammarTable:
     """The runner's constrained requests, by request id: `add`/`remove` them; per constrained step `plan`,
-    `fill`, `sent`."""
+    `fill`, `follow`, `advance`."""
 
     def __init__(
         self,
@@ -216,7 +209,7 @@ class GrammarTable:
             return self._fill_awaited(plan, mask_rows)
         device_masks = self._buffers()
         if plan.source is not None:
-            plan.source.accept()  # its rows under way (from here, if nobody read its step)
+            self.advance(plan.source)  # its rows under way (from here, where nobody read its step)
             host = plan.source.host
         else:
             host = self._hosts[self._flip]
@@ -282,13 +275,21 @@ class GrammarTable:
                 for index, mark in enumerate(self._epochs[k]):
                     self._segment.flags[k * sets + index] = (mark + (1 << 30)) & 0xFFFFFFFF
 
-    def sent(self, result: StepResult, plan: MaskPlan) -> StepResult:
-        """The step `plan` masked was sampled: start its job, and return its result as the job gives it."""
+    def follow(self, plan: MaskPlan, tokens: StepResult) -> FillJob:
+        """The step `plan` masked has its draw launched (`tokens`: its sampled ids on their way): its job, whose
+        rows the next step's plan points at, filled when the step's tokens are read (`advance`)."""
         self._flip ^= 1
-        job = FillJob(result, plan.constrained, self._hosts[self._flip], len(plan.rows))
+        job = FillJob(tokens, plan.constrained, self._hosts[self._flip], len(plan.rows))
         job.ticket, job.after = plan.ticket, plan.after
         self._last = job
-        return ConstrainedStep(result, job)
+        return job
+
+    def advance(self, job: FillJob) -> ModelRunnerOutput:
+        """The grammar's phase after a constrained step's draw: wait for the step's tokens, hand them to the
+        matchers (which fill the next step's rows, or have the grammar process do it) and return the step's
+        output with the refusals and forced runs found at once (`FillJob.accept`). Once per job: later calls
+        return the same output."""
+        return job.accept()
 
     def wait_for_process(self, timeout: float | None = None) -> bool:
         """Block until a grammar process being started is ready (or could not start); True if one is."""

@@ -1,13 +1,11 @@
 """The masks of constrained rows, filled ahead: when a constrained step's tokens are read on the host (by the
-core, before it turns them into outputs), its `FillJob` hands them to the requests' matcher homes, which
-accept them and fill each request's next bitmask row, so the next step's draw finds its rows ready. The
-grammar process's share is only sent here (it runs beside the step thread's own work, and the draw waits for
-it); the step thread's own share (`InlineMatchers`) is done here, in one xgrammar call each way.
-`DeviceMasks` uploads the rows and ANDs each with its UTF-8 table row on the device. Knows nothing of models
-or scheduling: rows are numbered by whoever plans the step.
-
-Measured on the H200 (bench/RESULTS.md, runs 40-47): filling on a helper thread of the engine's process
-gained nothing (the GIL), hence the grammar process (`grammar_process.py`).
+core, before it turns them into outputs: `GrammarTable.advance`), its `FillJob` hands them to the requests'
+matcher homes, which accept them and fill each request's next bitmask row, so the next step's draw finds its
+rows ready. The grammar process's share is only sent here (it runs beside the step thread's own work, and the
+draw waits for it; a helper thread of the engine's process would contend for the GIL); the step thread's own
+share (`InlineMatchers`) is done here, in one xgrammar call each way. `DeviceMasks` uploads the rows and ANDs
+each with its UTF-8 table row on the device. Knows nothing of models or scheduling: rows are numbered by
+whoever plans the step.
 """
 
 from __future__ import annotations
@@ -70,10 +68,11 @@ class MarkTicket:
 
 
 class FillJob:
-    """One constrained step's follow-up: `accept()` hands its tokens to its requests' homes (a token one
-    refuses fails that request in this step's own output, when the home can tell at once), which fill each
-    request's next row in `host` (row i for `grammars[i]`); the next fill calls `accept()` itself where
-    nobody read the step's result (on a tensor-parallel worker).
+    """One constrained step's follow-up (`GrammarTable.follow`): `accept()` waits for the step's tokens and
+    hands them to its requests' homes (a token one refuses fails that request in this step's own output, when
+    the home can tell at once), which fill each request's next row in `host` (row i for `grammars[i]`). The
+    core's read of the step runs it (`GrammarTable.advance`), or the next fill where nobody reads the step
+    (on a tensor-parallel worker).
 
     Jump-forward: a jumping request's matcher then also takes the tokens its constraint forces, which go
     to the core with the step's output (`ModelRunnerOutput.forced`). When the step planned after this one
@@ -199,22 +198,3 @@ class FillJob:
                 slots.append(grammar.slot)
                 tokens.append(sampled[at[i]])
         return homes
-
-
-class ConstrainedStep:
-    """A constrained step's result: its output once the matchers have taken its tokens (`FillJob.accept`)."""
-
-    __slots__ = ("_inner", "_job")
-
-    def __init__(self, inner: StepResult, job: FillJob) -> None:
-        self._inner = inner
-        self._job = job
-
-    def done(self) -> bool:
-        return self._inner.done()
-
-    def start(self) -> None:
-        self._inner.start()
-
-    def result(self) -> ModelRunnerOutput:
-        return self._job.accept()

@@ -1,65 +1,54 @@
-"""`ModelRunner`: one step on one device, one path for every step: bucket, pad, plan, stage, flush, feed,
-run, logits, sample, record. `submit` returns before the device is done, with the sampled ids on their way
-to pinned host memory behind an event. A PLACEHOLDER input (overlapped scheduling) is fed on the device
-from the token last sampled for its request.
+"""`ModelRunner`: one step on one device, in phases (`submit`): prepare (admit, bucket, pad, plan attention,
+stage, one upload, the PLACEHOLDER feed), launch the forward pass (a replayed graph or eager, then the
+logits), the constrained rows' masks, sample (draw, record each request's latest token, send the ids to the
+host). `submit` returns before the device is done, the sampled ids on their way to pinned host memory behind
+an event; a PLACEHOLDER input (overlapped scheduling) is fed on the device from the token last sampled for
+its request.
 
-What the step uploads (its inputs, the attention plan's work list, the PLACEHOLDER feed's indices, the
-draw's parameters, the sampled ids' slots) is handed over as host data by its owners and staged here, then
-sent in the step's one copy (`InputBuffers.flush`). Where steps differ (padding, static plan, graph replay,
-which rows reach the LM head) the step's `StepShape` says how.
+What a step uploads is handed over as host data by its owners (inputs, the attention plan, the PLACEHOLDER
+feed's indices, the draw's parameters and slots, the mask rows, the adapters' rows: `LoRAManager`) and sent in
+the step's one copy (`InputBuffers.flush`). Where steps differ (padding, static plan, graph replay, which rows
+reach the LM head) the step's `StepShape` says how. A decode step replayed from a CUDA graph gets its logits
+from the graph, and where every sampled row takes the plain draw (`takes_plain_draw`) the draw runs in the
+bucket's draw graph right after (`GraphDraw`). A step that scores prompt positions (prompt logprobs) runs the
+LM head over them first (`sample/prompt_logprobs.py`), never as a decode-only bucket.
 
-A step that samples constrained rows (structured output) also stages which bitmask row each one reads
-(`GrammarTable.plan`): mostly rows the previous constrained step's job filled when the core read that step's
-tokens (the matchers took them then, in the grammar process beside this thread, or here: `grammar_process`).
-Where the device runs steps asynchronously (`defer_masked_draw`) the draw itself is held back (`HeldDraw`)
-until the next `submit` (or whoever reads the step's result first):
-the forward pass runs while the host feeds the matchers, fills the masks and does the core's work, and the
-draw goes out just before the next forward pass, its masks ready. Where every constrained row's matcher is in
-the grammar process (one rank, an x86 host: `GrammarTable.awaits`), the draw goes out at once instead, behind
-a wait on the device for its rows' flag, which the process sets once it has written them (`stream_wait.py`):
-the host never waits for the rows, and the device only where they come after the forward pass. Steps
-without constrained rows pay for none of this.
-
-A step that computes prompt positions of a request asking for prompt logprobs also runs the LM head over
-those rows (`sample/prompt_logprobs.py`: in slices of at most `max_num_seqs` rows, the sampler's own size,
-padded to the counts warm-up ran), before the sampled rows' logits, and their logprobs travel with the step's
-tokens; such steps are never decode-only buckets, and a replayed graph's output rows are read before the next
-step runs. Steps without such a request check one empty dict.
-
-A decode step replayed from a CUDA graph gets its logits from the graph (the LM head runs inside it), and
-when every sampled row takes the plain draw (`takes_plain_draw`) the draw and the latest-token record run
-in the bucket's draw graph right after (`GraphDraw`, its parameters in fixed staged regions): such a step
-launches two graph replays and the copy of its ids to the host. Other steps sample eagerly as before.
-
-With LoRA adapters (`LoRAManager`) the step also stages which rows use which adapter slot, loading adapters
-into slots first; a step without adapter rows stages nothing more.
+Constrained rows (structured output, `GrammarTable`): their bitmask rows are planned with the inputs and
+uploaded by the draw; the matchers fill them when the core reads the last constrained step's tokens
+(`ConstrainedRead`), after this step's forward pass was launched (on a tensor-parallel worker, where nobody
+reads, the fill does it). Where the device runs steps asynchronously (`defer_masked_draw`) the draw waits for
+them either on the device, behind a flag set once they are written (`GrammarTable.awaits`), or held on the
+host until the next submit (`HeldDraw`): either way the forward pass runs while the host fills the masks and
+does the core's work. Steps without constrained rows pay for none of this.
 
 Knows nothing of requests beyond the plain data the scheduler sends and the sampling state it keeps per
-request id; nothing of how the model was loaded or the cache sized. The step's only host sync is reading
-the sampled ids back.
+request id; nothing of how the model was loaded or the cache sized. The step's only host sync is reading the
+sampled ids back.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import NamedTuple
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from asyncllm.attention.backend import AttentionBackend
 from asyncllm.models.base import CausalLM
-from asyncllm.sample.prompt_logprobs import PromptLogprobsOutput, PromptScorer, score_prompts
+from asyncllm.sample.prompt_logprobs import PromptLogprobsOutput, PromptPlan, PromptScorer, score_prompts
 from asyncllm.sample.sampler import DrawInputs, Sampler, takes_plain_draw
 from asyncllm.sample.state import SamplingState
 from asyncllm.step import ModelRunnerOutput, ReadyStep, SchedulerOutput, StepResult
 from asyncllm.structured_output.backend import GrammarBackend
 from asyncllm.structured_output.grammar_table import GrammarProcessMode, GrammarTable, MaskPlan
+from asyncllm.worker.buckets import StepShape
 from asyncllm.worker.cuda_graph import CudaGraphRunner
 from asyncllm.worker.graph_draw import GraphDraw
 from asyncllm.worker.input_batch import InputBuffers, ModelInputs
 from asyncllm.worker.latest_tokens import LatestTokens
 from asyncllm.worker.lora import LoRAManager
 from asyncllm.worker.sampled_outputs import SampledOutputs
+from asyncllm.worker.step_result import ConstrainedRead, HeldDraw
 
 
 class ModelRunner:
@@ -122,21 +111,37 @@ class ModelRunner:
 
     @torch.inference_mode()
     def submit(self, scheduled: SchedulerOutput) -> StepResult:
-        # First the draw the last step held back: its tokens feed this step, and it reads staged regions
-        # (draw parameters, mask rows, slots) that this step's upload overwrites.
-        self._release_held()
+        """Launch one step, in its phases; returns before the device is done."""
+        # First the draw the last step held: its tokens feed this step, and it reads staged regions (draw
+        # parameters, mask rows, slots) that this step's upload overwrites.
+        self._launch_held()
+        batch = self._prepare(scheduled)
+        forward = self._launch_forward(batch)
+        # A drafter (speculative decoding) would propose here, from the forward pass; the sample phase verifies.
+        masks = self._masks(batch)
+        return self._sample(batch, forward, masks)
+
+    def _prepare(self, scheduled: SchedulerOutput) -> StepBatch:
+        """Admit the new requests; pad the inputs to the step's shape (its bucket); plan attention; stage
+        everything the step uploads and send it in one copy; feed the PLACEHOLDER inputs on the device."""
         self._admit(scheduled)
         sampling = [s.request_id for s in scheduled.seqs if s.sample]
         states = [self.states[r] for r in sampling]
         scoring = self.prompt_scorer.plan(scheduled) if self.prompt_scorer else None
         shape = self.buckets.shape(scheduled, len(sampling))
-        # The inputs, padded to the shape, into their staged regions.
         x = self.inputs.prepare(scheduled, shape.pad_to, shape.pad_tokens_to, shape.pad_logits_to, flush=False)
         plan = self.backend.plan(x.meta, shape.bounds)
         self.inputs.stage_plan(x.meta, plan, static=shape.bounds is not None)
-        graph_draw = self._graph_draw
-        tail = scoring is None and graph_draw is not None and graph_draw.ready() and self.graphs.has_tail(shape)
-        feed, draw, slots, masks, graphed = self._stage(x, states, sampling, shape.logit_rows if tail else None)
+        feed = None
+        if x.placeholder_rows:
+            feed = self.inputs.staging.stage(
+                self._latest.feed_index(x.placeholder_rows, x.placeholder_owners), torch.int64
+            )
+        draw = None
+        if sampling:
+            graph_draw = self._graph_draw
+            tail = scoring is None and graph_draw is not None and graph_draw.ready() and self.graphs.has_tail(shape)
+            draw = self._stage_draw(states, sampling, shape.logit_rows if tail else None)
         if self.loras is not None:
             self.loras.stage(scheduled, x.num_tokens, x.meta.query_lens_cpu)
         self.inputs.flush()
@@ -144,85 +149,102 @@ class ModelRunner:
             # PLACEHOLDER inputs take the token last sampled for their request, on the device: the sampled
             # ids never wait for the host before they are fed back.
             self._latest.feed(self.inputs.input_ids.dev, feed)
-        hidden, graph_logits = self.graphs.run(shape, x)  # [x.num_tokens, hidden], padding rows included
-        if graphed:
-            # A decode bucket's graphs are captured for every LoRA and attention variant: the LM head ran.
-            assert graph_draw is not None and graph_logits is not None
-            self.graphs.run_tail(shape)  # the draw and the latest-token record, over the graph's logits
-            self.sampler.drawn(states)
-            return self._outputs.send(graph_draw.tokens(len(sampling)), None)
-        prompt = None
-        if scoring is not None:
-            compute = self.model.compute_logits
-            prompt = score_prompts(scoring, hidden, compute, self.inputs.max_num_seqs, self.buckets.logit_rows)
-        if slots is None:
-            if prompt is not None:  # prompt chunks that sample nothing yet
-                return self._outputs.send(None, None, prompt=prompt)
-            return ReadyStep(ModelRunnerOutput(sampled_token_ids=[]))
-        if graph_logits is not None:  # the decode graph ran the LM head
-            logits = graph_logits[: len(sampling)]  # [S, vocab], static: read before the next step runs
-        else:
-            last_hidden = hidden[x.logits_indices] if shape.gathers_logits else hidden  # [shape.logit_rows, hidden]
-            # The LM head runs at a padded row count (`Buckets.logit_rows`): warm-up ran every one of them.
-            logits = self.model.compute_logits(last_hidden)[: len(sampling)]  # [S, vocab]
+        return StepBatch(x, shape, states, scoring, draw)
 
-        def sample() -> StepResult:
-            return self._sample(logits, states, draw, slots, masks, prompt)
-
-        if masks is not None and self.defer_masked_draw and not self.grammars.awaits(masks[0]):
-            self._held = HeldDraw(sample)
-            return self._held
-        return sample()
-
-    @torch.inference_mode()
-    def _sample(
-        self,
-        logits: torch.Tensor,
-        states: list[SamplingState],
-        draw: DrawInputs | None,
-        slots: torch.Tensor,
-        masks: tuple[MaskPlan, torch.Tensor] | None,
-        prompt: PromptLogprobsOutput | None = None,
-    ) -> StepResult:
-        """Draw the step's tokens (the forward pass is launched); constrained rows get their masks first,
-        and the step's tokens go to their matchers when they reach the host (`GrammarTable`)."""
-        mask = failed = None
-        if masks is not None:
-            mask, failed = self.grammars.fill(*masks)
-        out = self.sampler(logits, states, draw, mask)
-        self._latest.record(slots, out.token_ids)
-        result = self._outputs.send(out.token_ids, out.logprobs_output, failed, prompt)
-        if masks is not None:
-            result = self.grammars.sent(result, masks[0])
-        return result
-
-    def _release_held(self) -> None:
-        held, self._held = self._held, None
-        if held is not None:
-            held.start()
-
-    def _stage(self, x: ModelInputs, states: list[SamplingState], sampling: list[str], tail: int | None) -> _Staged:
-        """Stage the rest of what the step uploads: the PLACEHOLDER feed's indices, the draw's parameters,
-        the sampled ids' slots and the constrained rows' bitmask rows, with their plan (None where the step
-        has none). `tail`: the rows of the step's draw graph, if it has one: a step whose rows all take the
-        plain draw stages its draw in the graph's fixed regions instead (`graphed`)."""
+    def _stage_draw(self, states: list[SamplingState], sampling: list[str], tail: int | None) -> StagedDraw:
+        """Stage the draw: in the step's draw graph's fixed regions where it has one (`tail`: the graph's rows)
+        and every row takes the plain draw; else the eager draw's parameters, the constrained rows' bitmask
+        rows (`GrammarTable.plan`, known before the forward pass) and the sampled ids' slots."""
         stage = self.inputs.staging.stage
-        feed = None
-        if x.placeholder_rows:
-            feed = stage(self._latest.feed_index(x.placeholder_rows, x.placeholder_owners), torch.int64)
-        if not sampling:
-            return _Staged(feed, None, None, None, False)
         plan = self.grammars.plan(sampling)  # None unless a request with a grammar is live and sampled
         if tail is not None and plan is None and all(map(takes_plain_draw, states)):
             assert self._graph_draw is not None
             self._graph_draw.stage(self.sampler.draw_params(states), self._latest.slots(sampling), tail)
-            return _Staged(feed, None, None, None, True)
+            return StagedDraw(graphed=True)
         params = self.sampler.draw_params(states, masked=plan is not None)
         draw = None
         if params is not None:
             draw = params.on_device(stage(params.counters, torch.int64), stage(params.temperatures, torch.float32))
-        masks = (plan, stage(plan.rows, torch.int64)) if plan is not None else None
-        return _Staged(feed, draw, stage(self._latest.slots(sampling), torch.int64), masks, False)
+        rows = stage(plan.rows, torch.int64) if plan is not None else None
+        return StagedDraw(False, draw, stage(self._latest.slots(sampling), torch.int64), plan, rows)
+
+    def _launch_forward(self, batch: StepBatch) -> Forward:
+        """The forward pass (a replayed graph or eager), then the logits the step reads: the scored prompt
+        positions' (prompt logprobs) and the sampled rows' (unless the decode graph draws them itself)."""
+        hidden, graph_logits = self.graphs.run(batch.shape, batch.x)  # [x.num_tokens, hidden], padding rows too
+        draw = batch.draw
+        if draw is not None and draw.graphed:
+            # A decode bucket's graphs are captured for every LoRA and attention variant: the LM head ran.
+            assert graph_logits is not None
+            return Forward(None, None)
+        prompt = None
+        if batch.scoring is not None:
+            compute = self.model.compute_logits
+            prompt = score_prompts(batch.scoring, hidden, compute, self.inputs.max_num_seqs, self.buckets.logit_rows)
+        if draw is None:
+            return Forward(None, prompt)
+        n = len(batch.states)
+        if graph_logits is not None:  # the decode graph ran the LM head
+            logits = graph_logits[:n]  # [S, vocab], static: read before the next step runs
+        else:
+            x = batch.x
+            last_hidden = hidden[x.logits_indices] if batch.shape.gathers_logits else hidden  # [logit_rows, hidden]
+            # The LM head runs at a padded row count (`Buckets.logit_rows`): warm-up ran every one of them.
+            logits = self.model.compute_logits(last_hidden)[:n]  # [S, vocab]
+        return Forward(logits, prompt)
+
+    def _masks(self, batch: StepBatch) -> StepMasks | None:
+        """How the constrained rows' masks (planned with the inputs) reach the draw, which uploads them
+        (`GrammarTable.fill`). The matchers fill them when the core reads the last constrained step, which on
+        a device that runs steps asynchronously comes after this submit returns: there (`defer_masked_draw`)
+        the draw waits for them on the host, held until the next submit (or whoever reads this step first),
+        unless it can wait on the device (`GrammarTable.awaits`). On CPU the host runs the forward pass
+        itself: holding would only add a step."""
+        draw = batch.draw
+        if draw is None or draw.mask_plan is None:
+            return None
+        assert draw.mask_rows is not None
+        held = self.defer_masked_draw and not self.grammars.awaits(draw.mask_plan)
+        return StepMasks(draw.mask_plan, draw.mask_rows, held)
+
+    def _sample(self, batch: StepBatch, forward: Forward, masks: StepMasks | None) -> StepResult:
+        """The step's tokens, on their way to the host: drawn by the decode graph's tail, or eagerly now, or
+        held with their masks (`HeldDraw`)."""
+        draw = batch.draw
+        if draw is not None and draw.graphed:
+            assert self._graph_draw is not None
+            self.graphs.run_tail(batch.shape)  # the draw and the latest-token record, over the graph's logits
+            self.sampler.drawn(batch.states)
+            return self._outputs.send(self._graph_draw.tokens(len(batch.states)), None)
+        if draw is None:
+            if forward.prompt is not None:  # prompt chunks that sample nothing yet
+                return self._outputs.send(None, None, prompt=forward.prompt)
+            return ReadyStep(ModelRunnerOutput(sampled_token_ids=[]))
+        if masks is not None and masks.held:
+            self._held = HeldDraw(partial(self._draw, batch, forward, masks))
+            return self._held
+        return self._draw(batch, forward, masks)
+
+    @torch.inference_mode()  # a held draw runs outside `submit`
+    def _draw(self, batch: StepBatch, forward: Forward, masks: StepMasks | None) -> StepResult:
+        """Draw the step's tokens (constrained rows under their uploaded masks), record them as their requests'
+        latest and send them to the host; a constrained step's read hands them to the grammar (`ConstrainedRead`)."""
+        draw = batch.draw
+        assert draw is not None and draw.slots is not None and forward.logits is not None
+        mask = failed = None
+        if masks is not None:
+            mask, failed = self.grammars.fill(masks.plan, masks.rows)
+        out = self.sampler(forward.logits, batch.states, draw.params, mask)
+        self._latest.record(draw.slots, out.token_ids)
+        sent = self._outputs.send(out.token_ids, out.logprobs_output, failed, forward.prompt)
+        if masks is None:
+            return sent
+        return ConstrainedRead(sent, self.grammars.follow(masks.plan, sent), self.grammars)
+
+    def _launch_held(self) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            held.start()
 
     def capture_graphs(self) -> float:
         """Capture the CUDA graphs (with the plain draw's per decode bucket, where this runner has one);
@@ -246,7 +268,7 @@ class ModelRunner:
 
     def forget(self, request_ids: list[str]) -> None:
         """Drop the state of requests the scheduler will never mention again (finished, or warm-up's)."""
-        self._release_held()  # it samples rows of states about to go
+        self._launch_held()  # it samples rows of states about to go
         if self.prompt_scorer:
             for request_id in request_ids:
                 self.prompt_scorer.remove(request_id)
@@ -273,40 +295,41 @@ class ModelRunner:
             self.grammars.backend.close()
 
 
-class _Staged(NamedTuple):
-    feed: torch.Tensor | None  # the PLACEHOLDER feed's indices
-    draw: DrawInputs | None  # the eager draw's parameters
-    slots: torch.Tensor | None  # the sampled rows' latest-token slots (None: nothing to sample eagerly)
-    masks: tuple[MaskPlan, torch.Tensor] | None  # the constrained rows' bitmask plan and rows
-    graphed: bool  # the step's draw is its decode graph's (staged in `GraphDraw`'s regions)
+@dataclass(frozen=True)
+class StagedDraw:
+    """A sampling step's draw, staged with its inputs: the decode graph's own (`graphed`: its parameters in
+    `GraphDraw`'s regions), or an eager draw's parameters, the sampled ids' slots and the mask rows."""
+
+    graphed: bool
+    params: DrawInputs | None = None  # the eager draw's parameters
+    slots: torch.Tensor | None = None  # [S] int64: each sampled row's latest-token slot (None: graphed)
+    mask_plan: MaskPlan | None = None  # where the constrained rows find their masks (`GrammarTable.plan`)
+    mask_rows: torch.Tensor | None = None  # [S] int64: each sampled row's bitmask row, -1 where unconstrained
 
 
-class HeldDraw:
-    """A step whose draw waits on the host for its bitmask: `start()` fills the mask and launches the draw
-    (once; the runner does it at the next submit), `result()` starts it if nobody has, then waits."""
+@dataclass(frozen=True)
+class StepBatch:
+    """A step prepared: its inputs uploaded (and fed), and what the later phases read of it."""
 
-    __slots__ = ("_error", "_sample", "_sent")
+    x: ModelInputs
+    shape: StepShape
+    states: list[SamplingState]  # the sampled rows' states, in row order
+    scoring: PromptPlan | None  # the prompt positions whose logprobs the step scores
+    draw: StagedDraw | None  # None: the step samples nothing
 
-    def __init__(self, sample: Callable[[], StepResult]) -> None:
-        self._sample: Callable[[], StepResult] | None = sample
-        self._sent: StepResult | None = None
-        self._error: BaseException | None = None
 
-    def start(self) -> None:
-        if self._sample is not None:
-            sample, self._sample = self._sample, None
-            try:
-                self._sent = sample()
-            except BaseException as exc:  # whoever reads the result later gets it too
-                self._error = exc
-                raise
+@dataclass(frozen=True)
+class Forward:
+    """A step's forward pass, launched: the logits its phases read."""
 
-    def done(self) -> bool:
-        return self._error is not None or (self._sent is not None and self._sent.done())
+    logits: torch.Tensor | None  # [S, vocab] the sampled rows' (None: no eager draw)
+    prompt: PromptLogprobsOutput | None  # the scored prompt positions' logprobs, on their way
 
-    def result(self) -> ModelRunnerOutput:
-        self.start()
-        if self._error is not None:
-            raise self._error
-        assert self._sent is not None
-        return self._sent.result()
+
+@dataclass(frozen=True)
+class StepMasks:
+    """The constrained rows' masks as the draw will upload them (`GrammarTable.fill`)."""
+
+    plan: MaskPlan
+    rows: torch.Tensor  # [S] int64, staged: each sampled row's bitmask row
+    held: bool  # the draw waits for them on the host: held until the next submit
