@@ -7,7 +7,8 @@ The phases are the engine's own functions, wrapped for the run (bench-only instr
       prepare     InputBuffers.prepare           (part of runner) the step's inputs into their buffers
       sample      Sampler.__call__               (part of runner) the sampler's launches
     wait          the sampled ids' event         waiting for the device (overlapped: for the previous step)
-    complete      EngineCore._complete minus wait  turning sampled ids into deltas (detokenizing included)
+    read          EngineCore._read minus wait    a step's tokens in (a constrained step's to its grammar)
+    update        EngineCore._update             turning sampled ids into deltas (detokenizing included)
     route         OutputRouter.route             (async engine only) handing deltas to the event loops
     loop_flush    LoopMailbox._flush             (async engine only; on the event loop's thread) handing each
                                                  step's chunks to the waiting streams (their wake-ups not included)
@@ -40,17 +41,18 @@ _PHASES = (
     ("asyncllm.worker.input_batch", "InputBuffers", "prepare", "prepare"),
     ("asyncllm.sample.sampler", "Sampler", "__call__", "sample"),
     ("asyncllm.worker.sampled_outputs", "_DeviceStep", "result", "wait"),
-    ("asyncllm.core.engine_core", "EngineCore", "_complete", "complete"),
+    ("asyncllm.core.engine_core", "EngineCore", "_read", "read"),
+    ("asyncllm.core.engine_core", "EngineCore", "_update", "update"),
     ("asyncllm.async_engine.router", "OutputRouter", "route", "route"),
     ("asyncllm.async_engine.mailbox", "LoopMailbox", "_flush", "loop_flush"),
 )
 # Structured output's host work (`host_timing(grammar=True)`; w6_structured.py --host-timing):
-#   grammar_accept  FillJob.accept        (part of complete) the step's tokens to the matchers, the next rows
+#   grammar_accept  GrammarTable.advance  (part of read) the step's tokens to the matchers, the next rows
 #                                          filled (in this thread) or handed to the grammar process
 #   grammar_fill    GrammarTable.fill     (part of runner) waiting for every home's rows, uploading the mask
 #   grammar_plan    GrammarTable.plan     (part of runner) which bitmask row each sampled row reads
 GRAMMAR_PHASES = (
-    ("asyncllm.structured_output.mask_fill", "FillJob", "accept", "grammar_accept"),
+    ("asyncllm.structured_output.grammar_table", "GrammarTable", "advance", "grammar_accept"),
     ("asyncllm.structured_output.grammar_table", "GrammarTable", "fill", "grammar_fill"),
     ("asyncllm.structured_output.grammar_table", "GrammarTable", "plan", "grammar_plan"),
 )
@@ -95,9 +97,9 @@ class HostTiming:
 
     def _phases(self, per: str = "schedule") -> dict[str, Any]:
         wall, cpu = dict(self.wall), dict(self.cpu)
-        if "complete" in wall and "wait" in wall:  # complete's own work, without the wait inside it
-            wall["complete"] -= wall["wait"]
-            cpu["complete"] -= cpu["wait"]
+        if "read" in wall and "wait" in wall:  # read's own work, without the wait inside it
+            wall["read"] -= wall["wait"]
+            cpu["read"] -= cpu["wait"]
         steps = max(1, self.calls.get(per, 0))
         return {
             "host_timing_steps": steps,

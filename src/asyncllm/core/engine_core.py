@@ -30,7 +30,7 @@ from asyncllm.core.scheduler import Scheduler, SchedulerLimits
 from asyncllm.core.window_blocks import WindowedBlockManager
 from asyncllm.errors import AsyncLLMError, InvalidRequestError, RequestTimeoutError
 from asyncllm.outputs import FinishReason
-from asyncllm.step import ModelExecutor, SchedulerOutput, StepResult
+from asyncllm.step import ModelExecutor, ModelRunnerOutput, SchedulerOutput, StepResult
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class StepCounts:
 
 
 @dataclass(frozen=True)
-class _Submitted:
+class _Launched:
     """A step handed to the executor whose outputs are not processed yet."""
 
     scheduled: SchedulerOutput
@@ -105,7 +105,7 @@ class EngineCore:
         self.last_step = StepCounts(0, 0)
         self.num_steps = 0
         self.async_scheduling = async_scheduling
-        self._in_flight: _Submitted | None = None
+        self._in_flight: _Launched | None = None
         self.last_step_idle = False
         # Requests whose first step the last `step()` planned (their prompt started computing): the async
         # front stops counting them as waiting. Replaced by every call, so nobody has to read it.
@@ -184,33 +184,24 @@ class EngineCore:
 
     # ------------------------------------------------------------------ the step
     def step(self, after_execute: Callable[[], None] | None = None) -> list[RequestDelta]:
-        """Plan and submit the next step, then turn the oldest submitted step's tokens into deltas.
+        """Plan and launch the next step, then turn the oldest launched step's tokens into deltas.
 
-        Serially (or with an executor that finished the step at once) that is the step just submitted; with
-        async scheduling on a device that runs steps asynchronously it is the one submitted by the previous
+        Serially (or with an executor that finished the step at once) that is the step just launched; with
+        async scheduling on a device that runs steps asynchronously it is the one launched by the previous
         call, which ran while this one was planned. `after_execute` runs once that step's output is in and
         before it is processed: the step thread applies aborts that arrived meanwhile there, so an aborted
         request gets no token from that step (tokens of requests finished after planning are dropped) and
         its blocks are freed exactly once.
         """
         self.last_started = ()
-        expired = self._expire() if self.deadlines else []  # before planning: they take no further step
-        submitted = self._submit_next()
-        ready = [self._in_flight] if self._in_flight is not None else []
-        self._in_flight = None
-        if submitted is not None:
-            if self.async_scheduling and not submitted.result.done():
-                self._in_flight = submitted
-            else:
-                ready.append(submitted)
-        if not ready:
-            self.last_step = StepCounts(0, 0)
-        # Nothing submitted and nothing completed: the caller may wait a little instead of spinning (a step
-        # submitted but not finished yet is progress: its output comes with the next call).
-        self.last_step_idle = submitted is None and not ready
-        deltas: list[RequestDelta] = expired
-        for step in ready:
-            deltas += self._complete(step, after_execute)
+        deltas = self._expire() if self.deadlines else []  # before planning: they take no further step
+        scheduled = self.scheduler.schedule()
+        launched = self._launch(scheduled) if not scheduled.is_empty else None
+        for step in self._due(launched):  # the oldest in flight first
+            output = self._read(step)  # waits for its tokens
+            if after_execute is not None:
+                after_execute()
+            deltas += self._update(step, output)
         return deltas
 
     def _expire(self) -> list[RequestDelta]:
@@ -238,10 +229,8 @@ class EngineCore:
             self.groups.label(deltas)
         return deltas
 
-    def _submit_next(self) -> _Submitted | None:
-        scheduled = self.scheduler.schedule()
-        if scheduled.is_empty:
-            return None
+    def _launch(self, scheduled: SchedulerOutput) -> _Launched:
+        """Hand a planned step to the executor, which starts it and returns before the device is done."""
         # A decode extends past the prompt; a one-token prefill chunk (the recomputed last token after a
         # full prefix hit) is still prefill. The scheduler counted them as it planned.
         decode = self.scheduler.num_decodes_planned
@@ -255,28 +244,49 @@ class EngineCore:
         if scheduled.new_requests:
             self.last_started = tuple(new.request_id for new in scheduled.new_requests)
         counts = StepCounts(scheduled.num_batched_tokens - decode, decode)
-        return _Submitted(scheduled, result, self.block_manager.pending_mark(), counts)
+        return _Launched(scheduled, result, self.block_manager.pending_mark(), counts)
 
-    def _complete(self, step: _Submitted, after_execute: Callable[[], None] | None) -> list[RequestDelta]:
+    def _due(self, launched: _Launched | None) -> list[_Launched]:
+        """The steps whose tokens this call reads, oldest first: the one in flight since the last call, and
+        `launched` unless it stays in flight (async scheduling, its tokens not in yet: the next call reads it)."""
+        due = [self._in_flight] if self._in_flight is not None else []
+        self._in_flight = None
+        if launched is not None:
+            if self.async_scheduling and not launched.result.done():
+                self._in_flight = launched
+            else:
+                due.append(launched)
+        if not due:
+            self.last_step = StepCounts(0, 0)
+        # Nothing launched and nothing read: the caller may wait a little instead of spinning (a step
+        # launched but not finished yet is progress: its output comes with the next call).
+        self.last_step_idle = launched is None and not due
+        return due
+
+    def _read(self, step: _Launched) -> ModelRunnerOutput:
+        """Wait for a step's tokens (a constrained step's go to its grammar then, in the worker). Its KV is
+        written: the blocks its planning registered may now be hit."""
         try:
-            result = step.result.result()
+            output = step.result.result()
         except BaseException:
             self.block_manager.discard_pending()
             self._in_flight = None
             raise
         self.block_manager.commit_pending(step.mark)
-        if after_execute is not None:
-            after_execute()
+        return output
+
+    def _update(self, step: _Launched, output: ModelRunnerOutput) -> list[RequestDelta]:
+        """The step's tokens into the requests and out as deltas (stops checked, text detokenized)."""
         now = self._clock()
         self.last_step = step.counts
         deltas: list[RequestDelta] = []
-        if result.failed:  # finished first, so their tokens are dropped below like any finished request's
-            deltas += self._fail(step.scheduled, result.failed)
-        if result.prompt_logprobs:  # before the tokens: a step that ends a prompt scores it and samples after it
-            self._add_prompt_logprobs(result.prompt_logprobs)
-        all_logprobs = result.logprobs
-        forced = result.forced
-        for request, token_id, index in self.scheduler.update_from_output(step.scheduled, result.sampled_token_ids):
+        if output.failed:  # finished first, so their tokens are dropped below like any finished request's
+            deltas += self._fail(step.scheduled, output.failed)
+        if output.prompt_logprobs:  # before the tokens: a step that ends a prompt scores it and samples after it
+            self._add_prompt_logprobs(output.prompt_logprobs)
+        all_logprobs = output.logprobs
+        forced = output.forced
+        for request, token_id, index in self.scheduler.update_from_output(step.scheduled, output.sampled_token_ids):
             if request.first_token_time is None:
                 request.first_token_time = now
                 prompt_logprobs = request.prompt_logprobs  # they go out once, with the first token
