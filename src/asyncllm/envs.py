@@ -104,6 +104,13 @@ class CascadeAttention(str, enum.Enum):
     OFF = "off"  # never: every decode sequence reads all its keys itself
 
 
+class CpuInt4(str, enum.Enum):
+    """Whether quantized weights run from torch's CPU int4 kernel (`CPU_INT4`)."""
+
+    AUTO = "auto"  # where the CPU computes bfloat16 natively (AVX512-BF16 or AMX)
+    OFF = "off"  # never: GGUF files dequantized to float32 at load, other schemes on the reference matmul (the twin)
+
+
 DEAD_ENGINE_JOIN_S: EnvVar[float] = EnvVar(
     "ASYNCLLM_DEAD_ENGINE_JOIN_S",
     6.0,
@@ -189,6 +196,15 @@ GRAMMAR_PROCESS_THREADS: EnvVar[int | None] = EnvVar(
     "process may use less two (the step thread and the device's driver), shared among tensor-parallel ranks, "
     "at most 8",
 )
+CPU_INT4: EnvVar[CpuInt4] = EnvVar(
+    "ASYNCLLM_CPU_INT4",
+    CpuInt4.AUTO,
+    _one_of(CpuInt4),
+    "on CPU, quantized linear layers (GGUF Q4_0/Q4_1/Q4_K/Q8_0/Q5_K, AWQ, GPTQ) and a GGUF head stored with 8 bits "
+    "or fewer run from torch's int4 kernel with bfloat16 inputs, weights kept packed: auto (where the CPU computes "
+    "bfloat16 natively: AVX512-BF16 or AMX), off (GGUF files dequantized to float32 at load, as on other CPUs; "
+    "the reference twin)",
+)
 # Read once per engine by the tensor-parallel executor, which sends every rank its choice.
 TP_CUSTOM_ALL_REDUCE: EnvVar[bool] = EnvVar(
     "ASYNCLLM_TP_CUSTOM_ALL_REDUCE",
@@ -205,6 +221,7 @@ ALL: tuple[EnvVar[Any], ...] = (  # every variable, for docs/tuning.md's table a
     DECODE_PDL,
     DECODE_FOLD_REDUCE,
     CASCADE_ATTENTION,
+    CPU_INT4,
     CUDA_GRAPH_SAMPLING,
     CUDA_GRAPH_MAX_TOKENS,
     GRAMMAR_PROCESS,

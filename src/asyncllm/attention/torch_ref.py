@@ -9,7 +9,7 @@ float32 numbers, code * scale (kernels/kv_cache_fp8_ref.py), before anything els
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -63,14 +63,35 @@ class _Plan(AttentionPlan):
     prefill_seqs: list[int]  # sequences with more than one query token: attended one by one
     decode_seqs: list[int]  # single-token sequences: batched with padding
     decode_max_len: int
+    decode_min_len: int = 0
     decode_rows: torch.Tensor | None = None  # [B] int64 query row of each decode sequence (device, `bind`)
     decode_seq_idx: torch.Tensor | None = None  # [B] int64 their index in the batch (device)
     decode_lens: torch.Tensor | None = None  # [B] int64 their key lengths (device)
+    # What every layer of the step would otherwise derive again: the block tables as indices, and per window
+    # the keys each row may not see (None: it sees every gathered key). Made by the first layer that asks.
+    decode_tables: torch.Tensor | None = None  # [B, blocks] int64
+    hidden_keys: dict[int | None, torch.Tensor | None] = field(default_factory=dict)  # window -> [B, L] bool
 
     def bind(self, work: torch.Tensor) -> None:
         n = len(self.decode_seqs)
         if n:
             self.decode_rows, self.decode_seq_idx, self.decode_lens = work[:n], work[n : 2 * n], work[2 * n :]
+
+    def hidden(self, window: int | None) -> torch.Tensor | None:
+        """[B, L] bool, True where a decode row must not see the key: past its length (padding) or before its
+        window; None where no row hides any (batch-1 decode of global attention: the masks would be no-ops)."""
+        if window not in self.hidden_keys:
+            assert self.decode_lens is not None
+            cut = window is not None and self.decode_max_len > window
+            mask = None
+            if self.decode_min_len < self.decode_max_len or cut:
+                pos = torch.arange(self.decode_max_len, device=self.decode_lens.device)[None, :]
+                valid = pos < self.decode_lens[:, None]
+                if window is not None:
+                    valid &= pos >= self.decode_lens[:, None] - window
+                mask = ~valid
+            self.hidden_keys[window] = mask
+        return self.hidden_keys[window]
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -92,6 +113,7 @@ class TorchAttentionBackend(AttentionBackend):
             prefill_seqs=prefill,
             decode_seqs=decode,
             decode_max_len=max(lens, default=0),
+            decode_min_len=min(lens, default=0),
         )
 
     def work_size(self, bounds: PlanBounds) -> int:
@@ -112,6 +134,8 @@ class TorchAttentionBackend(AttentionBackend):
             self.plan_and_upload(meta)
         plan = meta.plan
         assert isinstance(plan, _Plan)
+        if plan.decode_seqs and not plan.prefill_seqs:  # every query row decodes, in order: no scatter
+            return self._decode(q, (k_cache, v_cache, k_scale, v_scale), meta, plan, scale, window)
         out = torch.empty_like(q)
         starts = plan.starts
         for i in plan.prefill_seqs:
@@ -142,20 +166,20 @@ class TorchAttentionBackend(AttentionBackend):
         k_cache, v_cache, k_scale, v_scale = kv
         block_size = k_cache.shape[1]
         max_len = plan.decode_max_len
-        nb = -(-max_len // block_size)
-        tables = meta.block_tables[plan.decode_seq_idx, :nb].long()  # [B, nb]
+        if plan.decode_tables is None:
+            nb = -(-max_len // block_size)
+            plan.decode_tables = meta.block_tables[plan.decode_seq_idx, :nb].long()  # [B, nb]
+        tables = plan.decode_tables
         kk = read_kv(gather(k_cache, tables).flatten(1, 2)[:, :max_len], k_scale)  # [B, L, Hkv, D] float32
         vv = read_kv(gather(v_cache, tables).flatten(1, 2)[:, :max_len], v_scale)
-        qq = q[plan.decode_rows].float()  # [B, H, D]
+        qq = (q if not plan.prefill_seqs else q[plan.decode_rows]).float()  # [B, H, D]
         group = qq.shape[1] // kk.shape[2]
         qg = qq.view(qq.shape[0], kk.shape[2], group, qq.shape[2])  # [B, Hkv, G, D]
         scores = torch.einsum("bkgd,blkd->bkgl", qg, kk) * scale  # [B, Hkv, G, L]
-        pos = torch.arange(max_len, device=q.device)[None, :]
-        valid = pos < plan.decode_lens[:, None]  # [B, L]
-        if window is not None:
-            valid &= pos >= plan.decode_lens[:, None] - window
-        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-        # Padded rows may hold garbage (even NaN in never-written cache memory) and 0 * NaN is NaN.
-        vv = vv.masked_fill(~valid[:, :, None, None], 0.0)
+        hidden = plan.hidden(window)  # [B, L]
+        if hidden is not None:
+            scores = scores.masked_fill(hidden[:, None, None, :], float("-inf"))
+            # Padded rows may hold garbage (even NaN in never-written cache memory) and 0 * NaN is NaN.
+            vv = vv.masked_fill(hidden[:, :, None, None], 0.0)
         out = torch.einsum("bkgl,blkd->bkgd", torch.softmax(scores, dim=-1), vv)
         return out.reshape(qq.shape).to(q.dtype)

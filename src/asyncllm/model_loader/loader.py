@@ -69,7 +69,7 @@ def load_model(
         logger.info("quantized linear layers: %s", quant.describe())
     if load_format is LoadFormat.DUMMY:
         fill_dummy_weights(model, seed)  # the same draws on every rank: replicated weights agree
-        return model
+        return _on_cpu_kernel(model, quant, device, dtype)
     rank = 0 if parallel is None else parallel.rank
     kv_scales = KVScales()  # taken out of the stream before anything converts or slices it
 
@@ -96,6 +96,15 @@ def load_model(
         logger.info(
             "KV-cache scales read for %d attention layers (kv_cache_dtype='fp8' uses them)", len(kv_scales.found)
         )
+    return _on_cpu_kernel(model, quant, device, dtype)
+
+
+def _on_cpu_kernel(model: CausalLM, quant: QuantScheme | None, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    """With `quant.cpu_int4` on a CPU, the loaded layers (and head) switched to torch's int4 kernel."""
+    if quant is not None and quant.cpu_int4 and device.type == "cpu":
+        from asyncllm.quantization.cpu_pack import use_cpu_int4
+
+        use_cpu_int4(model, quant, dtype)
     return model
 
 

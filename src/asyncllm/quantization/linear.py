@@ -5,8 +5,9 @@ The torch form computes the reference (dequantize in float32, then matmul); `ena
 backend) switches to the kernels: the one-launch GEMV up to `GEMV_MAX_TOKENS` tokens (where the layer's groups fit
 its tiles), the weight-only Triton GEMM up to `DEQUANT_MIN_TOKENS` tokens, then a dequantized weight and cuBLAS;
 FP8 with one scale per channel on Hopper from `W8A8_MIN_TOKENS` tokens runs W8A8 (`torch._scaled_mm`). The path
-depends only on the step's token count, so CUDA graphs capture it. Under tensor parallelism a row-parallel layer
-all-reduces its partial sums (`group`). Knows no checkpoint format.
+depends only on the step's token count, so CUDA graphs capture it. On CPU `use_cpu_int4` keeps the weight packed
+for torch's int4 kernel (cpu_int4.py) instead, or, for a shape it cannot take, dequantized once. Under tensor
+parallelism a row-parallel layer all-reduces its partial sums (`group`). Knows no checkpoint format.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncllm.errors import UnsupportedModelError
-from asyncllm.kernels.quant_matmul_ref import FP8_DTYPE, codes_per_word, quant_matmul_ref
+from asyncllm.kernels.quant_matmul_ref import FP8_DTYPE, codes_per_word, dequantize_ref, quant_matmul_ref
 from asyncllm.layers.fusion import Fusable
 from asyncllm.layers.linear import Packed
 from asyncllm.layers.parallel import TPGroup
+from asyncllm.quantization import cpu_int4
 from asyncllm.quantization.scheme import QuantScheme
 
 # Token counts from which a step takes each path (CUDA), from bench/kernels/bench_quant_matmul.py on the H200
@@ -80,6 +82,7 @@ class QuantLinear(nn.Module, Fusable):
         self._matmul: _Matmul = self._reference
         self._scale_row: torch.Tensor | None = None  # [1, N] float32 for W8A8, when that path is taken
         self._gemv_locks: torch.Tensor | None = None  # quant_gemv's split-K counters, when that path is taken
+        self._cpu_weight: cpu_int4.Int4Weight | torch.Tensor | None = None  # `use_cpu_int4`'s form of the weight
 
     @torch.no_grad()
     def fill_random(self, gen: torch.Generator, std: float) -> None:
@@ -116,6 +119,34 @@ class QuantLinear(nn.Module, Fusable):
             mins=self.mins,
         )  # fmt: skip
         return y
+
+    def use_cpu_int4(self, dtype: torch.dtype) -> bool:
+        """Run from the weight in torch's CPU int4 form (True), or, where the layer's shape or codes do not fit
+        it, from the weight dequantized once in `dtype` (False); the layout's tensors are released either way."""
+        args = (self.qweight, self.scales, self.qzeros, self.mins)
+        packed = cpu_int4.packable(
+            self.out_features, self.in_features, self.bits, self.group_size, self.qweight.dtype == FP8_DTYPE
+        )
+        if packed:
+            self._cpu_weight = cpu_int4.pack(*args, bits=self.bits, group_size=self.group_size)
+            self._matmul = self._cpu_int4
+        else:
+            self._cpu_weight = dequantize_ref(*args[:3], bits=self.bits, group_size=self.group_size, mins=self.mins)
+            self._cpu_weight = self._cpu_weight.to(dtype)
+            self._matmul = self._cpu_dense
+        for name in ("qweight", "scales", "qzeros", "mins"):
+            param = getattr(self, name)
+            if param is not None:  # emptied, not removed: the module keeps its attributes' types
+                param.data = param.data.new_empty(0)
+        return packed
+
+    def _cpu_int4(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        assert isinstance(self._cpu_weight, cpu_int4.Int4Weight)
+        return cpu_int4.int4_linear(x, self._cpu_weight, bias)
+
+    def _cpu_dense(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        assert isinstance(self._cpu_weight, torch.Tensor)
+        return F.linear(x, self._cpu_weight, bias)
 
     def enable_fused_kernels(self) -> None:
         device = self.qweight.device

@@ -52,6 +52,10 @@ class QuantScheme:
     # GGUF: (checkpoint module, tensor type) of each linear module; a layer takes the layout of its modules'
     # types (gguf_types.py), or stays unquantized where one of them is not kept. Empty: every layer is this one.
     module_types: tuple[tuple[str, str], ...] = ()
+    # On CPU: run from torch's int4 kernel (quantization/cpu_int4.py), the LM head too where `head_type` (the
+    # GGUF type the head is stored in, None where unknown) holds 8 bits or fewer; False: the reference matmul.
+    cpu_int4: bool = False
+    head_type: str | None = None
 
     def skips(self, module: str) -> bool:
         """Whether the checkpoint module `module` (e.g. model.layers.0.mlp.down_proj) stays unquantized."""
@@ -96,12 +100,21 @@ def fp8_at_load() -> QuantScheme:
 
 
 def resolve_quantization(
-    requested: str | None, quantization_config: Any, device_type: str = "cuda"
+    requested: str | None, quantization_config: Any, device_type: str = "cuda", cpu_int4: bool = False
 ) -> QuantScheme | None:
     """The scheme for a checkpoint whose config.json holds `quantization_config` (None: unquantized), given the
-    `quantization` engine argument's value (None: follow the checkpoint) and the device type ("cuda", "cpu")."""
+    `quantization` engine argument's value (None: follow the checkpoint) and the device type ("cuda", "cpu").
+    `cpu_int4`: on CPU, integer codes run from torch's int4 kernel (the caller checked the CPU has it fast),
+    and a GGUF file's linear layers stay quantized by default."""
+    scheme = _resolve(requested, quantization_config, device_type, cpu_int4 and device_type == "cpu")
+    if scheme is not None and cpu_int4 and device_type == "cpu" and not scheme.fp8:
+        return dataclasses.replace(scheme, cpu_int4=True)
+    return scheme
+
+
+def _resolve(requested: str | None, quantization_config: Any, device_type: str, cpu_int4: bool) -> QuantScheme | None:
     if isinstance(quantization_config, Mapping) and quantization_config.get("quant_method") == "gguf":
-        return _gguf_choice(requested, quantization_config, device_type)
+        return _gguf_choice(requested, quantization_config, device_type, cpu_int4)
     if not quantization_config:
         if requested is None:
             return None
@@ -123,16 +136,17 @@ def resolve_quantization(
     return scheme
 
 
-def _gguf_choice(requested: str | None, qc: Mapping[str, Any], device_type: str) -> QuantScheme | None:
-    """A GGUF file: its linear layers kept quantized by default on CUDA (when their types allow), dequantized
-    at load on CPU (float32 weights are what the CPU's GEMMs read fastest) or when asked for FP8."""
+def _gguf_choice(requested: str | None, qc: Mapping[str, Any], device_type: str, cpu_int4: bool) -> QuantScheme | None:
+    """A GGUF file: its linear layers kept quantized by default on CUDA and on a CPU with the int4 kernel (when
+    their types allow), dequantized at load on other CPUs (there float32 weights are what the GEMMs read
+    fastest) or when asked for FP8."""
     if requested == "fp8":
         return fp8_at_load()  # of the dequantized weights
     if requested not in (None, "gguf"):
         raise UnsupportedModelError(
             f"quantization={requested!r}, but the checkpoint is a GGUF file: pass 'gguf' or 'fp8'"
         )
-    if requested is None and device_type != "cuda":
+    if requested is None and device_type != "cuda" and not cpu_int4:
         return None
     try:
         return gguf_scheme(qc)
@@ -159,7 +173,7 @@ def gguf_scheme(qc: Mapping[str, Any]) -> QuantScheme:
     if len(kept) < len(types):
         logger.info("GGUF linear layers of types %s dequantized at load", ", ".join(t for t in types if t not in kept))
     base = QuantScheme("gguf", CheckpointFormat.GGUF, fp8=False, bits=8, group_size=32,
-                       module_types=tuple(sorted(module_types.items())))  # fmt: skip
+                       module_types=tuple(sorted(module_types.items())), head_type=qc.get("head_type"))  # fmt: skip
     return _with_layout(base, joined(GGUF_KEPT[t] for t in kept), ", ".join(kept))
 
 

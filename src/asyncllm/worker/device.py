@@ -67,13 +67,21 @@ class ResolvedModel:
         dtype = resolve_dtype(mc.dtype, device, hf_config)
         arch = ModelArchConfig.from_hf(hf_config, mc.max_model_len)
         requested = None if mc.quantization is None else mc.quantization.value
-        quant = resolve_quantization(requested, getattr(hf_config, "quantization_config", None), device.type)
+        qc = getattr(hf_config, "quantization_config", None)
+        quant = resolve_quantization(requested, qc, device.type, device.type == "cpu" and cpu_int4_chosen())
         kv_cache_dtype = resolve_kv_cache_dtype(config.cache_config.kv_cache_dtype, dtype)
         return cls(device, dtype, arch, kv_cache_dtype, WorkerTuning.read(config), quant)
 
     def on(self, device: torch.device) -> ResolvedModel:
         """The same model on another device (a tensor-parallel rank's)."""
         return dataclasses.replace(self, device=device)
+
+
+def cpu_int4_chosen() -> bool:
+    """ASYNCLLM_CPU_INT4: whether quantized weights run from torch's CPU int4 kernel on this CPU."""
+    from asyncllm.quantization import cpu_int4
+
+    return envs.CPU_INT4.get() is envs.CpuInt4.AUTO and cpu_int4.supported()
 
 
 def check_pdl(device: torch.device, triton_backend: bool) -> None:

@@ -86,10 +86,13 @@ def _open(path: Path, dtype: torch.dtype) -> tuple[GGUFHeader, Checkpoint]:
         module, _, kind = hf_name(t.name, names).rpartition(".")
         if kind == "weight" and _module(module) in linear:
             module_types[module] = type_name(t)
+    types = {t.name: type_name(t) for t in header.tensors}
     hf_config.quantization_config = {
         "quant_method": "gguf",
         "linear_types": sorted(set(module_types.values())),
         "module_types": module_types,
+        # the LM head's stored type (its own, else the tied embedding's): whether 8-bit codes hold it
+        "head_type": types.get("output.weight", types.get("token_embd.weight")),
     }
 
     def iter_quantized_weights(keep: Mapping[str, QuantScheme]) -> Iterator[tuple[str, torch.Tensor]]:
