@@ -127,14 +127,15 @@ def test_logit_bias_is_bounded_and_normalised() -> None:
     assert check_logit_bias("logit_bias", {"5": 1, 7: -100.0}, vocab_size=10) == {5: 1.0, 7: -100.0}
     too_many = {str(i): 1 for i in range(MAX_LOGIT_BIAS + 1)}
     bad: list[tuple[Any, str]] = [
-        (too_many, f"more than the {MAX_LOGIT_BIAS} allowed"),
-        ({"x": 1}, "key 'x' is not a token id"),
-        ({"-1": 1}, "key '-1' is not a token id"),
-        ({"10": 1}, r"key '10' is not a token id in \[0, 10\)"),
-        ({"1": 101}, r"logit_bias\[1\]=101 is invalid"),
-        ({"1": float("nan")}, r"logit_bias\[1\] must be a number"),
-        ({"1": True}, r"logit_bias\[1\] must be a number"),
-        ([1], "must be a map"),
+        (too_many, rf"logit_bias=<{MAX_LOGIT_BIAS + 1} entries> is invalid: at most {MAX_LOGIT_BIAS} entries"),
+        ({"x": 1}, r"logit_bias=\{'x': 1\} is invalid: 'x' is not a token id"),
+        ({"-1": 1}, "'-1' is not a token id"),
+        ({"10": 1}, r"'10' is not a token id in \[0, 10\)"),
+        ({"1": 101}, r"the bias of token 1 must be a number in \[-100, 100\], got 101"),
+        ({"1": float("nan")}, "the bias of token 1 must be a number"),
+        ({"1": True}, "the bias of token 1 must be a number"),
+        ([1], r"logit_bias=\[1\] is invalid: a map of token ids"),
+        (False, "logit_bias=False is invalid"),
     ]
     for value, message in bad:
         with pytest.raises(InvalidRequestError, match=message):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncllm.errors import InvalidRequestError
+from asyncllm.validation import short_repr
 
 # Nesting of one JSON value a client hands over (a schema, a tool's parameters, a message): real schemas
 # stay under 20 levels, and compile time grows with depth (a 200-deep schema took 1.5-3 s, issue 39).
@@ -125,21 +126,27 @@ def check_tools_size(tools: Any, max_chars: int) -> None:
 
 def check_logit_bias(field: str, bias: Any, vocab_size: int | None = None) -> dict[int, float]:
     """OpenAI's `logit_bias` ({token id: bias}, ids as ints or decimal strings) checked and normalised: at
-    most `MAX_LOGIT_BIAS` entries, each bias a finite number in [-100, 100], each id in [0, vocab_size)."""
+    most `MAX_LOGIT_BIAS` entries, each bias a finite number in [-100, 100], each id in [0, vocab_size).
+    Errors read "{field}={value} is invalid: ...", as `SamplingParams`' own do."""
+
+    def fail(allowed: str) -> InvalidRequestError:
+        huge = isinstance(bias, Mapping) and len(bias) > MAX_LOGIT_BIAS  # not repr'd whole to be cut short
+        shown = f"<{len(bias)} entries>" if huge else short_repr(bias)
+        return InvalidRequestError(f"{field}={shown} is invalid: {allowed}")
+
     if not isinstance(bias, Mapping):
-        raise InvalidRequestError(f"{field} must be a map of token ids to biases, got {type(bias).__name__}")
+        raise fail("a map of token ids to biases in [-100, 100]")
     if len(bias) > MAX_LOGIT_BIAS:
-        raise InvalidRequestError(f"{field}: {len(bias)} entries, more than the {MAX_LOGIT_BIAS} allowed")
+        raise fail(f"at most {MAX_LOGIT_BIAS} entries")
     out: dict[int, float] = {}
     for key, value in bias.items():
         token = _token_id(key)
         if token is None or (vocab_size is not None and token >= vocab_size):
             where = "" if vocab_size is None else f" in [0, {vocab_size})"
-            raise InvalidRequestError(f"{field}: key {str(key)[:40]!r} is not a token id{where}")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise InvalidRequestError(f"{field}[{token}] must be a number in [-100, 100], got {str(value)[:40]!r}")
-        if abs(value) > LOGIT_BIAS_LIMIT:
-            raise InvalidRequestError(f"{field}[{token}]={value} is invalid: a number in [-100, 100]")
+            raise fail(f"{short_repr(key, 40)} is not a token id{where}")
+        finite = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+        if not finite or abs(value) > LOGIT_BIAS_LIMIT:
+            raise fail(f"the bias of token {token} must be a number in [-100, 100], got {short_repr(value, 40)}")
         out[token] = float(value)
     return out
 

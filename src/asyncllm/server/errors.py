@@ -32,11 +32,13 @@ from asyncllm.errors import (
     RequestTimeoutError,
     UnsupportedModelError,
 )
+from asyncllm.validation import short_repr
 
 logger = logging.getLogger("asyncllm.server")
 
 # SamplingParams errors read "SamplingParams.<field>=<value> is invalid: ...": the field is the param.
-_SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+)[= ]")  # "...field=value is invalid", "...field is not"
+# "...field=value is invalid", "...field is not", "...field['properties'] nests deeper".
+_SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+)[= \[]")
 _PYDANTIC_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "function-after"})
 # Seconds a client told "overloaded" (429) should wait: about the time a step takes to start a few of the
 # waiting requests; the openai client honours it (and retries twice by default).
@@ -149,7 +151,7 @@ def body_error(first: Mapping[str, Any]) -> OpenAIError:
     if param is None:
         return OpenAIError(f"invalid request body: {first.get('msg', '')}")
     given = first.get("input")
-    shown = "" if kind == "missing" else f" (got {str(given)[:100]!r})"
+    shown = "" if kind == "missing" else f" (got {short_repr(given, 100)})"
     return OpenAIError(f"{param}: {first.get('msg', 'invalid value')}{shown}", param=param)
 
 

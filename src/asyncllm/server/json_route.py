@@ -16,6 +16,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from asyncllm.server.errors import OpenAIError, body_error
+from asyncllm.server.json_body import parse_json_body
 from asyncllm.server.streaming import disconnected_response
 
 Body = TypeVar("Body", bound=BaseModel)
@@ -33,21 +34,22 @@ def json_route(path: str, model: type[Body], handler: Callable[[Body, Request], 
             raw = await request.body()
         except ClientDisconnect:  # gone before its body arrived: nothing to answer, nothing to log
             return disconnected_response()
-        return await handler(read_body(model, raw, request.headers.get("content-type")), request)
+        return await handler(await read_body(model, raw, request.headers.get("content-type")), request)
 
     return Route(path, endpoint, methods=["POST"], include_in_schema=False)
 
 
-def read_body(model: type[Body], raw: bytes, content_type: str | None) -> Body:
+async def read_body(model: type[Body], raw: bytes, content_type: str | None) -> Body:
     """`raw` as FastAPI reads a body parameter: JSON only under a JSON content type (strict: none given is not
-    JSON), an empty body missing; then validated as FastAPI validates (python mode, from attributes)."""
+    JSON), an empty body missing; then validated as FastAPI validates (python mode, from attributes). JSON
+    nested too deep or holding a lone surrogate is refused first, naming the field (`json_body`)."""
     data: Any = None
     error: Mapping[str, Any] | None = None
     if not raw:
         error = {"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}
     elif _is_json(content_type):
         try:
-            data = json.loads(raw)
+            data = await parse_json_body(raw)
         except json.JSONDecodeError as exc:
             error = {"type": "json_invalid", "loc": ("body", exc.pos), "msg": "JSON decode error", "input": {}}
         except ValueError:  # undecodable bytes (UnicodeDecodeError)

@@ -11,6 +11,7 @@ from typing import Any
 
 from asyncllm.server.errors import OpenAIError
 from asyncllm.server.protocol import ChatMessage, CompletionRequest
+from asyncllm.validation import short_repr
 
 Prompt = str | list[int]
 
@@ -73,7 +74,8 @@ def _text_content(message: ChatMessage, index: int) -> str | None:
     for j, part in enumerate(content):
         if part.get("type") != "text" or not isinstance(part.get("text"), str):
             raise OpenAIError(
-                f"content part of type {part.get('type')!r} is not supported: only text parts", param=f"{param}[{j}]"
+                f"content part of type {short_repr(part.get('type'))} is not supported: only text parts",
+                param=f"{param}[{j}]",
             )
         texts.append(part["text"])
     return "".join(texts)
