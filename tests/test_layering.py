@@ -42,6 +42,7 @@ FOUNDATION = {
     "asyncllm.chat",
     "asyncllm.envs",  # the ASYNCLLM_* tuning variables
     "asyncllm.errors",
+    "asyncllm.input_limits",  # bounds on client input, checked before any tokenizer, template or compiler
     "asyncllm.install",  # the distribution's name and the pip commands error messages print
     "asyncllm.validation",
     "asyncllm.config",
