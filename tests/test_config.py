@@ -191,6 +191,7 @@ def test_docs_api_table_lists_every_engine_argument() -> None:
     assert sorted(rows) == sorted(a.name for a in engine_arguments() if a.name != "model")
 
 
-def test_at_most_30_engine_arguments() -> None:
-    """The user's surface stays small: tuning knobs are ASYNCLLM_* variables (docs/tuning.md), not arguments."""
-    assert len(engine_arguments()) <= 30, [a.name for a in engine_arguments()]
+def test_at_most_31_engine_arguments() -> None:
+    """The user's surface stays small: tuning knobs are ASYNCLLM_* variables (docs/tuning.md), not arguments.
+    (31: issue 39 asked for the compile time bound, a policy the user chooses, as an engine argument.)"""
+    assert len(engine_arguments()) <= 31, [a.name for a in engine_arguments()]

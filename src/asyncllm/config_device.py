@@ -16,6 +16,9 @@ from asyncllm.validation import check_bool, check_enum, check_float, check_optio
 # A step running longer than this fails the health check: far above any real step (a GPU step takes
 # milliseconds, a long CPU prefill a few seconds), far below what a stuck device or kernel looks like.
 DEFAULT_MAX_STEP_SECONDS = 20.0
+# A constraint compiling longer than this fails its request: far above a real schema's compile (milliseconds to a
+# few seconds on a 150k-token vocabulary), bounding what one crafted constraint can take.
+DEFAULT_GRAMMAR_COMPILE_TIMEOUT = 30.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,6 +51,12 @@ class DeviceConfig:
         "logprobs, prompt logprobs or penalties never jump; nor do matchers in the grammar process, "
         "nor tensor-parallel engines. False: every token is drawn.",
     )
+    grammar_compile_timeout: float = arg(
+        DEFAULT_GRAMMAR_COMPILE_TIMEOUT,
+        "Seconds a request's output constraint may take to compile (its wait for a compile thread included): "
+        "past it the request fails with GrammarCompileTimeoutError and its compile is dropped. Compiles run "
+        "beside each other, never in front of requests that need none. AsyncLLMEngine only.",
+    )
     num_threads: int | None = arg(
         None,
         "torch's CPU threads for the model's ops (per rank under tensor parallelism), set in the thread that "
@@ -67,3 +76,8 @@ class DeviceConfig:
             invalid, "max_step_seconds", self.max_step_seconds, "a positive number of seconds", lo=0.0, lo_open=True
         )
         set_field(self, "max_step_seconds", seconds)
+        given = self.grammar_compile_timeout
+        timeout = check_float(
+            invalid, "grammar_compile_timeout", given, "a positive number of seconds", lo=0.0, lo_open=True
+        )
+        set_field(self, "grammar_compile_timeout", timeout)

@@ -16,6 +16,13 @@ class InvalidRequestError(AsyncLLMError, ValueError):
     """A bad prompt or bad sampling values. The engine and every other request carry on."""
 
 
+class GrammarCompileTimeoutError(InvalidRequestError):
+    """The request's output constraint did not compile within the engine's `grammar_compile_timeout`: the
+    request ended before it reached the core, and its compile was dropped. A simpler constraint compiles
+    faster; every other request carried on (compiles run beside each other, never in front of requests that
+    need none)."""
+
+
 class LoRAError(InvalidRequestError):
     """A LoRA adapter that cannot be added, removed or used: a bad or unsupported adapter, a name taken or
     unknown, one still in use, or an engine without `enable_lora`. Nothing changed; the engine carries on."""

@@ -1,10 +1,13 @@
-"""Admission: requests reach the core in the order they were added, text prompts tokenized off the loop.
+"""Admission: requests reach the core in the order they were added, text prompts tokenized off the loop,
+output constraints compiled beside them.
 
 A request whose prompt is token ids is built at once in the caller's thread (its checks are cheap); a text
-prompt is tokenized by one worker thread, so no event loop ever runs the tokenizer, and the same thread
-compiles the output constraint of a request that has one (however its prompt came). Either way requests
-pass to the engine-core client in arrival order: a request added behind one still being prepared waits for
-it. A request aborted or refused before it reached the core ends here. Knows nothing of event loops.
+prompt is tokenized by one worker thread, so no event loop ever runs the tokenizer. Requests pass to the
+engine-core client in arrival order: a request added behind one still being tokenized waits for it. A
+request with an output constraint leaves that order once built: its constraint compiles in a thread of its
+own (`compiles`, at most `grammar_compile_timeout` seconds), and it goes on when compiled, so a slow compile
+holds up no request but its own. A request aborted or refused before it reached the core ends here. Knows
+nothing of event loops.
 """
 
 from __future__ import annotations
@@ -15,9 +18,11 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from asyncllm.async_engine.compiles import Compiles
 from asyncllm.async_engine.mailbox import OutputSlot
+from asyncllm.config_device import DEFAULT_GRAMMAR_COMPILE_TIMEOUT
 from asyncllm.core.output_processor import RequestDelta
-from asyncllm.errors import AsyncLLMError, InvalidRequestError, RequestTimeoutError
+from asyncllm.errors import AsyncLLMError, GrammarCompileTimeoutError, InvalidRequestError, RequestTimeoutError
 from asyncllm.outputs import RequestMetrics
 from asyncllm.sampling_params import SamplingParams
 
@@ -65,8 +70,8 @@ class _Job:
         self.arrival_time = t
         self.priority = priority
         self.cancelled = False  # ended here (aborted): the worker drops it
-        # Nothing left for the worker: a built request without an output constraint to compile.
-        self.ready = request is not None and params.structured is None
+        # Nothing left for the worker: a built request (one with a constraint compiles elsewhere).
+        self.ready = request is not None
 
 
 class Admission:
@@ -77,10 +82,20 @@ class Admission:
     held waiting for the other.
     """
 
-    def __init__(self, client: EngineCoreClient, input_processor: InputProcessor, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        client: EngineCoreClient,
+        input_processor: InputProcessor,
+        clock: Callable[[], float],
+        compile_timeout: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT,
+    ) -> None:
         self._input_processor = input_processor
         self._client = client
         self._clock = clock
+        self._compile_timeout = compile_timeout
+        self._compiles: Compiles[_Job, str | AsyncLLMError | None] = Compiles(
+            self._compile, self._compiled, self._compile_timed_out, compile_timeout
+        )
         self._cond = threading.Condition(client.lock)
         self._queue: deque[_Job] = deque()  # in arrival order; the head may be tokenizing
         self._queued: dict[OutputSlot, _Job] = {}
@@ -89,13 +104,17 @@ class Admission:
 
     def submit(self, slot: OutputSlot, request: Request) -> None:
         """A request built in the caller's thread: to the core now, unless a request ahead is still being
-        prepared or its own output constraint must compile (on the worker thread)."""
+        tokenized, or its own output constraint must compile first."""
         slot.prompt_token_ids = tuple(request.prompt_token_ids)
         with self._cond:
-            if request.params.structured is None and not self._queue:
+            if request.params.structured is not None:
+                job = _Job(slot, request, "", request.params, request.arrival_time, request.priority)
+                self._queued[slot] = job
+                self._compiles.submit(job)
+            elif not self._queue:
                 self._client.add_request(request, slot)  # under the lock: the worker cannot pass it
-                return
-            self._enqueue(_Job(slot, request, "", request.params, request.arrival_time, request.priority))
+            else:
+                self._enqueue(_Job(slot, request, "", request.params, request.arrival_time, request.priority))
 
     def submit_text(
         self,
@@ -123,6 +142,7 @@ class Admission:
                 self._client.end_request(slot, delta)
 
     def stop(self, timeout: float | None = None) -> None:
+        self._compiles.stop()
         with self._cond:
             self._stopping = True
             self._cond.notify()
@@ -188,11 +208,10 @@ class Admission:
         return [self._make(job, encoded.get(job)) if job in wanted else (None, None) for job in batch]
 
     def _make(self, job: _Job, encoded: list[int] | None) -> tuple[Request | None, str | None]:
-        """The job's request, tokenized if its prompt is text, its output constraint compiled; or the error."""
-        ip, rid = self._input_processor, job.slot.request_id
-        failure = ("tokenizing", "the tokenizer failed on this prompt")
+        """The job's request, tokenized if its prompt is text; or the error."""
+        rid = job.slot.request_id
         try:
-            request = job.request or ip.make_request(
+            request = job.request or self._input_processor.make_request(
                 rid,
                 job.prompt,
                 job.params,
@@ -202,19 +221,47 @@ class Admission:
                 lora=job.lora,
                 deadline=job.deadline,
             )
-            failure = ("compiling the output constraint of", "compiling this request's output constraint failed")
-            ip.check_constraint(request.params)
             return request, None
         except InvalidRequestError as exc:
             return None, str(exc)
-        except Exception as exc:  # the tokenizer's (or compiler's) own failure: it fails this request alone
-            logger.warning("asyncllm: %s request %r failed", failure[0], rid, exc_info=exc)
-            return None, f"{failure[1]}: {exc!r}"
+        except Exception as exc:  # the tokenizer's own failure: it fails this request alone
+            logger.warning("asyncllm: tokenizing request %r failed", rid, exc_info=exc)
+            return None, f"the tokenizer failed on this prompt: {exc!r}"
 
-    def _pass_on(self, job: _Job, request: Request | None, error: str | None) -> None:
-        """Under the lock, in queue order: to the core, or ended here."""
+    # ------------------------------------------------------------------ compiles (`Compiles`' threads)
+    def _compile(self, job: _Job) -> str | AsyncLLMError | None:
+        """Compile the job's output constraint: None, or why it failed (the error its request ends with)."""
+        if job.cancelled or job.slot.finished:
+            return None  # aborted, or the engine failed: nothing to compile for
+        try:
+            self._input_processor.check_constraint(job.params)
+            return None
+        except InvalidRequestError as exc:
+            return str(exc)
+        except Exception as exc:  # the compiler's own failure: it fails this request alone
+            rid = job.slot.request_id
+            logger.warning("asyncllm: compiling the output constraint of request %r failed", rid, exc_info=exc)
+            return f"compiling this request's output constraint failed: {exc!r}"
+
+    def _compile_timed_out(self, job: _Job) -> AsyncLLMError:
+        field = job.params.structured.field if job.params.structured is not None else "grammar"
+        return GrammarCompileTimeoutError(
+            f"SamplingParams.{field} did not compile within grammar_compile_timeout ({self._compile_timeout:g} s): "
+            "a simpler constraint compiles faster; the request ended and its compile was dropped"
+        )
+
+    def _compiled(self, job: _Job, error: str | AsyncLLMError | None) -> None:
+        with self._cond:  # no request when the engine failed meanwhile: its slot holds that error already
+            self._pass_on(job, job.request if error is None and not job.slot.finished else None, error)
+
+    def _pass_on(self, job: _Job, request: Request | None, error: str | AsyncLLMError | None) -> None:
+        """Under the lock: to the core (or, with a constraint not compiled yet, to the compiles), or ended here."""
         if job.cancelled:
             return  # `abort` already ended it
+        if request is not None and error is None and request.params.structured is not None and job.request is None:
+            job.request = request  # a text prompt's request, built: its constraint compiles next
+            self._compiles.submit(job)
+            return
         del self._queued[job.slot]
         if request is not None and job.deadline is not None and self._clock() >= job.deadline:
             waited = self._clock() - job.arrival_time

@@ -27,6 +27,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, cast
 
 from asyncllm.async_engine import core_wire as wire
+from asyncllm.async_engine.compiles import COMPILE_WORKERS
 from asyncllm.async_engine.inproc_client import InProcClient
 from asyncllm.core.output_processor import RequestDelta
 
@@ -144,7 +145,10 @@ def main() -> None:
         raise SystemExit(1) from None
     can_check = built.check_constraint is not None
     sender.send((wire.READY, built.runtime, built.tokenizer, built.encode, built.encode_batch, can_check))
-    checker = ThreadPoolExecutor(1, thread_name_prefix="asyncllm-check") if can_check else None
+    # As many as the front may have in flight (its compiles and the abandoned ones still running): a compile
+    # here must never wait behind another, or the front's bound on each would count the wait.
+    workers = 2 * COMPILE_WORKERS
+    checker = ThreadPoolExecutor(workers, thread_name_prefix="asyncllm-check") if can_check else None
     try:
         _serve(from_front, sender, router, client, built.check_constraint, checker)
     finally:

@@ -38,7 +38,7 @@ from asyncllm.async_engine.router import OutputRouter
 from asyncllm.async_engine.stream import RequestStream, collect
 from asyncllm.chat import Message
 from asyncllm.config import EngineConfig, SchedulerConfig
-from asyncllm.config_device import DeviceConfig
+from asyncllm.config_device import DEFAULT_GRAMMAR_COMPILE_TIMEOUT, DeviceConfig
 from asyncllm.errors import EngineDeadError
 from asyncllm.input_limits import PromptBounds, text_char_limit
 from asyncllm.input_processor import InputProcessor
@@ -63,7 +63,7 @@ class AsyncLLMEngine:
     (types, params, empty or absurdly long prompts, token ids, invalid Unicode) raises there; what needs
     the tokenizer (a text prompt's length in tokens) or a compiler (an output constraint that does not
     compile) raises `InvalidRequestError` from the stream's first `__anext__` (or from `generate`).
-    Requests reach the core in the order they were added.
+    Requests reach the core in the order they were added (one with a constraint once it compiled).
 
     After loading, the objects alive are frozen out of the garbage collector (`gc.freeze()`): a full
     collection otherwise walks every object the model, tokenizer and libraries left, with the loop
@@ -89,14 +89,14 @@ class AsyncLLMEngine:
         clock: Callable[[], float] = time.monotonic,
         max_waiting_requests: int | None = None,
         max_step_seconds: float = DEFAULT_MAX_STEP_SECONDS,
+        grammar_compile_timeout: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT,
     ) -> AsyncLLMEngine:
         """An engine around a core made by `build()` (called in the step thread). `clock` must be the one
-        the core was given: request arrival times come from it. The other two are the engine arguments of
+        the core was given: request arrival times come from it. The other three are the engine arguments of
         the same names (the front enforces them). For embedding and tests."""
         client = functools.partial(InProcClient, build)
-        return cls.from_client(
-            client, clock=clock, max_waiting_requests=max_waiting_requests, max_step_seconds=max_step_seconds
-        )
+        limits = dict(max_step_seconds=max_step_seconds, grammar_compile_timeout=grammar_compile_timeout)
+        return cls.from_client(client, clock=clock, max_waiting_requests=max_waiting_requests, **limits)
 
     @classmethod
     def from_client(
@@ -106,12 +106,13 @@ class AsyncLLMEngine:
         clock: Callable[[], float] = time.monotonic,
         max_waiting_requests: int | None = None,
         max_step_seconds: float = DEFAULT_MAX_STEP_SECONDS,
+        grammar_compile_timeout: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT,
     ) -> AsyncLLMEngine:
         """An engine around the core that `make_client(router)` reaches (see `EngineCoreClient`): for a core
         elsewhere (its own process, a Ray actor) and for tests. The rest as in `from_builder`."""
         # Checked as the engine arguments are (InvalidConfigError naming the argument).
         sched = SchedulerConfig(max_waiting_requests=max_waiting_requests)
-        dev = DeviceConfig(max_step_seconds=max_step_seconds)
+        dev = DeviceConfig(max_step_seconds=max_step_seconds, grammar_compile_timeout=grammar_compile_timeout)
         engine = cls.__new__(cls)
         engine.config = None
         engine._start(make_client, clock, sched, dev)
@@ -130,7 +131,7 @@ class AsyncLLMEngine:
         self.tokenizer = info.tokenizer  # the Hugging Face tokenizer (chat templates), None if none
         self.runtime = info.runtime
         self._max_token_chars = max_token_chars_of(info.tokenizer)
-        self._admission = Admission(client, self._input_processor, clock)
+        self._admission = Admission(client, self._input_processor, clock, dev.grammar_compile_timeout)
         self._loras = LoRAFront(client, info.runtime.max_loras > 0, self._live.closed_error)
         # An engine dropped without shutdown still stops its threads and frees the device.
         self._finalizer = weakref.finalize(self, _shutdown, client, self._admission)

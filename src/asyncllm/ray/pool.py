@@ -18,7 +18,7 @@ from asyncllm.async_engine.engine import DEFAULT_MAX_STEP_SECONDS, AsyncLLMEngin
 from asyncllm.async_engine.inproc_client import Built
 from asyncllm.async_engine.router import OutputRouter
 from asyncllm.config import EngineConfig, SchedulerConfig
-from asyncllm.config_device import DeviceConfig
+from asyncllm.config_device import DEFAULT_GRAMMAR_COMPILE_TIMEOUT, DeviceConfig
 from asyncllm.errors import EngineDeadError, InvalidConfigError
 from asyncllm.install import extra_install_hint
 from asyncllm.validation import is_int, short_repr
@@ -91,6 +91,7 @@ class ReplicaPool(AsyncLLMEngine):
         clock: Callable[[], float] = time.monotonic,
         max_waiting_requests: int | None = None,
         max_step_seconds: float = DEFAULT_MAX_STEP_SECONDS,
+        grammar_compile_timeout: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT,
         num_replicas: int = 2,
         ray_address: str | None = None,
         ray_actor_options: Mapping[str, Any] | None = None,
@@ -101,7 +102,7 @@ class ReplicaPool(AsyncLLMEngine):
         `clock` times arrivals in this process; each replica's core must run on `time.monotonic` (arrivals
         are rebased on it there). The rest as in the constructor and `AsyncLLMEngine.from_builder`."""
         sched = SchedulerConfig(max_waiting_requests=max_waiting_requests)
-        dev = DeviceConfig(max_step_seconds=max_step_seconds)
+        dev = DeviceConfig(max_step_seconds=max_step_seconds, grammar_compile_timeout=grammar_compile_timeout)
         pool = cls.__new__(cls)
         pool.config = None
         pool._start_pool(build, _no_gpus, num_replicas, ray_address, ray_actor_options, max_restarts, sched, dev, clock)
@@ -115,6 +116,7 @@ class ReplicaPool(AsyncLLMEngine):
         clock: Callable[[], float] = time.monotonic,
         max_waiting_requests: int | None = None,
         max_step_seconds: float = DEFAULT_MAX_STEP_SECONDS,
+        grammar_compile_timeout: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT,
     ) -> AsyncLLMEngine:
         """Not for a pool, which makes its own client: use `AsyncLLMEngine.from_client`."""
         raise TypeError("ReplicaPool makes its own core client: use ReplicaPool(...) or ReplicaPool.from_builder(...)")
