@@ -75,6 +75,7 @@ def build_engine(config: EngineConfig, clock: Callable[[], float]) -> BuiltEngin
         clock=clock,
         async_scheduling=sched.async_scheduling,
         max_cpu_loras=config.lora_config.max_cpu_loras,
+        speculative=sched.speculative,
     )
     encode = encode_batch = None
     if tokenizer is not None:

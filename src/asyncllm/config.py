@@ -11,9 +11,10 @@ Plain Python; no torch. The value sets of named arguments are in `config_values.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from asyncllm.config_device import DeviceConfig
 from asyncllm.config_fields import arg, invalid, local_path, set_field
@@ -125,6 +126,61 @@ class CacheConfig:
         set_field(self, "kv_cache_dtype", check_enum(invalid, KVCacheDType, "kv_cache_dtype", self.kv_cache_dtype))
 
 
+# Drafts per step: each is a logit row of its step, so past a handful most are rejected anyway.
+MAX_SPECULATIVE_TOKENS = 16
+_SPEC_METHODS_LATER = ("suffix", "draft_model", "eagle3")  # the contract's other methods, refused until built
+_SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`speculative_config` normalised (vLLM's spelling; docs/API.md, "Speculative decoding"): drafts of up to
+    `num_speculative_tokens` copied from the request's own tokens after the latest earlier occurrence of its
+    last n tokens, n from `prompt_lookup_max` down to `prompt_lookup_min`."""
+
+    method: Literal["ngram"]
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+
+    @classmethod
+    def parse(cls, value: object) -> SpeculativeConfig | None:
+        """A dict as vLLM spells it, its JSON text (the command line's), a `SpeculativeConfig` or None (off)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        name = "speculative_config"
+        example = '{"method": "ngram", "num_speculative_tokens": 4}'
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise invalid(name, value, f"a JSON object such as {example}") from None
+        if not isinstance(value, dict):
+            raise invalid(name, value, f"a dict such as {example}, or None")
+        unknown = sorted(set(value) - set(_SPEC_KEYS))
+        if unknown:
+            raise InvalidConfigError(f"{name} has unknown key {unknown[0]!r}: use {', '.join(_SPEC_KEYS)}")
+        method = value.get("method")
+        if method in _SPEC_METHODS_LATER:
+            raise InvalidConfigError(f"{name}: method {method!r} is not supported yet: use 'ngram'")
+        if method != "ngram":
+            raise invalid(f"{name}['method']", method, "'ngram'")
+        allowed = f"an integer in [1, {MAX_SPECULATIVE_TOKENS}]"
+        k = check_int(invalid, f"{name}['num_speculative_tokens']", value.get("num_speculative_tokens"), allowed, lo=1)
+        if k > MAX_SPECULATIVE_TOKENS:
+            raise invalid(f"{name}['num_speculative_tokens']", k, allowed)
+        lo = check_int(
+            invalid, f"{name}['prompt_lookup_min']", value.get("prompt_lookup_min", 2), "an integer >= 1", lo=1
+        )
+        bounds = f"an integer in [prompt_lookup_min={lo}, 32]"
+        hi = check_int(
+            invalid, f"{name}['prompt_lookup_max']", value.get("prompt_lookup_max", max(lo, 5)), bounds, lo=lo
+        )
+        if hi > 32:
+            raise invalid(f"{name}['prompt_lookup_max']", hi, bounds)
+        return cls("ngram", k, lo, hi)
+
+
 @dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
     """How many requests and tokens one step may hold."""
@@ -149,6 +205,12 @@ class SchedulerConfig:
         "or waiting for a seat or memory; a preempted request does not count again). Beyond it add_request "
         "raises EngineOverloadedError at once (the server answers 429). None: unbounded. AsyncLLMEngine only.",
     )
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = arg(
+        None,
+        'Speculative decoding, as vLLM spells it: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 5} (JSON on the command line); the same tokens as '
+        "without it (docs/API.md, Speculative decoding). None: off.",
+    )
 
     def __post_init__(self) -> None:
         check_int(invalid, "max_num_seqs", self.max_num_seqs, "an integer >= 1", lo=1)
@@ -162,6 +224,13 @@ class SchedulerConfig:
         )
         check_bool(invalid, "async_scheduling", self.async_scheduling)
         check_optional_int(invalid, "max_waiting_requests", self.max_waiting_requests, "an integer >= 1, or None", lo=1)
+        set_field(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """`speculative_config`, as normalised at construction."""
+        assert self.speculative_config is None or isinstance(self.speculative_config, SpeculativeConfig)
+        return self.speculative_config
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -246,6 +315,12 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     lora_config: LoRAConfig = field(default_factory=LoRAConfig)
+
+    def __post_init__(self) -> None:
+        if self.scheduler_config.speculative is not None and self.parallel_config.tensor_parallel_size > 1:
+            raise InvalidConfigError(
+                "speculative_config with tensor_parallel_size > 1 is not supported yet: use tensor_parallel_size=1"
+            )
 
     @classmethod
     def from_kwargs(cls, model: str | Path, **engine_args: Any) -> EngineConfig:

@@ -64,6 +64,9 @@ class ScheduledSeq:
     start_pos: int
     block_ids: list[int]
     sample: bool
+    # Speculative decoding: the last this many inputs are drafts, verified by this step (logits at each of
+    # the last 1 + num_drafts positions); their KV past the accepted ones is garbage, overwritten later.
+    num_drafts: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -86,6 +89,7 @@ class SchedulerOutput:
     new_requests: list[NewRequestData] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)  # runner drops their state
     preempted_request_ids: list[str] = field(default_factory=list)
+    num_draft_tokens: int = 0  # the sum of the seqs' `num_drafts`: 0 unless the step verifies drafts
 
     @property
     def num_batched_tokens(self) -> int:
@@ -98,7 +102,8 @@ class SchedulerOutput:
 
 @dataclass(frozen=True)
 class ModelRunnerOutput:
-    """One sampled token for each `ScheduledSeq` with `sample=True`, in the order of `seqs`."""
+    """One sampled token for each `ScheduledSeq` with `sample=True`, in the order of `seqs` (and, verifying
+    drafts, the tokens accepted after it: `accepted`)."""
 
     sampled_token_ids: list[int]
     # Per sampled token: {token id: logprob} with the sampled token and the top `logprobs` alternatives.
@@ -116,6 +121,10 @@ class ModelRunnerOutput:
     # Where the request's next draw was already submitted (overlapped scheduling), that draw is the run's
     # first token (its mask allows it alone). None: no run this step.
     forced: dict[int, list[int]] | None = None
+    # Sample index -> the tokens after that row's token that the step verified (speculative decoding): the
+    # row's token equalled its first draft, and so on; the last is the target's own token after the drafts
+    # it agreed with. Its length is the drafts accepted. None or a row left out: none accepted.
+    accepted: dict[int, list[int]] | None = None
 
 
 @dataclass(frozen=True)

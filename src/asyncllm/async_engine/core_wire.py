@@ -46,6 +46,8 @@ STATS_KEYS = (
     "num_steps",
     "prefix_cache_queried_tokens",  # the hit rate's terms: /metrics counts them (vLLM's prefix_cache_*)
     "prefix_cache_hit_tokens",
+    "spec_draft_tokens",  # speculative decoding's running totals
+    "spec_accepted_tokens",
 )
 
 

@@ -8,8 +8,10 @@ slow twin, waits for each step before planning the next. The async layer calls i
 `LLM` from the caller's thread. A request of n > 1 samples becomes n requests sharing its prompt's blocks
 (`sample_group.py`); their deltas go out under the request's id, by sample index. A request asking for
 prompt logprobs keeps what each step scored of its prompt (`ModelRunnerOutput.prompt_logprobs`) and hands
-them out whole on its first token's delta. LoRA adapters are added and removed between
-steps (`add_lora`, `remove_lora`: `lora.py`). No torch, no asyncio; time comes from the injected clock.
+them out whole on its first token's delta. LoRA adapters are added and removed between steps (`add_lora`,
+`remove_lora`: `lora.py`). With speculative decoding (`spec/speculation.py`) a step's output may carry several
+tokens for a request, appended and stop-checked one by one. No torch, no asyncio; time comes from the
+injected clock.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 
 from tokenizers import Tokenizer
 
+from asyncllm.config import SpeculativeConfig
 from asyncllm.core.block_manager import BlockManager
 from asyncllm.core.deadlines import Deadlines
 from asyncllm.core.lora import AdapterBudget, LoRARegistry, LoRASettings
@@ -27,6 +30,7 @@ from asyncllm.core.output_processor import OutputProcessor, RequestDelta, reques
 from asyncllm.core.request import Request
 from asyncllm.core.sample_group import SampleGroups
 from asyncllm.core.scheduler import Scheduler, SchedulerLimits
+from asyncllm.core.spec.speculation import Speculation
 from asyncllm.core.window_blocks import WindowedBlockManager
 from asyncllm.errors import AsyncLLMError, InvalidRequestError, RequestTimeoutError
 from asyncllm.outputs import FinishReason
@@ -45,6 +49,8 @@ class EngineStats:
     # The hit rate's terms (prompt tokens looked up, and found cached), so engines' rates can be pooled.
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
+    spec_draft_tokens: int = 0  # speculative decoding: drafts verified, and of those accepted (running totals)
+    spec_accepted_tokens: int = 0
 
     def as_dict(self) -> dict[str, float | int]:
         return dict(self.__dict__)
@@ -82,6 +88,7 @@ class EngineCore:
         clock: Callable[[], float],
         async_scheduling: bool = True,
         max_cpu_loras: int | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.executor = executor
         rt = executor.runtime
@@ -93,11 +100,13 @@ class EngineCore:
         self.loras = LoRARegistry(LoRASettings(rt.max_loras, max_cpu_loras))
         self.groups = SampleGroups()
         self.deadlines = Deadlines()
+        self.speculation = Speculation(speculative) if speculative is not None else None
         self.scheduler = Scheduler(
             SchedulerLimits(max_num_seqs, max_num_batched_tokens, max_prefill_tokens_while_decoding),
             self.block_manager,
             AdapterBudget(rt.max_loras) if rt.max_loras else None,
             self.groups,
+            self.speculation.drafter if self.speculation is not None else None,
         )
         self.output_processor = OutputProcessor(tokenizer)
         self._clock = clock
@@ -128,6 +137,7 @@ class EngineCore:
             return
         if self.groups.get(request.request_id) is not None:
             raise InvalidRequestError(f"request_id={request.request_id!r} is already live: give another id")
+        request.speculative = self.speculation is not None and self.speculation.eligible(request)
         self.scheduler.add_request(request, params.seed if params.seed is not None else self._draw_seed())
         self.output_processor.add_request(request)
         if request.deadline is not None:
@@ -180,6 +190,8 @@ class EngineCore:
             num_steps=self.num_steps,
             prefix_cache_queried_tokens=bm.num_queried_tokens,
             prefix_cache_hit_tokens=bm.num_hit_tokens,
+            spec_draft_tokens=self.speculation.num_draft_tokens if self.speculation else 0,
+            spec_accepted_tokens=self.speculation.num_accepted_tokens if self.speculation else 0,
         )
 
     # ------------------------------------------------------------------ the step
@@ -285,7 +297,7 @@ class EngineCore:
         if output.prompt_logprobs:  # before the tokens: a step that ends a prompt scores it and samples after it
             self._add_prompt_logprobs(output.prompt_logprobs)
         all_logprobs = output.logprobs
-        forced = output.forced
+        forced, accepted = output.forced, output.accepted
         for request, token_id, index in self.scheduler.update_from_output(step.scheduled, output.sampled_token_ids):
             if request.first_token_time is None:
                 request.first_token_time = now
@@ -296,6 +308,8 @@ class EngineCore:
             delta = RequestDelta(request.request_id, [token_id], text)
             if forced is not None and reason is None and index in forced:
                 reason = self._append_forced(request, forced[index], delta)
+            if accepted is not None and reason is None and index in accepted:  # verified drafts, then its own
+                reason = self._append_run(request, accepted[index], delta)
             token_logprobs = all_logprobs[index] if all_logprobs is not None else None
             if token_logprobs is not None:
                 delta.logprobs = [token_logprobs]
@@ -307,6 +321,9 @@ class EngineCore:
                 delta.finish_reason = reason
                 delta.metrics = request_metrics(request, now)
             deltas.append(delta)
+        if step.scheduled.num_draft_tokens:
+            assert self.speculation is not None
+            self.speculation.settle(step.scheduled, accepted, self.scheduler.requests)
         if self.groups:
             self.groups.label(deltas)
         return deltas
@@ -314,10 +331,14 @@ class EngineCore:
     def _append_forced(self, request: Request, run: list[int], delta: RequestDelta) -> FinishReason | None:
         """Output a forced run (jump-forward) after `delta`'s token, each token checked as a drawn one is
         (stop tokens and strings, max_tokens: the run is cut where the request ends); the finish reason."""
+        if run and request.num_output_tokens < request.max_tokens:
+            self.scheduler.start_forced_run(request)
+        return self._append_run(request, run, delta)
+
+    def _append_run(self, request: Request, run: list[int], delta: RequestDelta) -> FinishReason | None:
+        """Output `run` after `delta`'s token, each token checked as a drawn one is: cut where the request
+        ends (stop tokens and strings, max_tokens); the finish reason."""
         run = run[: request.max_tokens - request.num_output_tokens]
-        if not run:
-            return None
-        self.scheduler.start_forced_run(request)
         reason = None
         for token_id in run:
             request.append_token(token_id)

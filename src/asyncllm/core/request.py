@@ -58,6 +58,10 @@ class Request:
     # they go out with the first sampled token; None for requests that did not ask, and once they went out.
     prompt_logprobs: list[dict[int, float] | None] | None = field(init=False)
     lora_id: int = 0  # `lora_name`'s adapter, resolved by the core (0: none); part of its prefix hashes
+    # Its decodes may carry drafts (speculative decoding: the engine speculates, and every feature the request
+    # asks for is one verification keeps exact). Such a request is never planned while a step of it is in
+    # flight: its next step starts from the tokens that step accepted.
+    speculative: bool = False
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

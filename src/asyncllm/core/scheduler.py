@@ -20,6 +20,11 @@ The samples of a request with n > 1 are requests of their own that share the pro
 With LoRA adapters, running requests use at most `max_loras` distinct ones (the device's slots,
 `lora.AdapterBudget`): a waiting request whose adapter does not fit waits like one short of memory, and one
 that outranks running requests preempts them until it fits.
+
+With a drafter (speculative decoding), a speculative request's decode carries drafts after its last token
+(`ScheduledSeq.num_drafts`), their blocks allocated with it; the step verifies them. Such a request is not
+planned while a step of it is in flight (its next inputs follow the tokens that step accepts), and a step's
+drafts never take its logit rows past `max_num_seqs`, counting a row for every request that could sample.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from asyncllm.core.block_manager import BlockManager
 from asyncllm.core.lora import AdapterBudget
 from asyncllm.core.request import Request, RequestStatus
 from asyncllm.core.sample_group import SampleGroup, SampleGroups
+from asyncllm.core.spec.ngram import NgramDrafter
 from asyncllm.core.waiting_queue import WaitingQueue
 from asyncllm.errors import InvalidRequestError
 from asyncllm.outputs import FinishReason
@@ -53,11 +59,13 @@ class Scheduler:
         block_manager: BlockManager,
         adapters: AdapterBudget | None = None,
         groups: SampleGroups | None = None,
+        drafter: NgramDrafter | None = None,
     ) -> None:
         self.limits = limits
         self.block_manager = block_manager
         self.adapters = adapters  # None: no LoRA (no check anywhere)
         self.groups = SampleGroups() if groups is None else groups  # the engine core's live sample groups
+        self.drafter = drafter  # None: no speculative decoding
         self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -96,6 +104,8 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self._seeds.pop(request_id, None)
+        if self.drafter is not None:
+            self.drafter.forget(request_id)
         if request_id in self._sent_to_runner:
             self._sent_to_runner.discard(request_id)
             self._finished_since_last_step.append(request_id)
@@ -126,11 +136,14 @@ class Scheduler:
             self._make_room_for(self.waiting.peek(), min(budget, prefill_budget), out)
 
         running, allocate, schedule_seq = self.running, self.block_manager.allocate, self._schedule  # hot loop
+        draft_rows = self._draft_rows()
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            if request.has_enough_tokens:
-                i += 1  # its last token is in flight: it finishes when that step's output is processed
+            if request.has_enough_tokens or (request.speculative and request.num_pending_tokens):
+                # Its last token is in flight: it finishes when that step's output is processed. Or (speculative)
+                # a step of it is: its next one starts after the tokens that step accepts.
+                i += 1
                 continue
             num_new = min(request.num_planned_tokens - request.num_computed_tokens, budget)
             assert num_new > 0, "a running request always has a token to compute"
@@ -140,6 +153,14 @@ class Scheduler:
                     i += 1
                     continue
                 prefill_budget -= num_new
+            drafts: list[int] = []
+            if request.speculative and draft_rows > 0 and _is_decode(request, num_new):
+                assert self.drafter is not None  # room for the target's own token within budget and max_tokens
+                limit = min(budget - 1, draft_rows, request.max_tokens - request.num_output_tokens - 1)
+                drafts = self.drafter.propose(request.request_id, request.all_token_ids, limit)
+                if drafts and not allocate(request, 1 + len(drafts)):
+                    drafts = []  # short of memory: the decode goes on without them
+                draft_rows -= len(drafts)
             while not allocate(request, num_new):
                 if self._holds and self._release_idle_holds():
                     continue
@@ -149,8 +170,8 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                schedule_seq(request, num_new, out)
-                budget -= num_new
+                schedule_seq(request, num_new, out, drafts)
+                budget -= num_new + len(drafts)
                 i += 1
                 continue
             break  # the request itself was preempted: everyone after it is gone too
@@ -250,7 +271,16 @@ class Scheduler:
         )
         return cap if decoding else budget
 
-    def _schedule(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
+    def _draft_rows(self) -> int:
+        """Drafts this step may carry: each is a logit row of the step, and its rows stay within
+        `max_num_seqs` (what the runner's per-row buffers and LM head buckets hold) even if every running
+        and waiting request samples in it."""
+        if self.drafter is None:
+            return 0
+        seats = self.limits.max_num_seqs
+        return seats - min(seats, len(self.running) + len(self.waiting))
+
+    def _schedule(self, request: Request, num_new: int, out: SchedulerOutput, drafts: list[int] | None = None) -> None:
         start = request.num_computed_tokens
         if request.request_id not in self._sent_to_runner:
             self._sent_to_runner.add(request.request_id)
@@ -272,7 +302,13 @@ class Scheduler:
             assert end == len(known) + 1 == request.num_planned_tokens, "one token in flight at most"
             inputs.append(PLACEHOLDER)
         sample = end == request.num_planned_tokens
-        out.seqs.append(ScheduledSeq(request.request_id, inputs, start, list(request.block_ids), sample))
+        num_drafts = 0
+        if drafts:  # after its last token, whose logits verify the first draft
+            inputs += drafts
+            num_drafts = len(drafts)
+            out.num_draft_tokens += num_drafts
+            self.num_decodes_planned += num_drafts
+        out.seqs.append(ScheduledSeq(request.request_id, inputs, start, list(request.block_ids), sample, num_drafts))
         # Advanced now, not when outputs return, so a later step can be planned before this one finishes.
         request.num_computed_tokens = end
         if sample:

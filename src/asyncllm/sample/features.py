@@ -2,10 +2,10 @@
 logits, and how each fast path treats it (vLLM v1's `LogitsProcessor.is_argmax_invariant` is the model).
 
 The fast paths' eligibility is derived from these declarations, never listed by hand: `takes_plain_draw` (a
-decode step's draw inside a CUDA graph) and `may_jump` (jump-forward). A new logit-shaping parameter is one
-more `Feature` in `FEATURES`; tests/sample/test_features.py runs every feature through every path. How a
-feature is applied lives in its own module (filters.py, penalties.py, logprobs.py, structured_output/...);
-this one knows only what each feature asks of a path.
+decode step's draw inside a CUDA graph), `may_jump` (jump-forward) and `may_verify` (speculative decoding).
+A new logit-shaping parameter is one more `Feature` in `FEATURES`; tests/sample/test_features.py runs every
+feature through every path. How a feature is applied lives in its own module (filters.py, penalties.py,
+logprobs.py, structured_output/...); this one knows only what each feature asks of a path.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from asyncllm.sample.state import SamplingState
 from asyncllm.sampling_params import SamplingParams
 
-__all__ = ["FEATURES", "Feature", "Handling", "Need", "Path", "may_jump", "takes_plain_draw"]
+__all__ = ["FEATURES", "Feature", "Handling", "Need", "Path", "may_jump", "may_verify", "takes_plain_draw"]
 
 
 class Path(enum.Enum):
@@ -26,6 +26,10 @@ class Path(enum.Enum):
 
     PLAIN_DRAW = "plain draw"  # the draw alone over the raw logits at a temperature (worker/graph_draw.py)
     JUMP_FORWARD = "jump forward"  # a token the grammar forces, output with no draw (structured_output/)
+    # Drafts accepted where they equal the target's draws, every position of a step drawn as it would be
+    # without them (the row's seed at its draw count plus the position): a request gets drafts only where
+    # every feature it asks for is one this path applies or skips.
+    VERIFY = "speculative verification"
 
 
 class Handling(enum.Enum):
@@ -35,7 +39,7 @@ class Handling(enum.Enum):
     SKIPS = "skips"  # the path leaves it out and still gives the eager sampler's tokens and outputs
     # Argmax invariant: it never moves a row's largest logit, so a greedy row may leave it out; others may not.
     SKIPS_IF_GREEDY = "skips if greedy"
-    NEEDS_EAGER = "needs eager"  # a row that asks for it takes the eager sampler
+    NEEDS_EAGER = "needs eager"  # a row that asks for it takes the eager sampler (VERIFY: gets no drafts)
 
     def allows(self, greedy: bool) -> bool:
         """Whether a row asking for the feature may take the path."""
@@ -67,10 +71,13 @@ class Feature:
     needs: frozenset[Need]
     plain_draw: Handling
     jump_forward: Handling
+    verify: Handling
     asked: Callable[[SamplingParams], bool]
     acts: Callable[[SamplingState], bool]
 
     def handling(self, path: Path) -> Handling:
+        if path is Path.VERIFY:
+            return self.verify
         return self.plain_draw if path is Path.PLAIN_DRAW else self.jump_forward
 
 
@@ -87,6 +94,7 @@ FEATURES: tuple[Feature, ...] = (
         _ALWAYS,
         plain_draw=Handling.APPLIES,
         jump_forward=Handling.SKIPS,  # any temperature draws the only allowed token
+        verify=Handling.APPLIES,
         asked=lambda p: True,
         acts=lambda s: True,
     ),
@@ -98,6 +106,7 @@ FEATURES: tuple[Feature, ...] = (
         frozenset({Need.ROW_PARAMS, Need.DRAW_COUNT}),
         plain_draw=Handling.APPLIES,
         jump_forward=Handling.SKIPS,
+        verify=Handling.APPLIES,
         asked=lambda p: True,
         acts=lambda s: True,
     ),
@@ -109,6 +118,7 @@ FEATURES: tuple[Feature, ...] = (
         _ALWAYS,
         plain_draw=Handling.SKIPS_IF_GREEDY,
         jump_forward=Handling.SKIPS,
+        verify=Handling.APPLIES,
         asked=lambda p: p.top_k > 0,
         acts=lambda s: s.params.top_k > 0,
     ),
@@ -118,6 +128,7 @@ FEATURES: tuple[Feature, ...] = (
         _ALWAYS,
         plain_draw=Handling.SKIPS_IF_GREEDY,
         jump_forward=Handling.SKIPS,
+        verify=Handling.APPLIES,
         asked=lambda p: p.top_p < 1.0,
         acts=lambda s: s.params.top_p < 1.0,
     ),
@@ -127,6 +138,7 @@ FEATURES: tuple[Feature, ...] = (
         _ALWAYS,
         plain_draw=Handling.SKIPS_IF_GREEDY,
         jump_forward=Handling.SKIPS,
+        verify=Handling.APPLIES,
         asked=lambda p: p.min_p > 0.0,
         acts=lambda s: s.params.min_p > 0.0,
     ),
@@ -138,6 +150,7 @@ FEATURES: tuple[Feature, ...] = (
         frozenset({Need.ROW_PARAMS, Need.TOKEN_HISTORY}),
         plain_draw=Handling.NEEDS_EAGER,
         jump_forward=Handling.NEEDS_EAGER,
+        verify=Handling.NEEDS_EAGER,
         asked=lambda p: p.has_penalties,
         acts=lambda s: s.penalty_row is not None,
     ),
@@ -149,6 +162,7 @@ FEATURES: tuple[Feature, ...] = (
         _ALWAYS,
         plain_draw=Handling.NEEDS_EAGER,
         jump_forward=Handling.SKIPS,
+        verify=Handling.APPLIES,
         asked=lambda p: bool(p.bias_items),
         acts=lambda s: bool(s.params.bias_items),
     ),
@@ -160,6 +174,7 @@ FEATURES: tuple[Feature, ...] = (
         frozenset({Need.DRAW_COUNT, Need.STOP_IDS}),
         plain_draw=Handling.NEEDS_EAGER,
         jump_forward=Handling.SKIPS,
+        verify=Handling.NEEDS_EAGER,
         asked=lambda p: p.min_tokens > 0,
         acts=lambda s: s.masks_stops,
     ),
@@ -171,6 +186,7 @@ FEATURES: tuple[Feature, ...] = (
         frozenset({Need.RAW_LOGITS}),
         plain_draw=Handling.NEEDS_EAGER,
         jump_forward=Handling.NEEDS_EAGER,
+        verify=Handling.NEEDS_EAGER,
         asked=lambda p: p.logprobs is not None,
         acts=lambda s: s.params.logprobs is not None,
     ),
@@ -182,6 +198,7 @@ FEATURES: tuple[Feature, ...] = (
         frozenset({Need.PROMPT_HIDDEN}),
         plain_draw=Handling.SKIPS,
         jump_forward=Handling.NEEDS_EAGER,
+        verify=Handling.NEEDS_EAGER,
         asked=lambda p: p.prompt_logprobs is not None,
         acts=lambda s: s.params.prompt_logprobs is not None,
     ),
@@ -193,10 +210,16 @@ FEATURES: tuple[Feature, ...] = (
         frozenset({Need.TOKEN_MASK}),
         plain_draw=Handling.NEEDS_EAGER,
         jump_forward=Handling.APPLIES,
+        verify=Handling.NEEDS_EAGER,
         asked=lambda p: p.structured is not None,
         acts=lambda s: s.constrained,
     ),
 )
+
+# Why verification may apply a feature: each position's logits are shaped by the row's own parameters alone
+# (temperature, filters, bias), drawn at the offset it would have without drafts. Penalties and min_tokens
+# depend on the tokens drawn before it in the same step, logprobs want an entry per accepted token, prompt
+# logprobs and grammars are not wired to the verifying rows yet: those requests get no drafts.
 
 # Jump-forward asks once per request; the plain draw's gates are worked out once per request too
 # (`_plain_gates`), as they are read for every row of every graphed decode step.
@@ -229,3 +252,10 @@ def may_jump(params: SamplingParams) -> bool:
     feature it asks for is one jump-forward applies or may skip."""
     greedy = params.greedy
     return not any(f.asked(params) and not f.jump_forward.allows(greedy) for f in _JUMP_GATED)
+
+
+def may_verify(params: SamplingParams) -> bool:
+    """Whether a request's decodes may carry drafts (speculative decoding) and still give exactly the tokens
+    it gets without them: every feature it asks for is one verification applies or may skip."""
+    greedy = params.greedy
+    return not any(f.asked(params) and not f.verify.allows(greedy) for f in FEATURES)

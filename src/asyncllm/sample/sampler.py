@@ -142,10 +142,14 @@ class Sampler:
     def remove(self, state: SamplingState) -> None:
         self.penalties.remove(state)
 
-    def draw_params(self, states: Sequence[SamplingState], masked: bool = False) -> DrawParams | None:
+    def draw_params(
+        self, states: Sequence[SamplingState], masked: bool = False, ahead: Sequence[int] | None = None
+    ) -> DrawParams | None:
         """The draw's per-row parameters, on the host (None when every row is greedy and none is `masked`:
         no draw, an argmax). Uploaded before the step's forward pass; the draw itself (`__call__`) comes
-        after. `masked`: some row has a grammar (the draw applies its mask, greedy rows included)."""
+        after. `masked`: some row has a grammar (the draw applies its mask, greedy rows included). `ahead`:
+        per row, draws of its request before it in this step (rows verifying drafts: the noise offset each
+        position would take without them)."""
         if not masked and all(s.greedy for s in states):
             return None
         temperature = [0.0 if s.greedy else (1.0 if s.filters else s.params.temperature) for s in states]
@@ -154,7 +158,10 @@ class Sampler:
         # pointers' alignment, and an odd n compiled a second variant of the draw kernel mid-serving.
         m = n + (n & 1)
         seeds = [s.seed for s in states] + [0] * (m - n)
-        return DrawParams(seeds + [s.num_sampled for s in states], temperature)
+        offsets = [s.num_sampled for s in states]
+        if ahead is not None:
+            offsets = [o + a for o, a in zip(offsets, ahead, strict=True)]
+        return DrawParams(seeds + offsets, temperature)
 
     def __call__(
         self,

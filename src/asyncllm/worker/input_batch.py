@@ -115,6 +115,7 @@ class InputBuffers:
         pad_tokens_to: int | None = None,
         pad_logits_to: int | None = None,
         flush: bool = True,
+        verify_drafts: bool = True,
     ) -> ModelInputs:
         """Turn the step into its inputs, written straight into their staged regions, and, with `flush`, send
         them (callers that stage more for the same step pass flush=False and call `flush` once they are done).
@@ -122,6 +123,8 @@ class InputBuffers:
         size). `pad_tokens_to`: any step padded with rows that belong to no sequence (a mixed-step graph's
         token count): they write no KV and nothing attends from them.
         `pad_logits_to`: `logits_indices` repeats its last row up to that many (the LM head's padded count).
+        A sequence with drafts (`ScheduledSeq.num_drafts`) gets a logit row at each of its last 1 + k positions,
+        or with `verify_drafts` False only the first of them (its drafts go unverified: none is accepted).
 
         One light pass over the sequences gathers Python lists, then each buffer gets one bulk write; a
         block-table row is rewritten only when its sequence or block count changed since the last step.
@@ -163,7 +166,11 @@ class InputBuffers:
             query_lens.append(n)
             seq_lens.append(start + n)
             if seq.sample:
-                logit_rows.append(t - 1)
+                k = seq.num_drafts
+                if k and verify_drafts:
+                    logit_rows += range(t - 1 - k, t)
+                else:
+                    logit_rows.append(t - 1 - k)
         b = len(scheduled.seqs)
         if pad_to is not None and pad_to > b:
             assert t == b, "only decode-only steps are padded"

@@ -11,7 +11,10 @@ the step's one copy (`InputBuffers.flush`). Where steps differ (padding, static 
 reach the LM head) the step's `StepShape` says how. A decode step replayed from a CUDA graph gets its logits
 from the graph, and where every sampled row takes the plain draw (`takes_plain_draw`) the draw runs in the
 bucket's draw graph right after (`GraphDraw`). A step that scores prompt positions (prompt logprobs) runs the
-LM head over them first (`sample/prompt_logprobs.py`), never as a decode-only bucket.
+LM head over them first (`sample/prompt_logprobs.py`), never as a decode-only bucket. A step whose sequences
+carry drafts (speculative decoding; drafted by the core, `core/spec/`) verifies them in the sample phase: a
+logit row per drafted position, each drawn as it would be without drafts (`spec_verify.py`); such a step is
+never a decode bucket, so it runs eagerly or in a mixed graph.
 
 Constrained rows (structured output, `GrammarTable`): their bitmask rows are planned with the inputs and
 uploaded by the draw; the matchers fill them when the core reads the last constrained step's tokens
@@ -48,6 +51,7 @@ from asyncllm.worker.input_batch import InputBuffers, ModelInputs
 from asyncllm.worker.latest_tokens import LatestTokens
 from asyncllm.worker.lora import LoRAManager
 from asyncllm.worker.sampled_outputs import SampledOutputs
+from asyncllm.worker.spec_verify import VerifiedRead, VerifyPlan, plan_verify
 from asyncllm.worker.step_result import ConstrainedRead, HeldDraw
 
 
@@ -117,7 +121,8 @@ class ModelRunner:
         self._launch_held()
         batch = self._prepare(scheduled)
         forward = self._launch_forward(batch)
-        # A drafter (speculative decoding) would propose here, from the forward pass; the sample phase verifies.
+        # A drafter that needs the forward pass (a draft model, EAGLE) would propose here; n-gram drafts come
+        # with the step (`ScheduledSeq.num_drafts`), and the sample phase verifies them (`spec_verify.py`).
         masks = self._masks(batch)
         return self._sample(batch, forward, masks)
 
@@ -127,9 +132,22 @@ class ModelRunner:
         self._admit(scheduled)
         sampling = [s.request_id for s in scheduled.seqs if s.sample]
         states = [self.states[r] for r in sampling]
+        mask_plan = self.grammars.plan(sampling) if sampling else None  # None unless a constrained row samples
+        # Drafts add logit rows, one per drafted position. Masks are planned per sequence: a step with
+        # constrained rows leaves its drafts unverified (each drafted sequence samples its first row alone).
+        verify = plan_verify(scheduled, states) if scheduled.num_draft_tokens and mask_plan is None else None
+        if verify is not None:
+            states = verify.states  # [R] one per logit row
         scoring = self.prompt_scorer.plan(scheduled) if self.prompt_scorer else None
-        shape = self.buckets.shape(scheduled, len(sampling))
-        x = self.inputs.prepare(scheduled, shape.pad_to, shape.pad_tokens_to, shape.pad_logits_to, flush=False)
+        shape = self.buckets.shape(scheduled, len(states))
+        x = self.inputs.prepare(
+            scheduled,
+            shape.pad_to,
+            shape.pad_tokens_to,
+            shape.pad_logits_to,
+            flush=False,
+            verify_drafts=verify is not None,
+        )
         plan = self.backend.plan(x.meta, shape.bounds)
         self.inputs.stage_plan(x.meta, plan, static=shape.bounds is not None)
         feed = None
@@ -141,7 +159,7 @@ class ModelRunner:
         if sampling:
             graph_draw = self._graph_draw
             tail = scoring is None and graph_draw is not None and graph_draw.ready() and self.graphs.has_tail(shape)
-            draw = self._stage_draw(states, sampling, shape.logit_rows if tail else None)
+            draw = self._stage_draw(states, sampling, shape.logit_rows if tail else None, mask_plan, verify)
         if self.loras is not None:
             self.loras.stage(scheduled, x.num_tokens, x.meta.query_lens_cpu)
         self.inputs.flush()
@@ -149,24 +167,32 @@ class ModelRunner:
             # PLACEHOLDER inputs take the token last sampled for their request, on the device: the sampled
             # ids never wait for the host before they are fed back.
             self._latest.feed(self.inputs.input_ids.dev, feed)
-        return StepBatch(x, shape, states, scoring, draw)
+        return StepBatch(x, shape, states, scoring, draw, verify)
 
-    def _stage_draw(self, states: list[SamplingState], sampling: list[str], tail: int | None) -> StagedDraw:
+    def _stage_draw(
+        self,
+        states: list[SamplingState],
+        sampling: list[str],
+        tail: int | None,
+        plan: MaskPlan | None,
+        verify: VerifyPlan | None,
+    ) -> StagedDraw:
         """Stage the draw: in the step's draw graph's fixed regions where it has one (`tail`: the graph's rows)
-        and every row takes the plain draw; else the eager draw's parameters, the constrained rows' bitmask
-        rows (`GrammarTable.plan`, known before the forward pass) and the sampled ids' slots."""
+        and every row takes the plain draw; else the eager draw's parameters (a verifying row's noise offset
+        its place after the first), the constrained rows' bitmask rows (`plan`, known before the forward pass),
+        the sampled ids' slots and, verifying drafts, each sequence's first row (whose token is recorded)."""
         stage = self.inputs.staging.stage
-        plan = self.grammars.plan(sampling)  # None unless a request with a grammar is live and sampled
-        if tail is not None and plan is None and all(map(takes_plain_draw, states)):
+        if tail is not None and plan is None and verify is None and all(map(takes_plain_draw, states)):
             assert self._graph_draw is not None
             self._graph_draw.stage(self.sampler.draw_params(states), self._latest.slots(sampling), tail)
             return StagedDraw(graphed=True)
-        params = self.sampler.draw_params(states, masked=plan is not None)
+        params = self.sampler.draw_params(states, plan is not None, verify.ahead if verify is not None else None)
         draw = None
         if params is not None:
             draw = params.on_device(stage(params.counters, torch.int64), stage(params.temperatures, torch.float32))
         rows = stage(plan.rows, torch.int64) if plan is not None else None
-        return StagedDraw(False, draw, stage(self._latest.slots(sampling), torch.int64), plan, rows)
+        first = stage(verify.first, torch.int64) if verify is not None else None
+        return StagedDraw(False, draw, stage(self._latest.slots(sampling), torch.int64), plan, rows, first)
 
     def _launch_forward(self, batch: StepBatch) -> Forward:
         """The forward pass (a replayed graph or eager), then the logits the step reads: the scored prompt
@@ -235,8 +261,13 @@ class ModelRunner:
         if masks is not None:
             mask, failed = self.grammars.fill(masks.plan, masks.rows)
         out = self.sampler(forward.logits, batch.states, draw.params, mask)
-        self._latest.record(draw.slots, out.token_ids)
+        # Verifying drafts: each sequence's first row is recorded (a drafted request's latest token is never
+        # fed from here: its next step is planned after the read, from the tokens it accepted).
+        latest = out.token_ids if draw.first is None else out.token_ids.index_select(0, draw.first)
+        self._latest.record(draw.slots, latest)
         sent = self._outputs.send(out.token_ids, out.logprobs_output, failed, forward.prompt)
+        if batch.verify is not None:
+            return VerifiedRead(sent, batch.verify)
         if masks is None:
             return sent
         return ConstrainedRead(sent, self.grammars.follow(masks.plan, sent), self.grammars)
@@ -305,6 +336,7 @@ class StagedDraw:
     slots: torch.Tensor | None = None  # [S] int64: each sampled row's latest-token slot (None: graphed)
     mask_plan: MaskPlan | None = None  # where the constrained rows find their masks (`GrammarTable.plan`)
     mask_rows: torch.Tensor | None = None  # [S] int64: each sampled row's bitmask row, -1 where unconstrained
+    first: torch.Tensor | None = None  # [S] int64, verifying drafts: each sampled sequence's first logit row
 
 
 @dataclass(frozen=True)
@@ -313,9 +345,10 @@ class StepBatch:
 
     x: ModelInputs
     shape: StepShape
-    states: list[SamplingState]  # the sampled rows' states, in row order
+    states: list[SamplingState]  # the logit rows' states, in row order (a sequence verifying k drafts: k + 1)
     scoring: PromptPlan | None  # the prompt positions whose logprobs the step scores
     draw: StagedDraw | None  # None: the step samples nothing
+    verify: VerifyPlan | None = None  # the rows verifying drafts (speculative decoding)
 
 
 @dataclass(frozen=True)

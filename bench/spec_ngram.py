@@ -1,0 +1,115 @@
+"""Speculative decoding with the n-gram drafter on CPU (issue 41): SmolLM2-135M (`asyncllm fetch-model`),
+greedy, batch 1, on copy-heavy prompts (correct or rewrite a given passage), tokens per second with and
+without `ngram`, the runs alternating; the acceptance rate (accepted drafts / drafts) and the tokens a
+verifying step gave. Checks the outputs are the same tokens.
+
+    .venv/bin/python bench/spec_ngram.py [--model PATH] [--k 4] [--max-tokens 256] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from asyncllm import LLM, SamplingParams
+
+PASSAGES = [
+    "The city council met on tuesday evening to discuss the new budget for the comming year. Several members "
+    "expressed concern about the rising cost of road maintenance, which has grown by nearly twenty percent "
+    "since the last review. The mayor argued that the roads are the backbone of the local economy and that "
+    "delaying repairs would only make them more expensive later. Others pointed out that the library, the "
+    "parks and the public swimming pool have all seen their funding cut twice in three years, and that "
+    "residents have started to notice. After a long debate the council agreed to set up a small working group "
+    "that will look at both questions and report back before the end of next month. The group will include "
+    "two council members, a representative of the local business association and three residents chosen at "
+    "random from the electoral roll. The meeting ended shortly after ten oclock, and the next session is "
+    "planned for the first week of march, when the final version of the budget will be put to a vote.",
+    "def parse_config(path):\n    with open(path) as f:\n        lines = f.readlines()\n    config = {}\n"
+    "    for line in lines:\n        line = line.strip()\n        if not line or line.startswith('#'):\n"
+    "            continue\n        key, value = line.split('=', 1)\n        config[key.strip()] = value.strip()\n"
+    "    return config\n\n\ndef merge_configs(base, override):\n    result = dict(base)\n"
+    "    for key, value in override.items():\n        if key in result and isinstance(result[key], dict):\n"
+    "            result[key] = merge_configs(result[key], value)\n        else:\n            result[key] = value\n"
+    "    return result\n\n\ndef load_all(paths):\n    config = {}\n    for path in paths:\n"
+    "        config = merge_configs(config, parse_config(path))\n    return config\n",
+    "Our team has spent the last six months building a new system for tracking orders across all of our "
+    "warehouses. Before this project, each warehouse kept its own spreadsheet, and it could take several days "
+    "to find out where a customers order actually was. The new system collects every scan from every "
+    "warehouse in one place, so that anyone in the company can see the status of an order within seconds. "
+    "During the first month we found a number of problems: some scanners sent duplicate events, some "
+    "warehouses used different codes for the same product, and the reports were too slow when many people "
+    "opened them at once. We fixed the duplicates by giving every scan a unique number, agreed on one list of "
+    "product codes, and moved the reports to a separate database that is updated every few minutes. Since "
+    "then the number of support tickets about lost orders has fallen by more than half.",
+]
+INSTRUCTIONS = [
+    "Correct the spelling and punctuation of this passage. Reply with the whole corrected passage only.",
+    "Rename the function parse_config to read_config everywhere in this code. Reply with the whole code only.",
+    "Rewrite this passage in the past perfect tense where it fits. Reply with the whole passage only.",
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="default: `asyncllm fetch-model`'s SmolLM2-135M")
+    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    model = (
+        args.model
+        or subprocess.run(
+            [str(Path(sys.executable).parent / "asyncllm"), "fetch-model"], capture_output=True, text=True, check=True
+        ).stdout.split()[-1]
+    )
+    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+    engines = {"off": LLM(model), "ngram": LLM(model, speculative_config=spec)}
+    chat = engines["off"]
+    prompts = [
+        chat.apply_chat_template([{"role": "user", "content": f"{i}\n\n{p}"}]) for i, p in zip(INSTRUCTIONS, PASSAGES)
+    ]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
+    for llm in engines.values():  # warm-up
+        llm.generate(prompts[0], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+    rates: dict[str, list[float]] = {name: [] for name in engines}
+    outputs: dict[str, list[list[int]]] = {}
+    steps: dict[str, int] = {}
+    for _ in range(args.rounds):
+        for name, llm in engines.items():
+            before = llm.stats()
+            tokens = 0
+            t0 = time.perf_counter()
+            outs = []
+            for prompt in prompts:  # batch 1
+                out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+                outs.append(out)
+                tokens += len(out)
+            rates[name].append(tokens / (time.perf_counter() - t0))
+            outputs[name] = outs
+            after = llm.stats()
+            steps[name] = int(after["num_steps"] - before["num_steps"])
+            if name == "ngram":
+                drafts = after["spec_draft_tokens"] - before["spec_draft_tokens"]
+                accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+    same = outputs["off"] == outputs["ngram"]
+    off, on = statistics.median(rates["off"]), statistics.median(rates["ngram"])
+    print(f"model {model}, greedy, batch 1, {len(prompts)} prompts x {args.max_tokens} tokens, k={args.k}")
+    print(
+        f"off:   {off:7.1f} tok/s  (runs {', '.join(f'{r:.1f}' for r in rates['off'])}), {steps['off']} steps a round"
+    )
+    runs = ", ".join(f"{r:.1f}" for r in rates["ngram"])
+    print(f"ngram: {on:7.1f} tok/s  (runs {runs}), {steps['ngram']} steps a round")
+    print(
+        f"speedup {on / off:.2f}x (target >= 1.5x); acceptance {accepted}/{drafts} = {accepted / max(drafts, 1):.2f}; "
+        f"tokens per step {sum(map(len, outputs['ngram'])) / max(steps['ngram'], 1):.2f}; same tokens: {same}"
+    )
+    for llm in engines.values():
+        llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()

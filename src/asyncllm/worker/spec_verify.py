@@ -1,0 +1,92 @@
+"""Speculative decoding's verify phase, the runner's side: which logit rows a step's drafts add
+(`plan_verify`), and the read that turns their draws into accepted runs (`VerifiedRead`).
+
+A sequence with k drafts gets the logits of its last 1 + k positions; each row is drawn as the request's
+next draws would be without drafts (its seed, at its draw count plus the row's place), so row j holds the
+token the target gives after the drafts before it. Drafts are accepted while they equal those tokens; the
+token after the last accepted draft is the target's own. Greedy and seeded output are therefore exactly
+what the engine gives without drafts, and unseeded output keeps the target's distribution (every output
+token is a draw of the target's). Knows nothing of models or the core's requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from asyncllm.sample.state import SamplingState
+from asyncllm.step import ModelRunnerOutput, SchedulerOutput, StepResult
+
+
+@dataclass(frozen=True)
+class VerifyPlan:
+    """A verifying step's logit rows: every sampled sequence's rows in order, 1 + its drafts each."""
+
+    states: list[SamplingState]  # [R] each row's request state (a drafted request's repeated)
+    ahead: list[int]  # [R] each row's draws ahead of its state's count (its place after the first)
+    first: list[int]  # [S] each sampled sequence's first row
+    drafts: list[list[int]]  # [S] each sampled sequence's drafts ([] for a plain row)
+
+
+def plan_verify(scheduled: SchedulerOutput, states: list[SamplingState]) -> VerifyPlan:
+    """The rows of a step whose sequences carry drafts (`ScheduledSeq.num_drafts`); `states`: the sampled
+    sequences' states, in order."""
+    rows: list[SamplingState] = []
+    ahead: list[int] = []
+    first: list[int] = []
+    drafts: list[list[int]] = []
+    sampled = (seq for seq in scheduled.seqs if seq.sample)
+    for seq, state in zip(sampled, states, strict=True):
+        k = seq.num_drafts
+        first.append(len(rows))
+        rows += [state] * (k + 1)
+        ahead += range(k + 1)
+        drafts.append(seq.input_token_ids[-k:] if k else [])
+    return VerifyPlan(rows, ahead, first, drafts)
+
+
+class VerifiedRead:
+    """A verifying step as the core reads it: each sequence's first row's token, and after it the tokens
+    its drafts earned (`ModelRunnerOutput.accepted`). The sampler advanced each drafted state's draw count
+    by all its rows when it launched the draw; the read gives back the draws past the accepted run, so the
+    request's next draw takes the offset it would have without drafts. The request's next step is planned
+    only after this read (the scheduler holds a speculative request back while a step of it is in flight)."""
+
+    __slots__ = ("_output", "_plan", "_sent")
+
+    def __init__(self, sent: StepResult, plan: VerifyPlan) -> None:
+        self._sent = sent
+        self._plan = plan
+        self._output: ModelRunnerOutput | None = None
+
+    def done(self) -> bool:
+        return self._sent.done()
+
+    def start(self) -> None:
+        self._sent.start()
+
+    def result(self) -> ModelRunnerOutput:
+        if self._output is None:
+            self._output = self._accept(self._sent.result())
+        return self._output
+
+    def _accept(self, out: ModelRunnerOutput) -> ModelRunnerOutput:
+        plan, tokens = self._plan, out.sampled_token_ids
+        accepted: dict[int, list[int]] = {}
+        for i, (row, drafts) in enumerate(zip(plan.first, plan.drafts)):
+            if not drafts:
+                continue
+            n = 0
+            while n < len(drafts) and tokens[row + n] == drafts[n]:
+                n += 1
+            if n:
+                accepted[i] = tokens[row + 1 : row + n + 1]
+            plan.states[row].num_sampled -= len(drafts) - n  # the draws past the accepted run never happened
+        logprobs = out.logprobs
+        return ModelRunnerOutput(
+            [tokens[r] for r in plan.first],
+            [logprobs[r] for r in plan.first] if logprobs is not None else None,
+            out.failed,
+            out.prompt_logprobs,
+            out.forced,
+            accepted or None,
+        )

@@ -1,0 +1,168 @@
+"""Speculative decoding end to end on CPU (tiny random Qwen3): the tokens are exactly those of the engine
+without it, greedy and seeded, with drafts accepted, rejected and cut by stops; blocks all come back.
+
+A random model rarely copies its prompt, so besides the n-gram drafter the tests use an oracle drafter that
+replays the output of a run without speculation (every draft right), optionally corrupting some drafts
+(rejections at known places): the verify path is then exercised at every acceptance length.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from asyncllm import LLM, SamplingParams
+from asyncllm.core.request import Request
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7], [11, 12, 13, 14, 15, 16, 17], [3, 4, 3, 4, 3, 4, 3]]
+
+
+class Oracle:
+    """Proposes the reference continuation of each prompt; every `wrong`-th proposed position (counting
+    along the output) gets a wrong token, so drafts past it are rejected."""
+
+    def __init__(self, refs: dict[tuple[int, ...], list[int]], k: int, wrong: int = 0) -> None:
+        self.refs, self.k, self.wrong = refs, k, wrong
+        self.num_proposals = 0
+
+    def propose(self, request_id: str, tokens: list[int], limit: int) -> list[int]:
+        for prompt, ref in self.refs.items():
+            if tuple(tokens[: len(prompt)]) == prompt:
+                done = len(tokens) - len(prompt)
+                drafts = ref[done : done + min(self.k, limit)]
+                if self.wrong:
+                    drafts = [t if (done + i) % self.wrong else (t + 1) % 300 for i, t in enumerate(drafts)]
+                self.num_proposals += bool(drafts)
+                return drafts
+        return []
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+
+def _run(model: Path, params: SamplingParams | list[SamplingParams], spec: dict | None, oracle=None, **kw):
+    llm = LLM(str(model), speculative_config=spec, num_kv_blocks=96, block_size=4, **kw)
+    if oracle is not None:
+        llm._engine.core.scheduler.drafter = oracle
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    stats = llm.stats()
+    llm.shutdown()
+    return outs, stats
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0)
+SEEDED = SamplingParams(max_tokens=40, temperature=0.9, seed=7, top_p=0.95)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_ngram_gives_the_same_tokens(tiny_model: Path, params: SamplingParams) -> None:
+    ref, _ = _run(tiny_model, params, None)
+    outs, stats = _run(tiny_model, params, NGRAM)
+    assert _tokens(outs) == _tokens(ref)
+    assert [o.outputs[0].text for o in outs] == [o.outputs[0].text for o in ref]
+    assert stats["spec_draft_tokens"] > 0  # the repeating prompts gave drafts
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "serial"])
+@pytest.mark.parametrize("wrong", [0, 3, 2], ids=["all-right", "every-3rd-wrong", "every-2nd-wrong"])
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_accepted_and_rejected_drafts(
+    tiny_model: Path, params: SamplingParams, wrong: int, async_scheduling: bool
+) -> None:
+    ref, ref_stats = _run(tiny_model, params, None, async_scheduling=async_scheduling)
+    oracle = Oracle({tuple(p): t for p, t in zip(PROMPTS, _tokens(ref))}, 4, wrong)
+    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    outs, stats = _run(tiny_model, params, spec, oracle, async_scheduling=async_scheduling)
+    assert _tokens(outs) == _tokens(ref)
+    assert [o.outputs[0].finish_reason for o in outs] == [o.outputs[0].finish_reason for o in ref]
+    drafts, accepted = stats["spec_draft_tokens"], stats["spec_accepted_tokens"]
+    assert drafts > 0 and oracle.num_proposals > 0
+    if wrong == 0:
+        assert accepted == drafts  # every draft right: each accepted, several tokens a step
+        assert stats["num_steps"] < ref_stats["num_steps"] / 2
+    else:
+        assert 0 < accepted < drafts
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]  # rejected drafts' blocks came back
+
+
+@pytest.mark.parametrize("wrong", [0, 3])
+def test_stops_cut_inside_an_accepted_run(tiny_model: Path, wrong: int) -> None:
+    """A stop token, a stop string and max_tokens landing inside an accepted run cut it exactly there."""
+    ref, _ = _run(tiny_model, GREEDY, None)
+    refs = {tuple(p): t for p, t in zip(PROMPTS, _tokens(ref))}
+    text = ref[0].outputs[0].text
+    cases = [
+        SamplingParams(max_tokens=13, temperature=0),
+        SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[ref[0].outputs[0].token_ids[9]]),
+        SamplingParams(max_tokens=40, temperature=0, stop=[text[len(text) // 2 : len(text) // 2 + 3]]),
+    ]
+    for params in cases:
+        plain, _ = _run(tiny_model, params, None)
+        outs, stats = _run(tiny_model, params, NGRAM, Oracle(refs, 4, wrong))
+        for a, b in zip(outs, plain):
+            assert (a.outputs[0].token_ids, a.outputs[0].text, a.outputs[0].finish_reason) == (
+                b.outputs[0].token_ids,
+                b.outputs[0].text,
+                b.outputs[0].finish_reason,
+            ), params
+        assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_requests_whose_features_verification_cannot_keep_get_no_drafts(tiny_model: Path) -> None:
+    """Logprobs (and penalties) are not verified yet: such requests decode plainly beside drafted ones, and
+    both give the tokens (and logprobs) of a run without speculation."""
+    params = [
+        SamplingParams(max_tokens=24, temperature=0, logprobs=2),
+        GREEDY,
+        SamplingParams(max_tokens=24, repetition_penalty=1.3, temperature=0),
+    ]
+    ref, _ = _run(tiny_model, params, None)
+    oracle = Oracle({tuple(p): t for p, t in zip(PROMPTS, _tokens(ref))}, 4)
+    outs, stats = _run(tiny_model, params, NGRAM, oracle)
+    assert _tokens(outs) == _tokens(ref)
+    got, want = outs[0].outputs[0].logprobs, ref[0].outputs[0].logprobs
+    assert got is not None and want is not None and len(got) == len(want) == 24
+    for a, b in zip(got, want):  # the step's shape differs (drafted rows beside it): float32 rounding only
+        assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
+    assert 0 < stats["spec_accepted_tokens"] == stats["spec_draft_tokens"] <= 40  # only the greedy one drafted
+
+
+def test_prefix_cache_never_serves_rejected_drafts_kv(tiny_model: Path) -> None:
+    """Rejected drafts' KV sits in blocks past a request's tokens: none is registered, so a second request
+    with the same prompt and output prefix, hitting the cache, still gets the reference tokens."""
+    ref, _ = _run(tiny_model, GREEDY, None)
+    refs = {tuple(p): t for p, t in zip(PROMPTS, _tokens(ref))}
+    llm = LLM(str(tiny_model), speculative_config=NGRAM, num_kv_blocks=96, block_size=4)
+    llm._engine.core.scheduler.drafter = Oracle(refs, 4, wrong=2)
+    first = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    follow = [p + t[:20] for p, t in zip(PROMPTS, _tokens(ref))]  # prompt + output prefix: cached blocks
+    again = llm.generate(follow, SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)
+    assert llm.stats()["prefix_cache_hit_tokens"] > 0
+    llm.shutdown()
+    assert _tokens(first) == _tokens(ref)
+    assert [t[20:] for t in _tokens(ref)] == _tokens(again)
+
+
+def test_abort_mid_speculation_frees_every_block(tiny_model: Path) -> None:
+    ref, _ = _run(tiny_model, GREEDY, None)
+    llm = LLM(str(tiny_model), speculative_config=NGRAM, num_kv_blocks=96, block_size=4)
+    core = llm._engine.core
+    core.scheduler.drafter = Oracle({tuple(p): t for p, t in zip(PROMPTS, _tokens(ref))}, 4, wrong=3)
+    for i, prompt in enumerate(PROMPTS):
+        core.add_request(Request(f"r{i}", prompt, GREEDY, 0.0, max_tokens=40))
+    for _ in range(4):
+        core.step()
+    assert core.stats().spec_draft_tokens > 0
+    for i in range(len(PROMPTS)):
+        core.abort(f"r{i}")
+    while core.has_unfinished():
+        core.step()
+    assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
+    llm.shutdown()

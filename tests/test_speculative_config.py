@@ -1,0 +1,68 @@
+"""`speculative_config`: vLLM's dict (or its JSON, from the command line) validated at construction with a
+one-line InvalidConfigError."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from asyncllm.config import EngineConfig, SpeculativeConfig
+from asyncllm.errors import InvalidConfigError
+
+
+def test_a_dict_or_its_json_is_normalised(tmp_path) -> None:
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+    for value in (
+        spec,
+        '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4}',
+    ):
+        config = EngineConfig.from_kwargs(str(tmp_path), speculative_config=value)
+        assert config.scheduler_config.speculative == SpeculativeConfig("ngram", 3, 1, 4)
+    assert EngineConfig.from_kwargs(str(tmp_path)).scheduler_config.speculative is None
+    defaults = EngineConfig.from_kwargs(
+        str(tmp_path), speculative_config={"method": "ngram", "num_speculative_tokens": 2}
+    )
+    assert defaults.scheduler_config.speculative == SpeculativeConfig("ngram", 2, 2, 5)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ({"method": "medusa", "num_speculative_tokens": 2}, "method"),
+        ({"method": "eagle3", "num_speculative_tokens": 2}, "method 'eagle3' is not supported yet"),
+        ({"method": "suffix", "num_speculative_tokens": 2}, "not supported yet"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": 100}, "num_speculative_tokens"),
+        ({"method": "ngram"}, "num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 3},
+            "prompt_lookup_max",
+        ),
+        ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "unknown key 'model'"),
+        ("{not json", "JSON"),
+        ([1, 2], "dict"),
+    ],
+)
+def test_bad_configs_fail_at_construction(tmp_path, value: object, message: str) -> None:
+    with pytest.raises(InvalidConfigError, match=message) as info:
+        EngineConfig.from_kwargs(str(tmp_path), speculative_config=value)
+    assert "\n" not in str(info.value)
+
+
+def test_tensor_parallel_is_refused_for_now(tmp_path) -> None:
+    with pytest.raises(InvalidConfigError, match="tensor_parallel_size"):
+        EngineConfig.from_kwargs(
+            str(tmp_path), speculative_config={"method": "ngram", "num_speculative_tokens": 2}, tensor_parallel_size=2
+        )
+
+
+def test_the_command_line_flag_takes_json(tmp_path) -> None:
+    from asyncllm.server.engine_flags import add_engine_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    ns = parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'])
+    config = EngineConfig.from_kwargs(str(tmp_path), **vars(ns))
+    assert config.scheduler_config.speculative == SpeculativeConfig("ngram", 4, 2, 5)
