@@ -111,6 +111,13 @@ class CpuInt4(str, enum.Enum):
     OFF = "off"  # never: GGUF files dequantized to float32 at load, other schemes on the reference matmul (the twin)
 
 
+class CpuDecode(str, enum.Enum):
+    """Whether a CPU decode step of a Llama-family model takes models/cpu_decode.py (`CPU_DECODE`)."""
+
+    AUTO = "auto"  # a float32 model on CPU whose every layer that path reproduces
+    OFF = "off"  # never: the modules' own forward (the twin)
+
+
 DEAD_ENGINE_JOIN_S: EnvVar[float] = EnvVar(
     "ASYNCLLM_DEAD_ENGINE_JOIN_S",
     6.0,
@@ -205,6 +212,14 @@ CPU_INT4: EnvVar[CpuInt4] = EnvVar(
     "bfloat16 natively: AVX512-BF16 or AMX), off (GGUF files dequantized to float32 at load, as on other CPUs; "
     "the reference twin)",
 )
+CPU_DECODE: EnvVar[CpuDecode] = EnvVar(
+    "ASYNCLLM_CPU_DECODE",
+    CpuDecode.AUTO,
+    _one_of(CpuDecode),
+    "on CPU, a Llama-family model's decode steps (every sequence one token, all of one length) run as one "
+    "function of few ops over the same weights (paged attention through torch's scaled_dot_product_attention): "
+    "auto (float32 models whose every layer it reproduces), off (the modules' forward; the twin)",
+)
 # Read once per engine by the tensor-parallel executor, which sends every rank its choice.
 TP_CUSTOM_ALL_REDUCE: EnvVar[bool] = EnvVar(
     "ASYNCLLM_TP_CUSTOM_ALL_REDUCE",
@@ -222,6 +237,7 @@ ALL: tuple[EnvVar[Any], ...] = (  # every variable, for docs/tuning.md's table a
     DECODE_FOLD_REDUCE,
     CASCADE_ATTENTION,
     CPU_INT4,
+    CPU_DECODE,
     CUDA_GRAPH_SAMPLING,
     CUDA_GRAPH_MAX_TOKENS,
     GRAMMAR_PROCESS,

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from asyncllm import envs
 from asyncllm.attention.backend import AttentionBackend
 from asyncllm.config import LoadFormat
 from asyncllm.layers.parallel import TPGroup, WeightShard
@@ -100,11 +101,19 @@ def load_model(
 
 
 def _on_cpu_kernel(model: CausalLM, quant: QuantScheme | None, device: torch.device, dtype: torch.dtype) -> CausalLM:
-    """With `quant.cpu_int4` on a CPU, the loaded layers (and head) switched to torch's int4 kernel."""
+    """With `quant.cpu_int4` on a CPU, the loaded layers (and head) switched to torch's int4 kernel; on a CPU,
+    the decode path of few ops installed where it reproduces every layer (ASYNCLLM_CPU_DECODE)."""
     if quant is not None and quant.cpu_int4 and device.type == "cpu":
         from asyncllm.quantization.cpu_pack import use_cpu_int4
 
         use_cpu_int4(model, quant, dtype)
+    if device.type == "cpu" and envs.CPU_DECODE.get() is envs.CpuDecode.AUTO:
+        from asyncllm.models import cpu_decode
+
+        decode = cpu_decode.build(model)
+        if decode is not None:
+            model.cpu_decode = decode  # type: ignore[assignment]
+            logger.info("CPU decode steps take models/cpu_decode.py (ASYNCLLM_CPU_DECODE=off: the modules)")
     return model
 
 

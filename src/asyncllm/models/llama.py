@@ -249,6 +249,8 @@ class LlamaForCausalLM(CausalLM):
             self.register_buffer("embed_scale", torch.tensor(arch.hidden_size**0.5), persistent=False)
         else:
             self.embed_scale: torch.Tensor | None = None  # a plain attribute: embeddings used as they are
+        # A CPU decode step in few ops (models/cpu_decode.py), set from outside once loaded; None where it passes.
+        self.cpu_decode: Callable[..., torch.Tensor | None] | None = None
 
     def layer_mlp(self, arch: ModelArchConfig, layer: int) -> nn.Module | None:
         """Layer `layer`'s feed-forward block; None: the family's gated MLP (a MoE family returns its experts)."""
@@ -262,6 +264,9 @@ class LlamaForCausalLM(CausalLM):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden], final-normed
         assert len(kv_caches) == len(self.model.layers), (len(kv_caches), len(self.model.layers))
+        decode = self.cpu_decode
+        if decode is not None and (hidden := decode(input_ids, positions, kv_caches, meta)) is not None:
+            return hidden
         x = self.model.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale.to(x.dtype)

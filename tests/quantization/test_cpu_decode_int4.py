@@ -1,0 +1,52 @@
+"""The CPU decode path (models/cpu_decode.py) over packed int4 layers in the whole engine: a tiny GGUF's greedy
+decode steps take it, and every step's top log-probabilities stay within the bfloat16 bound of the modules' path
+(ASYNCLLM_CPU_DECODE=off), the bound tests/quantization/test_cpu_int4.py holds the int4 path to."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from asyncllm import LLM, SamplingParams
+from asyncllm.quantization import cpu_int4
+from tests.fixtures.tiny_gguf import build_hf_model, write_gguf
+
+pytestmark = pytest.mark.skipif(not cpu_int4.supported(), reason="no native bfloat16 on this CPU")
+ENGINE = dict(device="cpu", dtype="float32", block_size=4, num_kv_blocks=96, max_num_batched_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("cpu_decode")
+    model = build_hf_model("llama", vocab_size=128, intermediate_size=128, tie_word_embeddings=True)
+    return write_gguf(root / "llama-Q4_1.gguf", "llama", model, quant=Q.Q4_1)
+
+
+def _decode_logprobs(path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> tuple[list[int], list[dict], int]:
+    monkeypatch.setenv("ASYNCLLM_CPU_INT4", "auto")
+    monkeypatch.setenv("ASYNCLLM_CPU_DECODE", mode)
+    llm = LLM(str(path), **ENGINE)
+    try:
+        model = llm._engine.core.executor.worker.runner.model  # type: ignore[attr-defined]
+        fast, taken = model.cpu_decode, []
+        if fast is not None:
+            model.cpu_decode = lambda *args: taken.append(1) or fast(*args)  # counts the steps it takes
+        params = SamplingParams(temperature=0, max_tokens=12, logprobs=8, ignore_eos=True)
+        out = llm.generate([[(i * 37 + 11) % 120 + 3 for i in range(9)]], params, use_tqdm=False)[0]
+        return out.token_ids, out.logprobs, len(taken)
+    finally:
+        llm.shutdown()
+
+
+def test_engine_decode_within_bf16_bound_of_the_modules(gguf_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tokens, fast, taken = _decode_logprobs(gguf_file, monkeypatch, "auto")
+    ref_tokens, ref, off = _decode_logprobs(gguf_file, monkeypatch, "off")
+    assert taken >= 11 and off == 0  # every decode step after the prompt's (and the warm-up's)
+    same = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), len(tokens))
+    for got, want in zip(fast[: same + 1], ref[: same + 1]):  # while both follow the same tokens
+        scale = max(abs(v) for v in want.values())
+        tol = 2 * (0.03 * scale + 0.05)
+        shared = set(got) & set(want)
+        assert shared and max(abs(got[t] - want[t]) for t in shared) <= tol
