@@ -132,10 +132,11 @@ class ModelRunner:
         self._admit(scheduled)
         sampling = [s.request_id for s in scheduled.seqs if s.sample]
         states = [self.states[r] for r in sampling]
-        mask_plan = self.grammars.plan(sampling) if sampling else None  # None unless a constrained row samples
         # Drafts add logit rows, one per drafted position. Masks are planned per sequence: a step with
         # constrained rows leaves its drafts unverified (each drafted sequence samples its first row alone).
-        verify = plan_verify(scheduled, states) if scheduled.num_draft_tokens and mask_plan is None else None
+        verify = None
+        if scheduled.num_draft_tokens and not any(s.constrained for s in states):
+            verify = plan_verify(scheduled, states)
         if verify is not None:
             states = verify.states  # [R] one per logit row
         scoring = self.prompt_scorer.plan(scheduled) if self.prompt_scorer else None
@@ -159,7 +160,7 @@ class ModelRunner:
         if sampling:
             graph_draw = self._graph_draw
             tail = scoring is None and graph_draw is not None and graph_draw.ready() and self.graphs.has_tail(shape)
-            draw = self._stage_draw(states, sampling, shape.logit_rows if tail else None, mask_plan, verify)
+            draw = self._stage_draw(states, sampling, shape.logit_rows if tail else None, verify)
         if self.loras is not None:
             self.loras.stage(scheduled, x.num_tokens, x.meta.query_lens_cpu)
         self.inputs.flush()
@@ -174,14 +175,15 @@ class ModelRunner:
         states: list[SamplingState],
         sampling: list[str],
         tail: int | None,
-        plan: MaskPlan | None,
         verify: VerifyPlan | None,
     ) -> StagedDraw:
         """Stage the draw: in the step's draw graph's fixed regions where it has one (`tail`: the graph's rows)
         and every row takes the plain draw; else the eager draw's parameters (a verifying row's noise offset
-        its place after the first), the constrained rows' bitmask rows (`plan`, known before the forward pass),
-        the sampled ids' slots and, verifying drafts, each sequence's first row (whose token is recorded)."""
+        its place after the first), the constrained rows' bitmask rows (`GrammarTable.plan`, known before the
+        forward pass), the sampled ids' slots and, verifying drafts, each sequence's first row (whose token is
+        recorded)."""
         stage = self.inputs.staging.stage
+        plan = self.grammars.plan(sampling)  # None unless a request with a grammar is live and sampled
         if tail is not None and plan is None and verify is None and all(map(takes_plain_draw, states)):
             assert self._graph_draw is not None
             self._graph_draw.stage(self.sampler.draw_params(states), self._latest.slots(sampling), tail)
