@@ -26,11 +26,15 @@ from asyncllm.errors import EngineDeadError, EngineDrainingError
 from asyncllm.server.auth import APIKeyMiddleware
 from asyncllm.server.errors import OpenAIError, engine_dead, install_error_handlers
 from asyncllm.server.json_route import json_route
+from asyncllm.server.messages_api import MessagesRequest
 from asyncllm.server.metrics import ServerMetrics
 from asyncllm.server.openapi import document_plain_routes
 from asyncllm.server.protocol import ChatCompletionRequest, CompletionRequest
+from asyncllm.server.responses_api import ResponsesRequest
 from asyncllm.server.serving_chat import create_chat_completion
 from asyncllm.server.serving_completion import create_completion
+from asyncllm.server.serving_messages import messages_route
+from asyncllm.server.serving_responses import create_response
 from asyncllm.server.state import ServerState, server_state
 from asyncllm.server.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize, version
 
@@ -107,6 +111,8 @@ def create_app(
     app.router.routes[:0] = [
         json_route("/v1/chat/completions", ChatCompletionRequest, create_chat_completion),
         json_route("/v1/completions", CompletionRequest, create_completion),
+        json_route("/v1/responses", ResponsesRequest, create_response),  # OpenAI's Responses API
+        messages_route("/v1/messages"),  # Anthropic's Messages API, errors in its shape
         json_route("/tokenize", TokenizeRequest, tokenize),
         json_route("/detokenize", DetokenizeRequest, detokenize),
     ]
@@ -115,6 +121,8 @@ def create_app(
         [
             ("/v1/chat/completions", ChatCompletionRequest, "Create a chat completion"),
             ("/v1/completions", CompletionRequest, "Create a completion"),
+            ("/v1/responses", ResponsesRequest, "Create a response (OpenAI's Responses API)"),
+            ("/v1/messages", MessagesRequest, "Create a message (Anthropic's Messages API)"),
         ],
     )
     app.get("/v1/models")(list_models)

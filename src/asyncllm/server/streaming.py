@@ -32,6 +32,11 @@ def sse(payload: dict[str, Any]) -> bytes:
     return b"data: " + _encode(payload).encode() + b"\n\n"
 
 
+def sse_event(name: str, payload: dict[str, Any]) -> bytes:
+    """A named event (`event: name` before its data), as the Responses and Messages APIs send theirs."""
+    return b"event: " + name.encode() + b"\ndata: " + _encode(payload).encode() + b"\n\n"
+
+
 class ChunkFrames:
     """The SSE frames of one streamed response: `{**base, "choices": [choice]}` each, with `base` (id,
     created, model, object, ...) encoded once. `frame(choice)` gives exactly the bytes `sse` would."""
