@@ -114,3 +114,20 @@ def test_gguf_on_a_bf16_cpu_stays_quantized_head_included(files) -> None:
     assert scheme is not None and scheme.cpu_int4 and scheme.head_type == "Q4_1"
     assert resolve_quantization(None, qc, "cpu", cpu_int4=False) is None
     assert resolve_quantization(None, qc, "cuda", cpu_int4=True).cpu_int4 is False
+
+
+def test_a_tied_q8_0_table_is_kept_as_its_codes_exactly() -> None:
+    """A tied embedding whose values are Q8_0's (d * q) is read from 8-bit codes and scales, every looked-up row
+    the float table's bit for bit; a table those codes do not give back (plain floats) keeps its floats."""
+    from asyncllm.quantization.cpu_pack import _pack_head
+
+    gen = torch.Generator().manual_seed(2)
+    floats = torch.randn(192, 96, generator=gen) * 0.05
+    qweight, scales, qzeros = cpu_int4.requantize_int8(floats)
+    table = dequantize_ref(qweight, scales, qzeros, bits=8, group_size=32)  # what a GGUF Q8_0 file holds
+    packed, embedding = _pack_head(table, keep_codes=True)
+    assert embedding is not None and packed.out_features == 192
+    ids = torch.tensor([0, 191, 7, 7, 64])
+    assert torch.equal(embedding(ids), table[ids])
+    assert _pack_head(floats, keep_codes=True)[1] is None
+    assert _pack_head(table, keep_codes=False)[1] is None

@@ -63,6 +63,7 @@ _BLOCKS: dict[str, tuple[int, Callable[[torch.Tensor], torch.Tensor]]] = {
     "Q5_1": (24, _q5_1),
     "Q8_0": (34, _q8_0),
 }
+_CHUNK_BLOCKS = 1 << 16  # blocks dequantized at once (8 MiB of float32)
 _FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 TORCH_TYPES = frozenset(_BLOCKS) | frozenset(_FLOATS)  # the type names dequantized in torch
 
@@ -73,7 +74,13 @@ def dequantize(raw: torch.Tensor, type_name: str, shape: tuple[int, ...]) -> tor
         return raw.view(_FLOATS[type_name]).to(torch.float32, copy=True).reshape(shape)
     if type_name in _BLOCKS:
         size, fn = _BLOCKS[type_name]
-        return fn(raw.view(-1, size)).reshape(shape)
+        blocks = raw.view(-1, size)
+        out = torch.empty(blocks.shape[0], 32)
+        # A slice of blocks at a time into the result: whole, a 49k-row Q8_0 embedding's int8, float and product
+        # temporaries would hold three times its float32 size at once (the CPU load's peak memory).
+        for start in range(0, blocks.shape[0], _CHUNK_BLOCKS):
+            out[start : start + _CHUNK_BLOCKS] = fn(blocks[start : start + _CHUNK_BLOCKS])
+        return out.reshape(shape)
     return dequantize_numpy(raw, type_name, shape)
 
 

@@ -122,14 +122,24 @@ def iter_gguf_weights(
                 raw = torch.frombuffer(data, dtype=torch.uint8, count=tensor.nbytes, offset=tensor.offset)
                 for param, part in repack(raw, type_name(tensor), tensor.shape, keep[module_name]).items():
                     yield f"{module_name}.{param}", part if heads is None else unpermute_qk(part, heads)
-                continue
-            weight = _read(data, tensor).to(dtype)
-            yield name, weight if heads is None else unpermute_qk(weight, heads)
+            else:
+                weight = _read(data, tensor).to(dtype)
+                yield name, weight if heads is None else unpermute_qk(weight, heads)
+            _release(data, tensor)
     finally:
         # Every tensor yielded is a copy, so no view of the mapping outlives the loop; should a consumer stop
         # mid-tensor, the mapping goes with the last view of it.
         with contextlib.suppress(BufferError):
             data.close()
+
+
+def _release(data: mmap.mmap, tensor: GGUFTensorInfo) -> None:
+    """The tensor's pages out of this process's resident memory once it is copied (the page cache keeps them, a
+    later read maps them again): otherwise the whole file counts as resident until the loop ends, on top of the
+    weights copied out of it (a CPU load's peak)."""
+    if hasattr(mmap, "MADV_DONTNEED"):
+        start = tensor.offset - tensor.offset % mmap.PAGESIZE
+        data.madvise(mmap.MADV_DONTNEED, start, tensor.offset + tensor.nbytes - start)
 
 
 def _read(data: mmap.mmap, tensor: GGUFTensorInfo) -> torch.Tensor:
