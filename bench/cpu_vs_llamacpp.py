@@ -8,6 +8,7 @@ where `import llama_cpp` works; it needs nothing of asyncllm). Limits: decode an
 (1x the aim), RSS <= llama.cpp's + 300 MB.
 
     python bench/cpu_vs_llamacpp.py --llama-python /work/llama-venv/bin/python [--rounds 2] [--threads 1 2]
+        [--before-src DIR]  # also asyncllm from DIR/src (an older commit's tree), alternating with this one
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ PROMPT_TOKENS = 512
 CHAT = "<|im_start|>user\nTell me a story about a dragon.<|im_end|>\n<|im_start|>assistant\n"
 TARGET, AIM, RSS_MARGIN_MB = 0.8, 1.0, 300
 TWIN = "asyncllm-float32"  # --twin: asyncllm with ASYNCLLM_CPU_INT4=off
+BEFORE = "asyncllm-before"  # --before-src: asyncllm imported from another tree (e.g. `git archive <commit> src`)
 
 
 def long_prompt(vocab: int, salt: int) -> list[int]:
@@ -111,12 +113,16 @@ def asyncllm_part(model: str, threads: int, repeats: int) -> dict[str, float]:
     return out
 
 
-def run_part(python: str, engine: str, model: str, threads: int, repeats: int) -> dict[str, float | str]:
+def run_part(
+    python: str, engine: str, model: str, threads: int, repeats: int, before_src: str | None = None
+) -> dict[str, float | str]:
     kind = "llama" if engine == "llama" else "asyncllm"
     cmd = [python, __file__, "--part", kind, model, str(threads), str(repeats)]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     if engine == TWIN:
         env["ASYNCLLM_CPU_INT4"] = "off"  # the dequantized float32 path: main's before issue 40
+    if engine == BEFORE and before_src is not None:  # ahead of the installed (editable) tree on sys.path
+        env["PYTHONPATH"] = os.pathsep.join([os.path.join(before_src, "src"), env.get("PYTHONPATH", "")])
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if proc.returncode != 0:
         tail = proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
@@ -132,6 +138,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="rounds of alternating runs; medians are reported")
     ap.add_argument("--repeats", type=int, default=3, help="measurements per process (median)")
     ap.add_argument("--twin", action="store_true", help="also run asyncllm with ASYNCLLM_CPU_INT4=off (before)")
+    ap.add_argument("--before-src", default=None, help="also run asyncllm from DIR/src (another commit's tree)")
     ap.add_argument("--part", nargs=4, help=argparse.SUPPRESS)  # internal: engine, model, threads, repeats
     args = ap.parse_args()
     if args.part:
@@ -146,6 +153,8 @@ def main() -> None:
     engines = {"asyncllm": sys.executable}
     if args.twin:
         engines[TWIN] = sys.executable
+    if args.before_src:
+        engines[BEFORE] = sys.executable
     if args.llama_python:
         engines = {"llama": args.llama_python, **engines}
     runs: dict[tuple[str, int], list[dict[str, float | str]]] = {}
@@ -153,7 +162,8 @@ def main() -> None:
         for threads in args.threads:
             for engine, python in engines.items():
                 load = os.getloadavg()[0]
-                result = {**run_part(python, engine, args.model, threads, args.repeats), "load": load}
+                part = run_part(python, engine, args.model, threads, args.repeats, args.before_src)
+                result = {**part, "load": load}
                 runs.setdefault((engine, threads), []).append(result)
                 print(f"# round {r} {engine} threads={threads}: {json.dumps(result)}", file=sys.stderr)
     report(runs, args.threads, list(engines))

@@ -14,10 +14,13 @@ from tests.fixtures.paged import PagedBatcher
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 16), (6, 1, 8), (8, 2, 32)])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize(("batch", "seq_len"), [(1, 1), (1, 37), (3, 16), (2, 50)])
-def test_matches_the_reference_decode(heads, kv_heads, dim, block_size, batch, seq_len) -> None:
+@pytest.mark.parametrize("adjacent", [False, True])  # True: both caches in one storage, as the CPU engine's
+def test_matches_the_reference_decode(heads, kv_heads, dim, block_size, batch, seq_len, adjacent) -> None:
     gen = torch.Generator().manual_seed(heads * 100 + dim + block_size + seq_len)
     batcher = PagedBatcher(num_blocks=batch * 64, block_size=block_size, seed=seq_len)
     [(k_cache, v_cache)] = batcher.new_caches(1, kv_heads, dim, torch.float32)
+    if adjacent:
+        k_cache, v_cache = torch.stack((k_cache, v_cache)).unbind(0)
     backend = TorchAttentionBackend()
     if seq_len > 1:  # the earlier keys, written as a prompt would write them
         _, meta = batcher.step([(s, seq_len - 1) for s in range(batch)])

@@ -20,6 +20,17 @@ def decode_blocks(block_tables: torch.Tensor, seq_len: int, block_size: int) -> 
     return block_tables[:, :num_blocks].reshape(-1).long()
 
 
+def _adjacent(k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor | None:
+    """[2, num_blocks, block_size, Hkv, D]: one view of both caches where the values directly follow the keys in
+    one storage (the CPU engine allocates every layer's pair so: worker/kv_cache.py), else None."""
+    size = k_cache.numel() * k_cache.element_size()
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or v_cache.data_ptr() - k_cache.data_ptr() != size:
+        return None
+    if k_cache.untyped_storage().data_ptr() != v_cache.untyped_storage().data_ptr():
+        return None
+    return k_cache.as_strided((2, *k_cache.shape), (k_cache.numel(), *k_cache.stride()))
+
+
 def paged_decode_attention(
     q: torch.Tensor,  # [B, H, D], one query row per sequence
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], this step's keys written
@@ -31,9 +42,13 @@ def paged_decode_attention(
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    # [B, nb * block_size, Hkv, D] -> the first seq_len rows -> [B, Hkv, L, D] (strided: the kernel takes it)
-    k = k_cache.index_select(0, blocks).view(batch, -1, num_kv_heads, head_dim)[:, :seq_len].transpose(1, 2)
-    v = v_cache.index_select(0, blocks).view(batch, -1, num_kv_heads, head_dim)[:, :seq_len].transpose(1, 2)
+    pair = _adjacent(k_cache, v_cache)
+    if pair is not None:  # both caches' blocks in one gather: [2, B * nb, block_size, Hkv, D]
+        k, v = pair.index_select(1, blocks).view(2, batch, -1, num_kv_heads, head_dim)[:, :, :seq_len].unbind(0)
+    else:  # [B, nb * block_size, Hkv, D] each
+        k = k_cache.index_select(0, blocks).view(batch, -1, num_kv_heads, head_dim)[:, :seq_len]
+        v = v_cache.index_select(0, blocks).view(batch, -1, num_kv_heads, head_dim)[:, :seq_len]
+    k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, L, D], strided: the kernel takes it
     qg = q.view(batch, num_kv_heads, group, head_dim)  # head h = kv head h // G, as the reference groups them
     out = F.scaled_dot_product_attention(qg, k, v, scale=scale)  # [B, Hkv, G, D]
     return out.reshape(batch, num_heads * head_dim)

@@ -46,7 +46,7 @@ class _Proj:
         w = self.int4
         if w is None:
             return self.module(x)  # type: ignore[no-any-return]
-        xb = x.to(_INT4_INPUT)
+        xb = x if x.dtype == _INT4_INPUT else x.to(_INT4_INPUT)
         if w.planes == 2:
             xb = torch.cat((xb, xb), dim=1)  # each input meets its high and its low code plane
         if x.shape[0] > cpu_int4.INT4_MAX_ROWS:
@@ -54,6 +54,14 @@ class _Proj:
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, w.packed, w.group_size, w.scale_zeros)
         return y if self.bias is None else y + self.bias  # the sum promotes to the bias's float32
+
+
+def _mul_into(proj: _Proj, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a * b, computed in float32 and, for an int4 projection, stored in bfloat16 as it is made (one rounding
+    of the float32 product, as the reference's cast after it: one op fewer)."""
+    if proj.int4 is None:
+        return a * b
+    return torch.mul(a, b, out=torch.empty(torch.broadcast_shapes(a.shape, b.shape), dtype=_INT4_INPUT))
 
 
 def _proj(module: nn.Module) -> _Proj | None:
@@ -94,9 +102,11 @@ class CpuDecode:
     def _still_ours(self) -> bool:
         return all(getattr(parent, attr) is module for parent, attr, module in self._owners)
 
-    def _norm(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """rms_norm_ref for float32 rows, without its two identity casts: the same ops in the same order."""
-        return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps))
+    def _norm(self, h: torch.Tensor, weight: torch.Tensor, into: _Proj | None = None) -> torch.Tensor:
+        """rms_norm_ref for float32 rows, without its two identity casts: the same ops in the same order; for an
+        int4 projection `into`, the product stored in its bfloat16 input at once."""
+        normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * normed if into is None else _mul_into(into, weight, normed)
 
     def __call__(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
@@ -122,16 +132,16 @@ class CpuDecode:
         qk_rows = (h_q + h_kv) * dim
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             residual = x if residual is None else x + residual  # a bfloat16 x promotes exactly
-            qkv = layer.qkv(self._norm(residual, layer.attn_norm)).float()  # [T, (H + 2 Hkv) D]
+            qkv = layer.qkv(self._norm(residual, layer.attn_norm, layer.qkv)).float()  # [T, (H + 2 Hkv) D]
             qk = qkv[:, :qk_rows].view(num_tokens, h_q + h_kv, dim)
             qk = qk * cos2 + qk.roll(dim // 2, dims=-1) * sin2  # rotate-half: [x2, x1] against [-s, s]
             k_cache.view(-1, h_kv, dim).index_copy_(0, slots, qk[:, h_q:])
             v_cache.view(-1, h_kv, dim).index_copy_(0, slots, qkv[:, qk_rows:].view(num_tokens, h_kv, dim))
             out = paged_decode_attention(qk[:, :h_q], k_cache, v_cache, blocks, seq_len, layer.scale)
             residual = layer.o(out) + residual
-            gate_up = layer.gate_up(self._norm(residual, layer.mlp_norm))  # [T, 2I]
+            gate_up = layer.gate_up(self._norm(residual, layer.mlp_norm, layer.gate_up))  # [T, 2I]
             gate, up = gate_up.chunk(2, dim=-1)
-            x = layer.down(F.silu(gate.float()) * up)  # silu in float32, the product promoted: the reference's
+            x = layer.down(_mul_into(layer.down, F.silu(gate.float()), up))  # silu in float32, up promoted
         assert residual is not None
         return self._norm(x + residual, model.model.norm.weight)  # type: ignore[union-attr]
 
