@@ -163,3 +163,27 @@ def test_unconstrained_requests_never_start_the_process(backend: GrammarBackend)
         table.add(str(i), state)
     assert table.plan(["0", "1", "2"]) is None and table.process is None
     table.close()
+
+
+def test_a_step_whose_requests_all_ended_takes_no_forced_run_of_the_step_before(backend: GrammarBackend) -> None:
+    """Jump-forward's runs are a home's news of its last step: a later step whose requests there have all
+    ended (finished or aborted while it was in flight) reports none of them. (A stale run once reached the
+    core under another step's rows: a KeyError that killed the engine, or a run given to the wrong request.)"""
+    table = GrammarTable(backend, 4, VOCAB, torch.device("cpu"), GrammarProcessMode.OFF, jump_forward=True)
+    state = SamplingState.create(SamplingParams(regex="hello world [0-9]", temperature=1.0, max_tokens=24), 0, [1])
+    table.add("r", state)
+    rng = random.Random(0)
+
+    def step() -> Any:
+        plan = table.plan(["r"])
+        assert plan is not None
+        mask, _ = table.fill(plan, torch.tensor(plan.rows))
+        token = _pick(mask.bitmask[mask.mask_rows].numpy()[0], rng)
+        return table.follow(plan, ReadyStep(ModelRunnerOutput(sampled_token_ids=[token])))
+
+    first = table.advance(step())
+    assert first.forced, "the regex forces the text after its first token"
+    in_flight = step()  # planned and drawn before the request ended
+    table.remove("r")
+    assert table.advance(in_flight).forced is None
+    table.close()

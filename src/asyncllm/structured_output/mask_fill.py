@@ -152,6 +152,8 @@ class FillJob:
         failed: dict[int, str | AsyncLLMError] = dict(late)
         forced: dict[int, list[int]] = {}
         for home, (rows, slots, _) in homes.items():
+            if not rows:  # no step of this job's there (its requests ended): what it holds is another job's
+                continue
             refused = home.refusals()
             runs = home.forced() if jumping else None
             if refused or runs:
