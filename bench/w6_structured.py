@@ -8,7 +8,7 @@ constrained length (ignore_eos), so both runs make the same tokens. Targets: W1-
 of unconstrained tokens/s. The constrained requests' matchers are where the engine's default puts them (on
 CUDA the grammar process, started by the first constrained request: the runs wait until it is up; it never
 jumps forward; `--engine-arg grammar_process=off` (ASYNCLLM_GRAMMAR_PROCESS) keeps them in the step thread) with
-jump-forward on (the default; `--engine-arg jump_forward=false` draws every token); unless `--no-twin`, a
+jump-forward on (the default; `--engine-arg jump_forward=0` (ASYNCLLM_JUMP_FORWARD) draws every token); unless
 second engine then gives the W1-style ratio with jump-forward the other way (the twin), in the same call, and
 both runs' engine steps per output token. Prints one JSON line; `--host-timing` first prints the step thread's
 time per step by phase (bench/host_timing.py, structured output's phases included) for the constrained run and
@@ -26,7 +26,7 @@ import threading
 import time
 from contextlib import nullcontext
 
-from engine_args import engine_kwargs
+from engine_args import engine_kwargs, tuning_env
 from host_timing import host_timing
 from w1_throughput import RunResult, add_w1_arguments, run_w1, w1_engine, w1_requests
 
@@ -159,7 +159,9 @@ def _fresh(prompts: list[list[int]], k: int) -> list[list[int]]:
 def jump_twin(args: argparse.Namespace, jump_forward: bool) -> tuple[float, float]:
     """The W1-style ratio and the constrained run's steps per output token with `jump_forward`, on a fresh
     engine (otherwise as the first)."""
-    llm = w1_engine(args, **{**engine_kwargs(args.engine_arg), "jump_forward": jump_forward})
+    given = engine_kwargs(args.engine_arg)  # first: it sets the tuning variables it names
+    with tuning_env(jump_forward=jump_forward):
+        llm = w1_engine(args, **given)
     try:
         _, schema_s, lengths, plain, steps = w1_style(llm, args)
     finally:
@@ -183,9 +185,9 @@ def main() -> None:
     elif args.fill_threads:
         request_grammar.Filler = lambda: Filler(args.fill_threads)  # type: ignore[assignment,misc]
     given = engine_kwargs(args.engine_arg)
-    jump = bool(given.get("jump_forward", True))
+    jump = envs.JUMP_FORWARD.get()
     process_ready = GrammarProcessReady()  # before the engine: it logs the moment its grammar process is up
-    llm = w1_engine(args, **{**given, "jump_forward": jump})
+    llm = w1_engine(args, **given)
     cold_ms, warm_ms = first_request_ms(llm, {**SCHEMA, "title": f"cold-{time.time_ns()}"})
     # On CUDA the default (ASYNCLLM_GRAMMAR_PROCESS=auto) starts the grammar process in the background at that
     # first constrained request: the runs below begin once it is up, as a server's steady state would.

@@ -43,14 +43,6 @@ class DeviceConfig:
         "so its Python work shares no GIL with the event loops that stream its outputs (a server's HTTP work). "
         "False: a step thread in this process (the default; for embedding). AsyncLLMEngine only.",
     )
-    jump_forward: bool = arg(
-        True,
-        "Structured output's jump-forward: where a request's constraint forces the next text (a JSON schema's "
-        "keys and punctuation), its tokens (the tokenizer's encoding of that text) are appended without a draw "
-        "each and computed in one step, so a constrained output takes fewer steps. Requests asking for "
-        "logprobs, prompt logprobs or penalties never jump; nor do matchers in the grammar process, "
-        "nor tensor-parallel engines. False: every token is drawn.",
-    )
     grammar_compile_timeout: float = arg(
         DEFAULT_GRAMMAR_COMPILE_TIMEOUT,
         "Seconds a request's output constraint may take to compile (its wait for a compile thread included): "
@@ -71,7 +63,6 @@ class DeviceConfig:
         set_field(self, "attention_backend", backend)
         check_bool(invalid, "enforce_eager", self.enforce_eager)
         check_bool(invalid, "core_process", self.core_process)
-        check_bool(invalid, "jump_forward", self.jump_forward)
         seconds = check_float(
             invalid, "max_step_seconds", self.max_step_seconds, "a positive number of seconds", lo=0.0, lo_open=True
         )

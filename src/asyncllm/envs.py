@@ -195,6 +195,16 @@ GRAMMAR_PROCESS: EnvVar[GrammarProcessChoice] = EnvVar(
     "device, started with the engine; off: the step thread always (each draw held on the host until its "
     "masks are in)",
 )
+JUMP_FORWARD: EnvVar[bool] = EnvVar(
+    "ASYNCLLM_JUMP_FORWARD",
+    True,
+    _flag,
+    "structured output's jump-forward: where a request's constraint forces the next text (a JSON schema's keys "
+    "and punctuation), its tokens (the tokenizer's encoding of that text) are output without a draw each and "
+    "computed in one step. Requests asking for logprobs, prompt logprobs or penalties never jump, nor do "
+    "matchers in the grammar process, tensor-parallel engines, or the requests of a step that sampled more "
+    "than 32 rows. false: every token is drawn (the token ids, not the text's rules, may then differ)",
+)
 GRAMMAR_PROCESS_THREADS: EnvVar[int | None] = EnvVar(
     "ASYNCLLM_GRAMMAR_PROCESS_THREADS",
     None,
@@ -242,5 +252,6 @@ ALL: tuple[EnvVar[Any], ...] = (  # every variable, for docs/tuning.md's table a
     CUDA_GRAPH_MAX_TOKENS,
     GRAMMAR_PROCESS,
     GRAMMAR_PROCESS_THREADS,
+    JUMP_FORWARD,
     TP_CUSTOM_ALL_REDUCE,
 )

@@ -134,9 +134,11 @@ def llm(tiny_model: Path) -> Iterator[LLM]:
 
 @pytest.fixture(scope="package")
 def llm_drawing(tiny_model: Path) -> Iterator[LLM]:
-    """Every token drawn (`jump_forward=False`): the twin of paths that never jump forward (the grammar
+    """Every token drawn (`ASYNCLLM_JUMP_FORWARD=0`): the twin of paths that never jump forward (the grammar
     process, tensor parallelism)."""
-    llm = LLM(str(tiny_model), jump_forward=False, **ENGINE_ARGS)
+    with pytest.MonkeyPatch.context() as env:  # read when the engine is built
+        env.setenv("ASYNCLLM_JUMP_FORWARD", "0")
+        llm = LLM(str(tiny_model), **ENGINE_ARGS)
     yield llm
     llm.shutdown()
 

@@ -63,7 +63,8 @@ def test_grammar_process_starts_at_the_first_constrained_request_and_changes_no_
     thread, later ones go to the process, and neither changes a token (the twin: ASYNCLLM_GRAMMAR_PROCESS=off).
     Its rows are registered with CUDA as pinned memory, read by the draw's asynchronous copy."""
     # Matchers in the process never jump forward: the twin in the step thread draws every token too.
-    common = dict(device="cuda", dtype="float32", block_size=4, num_kv_blocks=256, max_num_seqs=16, jump_forward=False)
+    monkeypatch.setenv("ASYNCLLM_JUMP_FORWARD", "0")
+    common = dict(device="cuda", dtype="float32", block_size=4, num_kv_blocks=256, max_num_seqs=16)
     cases = list(itertools.product(CONSTRAINTS, DRAWS, range(1)))
     params = [constrained(*case) for case in cases]
     prompts = [[5 + i % 7, 6, 7] for i in range(len(cases))]

@@ -33,14 +33,16 @@ PROMPT = "The capital of France is Paris. The capital of Japan is Tokyo. " * 2
 
 @pytest.fixture(scope="module")
 def jumping(tiny_model: Path) -> Iterator[LLM]:
-    llm = LLM(str(tiny_model), **SERIAL)  # jump_forward=True: the default
+    llm = LLM(str(tiny_model), **SERIAL)  # ASYNCLLM_JUMP_FORWARD=1: the default
     yield llm
     llm.shutdown()
 
 
 @pytest.fixture(scope="module")
 def drawing(tiny_model: Path) -> Iterator[LLM]:
-    llm = LLM(str(tiny_model), jump_forward=False, **SERIAL)
+    with pytest.MonkeyPatch.context() as env:  # read when the engine is built
+        env.setenv("ASYNCLLM_JUMP_FORWARD", "0")
+        llm = LLM(str(tiny_model), **SERIAL)
     yield llm
     llm.shutdown()
 

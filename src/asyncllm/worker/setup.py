@@ -272,8 +272,7 @@ class WorkerSetup:
             grammar_process_threads=self._grammar_process_threads(),
             # Every rank's matchers must give the same masks; whether a run's first token is drawn already
             # depends on when rank 0's core reads the step (FillJob): one rank only.
-            jump_forward=self.config.device_config.jump_forward
-            and (self.parallel is None or self.parallel.world_size == 1),
+            jump_forward=self.resolved.tuning.jump_forward and (self.parallel is None or self.parallel.world_size == 1),
             graph_draw=graph_sampling,
             # A draw queued behind its rows' flag needs the core to read the step before (FillJob): one rank.
             awaited_masks=self.parallel is None or self.parallel.world_size == 1,

@@ -24,6 +24,7 @@ class WorkerTuning:
     cuda_graph_max_tokens: int  # ASYNCLLM_CUDA_GRAPH_MAX_TOKENS, "auto" settled for this engine's step budget
     grammar_process: GrammarProcessChoice  # ASYNCLLM_GRAMMAR_PROCESS
     grammar_process_threads: int | None  # ASYNCLLM_GRAMMAR_PROCESS_THREADS (None: auto)
+    jump_forward: bool  # ASYNCLLM_JUMP_FORWARD
 
     @classmethod
     def read(cls, config: EngineConfig) -> WorkerTuning:
@@ -37,4 +38,5 @@ class WorkerTuning:
             cuda_graph_max_tokens=config.graph_max_tokens(envs.CUDA_GRAPH_MAX_TOKENS.get()),
             grammar_process=envs.GRAMMAR_PROCESS.get(),
             grammar_process_threads=envs.GRAMMAR_PROCESS_THREADS.get(),
+            jump_forward=envs.JUMP_FORWARD.get(),
         )
