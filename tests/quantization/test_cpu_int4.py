@@ -118,16 +118,35 @@ def test_gguf_on_a_bf16_cpu_stays_quantized_head_included(files) -> None:
 
 def test_a_tied_q8_0_table_is_kept_as_its_codes_exactly() -> None:
     """A tied embedding whose values are Q8_0's (d * q) is read from 8-bit codes and scales, every looked-up row
-    the float table's bit for bit; a table those codes do not give back (plain floats) keeps its floats."""
+    the float table's bit for bit; a table those codes do not give back (plain floats) keeps its floats, and
+    without `keep_codes` (an untied head) none is made."""
     from asyncllm.quantization.cpu_pack import _pack_head
 
     gen = torch.Generator().manual_seed(2)
     floats = torch.randn(192, 96, generator=gen) * 0.05
     qweight, scales, qzeros = cpu_int4.requantize_int8(floats)
     table = dequantize_ref(qweight, scales, qzeros, bits=8, group_size=32)  # what a GGUF Q8_0 file holds
+    want = table.clone()  # the table itself is consumed: its pages go back as their codes prove exact
     packed, embedding = _pack_head(table, keep_codes=True)
     assert embedding is not None and packed.out_features == 192
     ids = torch.tensor([0, 191, 7, 7, 64])
-    assert torch.equal(embedding(ids), table[ids])
+    assert torch.equal(embedding(ids), want[ids])
     assert _pack_head(floats, keep_codes=True)[1] is None
     assert _pack_head(table, keep_codes=False)[1] is None
+
+
+def test_a_table_the_codes_miss_late_is_given_back_whole() -> None:
+    """The float table's rows are released slice by slice as their codes prove exact; a later slice the codes
+    miss keeps the table, its released rows written back from their codes: the same values as before."""
+    from asyncllm.quantization.cpu_pack import _HEAD_ROWS, _pack_head
+
+    gen = torch.Generator().manual_seed(3)
+    floats = torch.randn(2 * _HEAD_ROWS + 64, 256, generator=gen) * 0.05
+    table = floats.clone()
+    exact_rows = 2 * _HEAD_ROWS
+    qweight, scales, qzeros = cpu_int4.requantize_int8(floats[:exact_rows])
+    table[:exact_rows] = dequantize_ref(qweight, scales, qzeros, bits=8, group_size=32)
+    want = table.clone()
+    packed, embedding = _pack_head(table, keep_codes=True)
+    assert embedding is None and packed.out_features == table.shape[0]
+    assert torch.equal(table, want)

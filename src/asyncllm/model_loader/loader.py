@@ -17,9 +17,9 @@ import torch
 from asyncllm import envs
 from asyncllm.attention.backend import AttentionBackend
 from asyncllm.config import LoadFormat
+from asyncllm.layers import host_heap
 from asyncllm.layers.parallel import TPGroup, WeightShard
 from asyncllm.layers.param_dtype import parameters_in
-from asyncllm.model_loader import host_heap
 from asyncllm.model_loader.base import Checkpoint
 from asyncllm.model_loader.dummy import fill_dummy_weights
 from asyncllm.model_loader.kv_scales import KVScales, kv_scale_name
@@ -58,7 +58,7 @@ def load_model(
     model_cls = resolve_architecture(arch.architecture).model_class  # a worker rank's checkpoint has no hf_config
     world_size = 1 if parallel is None else parallel.world_size
     if device.type == "cpu":
-        host_heap.return_large_blocks(host_heap.LOAD_BLOCK)  # the load's copies leave nothing resident once freed
+        host_heap.for_load()  # the load's copies leave nothing resident once freed
     # Parameters are allocated in `dtype` (never the whole model in float32 first); buffers computed at
     # construction are cast once below. Weights are then copied (and cast) into place, never held twice.
     with torch.device(device), parameters_in(dtype):
@@ -118,8 +118,7 @@ def _on_cpu_kernel(model: CausalLM, quant: QuantScheme | None, device: torch.dev
             model.cpu_decode = decode  # type: ignore[assignment]
             logger.info("CPU decode steps take models/cpu_decode.py (ASYNCLLM_CPU_DECODE=off: the modules)")
     if device.type == "cpu":
-        host_heap.return_large_blocks(host_heap.LARGE_BLOCK)
-        host_heap.trim()
+        host_heap.for_serving()
     return model
 
 

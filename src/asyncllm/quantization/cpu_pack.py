@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from asyncllm.kernels.quant_matmul_ref import unpack_codes
+from asyncllm.layers import host_heap
 from asyncllm.layers.embedding import LMHead
 from asyncllm.quantization import cpu_int4
 from asyncllm.quantization.linear import QuantLinear
@@ -51,7 +52,7 @@ class Int8Embedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         rows = self.codes[input_ids].float()  # [T, K]
-        groups = rows.view(*rows.shape[:-1], self.scales.shape[-1], -1) * self.scales[input_ids][..., None]
+        groups = rows.view(*rows.shape[:-1], self.scales.shape[-1], 32) * self.scales[input_ids][..., None]
         return groups.flatten(-2)  # [T, hidden]
 
 
@@ -106,6 +107,10 @@ def _pack_head(weight: torch.Tensor, keep_codes: bool) -> tuple[cpu_int4.Int4Wei
             code = (unpack_codes(qweight, 8) - 128).to(torch.int8)  # [rows, K]: the zero point is 128
             exact = torch.equal(code.view(rows.shape[0], -1, 32) * scale[..., None], rows.view(code.shape[0], -1, 32))
             codes[start:end], scales[start:end] = code, scale
+            if exact:  # these rows live on in their codes: the float table's pages go now, not after the loop
+                host_heap.release(rows)
+            elif start:  # a slice the codes miss: the table stays, its released rows written back from their codes
+                weight[:start] = Int8Embedding(codes[:start], scales[:start])(torch.arange(start))
     assert packed is not None
     table = Int8Embedding(codes, scales) if exact and codes is not None and scales is not None else None
     return packed, table
