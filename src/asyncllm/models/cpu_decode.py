@@ -61,7 +61,8 @@ def _mul_into(proj: _Proj, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     of the float32 product, as the reference's cast after it: one op fewer)."""
     if proj.int4 is None:
         return a * b
-    return torch.mul(a, b, out=torch.empty(torch.broadcast_shapes(a.shape, b.shape), dtype=_INT4_INPUT))
+    shape = b.shape if b.dim() > a.dim() else a.shape  # a norm's weight [K] against rows [T, K]; else equal
+    return torch.mul(a, b, out=torch.empty(shape, dtype=_INT4_INPUT))
 
 
 def _proj(module: nn.Module) -> _Proj | None:
