@@ -1,5 +1,5 @@
 """`asyncllm serve [MODEL] [--host --port --api-key --served-model-name --lora-modules --drain-timeout]
-[--[no-]core-process] [--replicas N [--ray-address ADDR]] [every engine argument]`.
+[--[no-]core-process] [--replicas N [--ray-address ADDR]] [connection bounds] [every engine argument]`.
 
 Owns the server's command line and its start-up, cheapest check first: the arguments, then the address
 (bound now, handed to uvicorn later: a busy port fails in a second, not after the model loaded), then the
@@ -37,6 +37,7 @@ from asyncllm.console import (
 from asyncllm.default_model import DEFAULT_SERVED_NAME, default_model_path
 from asyncllm.errors import AsyncLLMError, InvalidConfigError
 from asyncllm.install import extra_install_hint
+from asyncllm.server.connections import add_connection_arguments, check_connection_arguments, uvicorn_options
 from asyncllm.server.engine_flags import add_engine_args, check_engine_args, engine_arg_specs, engine_args_from
 
 if TYPE_CHECKING:
@@ -123,6 +124,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="the Ray cluster the replicas run on: 'auto' (the one `ray start` began on this machine), "
         "'HOST:6379', 'ray://HOST:10001' (default: $RAY_ADDRESS, else a local cluster started by this server)",
     )
+    add_connection_arguments(parser)
     engine = parser.add_argument_group("engine (every AsyncLLMEngine argument; see asyncllm.config)")
     add_engine_args(engine, exclude=frozenset({"core_process"}))  # the server's own flag above, its own default
 
@@ -201,6 +203,9 @@ def run(args: argparse.Namespace) -> int:
         return report(f"--drain-timeout {args.drain_timeout} is invalid: give seconds >= 0", EXIT_USAGE)
     if args.request_timeout is not None and not 0 < args.request_timeout < float("inf"):
         return report(f"--request-timeout {args.request_timeout} is invalid: give seconds > 0", EXIT_USAGE)
+    refused = check_connection_arguments(args)
+    if refused is not None:
+        return report(refused, EXIT_USAGE)
     if args.replicas is not None and args.replicas < 1:
         return report(f"--replicas {args.replicas} is invalid: give a number of engines >= 1", EXIT_USAGE)
     if args.ray_address is not None and args.replicas is None:
@@ -292,7 +297,7 @@ def _serve(engine: AsyncLLMEngine, model: str, args: argparse.Namespace, sock: s
         rest = total - engine_seconds
         logger.info("ready in %.1f s (engine %.1f s, imports and server %.1f s)", total, engine_seconds, rest)
 
-    config = uvicorn.Config(app, log_level=args.log_level, loop="auto")
+    config = uvicorn.Config(app, log_level=args.log_level, loop="auto", **uvicorn_options(args))
     server = DrainingServer(config, started, app.state.asyncllm, drain_timeout=args.drain_timeout)
     server.run(sockets=[sock])  # SIGTERM and Ctrl-C end it (asyncllm.server.drain), re-raising nothing
     return EXIT_OK if server.started else EXIT_FAILED
