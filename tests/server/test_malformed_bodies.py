@@ -1,11 +1,12 @@
 """Every malformed body is the client's fault (issue 39): the catalogue below (lone surrogates, nesting past
 any bound, a wrong type in each field, oversized messages, tools and schemas, bad stop strings and logit_bias)
 goes to both generation endpoints, and each answer is a 4xx in OpenAI's shape naming the field at fault, never
-a 500. The server still serves afterwards."""
+a 500; a body past the server's byte bound is a 413, unread. The server still serves afterwards."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -140,15 +141,47 @@ def test_a_wrong_type_in_any_field_is_a_400_naming_it(server: RunningServer, pat
     assert_client_error(post(server, path, {**BASE[path], key: value}), key)
 
 
-OVERSIZED_CASES = [  # (path, key, value, field named)
-    (CHAT, "messages", [{"role": "user", "content": "b " * 5_000_000}], "messages"),
+TOO_LARGE_CASES = [  # (path, key, value): a body past the server's byte bound (2.3 MB for the tiny model)
+    (CHAT, "messages", [{"role": "user", "content": "b " * 5_000_000}]),
+    (CHAT, "chat_template_kwargs", {"notes": "n" * 10_000_000}),
+    (COMPLETIONS, "prompt", "p" * 10_000_000),
+    (COMPLETIONS, "prompt", list(range(1, 2_000_000))),
+    (COMPLETIONS, "prompt", ["p" * 6_000] * 500),  # each prompt fits: the batch does not
+]
+
+
+@pytest.mark.parametrize(("path", "key", "value"), TOO_LARGE_CASES)
+def test_a_body_past_the_byte_bound_is_a_413_and_is_not_read(
+    server: RunningServer, path: str, key: str, value: Any
+) -> None:
+    response = post(server, path, {**BASE[path], key: value})
+    assert response.status_code == 413 and response.headers["connection"] == "close", response.text[:300]
+    assert response.json()["error"]["code"] == "request_too_large"
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_a_chunked_body_past_the_byte_bound_is_a_413(server: RunningServer, path: str) -> None:
+    """No Content-Length to refuse at once: the body is read up to the bound, then refused."""
+
+    def pieces() -> Iterator[bytes]:
+        yield json.dumps(BASE[path]).encode()[:-1] + b', "user": "'
+        for _ in range(400):
+            yield b"u" * 10_000
+        yield b'"}'
+
+    response = httpx.post(server.url + path, content=pieces(), headers={"content-type": "application/json"}, timeout=60)
+    assert response.status_code == 413, response.text[:300]
+
+
+OVERSIZED_CASES = [  # (path, key, value, field named): under the byte bound, over a field's
+    (CHAT, "messages", [{"role": "user", "content": "b " * 100_000}], "messages"),
     (CHAT, "tools", [TOOL] * 129, "tools"),
     (CHAT, "tools", [{**TOOL, "function": {"name": "f", "description": "d" * 300_000}}], "tools"),
     (CHAT, "response_format", {"type": "json_schema", "json_schema": {"name": "n", "schema": {"enum": ["x" * 3**12]}}},
      "response_format"),
-    (CHAT, "chat_template_kwargs", {"notes": "n" * 10_000_000}, "chat_template_kwargs"),
-    (COMPLETIONS, "prompt", "p" * 10_000_000, "prompt"),
-    (COMPLETIONS, "prompt", list(range(1, 2_000_000)), "prompt"),
+    (CHAT, "chat_template_kwargs", {"notes": "n" * 1_000_000}, "chat_template_kwargs"),
+    (COMPLETIONS, "prompt", "p" * 1_000_000, "prompt"),
+    (COMPLETIONS, "prompt", list(range(1, 200_000)), "prompt"),
     (COMPLETIONS, "choice", ["c" * 1_000] * 300, "choice"),
     (COMPLETIONS, "stop", ["s"] * 65, "stop"),
     (COMPLETIONS, "stop", ["s" * 257], "stop"),

@@ -1,10 +1,12 @@
-"""A request body's JSON, bounded before any field of it is read: nested at most `MAX_BODY_DEPTH` levels, and
-no lone surrogate in any string (JSON's "\\ud800" escape decodes to one; no tokenizer takes it, and a JSON
-response echoing it cannot be encoded). A refusal names the top-level field at fault.
+"""A request body, bounded before any field of it is read: at most `body_byte_limit` bytes (read no further:
+a 413, the connection closed), JSON nested at most `MAX_BODY_DEPTH` levels, and no lone surrogate in any
+string (JSON's "\\ud800" escape decodes to one; no tokenizer takes it, and a JSON response echoing it cannot
+be encoded). A refusal names the top-level field at fault.
 
-Both checks cost nothing for ordinary bodies: a body with fewer brackets than the bound cannot nest past it,
-and one without a surrogate escape holds no surrogate. Only the others are scanned, at C speed (numpy over
-the bytes; json's own encoder for surrogates) and off the event loop. Knows no request model.
+The JSON checks cost nothing for ordinary bodies: a body with fewer brackets than the bound cannot nest past
+it, and one without a surrogate escape holds no surrogate. Only the others are scanned, at C speed (numpy
+over the bytes, off the event loop for a large body; json's own encoder for surrogates). Knows no request
+model.
 """
 
 from __future__ import annotations
@@ -14,21 +16,64 @@ import json
 import re
 from typing import Any
 
-from asyncllm.input_limits import MAX_JSON_DEPTH
+from starlette.requests import Request
+
+from asyncllm.input_limits import MAX_JSON_DEPTH, PromptBounds
 from asyncllm.server.errors import OpenAIError
+from asyncllm.structured import MAX_CONSTRAINT_CHARS
 
 # A schema sits 4 levels into a body (body.response_format.json_schema.schema, body.tools[i].function.parameters)
 # and may nest MAX_JSON_DEPTH levels itself; json.loads recurses, and fails past ~1,000 levels.
 MAX_BODY_DEPTH = MAX_JSON_DEPTH + 16
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # may precede a lone surrogate (or half of a good pair)
 _SHOWN_ITEMS = 1_000  # a list field is searched item by item for its bad item up to this length
+_SCAN_IN_THREAD = 2**18  # bytes from which the depth scan runs off the loop
+
+
+def body_byte_limit(bounds: PromptBounds | None) -> int | None:
+    """The most bytes a request body may have: the longest prompt (or chat) the engine holds and a constraint
+    of the longest kind, each character of either as a 6-byte JSON escape, and 1 MiB for every other field
+    (None: no engine yet). A completions batch of prompts must fit in it too: send a larger one in parts."""
+    if bounds is None or bounds.max_chars is None:
+        return None
+    return 6 * (bounds.max_chars + MAX_CONSTRAINT_CHARS) + 2**20
+
+
+async def read_body_bytes(request: Request, limit: int | None) -> bytes:
+    """The body, read no further than `limit` bytes: past it (or a Content-Length past it) an OpenAIError 413
+    whose response closes the connection, so the rest is never read."""
+    if limit is None:
+        return await request.body()
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(size, limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(size: int, limit: int) -> OpenAIError:
+    return OpenAIError(
+        f"the request body has {size:,} bytes (at least), more than the {limit:,} a request to this server may "
+        "have (its longest prompt and constraint as JSON): shorten it, or send a batch of prompts in parts",
+        status=413,
+        code="request_too_large",
+        headers={"connection": "close"},
+    )
 
 
 async def parse_json_body(raw: bytes) -> Any:
     """`raw` decoded: ValueError (JSONDecodeError, UnicodeDecodeError) when it is not JSON text, OpenAIError
     (400, naming the field) when it nests too deep or holds a lone surrogate."""
     if raw.count(b"[") + raw.count(b"{") > MAX_BODY_DEPTH:
-        offset = await asyncio.to_thread(first_too_deep, raw, MAX_BODY_DEPTH)
+        if len(raw) < _SCAN_IN_THREAD:  # a millisecond or less: not worth a thread's hand-off
+            offset = first_too_deep(raw, MAX_BODY_DEPTH)
+        else:
+            offset = await asyncio.to_thread(first_too_deep, raw, MAX_BODY_DEPTH)
         if offset is not None:
             field = top_level_field(raw, offset)
             at = f" (in {field})" if field else ""

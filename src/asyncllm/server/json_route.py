@@ -16,7 +16,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from asyncllm.server.errors import OpenAIError, body_error
-from asyncllm.server.json_body import parse_json_body
+from asyncllm.server.json_body import body_byte_limit, parse_json_body, read_body_bytes
 from asyncllm.server.streaming import disconnected_response
 
 Body = TypeVar("Body", bound=BaseModel)
@@ -31,7 +31,7 @@ def json_route(path: str, model: type[Body], handler: Callable[[Body, Request], 
 
     async def endpoint(request: Request) -> Response:
         try:
-            raw = await request.body()
+            raw = await read_body_bytes(request, _body_limit(request))
         except ClientDisconnect:  # gone before its body arrived: nothing to answer, nothing to log
             return disconnected_response()
         return await handler(await read_body(model, raw, request.headers.get("content-type")), request)
@@ -63,6 +63,13 @@ async def read_body(model: type[Body], raw: bytes, content_type: str | None) -> 
             first = exc.errors(include_url=False)[0]
             error = {**first, "loc": ("body", *first["loc"])}
     raise body_error(error)
+
+
+def _body_limit(request: Request) -> int | None:
+    """`json_body.body_byte_limit` of the app's engine (None: an app without one, or not loaded yet)."""
+    state = getattr(request.app.state, "asyncllm", None)
+    engine = getattr(state, "engine", None)
+    return body_byte_limit(engine.prompt_bounds if engine is not None else None)
 
 
 def _is_json(content_type: str | None) -> bool:
