@@ -91,6 +91,18 @@ def test_lone_surrogates_are_named_where_they_are(value: Any, where: str) -> Non
         check_nested("x", value)
 
 
+def test_flat_lists_are_read_whole_and_alike() -> None:
+    """A list of strings or of scalars is read at C speed (an enum of 20,000 strings walked item by item held
+    the event loop 10 ms a request): the same size, the same refusals, the same places named."""
+    enum = [f"{i:05d}" for i in range(20_000)]
+    assert check_nested("x", {"enum": enum}) == 1 + 1 + 4 + 20_000 + 5 * 20_000
+    assert check_nested("x", [1, 2.5, None, True]) == 1 + 4
+    with pytest.raises(InvalidRequestError, match=r"x\[2\] is not valid Unicode text"):
+        check_nested("x", ["a", "b", "c\udc00"])
+    with pytest.raises(InvalidRequestError, match="too large"):
+        check_nested("x", enum, max_chars=50_000)
+
+
 def test_valid_unicode_passes_and_surrogate_pairs_are_not_lone() -> None:
     check_unicode("t", "plain ascii")
     check_unicode("t", "café 😀 漢字")

@@ -21,6 +21,7 @@ from asyncllm.validation import short_repr
 # stay under 20 levels, and compile time grows with depth (a 200-deep schema took 1.5-3 s, issue 39).
 MAX_JSON_DEPTH = 64
 MAX_TOOLS = 128  # OpenAI's bound on tools per request
+_SCALARS = frozenset({int, float, bool, type(None)})
 MAX_LOGIT_BIAS = 300  # OpenAI's bound on biased tokens per request
 LOGIT_BIAS_LIMIT = 100.0  # |bias| at most this: OpenAI's range, past which a token is certain or impossible anyway
 
@@ -80,6 +81,16 @@ def check_nested(
         size += len(node)  # one per item, counted before any is read: a 10-million-item list stops here
         _check_size(field, size, max_chars, over)
         if not is_map:
+            kinds = set(map(type, node))  # a flat list (an enum's 20,000 strings) is read at C speed
+            if kinds <= _SCALARS:
+                continue
+            if kinds == {str}:
+                size += sum(map(len, node))
+                _check_size(field, size, max_chars, over)
+                if not "".join(node).isascii():
+                    for i, item in enumerate(node):
+                        check_unicode(_where(field, (path, i)), item)
+                continue
             stack.extend((item, depth + 1, (path, i)) for i, item in enumerate(node))
             continue
         for key, item in node.items():
