@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing as mp
 import shlex
@@ -41,6 +42,7 @@ from serve_load import free_port, prompts, summarize  # noqa: E402
 from sse_clients import request_bytes, run_clients  # noqa: E402
 
 LIMIT = 1.5  # the bound: honest ITL p99 beside hostile clients <= 1.5x alone
+_PIECE = 1 << 16  # a hostile body is written in pieces of this many bytes, each when the last was taken
 MODEL = "bench"
 
 
@@ -116,9 +118,14 @@ async def hostile_client(
                     break
                 counts[f"{kind}:{'closed' if reader.at_eof() else 'open at the end'}"] += 1
             else:
-                writer.write(request)
-                await writer.drain()
                 answer = asyncio.ensure_future(_status(reader))
+                view = memoryview(request)
+                with contextlib.suppress(ConnectionError):  # a refusal may close the connection mid-upload
+                    for start in range(0, len(view), _PIECE):  # as the server reads it: a refusal stops it
+                        if answer.done():
+                            break
+                        writer.write(view[start : start + _PIECE])
+                        await writer.drain()
                 while not answer.done() and time.monotonic() < until[0]:
                     await asyncio.wait([answer], timeout=0.1)
                 if answer.done():
