@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from asyncllm import SamplingParams, StreamOutput
+from asyncllm.input_limits import PromptBounds
 from asyncllm.outputs import RequestMetrics
 
 _WORDS = [" the", " engine", " streams", " every", " token", ",", " and", " the", " server", " writes", " it", "."]
@@ -59,6 +60,11 @@ class ScriptedEngine:
 
     def stats(self) -> dict[str, float | int]:
         return {}
+
+    @property
+    def prompt_bounds(self) -> PromptBounds:
+        """A real engine's bound for its longest sequence, here no vocabulary to count characters by."""
+        return PromptBounds(max_tokens=32_768, max_chars=None)
 
 
 async def one(app: Any, body: bytes, path: str) -> int:
