@@ -19,7 +19,10 @@ import pytest
 
 from asyncllm import AsyncLLMEngine
 from asyncllm.server import create_app
+from tests.fixtures.chat_templates import HERMES
+from tests.fixtures.tiny_models import build_checkpoint
 from tests.server.serving import RunningServer, start_server
+from tests.server.test_tools import ENGINE_ARGS as TOOLS_ENGINE_ARGS
 
 MODEL = "tiny"
 API_KEY = "test-secret-key"
@@ -109,3 +112,20 @@ def wait_drained(engine: AsyncLLMEngine, timeout: float) -> dict[str, float | in
             return stats
         assert time.monotonic() < deadline, f"engine not drained after {timeout} s: {stats}"
         time.sleep(0.005)
+
+
+# The API tests' engine with room for tool calls (one per module that asks: module scope), behind a server
+# templating with the Hermes tool format.
+@pytest.fixture(scope="module")
+def tools_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AsyncLLMEngine]:
+    path = build_checkpoint(tmp_path_factory.mktemp("tools") / "qwen3", "qwen3", max_position_embeddings=2048)
+    engine = AsyncLLMEngine(str(path), **TOOLS_ENGINE_ARGS)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tools_server(tools_engine: AsyncLLMEngine) -> Iterator[RunningServer]:
+    running = start_server(create_app(tools_engine, served_model_name="tiny-tools", chat_template=HERMES))
+    yield running
+    running.stop()

@@ -17,11 +17,9 @@ import pytest
 from asyncllm import AsyncLLMEngine
 from asyncllm.chat import apply_chat_template
 from asyncllm.server import create_app
-from tests.fixtures.chat_templates import HERMES, THINKING
-from tests.fixtures.tiny_models import build_checkpoint
+from tests.fixtures.chat_templates import THINKING
 from tests.server.conftest import API_KEY
 from tests.server.serving import RunningServer, start_server
-from tests.server.test_tools import ENGINE_ARGS as TOOLS_ENGINE_ARGS
 from tests.server.test_tools import SCHEMAS
 
 MODEL = "tiny"
@@ -34,21 +32,6 @@ TOGGLED = THINKING.replace(
     "<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
     "{% else %}<think>\n{% endif %}{% endif %}",
 )
-
-
-@pytest.fixture(scope="module")
-def tools_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AsyncLLMEngine]:
-    path = build_checkpoint(tmp_path_factory.mktemp("tools") / "qwen3", "qwen3", max_position_embeddings=2048)
-    engine = AsyncLLMEngine(str(path), **TOOLS_ENGINE_ARGS)
-    yield engine
-    engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def tools_server(tools_engine: AsyncLLMEngine) -> Iterator[RunningServer]:
-    running = start_server(create_app(tools_engine, served_model_name="tiny-tools", chat_template=HERMES))
-    yield running
-    running.stop()
 
 
 @pytest.fixture(scope="module")
