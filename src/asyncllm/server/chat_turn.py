@@ -15,7 +15,7 @@ import dataclasses
 import secrets
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, Protocol
 
 from starlette.requests import Request
 
@@ -100,6 +100,22 @@ class ChatTurn:
                 yield Piece("text", held)
         finally:
             await self.outputs.aclose()
+
+
+class Builder(Protocol):
+    """An API's response built from a turn's pieces (`serving_responses.py`, `serving_messages.py`)."""
+
+    def feed(self, piece: Piece) -> list[Any]: ...
+
+    def finish(self, turn: ChatTurn) -> list[Any]: ...
+
+
+async def fold(turn: ChatTurn, builder: Builder) -> None:
+    """Feed every piece of `turn` to `builder`, then finish it: the non-streamed response is the streamed
+    one's final state (its events are dropped here)."""
+    async for piece in turn.pieces():
+        builder.feed(piece)
+    builder.finish(turn)
 
 
 def _pieces(chunk: ChatChunk) -> list[Piece]:

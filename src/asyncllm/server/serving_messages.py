@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from asyncllm.errors import AsyncLLMError
-from asyncllm.server.chat_turn import ChatTurn, Piece, start_turn
+from asyncllm.server.chat_turn import ChatTurn, Piece, fold, start_turn
 from asyncllm.server.errors import OpenAIError, engine_error
 from asyncllm.server.json_route import read_body
 from asyncllm.server.messages_api import MessagesRequest, error_body, error_response, renamed, to_chat
@@ -66,16 +66,10 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     if body.stream:
         return SSEResponse(_streamed(turn, builder), on_close=turn.close)
     try:
-        await cancel_on_disconnect(request, _fold(turn, builder))
+        await cancel_on_disconnect(request, fold(turn, builder))
     except ClientDisconnected:
         return _gone()
     return JSONResponse(builder.message(turn))
-
-
-async def _fold(turn: ChatTurn, builder: MessageBuilder) -> None:
-    async for piece in turn.pieces():
-        builder.feed(piece)
-    builder.finish(turn)
 
 
 async def _streamed(turn: ChatTurn, builder: MessageBuilder) -> AsyncGenerator[bytes, None]:

@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from asyncllm.errors import AsyncLLMError
-from asyncllm.server.chat_turn import ChatTurn, Piece, start_turn
+from asyncllm.server.chat_turn import ChatTurn, Piece, fold, start_turn
 from asyncllm.server.errors import OpenAIError, engine_error
 from asyncllm.server.openai_params import chat_sampling_params
 from asyncllm.server.responses_api import ResponsesRequest, TextFormat, renamed, to_chat
@@ -46,16 +46,10 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     if body.stream:
         return SSEResponse(_streamed(turn, builder), on_close=turn.close)
     try:
-        await cancel_on_disconnect(request, _fold(turn, builder))
+        await cancel_on_disconnect(request, fold(turn, builder))
     except ClientDisconnected:
         return _gone()
     return JSONResponse(builder.response(turn))
-
-
-async def _fold(turn: ChatTurn, builder: ResponseBuilder) -> None:
-    async for piece in turn.pieces():
-        builder.feed(piece)
-    builder.finish(turn)
 
 
 async def _streamed(turn: ChatTurn, builder: ResponseBuilder) -> AsyncGenerator[bytes, None]:
