@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from asyncllm.config import (
     engine_arguments,
 )
 from asyncllm.config_values import AttentionBackendName, Device
-from asyncllm.errors import AsyncLLMError
+from asyncllm.errors import AsyncLLMError, InvalidConfigError
 
 
 def test_defaults_and_coercion(tmp_path: Path) -> None:
@@ -93,11 +94,14 @@ def test_unknown_argument_is_a_type_error_naming_it() -> None:
         ("gpu_memory_utilization", True),
         ("num_kv_blocks", 0),
         ("num_kv_blocks", 2.0),
-        ("cpu_kv_cache_gib", 0),
-        ("cpu_kv_cache_gib", -1.0),
-        ("cpu_kv_cache_gib", math.nan),
-        ("cpu_kv_cache_gib", math.inf),
-        ("cpu_kv_cache_gib", True),
+        ("kv_offloading_size", -1.0),
+        ("kv_offloading_size", math.nan),
+        ("kv_offloading_size", True),
+        ("kv_offloading_size", "2"),
+        ("kv_cache_dir", ""),
+        ("kv_cache_dir", 3),
+        ("task", "generation"),
+        ("task", "embedding"),
         ("enable_prefix_caching", 1),
         ("kv_cache_dtype", "fp8_e5m2"),
         ("kv_cache_dtype", "int8"),
@@ -196,3 +200,47 @@ def test_at_most_30_engine_arguments() -> None:
     tuning knobs are ASYNCLLM_* variables (docs/tuning.md), not arguments."""
     names = [a.name for a in engine_arguments() if a.name != "model"]
     assert len(names) <= 30, names
+
+
+@pytest.mark.parametrize(
+    ("name", "variable", "raw", "field", "value"),
+    [
+        ("async_scheduling", "ASYNCLLM_ASYNC_SCHEDULING", "0", "scheduler_config", False),
+        ("max_step_seconds", "ASYNCLLM_MAX_STEP_SECONDS", "2.5", "device_config", 2.5),
+        ("cpu_kv_cache_gib", "ASYNCLLM_CPU_KVCACHE_SPACE", "0.5", "cache_config", 0.5),
+    ],
+)
+def test_wave_four_moved_three_arguments_to_variables(
+    monkeypatch: pytest.MonkeyPatch, name: str, variable: str, raw: str, field: str, value: object
+) -> None:
+    """`task`, `kv_offloading_size` and `kv_cache_dir` joined under the cap; a twin switch and two bounds left
+    for ASYNCLLM_* variables, read when a config is made. Their old names point at the variable."""
+    with pytest.raises(TypeError, match=f"unknown engine argument {name!r}: it is the environment variable {variable}"):
+        EngineConfig.from_kwargs("m", **{name: value})
+    monkeypatch.setenv(variable, raw)
+    assert getattr(getattr(EngineConfig.from_kwargs("m"), field), name) == value
+    monkeypatch.setenv(variable, "-1")
+    with pytest.raises(InvalidConfigError, match=variable):
+        EngineConfig.from_kwargs("m")
+
+
+def test_task_and_kv_tiers_are_engine_arguments(tmp_path: Path) -> None:
+    config = EngineConfig.from_kwargs("m", task="embed", kv_offloading_size=1.5, kv_cache_dir=str(tmp_path / "kv"))
+    assert config.model_config.task == "embed" and config.cache_config.kv_offloading_size == 1.5
+    assert Path(config.cache_config.kv_cache_dir or "").is_dir()  # made at construction
+    assert EngineConfig.from_kwargs("m").cache_config.kv_offloading_size == 0.0  # off by default
+
+
+def test_a_kv_cache_dir_that_is_a_file_or_unwritable_fails_at_construction(tmp_path: Path) -> None:
+    afile = tmp_path / "f"
+    afile.write_text("x")
+    with pytest.raises(InvalidConfigError, match=r"kv_cache_dir=.* is a file, not a directory"):
+        EngineConfig.from_kwargs("m", kv_cache_dir=str(afile))
+    with pytest.raises(InvalidConfigError, match=r"kv_cache_dir=.* cannot be created"):
+        EngineConfig.from_kwargs("m", kv_cache_dir=str(afile / "below"))
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    if os.access(locked, os.W_OK):  # root writes anywhere
+        pytest.skip("this user writes every directory")
+    with pytest.raises(InvalidConfigError, match=r"kv_cache_dir=.* is not writable"):
+        EngineConfig.from_kwargs("m", kv_cache_dir=str(locked))

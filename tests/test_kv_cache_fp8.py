@@ -142,12 +142,14 @@ def test_chunked_prefill_preemption_and_prefix_hits_keep_the_tokens(family: str,
     assert tight == roomy + roomy
 
 
-def test_block_count_doubles_against_bfloat16(tiny_checkpoints: dict[str, Path]) -> None:
+def test_block_count_doubles_against_bfloat16(
+    tiny_checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The same memory budget holds twice the blocks: one byte per element instead of two."""
+    monkeypatch.setenv("ASYNCLLM_CPU_KVCACHE_SPACE", str(1 / 1024))
     counts = {}
     for kv in ("auto", "fp8"):
-        llm = LLM(str(tiny_checkpoints["qwen3"]), device="cpu", dtype="bfloat16", kv_cache_dtype=kv,
-                  cpu_kv_cache_gib=1 / 1024)  # fmt: skip
+        llm = LLM(str(tiny_checkpoints["qwen3"]), device="cpu", dtype="bfloat16", kv_cache_dtype=kv)
         counts[kv] = (llm.stats()["num_total_blocks"], llm.runtime.kv_cache_bytes)
         llm.shutdown()
     (auto_blocks, auto_bytes), (fp8_blocks, fp8_bytes) = counts["auto"], counts["fp8"]

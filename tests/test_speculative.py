@@ -74,12 +74,13 @@ def test_ngram_gives_the_same_tokens(tiny_model: Path, params: SamplingParams) -
 @pytest.mark.parametrize("wrong", [0, 3, 2], ids=["all-right", "every-3rd-wrong", "every-2nd-wrong"])
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_accepted_and_rejected_drafts(
-    tiny_model: Path, params: SamplingParams, wrong: int, async_scheduling: bool
+    tiny_model: Path, params: SamplingParams, wrong: int, async_scheduling: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    ref, ref_stats = _run(tiny_model, params, None, async_scheduling=async_scheduling)
+    monkeypatch.setenv("ASYNCLLM_ASYNC_SCHEDULING", str(int(async_scheduling)))
+    ref, ref_stats = _run(tiny_model, params, None)
     oracle = Oracle({tuple(p): t for p, t in zip(PROMPTS, _tokens(ref))}, 4, wrong)
     spec = {"method": "ngram", "num_speculative_tokens": 4}
-    outs, stats = _run(tiny_model, params, spec, oracle, async_scheduling=async_scheduling)
+    outs, stats = _run(tiny_model, params, spec, oracle)
     assert _tokens(outs) == _tokens(ref)
     assert [o.outputs[0].finish_reason for o in outs] == [o.outputs[0].finish_reason for o in ref]
     drafts, accepted = stats["spec_draft_tokens"], stats["spec_accepted_tokens"]

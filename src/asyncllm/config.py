@@ -16,14 +16,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from asyncllm import envs
 from asyncllm.config_device import DeviceConfig
-from asyncllm.config_fields import arg, invalid, local_path, set_field
+from asyncllm.config_fields import arg, from_env, invalid, local_path, set_field, writable_dir
 from asyncllm.config_values import (
     KV_CACHE_DTYPES_REFUSED,
     DType,
     KVCacheDType,
     LoadFormat,
     Quantization,
+    Task,
 )
 from asyncllm.errors import InvalidConfigError, UnknownArgumentError
 from asyncllm.validation import check_bool, check_enum, check_float, check_int, check_optional_int
@@ -61,9 +63,17 @@ class ModelConfig:
         'channel); "awq" / "gptq" / "fp8" / "gguf" given for a quantized checkpoint must match it '
         "(docs/quantization.md).",
     )
+    task: Task | None = arg(
+        None,
+        '"generate" (text), "embed" (embed: vectors) or "score" (score/rerank: relevance of documents to a query). '
+        "None: what the checkpoint says (sentence-transformers files or an encoder: embed; a "
+        "*ForSequenceClassification: score; else generate). docs/embeddings.md.",
+    )
 
     def __post_init__(self) -> None:
         set_field(self, "model", local_path("model", self.model, optional=False))
+        if self.task is not None:
+            set_field(self, "task", check_enum(invalid, Task, "task", self.task))
         set_field(self, "tokenizer", local_path("tokenizer", self.tokenizer, optional=True))
         set_field(self, "dtype", check_enum(invalid, DType, "dtype", self.dtype))
         check_optional_int(invalid, "max_model_len", self.max_model_len, "an integer >= 1, or None", lo=1)
@@ -84,12 +94,7 @@ class CacheConfig:
     num_kv_blocks: int | None = arg(
         None, "Explicit KV block count; None sizes it from memory (GPU) or `cpu_kv_cache_gib` (CPU)."
     )
-    cpu_kv_cache_gib: float | None = arg(
-        None,
-        "KV cache budget on CPU in GiB when `num_kv_blocks` is None. None: room for one `max_model_len` sequence "
-        "(shorter ones share it), at least 1/4 GiB and at most 1 GiB. Memory becomes resident only as blocks are "
-        "first written.",
-    )
+    cpu_kv_cache_gib: float | None = from_env(envs.CPU_KVCACHE_SPACE)  # not an argument: ASYNCLLM_CPU_KVCACHE_SPACE
     enable_prefix_caching: bool = arg(True, "Reuse KV blocks of identical prefixes across requests.")
     kv_cache_dtype: KVCacheDType = arg(
         KVCacheDType.AUTO,
@@ -97,6 +102,16 @@ class CacheConfig:
         "holds twice the blocks of a 16-bit cache and decode reads half the bytes; keys and values are divided by "
         "a per-layer scale (the checkpoint's k_scale / v_scale, else 1.0) and saturated to +-448. "
         "docs/quantization.md.",
+    )
+    kv_offloading_size: float = arg(
+        0.0,
+        "GiB of host memory for KV blocks the prefix cache evicts from the device; a later hit copies them back "
+        "instead of recomputing (docs/API.md, KV cache beyond the GPU). 0: off.",
+    )
+    kv_cache_dir: str | None = arg(
+        None,
+        "A directory where evicted KV blocks are also kept on disk, found again by a later engine on the same "
+        "model and settings (after a restart). Created if missing; None: off.",
     )
 
     def __post_init__(self) -> None:
@@ -120,6 +135,9 @@ class CacheConfig:
                 check_float(invalid, "cpu_kv_cache_gib", self.cpu_kv_cache_gib, gib, lo=0.0, lo_open=True),
             )
         check_bool(invalid, "enable_prefix_caching", self.enable_prefix_caching)
+        size = check_float(invalid, "kv_offloading_size", self.kv_offloading_size, "a number of GiB >= 0", lo=0.0)
+        set_field(self, "kv_offloading_size", size)
+        set_field(self, "kv_cache_dir", writable_dir("kv_cache_dir", self.kv_cache_dir))
         refused = KV_CACHE_DTYPES_REFUSED.get(self.kv_cache_dtype) if isinstance(self.kv_cache_dtype, str) else None
         if refused is not None:
             raise InvalidConfigError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported: {refused}")
@@ -194,11 +212,7 @@ class SchedulerConfig:
         "between tokens while prompts arrive; README: On a GPU), the whole step budget for LLM (offline "
         "throughput). A value >= max_num_batched_tokens turns the cap off.",
     )
-    async_scheduling: bool = arg(
-        True,
-        "Plan step N+1 and process step N-1's outputs while the device runs step N (overlapped scheduling); "
-        "False waits for each step before planning the next (the serial twin, same tokens).",
-    )
+    async_scheduling: bool = from_env(envs.ASYNC_SCHEDULING)  # not an argument: ASYNCLLM_ASYNC_SCHEDULING
     max_waiting_requests: int | None = arg(
         None,
         "Most requests accepted that have not started computing (being tokenized, on their way to the core, "
@@ -281,6 +295,11 @@ class LoRAConfig:
         check_optional_int(invalid, "max_cpu_loras", self.max_cpu_loras, "an integer >= 1, or None", lo=1)
 
 
+# Former engine arguments that are ASYNCLLM_* variables now (docs/tuning.md): their old names get a pointer.
+_MOVED_TO_ENV = {var.name.removeprefix("ASYNCLLM_").lower(): var.name for var in envs.ALL} | {
+    "cpu_kv_cache_gib": envs.CPU_KVCACHE_SPACE.name
+}
+
 _PARTS: dict[str, type] = {
     "model_config": ModelConfig,
     "cache_config": CacheConfig,
@@ -328,6 +347,12 @@ class EngineConfig:
         owners = {arg.name: arg.part for arg in engine_arguments()}
         unknown = sorted(set(engine_args) - set(owners))
         if unknown:
+            variable = _MOVED_TO_ENV.get(unknown[0])
+            if variable is not None:
+                raise UnknownArgumentError(
+                    f"unknown engine argument {unknown[0]!r}: it is the environment variable {variable} now "
+                    "(docs/tuning.md)"
+                )
             known = ", ".join(sorted(set(owners) - {"model"}))
             raise UnknownArgumentError(f"unknown engine argument {unknown[0]!r}; known arguments: {known}")
         grouped: dict[str, dict[str, Any]] = {part: {} for part in _PARTS}
@@ -369,6 +394,8 @@ def engine_arguments() -> list[EngineArgument]:
     args = []
     for part, cls in _PARTS.items():
         for f in dataclasses.fields(cls):
+            if "env" in f.metadata:
+                continue  # an ASYNCLLM_* variable's, not the user's (config_fields.from_env)
             default = None if f.default is dataclasses.MISSING else f.default
             args.append(EngineArgument(f.name, getattr(default, "value", default), f.metadata.get("doc", ""), part))
     return args

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from asyncllm.config_fields import arg, invalid, set_field
+from asyncllm import envs
+from asyncllm.config_fields import arg, from_env, invalid, set_field
 from asyncllm.config_values import AttentionBackendName, Device
 from asyncllm.validation import check_bool, check_enum, check_float, check_optional_int
 
-# A step running longer than this fails the health check: far above any real step (a GPU step takes
-# milliseconds, a long CPU prefill a few seconds), far below what a stuck device or kernel looks like.
-DEFAULT_MAX_STEP_SECONDS = 20.0
 # A constraint compiling longer than this fails its request: far above a real schema's compile (milliseconds to a
 # few seconds on a 150k-token vocabulary), bounding what one crafted constraint can take.
 DEFAULT_GRAMMAR_COMPILE_TIMEOUT = 30.0
@@ -32,11 +30,7 @@ class DeviceConfig:
         "installed, else torch).",
     )
     enforce_eager: bool = arg(False, "Never capture CUDA graphs.")
-    max_step_seconds: float = arg(
-        DEFAULT_MAX_STEP_SECONDS,
-        "A step running longer than this makes check_health() (and the server's /health) fail: a stuck device "
-        "or kernel. AsyncLLMEngine only.",
-    )
+    max_step_seconds: float = from_env(envs.MAX_STEP_SECONDS)  # not an argument: ASYNCLLM_MAX_STEP_SECONDS
     core_process: bool = arg(
         False,
         "Run the engine core (scheduling, detokenizing, the model) in a process of its own, fed through pipes, "
@@ -72,3 +66,11 @@ class DeviceConfig:
             invalid, "grammar_compile_timeout", given, "a positive number of seconds", lo=0.0, lo_open=True
         )
         set_field(self, "grammar_compile_timeout", timeout)
+
+
+def device_limits(max_step_seconds: float | None, grammar_compile_timeout: float) -> DeviceConfig:
+    """The front's two bounds checked as the engine's are (`from_builder`, `from_client`): None takes
+    ASYNCLLM_MAX_STEP_SECONDS."""
+    if max_step_seconds is None:
+        return DeviceConfig(grammar_compile_timeout=grammar_compile_timeout)
+    return DeviceConfig(grammar_compile_timeout=grammar_compile_timeout, max_step_seconds=max_step_seconds)

@@ -51,6 +51,14 @@ class Quantization(str, enum.Enum):
     GGUF = "gguf"  # a GGUF file's Q8_0 / Q4_0 / Q4_1 linear layers kept quantized (the default on CUDA)
 
 
+class Task(str, enum.Enum):
+    """What the engine serves (`ModelConfig.task`); vLLM's runner/convert names. docs/embeddings.md."""
+
+    GENERATE = "generate"  # text: add_request, stream, generate, chat
+    EMBED = "embed"  # vectors: embed (and score as cosine similarity)
+    SCORE = "score"  # relevance: score, rerank (a cross-encoder or a yes/no reranker)
+
+
 class KVCacheDType(str, enum.Enum):
     """What the paged KV cache stores (`CacheConfig.kv_cache_dtype`); vLLM's names. docs/quantization.md."""
 

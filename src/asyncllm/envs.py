@@ -51,6 +51,16 @@ def _flag(raw: str) -> bool:
     return value
 
 
+def _gib_or_auto(raw: str) -> float | None:
+    """A positive number of GiB, or "auto" (None: the engine settles it)."""
+    if raw.lower() == "auto":
+        return None
+    value = float(raw)
+    if not value > 0 or value == float("inf"):  # NaN fails too
+        raise ValueError("use auto or a finite number of GiB > 0")
+    return value
+
+
 def _count_or_auto(raw: str) -> int | None:
     """A count of tokens >= 0, or "auto" (None: the engine settles it)."""
     if raw.lower() == "auto":
@@ -125,6 +135,34 @@ DEAD_ENGINE_JOIN_S: EnvVar[float] = EnvVar(
     "seconds a dead engine's shutdown waits for its step thread to release the device before leaving it "
     "(a kernel stuck on a dead tensor-parallel peer can block that release for good); above the executor's "
     "own bound on the release (3 s) plus its stop of the workers (1 s)",
+)
+
+# Read where an engine is configured (its config part's default), so the core's process and every rank see
+# the value of the process that made the engine. Until wave four's issues 43/44 they were engine arguments of the
+# same names in lower case: the twin switch and two bounds no user should need, making room for `task`,
+# `kv_offloading_size` and `kv_cache_dir` under the 30-argument cap.
+ASYNC_SCHEDULING: EnvVar[bool] = EnvVar(
+    "ASYNCLLM_ASYNC_SCHEDULING",
+    True,
+    _flag,
+    "plan step N+1 and process step N-1's outputs while the device runs step N (overlapped scheduling); false "
+    "waits for each step before planning the next (the serial twin: the same tokens)",
+)
+MAX_STEP_SECONDS: EnvVar[float] = EnvVar(
+    "ASYNCLLM_MAX_STEP_SECONDS",
+    20.0,
+    _seconds,
+    "a step running longer than this makes check_health() (and the server's /health) fail: a stuck device or "
+    "kernel (vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S). Far above any real step (a GPU step takes milliseconds, "
+    "a long CPU prefill a few seconds). AsyncLLMEngine and the server only",
+)
+CPU_KVCACHE_SPACE: EnvVar[float | None] = EnvVar(
+    "ASYNCLLM_CPU_KVCACHE_SPACE",
+    None,
+    _gib_or_auto,
+    "the KV cache's budget on CPU in GiB when `num_kv_blocks` is not given (vLLM's VLLM_CPU_KVCACHE_SPACE). "
+    "auto: room for one max_model_len sequence (shorter ones share it), at least 1/4 GiB and at most 1 GiB. "
+    "Memory becomes resident only as blocks are first written",
 )
 
 # The model's build on every rank (read once per engine where the model is resolved, the same for all ranks).
@@ -242,6 +280,9 @@ TP_CUSTOM_ALL_REDUCE: EnvVar[bool] = EnvVar(
 
 ALL: tuple[EnvVar[Any], ...] = (  # every variable, for docs/tuning.md's table and its test
     DEAD_ENGINE_JOIN_S,
+    ASYNC_SCHEDULING,
+    MAX_STEP_SECONDS,
+    CPU_KVCACHE_SPACE,
     DECODE_GEMV,
     DECODE_PDL,
     DECODE_FOLD_REDUCE,

@@ -12,6 +12,7 @@ import torch
 
 from asyncllm import LLM, SamplingParams
 from asyncllm.config import DEFAULT_GRAPH_TOKENS, SchedulerConfig
+from tests.fixtures.envs import serial_llm
 
 pytestmark = [
     pytest.mark.gpu,
@@ -202,7 +203,7 @@ def test_overlapped_scheduling_equals_serial(
         device="cuda", dtype=dtype, block_size=4, max_num_seqs=40, num_kv_blocks=48, max_num_batched_tokens=96
     )
     overlapped = LLM(path, **common)
-    serial = LLM(path, async_scheduling=False, **common)
+    serial = serial_llm(path, **common)
     prompts, greedy = _workload(overlapped.runtime.vocab_size)
     params = [
         SamplingParams(temperature=0.8, seed=i, max_tokens=p.max_tokens, min_tokens=2) if i % 2 else p

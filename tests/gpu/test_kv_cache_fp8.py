@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from asyncllm import LLM, SamplingParams
+from tests.fixtures.envs import serial_llm
 from tests.test_kv_cache_fp8 import assert_within_e4m3, largest_logit, make_prompts
 
 pytestmark = [
@@ -32,8 +33,8 @@ def _workload(vocab: int) -> tuple[list[list[int]], list[SamplingParams]]:
     return prompts, [SamplingParams(temperature=0, max_tokens=4 + 2 * i, ignore_eos=True) for i in range(37)]
 
 
-def _tokens(path: Path, **engine_args: Any) -> tuple[list[list[int]], dict[str, Any]]:
-    llm = LLM(str(path), **engine_args)
+def _tokens(path: Path, serial: bool = False, **engine_args: Any) -> tuple[list[list[int]], dict[str, Any]]:
+    llm = serial_llm(str(path), **engine_args) if serial else LLM(str(path), **engine_args)
     try:
         prompts, params = _workload(llm.runtime.vocab_size)
         tokens = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -55,7 +56,7 @@ def test_graphs_scheduling_and_prefix_cache_variants_agree(tiny_checkpoints, fam
     assert stats["prefix_cache_hit_rate"] > 0
     if "max_num_batched_tokens" in engine_args:
         assert stats["num_preemptions"] > 0
-    variants = [dict(enforce_eager=True), dict(async_scheduling=False)]
+    variants: list[dict[str, Any]] = [dict(enforce_eager=True), dict(serial=True)]
     if "max_num_batched_tokens" not in engine_args:
         # Not under preemption: there, with the prefix cache off a preempted request's tokens are recomputed by
         # the prefill kernel, while with it on their cached keys and values (written when the decode kernel's

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from asyncllm import LLM, SamplingParams
+from tests.fixtures.envs import serial_llm
 
 pytestmark = [
     pytest.mark.gpu,
@@ -48,7 +49,7 @@ def test_graphs_and_overlap_equal_eager_and_serial(tiny_checkpoints) -> None:
         device="cuda", dtype="float32", block_size=4, max_num_seqs=16, num_kv_blocks=32, enable_prefix_caching=False
     )
     fast = LLM(path, max_num_batched_tokens=64, **common)
-    slow = LLM(path, max_num_batched_tokens=64, enforce_eager=True, async_scheduling=False, **common)
+    slow = serial_llm(path, max_num_batched_tokens=64, enforce_eager=True, **common)
     assert fast.runtime.cuda_graph_token_sizes  # prompt chunks replay graphs
     prompts, params = _workload(fast.runtime.vocab_size, scored=True)
     ours = fast.generate(prompts, params, use_tqdm=False)

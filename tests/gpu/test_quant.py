@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from asyncllm import LLM, SamplingParams
+from tests.fixtures.envs import serial_llm
 
 pytestmark = [
     pytest.mark.gpu,
@@ -93,7 +94,7 @@ def test_graphs_scheduling_and_prefix_cache_variants_agree(variant: str, quantiz
     variants: dict[str, dict[str, Any]] = {
         "graphs": {},
         "eager": dict(enforce_eager=True),
-        "serial": dict(async_scheduling=False),
+        "serial": dict(serial=True),
         "no_prefix_cache": dict(enable_prefix_caching=False),
     }
     if variant in WIDER:
@@ -104,7 +105,10 @@ def test_graphs_scheduling_and_prefix_cache_variants_agree(variant: str, quantiz
         variants |= {"small_steps": small, "no_prefix_cache": small | dict(enable_prefix_caching=False)}
     results = {}
     for name, extra in variants.items():
-        llm = LLM(str(path), **(args | extra))
+        engine_args = args | extra
+        llm = (
+            serial_llm(str(path), **engine_args) if engine_args.pop("serial", False) else LLM(str(path), **engine_args)
+        )
         if name == "graphs":
             assert llm.runtime.cuda_graph_sizes
         results[name] = _greedy(llm, prompts)

@@ -15,6 +15,7 @@ import pytest
 
 from asyncllm import LLM, AsyncLLMEngine, InvalidRequestError, SamplingParams
 from tests.async_engine.conftest import wait_drained
+from tests.fixtures.envs import serial_llm
 from tests.structured.conftest import CONSTRAINTS, ENGINE_ARGS, check, constrained, overlapped_engine
 
 LONG_PROMPT = "The capital of France is Paris. The capital of Japan is Tokyo. Hello world! " * 2
@@ -49,7 +50,7 @@ async def _run(
 
 @pytest.fixture(scope="module")
 def serial(tiny_model: Path) -> Iterator[LLM]:
-    llm = LLM(str(tiny_model), async_scheduling=False, **ENGINE_ARGS)
+    llm = serial_llm(str(tiny_model), **ENGINE_ARGS)
     yield llm
     llm.shutdown()
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from asyncllm import LLM, SamplingParams
+from tests.fixtures.envs import serial_llm
 from tests.structured.conftest import CONSTRAINTS, DRAWS, check, constrained
 from tests.structured.test_grammar_process import grammar_processes, process_death_fails_its_requests_alone
 
@@ -38,7 +39,7 @@ def test_constrained_outputs_on_the_gpu_overlapped_equal_serial(
     params = [constrained(*case) for case in cases]
     prompts = [[5 + i % 7, 6, 7] for i in range(len(cases))]
     overlapped = LLM(str(tiny_model), **common)
-    serial = LLM(str(tiny_model), async_scheduling=False, **common)
+    serial = serial_llm(str(tiny_model), **common)
     try:
         assert overlapped.runtime.cuda_graph_sizes, "the forward pass replays CUDA graphs"
         ours = overlapped.generate(prompts, params, use_tqdm=False)

@@ -17,6 +17,7 @@ from tokenizers import Tokenizer
 
 from asyncllm import LLM, RequestOutput, SamplingParams
 from asyncllm.structured_output.mask_fill import JUMP_MAX_ROWS
+from tests.fixtures.envs import serial_llm
 from tests.structured.conftest import (
     CONSTRAINTS,
     ENGINE_ARGS,
@@ -27,13 +28,12 @@ from tests.structured.conftest import (
     overlapped_engine,
 )
 
-SERIAL = {**ENGINE_ARGS, "async_scheduling": False}
 PROMPT = "The capital of France is Paris. The capital of Japan is Tokyo. " * 2
 
 
 @pytest.fixture(scope="module")
 def jumping(tiny_model: Path) -> Iterator[LLM]:
-    llm = LLM(str(tiny_model), **SERIAL)  # ASYNCLLM_JUMP_FORWARD=1: the default
+    llm = serial_llm(str(tiny_model), **ENGINE_ARGS)  # ASYNCLLM_JUMP_FORWARD=1: the default
     yield llm
     llm.shutdown()
 
@@ -42,7 +42,7 @@ def jumping(tiny_model: Path) -> Iterator[LLM]:
 def drawing(tiny_model: Path) -> Iterator[LLM]:
     with pytest.MonkeyPatch.context() as env:  # read when the engine is built
         env.setenv("ASYNCLLM_JUMP_FORWARD", "0")
-        llm = LLM(str(tiny_model), **SERIAL)
+        llm = serial_llm(str(tiny_model), **ENGINE_ARGS)
     yield llm
     llm.shutdown()
 

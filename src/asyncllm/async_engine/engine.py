@@ -22,7 +22,7 @@ from typing import Any
 from asyncllm.async_engine.admission import Admission, max_token_chars_of
 from asyncllm.async_engine.chat_session import ChatStream, open_chat
 from asyncllm.async_engine.core_client import ClientFactory
-from asyncllm.async_engine.health import DEFAULT_MAX_STEP_SECONDS, EngineStalledError, check_step_age, step_age
+from asyncllm.async_engine.health import EngineStalledError, check_step_age, step_age
 from asyncllm.async_engine.ids import LiveRequests, check_request_id, new_request_id
 from asyncllm.async_engine.inproc_client import Built, InProcClient
 from asyncllm.async_engine.lifetime import build_core as _build
@@ -38,7 +38,7 @@ from asyncllm.async_engine.router import OutputRouter
 from asyncllm.async_engine.stream import RequestStream, collect
 from asyncllm.chat import Message
 from asyncllm.config import EngineConfig, SchedulerConfig
-from asyncllm.config_device import DEFAULT_GRAMMAR_COMPILE_TIMEOUT, DeviceConfig
+from asyncllm.config_device import DEFAULT_GRAMMAR_COMPILE_TIMEOUT, DeviceConfig, device_limits
 from asyncllm.errors import EngineDeadError
 from asyncllm.input_limits import PromptBounds, text_char_limit
 from asyncllm.input_processor import InputProcessor
@@ -46,7 +46,7 @@ from asyncllm.outputs import RequestOutput
 from asyncllm.sampling_params import SamplingParams
 
 Prompt = str | list[int]
-__all__ = ["DEFAULT_MAX_STEP_SECONDS", "AsyncLLMEngine", "EngineStalledError", "Prompt"]
+__all__ = ["AsyncLLMEngine", "EngineStalledError", "Prompt"]
 
 
 class AsyncLLMEngine:
@@ -88,15 +88,21 @@ class AsyncLLMEngine:
         *,
         clock: Callable[[], float] = time.monotonic,
         max_waiting_requests: int | None = None,
-        max_step_seconds: float = DEFAULT_MAX_STEP_SECONDS,
+        max_step_seconds: float | None = None,
         grammar_compile_timeout: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT,
     ) -> AsyncLLMEngine:
         """An engine around a core made by `build()` (called in the step thread). `clock` must be the one
-        the core was given: request arrival times come from it. The other three are the engine arguments of
-        the same names (the front enforces them). For embedding and tests."""
+        the core was given: request arrival times come from it. `max_waiting_requests` and
+        `grammar_compile_timeout` are the engine arguments of the same names, `max_step_seconds` (None:
+        ASYNCLLM_MAX_STEP_SECONDS) the health bound (the front enforces them). For embedding and tests."""
         client = functools.partial(InProcClient, build)
-        limits = dict(max_step_seconds=max_step_seconds, grammar_compile_timeout=grammar_compile_timeout)
-        return cls.from_client(client, clock=clock, max_waiting_requests=max_waiting_requests, **limits)
+        return cls.from_client(
+            client,
+            clock=clock,
+            max_waiting_requests=max_waiting_requests,
+            max_step_seconds=max_step_seconds,
+            grammar_compile_timeout=grammar_compile_timeout,
+        )
 
     @classmethod
     def from_client(
@@ -105,14 +111,14 @@ class AsyncLLMEngine:
         *,
         clock: Callable[[], float] = time.monotonic,
         max_waiting_requests: int | None = None,
-        max_step_seconds: float = DEFAULT_MAX_STEP_SECONDS,
+        max_step_seconds: float | None = None,
         grammar_compile_timeout: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT,
     ) -> AsyncLLMEngine:
         """An engine around the core that `make_client(router)` reaches (see `EngineCoreClient`): for a core
         elsewhere (its own process, a Ray actor) and for tests. The rest as in `from_builder`."""
         # Checked as the engine arguments are (InvalidConfigError naming the argument).
         sched = SchedulerConfig(max_waiting_requests=max_waiting_requests)
-        dev = DeviceConfig(max_step_seconds=max_step_seconds, grammar_compile_timeout=grammar_compile_timeout)
+        dev = device_limits(max_step_seconds, grammar_compile_timeout)
         engine = cls.__new__(cls)
         engine.config = None
         engine._start(make_client, clock, sched, dev)
@@ -349,8 +355,8 @@ class AsyncLLMEngine:
 
     async def check_health(self, max_step_seconds: float | None = None) -> None:
         """Raise `EngineDeadError` (cause chained) unless the engine is serving: `EngineStalledError` while
-        one step has run longer than `max_step_seconds` (None: the engine argument, 20 s by default),
-        `EngineDrainingError` while draining (both are `EngineDeadError`s). Reads flags: never waits."""
+        one step has run longer than `max_step_seconds` (None: the engine's, ASYNCLLM_MAX_STEP_SECONDS, 20 s
+        by default), `EngineDrainingError` while draining (both are `EngineDeadError`s). Reads flags: never waits."""
         error = self._live.closed_error()
         if error is not None:
             raise error

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import time
 
-from asyncllm.config_device import DEFAULT_MAX_STEP_SECONDS
 from asyncllm.errors import EngineStalledError
 
-__all__ = ["DEFAULT_MAX_STEP_SECONDS", "EngineStalledError", "check_step_age", "step_age"]
+__all__ = ["EngineStalledError", "check_step_age", "step_age"]
 
 
 def step_age(started: float | None) -> float:

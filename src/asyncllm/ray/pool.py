@@ -14,11 +14,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from asyncllm.async_engine.core_client import ClientFactory, EngineCoreClient
-from asyncllm.async_engine.engine import DEFAULT_MAX_STEP_SECONDS, AsyncLLMEngine
+from asyncllm.async_engine.engine import AsyncLLMEngine
 from asyncllm.async_engine.inproc_client import Built
 from asyncllm.async_engine.router import OutputRouter
 from asyncllm.config import EngineConfig, SchedulerConfig
-from asyncllm.config_device import DEFAULT_GRAMMAR_COMPILE_TIMEOUT, DeviceConfig
+from asyncllm.config_device import DEFAULT_GRAMMAR_COMPILE_TIMEOUT, DeviceConfig, device_limits
 from asyncllm.errors import EngineDeadError, InvalidConfigError
 from asyncllm.install import extra_install_hint
 from asyncllm.validation import is_int, short_repr
@@ -90,7 +90,7 @@ class ReplicaPool(AsyncLLMEngine):
         *,
         clock: Callable[[], float] = time.monotonic,
         max_waiting_requests: int | None = None,
-        max_step_seconds: float = DEFAULT_MAX_STEP_SECONDS,
+        max_step_seconds: float | None = None,
         grammar_compile_timeout: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT,
         num_replicas: int = 2,
         ray_address: str | None = None,
@@ -102,7 +102,7 @@ class ReplicaPool(AsyncLLMEngine):
         `clock` times arrivals in this process; each replica's core must run on `time.monotonic` (arrivals
         are rebased on it there). The rest as in the constructor and `AsyncLLMEngine.from_builder`."""
         sched = SchedulerConfig(max_waiting_requests=max_waiting_requests)
-        dev = DeviceConfig(max_step_seconds=max_step_seconds, grammar_compile_timeout=grammar_compile_timeout)
+        dev = device_limits(max_step_seconds, grammar_compile_timeout)
         pool = cls.__new__(cls)
         pool.config = None
         pool._start_pool(build, _no_gpus, num_replicas, ray_address, ray_actor_options, max_restarts, sched, dev, clock)
@@ -115,7 +115,7 @@ class ReplicaPool(AsyncLLMEngine):
         *,
         clock: Callable[[], float] = time.monotonic,
         max_waiting_requests: int | None = None,
-        max_step_seconds: float = DEFAULT_MAX_STEP_SECONDS,
+        max_step_seconds: float | None = None,
         grammar_compile_timeout: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT,
     ) -> AsyncLLMEngine:
         """Not for a pool, which makes its own client: use `AsyncLLMEngine.from_client`."""

@@ -157,7 +157,8 @@ async def retrieve_model(model: str, request: Request) -> JSONResponse:
 
 async def health(request: Request) -> Response:
     """Readiness: 200 while the engine takes requests; 503 while it loads, once it is dead, while a step is
-    stuck past the engine's `max_step_seconds`, and while it drains. Reads flags: never waits behind work."""
+    stuck past the engine's bound (ASYNCLLM_MAX_STEP_SECONDS), and while it drains. Reads flags: never waits
+    behind work."""
     engine = server_state(request).engine
     if engine is None:
         return OpenAIError("the engine is not started", status=503, type="service_unavailable").response()

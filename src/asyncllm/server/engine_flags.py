@@ -50,8 +50,8 @@ def engine_arg_specs(config_cls: type = EngineConfig) -> list[EngineArgSpec]:
     docs = _attribute_docstrings(config_cls)
     specs: list[EngineArgSpec] = []
     for field in dataclasses.fields(config_cls):
-        if not field.init or field.name in _POSITIONAL:
-            continue
+        if not field.init or field.name in _POSITIONAL or "env" in field.metadata:
+            continue  # an ASYNCLLM_* variable's field is no flag (config_fields.from_env)
         hint = hints[field.name]
         if dataclasses.is_dataclass(hint) and isinstance(hint, type):
             specs.extend(engine_arg_specs(hint))

@@ -1,8 +1,8 @@
 """Sizing and allocating the paged KV cache.
 
 On CUDA the cache takes what `gpu_memory_utilization` leaves after weights and a profiled peak activation;
-on CPU `cpu_kv_cache_gib`, by default one full-length sequence's worth within [1/4, 1] GiB. Either way it is
-capped at what `max_num_seqs` full-length sequences could use.
+on CPU ASYNCLLM_CPU_KVCACHE_SPACE GiB, by default one full-length sequence's worth within [1/4, 1] GiB. Either
+way it is capped at what `max_num_seqs` full-length sequences could use.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ def blocks_for_budget(spec: KVCacheSpec, budget_bytes: int, max_useful_blocks: i
     if num < 1:
         raise DeviceError(
             f"no memory left for the KV cache (one block needs {spec.bytes_per_block} bytes, "
-            f"{budget_bytes} available): raise gpu_memory_utilization or cpu_kv_cache_gib, or set num_kv_blocks"
+            f"{budget_bytes} available): raise gpu_memory_utilization or ASYNCLLM_CPU_KVCACHE_SPACE, "
+            "or set num_kv_blocks"
         )
     return int(num)
 
