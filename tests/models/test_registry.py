@@ -52,3 +52,19 @@ def test_one_entry_per_name_feeds_both_loaders() -> None:
     assert resolve_gguf_architecture("llama").model_class is LlamaForCausalLM
     with pytest.raises(UnsupportedModelError, match=r"'gpt2'.*llama, qwen2, qwen3"):
         resolve_gguf_architecture("gpt2")
+
+
+def test_encoders_are_flagged() -> None:
+    """An engine asks the entry whether an architecture is an encoder (embed / score only) and whether it
+    classifies (a cross-encoder's scores); every decoder answers no to both."""
+    from asyncllm.models.bert import BertForSequenceClassification, BertModel
+    from asyncllm.models.registry import resolve_architecture
+
+    flags = {a.name: (a.is_encoder, a.classifies) for a in ARCHITECTURES}
+    assert flags.pop("BertModel") == (True, False)
+    assert flags.pop("BertForSequenceClassification") == (True, True)
+    assert set(flags.values()) == {(False, False)}
+    assert resolve_architecture("BertModel").model_class is BertModel
+    assert resolve_model_class(SimpleNamespace(architectures=["BertForSequenceClassification"])) is (
+        BertForSequenceClassification
+    )

@@ -5,7 +5,8 @@ fused Triton kernel (`asyncllm.kernels.rms_norm`). The torch form calls the spec
 
 Knows nothing about where it sits in a model; the weight is loaded from a checkpoint, never initialised here.
 `GemmaRMSNorm` is Gemma's form (`x * (1 + w)` in float32, rounded once), chosen by a model family's
-`FamilySpec.norm`; the same kernel computes either (`unit_offset`).
+`FamilySpec.norm`; the same kernel computes either (`unit_offset`). `LayerNorm` is an encoder's (BERT's): torch's
+op with a loaded weight and bias.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar, overload
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from asyncllm.kernels.rms_norm_ref import (
@@ -78,3 +80,20 @@ class GemmaRMSNorm(RMSNorm):
     is stored zero-centred, as the checkpoint holds it. Its fused form is the same kernel (`unit_offset`)."""
 
     unit_offset = True
+
+
+class LayerNorm(nn.Module):
+    """torch's LayerNorm over the last dim (what transformers' BERT computes), weight and bias loaded, never
+    initialised here. No fused form: F.layer_norm is one kernel already."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = empty_parameter(dim)
+        self.bias = empty_parameter(dim)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -17,6 +17,7 @@ import torch
 from asyncllm import envs
 from asyncllm.attention.backend import AttentionBackend
 from asyncllm.config import LoadFormat
+from asyncllm.errors import UnsupportedModelError
 from asyncllm.layers import host_heap
 from asyncllm.layers.parallel import TPGroup, WeightShard
 from asyncllm.layers.param_dtype import parameters_in
@@ -56,6 +57,11 @@ def load_model(
     quantized (swapped after sharding; the checkpoint's tensors converted to their layout as they are read).
     """
     model_cls = resolve_architecture(arch.architecture).model_class  # a worker rank's checkpoint has no hf_config
+    if not issubclass(model_cls, CausalLM):
+        raise UnsupportedModelError(
+            f"{arch.architecture} is an encoder: it serves embeddings and scores, not generation "
+            "(model_loader/encoder.py builds it)"
+        )
     world_size = 1 if parallel is None else parallel.world_size
     if device.type == "cpu":
         host_heap.for_load()  # the load's copies leave nothing resident once freed

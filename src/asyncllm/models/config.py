@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from asyncllm.errors import InvalidConfigError, UnsupportedModelError
+from asyncllm.models.encoder_config import ENCODER_ACTIVATIONS, EncoderArch, read_encoder
 
 _DEFAULT_ROPE_THETA = 10000.0
 
@@ -73,7 +74,8 @@ RopeScaling = Llama3RopeScaling | LinearRopeScaling
 
 @dataclass(frozen=True)
 class ModelArchConfig:
-    """One decoder-only architecture's shape and numerics; `max_model_len` bounds the positions served."""
+    """One architecture's shape and numerics (a decoder's; an encoder's with `encoder` set); `max_model_len`
+    bounds the positions served."""
 
     architecture: str  # hf_config.architectures[0], e.g. "Qwen3ForCausalLM"
     vocab_size: int
@@ -83,7 +85,7 @@ class ModelArchConfig:
     num_kv_heads: int
     head_dim: int  # config.head_dim when given (it may differ from hidden_size / num_heads)
     intermediate_size: int
-    rms_norm_eps: float
+    rms_norm_eps: float  # the norms' epsilon (an encoder's: its layer_norm_eps, as `encoder` holds it)
     rope_theta: float
     rope_scaling: RopeScaling | None  # None: plain RoPE
     tie_word_embeddings: bool
@@ -103,6 +105,9 @@ class ModelArchConfig:
     # The sliding layers' rotary base when it differs from rope_theta (Gemma 3's local layers: 10,000, unscaled);
     # None: every layer rotates with rope_theta and rope_scaling.
     local_rope_theta: float | None = None
+    # A bidirectional encoder's own fields (BERT: token types, absolute positions, a classifier's labels; its
+    # rope fields are unused); None: a decoder.
+    encoder: EncoderArch | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -183,9 +188,11 @@ class ModelArchConfig:
 
         # Gemma spells it hidden_activation (its hidden_act, when present, is a legacy field it ignores).
         hidden_act = getattr(hf_config, "hidden_activation", None) or getattr(hf_config, "hidden_act", "silu")
-        if hidden_act not in _ACTIVATIONS:
+        encoder = read_encoder(hf_config)
+        activations = _ACTIVATIONS if encoder is None else tuple(ENCODER_ACTIVATIONS)
+        if hidden_act not in activations:
             raise UnsupportedModelError(
-                f"hidden_act={hidden_act!r} is not supported; supported: {', '.join(map(repr, _ACTIVATIONS))}"
+                f"hidden_act={hidden_act!r} is not supported; supported: {', '.join(map(repr, activations))}"
             )
         if getattr(hf_config, "use_bidirectional_attention", False):
             raise UnsupportedModelError(
@@ -221,7 +228,7 @@ class ModelArchConfig:
             num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
             head_dim=getattr(hf_config, "head_dim", None) or hidden // heads,
             intermediate_size=required("intermediate_size"),
-            rms_norm_eps=float(required("rms_norm_eps")),
+            rms_norm_eps=float(required("rms_norm_eps")) if encoder is None else encoder.layer_norm_eps,
             rope_theta=theta,
             rope_scaling=scaling,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
@@ -235,6 +242,7 @@ class ModelArchConfig:
             hidden_act=hidden_act,
             layer_windows=windows,
             local_rope_theta=local_theta,
+            encoder=encoder,
         )
 
 

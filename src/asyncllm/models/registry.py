@@ -5,6 +5,11 @@ An entry names the Hugging Face architecture (`config.json`'s `architectures[0]`
 form: the `general.architecture` names, the transformers config class its metadata becomes, and llama.cpp's
 quirks. Adding a family is one model file plus one entry here. Knows nothing about how models are built or
 loaded.
+
+Encoders (BERT) are entries too, answering the two questions an engine asks before it builds anything:
+`Architecture.is_encoder` (a bidirectional `EncoderModel`: embeddings and scores only, never generation) and
+`Architecture.classifies` (it has a classification head: a cross-encoder's scores); for a name,
+`resolve_architecture(name).is_encoder`.
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncllm.errors import UnsupportedModelError
-from asyncllm.models.base import CausalLM
+from asyncllm.models.base import CausalLM, EncoderModel
+from asyncllm.models.bert import BertForSequenceClassification, BertModel
 from asyncllm.models.family import GGUFNames
 from asyncllm.models.gemma3 import Gemma3ForCausalLM
 from asyncllm.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
@@ -37,12 +43,22 @@ class GGUFForm:
 @dataclass(frozen=True)
 class Architecture:
     name: str  # hf_config.architectures[0]
-    model_class: type[CausalLM]
+    model_class: type[CausalLM] | type[EncoderModel]
     gguf: GGUFForm | None = None  # None: no GGUF form
 
     def __post_init__(self) -> None:
         if self.gguf is not None and self.model_class.family.weights.gguf is None:
             raise ValueError(f"{self.name} has a GGUF form but its family declares no GGUF tensor names")
+
+    @property
+    def is_encoder(self) -> bool:
+        """A bidirectional encoder (`EncoderModel`: no KV cache, no generation), not a `CausalLM`."""
+        return issubclass(self.model_class, EncoderModel)
+
+    @property
+    def classifies(self) -> bool:
+        """An encoder with a classification head (`EncoderModel.classify`: a *ForSequenceClassification)."""
+        return issubclass(self.model_class, EncoderModel) and self.model_class.classifies
 
     @property
     def gguf_names(self) -> GGUFNames:
@@ -66,6 +82,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     ),
     Architecture("MistralForCausalLM", MistralForCausalLM),  # llama.cpp writes Mistral as "llama"
     Architecture("Gemma3ForCausalLM", Gemma3ForCausalLM),  # no GGUF form (docs/models.md says why)
+    Architecture("BertModel", BertModel),  # encoders: embeddings (and scores) only
+    Architecture("BertForSequenceClassification", BertForSequenceClassification),
 )
 _BY_NAME = {a.name: a for a in ARCHITECTURES}
 _BY_GGUF = {gguf: a for a in ARCHITECTURES if a.gguf is not None for gguf in a.gguf.names}
@@ -82,7 +100,7 @@ def resolve_architecture(name: str | None) -> Architecture:
     return _BY_NAME[name]
 
 
-def resolve_model_class(hf_config: Any) -> type[CausalLM]:
+def resolve_model_class(hf_config: Any) -> type[CausalLM] | type[EncoderModel]:
     """The model class for `hf_config.architectures[0]`; UnsupportedModelError for anything else."""
     architectures = getattr(hf_config, "architectures", None) or []
     return resolve_architecture(architectures[0] if architectures else None).model_class
