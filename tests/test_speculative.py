@@ -38,7 +38,7 @@ class Oracle:
                 return drafts
         return []
 
-    def forget(self, request_id: str) -> None:
+    def forget(self, request_id: str, output: list[int]) -> None:
         pass
 
 
@@ -167,3 +167,22 @@ def test_abort_mid_speculation_frees_every_block(tiny_model: Path) -> None:
         core.step()
     assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
     llm.shutdown()
+
+
+def test_suffix_decoding_drafts_what_earlier_requests_output(tiny_model: Path) -> None:
+    """Suffix Decoding: the second time a prompt comes (an agent's repeated call), the first output is in the
+    outputs' trie, so most of the second's tokens are drafted and accepted; the tokens are the plain run's."""
+    ref, _ = _run(tiny_model, GREEDY, None)
+    llm = LLM(str(tiny_model), speculative_config={"method": "suffix", "num_speculative_tokens": 4},
+              num_kv_blocks=96, block_size=4, enable_prefix_caching=False)  # fmt: skip
+    first = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    before = llm.stats()
+    again = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    after = llm.stats()
+    llm.shutdown()
+    assert _tokens(first) == _tokens(again) == _tokens(ref)
+    drafted = after["spec_draft_tokens"] - before["spec_draft_tokens"]
+    accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+    assert accepted >= 0.8 * drafted and accepted >= 0.5 * sum(len(t) for t in _tokens(ref))
+    assert after["num_steps"] - before["num_steps"] < before["num_steps"] / 2
+    assert after["num_free_blocks"] == after["num_total_blocks"]

@@ -4,6 +4,7 @@ one-line InvalidConfigError."""
 from __future__ import annotations
 
 import argparse
+import pathlib
 
 import pytest
 
@@ -26,12 +27,32 @@ def test_a_dict_or_its_json_is_normalised(tmp_path) -> None:
     assert defaults.scheduler_config.speculative == SpeculativeConfig("ngram", 2, 2, 5)
 
 
+def test_suffix_takes_vllms_keys_and_defaults(tmp_path: pathlib.Path) -> None:
+    """vLLM's suffix_decoding_* keys and defaults (depth 24, 10,000 cached requests, factor 1, probability 0.1);
+    the draft length defaults to the depth less one, capped at 16."""
+    config = EngineConfig.from_kwargs(str(tmp_path), speculative_config={"method": "suffix"})
+    assert config.scheduler_config.speculative == SpeculativeConfig("suffix", 16, 2, 5, 24, 10_000, 1.0, 0.1)
+    spec = (
+        '{"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_tree_depth": 32, '
+        '"suffix_decoding_max_cached_requests": 0, "suffix_decoding_max_spec_factor": 2.5, '
+        '"suffix_decoding_min_token_prob": 0.3}'
+    )
+    config = EngineConfig.from_kwargs(str(tmp_path), speculative_config=spec)
+    assert config.scheduler_config.speculative == SpeculativeConfig("suffix", 8, 2, 5, 32, 0, 2.5, 0.3)
+
+
 @pytest.mark.parametrize(
     ("value", "message"),
     [
         ({"method": "medusa", "num_speculative_tokens": 2}, "method"),
         ({"method": "eagle3", "num_speculative_tokens": 2}, "method 'eagle3' is not supported yet"),
-        ({"method": "suffix", "num_speculative_tokens": 2}, "not supported yet"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "not supported yet"),
+        ({"method": "suffix", "num_speculative_tokens": 24}, "num_speculative_tokens"),
+        ({"method": "suffix", "suffix_decoding_max_tree_depth": 1}, "suffix_decoding_max_tree_depth"),
+        ({"method": "suffix", "suffix_decoding_min_token_prob": 1.5}, "suffix_decoding_min_token_prob"),
+        ({"method": "suffix", "suffix_decoding_max_spec_factor": 0}, "suffix_decoding_max_spec_factor"),
+        ({"method": "suffix", "suffix_decoding_max_cached_requests": -1}, "suffix_decoding_max_cached_requests"),
+        ({"method": "suffix", "prompt_lookup_min": 2}, "unknown key 'prompt_lookup_min' for method 'suffix'"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"method": "ngram", "num_speculative_tokens": 100}, "num_speculative_tokens"),
         ({"method": "ngram"}, "num_speculative_tokens"),

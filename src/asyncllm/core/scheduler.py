@@ -36,7 +36,7 @@ from asyncllm.core.block_manager import BlockManager
 from asyncllm.core.lora import AdapterBudget
 from asyncllm.core.request import Request, RequestStatus
 from asyncllm.core.sample_group import SampleGroup, SampleGroups
-from asyncllm.core.spec.ngram import NgramDrafter
+from asyncllm.core.spec.drafter import Drafter
 from asyncllm.core.waiting_queue import WaitingQueue
 from asyncllm.errors import InvalidRequestError
 from asyncllm.outputs import FinishReason
@@ -59,7 +59,7 @@ class Scheduler:
         block_manager: BlockManager,
         adapters: AdapterBudget | None = None,
         groups: SampleGroups | None = None,
-        drafter: NgramDrafter | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
         self.limits = limits
         self.block_manager = block_manager
@@ -105,7 +105,7 @@ class Scheduler:
         request.finish_reason = reason
         self._seeds.pop(request_id, None)
         if self.drafter is not None:
-            self.drafter.forget(request_id)
+            self.drafter.forget(request_id, request.output_token_ids)
         if request_id in self._sent_to_runner:
             self._sent_to_runner.discard(request_id)
             self._finished_since_last_step.append(request_id)

@@ -41,8 +41,8 @@ def test_incremental_index_matches_a_rescan(seed: int) -> None:
         limit = rng.randint(0, 8)
         assert d.propose("r", tokens, limit) == _rescan(tokens, k, lo, hi, limit), tokens
         tokens += [rng.randrange(6) for _ in range(rng.randint(1, 4))]  # a step appends one or several
-    d.forget("r")
-    d.forget("r")  # idempotent
+    d.forget("r", [])
+    d.forget("r", [])  # idempotent
 
 
 def test_refuses_bad_bounds() -> None:

@@ -45,8 +45,8 @@ class NgramDrafter:
                 return tokens[end : end + limit]
         return []
 
-    def forget(self, request_id: str) -> None:
-        """The request finished: drop its index (unknown ids are a no-op)."""
+    def forget(self, request_id: str, output: list[int]) -> None:
+        """The request finished: drop its index (unknown ids are a no-op); prompt lookup keeps no outputs."""
         self._indices.pop(request_id, None)
 
     def _extend(self, index: _Index, tokens: list[int]) -> None:

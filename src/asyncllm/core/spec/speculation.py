@@ -18,7 +18,9 @@ from __future__ import annotations
 
 from asyncllm.config import SpeculativeConfig
 from asyncllm.core.request import Request, RequestStatus
+from asyncllm.core.spec.drafter import Drafter
 from asyncllm.core.spec.ngram import NgramDrafter
+from asyncllm.core.spec.suffix import SuffixDrafter
 from asyncllm.sample.features import may_verify
 from asyncllm.step import SchedulerOutput
 
@@ -26,7 +28,7 @@ from asyncllm.step import SchedulerOutput
 class Speculation:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
-        self.drafter = NgramDrafter(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+        self.drafter = make_drafter(config)
         self.num_draft_tokens = 0  # drafts verified so far
         self.num_accepted_tokens = 0  # of those, accepted
 
@@ -59,3 +61,16 @@ class Speculation:
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # finished (its blocks are free) or preempted (its KV dropped)
             request.num_computed_tokens += num_accepted
+
+
+def make_drafter(config: SpeculativeConfig) -> Drafter:
+    """The host-side drafter of `config.method`."""
+    if config.method == "suffix":
+        return SuffixDrafter(
+            config.num_speculative_tokens,
+            config.suffix_decoding_max_tree_depth,
+            config.suffix_decoding_max_cached_requests,
+            config.suffix_decoding_max_spec_factor,
+            config.suffix_decoding_min_token_prob,
+        )
+    return NgramDrafter(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
