@@ -1,9 +1,11 @@
-"""Speculative decoding with the n-gram drafter on CPU (issue 41): SmolLM2-135M (`asyncllm fetch-model`),
-greedy, batch 1, on copy-heavy prompts (correct or rewrite a given passage), tokens per second with and
-without `ngram`, the runs alternating; the acceptance rate (accepted drafts / drafts) and the tokens a
-verifying step gave. Checks the outputs are the same tokens.
+"""Speculative decoding's host drafters on CPU (issue 41): SmolLM2-135M (`asyncllm fetch-model`), greedy,
+batch 1, on copy-heavy prompts (correct or rewrite a given passage), tokens per second without speculation and
+with each method (`ngram`, `suffix`), the runs alternating; each method's acceptance rate (accepted drafts /
+drafts) and the tokens a verifying step gave, per round: from the second round on, `suffix` also finds the
+earlier rounds' outputs (an agent sending the same request again). Checks the outputs are the same tokens.
 
     .venv/bin/python bench/spec_ngram.py [--model PATH] [--k 4] [--max-tokens 256] [--rounds 2]
+        [--methods ngram suffix]
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--methods", nargs="+", choices=["ngram", "suffix"], default=["ngram", "suffix"])
     args = parser.parse_args()
     model = (
         args.model
@@ -66,8 +69,11 @@ def main() -> None:
             [str(Path(sys.executable).parent / "asyncllm"), "fetch-model"], capture_output=True, text=True, check=True
         ).stdout.split()[-1]
     )
-    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
-    engines = {"off": LLM(model), "ngram": LLM(model, speculative_config=spec)}
+    specs = {
+        "ngram": {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 5},
+        "suffix": {"method": "suffix", "num_speculative_tokens": args.k},
+    }
+    engines = {"off": LLM(model)} | {m: LLM(model, speculative_config=specs[m]) for m in args.methods}
     chat = engines["off"]
     prompts = [
         chat.apply_chat_template([{"role": "user", "content": f"{i}\n\n{p}"}]) for i, p in zip(INSTRUCTIONS, PASSAGES)
@@ -77,7 +83,7 @@ def main() -> None:
         llm.generate(prompts[0], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
     rates: dict[str, list[float]] = {name: [] for name in engines}
     outputs: dict[str, list[list[int]]] = {}
-    steps: dict[str, int] = {}
+    rounds: dict[str, list[str]] = {name: [] for name in engines}
     for _ in range(args.rounds):
         for name, llm in engines.items():
             before = llm.stats()
@@ -91,22 +97,21 @@ def main() -> None:
             rates[name].append(tokens / (time.perf_counter() - t0))
             outputs[name] = outs
             after = llm.stats()
-            steps[name] = int(after["num_steps"] - before["num_steps"])
-            if name == "ngram":
-                drafts = after["spec_draft_tokens"] - before["spec_draft_tokens"]
-                accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
-    same = outputs["off"] == outputs["ngram"]
-    off, on = statistics.median(rates["off"]), statistics.median(rates["ngram"])
+            num_steps = int(after["num_steps"] - before["num_steps"])
+            drafts = after["spec_draft_tokens"] - before["spec_draft_tokens"]
+            accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+            rounds[name].append(
+                f"{rates[name][-1]:.1f} tok/s, {num_steps} steps, {tokens / max(num_steps, 1):.2f} tokens a step"
+                + (f", accepted {accepted}/{drafts} = {accepted / max(drafts, 1):.2f}" if name != "off" else "")
+            )
+    off = statistics.median(rates["off"])
     print(f"model {model}, greedy, batch 1, {len(prompts)} prompts x {args.max_tokens} tokens, k={args.k}")
-    print(
-        f"off:   {off:7.1f} tok/s  (runs {', '.join(f'{r:.1f}' for r in rates['off'])}), {steps['off']} steps a round"
-    )
-    runs = ", ".join(f"{r:.1f}" for r in rates["ngram"])
-    print(f"ngram: {on:7.1f} tok/s  (runs {runs}), {steps['ngram']} steps a round")
-    print(
-        f"speedup {on / off:.2f}x (target >= 1.5x); acceptance {accepted}/{drafts} = {accepted / max(drafts, 1):.2f}; "
-        f"tokens per step {sum(map(len, outputs['ngram'])) / max(steps['ngram'], 1):.2f}; same tokens: {same}"
-    )
+    for name in engines:
+        rate = statistics.median(rates[name])
+        same = outputs[name] == outputs["off"]
+        print(f"{name:>6}: {rate:7.1f} tok/s median, {rate / off:.2f}x of off (target >= 1.5x); same tokens: {same}")
+        for i, line in enumerate(rounds[name]):
+            print(f"        round {i + 1}: {line}")
     for llm in engines.values():
         llm.shutdown()
 
