@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from asyncllm.config import SpeculativeConfig
 from asyncllm.core.request import Request, RequestStatus
+from asyncllm.core.spec.adaptive import AdaptiveDrafter
 from asyncllm.core.spec.drafter import Drafter
 from asyncllm.core.spec.ngram import NgramDrafter
 from asyncllm.core.spec.suffix import SuffixDrafter
@@ -28,7 +29,7 @@ from asyncllm.step import SchedulerOutput
 class Speculation:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
-        self.drafter = make_drafter(config)
+        self.drafter = AdaptiveDrafter(make_drafter(config), config.num_speculative_tokens)
         self.num_draft_tokens = 0  # drafts verified so far
         self.num_accepted_tokens = 0  # of those, accepted
 
@@ -57,6 +58,7 @@ class Speculation:
             num_accepted = len(accepted.get(index, ())) if accepted is not None else 0
             self.num_draft_tokens += seq.num_drafts
             self.num_accepted_tokens += num_accepted
+            self.drafter.observe(seq.request_id, seq.num_drafts, num_accepted)
             request = requests.get(seq.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # finished (its blocks are free) or preempted (its KV dropped)

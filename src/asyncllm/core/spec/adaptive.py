@@ -1,0 +1,42 @@
+"""`AdaptiveDrafter`: the number of drafts a request gets follows what its drafts achieved (issue 41, "Adaptive").
+
+Each verified step reports how many of a request's drafts were accepted; the request's next proposal may carry
+at most one more than the average it has been accepting lately (an exponential average, half weight on the
+latest step), between 1 and the method's `num_speculative_tokens`. A request whose drafts are always right
+climbs back to the full length within a few steps; one whose drafts keep missing proposes a single token, so
+a wrong guess costs one logit row, not k. Wraps any `Drafter`; plain Python.
+"""
+
+from __future__ import annotations
+
+from asyncllm.core.spec.drafter import Drafter
+
+_WEIGHT = 0.5  # of the latest step in the average
+
+
+class AdaptiveDrafter:
+    def __init__(self, inner: Drafter, num_tokens: int) -> None:
+        self.inner = inner
+        self.num_tokens = num_tokens
+        self._accepting: dict[str, float] = {}  # request -> average accepted drafts a verified step
+
+    def propose(self, request_id: str, tokens: list[int], limit: int) -> list[int]:
+        return self.inner.propose(request_id, tokens, min(limit, self.cap(request_id)))
+
+    def cap(self, request_id: str) -> int:
+        """The most drafts `request_id` may get next: the full length until it has been verified."""
+        average = self._accepting.get(request_id)
+        if average is None:
+            return self.num_tokens
+        return max(1, min(self.num_tokens, int(average + 0.5) + 1))
+
+    def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        """A verified step gave `request_id` `num_accepted` of its `num_drafts` drafts."""
+        if num_drafts < 1:
+            return
+        average = self._accepting.get(request_id, float(num_accepted))
+        self._accepting[request_id] = (1 - _WEIGHT) * average + _WEIGHT * num_accepted
+
+    def forget(self, request_id: str, output: list[int]) -> None:
+        self._accepting.pop(request_id, None)
+        self.inner.forget(request_id, output)
