@@ -83,6 +83,30 @@ class ScheduledSeq:
         return self.input_token_ids[-1] == PLACEHOLDER
 
 
+@dataclass(frozen=True)
+class KVTransfers:
+    """A step's copies of KV blocks between the device and the tiers below it (`core/kv_tiers.py`), in the
+    order every rank runs them, each rank its own shard. Before the forward pass: `offloads` (device block ->
+    host slot: the block is taken for other content by this step), `loads` (block hash -> host slot, read from
+    the disk tier; the step's output says which arrived, `ModelRunnerOutput.kv_loaded`), `restores` (host
+    slot -> device block, a prefix hit this step reads). After it is launched: `ahead` (device block -> host
+    slot: free cached blocks copied before the pool takes them, overlapping the forward pass). `writes`
+    (block hash -> host slot): filled slots to keep on disk too, written in the background. `wait`: the forward
+    pass waits for every copy issued before (it overwrites a block an earlier step's `ahead` copies)."""
+
+    offloads: list[tuple[int, int]] = field(default_factory=list)
+    loads: list[tuple[int, int]] = field(default_factory=list)
+    restores: list[tuple[int, int]] = field(default_factory=list)
+    ahead: list[tuple[int, int]] = field(default_factory=list)
+    writes: list[tuple[int, int]] = field(default_factory=list)
+    wait: bool = False
+
+    @property
+    def before_forward(self) -> bool:
+        """Copies the forward pass must wait for."""
+        return bool(self.offloads or self.loads or self.restores or self.wait)
+
+
 @dataclass
 class SchedulerOutput:
     seqs: list[ScheduledSeq] = field(default_factory=list)
@@ -90,6 +114,7 @@ class SchedulerOutput:
     finished_request_ids: list[str] = field(default_factory=list)  # runner drops their state
     preempted_request_ids: list[str] = field(default_factory=list)
     num_draft_tokens: int = 0  # the sum of the seqs' `num_drafts`: 0 unless the step verifies drafts
+    kv: KVTransfers | None = None  # copies to and from the KV tiers below the device (None: none)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -97,7 +122,8 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.seqs
+        """Nothing to run: no sequence and no copy (a step of copies alone runs no model)."""
+        return not self.seqs and self.kv is None
 
 
 @dataclass(frozen=True)
@@ -125,6 +151,20 @@ class ModelRunnerOutput:
     # row's token equalled its first draft, and so on; the last is the target's own token after the drafts
     # it agreed with. Its length is the drafts accepted. None or a row left out: none accepted.
     accepted: dict[int, list[int]] | None = None
+    # Per entry of the step's `KVTransfers.loads`, in order: whether the block reached its host slot intact
+    # on every rank. None: the step loaded nothing.
+    kv_loaded: tuple[bool, ...] | None = None
+
+
+@dataclass(frozen=True)
+class KVTierInfo:
+    """The KV tiers below the device as the worker set them up (`kv_offloading_size`, `kv_cache_dir`)."""
+
+    host_blocks: int  # host slots, each holding one block (every rank holds its shard of each)
+    ahead_blocks: int  # free cached blocks a step may copy to the host before the pool takes them
+    disk_blocks: int = 0  # the most blocks the disk tier keeps (0: no disk tier)
+    loads_per_step: int = 0  # disk blocks one step may read
+    on_disk: tuple[int, ...] = ()  # block hashes the disk tier held at start, oldest first
 
 
 @dataclass(frozen=True)
@@ -153,6 +193,7 @@ class RuntimeInfo:
     # far behind a sequence's next token are never read again, and their blocks can be given back early.
     # None: some layer reads every key.
     kv_window: int | None = None
+    kv_tiers: KVTierInfo | None = None  # None: no tier below the device (kv_offloading_size=0, no kv_cache_dir)
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -6,7 +6,8 @@ nothing of tensors: the runner receives block ids and writes KV where it is told
 Life of a block: free (maybe still cached) -> held by one or more requests (ref_count > 0) -> free again,
 appended to the LRU end. A free block keeps its hash so a later request with the same prefix can take it
 back; when it is taken for other content it leaves the hash index first, so the index never points at KV
-that is not what the hash says.
+that is not what the hash says. With KV tiers below the device (`kv_tiers.py`) a block taken for other
+content is copied down first, and a prefix continues from the host tier into fresh blocks the step fills.
 """
 
 from __future__ import annotations
@@ -14,20 +15,26 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 
 from asyncllm.core.block_hash import ROOT_HASH, extend_block_hashes, root_hash
+from asyncllm.core.kv_tiers import KVTiers
 from asyncllm.core.request import Request
+from asyncllm.step import KVTierInfo, KVTransfers
 
 
 class KVBlock:
-    __slots__ = ("block_hash", "block_id", "ref_count")
+    __slots__ = ("block_hash", "block_id", "lora_id", "pending", "ref_count")
 
     def __init__(self, block_id: int) -> None:
-        self.block_id = block_id
+        self.block_id = block_id  # -1: a prefix hit in the host tier, not on the device yet (`find_cached_prefix`)
         self.ref_count = 0
         self.block_hash: int | None = None
+        self.lora_id = 0  # the adapter whose chain `block_hash` is on (0: the base model)
+        self.pending = False  # registered by a step whose KV is not written yet
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool, tiers: KVTierInfo | None = None
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
@@ -46,6 +53,12 @@ class BlockManager:
         self._pending_counts: dict[str, int] = {}
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
+        # The tiers below the device (None: none, or no prefix caching), and the hit tokens restored from
+        # them: by the last allocation, and in all (of first admissions, as the hit rate's terms).
+        self.tiers = KVTiers(tiers) if tiers is not None and enable_prefix_caching else None
+        self._restored = (0, 0)
+        self.num_host_hit_tokens = 0
+        self.num_disk_hit_tokens = 0
 
     # ------------------------------------------------------------------ queries
     @property
@@ -89,12 +102,28 @@ class BlockManager:
             if block is None:
                 break
             hits.append(block)
+        if self.tiers is not None and len(hits) < max_blocks:  # the prefix may go on in the host tier
+            hits += map(_host_hit, self.tiers.host_run(request.block_hashes[len(hits) : max_blocks]))
         return hits
+
+    def awaits_load(self, request: Request, num_hits: int) -> bool:
+        """Whether `request`, whose prefix hits `num_hits` blocks (`find_cached_prefix`), waits for the
+        next of its blocks to be read from disk (`KVTiers.awaits`)."""
+        if self.tiers is None or not self.tiers.has_disk:
+            return False
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        return self.tiers.awaits(request.request_id, request.block_hashes[num_hits:max_blocks])
+
+    def take_transfers(self) -> KVTransfers | None:
+        """The copies to and from the tiers below the device that the step just planned needs."""
+        return self.tiers.take_step() if self.tiers is not None else None
 
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admission's lookup for the hit rate (only admissions that succeed are counted)."""
         self.num_queried_tokens += num_tokens
         self.num_hit_tokens += num_hit_tokens
+        self.num_host_hit_tokens += self._restored[0]
+        self.num_disk_hit_tokens += self._restored[1]
 
     # ------------------------------------------------------------------ changes
     def allocate(self, request: Request, num_new_tokens: int, cached: list[KVBlock] | None = None) -> bool:
@@ -116,14 +145,26 @@ class BlockManager:
         else:
             num_tokens = request.num_computed_tokens + len(cached) * block_size + num_new_tokens
         num_new_blocks = -(-num_tokens // block_size) - len(request.block_ids) - len(cached)
-        num_cached_free = sum(1 for b in cached if b.ref_count == 0)
+        num_cached_free = sum(1 for b in cached if b.ref_count == 0)  # host-tier hits take a free block too
         if max(num_new_blocks, 0) + num_cached_free > len(self._free):
             return False
+        restored = [b.block_hash for b in cached if b.block_id < 0 and b.block_hash is not None]
+        if restored:
+            assert self.tiers is not None
+            self.tiers.pin(restored)  # before this allocation's evictions look for host slots
+        from_disk = 0
         for block in cached:
+            if block.block_id < 0:  # in the host tier: a fresh block, filled by the step before its forward pass
+                assert self.tiers is not None and block.block_hash is not None
+                fresh = self._take_free_block()
+                from_disk += self.tiers.restore(block.block_hash, fresh.block_id)
+                request.block_ids.append(fresh.block_id)
+                continue
             if block.ref_count == 0:
                 del self._free[block.block_id]
             block.ref_count += 1
             request.block_ids.append(block.block_id)
+        self._restored = ((len(restored) - from_disk) * block_size, from_disk * block_size)
         for _ in range(max(num_new_blocks, 0)):
             request.block_ids.append(self._take_free_block().block_id)
         if self.enable_prefix_caching:
@@ -136,11 +177,17 @@ class BlockManager:
         """Taken right after planning a step: `commit_pending(mark)` commits what that step registered."""
         return self._num_registrations
 
-    def commit_pending(self, mark: int | None = None) -> None:
+    def commit_pending(self, mark: int | None = None, kv_loaded: tuple[bool, ...] | None = None) -> None:
         """The step planned up to `mark` (None: every planned step) has run: the blocks registered while
-        planning it now hold the KV their hashes promise."""
+        planning it now hold the KV their hashes promise, and the disk reads it carried (`kv_loaded`: its
+        output's `ModelRunnerOutput.kv_loaded`) are in."""
+        if kv_loaded is not None and self.tiers is not None:
+            self.tiers.loaded(kv_loaded)
         while self._pending and (mark is None or self._pending[0][0] < mark):
-            self._pending.popleft()
+            _, block = self._pending.popleft()
+            block.pending = False
+            if self.tiers is not None and block.ref_count == 0 and block.block_hash is not None:
+                self.tiers.freed(block)
         if not self._pending:
             self._pending_counts.clear()
 
@@ -151,6 +198,7 @@ class BlockManager:
             if block.block_hash is not None and self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
             block.block_hash = None
+            block.pending = False
         for request_id, count in self._pending_counts.items():
             if request_id in self._num_registered:
                 self._num_registered[request_id] = count
@@ -161,6 +209,8 @@ class BlockManager:
         self.release(request.block_ids)
         request.block_ids.clear()
         self._num_registered.pop(request.request_id, None)
+        if self.tiers is not None:
+            self.tiers.forget(request.request_id)
 
     def hold(self, block_ids: list[int]) -> None:
         """One more reference on blocks a request holds, for a holder that is no request (a sample group
@@ -178,17 +228,23 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block_id] = block
+                if self.tiers is not None and block.block_hash is not None and not block.pending:
+                    self.tiers.freed(block)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (blocks stay where they are)."""
         for block in self._cached.values():
             block.block_hash = None
         self._cached.clear()
+        if self.tiers is not None:
+            self.tiers.reset()
 
     # ------------------------------------------------------------------ internals
     def _take_free_block(self) -> KVBlock:
         _, block = self._free.popitem(last=False)
         if block.block_hash is not None:
+            if self.tiers is not None and not block.pending:
+                self.tiers.evicting(block)  # copied down first (or already there)
             # Reused for other content: it must leave the index before anything is written into it.
             if self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
@@ -211,7 +267,16 @@ class BlockManager:
             block_hash = request.block_hashes[i]
             if block.block_hash is None and block_hash not in self._cached:
                 block.block_hash = block_hash
+                block.lora_id = request.lora_id
+                block.pending = True
                 self._cached[block_hash] = block
                 self._pending.append((self._num_registrations, block))
                 self._num_registrations += 1
         self._num_registered[request.request_id] = num_full
+
+
+def _host_hit(block_hash: int) -> KVBlock:
+    """A prefix hit in the host tier: a stand-in block (id -1) that `allocate` replaces by a fresh one."""
+    block = KVBlock(-1)
+    block.block_hash = block_hash
+    return block

@@ -25,6 +25,7 @@ from tokenizers import Tokenizer
 from asyncllm.config import SpeculativeConfig
 from asyncllm.core.block_manager import BlockManager
 from asyncllm.core.deadlines import Deadlines
+from asyncllm.core.engine_stats import EngineStats
 from asyncllm.core.lora import AdapterBudget, LoRARegistry, LoRASettings
 from asyncllm.core.output_processor import OutputProcessor, RequestDelta, request_metrics
 from asyncllm.core.request import Request
@@ -35,25 +36,6 @@ from asyncllm.core.window_blocks import WindowedBlockManager
 from asyncllm.errors import AsyncLLMError, InvalidRequestError, RequestTimeoutError
 from asyncllm.outputs import FinishReason
 from asyncllm.step import ModelExecutor, ModelRunnerOutput, SchedulerOutput, StepResult
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_total_blocks: int
-    prefix_cache_hit_rate: float
-    num_preemptions: int
-    num_steps: int  # steps that ran the model
-    # The hit rate's terms (prompt tokens looked up, and found cached), so engines' rates can be pooled.
-    prefix_cache_queried_tokens: int = 0
-    prefix_cache_hit_tokens: int = 0
-    spec_draft_tokens: int = 0  # speculative decoding: drafts verified, and of those accepted (running totals)
-    spec_accepted_tokens: int = 0
-
-    def as_dict(self) -> dict[str, float | int]:
-        return dict(self.__dict__)
 
 
 @dataclass(frozen=True)
@@ -93,9 +75,9 @@ class EngineCore:
         self.executor = executor
         rt = executor.runtime
         self.block_manager = (
-            BlockManager(rt.num_kv_blocks, rt.block_size, enable_prefix_caching)
+            BlockManager(rt.num_kv_blocks, rt.block_size, enable_prefix_caching, rt.kv_tiers)
             if rt.kv_window is None
-            else WindowedBlockManager(rt.num_kv_blocks, rt.block_size, enable_prefix_caching, rt.kv_window)
+            else WindowedBlockManager(rt.num_kv_blocks, rt.block_size, enable_prefix_caching, rt.kv_window, rt.kv_tiers)
         )
         self.loras = LoRARegistry(LoRASettings(rt.max_loras, max_cpu_loras))
         self.groups = SampleGroups()
@@ -190,6 +172,8 @@ class EngineCore:
             num_steps=self.num_steps,
             prefix_cache_queried_tokens=bm.num_queried_tokens,
             prefix_cache_hit_tokens=bm.num_hit_tokens,
+            prefix_cache_host_hit_tokens=bm.num_host_hit_tokens,
+            prefix_cache_disk_hit_tokens=bm.num_disk_hit_tokens,
             spec_draft_tokens=self.speculation.num_draft_tokens if self.speculation else 0,
             spec_accepted_tokens=self.speculation.num_accepted_tokens if self.speculation else 0,
         )
@@ -284,7 +268,7 @@ class EngineCore:
             self.block_manager.discard_pending()
             self._in_flight = None
             raise
-        self.block_manager.commit_pending(step.mark)
+        self.block_manager.commit_pending(step.mark, output.kv_loaded)
         return output
 
     def _update(self, step: _Launched, output: ModelRunnerOutput) -> list[RequestDelta]:
@@ -388,6 +372,8 @@ class EngineCore:
         return deltas
 
     def shutdown(self) -> None:
+        if self.block_manager.tiers is not None:  # a disk tier keeps the free cached blocks for a later engine
+            self.block_manager.tiers.flush(self.executor)
         self.executor.shutdown()
 
     def watch_failure(self, callback: Callable[[BaseException], None]) -> None:

@@ -200,6 +200,8 @@ class Scheduler:
             shared = bool(cached)
             if request.num_computed_tokens == 0 and not shared and not scores:
                 cached = self.block_manager.find_cached_prefix(request)
+                if self.block_manager.awaits_load(request, len(cached)):
+                    break  # blocks of its prefix are on their way from disk: it waits, as for memory
             num_cached_tokens = len(cached) * self.block_manager.block_size
             num_new = min(request.num_tokens - num_cached_tokens, budget, prefill_budget)
             if not self.block_manager.allocate(request, num_new, cached) and not (
@@ -223,9 +225,10 @@ class Scheduler:
             self._add_running(request)
             self._schedule(request, num_new, out)
             budget -= num_new
-        if out.is_empty:
-            # An empty step is never executed: keep the finished ids for the next real step, or the runner
-            # never learns of them and keeps their per-request state forever.
+        out.kv = self.block_manager.take_transfers()
+        if not out.seqs:
+            # A step without sequences runs no model (empty, or copies alone): keep the finished ids for the next
+            # real step, or the runner never learns of them and keeps their per-request state forever.
             self._finished_since_last_step = out.finished_request_ids
             out.finished_request_ids = []
         return out

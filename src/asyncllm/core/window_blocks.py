@@ -20,11 +20,19 @@ from __future__ import annotations
 
 from asyncllm.core.block_manager import BlockManager, KVBlock
 from asyncllm.core.request import Request
+from asyncllm.step import KVTierInfo
 
 
 class WindowedBlockManager(BlockManager):
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, window: int) -> None:
-        super().__init__(num_blocks, block_size, enable_prefix_caching)
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        window: int,
+        tiers: KVTierInfo | None = None,
+    ) -> None:
+        super().__init__(num_blocks, block_size, enable_prefix_caching, tiers)
         if window < 1:
             raise ValueError(f"need a sliding window >= 1, got {window}")
         self.window = window

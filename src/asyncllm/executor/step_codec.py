@@ -12,6 +12,9 @@ byte order (both ends share one host), parameters pickled once per request. Plai
     int32    every seq's inputs, concatenated (PLACEHOLDER is -1) | every seq's new block ids, concatenated
     bytes    per new request: index, prompt length, blob length (int32 x 3) | prompt | pickle((id, params, seed,
              lora_id))
+    bytes    the step's copies to and from the KV tiers (`KVTransfers`), if any (a step without them ends with
+             its new requests): counts of offloads, loads, restores, ahead and writes, and the wait flag (uint32
+             x 6); then every pair's two values as int64 (block hashes use all 64 bits), in that order
 
 Between steps the ring also carries LoRA adapters added and removed (`encode_lora`: a magic of its own, then
 the pickled command), in order with the steps: every rank loads an adapter before any step naming it.
@@ -24,13 +27,14 @@ import struct
 from array import array
 from dataclasses import dataclass
 
-from asyncllm.step import LoRAAdapter, NewRequestData, ScheduledSeq, SchedulerOutput
+from asyncllm.step import KVTransfers, LoRAAdapter, NewRequestData, ScheduledSeq, SchedulerOutput
 
 MAGIC = b"ATP1"
 LORA_MAGIC = b"ALR1"
 _HEADER = struct.Struct("<4s7I")
 _NEW = struct.Struct("<3i")
-assert array("i").itemsize == 4 and array("B").itemsize == 1
+_KV = struct.Struct("<6I")
+assert array("i").itemsize == 4 and array("B").itemsize == 1 and array("q").itemsize == 8
 
 
 class StepCodecError(AssertionError):
@@ -103,13 +107,14 @@ class StepEncoder:
                 sent[i] = n
                 last[i] = blocks[-1]
         new_bytes = b"".join(news)
+        kv = encode_kv(out.kv) if out.kv is not None else b""
         header = _HEADER.pack(
             MAGIC, len(finished), len(preempted), len(out.new_requests), len(seqs), len(tokens), len(new_blocks),
             len(new_bytes),
         )  # fmt: skip
         columns = finished + preempted + index + [s.start_pos for s in seqs] + num_tokens + num_new_blocks
         sample = bytes([s.sample for s in seqs])
-        return b"".join((header, _int32(columns), sample, _int32(tokens + new_blocks), new_bytes))
+        return b"".join((header, _int32(columns), sample, _int32(tokens + new_blocks), new_bytes, kv))
 
     def _assign(self, request_id: str) -> int:
         if request_id in self._index:
@@ -160,7 +165,8 @@ class StepDecoder:
         ids, tables = self._ids, self._tables
         finished = [ids[i] for i in cols[:n_fin]]
         new_requests = self._add_new(data, at, n_new)
-        assert at + new_bytes == len(data), "trailing bytes in an encoded step"
+        end = at + new_bytes
+        kv = decode_kv(data[end:]) if end < len(data) else None
         preempted = [ids[i] for i in cols[n_fin : n_fin + n_pre]]
         for i in cols[n_fin : n_fin + n_pre]:
             tables[i] = []
@@ -183,7 +189,7 @@ class StepDecoder:
                 table += values[b : b + n]
                 b += n
             seqs.append(ScheduledSeq(ids[i], toks, start, table, bool(s)))
-        return SchedulerOutput(seqs, new_requests, finished, preempted)
+        return SchedulerOutput(seqs, new_requests, finished, preempted, kv=kv)
 
     def _add_new(self, data: bytes, at: int, count: int) -> list[NewRequestData]:
         out = []
@@ -202,3 +208,28 @@ class StepDecoder:
             self._tables[i] = []
             out.append(NewRequestData(request_id, prompt.tolist(), params, seed, lora_id))
         return out
+
+
+def encode_kv(kv: KVTransfers) -> bytes:
+    # Hashes (the first of each pair in loads and writes) use all 64 bits: they travel as int64, two's complement.
+    signed = [[(h - 2**64 if h >= 2**63 else h, slot) for h, slot in pairs] for pairs in (kv.loads, kv.writes)]
+    lists = (kv.offloads, signed[0], kv.restores, kv.ahead, signed[1])
+    values = array("q", [v for pairs in lists for pair in pairs for v in pair])
+    return _KV.pack(*map(len, lists), kv.wait) + values.tobytes()
+
+
+def decode_kv(data: bytes) -> KVTransfers:
+    *counts, wait = _KV.unpack_from(data)
+    if len(data) != _KV.size + 16 * sum(counts):  # a step's last section: a stray byte would land here
+        raise StepCodecError(f"an encoded step's KV copies take {len(data)} bytes, not {_KV.size + 16 * sum(counts)}")
+    flat = array("q")
+    flat.frombytes(data[_KV.size :])
+    values = flat.tolist()
+    lists: list[list[tuple[int, int]]] = []
+    at = 0
+    for count in counts:
+        lists.append([(values[at + 2 * i], values[at + 2 * i + 1]) for i in range(count)])
+        at += 2 * count
+    offloads, loads, restores, ahead, writes = lists
+    unsigned = [[(h % 2**64, slot) for h, slot in pairs] for pairs in (loads, writes)]
+    return KVTransfers(offloads, unsigned[0], restores, ahead, unsigned[1], bool(wait))

@@ -1,0 +1,28 @@
+"""`EngineStats`: the engine core's counters as `stats()` reports them (`engine.stats()`, `/metrics`). Plain data;
+the running totals are never reset, so engines' figures can be summed and their rates pooled."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+    num_steps: int  # steps that ran the model
+    # The hit rate's terms (prompt tokens looked up, and found cached), so engines' rates can be pooled.
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    spec_draft_tokens: int = 0  # speculative decoding: drafts verified, and of those accepted (running totals)
+    spec_accepted_tokens: int = 0
+    # Of the hit tokens, those restored from the KV tiers below the device (`kv_offloading_size`, `kv_cache_dir`).
+    prefix_cache_host_hit_tokens: int = 0
+    prefix_cache_disk_hit_tokens: int = 0
+
+    def as_dict(self) -> dict[str, float | int]:
+        return dict(self.__dict__)

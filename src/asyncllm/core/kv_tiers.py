@@ -1,0 +1,231 @@
+"""`KVTiers`: the engine core's index of the KV tiers below the device (a host-memory pool, and a disk
+directory), keyed by the prefix cache's block hashes; it plans every copy between them and the device as a
+step's `KVTransfers`, which every rank runs on its shard (`worker/kv_tiers.py`).
+
+A cached block leaves the device through the host tier only. The pool's free cached blocks are copied to host
+slots oldest-freed first, a bounded number per step (`ahead`, overlapping the forward pass), so that one the
+pool takes for other content is usually there already; if not, the step copies it before its forward pass
+(`offloads`). Host slots are reused least recently used first. A prefix that misses on the device and
+continues in the host tier is restored: the block manager takes fresh device blocks for it, and the step
+copies the slots into them before its forward pass reads them (`restores`). With a disk tier every block
+copied to the host is also written to disk in the background (`writes`; never a LoRA adapter's: adapter ids
+are one engine's). A prefix that continues on disk is read into host slots by a step (`loads`) while its
+request waits, once; the step's output says which blocks arrived intact on every rank.
+
+What a hash names never changes within an engine: it covers the whole prefix and the adapter, and the model
+and KV layout are the engine's (the disk tier's files also carry a fingerprint of them, checked on reading).
+Plain Python, no clocks: deterministic like the block manager that drives it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from typing import Protocol
+
+from asyncllm.step import KVTierInfo, KVTransfers, ModelExecutor, SchedulerOutput
+
+
+class KVBlock(Protocol):
+    """What the tiers read of a device block (`block_manager.KVBlock`)."""
+
+    block_id: int
+    block_hash: int | None
+    ref_count: int
+    lora_id: int  # the adapter whose chain its hash is on (0: the base model)
+    pending: bool  # registered by a step whose KV is not written yet
+
+
+class KVTiers:
+    def __init__(self, info: KVTierInfo) -> None:
+        if info.host_blocks < 1:
+            raise ValueError(f"a host tier needs host_blocks >= 1, got {info.host_blocks}")
+        self.info = info
+        self._free_slots = list(range(info.host_blocks - 1, -1, -1))  # pop() takes the lowest: runs of slots
+        self._host: OrderedDict[int, int] = OrderedDict()  # block hash -> slot; the first is reused next
+        self._from_disk: set[int] = set()  # host entries read from disk and not restored since (hit counts)
+        self._disk: OrderedDict[int, None] = OrderedDict.fromkeys(info.on_disk)  # believed on disk, oldest first
+        self._to_load: OrderedDict[int, int] = OrderedDict()  # hash -> its reserved slot, not sent yet
+        self._loading: deque[list[tuple[int, int]]] = deque()  # per step sent with loads, oldest first
+        self._in_load: set[int] = set()  # hashes queued or being loaded
+        self._waited: set[str] = set()  # requests that waited for loads (each waits once per admission)
+        self._freed: OrderedDict[int, tuple[KVBlock, int]] = OrderedDict()  # block id -> (block, its hash)
+        self._recent_ahead: set[int] = set()  # device blocks whose `ahead` copy may still run
+        self._pinned: set[int] = set()  # slots this step copies into or out of: none is reused within it
+        self._step = KVTransfers()
+        self._wait = False
+
+    @property
+    def has_disk(self) -> bool:
+        return self.info.disk_blocks > 0
+
+    # ------------------------------------------------------------------ lookups
+    def host_run(self, hashes: list[int]) -> list[int]:
+        """The leading hashes of `hashes` (a prefix's blocks past its device hits) that the host tier holds."""
+        run = []
+        for block_hash in hashes:
+            if block_hash not in self._host:
+                break
+            run.append(block_hash)
+        return run
+
+    def awaits(self, request_id: str, hashes: list[int]) -> bool:
+        """Whether the request must wait for disk reads: `hashes` are its prefix's blocks past its device and
+        host hits. True while the first is on its way; when it is on disk and the request has not waited since
+        it was last admitted, its run on disk (at most half the host tier) is queued for loading first."""
+        if not hashes or not self.has_disk:
+            return False
+        if hashes[0] in self._in_load:
+            return True
+        if hashes[0] not in self._disk or request_id in self._waited:
+            return False
+        self._waited.add(request_id)
+        for block_hash in hashes[: max(1, self.info.host_blocks // 2)]:
+            if block_hash in self._host or block_hash in self._in_load:
+                continue  # there already, or coming for another request
+            if block_hash not in self._disk:
+                break
+            slot = self._take_slot()
+            if slot is None:
+                break
+            self._to_load[block_hash] = slot
+            self._in_load.add(block_hash)
+        return hashes[0] in self._in_load
+
+    def forget(self, request_id: str) -> None:
+        """The request's blocks were freed (it finished, or was preempted): it may wait for loads again."""
+        self._waited.discard(request_id)
+
+    # ------------------------------------------------------------------ the block manager's events
+    def pin(self, hashes: list[int]) -> None:
+        """Host entries a request is about to restore: kept through this step's other copies."""
+        for block_hash in hashes:
+            self._pinned.add(self._host[block_hash])
+
+    def restore(self, block_hash: int, block_id: int) -> bool:
+        """Copy the host entry `block_hash` into the fresh device block `block_id` before this step's forward
+        pass; True when it came from disk (the first restore since it was read)."""
+        slot = self._host[block_hash]
+        self._host.move_to_end(block_hash)
+        self._step.restores.append((slot, block_id))
+        self._pinned.add(slot)
+        if block_hash in self._from_disk:
+            self._from_disk.discard(block_hash)
+            return True
+        return False
+
+    def evicting(self, block: KVBlock) -> None:
+        """`block`, free and cached with its KV written, is taken for other content this step: copied to the
+        host before the forward pass overwrites it, unless it is there already."""
+        block_hash = block.block_hash
+        assert block_hash is not None
+        if block_hash in self._host:
+            self._host.move_to_end(block_hash)
+            if block.block_id in self._recent_ahead:
+                self._wait = True  # its copy may still be running: the forward pass waits for it
+            return
+        slot = self._take_slot()
+        if slot is not None:
+            self._step.offloads.append((block.block_id, slot))
+            self._keep(block, slot)
+
+    def freed(self, block: KVBlock) -> None:
+        """`block` became free with its KV written and cached: a candidate for an `ahead` copy."""
+        assert block.block_hash is not None
+        if block.block_hash not in self._host:
+            self._freed.pop(block.block_id, None)
+            self._freed[block.block_id] = (block, block.block_hash)
+
+    def loaded(self, results: tuple[bool, ...]) -> None:
+        """The oldest step that sent loads has run: the blocks that arrived on every rank join the host tier."""
+        for (block_hash, slot), ok in zip(self._loading.popleft(), results, strict=True):
+            self._in_load.discard(block_hash)
+            if ok and block_hash not in self._host:
+                self._host[block_hash] = slot
+                self._from_disk.add(block_hash)
+                continue
+            self._free_slots.append(slot)
+            if not ok:  # missing, corrupted or foreign on some rank (the worker warned): recomputed instead
+                self._disk.pop(block_hash, None)
+
+    def reset(self) -> None:
+        """Forget every host entry, and what is on disk (the files stay for a later engine)."""
+        self._free_slots += [slot for slot in self._host.values() if slot not in self._pinned]
+        self._host = OrderedDict((h, s) for h, s in self._host.items() if s in self._pinned)
+        self._from_disk.clear()
+        self._disk.clear()
+        self._freed.clear()
+
+    # ------------------------------------------------------------------ the step's copies
+    def take_step(self, ahead_blocks: int | None = None) -> KVTransfers | None:
+        """The copies planned for the step being planned, with its `ahead` copies (at most `ahead_blocks`,
+        by default the tier's per-step count) and the disk reads it may carry; None when there are none."""
+        self._plan_ahead(self.info.ahead_blocks if ahead_blocks is None else ahead_blocks)
+        step, self._step = self._step, KVTransfers()
+        if self._to_load:
+            batch = [self._to_load.popitem(last=False) for _ in range(min(len(self._to_load), self._loads_per_step))]
+            step.loads.extend(batch)
+            self._loading.append(batch)
+        self._pinned.clear()
+        if not (step.before_forward or step.ahead or self._wait):
+            return None
+        wait, self._wait = self._wait, False
+        # A forward pass that waits for the copies issued before it also outlasts their `ahead` copies.
+        if step.before_forward or wait:
+            self._recent_ahead.clear()
+        self._recent_ahead.update(block_id for block_id, _ in step.ahead)
+        return KVTransfers(step.offloads, step.loads, step.restores, step.ahead, step.writes, wait)
+
+    def flush(self, executor: ModelExecutor) -> None:
+        """Before the engine stops: with a disk tier, copy every free cached block not in the host tier yet
+        there (and so to disk), in one step of copies alone; the worker finishes its writes as it shuts down."""
+        if not self.has_disk or not self._freed:
+            return
+        kv = self.take_step(ahead_blocks=self.info.host_blocks)
+        if kv is not None:
+            executor.submit(SchedulerOutput(kv=kv)).result()
+
+    # ------------------------------------------------------------------ internals
+    @property
+    def _loads_per_step(self) -> int:
+        return max(1, self.info.loads_per_step)
+
+    def _plan_ahead(self, budget: int) -> None:
+        while budget > 0 and self._freed:
+            _, (block, block_hash) = self._freed.popitem(last=False)
+            # Taken since, or hit, or registered anew (its KV not written yet), or copied meanwhile: skip it.
+            if block.ref_count or block.block_hash != block_hash or block.pending or block_hash in self._host:
+                continue
+            slot = self._take_slot()
+            if slot is None:
+                self._freed[block.block_id] = (block, block_hash)
+                self._freed.move_to_end(block.block_id, last=False)
+                return
+            self._step.ahead.append((block.block_id, slot))
+            self._keep(block, slot)
+            budget -= 1
+
+    def _keep(self, block: KVBlock, slot: int) -> None:
+        """`block`'s copy lands in `slot`: index it, and keep it on disk too where it belongs there."""
+        block_hash = block.block_hash
+        assert block_hash is not None
+        self._host[block_hash] = slot
+        self._pinned.add(slot)
+        if self.has_disk and block.lora_id == 0:
+            if block_hash not in self._disk:
+                self._step.writes.append((block_hash, slot))
+            self._disk[block_hash] = None
+            self._disk.move_to_end(block_hash)
+            while len(self._disk) > self.info.disk_blocks:
+                self._disk.popitem(last=False)
+
+    def _take_slot(self) -> int | None:
+        """A host slot for a new entry: a free one, else the least recently used entry's (None: every slot
+        is in use by this step)."""
+        if self._free_slots:
+            return self._free_slots.pop()
+        for block_hash, slot in self._host.items():
+            if slot not in self._pinned:
+                del self._host[block_hash]
+                self._from_disk.discard(block_hash)
+                return slot
+        return None

@@ -1,0 +1,155 @@
+"""The KV tiers below the device, as the engine core plans them (`core/kv_tiers.py`), over a FakeExecutor whose
+"KV" is token ids and whose host pool and "disk" hold copies of it (`tests/fixtures/fake_tiers.py`): multi-turn
+conversations whose histories the small device pool evicts come back from the host tier with the tokens of a
+run that recomputes everything, serially and overlapped; after a restart from the disk tier; with reads that
+fail (recomputed instead); never a LoRA adapter's block on disk; the step's copies through the tensor-parallel
+codec. (Sliding windows: tests/test_kv_tiers_engine.py, on a real model: this fake reads every position.)"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import pytest
+
+from asyncllm.core.engine_core import EngineCore
+from asyncllm.core.request import Request
+from asyncllm.executor.step_codec import decode_kv, encode_kv
+from asyncllm.input_processor import InputProcessor
+from asyncllm.sampling_params import SamplingParams
+from asyncllm.step import KVTransfers, LoRAAdapter
+from tests.core.invariants import check_block_invariants
+from tests.fixtures.fake_executor import FakeExecutor, kv_token, make_engine_core, make_runtime, reference_tokens
+from tests.fixtures.fake_tiers import Block, TieredFakeExecutor, tiered_runtime
+
+DEVICE = dict(num_kv_blocks=24, block_size=4, vocab_size=64, max_model_len=512)
+
+
+def _turns(num_conversations: int, num_turns: int, seed: int = 0) -> list[list[list[int]]]:
+    """Per turn, per conversation, the user's new tokens (the history before them is the conversation so far)."""
+    rng = random.Random(seed)
+    return [
+        [[rng.randrange(1, 64) for _ in range(rng.randint(6, 14))] for _ in range(num_conversations)]
+        for _ in range(num_turns)
+    ]
+
+
+def _converse(
+    core: EngineCore,
+    executor: FakeExecutor,
+    turns: list[list[list[int]]],
+    histories: list[list[int]] | None = None,
+    lora_id: int = 0,
+) -> list[list[int]]:
+    """Run every turn of every conversation (a turn's requests together), checking each output against a run
+    that recomputes its whole sequence, and the block accounting after every step. The final histories."""
+    histories = [[] for _ in turns[0]] if histories is None else histories
+    ip = InputProcessor(executor.runtime, None)
+
+    def through_adapter(seq: list[int]) -> int:  # a request reads the "KV" its adapter computed (`kv_token`)
+        return executor.next_token([kv_token(t, lora_id) for t in seq])
+
+    for t, news in enumerate(turns):
+        requests: list[Request] = []
+        for c, new in enumerate(news):
+            prompt = histories[c] + new
+            request = ip.make_request(f"t{t}c{c}-{id(histories)}", prompt, SamplingParams(max_tokens=5), 0.0)
+            request.lora_id = lora_id
+            core.add_request(request)
+            requests.append(request)
+        outputs: dict[str, list[int]] = {}
+        for _ in range(400):
+            if not core.has_unfinished():
+                break
+            for delta in core.step():
+                outputs.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+            live = list(core.scheduler.requests.values())
+            check_block_invariants(core.block_manager, live, core.scheduler.held_block_ids())
+        else:
+            raise AssertionError("the turn did not finish")
+        for c, request in enumerate(requests):
+            want = reference_tokens(through_adapter, request.prompt_token_ids, 5, frozenset())
+            assert outputs[request.request_id] == want, f"turn {t}, conversation {c}"
+            histories[c] = request.prompt_token_ids + want
+    return histories
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_evicted_conversations_come_back_from_the_host_tier(overlap: bool) -> None:
+    turns = _turns(4, 4)
+    plain = FakeExecutor(make_runtime(**DEVICE), asynchronous=overlap)
+    _converse(make_engine_core(plain, max_num_batched_tokens=32, async_scheduling=overlap), plain, turns)
+    executor = TieredFakeExecutor(tiered_runtime(64, **DEVICE), asynchronous=overlap)
+    core = make_engine_core(executor, max_num_batched_tokens=32, async_scheduling=overlap)
+    _converse(core, executor, turns)
+    stats = core.stats()
+    assert stats.prefix_cache_host_hit_tokens > 0 and stats.prefix_cache_disk_hit_tokens == 0
+    assert stats.prefix_cache_hit_tokens > plain.num_steps * 0  # the hit rate's terms count the host's hits
+    assert stats.prefix_cache_hit_tokens >= stats.prefix_cache_host_hit_tokens
+    assert executor.copies["restores"] * 4 == stats.prefix_cache_host_hit_tokens
+    assert executor.copies["offloads"] + executor.copies["ahead"] > 0
+    assert executor.num_steps < plain.num_steps  # restored prefixes are not recomputed chunk by chunk
+
+
+def test_a_tiny_host_tier_still_gives_the_same_tokens() -> None:
+    """Two slots: most offloads find every slot in use by the step, and skip; what is restored is right."""
+    executor = TieredFakeExecutor(tiered_runtime(2, ahead_blocks=1, **DEVICE))
+    _converse(make_engine_core(executor, max_num_batched_tokens=32), executor, _turns(3, 4, seed=3))
+
+
+def test_a_restart_finds_the_conversations_on_disk() -> None:
+    turns = _turns(3, 3, seed=1)
+    disk: dict[int, Block] = {}
+    first = TieredFakeExecutor(tiered_runtime(64, disk=disk, **DEVICE), disk=disk)
+    core = make_engine_core(first, max_num_batched_tokens=32)
+    histories = _converse(core, first, turns[:2])
+    core.shutdown()  # flushes the free cached blocks down to disk
+    assert first.copies["writes"] == len(disk) > 0
+    second = TieredFakeExecutor(tiered_runtime(64, disk=disk, **DEVICE), disk=disk)
+    core = make_engine_core(second, max_num_batched_tokens=32)
+    _converse(core, second, turns[2:], histories)
+    stats = core.stats()
+    assert stats.prefix_cache_disk_hit_tokens > 0
+    assert second.copies["loads"] * 4 >= stats.prefix_cache_disk_hit_tokens
+
+
+def test_failed_reads_are_recomputed() -> None:
+    """A block whose read fails on some rank (a corrupted file) is recomputed, and never asked for again."""
+    turns = _turns(3, 3, seed=2)
+    disk: dict[int, Block] = {}
+    first = TieredFakeExecutor(tiered_runtime(64, disk=disk, **DEVICE), disk=disk)
+    core = make_engine_core(first, max_num_batched_tokens=32)
+    histories = _converse(core, first, turns[:2])
+    core.shutdown()
+    broken = frozenset(list(disk)[::2])
+    second = TieredFakeExecutor(tiered_runtime(64, disk=disk, **DEVICE), disk=disk, fail_loads=broken)
+    core = make_engine_core(second, max_num_batched_tokens=32)
+    _converse(core, second, turns[2:], histories)
+    loads = second.copies["loads"]
+    assert 0 < core.stats().prefix_cache_disk_hit_tokens < 4 * loads
+    _converse(core, second, _turns(3, 1, seed=9), histories)
+    assert second.copies["loads"] == loads or core.stats().prefix_cache_disk_hit_tokens > 0
+
+
+def test_an_adapters_blocks_never_reach_the_disk() -> None:
+    """LoRA adapter ids are one engine's: a block on an adapter's chain goes to the host tier only."""
+    disk: dict[int, Block] = {}
+    executor = TieredFakeExecutor(tiered_runtime(64, disk=disk, **DEVICE, max_loras=1), disk=disk)
+    executor.add_lora(LoRAAdapter(1, "adapter", "/nowhere"))  # the fake only records it
+    core = make_engine_core(executor, max_num_batched_tokens=32)
+    _converse(core, executor, _turns(3, 3, seed=4), lora_id=1)
+    core.shutdown()
+    assert core.stats().prefix_cache_host_hit_tokens > 0
+    assert executor.copies["offloads"] + executor.copies["ahead"] > 0 and disk == {}
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: KVTransfers(),
+        lambda: KVTransfers([(3, 0), (7, 1)], [(2**64 - 1, 2), (5, 3)], [(4, 9)], [(1, 5)], [(2**63, 0)], True),
+    ],
+)
+def test_transfers_cross_the_ring_whole(make: Callable[[], KVTransfers]) -> None:
+    kv = make()
+    assert decode_kv(encode_kv(kv)) == kv
