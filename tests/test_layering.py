@@ -50,6 +50,7 @@ FOUNDATION = {
     "asyncllm.config_device",
     "asyncllm.config_fields",
     "asyncllm.outputs",
+    "asyncllm.pooling",  # embed and score engines' plain data: the pooler, a request's options, the results
     "asyncllm.sampling_params",
     "asyncllm.structured",
     "asyncllm.step",  # the step contract between the core and the executors

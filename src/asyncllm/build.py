@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from asyncllm.config import EngineConfig
 from asyncllm.core.detokenizer import backend_tokenizer
 from asyncllm.core.engine_core import EngineCore
+from asyncllm.pooling import PoolerSpec, pooling_step_budget
 from asyncllm.startup import Phases, log_banner
 from asyncllm.step import RuntimeInfo
 from asyncllm.structured import StructuredOutput
@@ -54,22 +55,27 @@ def build_engine(config: EngineConfig, clock: Callable[[], float]) -> BuiltEngin
         import torch
 
         from asyncllm.model_loader.checkpoint import open_checkpoint
+        from asyncllm.model_loader.pooler_spec import engine_pooler
         from asyncllm.worker.device import resolve_device
 
     resolve_device(config.device_config.device)  # no such device: fail before reading anything
     with phases("open"):  # config, tokenizer, and a GGUF file's checks
         # Host-side weights in float32 (lossless for 16-bit checkpoints); the worker casts as it copies them in.
         checkpoint = open_checkpoint(mc.model, torch.float32, mc.tokenizer)
-    executor = make_executor(config, checkpoint)
+        pooler = engine_pooler(config, checkpoint)  # the task: None generates (docs/embeddings.md)
+    executor = make_executor(config, checkpoint, pooler)
     phases.add(executor.runtime.startup_seconds)  # the worker's steps: load, profile, kv_cache, warm_up, capture
     tokenizer = checkpoint.tokenizer
     sched = config.scheduler_config
+    budget = sched.max_num_batched_tokens
+    if pooler is not None:  # an input runs whole in one step, and no prefix is shared (core/pooling.py)
+        budget = pooling_step_budget(budget, executor.runtime.max_model_len)
     core = EngineCore(
         executor,
         max_num_seqs=sched.max_num_seqs,
-        max_num_batched_tokens=sched.max_num_batched_tokens,
+        max_num_batched_tokens=budget,
         max_prefill_tokens_while_decoding=sched.max_prefill_tokens_while_decoding,
-        enable_prefix_caching=config.cache_config.enable_prefix_caching,
+        enable_prefix_caching=config.cache_config.enable_prefix_caching and pooler is None,
         seed=mc.seed,
         tokenizer=backend_tokenizer(tokenizer) if tokenizer is not None else None,
         clock=clock,
@@ -110,12 +116,15 @@ class EncodeBatch:
         return [e.ids for e in backend_tokenizer(self.tokenizer).encode_batch(texts, add_special_tokens=True)]
 
 
-def make_executor(config: EngineConfig, checkpoint: Any) -> UniProcExecutor | MultiProcExecutor:
-    """The executor for the parallel configuration: in-process for one rank, worker processes for more."""
+def make_executor(
+    config: EngineConfig, checkpoint: Any, pooler: PoolerSpec | None = None
+) -> UniProcExecutor | MultiProcExecutor:
+    """The executor for the parallel configuration: in-process for one rank, worker processes for more.
+    `pooler`: an embed or score engine's (one rank only: `engine_pooler` refuses more)."""
     if config.parallel_config.tensor_parallel_size > 1:
         from asyncllm.executor.multiproc import MultiProcExecutor
 
         return MultiProcExecutor(config, checkpoint)
     from asyncllm.executor.uniproc import UniProcExecutor
 
-    return UniProcExecutor(config, checkpoint)
+    return UniProcExecutor(config, checkpoint, pooler)

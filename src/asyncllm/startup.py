@@ -70,8 +70,14 @@ def banner(config: EngineConfig, runtime: RuntimeInfo) -> list[str]:
     loras = (
         [f"  LoRA: {runtime.max_loras} adapter slots, max_lora_rank {lora.max_lora_rank}"] if runtime.max_loras else []
     )
+    pooler = runtime.pooler
+    pooling = []
+    if pooler is not None:  # what an embed or score engine computes (docs/embeddings.md)
+        how = f"{pooler.score.value} scores" if pooler.score is not None else f"{pooler.method.value} pooling"
+        pooling = [f"  task {runtime.task.value}: {how}, hidden size {pooler.hidden_size}"]
     return [
         f"engine ready in {total:.1f} s: {config.model}{architecture}",
+        *pooling,
         f"  {runtime.device}, {runtime.dtype}, {runtime.attention_backend} attention, {graphs}{parallel}{threads}",
         f"  KV cache {runtime.kv_capacity_tokens:,} tokens ({runtime.num_kv_blocks:,} blocks of "
         f"{runtime.block_size}{size}); max_model_len {runtime.max_model_len:,}, max_num_seqs {sched.max_num_seqs}",

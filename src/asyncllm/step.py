@@ -17,7 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from asyncllm.config_values import Task
 from asyncllm.errors import AsyncLLMError
+from asyncllm.pooling import PoolerSpec, PoolingParams
 from asyncllm.sampling_params import SamplingParams
 
 # An input token sampled by the step submitted just before this one, not yet known to the host: the executor
@@ -34,6 +36,7 @@ class NewRequestData:
     params: SamplingParams
     seed: int  # params.seed, or one drawn from the engine seed: every request samples from its own generator
     lora_id: int = 0  # the LoRA adapter its tokens go through (`LoRAAdapter.lora_id`); 0: the base model
+    pooling: PoolingParams | None = None  # an embed or score engine's request: pooled, never sampled
 
 
 @dataclass(frozen=True)
@@ -151,6 +154,9 @@ class ModelRunnerOutput:
     # row's token equalled its first draft, and so on; the last is the target's own token after the drafts
     # it agreed with. Its length is the drafts accepted. None or a row left out: none accepted.
     accepted: dict[int, list[int]] | None = None
+    # An embed or score engine's step (no token sampled): per sampling sequence, in order, its embedding or
+    # its one-value score. None: a generation step.
+    pooled: list[list[float]] | None = None
     # Per entry of the step's `KVTransfers.loads`, in order: whether the block reached its host slot intact
     # on every rank. None: the step loaded nothing.
     kv_loaded: tuple[bool, ...] | None = None
@@ -194,6 +200,8 @@ class RuntimeInfo:
     # None: some layer reads every key.
     kv_window: int | None = None
     kv_tiers: KVTierInfo | None = None  # None: no tier below the device (kv_offloading_size=0, no kv_cache_dir)
+    task: Task = Task.GENERATE  # what the engine serves, resolved from `task` and the checkpoint
+    pooler: PoolerSpec | None = None  # an embed or score engine's pooler (None: generation)
 
     @property
     def kv_capacity_tokens(self) -> int:

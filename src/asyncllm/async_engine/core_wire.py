@@ -35,7 +35,7 @@ DEAD = "dead"  # (DEAD, message, cause): the core is gone (failed, or shut down)
 
 # `RequestDelta`'s fields beyond the columns a plain delta travels as: `encode_step` checks each is at its
 # default (a test fails when the dataclass gains a field this list and that check do not know).
-EXTRA_FIELDS = ("finish_reason", "metrics", "logprobs", "error", "index", "open_samples", "prompt_logprobs")
+EXTRA_FIELDS = ("finish_reason", "metrics", "logprobs", "error", "index", "open_samples", "prompt_logprobs", "pooled")
 STATS_KEYS = (
     "num_running",
     "num_waiting",
@@ -70,6 +70,7 @@ def encode_step(started: list[str], stats: dict[str, float | int], deltas: list[
             and d.index == 0
             and d.open_samples == 0
             and d.prompt_logprobs is None
+            and d.pooled is None
         ):
             ids.append(d.request_id)
             tokens.append(new[0])

@@ -35,7 +35,7 @@ class OutputSlot(OutputAccumulator):
     """Output owed to one consumer and not yet read: an accumulator the step thread adds each step's delta
     to and the consumer takes merged chunks from. Its state is guarded by `mailbox.lock`."""
 
-    __slots__ = ("dead", "mailbox", "prompt_token_ids", "request_id", "waiter")
+    __slots__ = ("dead", "mailbox", "pooled", "prompt_token_ids", "request_id", "waiter")
 
     def __init__(self, request_id: str, mailbox: LoopMailbox) -> None:
         super().__init__()
@@ -46,6 +46,7 @@ class OutputSlot(OutputAccumulator):
         # Set once, before the request reaches the core (a text prompt: once tokenized). A tuple: the core's
         # own list never leaves it, so no caller can change what the scheduler counts.
         self.prompt_token_ids: tuple[int, ...] | None = None
+        self.pooled: list[float] | None = None  # a pooling request's vector, from its final delta
 
     @property
     def num_samples(self) -> int:
@@ -141,6 +142,8 @@ class LoopMailbox:
         """
         with self.lock:
             for slot, d in items:  # join each delta onto what the consumer has not read yet
+                if d.pooled is not None and not slot.finished:
+                    slot.pooled = d.pooled
                 slot.add(
                     d.new_text,
                     d.new_token_ids,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from tokenizers import Tokenizer
 
@@ -28,6 +29,7 @@ from asyncllm.core.deadlines import Deadlines
 from asyncllm.core.engine_stats import EngineStats
 from asyncllm.core.lora import AdapterBudget, LoRARegistry, LoRASettings
 from asyncllm.core.output_processor import OutputProcessor, RequestDelta, request_metrics
+from asyncllm.core.pooling import finish_pooled
 from asyncllm.core.request import Request
 from asyncllm.core.sample_group import SampleGroups
 from asyncllm.core.scheduler import Scheduler, SchedulerLimits
@@ -275,6 +277,8 @@ class EngineCore:
         """The step's tokens into the requests and out as deltas (stops checked, text detokenized)."""
         now = self._clock()
         self.last_step = step.counts
+        if output.pooled is not None:  # an embed or score step: each request ends with its vector
+            return finish_pooled(step.scheduled, output.pooled, partial(self._finish, flush=True))
         deltas: list[RequestDelta] = []
         if output.failed:  # finished first, so their tokens are dropped below like any finished request's
             deltas += self._fail(step.scheduled, output.failed)

@@ -43,6 +43,7 @@ class RequestDelta:
     open_samples: int = 0  # on a sample's final delta: samples of its request still running
     # On the request's first token's delta, when it asked for them: one per prompt token, None first.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    pooled: list[float] | None = None  # on a pooling request's final delta: its embedding or score (core/pooling.py)
 
 
 class _TextState:

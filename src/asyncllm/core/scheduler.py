@@ -204,6 +204,8 @@ class Scheduler:
                     break  # blocks of its prefix are on their way from disk: it waits, as for memory
             num_cached_tokens = len(cached) * self.block_manager.block_size
             num_new = min(request.num_tokens - num_cached_tokens, budget, prefill_budget)
+            if request.pooling is not None and num_new < request.num_tokens:
+                break  # a pooling input runs whole, in one step (core/pooling.py): it waits for a step with room
             if not self.block_manager.allocate(request, num_new, cached) and not (
                 self._holds and self._release_idle_holds() and self.block_manager.allocate(request, num_new, cached)
             ):
@@ -294,6 +296,7 @@ class Scheduler:
                     request.params,
                     self._seeds[request.request_id],
                     request.lora_id,
+                    request.pooling,
                 )
             )
         end = start + num_new

@@ -13,11 +13,12 @@ from asyncllm.errors import LoRAError
 from asyncllm.step import LoRAAdapter, RuntimeInfo, SchedulerOutput, StepResult
 from asyncllm.structured_output.backend import GrammarBackend
 from asyncllm.worker.model_runner import ModelRunner
+from asyncllm.worker.pooling_runner import PoolingRunner
 
 
 class Worker:
-    def __init__(self, runner: ModelRunner, runtime: RuntimeInfo) -> None:
-        self.runner: ModelRunner | None = runner  # None once shut down
+    def __init__(self, runner: ModelRunner | PoolingRunner, runtime: RuntimeInfo) -> None:
+        self.runner: ModelRunner | PoolingRunner | None = runner  # None once shut down (pooling: embed, score)
         self.runtime = runtime
         # Compiles output constraints over this model's vocabulary; the front of an in-process engine checks
         # requests with it, so each constraint compiles once in the process (None: no tokenizer or no EOS).
