@@ -24,6 +24,7 @@ from asyncllm.errors import (
 )
 from asyncllm.outputs import RequestMetrics, RequestOutput, StreamOutput
 from asyncllm.parsing import ChatChunk, ToolCall, ToolCallDelta
+from asyncllm.pooling import EmbeddingOutput, RerankResult
 from asyncllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ __all__ = [
     "AsyncLLMError",
     "ChatChunk",
     "ChatStream",
+    "EmbeddingOutput",
     "EngineDeadError",
     "EngineDrainingError",
     "EngineOverloadedError",
@@ -50,6 +52,7 @@ __all__ = [
     "RequestOutput",
     "RequestStream",
     "RequestTimeoutError",
+    "RerankResult",
     "SamplingParams",
     "StreamInUseError",
     "StreamOutput",

@@ -14,10 +14,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from asyncllm.async_engine.admission import max_token_chars_of
+from asyncllm.async_engine.pooling_inputs import PoolingInputs, check_top_n, cosine, rerank_results
 from asyncllm.config import EngineConfig
-from asyncllm.errors import InvalidRequestError, LoRAError
+from asyncllm.config_values import Task
+from asyncllm.errors import InvalidRequestError, LoRAError, RequestFailedError
 from asyncllm.input_processor import InputProcessor
-from asyncllm.outputs import RequestOutput, new_accumulator
+from asyncllm.outputs import RequestOutput, new_accumulator, request_error
+from asyncllm.pooling import EmbeddingOutput, PoolingParams, RerankResult
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.step import RuntimeInfo
 
@@ -35,6 +39,7 @@ class LLM:
         engine = self._engine
         self._inputs = InputProcessor(engine.runtime, engine.encode, engine.encode_batch, engine.check_constraint)
         self._ids = itertools.count()
+        self._pooling = PoolingInputs(self._inputs, engine.tokenizer, max_token_chars_of(engine.tokenizer))
         # What loading left (model, tokenizer, libraries) lives as long as the process: out of the garbage
         # collector's reach, a full collection no longer walks it (see AsyncLLMEngine).
         gc.collect()
@@ -92,6 +97,7 @@ class LLM:
         """One `RequestOutput` per prompt, in prompt order. `priority`: one per prompt (lower runs first; the
         default 0 each): which prompts the engine starts first when they do not all fit at once. `lora`: an
         added adapter's name for every prompt, or one name (or None: the base model) per prompt."""
+        self._pooling.check_generates("generate()")
         prompt_list = self._as_prompt_list(prompts)
         if params is None or isinstance(params, SamplingParams):
             param_list = [params or SamplingParams()] * len(prompt_list)
@@ -157,6 +163,66 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [outputs[r.request_id].result(r.request_id, list(r.prompt_token_ids)) for r in requests]
+
+    # ------------------------------------------------------------------ embed, score, rerank (docs/embeddings.md)
+    def embed(
+        self,
+        inputs: Prompt | Sequence[Prompt],
+        *,
+        dimensions: int | None = None,
+        normalize: bool = True,
+        prompt_name: str | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[EmbeddingOutput]:
+        """One `EmbeddingOutput` per input, in order; the options as `AsyncLLMEngine.embed`'s."""
+        pooling = self._pooling
+        plan = pooling.embed_plan(inputs, dimensions, normalize, prompt_name, truncate_prompt_tokens)
+        ids = pooling.embed_ids(plan)
+        return [EmbeddingOutput(v, len(x)) for v, x in zip(self._run_pooled([(x, plan.params) for x in ids]), ids)]
+
+    def score(self, query: str, documents: str | Sequence[str], *, instruction: str | None = None) -> list[float]:
+        """Each document's relevance to `query`, in order, as `AsyncLLMEngine.score` computes it."""
+        pooling = self._pooling
+        plan = pooling.score_plan(query, documents, instruction)
+        if self.runtime.task is Task.EMBED:  # cosine similarity of the embeddings
+            vectors = [e.embedding for e in self.embed([plan.query, *plan.documents])]
+            return [cosine(vectors[0], v) for v in vectors[1:]]
+        return [v[0] for v in self._run_pooled([(x, pooling.score_params(t)) for x, t in pooling.score_ids(plan)])]
+
+    def rerank(
+        self, query: str, documents: Sequence[str], *, top_n: int | None = None, instruction: str | None = None
+    ) -> list[RerankResult]:
+        """The documents best first, the first `top_n` (None: all), as `AsyncLLMEngine.rerank`'s."""
+        top_n = check_top_n(top_n)
+        return rerank_results(self.score(query, documents, instruction=instruction), documents, top_n)
+
+    def _run_pooled(self, inputs: list[tuple[list[int], PoolingParams]]) -> list[list[float]]:
+        """Each input's vector: every request checked, then all run; an error aborts the rest."""
+        now = time.monotonic()
+        requests = [
+            self._pooling.request(f"llm-{next(self._ids)}", ids, params, now, where=f"input {i}")
+            for i, (ids, params) in enumerate(inputs)
+        ]
+        core = self._engine.core
+        vectors: dict[str, list[float]] = {}
+        try:
+            for request in requests:
+                core.add_request(request)
+            while len(vectors) < len(requests):
+                for d in core.step():
+                    if d.error is not None:
+                        raise request_error(d.error)
+                    if d.pooled is None and d.finish_reason is not None:
+                        raise RequestFailedError(
+                            f"pooling request {d.request_id!r} ended ({d.finish_reason}) without a vector"
+                        )
+                    if d.pooled is not None:
+                        vectors[d.request_id] = d.pooled
+        except BaseException:
+            for request in requests:  # never leave half a batch in the engine
+                core.abort_request(request.request_id)
+            raise
+        return [vectors[r.request_id] for r in requests]
 
     def shutdown(self) -> None:
         self._engine.core.shutdown()

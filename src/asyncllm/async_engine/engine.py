@@ -33,6 +33,7 @@ from asyncllm.async_engine.loop_fanout import LoopFanout
 from asyncllm.async_engine.loops import current_loop_key, run_in_thread
 from asyncllm.async_engine.lora_front import LoRAFront
 from asyncllm.async_engine.mailbox import OutputSlot, new_slot
+from asyncllm.async_engine.pooling_api import PoolingAPI
 from asyncllm.async_engine.proc_client import ProcClient
 from asyncllm.async_engine.router import OutputRouter
 from asyncllm.async_engine.stream import RequestStream, collect
@@ -49,7 +50,7 @@ Prompt = str | list[int]
 __all__ = ["AsyncLLMEngine", "EngineStalledError", "Prompt"]
 
 
-class AsyncLLMEngine:
+class AsyncLLMEngine(PoolingAPI):
     """`AsyncLLMEngine(model, **engine_args)` loads the model in its step thread and serves requests.
 
     ```
@@ -137,6 +138,7 @@ class AsyncLLMEngine:
         self.tokenizer = info.tokenizer  # the Hugging Face tokenizer (chat templates), None if none
         self.runtime = info.runtime
         self._max_token_chars = max_token_chars_of(info.tokenizer)
+        self._start_pooling(info.tokenizer)  # embed, score and rerank (pooling_api.py)
         self._admission = Admission(client, self._input_processor, clock, dev.grammar_compile_timeout)
         self._loras = LoRAFront(client, info.runtime.max_loras > 0, self._live.closed_error)
         # An engine dropped without shutdown still stops its threads and frees the device.
@@ -173,6 +175,7 @@ class AsyncLLMEngine:
         `EngineDeadError` when the engine has failed or was shut down. Never runs the tokenizer.
         """
         library, loop_key = current_loop_key()  # RuntimeError outside a running loop, saying so
+        self._pooling.check_generates("add_request()")  # an embed or score engine generates nothing
         request_id = new_request_id() if request_id is None else check_request_id(request_id)
         dead = self._live.closed_error()
         if dead is not None:
@@ -257,6 +260,7 @@ class AsyncLLMEngine:
         Leaving the stream early aborts it. `params.n` > 1: n replies as one request (the prompt prefilled
         once), their chunks labelled by `ChatChunk.index`, each reply parsed on its own and ended by its own
         finish reason."""
+        self._pooling.check_generates("chat()")
         priority = self._input_processor.check_priority(priority)
         lora = self._input_processor.check_lora(lora, self._loras.added)
         self._input_processor.check_timeout(timeout)
