@@ -10,7 +10,7 @@ import torch
 from asyncllm.attention.varlen import EncoderBatch, VarlenAttention, varlen_attention
 from asyncllm.kernels.varlen_attention_ref import varlen_attention_ref
 from asyncllm.layers.fusion import use_fused_kernels
-from tests.fixtures.triton_kernels import import_kernel
+from tests.fixtures.triton_kernels import DEVICE, import_kernel
 
 
 def test_batch_from_seq_lens() -> None:
@@ -74,8 +74,8 @@ def test_fused_layer_matches_the_twin(causal: bool) -> None:
     """`use_fused_kernels` switches the layer to the Triton kernel (interpreted on CPU); same output."""
     import_kernel("varlen_attention")  # skips without triton; the interpreter without CUDA
     lens = [7, 1, 40, 2]
-    q, k, v = _qkv(lens, 4, 1, 32, seed=7 + int(causal))
-    batch = EncoderBatch.from_seq_lens(lens, "cpu")
+    q, k, v = (t.to(DEVICE) for t in _qkv(lens, 4, 1, 32, seed=7 + int(causal)))
+    batch = EncoderBatch.from_seq_lens(lens, DEVICE)
     layer = VarlenAttention(4, 1, 32, causal=causal)
     twin = layer(q, k, v, batch)
     assert use_fused_kernels(layer) == 1 and layer.fused
