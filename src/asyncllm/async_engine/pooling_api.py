@@ -84,19 +84,26 @@ class PoolingAPI:
         """How relevant each document is to `query`, in the documents' order: a cross-encoder's sigmoid, a
         yes/no reranker's P("yes") (`instruction`: its task line; None: its model card's default), or on an
         embed engine the cosine similarity of the two embeddings."""
+        scores, _ = await self._scored(query, documents, instruction, priority, timeout)
+        return scores
+
+    async def _scored(
+        self, query: object, documents: object, instruction: object, priority: object, timeout: object
+    ) -> tuple[list[float], int]:
+        """`score`'s scores, and the tokens the engine read for them (a server's usage)."""
         arrival = self._clock()
         pooling = self._pooling
         plan = pooling.score_plan(query, documents, instruction)
-        priority, deadline = self._call_limits(priority, timeout, arrival)
+        checked, deadline = self._call_limits(priority, timeout, arrival)
         if self._pooling.runtime.task is Task.EMBED:
-            texts = [plan.query, *plan.documents]
-            embed = pooling.embed_plan(texts)
+            embed = pooling.embed_plan([plan.query, *plan.documents])
             ids = await _off_loop(lambda: pooling.embed_ids(embed))
-            vectors = await self._run_pooled([(x, embed.params) for x in ids], arrival, priority, deadline)
-            return [cosine(vectors[0], v) for v in vectors[1:]]
+            vectors = await self._run_pooled([(x, embed.params) for x in ids], arrival, checked, deadline)
+            return [cosine(vectors[0], v) for v in vectors[1:]], sum(map(len, ids))
         pairs = await _off_loop(lambda: pooling.score_ids(plan))
         inputs = [(ids, pooling.score_params(types)) for ids, types in pairs]
-        return [v[0] for v in await self._run_pooled(inputs, arrival, priority, deadline)]
+        scores = [v[0] for v in await self._run_pooled(inputs, arrival, checked, deadline)]
+        return scores, sum(len(ids) for ids, _ in pairs)
 
     async def rerank(
         self,
@@ -155,6 +162,20 @@ class PoolingAPI:
         finally:
             for _, stream in opened:  # a no-op for those finished; aborts the rest
                 stream.close()
+
+
+async def scores_and_tokens(
+    engine: PoolingAPI,
+    query: object,
+    documents: object,
+    *,
+    instruction: object = None,
+    priority: object = 0,
+    timeout: object = None,
+) -> tuple[list[float], int]:
+    """`engine.score`'s scores and the number of tokens they read: the server's /v1/score and /v1/rerank
+    answer with both (their `usage`)."""
+    return await engine._scored(query, documents, instruction, priority, timeout)  # the class is this module's
 
 
 async def _off_loop(fn: Callable[[], T]) -> T:

@@ -181,7 +181,10 @@ class PoolingInputs:
                 f"{where} has {len(ids)} tokens, more than this engine's limit of {limit} (max_model_len, or the "
                 "KV cache if smaller): shorten it, or pass truncate_prompt_tokens to keep its last tokens"
             )
-        ids = self.processor.tokenize(ids)  # ints within the vocabulary, not empty
+        try:
+            ids = self.processor.tokenize(ids)  # ints within the vocabulary, not empty
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(f"{where}: {exc}") from None
         return Request(
             request_id, ids, _DEFAULTS, arrival_time, 1, priority=priority, deadline=deadline, pooling=params
         )

@@ -3,7 +3,7 @@
 Owns routing, the lifespan (given a model path, the app builds its engine at startup and closes it at
 shutdown; given an engine, it serves that one and leaves its lifetime to the caller) and the small
 endpoints (/v1/models, /health and /health/live, /metrics). Generation lives in `serving_chat` and
-`serving_completion`; draining on SIGTERM in `drain`.
+`serving_completion`, embeddings and scores in `serving_pooling`; draining on SIGTERM in `drain`.
 """
 
 from __future__ import annotations
@@ -29,11 +29,13 @@ from asyncllm.server.json_route import json_route
 from asyncllm.server.messages_api import MessagesRequest
 from asyncllm.server.metrics import ServerMetrics
 from asyncllm.server.openapi import document_plain_routes
+from asyncllm.server.pooling_protocol import EmbeddingRequest, RerankRequest, ScoreRequest
 from asyncllm.server.protocol import ChatCompletionRequest, CompletionRequest
 from asyncllm.server.responses_api import ResponsesRequest
 from asyncllm.server.serving_chat import create_chat_completion
 from asyncllm.server.serving_completion import create_completion
 from asyncllm.server.serving_messages import messages_route
+from asyncllm.server.serving_pooling import create_embedding, create_rerank, create_score
 from asyncllm.server.serving_responses import create_response
 from asyncllm.server.state import ServerState, server_state
 from asyncllm.server.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize, version
@@ -115,6 +117,10 @@ def create_app(
         messages_route("/v1/messages"),  # Anthropic's Messages API, errors in its shape
         json_route("/tokenize", TokenizeRequest, tokenize),
         json_route("/detokenize", DetokenizeRequest, detokenize),
+        # Embed and score engines (serving_pooling.py), under vLLM's paths too
+        json_route("/v1/embeddings", EmbeddingRequest, create_embedding),
+        *(json_route(path, RerankRequest, create_rerank) for path in ("/v1/rerank", "/rerank", "/v2/rerank")),
+        *(json_route(path, ScoreRequest, create_score) for path in ("/v1/score", "/score")),
     ]
     document_plain_routes(  # FastAPI's schema (/docs) leaves plain routes out
         app,
@@ -123,6 +129,9 @@ def create_app(
             ("/v1/completions", CompletionRequest, "Create a completion"),
             ("/v1/responses", ResponsesRequest, "Create a response (OpenAI's Responses API)"),
             ("/v1/messages", MessagesRequest, "Create a message (Anthropic's Messages API)"),
+            ("/v1/embeddings", EmbeddingRequest, "Create embeddings (an embed engine)"),
+            ("/v1/rerank", RerankRequest, "Rerank documents by relevance to a query (a score or embed engine)"),
+            ("/v1/score", ScoreRequest, "Score documents against a query (a score or embed engine)"),
         ],
     )
     app.get("/v1/models")(list_models)

@@ -24,6 +24,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from asyncllm.outputs import RequestMetrics, StreamOutput
+from asyncllm.server.pooling_metrics import PoolingMetrics
 
 logger = logging.getLogger("asyncllm.server")
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so its dashboards' quantiles read the same boundaries.
@@ -82,6 +83,8 @@ class ServerMetrics:
         reg.register(_TokenMetricsCollector(self.tokens, model_name))
         self.model_name = model_name
         reg.register(_EngineStatsCollector(stats, model_name))
+        # /v1/embeddings, /v1/rerank, /v1/score: their inputs count as engine requests too
+        self.pooling = PoolingMetrics(reg, model_name, ENGINE, self.requests, self.prompt_tokens)
 
     def track(self, request_id: str = "") -> RequestTracker:
         return RequestTracker(self, request_id)
