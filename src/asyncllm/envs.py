@@ -78,6 +78,22 @@ def _positive_or_auto(raw: str) -> int | None:
     return value
 
 
+def _ms_or_off(raw: str) -> float | None:
+    """A finite number of milliseconds > 0, or "off" (None)."""
+    if raw.lower() == "off":
+        return None
+    value = float(raw)
+    if not value > 0 or value == float("inf"):  # NaN fails too
+        raise ValueError("use off or a finite number of milliseconds > 0")
+    return value
+
+
+def grammar_slow_fill_s() -> float | None:
+    """`GRAMMAR_SLOW_FILL_MS` in seconds (None: off)."""
+    ms = GRAMMAR_SLOW_FILL_MS.get()
+    return None if ms is None else ms / 1000
+
+
 def _one_of(choices: type[E]) -> Callable[[str], E]:
     """One of an enum's values (any case)."""
 
@@ -251,6 +267,16 @@ GRAMMAR_PROCESS_THREADS: EnvVar[int | None] = EnvVar(
     "process may use less two (the step thread and the device's driver), shared among tensor-parallel ranks, "
     "at most 8",
 )
+GRAMMAR_SLOW_FILL_MS: EnvVar[float | None] = EnvVar(
+    "ASYNCLLM_GRAMMAR_SLOW_FILL_MS",
+    1.0,
+    _ms_or_off,
+    "structured output in the step thread: a request whose matcher costs more than this many milliseconds of "
+    "CPU a token on average (accepting it and filling the next token mask: an enum, choice or regex of some "
+    "20,000 alternatives takes 3-10 ms where an ordinary schema takes microseconds) moves to a thread of its "
+    "own, and so do later requests with its constraint; while its next mask is not ready its draws sit out "
+    "and the others' steps go on without it. One rank only. off: every mask is filled in the step",
+)
 CPU_INT4: EnvVar[CpuInt4] = EnvVar(
     "ASYNCLLM_CPU_INT4",
     CpuInt4.AUTO,
@@ -293,6 +319,7 @@ ALL: tuple[EnvVar[Any], ...] = (  # every variable, for docs/tuning.md's table a
     CUDA_GRAPH_MAX_TOKENS,
     GRAMMAR_PROCESS,
     GRAMMAR_PROCESS_THREADS,
+    GRAMMAR_SLOW_FILL_MS,
     JUMP_FORWARD,
     TP_CUSTOM_ALL_REDUCE,
 )

@@ -286,6 +286,8 @@ class EngineCore:
             self._add_prompt_logprobs(output.prompt_logprobs)
         all_logprobs = output.logprobs
         forced, accepted = output.forced, output.accepted
+        if output.deferred:
+            self._sit_out(step.scheduled, output.deferred)
         for request, token_id, index in self.scheduler.update_from_output(step.scheduled, output.sampled_token_ids):
             if request.first_token_time is None:
                 request.first_token_time = now
@@ -354,6 +356,14 @@ class EngineCore:
         if not flush:
             return None
         return RequestDelta(request_id, [], text, reason, request_metrics(request, request.finish_time))
+
+    def _sit_out(self, scheduled: SchedulerOutput, deferred: list[int]) -> None:
+        """Rows whose draw sat out (by sample index): their requests get no token (`Request.sit_out`)."""
+        sampling = [seq.request_id for seq in scheduled.seqs if seq.sample]
+        for index in deferred:
+            request = self.scheduler.requests.get(sampling[index])
+            if request is not None and not request.num_drawn_ahead:  # else dropped already: it followed one sat out
+                request.sit_out()
 
     def _fail(self, scheduled: SchedulerOutput, failed: dict[int, str | AsyncLLMError]) -> list[RequestDelta]:
         """End the requests the executor could not sample for (`ModelRunnerOutput.failed`, by sample index):

@@ -66,6 +66,8 @@ class Request:
     # asks for is one verification keeps exact). Such a request is never planned while a step of it is in
     # flight: its next step starts from the tokens that step accepted.
     speculative: bool = False
+    # A draw of it sat out (`sit_out`): from then on it is never planned while a step of it is in flight either.
+    sits_out: bool = False
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -108,3 +110,13 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
+
+    def sit_out(self) -> None:
+        """Its oldest draw in flight sat out (`ModelRunnerOutput.deferred`: its constraint's mask was not filled
+        in time): no token. Its next step computes its last known token again, for the logits it draws from. A
+        step planned before this one was read follows the token that never came: that draw's output, and this
+        one's, are dropped as they come, as a forced run's drawn-ahead token is."""
+        self.sits_out = True
+        self.num_computed_tokens = min(self.num_computed_tokens, len(self.all_token_ids) - 1)
+        self.num_drawn_ahead += self.num_pending_tokens
+        self.num_pending_tokens = 0

@@ -140,9 +140,9 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            if request.has_enough_tokens or (request.speculative and request.num_pending_tokens):
-                # Its last token is in flight: it finishes when that step's output is processed. Or (speculative)
-                # a step of it is: its next one starts after the tokens that step accepts.
+            if request.has_enough_tokens or ((request.speculative or request.sits_out) and request.num_pending_tokens):
+                # Its last token is in flight: it finishes when that step's output is processed. Or (speculative,
+                # or its draws may sit out) a step of it is: its next one starts after what that step gives.
                 i += 1
                 continue
             num_new = min(request.num_planned_tokens - request.num_computed_tokens, budget)

@@ -9,7 +9,7 @@ Only rows that ask are touched. Knows nothing of temperature, filtering or noise
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 
@@ -46,9 +46,10 @@ class PenaltyTable:
             self._free.append(state.penalty_row)
             state.penalty_row = None
 
-    def record(self, states: Sequence[SamplingState], token_ids: torch.Tensor) -> None:
-        """Count each state's sampled token ([len(states)] int64 on the device) for rows with penalties."""
-        picks = [(i, s.penalty_row) for i, s in enumerate(states) if s.penalty_row is not None]
+    def record(self, states: Sequence[SamplingState], token_ids: torch.Tensor, skip: Collection[int] = ()) -> None:
+        """Count each state's sampled token ([len(states)] int64 on the device) for rows with penalties, but
+        rows `skip` (a deferred draw's token is never output)."""
+        picks = [(i, s.penalty_row) for i, s in enumerate(states) if s.penalty_row is not None and i not in skip]
         if not picks:
             return
         index = to_device([v for pair in picks for v in pair], torch.int64, self.device).view(-1, 2)

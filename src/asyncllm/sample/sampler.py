@@ -14,7 +14,7 @@ Nothing here waits for the device. Knows nothing of scheduling or the model.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -169,10 +169,13 @@ class Sampler:
         states: Sequence[SamplingState],
         draw: DrawInputs | None = None,
         mask: TokenMask | None = None,
+        skip: Collection[int] = (),
     ) -> SamplerOutput:
         """Sample one token per row. `draw`: `draw_params(states)` on the device, sent before this call;
         without it the parameters are uploaded here. `mask`: the bitmask of the constrained rows (those
-        whose state is `constrained`); a row it allows nothing gets token 0, which its caller reports."""
+        whose state is `constrained`); a row it allows nothing gets token 0, which its caller reports.
+        `skip`: rows whose draw does not count (deferred: their token is never output): their requests'
+        next draw takes this one's noise offset, and their penalties do not count its token."""
         if logits.dim() != 2 or logits.shape[0] != len(states) or not logits.dtype.is_floating_point:
             raise ValueError(
                 f"Sampler: logits must be a float [num_states={len(states)}, vocab] tensor, "
@@ -190,8 +193,9 @@ class Sampler:
                 token_ids = self._draw(x, draw.temperatures, draw.seeds, draw.offsets)
             else:
                 token_ids = self._draw(x, draw.temperatures, draw.seeds, draw.offsets, mask.bitmask, mask.mask_rows)
-        self.drawn(states)
-        self.penalties.record(states, token_ids)
+        counted = [s for i, s in enumerate(states) if i not in skip] if skip else states
+        self.drawn(counted)
+        self.penalties.record(states, token_ids, skip)
         return SamplerOutput(token_ids, gather_logprobs(logits, token_ids, states))
 
     @staticmethod

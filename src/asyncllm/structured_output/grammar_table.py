@@ -23,60 +23,32 @@ or scheduling.
 
 from __future__ import annotations
 
-import enum
 import os
 import platform
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from asyncllm.envs import GrammarProcessChoice
 from asyncllm.errors import AsyncLLMError
 from asyncllm.sample.features import may_jump
 from asyncllm.sample.sampler import TokenMask
 from asyncllm.sample.state import SamplingState
 from asyncllm.step import ModelRunnerOutput, StepResult
+from asyncllm.structured import StructuredOutput
 from asyncllm.structured_output.backend import GrammarBackend
+from asyncllm.structured_output.deferral import settle_lane_rows
+from asyncllm.structured_output.fill_costs import FillCosts
 from asyncllm.structured_output.grammar_process import GrammarProcess
 from asyncllm.structured_output.host_rows import HostRows, RowsLayout, RowsSegment, host_row_sets
-from asyncllm.structured_output.mask_fill import JUMP_MAX_ROWS, DeviceMasks, FillJob, MarkTicket, by_home
+from asyncllm.structured_output.mask_fill import JUMP_MAX_ROWS, DeviceMasks, FillJob, MarkTicket, MaskPlan, by_home
 from asyncllm.structured_output.matcher_set import MAX_FILL_THREADS
+from asyncllm.structured_output.process_mode import GrammarProcessMode
 from asyncllm.structured_output.request_grammar import InlineMatchers, MatcherHome, RequestGrammar
 from asyncllm.structured_output.stream_wait import StreamWaiter
 
 __all__ = ["GrammarProcessMode", "GrammarTable", "MaskPlan", "RequestGrammar"]
 
 _PROCESS, _STEP_THREAD = 0, 1  # whose flags: the grammar process's rows, the step thread's
-
-
-class GrammarProcessMode(enum.Enum):
-    """Where constrained requests' matchers live (ASYNCLLM_GRAMMAR_PROCESS, settled for this runner)."""
-
-    OFF = "off"  # the step thread (the twin)
-    LAZY = "lazy"  # a process started in the background at the first constrained request
-    EAGER = "eager"  # a process started with the engine
-
-    @classmethod
-    def of(cls, chosen: GrammarProcessChoice, device: torch.device, ranks: int = 1) -> GrammarProcessMode:
-        """auto: the process on CUDA with one rank, where its draws wait on the device for their masks (with
-        several ranks its draws would wait on the host, which measured slower than the step thread)."""
-        if chosen is GrammarProcessChoice.AUTO:
-            return cls.LAZY if device.type == "cuda" and ranks == 1 else cls.OFF
-        return cls.EAGER if chosen is GrammarProcessChoice.ON else cls.OFF
-
-
-@dataclass
-class MaskPlan:
-    """Where a step's constrained rows find their masks (`GrammarTable.plan`)."""
-
-    rows: list[int]  # each sampled row's bitmask row, -1 where unconstrained: staged with the step's inputs
-    source: FillJob | None  # the job whose rows [0, len(source.grammars)) the step reuses
-    extras: list[tuple[int, RequestGrammar]]  # rows filled at `fill`, for requests the job did not cover
-    constrained: list[tuple[int, RequestGrammar]]  # (sampled row, its grammar), in row order
-    num_rows: int  # bitmask rows uploaded
-    ticket: MarkTicket | None = None  # awaited (`GrammarTable.fill`): which message carries the rows' mark
-    after: FillJob | None = None  # awaited: the job that sets the marks (it must be accepted first)
 
 
 class GrammarTable:
@@ -93,6 +65,7 @@ class GrammarTable:
         process_threads: int | None = None,
         jump_forward: bool = False,
         awaited_masks: bool = False,
+        slow_fill_s: float | None = None,
     ) -> None:
         """`process_threads`: how many of the grammar process's threads share a step's rows (None: the cores
         this process may use, less two for the step thread and the device's driver, at most `MAX_FILL_THREADS`).
@@ -101,7 +74,9 @@ class GrammarTable:
         `awaited_masks`: once the rows are shared (a grammar process may run), a step queues its draw at once,
         behind device-side waits for its rows' flags, one a home: the grammar process's and the step thread's
         (`awaits`; CUDA, one rank, and an x86 host, whose stores reach others in order: each home writes its
-        flag after its rows)."""
+        flag after its rows). `slow_fill_s`: a request whose matcher costs the step thread more than this a row
+        (accept and fill, on average) moves to the slow lane, where its rows sit draws out until filled
+        (`fill_costs.py`, `deferral.py`; one rank only: every rank must defer alike). None: no lane."""
         self.backend = backend
         self.jump_forward = jump_forward
         self.device = device
@@ -109,7 +84,8 @@ class GrammarTable:
         self._words = -(-vocab_size // 32)
         self._grammars: dict[str, RequestGrammar] = {}  # by request id; while empty, a step looks at no row
         self._last: FillJob | None = None  # the last constrained step's job
-        self._inline = InlineMatchers(backend, self._words)
+        self._costs = FillCosts(slow_fill_s) if slow_fill_s is not None else None
+        self._inline = InlineMatchers(backend, self._words, self._costs)
         if backend is None or not hasattr(os, "memfd_create"):
             process = GrammarProcessMode.OFF  # nothing to compile with, or no shared memory to fill
         self._process_mode = process
@@ -132,6 +108,11 @@ class GrammarTable:
             self._start_process()
 
     @property
+    def has_requests(self) -> bool:
+        """Some live request has a grammar (else no step is constrained)."""
+        return bool(self._grammars)
+
+    @property
     def process(self) -> GrammarProcess | None:
         """The grammar process, once started (None: matchers in the step thread only)."""
         return self._process
@@ -142,9 +123,11 @@ class GrammarTable:
         if spec is None:
             return
         jumps = self.jump_forward and may_jump(state.params)
-        home = self._home(jumps)
+        home = self._home(jumps, spec)
         if home is self._inline:
-            grammar = RequestGrammar(spec.field, home, self._inline.add(spec, jumps), jumps, state)
+            slot = self._inline.add(spec, jumps)
+            jumps = jumps and not self._inline.in_lane(slot)  # the lane's requests draw every token
+            grammar = RequestGrammar(spec.field, home, slot, jumps, state)
         else:
             grammar = RequestGrammar(spec.field, home, home.add(spec))
         self._grammars[request_id] = grammar
@@ -155,9 +138,9 @@ class GrammarTable:
             grammar.removed = True
             grammar.home.remove(grammar.slot)
 
-    def plan(self, request_ids: list[str]) -> MaskPlan | None:
+    def plan(self, request_ids: list[str], follows: list[bool] | None = None, num_seqs: int = 0) -> MaskPlan | None:
         """Each sampled row's bitmask row (the rows' requests in order); None when no row is constrained.
-        Known before the forward pass."""
+        Known before the forward pass. `follows`, `num_seqs`: see `MaskPlan` (for the slow lane's rows)."""
         if not self._grammars:
             return None
         source = self._last
@@ -172,13 +155,19 @@ class GrammarTable:
             return None
         row_of = index.get
         rows = [-1 if grammar is None else row_of(grammar, -2) for grammar in grammars]  # -2: not in the job
+        lane = self._inline.lane
+        if lane is not None and lane.live:  # the lane's rows are its own copies, taken at `fill` (deferral.py)
+            for i, grammar in constrained:
+                if grammar.home is self._inline and grammar.slot in lane:
+                    rows[i] = -2
         extras: list[tuple[int, RequestGrammar]] = []
         if -2 in rows:
             for i, grammar in constrained:
                 if rows[i] == -2:
                     rows[i] = base + len(extras)
                     extras.append((rows[i], grammar))
-        return MaskPlan(rows, source, extras, constrained, base + len(extras))
+        follows = follows if follows is not None else [False] * len(rows)
+        return MaskPlan(rows, source, extras, constrained, base + len(extras), follows=follows, num_seqs=num_seqs)
 
     @property
     def waits_on_device(self) -> bool:
@@ -214,6 +203,7 @@ class GrammarTable:
         else:
             host = self._hosts[self._flip]
             host.writable()
+        settle_lane_rows(plan, host, self._inline, None)
         if plan.extras:
             for home, (rows, slots) in by_home(plan.extras).items():
                 home.fill(host, rows, slots)
@@ -236,6 +226,7 @@ class GrammarTable:
         source = plan.source
         host = source.host if source is not None else self._hosts[self._flip]
         host.writable()  # the last upload from these rows preceded a step whose tokens are in
+        settle_lane_rows(plan, host, self._inline, source)
         for home, (rows, slots) in by_home(plan.extras).items():
             home.fill(host, rows, slots)
             if not home.beside:  # the step thread's errors are known now (its earlier ones too: kept on
@@ -304,12 +295,15 @@ class GrammarTable:
             self._segment.close()
             self._segment = None
 
-    def _home(self, jumps: bool) -> MatcherHome:
+    def _home(self, jumps: bool, spec: StructuredOutput) -> MatcherHome:
         """Where a request admitted now keeps its matcher: the grammar process once it is ready. With the
         process started lazily (the default) and draws that wait on the device, a request that may jump
         forward stays in the step thread while fewer than `JUMP_MAX_ROWS` constrained requests are live:
         jumps are taken only at such sizes, where they beat the draws (batch 1: 1.2-1.5x), and the step
-        thread's few rows cost little; the process takes the many rows that would load the step thread."""
+        thread's few rows cost little; the process takes the many rows that would load the step thread. A
+        constraint found slow stays here, for the slow lane."""
+        if self._costs is not None and self._costs.is_slow(spec):
+            return self._inline
         process = self._process
         if process is not None and process.ready and process.alive():
             few = jumps and len(self._grammars) < JUMP_MAX_ROWS and self._waiter is not None

@@ -10,7 +10,7 @@ whoever plans the step.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -186,6 +186,8 @@ class FillJob:
         """Each home's (host rows, slots, tokens) of the step's live requests: comprehensions in the common
         case (one home), a loop where homes mix (while the grammar process starts) or requests have ended."""
         grammars, at = self.grammars, self._sampled
+        if not grammars:  # every constrained row of its step sat out (deferral.py)
+            return {}
         home = grammars[0].home
         if all(g.home is home for g in grammars):
             live = [i for i, g in enumerate(grammars) if not g.removed]
@@ -200,3 +202,19 @@ class FillJob:
                 slots.append(grammar.slot)
                 tokens.append(sampled[at[i]])
         return homes
+
+
+@dataclass
+class MaskPlan:
+    """Where a step's constrained rows find their masks (`GrammarTable.plan`)."""
+
+    rows: list[int]  # each sampled row's bitmask row, -1 where unconstrained: staged with the step's inputs
+    source: FillJob | None  # the job whose rows [0, len(source.grammars)) the step reuses
+    extras: list[tuple[int, RequestGrammar]]  # rows filled at `fill`, for requests the job did not cover
+    constrained: list[tuple[int, RequestGrammar]]  # (sampled row, its grammar), in row order
+    num_rows: int  # bitmask rows uploaded
+    ticket: MarkTicket | None = None  # awaited (`GrammarTable.fill`): which message carries the rows' mark
+    after: FillJob | None = None  # awaited: the job that sets the marks (it must be accepted first)
+    follows: list[bool] = field(default_factory=list)  # per sampled row: its input is its request's last draw
+    num_seqs: int = 0  # the step's sequences (sampled or not)
+    deferred: list[int] = field(default_factory=list)  # sampled rows whose draw sits out (`fill`: deferral.py)

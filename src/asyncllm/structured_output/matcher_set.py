@@ -9,15 +9,17 @@ steps, devices, processes or threads: slots are the caller's small integers, row
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
 from asyncllm.errors import InvalidRequestError
 from asyncllm.structured import StructuredOutput
 from asyncllm.structured_output.backend import GrammarBackend
+from asyncllm.structured_output.fill_costs import TIMED_MAX_ROWS, TimedRows
 from asyncllm.structured_output.jump_forward import ForcedTokens
 from asyncllm.structured_output.utf8 import BOUNDARY, Utf8Table
 
@@ -87,6 +89,8 @@ class MatcherSet:
         self._futures: list[Future[xgr.CompiledGrammar] | None] = []
         self._fields: list[str] = []
         self._pending: set[int] = set()  # slots whose compile has not been resolved
+        # Set by a home that watches its requests' costs (`fill_costs.py`): each row's accept and fill timed.
+        self.timer: TimedRows | None = None
 
     def add(self, slot: int, spec: StructuredOutput, jump: bool = False) -> None:
         """`jump`: the slot's forced text is output without draws (`step`); needs the backend's tokenizer."""
@@ -111,6 +115,27 @@ class MatcherSet:
         self._ready[slot] = self._jumps[slot] = self._drawn_ahead[slot] = False
         self._pending.discard(slot)
         self.errors.pop(slot, None)
+
+    def detach(self, slot: int) -> tuple[xgr.GrammarMatcher, int, str] | None:
+        """Give up `slot` (its matcher made, not terminated, not jumping, no error) for another set to `attach`:
+        its matcher, where its output stands within a character, its field. None (nothing changed) otherwise."""
+        matcher = self._matchers[slot]
+        if matcher is None or not self._ready[slot] or self._jumps[slot] or self._terminated[slot]:
+            return None
+        moved = (matcher, int(self._state[slot]), self._fields[slot])
+        self.remove(slot)
+        return moved
+
+    def attach(self, slot: int, moved: tuple[xgr.GrammarMatcher, int, str]) -> None:
+        """Take a slot another set gave up (`detach`), as it stood there."""
+        if slot >= len(self._matchers):
+            self._grow(slot + 1)
+        self._matchers[slot], self._state[slot], self._fields[slot] = moved
+        self._terminated[slot] = self._jumps[slot] = self._drawn_ahead[slot] = False
+        self._ready[slot], self._futures[slot] = True, None
+        self.errors.pop(slot, None)
+        if self.backend is not None:
+            self._utf8 = self.backend.utf8
 
     def resolve(self, slots: Sequence[int]) -> None:
         """Make the matchers of `slots` whose compile was pending (waiting for it)."""
@@ -158,11 +183,18 @@ class MatcherSet:
         idx = np.flatnonzero(self._ready[s] & ~self._terminated[s])
 
         def share(batch_fill: BatchFill, lo: int, hi: int) -> None:
-            part = idx[lo:hi]
-            batch_fill([self._matchers[k] for k in s[part].tolist()], bits, r[part].tolist())
+            self._fill_rows(batch_fill, s[idx[lo:hi]].tolist(), bits, r[idx[lo:hi]].tolist())
 
         spread(len(idx), share)
         return self._finish_rows(bits, states, s, r)
+
+    def _fill_rows(self, batch_fill: BatchFill, slots: list[int], bits: np.ndarray, rows: list[int]) -> None:
+        """bits[rows[i]] is slot slots[i]'s next mask (each timed where a `timer` watches)."""
+        matchers = self._made(slots)
+        if self.timer is None:
+            batch_fill(matchers, bits, rows)
+        else:
+            self.timer.fill(batch_fill, matchers, slots, bits, rows)
 
     def step(
         self,
@@ -195,12 +227,21 @@ class MatcherSet:
             from xgrammar import BatchGrammarMatcher  # loaded by the compile that made the matchers
 
             part = idx[lo:hi]
-            matchers = [self._matchers[k] for k in s[part].tolist()]
+            slots = s[part].tolist()
+            matchers = self._made(slots)
+            timer = self.timer
+            if timer is not None and len(part) <= TIMED_MAX_ROWS:
+                rows = r[part].tolist()
+                ok[lo:hi] = timer.accept_and_fill(matchers, slots, t[part].tolist(), ends[lo:hi].tolist(), bits, rows)
+                return
+            start = time.perf_counter()
             took = np.asarray(BatchGrammarMatcher.batch_accept_token(matchers, t[part].tolist()), dtype=bool)
             ok[lo:hi] = took
             more = took & ~ends[lo:hi]
             if more.any():
                 batch_fill([m for m, fill in zip(matchers, more.tolist()) if fill], bits, r[part[more]].tolist())
+            if timer is not None:
+                timer.spread(slots, time.perf_counter() - start)
 
         spread(len(idx), share)
         self._advance(s, t, after, idx, ok, refused)
@@ -228,8 +269,12 @@ class MatcherSet:
         if len(idx):
             from xgrammar import BatchGrammarMatcher  # loaded by the compile that made the matchers
 
-            took = BatchGrammarMatcher.batch_accept_token([self._matchers[k] for k in s[idx].tolist()], t[idx].tolist())
-            ok = np.asarray(took, dtype=bool)
+            slots, tokens = s[idx].tolist(), t[idx].tolist()
+            matchers = self._made(slots)
+            if self.timer is not None:
+                ok = np.asarray(self.timer.accept(matchers, slots, tokens), dtype=bool)
+            else:
+                ok = np.asarray(BatchGrammarMatcher.batch_accept_token(matchers, tokens), dtype=bool)
         self._advance(s, t, after, idx, ok, refused)
         taken = idx[ok]
         jumping = taken[self._jumps[s[taken]] & ~self._terminated[s[taken]]] if jump else taken[:0]
@@ -253,8 +298,7 @@ class MatcherSet:
         part_idx = np.flatnonzero(fill)
 
         def share(batch_fill: BatchFill, lo: int, hi: int) -> None:
-            part = part_idx[lo:hi]
-            batch_fill([self._matchers[k] for k in s[part].tolist()], bits, r[part].tolist())
+            self._fill_rows(batch_fill, s[part_idx[lo:hi]].tolist(), bits, r[part_idx[lo:hi]].tolist())
 
         spread(len(part_idx), share)
         errors = self._finish_rows(bits, states, s, r)
@@ -264,6 +308,10 @@ class MatcherSet:
             bits[row, token >> 5] = np.uint32(1 << (token & 31)).view(np.int32)
             states[row] = before
         return refused, errors
+
+    def _made(self, slots: list[int]) -> list[xgr.GrammarMatcher]:
+        """The matchers of `slots`, each made (ready): no None among them."""
+        return cast("list[xgr.GrammarMatcher]", [self._matchers[k] for k in slots])
 
     def _forced(self) -> ForcedTokens:
         if self._forced_tokens is None:

@@ -15,8 +15,10 @@ import numpy as np
 from asyncllm.errors import AsyncLLMError
 from asyncllm.structured import StructuredOutput
 from asyncllm.structured_output.backend import GrammarBackend
+from asyncllm.structured_output.fill_costs import FillCosts, TimedRows
 from asyncllm.structured_output.host_rows import HostRows
 from asyncllm.structured_output.matcher_set import BatchFill, Filler, MatcherSet
+from asyncllm.structured_output.slow_lane import SlowLane
 
 if TYPE_CHECKING:
     from asyncllm.sample.state import SamplingState
@@ -90,7 +92,7 @@ class RequestGrammar:
     what the home reports) ends the request; `removed` once the request is gone (a step in flight may still
     name it: the home is not asked about it again, so its slot may serve another request)."""
 
-    __slots__ = ("error", "field", "home", "jumps", "removed", "slot", "state")
+    __slots__ = ("deferred", "error", "field", "home", "jumps", "removed", "slot", "state")
 
     def __init__(
         self, field: str, home: MatcherHome, slot: int, jumps: bool = False, state: SamplingState | None = None
@@ -104,16 +106,19 @@ class RequestGrammar:
         self.state = state
         self.error: str | AsyncLLMError | None = None
         self.removed = False
+        self.deferred = False  # its last draw was deferred (its row in the slow lane was not ready: `deferral.py`)
 
 
 class InlineMatchers:
     """The step thread's home: a `MatcherSet` called in place (the grammar process's twin). Its fill takes
-    xgrammar's own threads for a step's many rows (`Filler`)."""
+    xgrammar's own threads for a step's many rows (`Filler`). With `costs`, each request's accepts and fills
+    are timed: one found slow moves to the slow lane (`slow_lane.py`, a thread beside this one), and so do
+    later requests with its constraint; the lane's rows are written by `take_lane_row`."""
 
     failure: AsyncLLMError | None = None
     beside = False
 
-    def __init__(self, backend: GrammarBackend | None, words: int) -> None:
+    def __init__(self, backend: GrammarBackend | None, words: int, costs: FillCosts | None = None) -> None:
         self.matchers = MatcherSet(backend, words)
         self.flags: np.ndarray | None = None  # its flag of each set of rows, where a device waits on them
         self._free: list[int] = []
@@ -121,17 +126,40 @@ class InlineMatchers:
         self._refused: dict[int, str] = {}
         self._errors: dict[int, str] = {}
         self._filler: BatchFill | None = None
+        self.costs = costs if costs is not None and costs.bound_s is not None else None
+        self.lane: SlowLane | None = None
+        self._backend, self._words = backend, words
+        self._specs: dict[int, StructuredOutput] = {}  # slot -> its constraint, while costs are watched
+        if self.costs is not None:
+            self.matchers.timer = TimedRows()
 
     def add(self, spec: StructuredOutput, jump: bool = False) -> int:
         if self._free:
             slot = self._free.pop()
         else:
             slot, self._next_slot = self._next_slot, self._next_slot + 1
-        self.matchers.add(slot, spec, jump)
+        if self.costs is None:
+            self.matchers.add(slot, spec, jump)
+            return slot
+        self._specs[slot] = spec
+        if self.costs.is_slow(spec):
+            self._lane().add(slot, spec)
+        else:
+            self.matchers.add(slot, spec, jump)
         return slot
 
+    def in_lane(self, slot: int) -> bool:
+        return self.lane is not None and slot in self.lane
+
     def remove(self, slot: int) -> None:
-        self.matchers.remove(slot)
+        if self.in_lane(slot):
+            assert self.lane is not None
+            self.lane.remove(slot)
+        else:
+            self.matchers.remove(slot)
+        if self.costs is not None:
+            self.costs.forget(slot)
+            self._specs.pop(slot, None)
         self._errors.pop(slot, None)  # the slot may serve another request before the next collect
         self._refused.pop(slot, None)
         self._free.append(slot)
@@ -147,11 +175,17 @@ class InlineMatchers:
         jump: bool = True,
         mark: int = 0,
     ) -> None:
+        refused: dict[int, str] = {}
+        if self.lane is not None and self.lane.live:
+            rows, slots, tokens, refused = self._to_lane(rows, slots, tokens, verdict)
         matchers = self.matchers
         self._refused, errors = matchers.step(
             host.bits_np, host.states_np, rows, slots, tokens, self._spread, sampled_next, jump
         )
+        self._refused.update(refused)
         self._errors.update(errors)
+        if self.costs is not None:
+            self._watch(host, rows, slots)
         if mark:
             self.mark(host, mark)
 
@@ -163,7 +197,57 @@ class InlineMatchers:
         return refused
 
     def fill(self, host: HostRows, rows: list[int], slots: list[int]) -> None:
+        if self.lane is not None and self.lane.live:  # the table takes the lane's rows first: here for safety
+            for row, slot in zip(rows, slots):
+                if slot in self.lane and (error := self.take_lane_row(host, row, slot)) is not None:
+                    self._errors[slot] = error
+            kept = [(row, slot) for row, slot in zip(rows, slots) if slot not in self.lane]
+            rows, slots = [row for row, _ in kept], [slot for _, slot in kept]
         self._errors.update(self.matchers.fill(host.bits_np, host.states_np, rows, slots, self._spread))
+        if self.costs is not None:
+            self._watch(host, rows, slots)
+
+    def take_lane_row(self, host: HostRows, row: int, slot: int) -> str | None:
+        """Host row `row` is the lane slot's next row (waited for if need be); why its request cannot go on."""
+        assert self.lane is not None
+        return self.lane.take(slot, host.bits_np, host.states_np, row)
+
+    def _to_lane(
+        self, rows: list[int], slots: list[int], tokens: list[int], verdict: bool
+    ) -> tuple[list[int], list[int], list[int], dict[int, str]]:
+        """Hand the lane its slots' tokens; the rest of (rows, slots, tokens), and the lane's refusals where a
+        verdict is asked for one of them (its row allowed nothing: it drew token 0)."""
+        lane = self.lane
+        assert lane is not None
+        mine = [i for i, slot in enumerate(slots) if slot in lane]
+        if not mine:
+            return rows, slots, tokens, {}
+        lane.step([slots[i] for i in mine], [tokens[i] for i in mine])
+        zeros = [slots[i] for i in mine if tokens[i] == 0] if verdict else []
+        refused = lane.refusals(zeros) if zeros else {}
+        rest = [i for i in range(len(slots)) if slots[i] not in lane]
+        return [rows[i] for i in rest], [slots[i] for i in rest], [tokens[i] for i in rest], refused
+
+    def _watch(self, host: HostRows, rows: list[int], slots: list[int]) -> None:
+        """Fold the rows just timed into their requests' costs; move those that turned slow to the lane,
+        with the row just filled for them (a jumping one stays), and remember their constraints."""
+        assert self.costs is not None and self.matchers.timer is not None
+        timed, seconds = self.matchers.timer.take()
+        slow = self.costs.observe(timed, seconds)
+        if not slow:
+            return
+        row_of = dict(zip(slots, rows))
+        for slot in slow:
+            self.costs.mark_slow(self._specs[slot])
+            moved = self.matchers.detach(slot) if slot in row_of else None
+            if moved is not None:
+                row = row_of[slot]
+                self._lane().attach(slot, moved, host.bits_np[row], int(host.states_np[row]))
+
+    def _lane(self) -> SlowLane:
+        if self.lane is None:
+            self.lane = SlowLane(self._backend, self._words)
+        return self.lane
 
     def collect(self, upto: int | None = None) -> dict[int, str]:
         errors, self._errors = self._errors, {}
@@ -176,7 +260,8 @@ class InlineMatchers:
         self.flags[host.index] = mark  # its rows are written: `step` and `fill` return once they are
 
     def close(self) -> None:
-        pass
+        if self.lane is not None:
+            self.lane.close()
 
     def _spread(self, n: int, share: Callable[[BatchFill, int, int], None]) -> None:
         """One part, here: xgrammar's own threads split a many-row fill (`Filler`)."""

@@ -73,6 +73,7 @@ class ModelRunner:
         jump_forward: bool = False,
         graph_draw: bool = False,
         awaited_masks: bool = False,
+        grammar_slow_fill_s: float | None = None,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -91,6 +92,7 @@ class ModelRunner:
             grammar_process_threads,
             jump_forward,
             awaited_masks,
+            grammar_slow_fill_s,
         )
         self.states: dict[str, SamplingState] = {}
         self._outputs = SampledOutputs(buffers.max_num_seqs, device)
@@ -160,7 +162,7 @@ class ModelRunner:
         if sampling:
             graph_draw = self._graph_draw
             tail = scoring is None and graph_draw is not None and graph_draw.ready() and self.graphs.has_tail(shape)
-            draw = self._stage_draw(states, sampling, shape.logit_rows if tail else None, verify)
+            draw = self._stage_draw(states, sampling, shape.logit_rows if tail else None, verify, scheduled)
         if self.loras is not None:
             self.loras.stage(scheduled, x.num_tokens, x.meta.query_lens_cpu)
         self.inputs.flush()
@@ -176,6 +178,7 @@ class ModelRunner:
         sampling: list[str],
         tail: int | None,
         verify: VerifyPlan | None,
+        scheduled: SchedulerOutput,
     ) -> StagedDraw:
         """Stage the draw: in the step's draw graph's fixed regions where it has one (`tail`: the graph's rows)
         and every row takes the plain draw; else the eager draw's parameters (a verifying row's noise offset
@@ -183,7 +186,10 @@ class ModelRunner:
         forward pass), the sampled ids' slots and, verifying drafts, each sequence's first row (whose token is
         recorded)."""
         stage = self.inputs.staging.stage
-        plan = self.grammars.plan(sampling)  # None unless a request with a grammar is live and sampled
+        plan = None  # unless a request with a grammar is live and sampled
+        if self.grammars.has_requests:  # (with each sampled row's input: its last draw's token, or known)
+            follows = [seq.takes_previous_token for seq in scheduled.seqs if seq.sample]
+            plan = self.grammars.plan(sampling, follows, len(scheduled.seqs))
         if tail is not None and plan is None and verify is None and all(map(takes_plain_draw, states)):
             assert self._graph_draw is not None
             self._graph_draw.stage(self.sampler.draw_params(states), self._latest.slots(sampling), tail)
@@ -260,14 +266,16 @@ class ModelRunner:
         draw = batch.draw
         assert draw is not None and draw.slots is not None and forward.logits is not None
         mask = failed = None
+        deferred: list[int] = []
         if masks is not None:
             mask, failed = self.grammars.fill(masks.plan, masks.rows)
-        out = self.sampler(forward.logits, batch.states, draw.params, mask)
+            deferred = masks.plan.deferred  # rows whose mask is still being filled in the slow lane: no token
+        out = self.sampler(forward.logits, batch.states, draw.params, mask, deferred)
         # Verifying drafts: each sequence's first row is recorded (a drafted request's latest token is never
         # fed from here: its next step is planned after the read, from the tokens it accepted).
         latest = out.token_ids if draw.first is None else out.token_ids.index_select(0, draw.first)
         self._latest.record(draw.slots, latest)
-        sent = self._outputs.send(out.token_ids, out.logprobs_output, failed, forward.prompt)
+        sent = self._outputs.send(out.token_ids, out.logprobs_output, failed, forward.prompt, deferred or None)
         if batch.verify is not None:
             return VerifiedRead(sent, batch.verify)
         if masks is None:

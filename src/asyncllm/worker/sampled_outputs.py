@@ -33,14 +33,16 @@ class SampledOutputs:
         logprobs: LogprobsOutput | None,
         failed: dict[int, str | AsyncLLMError] | None = None,
         prompt: PromptLogprobsOutput | None = None,
+        deferred: list[int] | None = None,
     ) -> StepResult:
         """Start moving `token_ids` ([S] int64 on the device; None: the step samples nothing), `logprobs` and
-        the `prompt` logprobs to the host; `failed`, known on the host already, rides along
-        (`ModelRunnerOutput.failed`)."""
+        the `prompt` logprobs to the host; `failed` and `deferred`, known on the host already, ride along
+        (`ModelRunnerOutput.failed`, `.deferred`)."""
         if self.device.type != "cuda":
             dicts = logprobs.to_dicts() if logprobs is not None else None
             ids = token_ids.tolist() if token_ids is not None else []
-            return ReadyStep(ModelRunnerOutput(ids, dicts, failed, prompt.to_dicts() if prompt is not None else None))
+            prompt_dicts = prompt.to_dicts() if prompt is not None else None
+            return ReadyStep(ModelRunnerOutput(ids, dicts, failed, prompt_dicts, deferred=deferred))
         i = self._next
         self._next ^= 1
         host = self._buffers[i](token_ids.shape[0] if token_ids is not None else 0)
@@ -52,7 +54,7 @@ class SampledOutputs:
             prompt.to_host()
         event = self._events[i]
         event.record()
-        return _DeviceStep(host, logprobs, event, failed, prompt)
+        return _DeviceStep(host, logprobs, event, failed, prompt, deferred)
 
 
 class _DeviceStep:
@@ -63,8 +65,10 @@ class _DeviceStep:
         event: torch.cuda.Event,
         failed: dict[int, str | AsyncLLMError] | None,
         prompt: PromptLogprobsOutput | None,
+        deferred: list[int] | None = None,
     ) -> None:
         self._host = host
+        self._deferred = deferred
         self._logprobs = logprobs
         self._event = event
         self._failed = failed
@@ -82,5 +86,5 @@ class _DeviceStep:
             self._event.synchronize()  # the step's one wait: for its sampled ids, never a blocking copy
             dicts = self._logprobs.to_dicts() if self._logprobs is not None else None
             prompt = self._prompt.to_dicts() if self._prompt is not None else None
-            self._output = ModelRunnerOutput(self._host.tolist(), dicts, self._failed, prompt)
+            self._output = ModelRunnerOutput(self._host.tolist(), dicts, self._failed, prompt, deferred=self._deferred)
         return self._output

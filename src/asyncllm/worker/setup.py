@@ -253,6 +253,7 @@ class WorkerSetup:
             loaded.loras,
             decode_logits=graph_sampling,
         )
+        ranks, tuning = 1 if self.parallel is None else self.parallel.world_size, self.resolved.tuning
         runner = ModelRunner(
             loaded.model,
             loaded.backend,
@@ -264,18 +265,15 @@ class WorkerSetup:
             self._grammar(arch.vocab_size),
             defer_masked_draw=device.type == "cuda",
             loras=loaded.loras,
-            grammar_process=GrammarProcessMode.of(
-                self.resolved.tuning.grammar_process,
-                device,
-                1 if self.parallel is None else self.parallel.world_size,
-            ),
+            grammar_process=GrammarProcessMode.of(tuning.grammar_process, device, ranks),
             grammar_process_threads=self._grammar_process_threads(),
-            # Every rank's matchers must give the same masks; whether a run's first token is drawn already
-            # depends on when rank 0's core reads the step (FillJob): one rank only.
-            jump_forward=self.resolved.tuning.jump_forward and (self.parallel is None or self.parallel.world_size == 1),
+            # One rank only: every rank's matchers must give the same masks, and whether a forced run's first
+            # token is drawn already (jump-forward), a draw waits on its rows' flag (FillJob) or sits out (the slow
+            # lane: deferral.py) depends on when rank 0's core reads a step, or when its lane's thread is done.
+            jump_forward=tuning.jump_forward and ranks == 1,
             graph_draw=graph_sampling,
-            # A draw queued behind its rows' flag needs the core to read the step before (FillJob): one rank.
-            awaited_masks=self.parallel is None or self.parallel.world_size == 1,
+            awaited_masks=ranks == 1,
+            grammar_slow_fill_s=tuning.grammar_slow_fill_s if ranks == 1 else None,
         )
         if loaded.loras is not None:  # after the runner declared its fixed regions (the graphed draw's): binding
             loaded.loras.bind(buffers.staging, buffers.max_num_tokens)  # allocates the staging buffer

@@ -25,6 +25,7 @@ class WorkerTuning:
     grammar_process: GrammarProcessChoice  # ASYNCLLM_GRAMMAR_PROCESS
     grammar_process_threads: int | None  # ASYNCLLM_GRAMMAR_PROCESS_THREADS (None: auto)
     jump_forward: bool  # ASYNCLLM_JUMP_FORWARD
+    grammar_slow_fill_s: float | None  # ASYNCLLM_GRAMMAR_SLOW_FILL_MS, in seconds (None: off)
 
     @classmethod
     def read(cls, config: EngineConfig) -> WorkerTuning:
@@ -39,4 +40,5 @@ class WorkerTuning:
             grammar_process=envs.GRAMMAR_PROCESS.get(),
             grammar_process_threads=envs.GRAMMAR_PROCESS_THREADS.get(),
             jump_forward=envs.JUMP_FORWARD.get(),
+            grammar_slow_fill_s=envs.grammar_slow_fill_s(),
         )
