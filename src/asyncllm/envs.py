@@ -94,6 +94,22 @@ def grammar_slow_fill_s() -> float | None:
     return None if ms is None else ms / 1000
 
 
+def _positive(raw: str) -> int:
+    """A count >= 1."""
+    value = _count_or_auto(raw)
+    if value is None or value == 0:
+        raise ValueError("use an integer >= 1")
+    return value
+
+
+def _count(raw: str) -> int:
+    """A count >= 0."""
+    value = _count_or_auto(raw)
+    if value is None:
+        raise ValueError("use an integer >= 0")
+    return value
+
+
 def _one_of(choices: type[E]) -> Callable[[str], E]:
     """One of an enum's values (any case)."""
 
@@ -303,6 +319,30 @@ TP_CUSTOM_ALL_REDUCE: EnvVar[bool] = EnvVar(
     "hidden], bfloat16/float32) run a one-shot kernel over symmetric memory instead of NCCL; checked against "
     "NCCL at start-up, NCCL on any failure. false: NCCL only",
 )
+# The KV tiers below the device (`kv_offloading_size`, `kv_cache_dir`): read where each rank sets them up.
+KV_OFFLOAD_AHEAD: EnvVar[int] = EnvVar(
+    "ASYNCLLM_KV_OFFLOAD_AHEAD",
+    256,
+    _count,
+    "with a host tier, the free cached blocks (oldest freed first) each step copies to host memory beside its "
+    "forward pass, so that a block the pool then takes for other content is there already; blocks the pool takes "
+    "before that are copied before the forward pass that overwrites them (waiting). 0: only those",
+)
+KV_DISK_GIB: EnvVar[float | None] = EnvVar(
+    "ASYNCLLM_KV_DISK_GIB",
+    None,
+    _gib_or_auto,
+    "the most GiB the disk tier (`kv_cache_dir`) keeps, shared by the tensor-parallel ranks, oldest blocks out "
+    "first (other engines' files in the same directory counted). auto: half the space free on its file system "
+    "when the engine starts, plus what the tier holds already",
+)
+KV_DISK_LOADS_PER_STEP: EnvVar[int] = EnvVar(
+    "ASYNCLLM_KV_DISK_LOADS_PER_STEP",
+    256,
+    _positive,
+    "blocks one step may read from the disk tier (4 threads) while its request waits; other requests' steps "
+    "wait for the step's reads, so this bounds their stall",
+)
 
 ALL: tuple[EnvVar[Any], ...] = (  # every variable, for docs/tuning.md's table and its test
     DEAD_ENGINE_JOIN_S,
@@ -322,4 +362,7 @@ ALL: tuple[EnvVar[Any], ...] = (  # every variable, for docs/tuning.md's table a
     GRAMMAR_SLOW_FILL_MS,
     JUMP_FORWARD,
     TP_CUSTOM_ALL_REDUCE,
+    KV_OFFLOAD_AHEAD,
+    KV_DISK_GIB,
+    KV_DISK_LOADS_PER_STEP,
 )

@@ -48,6 +48,8 @@ STATS_KEYS = (
     "prefix_cache_hit_tokens",
     "spec_draft_tokens",  # speculative decoding's running totals
     "spec_accepted_tokens",
+    "prefix_cache_host_hit_tokens",  # of the hits, those restored from the KV tiers below the device
+    "prefix_cache_disk_hit_tokens",
 )
 
 

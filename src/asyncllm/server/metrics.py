@@ -222,6 +222,9 @@ class _TokenMetricsCollector(Collector):
             yield itl
 
 
+_TIER_HITS = "prefix_cache_tier_hit_tokens"  # host and disk hits together (vLLM's external prefix cache hits)
+
+
 class _EngineStatsCollector(Collector):
     """Gauges read from the engine's published stats snapshot at scrape time (never waits on a step)."""
 
@@ -237,6 +240,8 @@ class _EngineStatsCollector(Collector):
             stats = self._stats()
         except Exception:  # no engine yet (before startup) or gone: no gauges rather than a failed scrape
             return
+        if "prefix_cache_host_hit_tokens" in stats:
+            stats = {**stats, _TIER_HITS: stats["prefix_cache_host_hit_tokens"] + stats["prefix_cache_disk_hit_tokens"]}
         total, free = stats.get("num_total_blocks"), stats.get("num_free_blocks")
         usage = 1.0 - free / total if total and free is not None else None
         values = [self._model_name, ENGINE]
@@ -254,6 +259,14 @@ class _EngineStatsCollector(Collector):
             ("vllm:num_preemptions", "Requests preempted", "num_preemptions"),
             ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", "prefix_cache_queried_tokens"),
             ("vllm:prefix_cache_hits", "Prompt tokens the prefix cache served", "prefix_cache_hit_tokens"),
+            # The KV tiers below the device (vLLM counts a KV connector's hits as external, in one counter).
+            ("vllm:external_prefix_cache_hits", "Prompt tokens restored from host memory or disk", _TIER_HITS),
+            (
+                "asyncllm_prefix_cache_host_hits",
+                "Prompt tokens restored from host memory",
+                "prefix_cache_host_hit_tokens",
+            ),
+            ("asyncllm_prefix_cache_disk_hits", "Prompt tokens restored from disk", "prefix_cache_disk_hit_tokens"),
         ):
             if stats.get(key) is not None:
                 counter = CounterMetricFamily(name, doc, labels=LABELS)

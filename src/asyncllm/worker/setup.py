@@ -39,6 +39,7 @@ from asyncllm.worker.device import ResolvedModel, check_pdl
 from asyncllm.worker.gemm_layout import gemv_layers, prologue_layers, set_decode_gemv, tune_linear_layers
 from asyncllm.worker.input_batch import InputBuffers
 from asyncllm.worker.kv_cache import KVCacheSpec, allocate_kv_cache, blocks_for_budget, cpu_kv_blocks
+from asyncllm.worker.kv_tier_setup import attach_kv_tiers
 from asyncllm.worker.lora import LoRAManager
 from asyncllm.worker.memory import measure_graph_memory, profile_kv_budget_bytes
 from asyncllm.worker.model_runner import ModelRunner
@@ -77,7 +78,7 @@ def build_worker(
         setup.wait_for_grammar_tables(tables)
     if runner.grammars.process is not None:  # ASYNCLLM_GRAMMAR_PROCESS=on: started with the runner, ready to serve
         setup.wait_for_grammar_process(runner)
-    return Worker(runner, setup.runtime_info(loaded, runner, num_blocks))
+    return attach_kv_tiers(Worker(runner, setup.runtime_info(loaded, runner, num_blocks)), setup)
 
 
 @dataclass(frozen=True)

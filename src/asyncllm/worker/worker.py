@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 
 from asyncllm.errors import LoRAError
-from asyncllm.step import LoRAAdapter, RuntimeInfo, SchedulerOutput, StepResult
+from asyncllm.step import LoRAAdapter, ModelRunnerOutput, ReadyStep, RuntimeInfo, SchedulerOutput, StepResult
 from asyncllm.structured_output.backend import GrammarBackend
+from asyncllm.worker.kv_tiers import LoadedStep, WorkerKVTiers
 from asyncllm.worker.model_runner import ModelRunner
 from asyncllm.worker.pooling_runner import PoolingRunner
 
@@ -24,10 +25,19 @@ class Worker:
         # requests with it, so each constraint compiles once in the process (None: no tokenizer or no EOS).
         self.grammar: GrammarBackend | None = runner.grammar
         self._device = runner.device
+        self.kv_tiers: WorkerKVTiers | None = None  # the KV tiers below the device (`kv_tier_setup.py`)
 
     def submit(self, scheduled: SchedulerOutput) -> StepResult:
         assert self.runner is not None, "submit after shutdown"
-        return self.runner.submit(scheduled)
+        kv, tiers = scheduled.kv, self.kv_tiers
+        if kv is None:
+            return self.runner.submit(scheduled)
+        assert tiers is not None, "a step copies KV blocks to tiers this worker has not"
+        loaded = tiers.before_forward(kv)
+        # A step of copies alone runs no model (the runner hears of finished requests with the next one).
+        result = self.runner.submit(scheduled) if scheduled.seqs else ReadyStep(ModelRunnerOutput([]))
+        tiers.after_forward(kv)
+        return result if loaded is None else LoadedStep(result, loaded)
 
     def add_lora(self, adapter: LoRAAdapter) -> None:
         """Load an adapter between steps (`LoRAError` for one that cannot serve this model)."""
@@ -41,7 +51,10 @@ class Worker:
             self.runner.loras.remove(lora_id)
 
     def shutdown(self) -> None:
-        """Release the device: graphs, KV cache and model (idempotent)."""
+        """Release the device: graphs, KV cache and model (idempotent), after the disk tier's last writes."""
+        if self.kv_tiers is not None:
+            self.kv_tiers.close()
+            self.kv_tiers = None
         if self.runner is not None:
             self.runner.shutdown()
             self.runner = None

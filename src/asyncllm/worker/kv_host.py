@@ -1,0 +1,152 @@
+"""`HostKVPool`: the host tier's memory and the copies of whole KV blocks between it and the device cache.
+
+A slot holds one block of every layer, keys then values, as bytes: [2 * num_layers, block_size, num_kv_heads,
+head_dim * element size] uint8, contiguous (one file's payload on disk, one DMA each way). Bytes because an FP8
+cache's codes copy as they are (its scales are per layer and fixed) and every dtype copies alike.
+
+On CUDA the pool is pinned (registered with the driver, not rounded up as torch's pinned allocator rounds) and
+every copy runs on a side stream: a device block's layers are gathered into a staging buffer in the device's
+memory, then each run of consecutive slots crosses in one DMA; restores cross into staging, then scatter into
+the blocks. Ordering with the forward passes is the caller's (`begin`, `join`, `record`): the side stream
+waits for the compute stream before copying, and the compute stream waits for the side stream where a forward
+pass reads or overwrites blocks the copies touch. On CPU the same gathers and scatters run in place, at once
+(the slow twin: the same bytes, no streams).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import torch
+
+from asyncllm.layers.host_copy import to_device
+
+logger = logging.getLogger(__name__)
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (key, value), each [num_blocks, bs, Hkv, D]
+
+
+class HostKVPool:
+    def __init__(self, caches: KVCaches, num_slots: int, device: torch.device, staging_bytes: int = 64 << 20) -> None:
+        # Every layer's keys and values as bytes: [num_blocks, block_size, Hkv, D * element size] each.
+        self.layers = [t.view(torch.uint8) for kv in caches for t in kv]
+        self.block_shape = (len(self.layers), *self.layers[0].shape[1:])  # [2L, bs, Hkv, D bytes]
+        self.block_bytes = self.layers[0][0].numel() * len(self.layers)
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.host = torch.empty((num_slots, *self.block_shape), dtype=torch.uint8)  # [S, 2L, bs, Hkv, D bytes]
+        self._registered = self.cuda and _pin(self.host)
+        if self.cuda and not self._registered:
+            logger.warning("pinning the KV host tier failed: its copies go through pageable memory, slower")
+        self.stream = torch.cuda.Stream(device) if self.cuda else None  # type: ignore[no-untyped-call]
+        chunk = max(1, staging_bytes // self.block_bytes)
+        self._staging = torch.empty((chunk, *self.block_shape), dtype=torch.uint8, device=device) if self.cuda else None
+
+    @property
+    def num_slots(self) -> int:
+        return self.host.shape[0]
+
+    def slot(self, index: int) -> torch.Tensor:
+        """One slot's bytes, [2L, bs, Hkv, D bytes] (a view: the disk tier reads and fills it in place)."""
+        return self.host[index]
+
+    # ------------------------------------------------------------------ ordering (CUDA; no-ops on CPU)
+    def begin(self) -> None:
+        """Copies issued from now on start after everything already queued on the compute stream (the KV
+        the forward passes before wrote, and their reads of blocks about to be overwritten)."""
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def join(self) -> None:
+        """Work queued on the compute stream from now on starts after every copy issued so far."""
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def record(self) -> torch.cuda.Event | None:
+        """An event that fires once every copy issued so far has landed (None on CPU: they have)."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(self.stream)
+        return event
+
+    def synchronize(self) -> None:
+        """Wait on the host until every copy issued so far has landed (before the host writes a slot)."""
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    # ------------------------------------------------------------------ copies
+    @torch.inference_mode()
+    def to_host(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy device blocks into host slots: `pairs` of (block id, slot)."""
+        if not pairs:
+            return
+        if self._staging is None:
+            ids, slots = _columns(pairs)
+            self.host.index_copy_(0, slots, self._gather(ids))
+            return
+        assert self.stream is not None
+        with torch.cuda.stream(self.stream):
+            for chunk in _chunks(pairs, self._staging.shape[0]):
+                n = len(chunk)
+                ids = to_device([b for b, _ in chunk], torch.int64, self.device)
+                torch.stack([t.index_select(0, ids) for t in self.layers], dim=1, out=self._staging[:n])
+                for slot, i, run in _runs([s for _, s in chunk]):
+                    self.host[slot : slot + run].copy_(self._staging[i : i + run], non_blocking=True)
+
+    @torch.inference_mode()
+    def to_device(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy host slots into device blocks: `pairs` of (slot, block id)."""
+        if not pairs:
+            return
+        if self._staging is None:
+            slots, ids = _columns(pairs)
+            self._scatter(ids, self.host.index_select(0, slots))
+            return
+        assert self.stream is not None
+        with torch.cuda.stream(self.stream):
+            for chunk in _chunks(pairs, self._staging.shape[0]):
+                n = len(chunk)
+                for slot, i, run in _runs([s for s, _ in chunk]):
+                    self._staging[i : i + run].copy_(self.host[slot : slot + run], non_blocking=True)
+                self._scatter(to_device([b for _, b in chunk], torch.int64, self.device), self._staging[:n])
+
+    def close(self) -> None:
+        """Unpin the pool (after the last copy: the caller synchronized)."""
+        if self._registered:
+            self.synchronize()
+            torch.cuda.cudart().cudaHostUnregister(self.host.data_ptr())  # type: ignore[no-untyped-call]
+            self._registered = False
+
+    def _gather(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.stack([t.index_select(0, ids) for t in self.layers], dim=1)  # [n, 2L, bs, Hkv, D bytes]
+
+    def _scatter(self, ids: torch.Tensor, blocks: torch.Tensor) -> None:
+        for j, t in enumerate(self.layers):
+            t.index_copy_(0, ids, blocks[:, j])
+
+
+def _pin(host: torch.Tensor) -> bool:
+    """Page-lock `host` in place (cudaHostRegister): DMA reads and writes it directly, at the link's speed."""
+    result = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel(), 0)  # type: ignore[no-untyped-call]
+    return int(getattr(result, "value", result)) == 0
+
+
+def _columns(pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    first, second = zip(*pairs, strict=True)
+    return torch.tensor(first, dtype=torch.int64), torch.tensor(second, dtype=torch.int64)
+
+
+def _chunks(pairs: list[tuple[int, int]], size: int) -> Iterator[list[tuple[int, int]]]:
+    for start in range(0, len(pairs), size):
+        yield pairs[start : start + size]
+
+
+def _runs(slots: list[int]) -> Iterator[tuple[int, int, int]]:
+    """(first slot, first index, length) of each run of consecutive slots at consecutive indices."""
+    start = 0
+    for i in range(1, len(slots) + 1):
+        if i == len(slots) or slots[i] != slots[i - 1] + 1:
+            yield slots[start], start, i - start
+            start = i

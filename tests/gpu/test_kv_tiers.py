@@ -1,0 +1,66 @@
+"""The KV tiers on the GPU: the host pool pinned, its copies on a side stream through a small staging buffer
+(several chunks, runs of slots and scattered ones) byte for byte those of the CPU twin, bfloat16 and FP8 codes;
+an engine with CUDA graphs and overlapped scheduling gives the tokens of one without tiers while it restores
+evicted histories from host memory, and from disk after a restart."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_kv_tiers_engine import HOST, converse
+from tests.worker.test_kv_tiers_storage import random_cache
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_side_stream_copies_equal_the_cpu_twin(dtype: torch.dtype) -> None:
+    from asyncllm.worker.kv_host import HostKVPool
+
+    cpu_cache = random_cache(4, 40, (16, 2, 64), dtype)
+    gpu_cache = [(k.cuda(), v.cuda()) for k, v in cpu_cache]
+    cpu = HostKVPool(cpu_cache, 24, torch.device("cpu"))
+    block_bytes = cpu.block_bytes
+    gpu = HostKVPool(gpu_cache, 24, torch.device("cuda"), staging_bytes=3 * block_bytes)  # chunks of 3 blocks
+    assert gpu.host.is_pinned()
+    rng = random.Random(0)
+    blocks = rng.sample(range(40), 20)
+    slots = [*range(5, 13), *rng.sample(range(13, 24), 6), 0, 2, 1, 4, 3, 19]  # runs and scattered slots
+    offloads = list(zip(blocks, slots[:20], strict=True))
+    for pool in (cpu, gpu):
+        pool.begin()
+        pool.to_host(offloads)
+    gpu.synchronize()
+    assert torch.equal(gpu.host, cpu.host)
+    restores = list(zip(rng.sample(slots[:20], 12), rng.sample(range(40), 12), strict=True))
+    for pool in (cpu, gpu):
+        pool.to_device(restores)
+        pool.join()
+    torch.cuda.synchronize()
+    for (ck, cv), (gk, gv) in zip(cpu_cache, gpu_cache, strict=True):
+        assert torch.equal(gk.cpu().view(torch.uint8), ck.view(torch.uint8))
+        assert torch.equal(gv.cpu().view(torch.uint8), cv.view(torch.uint8))
+    gpu.close()
+
+
+@pytest.mark.usefixtures("exact_fp32")
+def test_an_engine_restores_from_host_and_disk_with_graphs_and_overlap(
+    tiny_checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    path = tiny_checkpoints["qwen3"]
+    cuda = dict(device="cuda", dtype="bfloat16")
+    want, _ = converse(path, **cuda)
+    tokens, stats = converse(path, **cuda, kv_offloading_size=HOST, kv_cache_dir=str(tmp_path))
+    assert tokens == want and stats["prefix_cache_host_hit_tokens"] > 100
+    tokens, stats = converse(path, **cuda, kv_offloading_size=HOST, kv_cache_dir=str(tmp_path))
+    assert tokens == want and stats["prefix_cache_disk_hit_tokens"] > 100
+    tokens, stats = converse(path, **cuda, kv_cache_dtype="fp8", kv_offloading_size=HOST)
+    want, _ = converse(path, **cuda, kv_cache_dtype="fp8")
+    assert tokens == want and stats["prefix_cache_host_hit_tokens"] > 100

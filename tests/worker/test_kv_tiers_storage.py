@@ -1,0 +1,140 @@
+"""The KV tiers' storage on one rank: `HostKVPool` copies whole blocks (every layer's keys and values, as bytes)
+to host slots and back, any dtype (FP8 codes included) and any order of blocks and slots; `DiskKVStore` writes a
+slot to a file and reads it back into another slot, refuses a file whose bytes, length, header or fingerprint
+are wrong (with a warning), keeps the directory within its size (oldest files out, a read counting as use),
+and drops or waits for a pending write when its slot is about to be reused."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncllm.worker.kv_disk import DiskKVStore
+from asyncllm.worker.kv_host import HostKVPool
+
+FINGERPRINT = bytes(range(16))
+
+
+def random_cache(
+    num_layers: int, num_blocks: int, shape: tuple[int, int, int], dtype: torch.dtype, device: str = "cpu"
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(num_layers * 100 + num_blocks)
+
+    def one() -> torch.Tensor:
+        values = torch.randn((num_blocks, *shape), generator=gen).to(dtype)
+        return values.to(device)
+
+    return [(one(), one()) for _ in range(num_layers)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_blocks_go_to_host_and_come_back_whole(dtype: torch.dtype) -> None:
+    cache = random_cache(3, 11, (5, 2, 6), dtype)
+    want = [(k.clone(), v.clone()) for k, v in cache]
+    pool = HostKVPool(cache, num_slots=7, device=torch.device("cpu"))
+    assert pool.block_bytes == 2 * 3 * 5 * 2 * 6 * torch.empty((), dtype=dtype).element_size()
+    pool.to_host([(4, 6), (0, 2), (9, 3)])
+    for layer, _ in cache:  # overwrite the blocks: only the host copies hold them now
+        layer[[4, 0, 9]] = torch.zeros_like(layer[[4, 0, 9]])
+    pool.to_device([(3, 1), (6, 10), (2, 5)])  # into other blocks, in another order
+    for (k, v), (wk, wv) in zip(cache, want, strict=True):
+        for src, dst in ((9, 1), (4, 10), (0, 5)):
+            assert torch.equal(k[dst].view(torch.uint8), wk[src].view(torch.uint8))
+            assert torch.equal(v[dst].view(torch.uint8), wv[src].view(torch.uint8))
+
+
+def _store(tmp_path: Path, capacity_blocks: int = 100) -> tuple[HostKVPool, DiskKVStore]:
+    pool = HostKVPool(random_cache(2, 6, (4, 2, 8), torch.float32), num_slots=4, device=torch.device("cpu"))
+    pool.to_host([(0, 0), (1, 1), (2, 2), (3, 3)])
+    file_bytes = 56 + pool.block_bytes  # a 56-byte header
+    return pool, DiskKVStore(tmp_path, FINGERPRINT, pool, capacity_blocks * file_bytes)
+
+
+def _written(store: DiskKVStore, count: int) -> None:
+    deadline = time.monotonic() + 10
+    while len(store.on_disk()) < count and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_a_written_block_reads_back_into_another_slot(tmp_path: Path) -> None:
+    pool, store = _store(tmp_path)
+    store.write([(0xDEAD, 1), (2**64 - 1, 2)], None)
+    _written(store, 2)
+    assert store.load([(0xDEAD, 3), (2**64 - 1, 0), (0xBEEF, 0)]) == [True, True, False]  # the last: never written
+    assert torch.equal(pool.slot(3), pool.slot(1))
+    assert sorted(store.on_disk()) == [0xDEAD, 2**64 - 1]
+    store.close()
+    again = DiskKVStore(tmp_path, FINGERPRINT, pool, store.capacity_bytes)  # a later engine finds them
+    assert sorted(again.on_disk()) == [0xDEAD, 2**64 - 1]
+    again.close()
+
+
+@pytest.mark.parametrize(
+    ("damage", "warning"),
+    [
+        (lambda b: b[:-1] + bytes([b[-1] ^ 1]), "checksum"),
+        (lambda b: b[:-5], "truncated"),
+        (lambda b: b + b"x", "longer than a block"),
+        (lambda b: b[:20] + bytes([b[20] ^ 1]) + b[21:], "header's checksum"),
+        (lambda b: b"JUNK" + b[4:], "not a KV block file"),
+    ],
+)
+def test_a_damaged_file_is_refused_with_a_warning(tmp_path: Path, caplog, damage, warning: str) -> None:
+    _, store = _store(tmp_path)
+    store.write([(7, 1)], None)
+    _written(store, 1)
+    path = next(tmp_path.glob("*.kvb"))
+    path.write_bytes(damage(path.read_bytes()))
+    with caplog.at_level(logging.WARNING, logger="asyncllm"):
+        assert store.load([(7, 3)]) == [False]
+    assert warning in caplog.text
+    store.close()
+
+
+def test_another_engines_file_is_refused(tmp_path: Path, caplog) -> None:
+    pool, store = _store(tmp_path)
+    store.write([(7, 1)], None)
+    _written(store, 1)
+    store.close()
+    other = DiskKVStore(tmp_path, bytes(16), pool, store.capacity_bytes)  # another fingerprint, one directory
+    with caplog.at_level(logging.WARNING, logger="asyncllm"):
+        assert other.load([(7, 3)]) == [False]
+    assert "another model or settings" in caplog.text
+    other.close()
+
+
+def test_the_directory_keeps_its_size_oldest_out(tmp_path: Path) -> None:
+    _, store = _store(tmp_path, capacity_blocks=3)
+    for h in (1, 2, 3):
+        store.write([(h, h % 4)], None)
+        _written(store, h)
+        time.sleep(0.02)  # distinct modification times
+    assert store.load([(1, 0)]) == [True]  # a read counts as use: 2 is now the oldest
+    store.write([(4, 3)], None)
+    deadline = time.monotonic() + 10
+    while 4 not in store.on_disk() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sorted(store.on_disk()) == [1, 3, 4] and sorted(p.stem for p in tmp_path.glob("*.kvb")) == [
+        f"{h:016x}" for h in (1, 3, 4)
+    ]
+    store.close()
+
+
+def test_a_slot_about_to_be_reused_drops_its_pending_write(tmp_path: Path) -> None:
+    pool, store = _store(tmp_path)
+    rng = random.Random(0)
+    for _ in range(50):  # whichever way each race goes, a file holds the bytes its slot held when written
+        slot = rng.randrange(4)
+        before = pool.slot(slot).clone()
+        block_hash = rng.randrange(1, 2**64)
+        store.write([(block_hash, slot)], None)
+        store.release(slot)
+        pool.slot(slot).copy_(torch.randint(0, 255, before.shape, dtype=torch.uint8))
+        if store.load([(block_hash, (slot + 1) % 4)]) == [True]:
+            assert torch.equal(pool.slot((slot + 1) % 4), before)
+    store.close()
