@@ -93,6 +93,7 @@ def test_base64_is_little_endian_float32(embed_server: RunningServer) -> None:
         ({"model": "emb", "input": "x", "nonsense": 1}, 400, "nonsense", "Unrecognized request argument"),
         ({"model": "emb", "input": [[1, 10**6]]}, 400, "input", "outside the vocabulary"),
         ({"model": "other", "input": "x"}, 404, "model", "does not exist"),
+        ({"model": "emb", "input": ["x"] * 2049}, 400, "input", "input has 2049 items, more than 2048"),
     ],
 )
 def test_bad_embedding_requests_name_the_field(

@@ -24,7 +24,6 @@ from asyncllm.pooling import PoolerSpec, PoolingParams, RerankResult, ScoreMetho
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.validation import is_int, short_repr
 
-MAX_POOLING_INPUTS = 2048  # inputs of one embed call, documents of one score: OpenAI's bound on an embeddings array
 # The Qwen3-Reranker's prompt, as its model card writes it (huggingface.co/Qwen/Qwen3-Reranker-0.6B, "Usage";
 # the same in vLLM's Qwen3-Reranker examples): a system turn asking for "yes" or "no", the user turn
 # "<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {doc}", and an assistant turn opened with an
@@ -129,10 +128,9 @@ class PoolingInputs:
         if not isinstance(query, str) or not query:
             raise InvalidRequestError(f"query={short_repr(query)} is invalid: give a non-empty string")
         docs = [documents] if isinstance(documents, str) else documents
-        if not isinstance(docs, (list, tuple)) or not docs or len(docs) > MAX_POOLING_INPUTS:
+        if not isinstance(docs, (list, tuple)) or not docs:
             raise InvalidRequestError(
-                f"documents={short_repr(documents)} is invalid: give a string or a list of 1 to "
-                f"{MAX_POOLING_INPUTS} strings"
+                f"documents={short_repr(documents)} is invalid: give a string or a non-empty list of strings"
             )
         self._check_text("query", query)
         for i, doc in enumerate(docs):
@@ -242,8 +240,8 @@ def _as_inputs(inputs: object) -> list[str | list[int]]:
         raise InvalidRequestError(
             f"inputs={short_repr(inputs)} is invalid: give a string, a list of token ids, or a list of those"
         )
-    if not items or len(items) > MAX_POOLING_INPUTS:
-        raise InvalidRequestError(f"inputs has {len(items)} items: give 1 to {MAX_POOLING_INPUTS}")
+    if not items:
+        raise InvalidRequestError("inputs has 0 items: give at least one")
     for i, item in enumerate(items):
         if isinstance(item, tuple):
             item = items[i] = list(item)

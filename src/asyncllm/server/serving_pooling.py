@@ -33,6 +33,7 @@ from asyncllm.server.state import ServerState, server_state
 from asyncllm.server.streaming import ClientDisconnected, cancel_on_disconnect, disconnected_response
 
 T = TypeVar("T")
+MAX_INPUTS = 2048  # inputs of one embeddings call, documents of one rerank or score: OpenAI's embeddings bound
 # What an engine message opens with -> the request field it names ("dimensions=0 is invalid", "input 3 has").
 _FIELD = re.compile(r"^(input|inputs|dimensions|truncate_prompt_tokens|query|documents|top_n|instruction|priority)\b")
 _RENAMED = {"inputs": "input"}
@@ -42,6 +43,7 @@ async def create_embedding(body: EmbeddingRequest, request: Request) -> Response
     start = time.perf_counter()
     state = server_state(request)
     engine = _engine(state, body.model)
+    _check_count("input", body.input)
     call = engine.embed(
         body.input,
         dimensions=body.dimensions,
@@ -69,6 +71,7 @@ async def create_rerank(body: RerankRequest, request: Request) -> Response:
     model = body.model or state.served_model_name
     engine = _engine(state, model)
     documents = [d if isinstance(d, str) else d.text for d in body.documents]
+    _check_count("documents", documents)
     try:
         top_n = check_top_n(body.top_n)
     except InvalidRequestError as exc:
@@ -101,6 +104,7 @@ async def create_score(body: ScoreRequest, request: Request) -> Response:
     model = body.model or state.served_model_name
     engine = _engine(state, model)
     documents = [body.text_2] if isinstance(body.text_2, str) else body.text_2
+    _check_count("text_2", documents)
     call = scores_and_tokens(
         engine,
         body.text_1,
@@ -118,6 +122,12 @@ async def create_score(body: ScoreRequest, request: Request) -> Response:
     state.metrics.pooling.record("score", "ok", time.perf_counter() - start, len(documents), tokens)
     usage = {"prompt_tokens": tokens, "total_tokens": tokens}
     return JSONResponse({**_head("score", model), "object": "list", "data": data, "usage": usage})
+
+
+def _check_count(field: str, items: object) -> None:
+    """A call's inputs are live requests at once: at most `MAX_INPUTS` (a larger batch goes in parts)."""
+    if isinstance(items, list) and len(items) > MAX_INPUTS and not all(isinstance(x, int) for x in items):
+        raise OpenAIError(f"{field} has {len(items)} items, more than {MAX_INPUTS}: send them in parts", param=field)
 
 
 def _engine(state: ServerState, model: str) -> AsyncLLMEngine:
