@@ -386,9 +386,11 @@ class EngineCore:
         return deltas
 
     def shutdown(self) -> None:
-        if self.block_manager.tiers is not None:  # a disk tier keeps the free cached blocks for a later engine
-            self.block_manager.tiers.flush(self.executor)
-        self.executor.shutdown()
+        try:
+            if self.block_manager.tiers is not None:  # a disk tier keeps the free cached blocks for a later engine
+                self.block_manager.tiers.flush(self.executor)
+        finally:  # the device is released even where that step fails (an engine that died)
+            self.executor.shutdown()
 
     def watch_failure(self, callback: Callable[[BaseException], None]) -> None:
         """`callback(error)`, from any thread, when the executor fails between steps (see ModelExecutor)."""
