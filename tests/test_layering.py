@@ -49,6 +49,7 @@ FOUNDATION = {
     "asyncllm.config_values",
     "asyncllm.config_device",
     "asyncllm.config_fields",
+    "asyncllm.config_speculative",
     "asyncllm.outputs",
     "asyncllm.pooling",  # embed and score engines' plain data: the pooler, a request's options, the results
     "asyncllm.sampling_params",

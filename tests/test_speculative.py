@@ -184,5 +184,10 @@ def test_suffix_decoding_drafts_what_earlier_requests_output(tiny_model: Path) -
     drafted = after["spec_draft_tokens"] - before["spec_draft_tokens"]
     accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
     assert accepted >= 0.8 * drafted and accepted >= 0.5 * sum(len(t) for t in _tokens(ref))
+    # Accepted drafts by position: one counter per draft position, each at most the one before (a draft is
+    # accepted only after every draft before it), summing to the accepted total; vLLM's num_drafts beside them.
+    positions = [after[f"spec_accepted_tokens_pos_{i}"] for i in range(4)]
+    assert sum(positions) == after["spec_accepted_tokens"] and positions == sorted(positions, reverse=True)
+    assert 0 < after["spec_num_drafts"] <= after["spec_draft_tokens"] and "spec_accepted_tokens_pos_4" not in after
     assert after["num_steps"] - before["num_steps"] < before["num_steps"] / 2
     assert after["num_free_blocks"] == after["num_total_blocks"]

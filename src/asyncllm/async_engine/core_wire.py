@@ -15,6 +15,7 @@ import pickle
 import traceback
 from typing import Any
 
+from asyncllm.core.engine_stats import SPEC_POSITION_KEY
 from asyncllm.core.output_processor import RequestDelta
 from asyncllm.errors import AsyncLLMError, RequestFailedError
 
@@ -48,6 +49,7 @@ STATS_KEYS = (
     "prefix_cache_hit_tokens",
     "spec_draft_tokens",  # speculative decoding's running totals
     "spec_accepted_tokens",
+    "spec_num_drafts",
     "prefix_cache_host_hit_tokens",  # of the hits, those restored from the KV tiers below the device
     "prefix_cache_disk_hit_tokens",
 )
@@ -85,7 +87,9 @@ def encode_step(started: list[str], stats: dict[str, float | int], deltas: list[
                 others.append((position, d, None if error.__cause__ is None else portable_error(error.__cause__)))
             else:
                 others.append((position, d, None))
-    values = tuple(stats.get(key, 0) for key in STATS_KEYS)
+    # Then accepted drafts by position, as many as the engine drafts (0 without speculation).
+    positions = tuple(stats[key] for key in stats if key.startswith(SPEC_POSITION_KEY))
+    values = tuple(stats.get(key, 0) for key in STATS_KEYS) + positions
     return (STEP, started, values, ids, tokens, texts, others)
 
 
@@ -98,7 +102,10 @@ def decode_step(message: tuple[Any, ...]) -> tuple[list[str], dict[str, float | 
             assert isinstance(delta.error, BaseException)
             delta.error.__cause__ = cause
         deltas.insert(position, delta)
-    return started, dict(zip(STATS_KEYS, values)), deltas
+    stats = dict(zip(STATS_KEYS, values))
+    for position, count in enumerate(values[len(STATS_KEYS) :]):
+        stats[f"{SPEC_POSITION_KEY}{position}"] = count
+    return started, stats, deltas
 
 
 def portable_error(error: BaseException) -> BaseException:

@@ -23,7 +23,7 @@ from functools import partial
 
 from tokenizers import Tokenizer
 
-from asyncllm.config import SpeculativeConfig
+from asyncllm.config_speculative import SpeculativeConfig
 from asyncllm.core.block_manager import BlockManager
 from asyncllm.core.deadlines import Deadlines
 from asyncllm.core.engine_stats import EngineStats
@@ -178,6 +178,8 @@ class EngineCore:
             prefix_cache_disk_hit_tokens=bm.num_disk_hit_tokens,
             spec_draft_tokens=self.speculation.num_draft_tokens if self.speculation else 0,
             spec_accepted_tokens=self.speculation.num_accepted_tokens if self.speculation else 0,
+            spec_num_drafts=self.speculation.num_drafts if self.speculation else 0,
+            spec_accepted_per_position=tuple(self.speculation.accepted_per_position) if self.speculation else (),
         )
 
     # ------------------------------------------------------------------ the step

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+SPEC_POSITION_KEY = "spec_accepted_tokens_pos_"  # + the position: `as_dict`'s keys for accepted drafts
+
 
 @dataclass(frozen=True)
 class EngineStats:
@@ -20,9 +22,17 @@ class EngineStats:
     prefix_cache_hit_tokens: int = 0
     spec_draft_tokens: int = 0  # speculative decoding: drafts verified, and of those accepted (running totals)
     spec_accepted_tokens: int = 0
+    spec_num_drafts: int = 0  # verified proposals (a request's drafts in one step: vLLM's num_drafts)
+    # Accepted drafts by position in their proposal (0: the first draft), one per num_speculative_tokens; in
+    # `as_dict` each is a key of its own, `spec_accepted_tokens_pos_<i>` (a flat dict sums across replicas).
     # Of the hit tokens, those restored from the KV tiers below the device (`kv_offloading_size`, `kv_cache_dir`).
     prefix_cache_host_hit_tokens: int = 0
     prefix_cache_disk_hit_tokens: int = 0
 
+    spec_accepted_per_position: tuple[int, ...] = ()
+
     def as_dict(self) -> dict[str, float | int]:
-        return dict(self.__dict__)
+        flat: dict[str, float | int] = {k: v for k, v in self.__dict__.items() if k != "spec_accepted_per_position"}
+        for position, count in enumerate(self.spec_accepted_per_position):
+            flat[f"{SPEC_POSITION_KEY}{position}"] = count
+        return flat

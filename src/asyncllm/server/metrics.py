@@ -23,6 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from asyncllm.core.engine_stats import SPEC_POSITION_KEY
 from asyncllm.outputs import RequestMetrics, StreamOutput
 from asyncllm.server.pooling_metrics import PoolingMetrics
 
@@ -272,6 +273,7 @@ class _EngineStatsCollector(Collector):
                 counter = CounterMetricFamily(name, doc, labels=LABELS)
                 counter.add_metric(values, float(stats[key]))
                 yield counter
+        yield from _speculation(stats, values)
         # asyncllm's own (vLLM has no such metric): the front's queue and its refusals.
         if stats.get("num_queued") is not None:
             queued = GaugeMetricFamily(
@@ -289,3 +291,31 @@ class _EngineStatsCollector(Collector):
             )
             rejected.add_metric([self._model_name], float(stats["num_rejected"]))
             yield rejected
+
+
+def _speculation(stats: dict[str, float | int], values: list[str]) -> Iterator[Metric]:
+    """Speculative decoding's counters under vLLM's names, where the engine speculates (it reports accepted
+    drafts by position): proposals, drafts, accepted drafts, and accepted drafts by position."""
+    positions = sorted(
+        (int(key.removeprefix(SPEC_POSITION_KEY)), value)
+        for key, value in stats.items()
+        if key.startswith(SPEC_POSITION_KEY)
+    )
+    if not positions:
+        return
+    for name, doc, key in (
+        ("vllm:spec_decode_num_drafts", "Proposals verified (a request's drafts in one step)", "spec_num_drafts"),
+        ("vllm:spec_decode_num_draft_tokens", "Draft tokens verified", "spec_draft_tokens"),
+        ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted", "spec_accepted_tokens"),
+    ):
+        counter = CounterMetricFamily(name, doc, labels=LABELS)
+        counter.add_metric(values, float(stats.get(key, 0)))
+        yield counter
+    per_position = CounterMetricFamily(
+        "vllm:spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted, by their position in the proposal",
+        labels=[*LABELS, "position"],
+    )
+    for position, value in positions:
+        per_position.add_metric([*values, str(position)], float(value))
+    yield per_position

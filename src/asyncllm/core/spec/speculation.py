@@ -16,7 +16,7 @@ and the core appends them as it appends a forced run. Plain Python.
 
 from __future__ import annotations
 
-from asyncllm.config import SpeculativeConfig
+from asyncllm.config_speculative import SpeculativeConfig
 from asyncllm.core.request import Request, RequestStatus
 from asyncllm.core.spec.adaptive import AdaptiveDrafter
 from asyncllm.core.spec.drafter import Drafter
@@ -32,6 +32,8 @@ class Speculation:
         self.drafter = AdaptiveDrafter(make_drafter(config), config.num_speculative_tokens)
         self.num_draft_tokens = 0  # drafts verified so far
         self.num_accepted_tokens = 0  # of those, accepted
+        self.num_drafts = 0  # proposals verified (a request's drafts in one step)
+        self.accepted_per_position = [0] * config.num_speculative_tokens  # accepted drafts by their position
 
     @staticmethod
     def eligible(request: Request) -> bool:
@@ -58,6 +60,9 @@ class Speculation:
             num_accepted = len(accepted.get(index, ())) if accepted is not None else 0
             self.num_draft_tokens += seq.num_drafts
             self.num_accepted_tokens += num_accepted
+            self.num_drafts += 1
+            for position in range(num_accepted):
+                self.accepted_per_position[position] += 1
             self.drafter.observe(seq.request_id, seq.num_drafts, num_accepted)
             request = requests.get(seq.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:

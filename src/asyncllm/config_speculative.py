@@ -1,0 +1,123 @@
+"""`SpeculativeConfig`: the `speculative_config` engine argument normalised, as vLLM spells it (methods, keys
+and defaults), every value checked at construction with an `InvalidConfigError` naming the key. Split out of
+config.py for size; plain Python, no torch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from asyncllm.config_fields import invalid
+from asyncllm.errors import InvalidConfigError
+from asyncllm.validation import check_float, check_int
+
+__all__ = ["MAX_SPECULATIVE_TOKENS", "SpeculativeConfig"]
+
+# Drafts per step: each is a logit row of its step, so past a handful most are rejected anyway.
+MAX_SPECULATIVE_TOKENS = 16
+_SPEC_METHODS_LATER = ("draft_model", "eagle3")  # the contract's other methods, refused until built
+_SPEC_KEYS = {
+    "ngram": ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"),
+    "suffix": (
+        "method",
+        "num_speculative_tokens",
+        "suffix_decoding_max_tree_depth",
+        "suffix_decoding_max_cached_requests",
+        "suffix_decoding_max_spec_factor",
+        "suffix_decoding_min_token_prob",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`speculative_config` normalised (vLLM's spelling and defaults; docs/API.md, "Speculative decoding").
+
+    "ngram": drafts of up to `num_speculative_tokens` copied from the request's own tokens after the latest
+    earlier occurrence of its last n tokens, n from `prompt_lookup_max` down to `prompt_lookup_min`.
+    "suffix": drafts from what followed the longest suffix of the request's tokens, in its own tokens or in
+    recent requests' outputs (core/spec/suffix.py; the suffix_decoding_* keys)."""
+
+    method: Literal["ngram", "suffix"]
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10_000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+
+    @classmethod
+    def parse(cls, value: object) -> SpeculativeConfig | None:
+        """A dict as vLLM spells it, its JSON text (the command line's), a `SpeculativeConfig` or None (off)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        name = "speculative_config"
+        example = '{"method": "ngram", "num_speculative_tokens": 4}'
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise invalid(name, value, f"a JSON object such as {example}") from None
+        if not isinstance(value, dict):
+            raise invalid(name, value, f"a dict such as {example}, or None")
+        method = value.get("method")
+        if method in _SPEC_METHODS_LATER:
+            raise InvalidConfigError(f"{name}: method {method!r} is not supported yet: use 'ngram' or 'suffix'")
+        if method not in _SPEC_KEYS:
+            raise invalid(f"{name}['method']", method, "'ngram' or 'suffix'")
+        unknown = sorted(set(value) - set(_SPEC_KEYS[method]))
+        if unknown:
+            keys = ", ".join(_SPEC_KEYS[method])
+            raise InvalidConfigError(f"{name} has unknown key {unknown[0]!r} for method {method!r}: use {keys}")
+        return cls._suffix(value) if method == "suffix" else cls._ngram(value)
+
+    @classmethod
+    def _ngram(cls, value: dict[str, Any]) -> SpeculativeConfig:
+        name = "speculative_config"
+        k = _num_tokens(value.get("num_speculative_tokens"))
+        lo = check_int(
+            invalid, f"{name}['prompt_lookup_min']", value.get("prompt_lookup_min", 2), "an integer >= 1", lo=1
+        )
+        bounds = f"an integer in [prompt_lookup_min={lo}, 32]"
+        hi = check_int(
+            invalid, f"{name}['prompt_lookup_max']", value.get("prompt_lookup_max", max(lo, 5)), bounds, lo=lo
+        )
+        if hi > 32:
+            raise invalid(f"{name}['prompt_lookup_max']", hi, bounds)
+        return cls("ngram", k, lo, hi)
+
+    @classmethod
+    def _suffix(cls, value: dict[str, Any]) -> SpeculativeConfig:
+        name = "speculative_config"
+        key = f"{name}['suffix_decoding_max_tree_depth']"
+        depth = check_int(invalid, key, value.get("suffix_decoding_max_tree_depth", 24), "an integer in [2, 64]", lo=2)
+        if depth > 64:
+            raise invalid(key, depth, "an integer in [2, 64]")
+        # vLLM's default draft length is the tree's depth; ours is capped where drafts stop paying.
+        k = _num_tokens(value.get("num_speculative_tokens", min(depth - 1, MAX_SPECULATIVE_TOKENS)))
+        if k >= depth:
+            raise invalid(f"{name}['num_speculative_tokens']", k, f"fewer than suffix_decoding_max_tree_depth={depth}")
+        key = f"{name}['suffix_decoding_max_cached_requests']"
+        cached = check_int(
+            invalid, key, value.get("suffix_decoding_max_cached_requests", 10_000), "an integer >= 0", lo=0
+        )
+        key = f"{name}['suffix_decoding_max_spec_factor']"
+        factor = check_float(
+            invalid, key, value.get("suffix_decoding_max_spec_factor", 1.0), "a number > 0", lo=0.0, lo_open=True
+        )
+        key = f"{name}['suffix_decoding_min_token_prob']"
+        prob = check_float(
+            invalid, key, value.get("suffix_decoding_min_token_prob", 0.1), "a number in [0, 1]", lo=0.0, hi=1.0
+        )
+        return cls("suffix", k, 2, 5, depth, cached, factor, prob)
+
+
+def _num_tokens(value: object) -> int:
+    key, allowed = "speculative_config['num_speculative_tokens']", f"an integer in [1, {MAX_SPECULATIVE_TOKENS}]"
+    k = check_int(invalid, key, value, allowed, lo=1)
+    if k > MAX_SPECULATIVE_TOKENS:
+        raise invalid(key, k, allowed)
+    return k
