@@ -116,23 +116,60 @@ def test_stops_cut_inside_an_accepted_run(tiny_model: Path, wrong: int) -> None:
         assert stats["num_free_blocks"] == stats["num_total_blocks"]
 
 
-def test_requests_whose_features_verification_cannot_keep_get_no_drafts(tiny_model: Path) -> None:
-    """Logprobs (and penalties) are not verified yet: such requests decode plainly beside drafted ones, and
-    both give the tokens (and logprobs) of a run without speculation."""
-    params = [
+def test_logprobs_are_verified_one_entry_per_output_token(tiny_model: Path) -> None:
+    """A request asking for logprobs gets drafts; each accepted token's entry is its own row's, so the entries
+    (one per output token) equal a run without speculation's, to float32 rounding (the step's shape differs)."""
+    for params in (
         SamplingParams(max_tokens=24, temperature=0, logprobs=2),
-        GREEDY,
-        SamplingParams(max_tokens=24, repetition_penalty=1.3, temperature=0),
-    ]
+        SamplingParams(max_tokens=24, temperature=0.9, seed=3, logprobs=0),
+    ):
+        ref, _ = _run(tiny_model, params, None)
+        oracle = Oracle({tuple(p): t for p, t in zip(PROMPTS, _tokens(ref))}, 4, wrong=3)
+        outs, stats = _run(tiny_model, params, NGRAM, oracle)
+        assert _tokens(outs) == _tokens(ref)
+        assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]  # every request asks for logprobs
+        for out, plain in zip(outs, ref):
+            got, want = out.outputs[0].logprobs, plain.outputs[0].logprobs
+            assert got is not None and want is not None and len(got) == len(want) == len(out.outputs[0].token_ids)
+            for a, b in zip(got, want):
+                assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
+
+
+class StopDrafter:
+    """Drafts the stop token every time: a request under min_tokens must reject each one it may not draw."""
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def propose(self, request_id: str, tokens: list[int], limit: int) -> list[int]:
+        return [self.token] * limit
+
+    def forget(self, request_id: str, output: list[int]) -> None:
+        pass
+
+
+def test_min_tokens_masks_each_verifying_row_at_its_own_count(tiny_model: Path) -> None:
+    """Drafts of a stop id are rejected wherever the request has fewer than min_tokens outputs, however far
+    ahead in the step the row is; the tokens equal a run without speculation's."""
+    ref, _ = _run(tiny_model, GREEDY, None)
+    stop = ref[1].outputs[0].token_ids[5]  # a token the model draws early for the second prompt
+    params = SamplingParams(max_tokens=30, min_tokens=20, temperature=0, stop_token_ids=[stop])
+    plain, _ = _run(tiny_model, params, None)
+    outs, stats = _run(tiny_model, params, NGRAM, StopDrafter(stop))
+    assert _tokens(outs) == _tokens(plain)
+    assert all(len(t) >= 20 for t in _tokens(outs)) and stats["spec_draft_tokens"] > 0
+
+
+def test_requests_whose_features_verification_cannot_keep_get_no_drafts(tiny_model: Path) -> None:
+    """Penalties are not verified yet: such requests decode plainly beside drafted ones, and both give the
+    tokens of a run without speculation."""
+    params = [SamplingParams(max_tokens=24, repetition_penalty=1.3, temperature=0), GREEDY, GREEDY]
     ref, _ = _run(tiny_model, params, None)
     oracle = Oracle({tuple(p): t for p, t in zip(PROMPTS, _tokens(ref))}, 4)
     outs, stats = _run(tiny_model, params, NGRAM, oracle)
     assert _tokens(outs) == _tokens(ref)
-    got, want = outs[0].outputs[0].logprobs, ref[0].outputs[0].logprobs
-    assert got is not None and want is not None and len(got) == len(want) == 24
-    for a, b in zip(got, want):  # the step's shape differs (drafted rows beside it): float32 rounding only
-        assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
-    assert 0 < stats["spec_accepted_tokens"] == stats["spec_draft_tokens"] <= 40  # only the greedy one drafted
+    # Only the greedy request (the second prompt and the third) drafted: every draft right, at most its tokens.
+    assert 0 < stats["spec_accepted_tokens"] == stats["spec_draft_tokens"] <= 40 + 40
 
 
 def test_prefix_cache_never_serves_rejected_drafts_kv(tiny_model: Path) -> None:

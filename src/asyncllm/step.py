@@ -154,6 +154,8 @@ class ModelRunnerOutput:
     # row's token equalled its first draft, and so on; the last is the target's own token after the drafts
     # it agreed with. Its length is the drafts accepted. None or a row left out: none accepted.
     accepted: dict[int, list[int]] | None = None
+    # Sample index -> the logprobs of its `accepted` tokens, one entry each (requests asking for logprobs).
+    accepted_logprobs: dict[int, list[dict[int, float] | None]] | None = None
     # Sample indices whose draw sat out (their constraint's next mask was still being filled beside the step:
     # structured_output/deferral.py): no token for that request this step. The core has it compute its last
     # known token again, and plans it no more while a step of it is in flight. None: every row drew.

@@ -305,6 +305,10 @@ class EngineCore:
             token_logprobs = all_logprobs[index] if all_logprobs is not None else None
             if token_logprobs is not None:
                 delta.logprobs = [token_logprobs]
+                if output.accepted_logprobs is not None and index in output.accepted_logprobs:
+                    # One entry per output token: the accepted run's, cut where the run was.
+                    run = output.accepted_logprobs[index][: len(delta.new_token_ids) - 1]
+                    delta.logprobs += [entry for entry in run if entry is not None]
             if prompt_logprobs is not None:
                 delta.prompt_logprobs = prompt_logprobs
                 request.prompt_logprobs = None  # whole: the runner scores each position once

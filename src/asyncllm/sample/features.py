@@ -167,26 +167,28 @@ FEATURES: tuple[Feature, ...] = (
         acts=lambda s: bool(s.params.bias_items),
     ),
     # EOS and stop ids are masked until min_tokens are drawn (sampler.py); forced tokens are never stop ids
-    # (jump_forward.py keeps them out), so the mask cannot change one.
+    # (jump_forward.py keeps them out), so the mask cannot change one. A verifying row counts the draws before
+    # it in the step (`ahead`), so each position masks exactly as it would without drafts.
     Feature(
         "min_tokens",
         ("min_tokens", "stop_token_ids", "ignore_eos"),
         frozenset({Need.DRAW_COUNT, Need.STOP_IDS}),
         plain_draw=Handling.NEEDS_EAGER,
         jump_forward=Handling.SKIPS,
-        verify=Handling.NEEDS_EAGER,
+        verify=Handling.APPLIES,
         asked=lambda p: p.min_tokens > 0,
         acts=lambda s: s.masks_stops,
     ),
     # Logprobs of the raw logits (logprobs.py): an output the plain draw does not make, and a forced token
-    # has no drawn distribution to report.
+    # has no drawn distribution to report. Verifying, every row reports its own: an accepted draft's entry is
+    # its row's (`ModelRunnerOutput.accepted_logprobs`), one entry per output token.
     Feature(
         "logprobs",
         ("logprobs",),
         frozenset({Need.RAW_LOGITS}),
         plain_draw=Handling.NEEDS_EAGER,
         jump_forward=Handling.NEEDS_EAGER,
-        verify=Handling.NEEDS_EAGER,
+        verify=Handling.APPLIES,
         asked=lambda p: p.logprobs is not None,
         acts=lambda s: s.params.logprobs is not None,
     ),
@@ -217,9 +219,9 @@ FEATURES: tuple[Feature, ...] = (
 )
 
 # Why verification may apply a feature: each position's logits are shaped by the row's own parameters alone
-# (temperature, filters, bias), drawn at the offset it would have without drafts. Penalties and min_tokens
-# depend on the tokens drawn before it in the same step, logprobs want an entry per accepted token, prompt
-# logprobs and grammars are not wired to the verifying rows yet: those requests get no drafts.
+# (temperature, filters, bias), drawn at the offset it would have without drafts; min_tokens counts the rows
+# before it, logprobs come from each row. Penalties depend on the tokens drawn before it in the same step, and
+# prompt logprobs and grammars are not wired to the verifying rows yet: those requests get no drafts.
 
 # Jump-forward asks once per request; the plain draw's gates are worked out once per request too
 # (`_plain_gates`), as they are read for every row of every graphed decode step.

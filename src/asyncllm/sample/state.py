@@ -61,7 +61,11 @@ class SamplingState:
     @property
     def masks_stops(self) -> bool:
         """EOS and stop ids are still forbidden (fewer than min_tokens drawn)."""
-        return self.num_sampled < self.params.min_tokens and bool(self.min_tokens_stop_ids)
+        return self.masks_stops_after(0)
+
+    def masks_stops_after(self, ahead: int) -> bool:
+        """EOS and stop ids are forbidden for the draw `ahead` draws after the next one (verifying drafts)."""
+        return self.num_sampled + ahead < self.params.min_tokens and bool(self.min_tokens_stop_ids)
 
     @property
     def filters(self) -> bool:

@@ -270,7 +270,8 @@ class ModelRunner:
         if masks is not None:
             mask, failed = self.grammars.fill(masks.plan, masks.rows)
             deferred = masks.plan.deferred  # rows whose mask is still being filled in the slow lane: no token
-        out = self.sampler(forward.logits, batch.states, draw.params, mask, deferred)
+        ahead = batch.verify.ahead if batch.verify is not None else None
+        out = self.sampler(forward.logits, batch.states, draw.params, mask, deferred, ahead)
         # Verifying drafts: each sequence's first row is recorded (a drafted request's latest token is never
         # fed from here: its next step is planned after the read, from the tokens it accepted).
         latest = out.token_ids if draw.first is None else out.token_ids.index_select(0, draw.first)

@@ -71,7 +71,9 @@ class VerifiedRead:
 
     def _accept(self, out: ModelRunnerOutput) -> ModelRunnerOutput:
         plan, tokens = self._plan, out.sampled_token_ids
+        logprobs = out.logprobs
         accepted: dict[int, list[int]] = {}
+        accepted_logprobs: dict[int, list[dict[int, float] | None]] = {}
         for i, (row, drafts) in enumerate(zip(plan.first, plan.drafts)):
             if not drafts:
                 continue
@@ -80,8 +82,9 @@ class VerifiedRead:
                 n += 1
             if n:
                 accepted[i] = tokens[row + 1 : row + n + 1]
+                if logprobs is not None and logprobs[row] is not None:  # the request asks for them
+                    accepted_logprobs[i] = logprobs[row + 1 : row + n + 1]  # each drawn at its own row
             plan.states[row].num_sampled -= len(drafts) - n  # the draws past the accepted run never happened
-        logprobs = out.logprobs
         return ModelRunnerOutput(
             [tokens[r] for r in plan.first],
             [logprobs[r] for r in plan.first] if logprobs is not None else None,
@@ -89,4 +92,5 @@ class VerifiedRead:
             out.prompt_logprobs,
             out.forced,
             accepted or None,
+            accepted_logprobs or None,
         )
