@@ -18,6 +18,7 @@ import transformers
 
 from asyncllm import LLM, InvalidRequestError
 from asyncllm.async_engine.pooling_inputs import RERANKER_INSTRUCTION, RERANKER_PREFIX, RERANKER_SUFFIX
+from asyncllm.errors import InvalidConfigError
 from tests.fixtures.pooling_models import (
     QUERY_PROMPT,
     add_sentence_transformers,
@@ -132,6 +133,14 @@ def test_generation_on_an_embed_engine_and_embedding_on_a_generate_engine_are_re
             llm.rerank("q", ["d"])
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("arg", "value"), [("enable_lora", True), ("kv_offloading_size", 1.0), ("tensor_parallel_size", 2)]
+)
+def test_what_only_generation_has_is_refused_at_start(paths: dict[str, Path], arg: str, value: object) -> None:
+    with pytest.raises(InvalidConfigError, match="is for generation; this engine serves task='embed'"):
+        LLM(str(paths["embedding"]), **ARGS, **{arg: value})
 
 
 def test_an_embed_engine_scores_by_cosine_similarity(embedder: LLM) -> None:

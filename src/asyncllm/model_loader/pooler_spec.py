@@ -27,7 +27,7 @@ YES_NO_RERANKERS = frozenset({"Qwen3ForCausalLM"})
 
 def engine_pooler(config: EngineConfig, checkpoint: Checkpoint) -> PoolerSpec | None:
     """`resolve_pooler` for an engine's config; InvalidConfigError for an embed or score engine asked for
-    what only generation has (tensor parallelism, LoRA adapters, speculative decoding)."""
+    what only generation has (tensor parallelism, LoRA adapters, speculative decoding, KV tiers)."""
     arch = ModelArchConfig.from_hf(checkpoint.hf_config, config.model_config.max_model_len)
     spec = resolve_pooler(config.model_config.task, checkpoint, arch)
     if spec is not None:
@@ -35,6 +35,9 @@ def engine_pooler(config: EngineConfig, checkpoint: Checkpoint) -> PoolerSpec | 
             "tensor_parallel_size > 1": config.parallel_config.tensor_parallel_size > 1,
             "enable_lora=True": config.lora_config.enable_lora,
             "speculative_config": config.scheduler_config.speculative is not None,
+            # KV tiers keep prefix-cached blocks, and these engines cache no prefix (core/pooling.py)
+            "kv_offloading_size > 0": config.cache_config.kv_offloading_size > 0,
+            "kv_cache_dir": config.cache_config.kv_cache_dir is not None,
         }
         for what, asked in refused.items():
             if asked:
