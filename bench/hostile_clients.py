@@ -7,11 +7,17 @@ Hostile clients, in one process of their own, each repeating one kind every `--h
 `oversized` (a chat message of `--oversized-mb` MB), `deep` (a body nested 5,000 levels), `surrogate` (a
 lone surrogate in a chat message), `trickle` (headers one byte at a time until the server closes the
 connection), `stall` (a head and half a body, then nothing, until the server closes it); with
-`--kinds ... compile` also a 20,000-string enum that compiles for seconds. Every answer is counted by status
-(a 5xx would be a bug); a connection the server closed counts as "closed".
+`--kinds ... compile` also a 20,000-string enum that compiles for seconds once, then is served from the
+compile cache: each request's mask fills are slow (3-10 ms a row at its widest states), and go to the slow
+lane (structured_output/slow_lane.py); `schema`, the control: a schema as large (180,000 characters) that is
+cheap to follow (three values, and a long description), so what the body's size costs shows apart from what
+the enum's masks cost. Every answer is counted by status (a 5xx would be a bug); a connection the server
+closed counts as "closed". The hostile clients start together and each sends once a `--hostile-interval`, so
+their requests come in bursts (the harder case); `--hostile-spread` starts each at a random point of its
+first interval.
 
     python bench/hostile_clients.py [--honest 100] [--hostile 100] [--max-tokens 64] [--requests-per-stream 2]
-        [--client-procs 2] [--kinds oversized deep surrogate trickle stall] [--server-flags=...]
+        [--client-procs 2] [--kinds oversized deep surrogate trickle stall] [--hostile-spread] [--server-flags=...]
 
 Runs alternate (alone, hostile, ... alone: `--rounds` of each, one more alone) so that the machine's other load
 falls on both alike. Prints one JSON line per run and one summary line: the median of the honest ITL p99s alone
@@ -25,6 +31,7 @@ import asyncio
 import contextlib
 import json
 import multiprocessing as mp
+import random
 import shlex
 import statistics
 import subprocess
@@ -63,18 +70,23 @@ def hostile_requests(oversized_mb: float) -> dict[str, bytes]:
     depth = 5_000  # past json.loads' recursion (~1,000): a body the server must refuse without parsing it
     deep = b'{"model": "%s", "prompt": ' % MODEL.encode() + b"[" * depth + b"]" * depth + b"}"
     enum = json.dumps({"enum": [f"{i:05d}" for i in range(20_000)]}).encode()
-    compile_body = (
-        b'{"model": "%s", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], ' % (MODEL.encode())
-        + b'"response_format": {"type": "json_schema", "json_schema": {"name": "e", "schema": %s}}}' % enum
-    )
+    large = json.dumps({"enum": ["a", "b", "c"], "description": "x" * 180_000}).encode()
     return {
         "oversized": post("/v1/chat/completions", chat(b"b " * int(oversized_mb * 2**19))),
         "deep": post("/v1/completions", deep),
         "surrogate": post("/v1/chat/completions", chat(b"a\\ud800b")),
-        "compile": post("/v1/chat/completions", compile_body),
+        "compile": post("/v1/chat/completions", _constrained_chat(enum)),
+        "schema": post("/v1/chat/completions", _constrained_chat(large)),
         "trickle": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n",
         "stall": post("/v1/completions", b'{"model": "%s", "prompt": "Hi", "max_tokens": 4}' % MODEL.encode())[:-20],
     }
+
+
+def _constrained_chat(schema: bytes) -> bytes:
+    return (
+        b'{"model": "%s", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], ' % (MODEL.encode())
+        + b'"response_format": {"type": "json_schema", "json_schema": {"name": "e", "schema": %s}}}' % schema
+    )
 
 
 async def _status(reader: asyncio.StreamReader) -> str:
@@ -94,9 +106,11 @@ async def _status(reader: asyncio.StreamReader) -> str:
 
 
 async def hostile_client(
-    port: int, kind: str, request: bytes, interval: float, until: list[float], counts: Counter
+    port: int, kind: str, request: bytes, interval: float, until: list[float], counts: Counter, offset: float = 0.0
 ) -> None:
-    """One client repeating `kind` every `interval` seconds until `until[0]` (monotonic; moved when told)."""
+    """One client repeating `kind` every `interval` seconds until `until[0]` (monotonic; moved when told), the
+    first time after `offset` seconds."""
+    await asyncio.sleep(offset)
     while time.monotonic() < until[0]:
         started = time.monotonic()
         try:
@@ -155,7 +169,9 @@ def _hostile_main(port: int, args: argparse.Namespace, stop: Any, conn: Any) -> 
     async def run() -> None:
         chosen = [args.kinds[i % len(args.kinds)] for i in range(args.hostile)]
         interval = args.hostile_interval
-        clients = (hostile_client(port, k, requests[k], interval, until, counts) for k in chosen)
+        rng = random.Random(0)
+        offsets = [rng.uniform(0, interval) if args.hostile_spread else 0.0 for _ in chosen]
+        clients = (hostile_client(port, k, requests[k], interval, until, counts, o) for k, o in zip(chosen, offsets))
         await asyncio.gather(watch(), *clients)
 
     try:
@@ -218,10 +234,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--client-procs", type=int, default=2)
     ap.add_argument("--hostile", type=int, default=100)
-    kinds = ["oversized", "deep", "surrogate", "trickle", "stall", "compile"]
+    kinds = ["oversized", "deep", "surrogate", "trickle", "stall", "compile", "schema"]
     ap.add_argument("--kinds", nargs="+", choices=kinds, default=kinds[:5])
     ap.add_argument("--oversized-mb", type=float, default=10.0)
     ap.add_argument("--hostile-interval", type=float, default=1.0, help="seconds between one client's requests")
+    ap.add_argument("--hostile-spread", action="store_true", help="start each hostile client at a random point")
     ap.add_argument("--hostile-seconds", type=float, default=600.0, help="the most they run (they stop with the run)")
     ap.add_argument("--rounds", type=int, default=3, help="alone and hostile runs, alternating (and one more alone)")
     ap.add_argument("--hostile-warmup", type=float, default=2.0)

@@ -1,0 +1,95 @@
+"""The slow lane's parts: `FillCosts` finds a request slow once its average cost per row passes the bound
+(and remembers its constraint), and the `SlowLane` gives exactly the rows a request's own matcher would,
+whether it walks a path no request walked before or takes a copy of one seen (many requests with one
+constraint, their outputs sharing a beginning)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from asyncllm import SamplingParams
+from asyncllm.structured_output.backend import GrammarBackend
+from asyncllm.structured_output.fill_costs import SLOW_SPECS, FillCosts
+from asyncllm.structured_output.matcher_set import MatcherSet
+from asyncllm.structured_output.slow_lane import SEEN_TOKENS, SlowLane
+
+VOCAB = 384
+WORDS = (VOCAB + 31) // 32
+SCHEMA = {
+    "type": "array",
+    "items": {"enum": ["alpha", "alps", "beta", "bet", "gamma", "日本", "x y z"]},
+    "minItems": 1,
+    "maxItems": 4,
+}
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_model: Path) -> GrammarBackend:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    return GrammarBackend(tokenizer, VOCAB, [tokenizer.eos_token_id])
+
+
+def test_a_request_is_slow_once_its_average_passes_the_bound() -> None:
+    costs = FillCosts(0.001)
+    assert costs.observe([1, 2], [0.0001, 0.0005]) == []
+    assert costs.observe([1, 2], [0.0030, 0.0006]) == [1]  # 1: (0.1 + 3.0) / 2 ms; 2: 0.55 ms
+    assert costs.observe([1, 2], [0.0030, 0.0005]) == []  # 1 was slow already; 2 stays under
+    costs.forget(1)
+    assert costs.observe([1], [0.002]) == [1]  # a new request in that slot starts afresh
+    assert FillCosts(None).observe([1], [10.0]) == []  # no bound: nothing is slow
+    spec = SamplingParams(regex="a+").structured
+    assert spec is not None and not costs.is_slow(spec)
+    costs.mark_slow(spec)
+    assert costs.is_slow(spec)
+    for i in range(SLOW_SPECS):  # the least recently marked (or asked) goes first
+        other = SamplingParams(regex=f"b{i}").structured
+        assert other is not None
+        costs.mark_slow(other)
+    assert not costs.is_slow(spec)
+
+
+def _allowed(row: np.ndarray) -> np.ndarray:
+    return np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[:VOCAB])
+
+
+def test_the_lane_gives_each_request_its_own_matchers_rows_seen_paths_included(backend: GrammarBackend) -> None:
+    spec = SamplingParams(json_schema=SCHEMA).structured
+    assert spec is not None
+    lane, reference = SlowLane(backend, WORDS), MatcherSet(backend, WORDS)
+    from xgrammar import BatchGrammarMatcher  # loaded with the backend's compiles
+
+    fill = BatchGrammarMatcher(max_threads=1).batch_fill_next_token_bitmask
+
+    def spread(n, share):  # type: ignore[no-untyped-def]
+        share(fill, 0, n)
+
+    rng = random.Random(0)
+    try:
+        for request in range(12):  # requests one after another in slots taken again, most sharing a beginning
+            slot = request % 3
+            lane.add(slot, spec)
+            reference.add(slot, spec)
+            shared = random.Random(request % 4)  # requests 0, 4, 8 draw the same first tokens, and so on
+            mine, mine_states = np.zeros((1, WORDS), np.int32), np.zeros(1, np.int64)
+            want, want_states = np.zeros((1, WORDS), np.int32), np.zeros(1, np.int64)
+            reference.fill(want, want_states, [0], [slot], spread)
+            for position in range(SEEN_TOKENS + 4):  # past the remembered paths' length
+                assert lane.take(slot, mine, mine_states, 0) is None
+                assert (mine == want).all() and mine_states[0] == want_states[0], (request, position)
+                allowed = _allowed(want[0])
+                picker = shared if position < 5 else rng
+                token = int(allowed[picker.randrange(len(allowed))])
+                lane.step([slot], [token])
+                refused, errors = reference.step(want, want_states, [0], [slot], [token], spread)
+                assert not refused and not errors
+                if token in backend.stop_token_ids:
+                    break
+            lane.remove(slot)
+            reference.remove(slot)
+    finally:
+        lane.close()
