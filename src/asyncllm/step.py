@@ -176,7 +176,7 @@ class KVTierInfo:
     ahead_blocks: int  # free cached blocks a step may copy to the host before the pool takes them
     disk_blocks: int = 0  # the most blocks the disk tier keeps (0: no disk tier)
     loads_per_step: int = 0  # disk blocks one step may read
-    on_disk: tuple[int, ...] = ()  # block hashes the disk tier held at start, oldest first
+    on_disk: tuple[int, ...] = field(default=(), repr=False)  # hashes the disk tier held at start, oldest first
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The KV tiers on the GPU: the host pool pinned, its copies on a side stream through a small staging buffer
 (several chunks, runs of slots and scattered ones) byte for byte those of the CPU twin, bfloat16 and FP8 codes;
-an engine with CUDA graphs and overlapped scheduling gives the tokens of one without tiers while it restores
-evicted histories from host memory, and from disk after a restart."""
+an engine with CUDA graphs and overlapped scheduling (float32) gives the tokens of one without tiers while it
+restores evicted histories from host memory, and from disk after a restart; FP8 codes too."""
 
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ def test_side_stream_copies_equal_the_cpu_twin(dtype: torch.dtype) -> None:
         pool.begin()
         pool.to_host(offloads)
     gpu.synchronize()
-    assert torch.equal(gpu.host, cpu.host)
+    written = torch.tensor(slots[:20])
+    assert torch.equal(gpu.host[written], cpu.host[written])  # the other slots were never written
     restores = list(zip(rng.sample(slots[:20], 12), rng.sample(range(40), 12), strict=True))
     for pool in (cpu, gpu):
         pool.to_device(restores)
@@ -55,7 +56,7 @@ def test_an_engine_restores_from_host_and_disk_with_graphs_and_overlap(
     tiny_checkpoints: dict[str, Path], tmp_path: Path
 ) -> None:
     path = tiny_checkpoints["qwen3"]
-    cuda = dict(device="cuda", dtype="bfloat16")
+    cuda = dict(device="cuda", dtype="float32")  # recomputed and restored KV then agree to the last token
     want, _ = converse(path, **cuda)
     tokens, stats = converse(path, **cuda, kv_offloading_size=HOST, kv_cache_dir=str(tmp_path))
     assert tokens == want and stats["prefix_cache_host_hit_tokens"] > 100
