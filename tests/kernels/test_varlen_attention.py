@@ -1,8 +1,8 @@
 """The Triton varlen attention kernel against `varlen_attention_ref`, its specification.
 
 Ragged batches with a length-1 sequence and lengths around the tiles' edges (the float32 tiles are 64 query
-rows by 32 keys), bidirectional and causal, GQA groups 1/2/4, head_dim 64 and 128 (and 24 and 32: padded
-and MiniLM's). q/k/v are strided views of one packed projection, as a model hands them over; the output is
+rows by 32 keys), bidirectional and causal, GQA groups 1/2/4, head_dim 64 and 128 (and 24, 32 and 256: padded,
+MiniLM's, the widest). q/k/v are strided views of one packed projection, as a model hands them over; the output is
 NaN before each run, so an unwritten row fails. CPU runs use float32 in Triton's interpreter; 16-bit on GPU.
 Fresh random inputs for every check.
 """
@@ -58,9 +58,9 @@ def test_matches_ref(va, causal: bool, num_kv_heads: int, group: int, head_dim: 
         check(va, lens, num_kv_heads, group, head_dim, causal, torch.float32, seed=i + 10 * head_dim + causal)
 
 
-@pytest.mark.parametrize("head_dim", [24, 32])
-def test_padded_and_small_head_dims(va, head_dim: int) -> None:
-    """24 pads to a 32-wide tile (masked dims); 32 is all-MiniLM-L6-v2's head."""
+@pytest.mark.parametrize("head_dim", [24, 32, 256])
+def test_padded_small_and_wide_head_dims(va, head_dim: int) -> None:
+    """24 pads to a 32-wide tile (masked dims); 32 is all-MiniLM-L6-v2's head; 256 the launcher's widest."""
     for causal in (False, True):
         check(va, [17, 1, 40], 3, 1, head_dim, causal, torch.float32, seed=head_dim + causal)
 
@@ -100,7 +100,9 @@ def test_launcher_rejects_bad_inputs(va) -> None:
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize(("num_kv_heads", "group", "head_dim"), [(12, 1, 64), (8, 2, 128), (2, 8, 128), (4, 1, 32)])
+@pytest.mark.parametrize(
+    ("num_kv_heads", "group", "head_dim"), [(12, 1, 64), (8, 2, 128), (2, 8, 128), (4, 1, 32), (2, 2, 256)]
+)
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_matches_ref(va, dtype: torch.dtype, num_kv_heads: int, group: int, head_dim: int, causal: bool) -> None:
     """16-bit (and IEEE float32) on the device: long and ragged sequences, every tile edge of every config."""
