@@ -21,7 +21,10 @@ def fill_dummy_weights(model: nn.Module, seed: int) -> None:
     for name, param in model.named_parameters():
         if id(param) in filled:
             continue
-        if "norm" in name:
-            param.uniform_(0.9, 1.1, generator=gen)
+        if "norm" in name.lower():  # RMSNorm and LayerNorm (BERT's "LayerNorm"): a scale near 1, a shift near 0
+            if name.endswith("bias"):
+                param.normal_(0.0, 0.02, generator=gen)
+            else:
+                param.uniform_(0.9, 1.1, generator=gen)
         else:
             param.normal_(0.0, 0.02, generator=gen)
