@@ -24,6 +24,8 @@ from starlette.responses import JSONResponse, Response
 from asyncllm import AsyncLLMEngine
 from asyncllm.errors import EngineDeadError, EngineDrainingError
 from asyncllm.server.auth import APIKeyMiddleware
+from asyncllm.server.body_deadline import BodyReadDeadline
+from asyncllm.server.connections import DEFAULT_READ_TIMEOUT_S
 from asyncllm.server.errors import OpenAIError, engine_dead, install_error_handlers
 from asyncllm.server.json_route import json_route
 from asyncllm.server.messages_api import MessagesRequest
@@ -56,6 +58,7 @@ def create_app(
     chat_template: str | None = None,
     lora_modules: dict[str, str] | None = None,
     request_timeout: float | None = None,
+    body_read_timeout: float | None = DEFAULT_READ_TIMEOUT_S,
 ) -> FastAPI:
     """The app serving one model under `served_model_name` (default: the checkpoint's name), and each of
     its LoRA adapters under the adapter's name (`engine.list_loras()`, as they are added and removed).
@@ -67,6 +70,9 @@ def create_app(
     `lora_modules`: {name: adapter directory} added to the engine the lifespan builds (give a model path
     and `enable_lora=True` in `engine_args`); with an engine, add them with `engine.add_lora` yourself.
     `request_timeout`: seconds a request may run, its default when it asks for no `timeout` (None: none).
+    `body_read_timeout`: seconds a request's body may take to arrive after its headers, else a 408 and the
+    connection closed (`body_deadline.py`; None: no bound, for a server that bounds reads itself). Bounding
+    the headers' time and the connections is the server's (docs/server.md: Connections).
     """
     if isinstance(engine_or_model, (str, os.PathLike)):
         model: str | None = os.fspath(engine_or_model)
@@ -82,6 +88,8 @@ def create_app(
         raise ValueError(f"chat_template must be non-empty Jinja text, got {chat_template!r}")
     if request_timeout is not None and not 0 < request_timeout < float("inf"):
         raise ValueError(f"request_timeout must be seconds > 0, got {request_timeout!r}")
+    if body_read_timeout is not None and not 0 < body_read_timeout < float("inf"):
+        raise ValueError(f"body_read_timeout must be seconds > 0, got {body_read_timeout!r}")
     counters = ServerMetrics(lambda: state.stats(), name)
     state = ServerState(name, counters, chat_template=chat_template, request_timeout=request_timeout)
     if given is not None:
@@ -108,6 +116,8 @@ def create_app(
     install_error_handlers(app)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    if body_read_timeout is not None:  # added last: outermost, so it bounds every route's body
+        app.add_middleware(BodyReadDeadline, seconds=body_read_timeout)
     # Plain routes (json_route: FastAPI's per-request dependency machinery cost as much as the endpoint), first:
     # the router tries routes in order, and these two no longer wait behind /docs, /openapi.json and the rest.
     app.router.routes[:0] = [

@@ -286,6 +286,7 @@ def _serve(engine: AsyncLLMEngine, model: str, args: argparse.Namespace, sock: s
         api_key=args.api_key,
         chat_template=args.chat_template,
         request_timeout=args.request_timeout,
+        body_read_timeout=args.timeout_request_read,  # uvicorn's protocol bounds the headers too (connections.py)
     )
     engine_seconds = sum(seconds for _, seconds in engine.runtime.startup_seconds)
 
