@@ -228,6 +228,16 @@ def test_bad_requests_are_anthropic_400s_naming_the_field(
             client.messages.create(**known, extra_body=body)
 
 
+def test_a_body_past_the_byte_bound_is_anthropics_413_unread(server: RunningServer) -> None:
+    """The Messages API reads a body as the OpenAI endpoints do: no further than the server's byte bound
+    (issue 39), refused by its Content-Length before any of it is read."""
+    body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "b " * 3_000_000}]}
+    r = httpx.post(f"{server.url}/v1/messages", json=body, timeout=60)
+    assert r.status_code == 413 and r.headers["connection"] == "close", r.text[:300]
+    error = r.json()
+    assert error["type"] == "error" and "more than the" in error["error"]["message"], error
+
+
 def test_an_unknown_model_is_anthropics_not_found(aclient: anthropic.Anthropic) -> None:
     with pytest.raises(anthropic.NotFoundError) as info:
         aclient.messages.create(model="nope", max_tokens=1, messages=[{"role": "user", "content": "Hi"}])

@@ -31,7 +31,7 @@ def json_route(path: str, model: type[Body], handler: Callable[[Body, Request], 
 
     async def endpoint(request: Request) -> Response:
         try:
-            raw = await read_body_bytes(request, _body_limit(request))
+            raw = await read_body_bytes(request, body_limit(request))
         except ClientDisconnect:  # gone before its body arrived: nothing to answer, nothing to log
             return disconnected_response()
         return await handler(await read_body(model, raw, request.headers.get("content-type")), request)
@@ -65,7 +65,7 @@ async def read_body(model: type[Body], raw: bytes, content_type: str | None) -> 
     raise body_error(error)
 
 
-def _body_limit(request: Request) -> int | None:
+def body_limit(request: Request) -> int | None:
     """`json_body.body_byte_limit` of the app's engine (None: an app without one, or not loaded yet)."""
     state = getattr(request.app.state, "asyncllm", None)
     engine = getattr(state, "engine", None)

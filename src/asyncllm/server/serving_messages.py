@@ -22,7 +22,8 @@ from starlette.routing import Route
 from asyncllm.errors import AsyncLLMError
 from asyncllm.server.chat_turn import ChatTurn, Piece, fold, start_turn
 from asyncllm.server.errors import OpenAIError, engine_error
-from asyncllm.server.json_route import read_body
+from asyncllm.server.json_body import read_body_bytes
+from asyncllm.server.json_route import body_limit, read_body
 from asyncllm.server.messages_api import MessagesRequest, error_body, error_response, renamed, to_chat
 from asyncllm.server.openai_params import chat_sampling_params
 from asyncllm.server.streaming import ClientDisconnected, SSEResponse, cancel_on_disconnect, sse_event
@@ -39,9 +40,11 @@ def messages_route(path: str = "/v1/messages") -> Route:
 
     async def endpoint(request: Request) -> Response:
         try:
-            raw = await request.body()
+            raw = await read_body_bytes(request, body_limit(request))  # past the bound: a 413, unread
         except ClientDisconnect:
             return _gone()
+        except OpenAIError as exc:
+            return error_response(exc)
         try:
             body = await read_body(MessagesRequest, raw, request.headers.get("content-type"))
             return await create_message(body, request)
