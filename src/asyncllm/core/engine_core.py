@@ -27,6 +27,7 @@ from asyncllm.config_speculative import SpeculativeConfig
 from asyncllm.core.block_manager import BlockManager
 from asyncllm.core.deadlines import Deadlines
 from asyncllm.core.engine_stats import EngineStats
+from asyncllm.core.kv_tiers import stop_executor
 from asyncllm.core.lora import AdapterBudget, LoRARegistry, LoRASettings
 from asyncllm.core.output_processor import OutputProcessor, RequestDelta, request_metrics
 from asyncllm.core.pooling import finish_pooled
@@ -392,11 +393,7 @@ class EngineCore:
         return deltas
 
     def shutdown(self) -> None:
-        try:
-            if self.block_manager.tiers is not None:  # a disk tier keeps the free cached blocks for a later engine
-                self.block_manager.tiers.flush(self.executor)
-        finally:  # the device is released even where that step fails (an engine that died)
-            self.executor.shutdown()
+        stop_executor(self.executor, self.block_manager.tiers)  # a disk tier first keeps the free cached blocks
 
     def watch_failure(self, callback: Callable[[BaseException], None]) -> None:
         """`callback(error)`, from any thread, when the executor fails between steps (see ModelExecutor)."""

@@ -229,3 +229,13 @@ class KVTiers:
                 self._from_disk.discard(block_hash)
                 return slot
         return None
+
+
+def stop_executor(executor: ModelExecutor, tiers: KVTiers | None) -> None:
+    """Release the device; first, with a disk tier, keep the free cached blocks on disk (`KVTiers.flush`). The
+    executor stops even where that step fails (an engine that died)."""
+    try:
+        if tiers is not None:
+            tiers.flush(executor)
+    finally:
+        executor.shutdown()
