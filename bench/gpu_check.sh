@@ -6,7 +6,8 @@
 #   also w6 (structured output's cost; carry .whl with xgrammar's wheels), w7 (n=8 samples per prompt against
 #   8 separate requests, prefix cache on and off, ~3 min), moe (Qwen3-30B-A3B shape, ~6 min), gemma3 (Gemma 3 4B shape, ~3 min), serve (issue 24, ~6 min), w8 (prompt logprobs), lora (~5 min), quant (~15 min), abpeers (W1+W5 of AB_BASE against this tree, then nano-vllm), enginetests, quicktests, attntests, w12var, w2var, sampling, ab (W1 of AB_BASE against this tree), decodesweep, w1big, gemm, pa, w2ab (W1/W2 under graph and scheduling variants), w1prof (W1 plain + under
 #   torch.profiler, ~2 min), w4 (long-context prefill and decode, 16K/32K, two token budgets, ~1 min), and
-#   on two GPUs tptests, tpbench (tensor parallelism).
+#   on two GPUs tptests, tpbench (tensor parallelism); wave4 (issues 41/43/44: their GPU tests, spec_oracle,
+#   embed_throughput, kv_tiers; EMBED_ARGS / KV_TIERS_ARGS narrow them).
 # Tuning variables (ASYNCLLM_*, docs/tuning.md) pass through to every step: ASYNCLLM_DECODE_PDL=1 bash bench/gpu_check.sh
 #   w12var; a variant's bench flags take them as --engine-arg with the lower-case name (cuda_graph_max_tokens=0).
 # Set-up here first: rm -rf .peers && cp -r ../shared/peers .peers && cp -r ../shared/models/qwen3-tokenizer .peers/
@@ -232,6 +233,18 @@ fi
 if has startup; then
   (cd bench && timeout 200 python3 startup.py --shape qwen3-0.6b) 2>&1 | tee "$OUT/startup.log" | tail -2
   rows+=("startup: $(grep '^{' "$OUT/startup.log" | tail -1)")
+fi
+if has wave4; then  # issues 41, 43, 44 on the card: their GPU tests, then speculation's ceiling, embeddings, KV tiers
+  python3 -m pytest -q -rfE --tb=short -p no:cacheprovider -o addopts="" tests/gpu/test_bert.py tests/gpu/test_pooling.py \
+    tests/gpu/test_kv_tiers.py tests/kernels/test_varlen_attention.py 2>&1 | tee "$OUT/wave4_tests.log" \
+    | grep -E "^(FAILED|ERROR)|passed|failed" | tail -15
+  rows+=("wave4 tests: $(tail -1 "$OUT/wave4_tests.log")")
+  (cd bench && timeout 150 python3 spec_oracle.py --shape qwen3-0.6b --k 4 --tokens 256) 2>&1 | tee "$OUT/spec.log" | grep -E '^\{|Error' | tail -3
+  rows+=("spec oracle: $(grep '^{' "$OUT/spec.log" | tail -1)")
+  (cd bench && timeout "${EMBED_TIMEOUT:-240}" python3 embed_throughput.py ${EMBED_ARGS:-}) 2>&1 | tee "$OUT/embed.log" | grep -E '^\{|Error' | tail -4
+  while read -r line; do rows+=("embed: $line"); done < <(grep '^{' "$OUT/embed.log")
+  (cd bench && timeout "${KV_TIERS_TIMEOUT:-300}" python3 kv_tiers.py ${KV_TIERS_ARGS:-}) 2>&1 | tee "$OUT/kv_tiers.log" | grep -E '^\{|Error' | tail -6
+  while read -r line; do rows+=("kv tiers: $line"); done < <(grep '^{' "$OUT/kv_tiers.log")
 fi
 if has compare; then
   # compare.sh copies $PROJ/src/asyncllm, whose kernels/ is a link here: hand it the overlay's layout instead.
