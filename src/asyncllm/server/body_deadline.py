@@ -13,11 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 _GONE: Message = {"type": "http.disconnect"}
+
+
+async def _nothing() -> None:
+    return None
 
 
 def _timed_out(seconds: float) -> tuple[Message, Message]:
@@ -74,11 +79,12 @@ class BodyReadDeadline:
                 exchange["read"] = True
             return message
 
-        async def answer(message: Message) -> None:
+        def answer(message: Message) -> Awaitable[None]:
+            """The app's send: passed on (no coroutine of its own: a stream sends a message a token)."""
             if exchange["expired"]:
-                return  # the 408 (or the cut) was the answer: the app's own goes nowhere
+                return _nothing()  # the 408 (or the cut) was the answer: the app's own goes nowhere
             if message["type"] == "http.response.start":
                 exchange["answered"] = True
-            await send(message)
+            return send(message)
 
         await self.app(scope, read, answer)
