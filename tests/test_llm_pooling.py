@@ -215,3 +215,36 @@ def test_a_cross_encoder_scores_as_its_classifier(paths: dict[str, Path]) -> Non
     with torch.no_grad():
         want = torch.sigmoid(model(**enc).logits[:, 0])
     assert max(abs(w - g) for w, g in zip(want.tolist(), got)) < 1e-4
+
+
+def test_truncating_a_bert_text_keeps_its_cls_token(paths: dict[str, Path]) -> None:
+    """Regression: `truncate_prompt_tokens` sliced the last k ids after the tokenizer added [CLS] ... [SEP], so a
+    truncated BERT text lost its [CLS] and a CLS-pooling embedder pooled a word instead (no error). It now
+    truncates as transformers' left truncation does: the special tokens stay, the text's first words go."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(paths["bert"], truncation_side="left")
+    model = transformers.BertModel.from_pretrained(paths["bert"], dtype=torch.float32).eval()
+    text = "the cat sat on the mat in paris " * 3
+    llm = LLM(str(paths["bert"]), **ARGS)
+    try:
+        got = llm.embed(text, truncate_prompt_tokens=8)[0]
+    finally:
+        llm.shutdown()
+    enc = tokenizer(text, truncation=True, max_length=8, return_tensors="pt")
+    assert enc.input_ids[0, 0].item() == tokenizer.cls_token_id and got.num_prompt_tokens == 8
+    with torch.no_grad():
+        cls = model(**enc).last_hidden_state[0, 0]
+    assert _cosine(F.normalize(cls, dim=0), got.embedding) >= 0.9999
+
+
+def test_token_types_past_the_models_type_vocab_size_are_refused_before_the_device(tmp_path: Path) -> None:
+    """Regression: a cross-encoder with type_vocab_size=1 got its tokenizer's pair types (0, then 1) into its
+    token-type embedding: an IndexError on CPU, a device-side assert on CUDA. Refused naming the field now,
+    and the engine goes on serving."""
+    path = build_bert_checkpoint(tmp_path / "cross", "BertForSequenceClassification", type_vocab_size=1)
+    llm = LLM(str(path), **ARGS)
+    try:
+        with pytest.raises(InvalidRequestError, match=r"token_type_ids .*type_vocab_size is 1"):
+            llm.score("the capital", ["paris"])
+        assert llm.stats()["num_waiting"] == 0 and llm.stats()["num_running"] == 0
+    finally:
+        llm.shutdown()

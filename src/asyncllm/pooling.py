@@ -48,6 +48,7 @@ class PoolerSpec:
     score: ScoreMethod | None = None  # set on score engines
     yes_no_token_ids: tuple[int, int] | None = None  # YES_NO: the ("no", "yes") token ids
     encoder: bool = False  # bidirectional (BERT): a cross-encoder reads (query, document) as a token-type pair
+    type_vocab_size: int | None = None  # an encoder's token types (BERT: 2); the front refuses ids past them
 
     @property
     def scores(self) -> bool:

@@ -119,7 +119,12 @@ class PoolingInputs:
             for (i, _), encoded in zip(texts, self.processor.encode_texts([t for _, t in texts])):
                 ids[i] = encoded
         if plan.truncate is not None:
-            ids = [x[-plan.truncate :] for x in ids]  # the last tokens, as vLLM's truncate_prompt_tokens keeps
+            # The last tokens, as vLLM's truncate_prompt_tokens keeps; a text keeps the special tokens its
+            # tokenizer puts in front (BERT's [CLS], which CLS pooling reads), as left truncation does there.
+            head = self._special_prefix() if texts else 0
+            ids = [
+                _keep_last(x, plan.truncate, head if isinstance(src, str) else 0) for x, src in zip(ids, plan.inputs)
+            ]
         return ids
 
     # ------------------------------------------------------------------ score, rerank
@@ -183,6 +188,14 @@ class PoolingInputs:
             ids = self.processor.tokenize(ids)  # ints within the vocabulary, not empty
         except InvalidRequestError as exc:
             raise InvalidRequestError(f"{where}: {exc}") from None
+        types, spec = params.token_type_ids, self.runtime.pooler
+        num_types = spec.type_vocab_size if spec is not None else None
+        if types is not None and num_types is not None and max(types, default=0) >= num_types:
+            # The token-type embedding has num_types rows: a larger id would index past it on the device.
+            raise InvalidRequestError(
+                f"{where}: its token_type_ids (from the tokenizer's pair encoding) go up to {max(types)}, but this "
+                f"model's type_vocab_size is {num_types}: its tokenizer does not match the model"
+            )
         return Request(
             request_id, ids, _DEFAULTS, arrival_time, 1, priority=priority, deadline=deadline, pooling=params
         )
@@ -223,6 +236,13 @@ class PoolingInputs:
         except InvalidRequestError as exc:
             raise InvalidRequestError(f"{where}: {exc}") from None
 
+    def _special_prefix(self) -> int:
+        """How many special tokens the tokenizer puts before a text (BERT: 1, its [CLS]; 0 without one)."""
+        if self.tokenizer is None:
+            return 0
+        mask = backend_tokenizer(self.tokenizer).encode("a", add_special_tokens=True).special_tokens_mask
+        return next((i for i, special in enumerate(mask) if not special), len(mask))
+
     def _tokenizer(self) -> Any:
         if self.tokenizer is None:
             raise InvalidRequestError("this engine has no tokenizer: score() and rerank() take text")
@@ -253,6 +273,14 @@ def _as_inputs(inputs: object) -> list[str | list[int]]:
                 f"input {i}={short_repr(item)} is invalid: give a non-empty string or a list of token ids"
             )
     return items
+
+
+def _keep_last(ids: list[int], n: int, head: int) -> list[int]:
+    """`ids` cut to `n` tokens: its first `head` (at most n), then its last ones."""
+    if len(ids) <= n:
+        return ids
+    head = min(head, n)
+    return ids[:head] + (ids[len(ids) - (n - head) :] if n > head else [])
 
 
 def check_top_n(top_n: object) -> int | None:

@@ -75,6 +75,7 @@ def resolve_pooler(task: Task | None, checkpoint: Checkpoint, arch: ModelArchCon
             prompts=st.prompts if st is not None else {},
             default_prompt_name=st.default_prompt_name if st is not None else None,
             encoder=encoder,
+            type_vocab_size=arch.encoder.type_vocab_size if arch.encoder is not None else None,
         )
     if classifier:
         num_labels = arch.encoder.num_labels if arch.encoder is not None else None
@@ -82,7 +83,14 @@ def resolve_pooler(task: Task | None, checkpoint: Checkpoint, arch: ModelArchCon
             raise UnsupportedModelError(
                 f"{name} has {num_labels} labels: task='score' reads a cross-encoder's one logit (num_labels=1)"
             )
-        return PoolerSpec(Task.SCORE, PoolingMethod.CLS, arch.hidden_size, score=ScoreMethod.CLASSIFIER, encoder=True)
+        return PoolerSpec(
+            Task.SCORE,
+            PoolingMethod.CLS,
+            arch.hidden_size,
+            score=ScoreMethod.CLASSIFIER,
+            encoder=True,
+            type_vocab_size=arch.encoder.type_vocab_size if arch.encoder is not None else None,
+        )
     if name in YES_NO_RERANKERS:
         return PoolerSpec(
             Task.SCORE,
