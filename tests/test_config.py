@@ -244,3 +244,12 @@ def test_a_kv_cache_dir_that_is_a_file_or_unwritable_fails_at_construction(tmp_p
         pytest.skip("this user writes every directory")
     with pytest.raises(InvalidConfigError, match=r"kv_cache_dir=.* is not writable"):
         EngineConfig.from_kwargs("m", kv_cache_dir=str(locked))
+
+
+def test_kv_tiers_without_the_prefix_cache_fail_at_construction(tmp_path: Path) -> None:
+    """The tiers keep the prefix cache's evicted blocks: without the cache there is nothing to keep."""
+    with pytest.raises(InvalidConfigError, match=r"kv_offloading_size=2.0 keeps .* needs enable_prefix_caching=True"):
+        EngineConfig.from_kwargs("m", kv_offloading_size=2, enable_prefix_caching=False)
+    with pytest.raises(InvalidConfigError, match=r"kv_cache_dir=.* needs enable_prefix_caching=True"):
+        EngineConfig.from_kwargs("m", kv_cache_dir=str(tmp_path), enable_prefix_caching=False)
+    EngineConfig.from_kwargs("m", enable_prefix_caching=False)  # off and off: fine

@@ -138,6 +138,12 @@ class CacheConfig:
         size = check_float(invalid, "kv_offloading_size", self.kv_offloading_size, "a number of GiB >= 0", lo=0.0)
         set_field(self, "kv_offloading_size", size)
         set_field(self, "kv_cache_dir", writable_dir("kv_cache_dir", self.kv_cache_dir))
+        if (size > 0 or self.kv_cache_dir is not None) and not self.enable_prefix_caching:
+            tier = f"kv_offloading_size={size}" if size > 0 else f"kv_cache_dir={self.kv_cache_dir!r}"
+            raise InvalidConfigError(
+                f"{tier} keeps the prefix cache's evicted blocks: it needs enable_prefix_caching=True (or turn "
+                "the tiers off: kv_offloading_size=0, kv_cache_dir=None)"
+            )
         refused = KV_CACHE_DTYPES_REFUSED.get(self.kv_cache_dtype) if isinstance(self.kv_cache_dtype, str) else None
         if refused is not None:
             raise InvalidConfigError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported: {refused}")

@@ -49,10 +49,8 @@ def attach_kv_tiers(worker: Worker, setup: TierSetup) -> Worker:
         return worker
     runner = worker.runner
     rank, world = (0, 1) if setup.parallel is None else (setup.parallel.rank, setup.parallel.world_size)
-    if not cache.enable_prefix_caching or not isinstance(runner, ModelRunner):
-        if rank == 0:
-            logger.warning("kv_offloading_size and kv_cache_dir need prefix caching (and a generating model): off")
-        return worker
+    # EngineConfig refuses tiers without prefix caching, and embed/score engines refuse them at start.
+    assert cache.enable_prefix_caching and isinstance(runner, ModelRunner), "KV tiers without a prefix cache"
     block_bytes = setup.kv_spec.bytes_per_block
     gib = cache.kv_offloading_size or _DISK_ONLY_HOST_GIB
     num_slots = int(gib * 2**30 / world) // block_bytes  # the size is the ranks' total, as vLLM's
