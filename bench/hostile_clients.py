@@ -9,12 +9,12 @@ lone surrogate in a chat message), `trickle` (headers one byte at a time until t
 connection), `stall` (a head and half a body, then nothing, until the server closes it); with
 `--kinds ... compile` also a 20,000-string enum that compiles for seconds once, then is served from the
 compile cache: each request's mask fills are slow (3-10 ms a row at its widest states), and go to the slow
-lane (structured_output/slow_lane.py); `schema`, the control: a schema as large (180,000 characters) that is
-cheap to follow (three values, and a long description), so what the body's size costs shows apart from what
-the enum's masks cost. Every answer is counted by status (a 5xx would be a bug); a connection the server
-closed counts as "closed". The hostile clients start together and each sends once a `--hostile-interval`, so
-their requests come in bursts (the harder case); `--hostile-spread` starts each at a random point of its
-first interval.
+lane (structured_output/slow_lane.py); `schema`, the control: a schema as large and with as many strings (the
+same 20,000 under `examples`, which constrains nothing) that is cheap to follow (an enum of three values), so
+what reading such a body costs shows apart from what the enum's masks cost. Every answer is counted by
+status (a 5xx would be a bug); a connection the server closed counts as "closed". The hostile clients start
+together and each sends once a `--hostile-interval`, so their requests come in bursts (the harder case);
+`--hostile-spread` starts each at a random point of its first interval.
 
     python bench/hostile_clients.py [--honest 100] [--hostile 100] [--max-tokens 64] [--requests-per-stream 2]
         [--client-procs 2] [--kinds oversized deep surrogate trickle stall] [--hostile-spread] [--server-flags=...]
@@ -70,7 +70,7 @@ def hostile_requests(oversized_mb: float) -> dict[str, bytes]:
     depth = 5_000  # past json.loads' recursion (~1,000): a body the server must refuse without parsing it
     deep = b'{"model": "%s", "prompt": ' % MODEL.encode() + b"[" * depth + b"]" * depth + b"}"
     enum = json.dumps({"enum": [f"{i:05d}" for i in range(20_000)]}).encode()
-    large = json.dumps({"enum": ["a", "b", "c"], "description": "x" * 180_000}).encode()
+    large = json.dumps({"enum": ["a", "b", "c"], "examples": [f"{i:05d}" for i in range(20_000)]}).encode()
     return {
         "oversized": post("/v1/chat/completions", chat(b"b " * int(oversized_mb * 2**19))),
         "deep": post("/v1/completions", deep),
