@@ -2,7 +2,8 @@
 multi-turn conversations whose histories a small device pool evicts give the tokens of an engine without tiers,
 restored from the host tier (`stats()["prefix_cache_host_hit_tokens"]`); a second engine on the same directory
 finds them on disk after a restart (`prefix_cache_disk_hit_tokens`), while one on other weights or another KV
-dtype finds none; corrupted, truncated and foreign files are ignored with a warning, the tokens unchanged; two
+dtype finds none; corrupted, truncated and foreign files, and another prefix's under a colliding hash, are
+ignored with a warning, the tokens unchanged; two
 engines writing one directory at once leave blocks a third reads; FP8 codes and a sliding-window model restore
 exactly; tensor parallelism (two ranks on gloo) restores each rank's shard; a size too small for one block is
 refused at construction, naming the field."""
@@ -20,6 +21,7 @@ import pytest
 import xxhash
 
 from asyncllm import LLM, SamplingParams
+from asyncllm.core import block_hash
 from asyncllm.errors import InvalidConfigError
 from tests.fixtures.tiny_models import build_checkpoint
 
@@ -110,8 +112,8 @@ def test_corrupted_truncated_and_foreign_files_are_ignored(
     for path in foreign:  # a whole, well-formed file of another engine's (its fingerprint differs)
         data = bytearray(path.read_bytes())
         data[8:24] = bytes(16)
-        header = bytes(data[:48])
-        data[48:56] = struct.pack("<Q", xxhash.xxh3_64_intdigest(header))
+        header = bytes(data[:64])
+        data[64:72] = struct.pack("<Q", xxhash.xxh3_64_intdigest(header))
         path.write_bytes(bytes(data))
     for path in garbage:
         path.write_bytes(random.Random(0).randbytes(path.stat().st_size))
@@ -122,6 +124,36 @@ def test_corrupted_truncated_and_foreign_files_are_ignored(
     ignored = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
     assert any("checksum" in m for m in ignored) and any("truncated" in m for m in ignored), ignored
     assert any("another model" in m for m in ignored) and any("not a KV block file" in m for m in ignored), ignored
+
+
+def test_another_prefixs_block_under_a_colliding_hash_is_a_miss(
+    qwen3: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Regression (issue 44 review): a disk hit trusted the 64-bit chained block hash. Prompts that differ from
+    the first engine's in their first block are forced onto its hashes: every block the second engine looks up
+    has a well-formed file of another prefix's KV. Each is a miss with a warning; the tokens are unchanged."""
+    llm_args = {**ENGINE, "kv_offloading_size": HOST, "kv_cache_dir": str(tmp_path)}
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 300) for _ in range(40)] for _ in range(4)]
+    others = [[(t + 7) % 290 + 3 for t in p[:4]] + p[4:] for p in prompts]
+
+    def generate(batch: list[list[int]], **engine: Any) -> tuple[list[list[int]], dict[str, Any]]:
+        llm = LLM(str(qwen3), **engine)
+        try:
+            return [list(o.token_ids) for o in llm.generate(batch, GREEDY, use_tqdm=False)], llm.stats()
+        finally:
+            llm.shutdown()
+
+    want, _ = generate(others, **ENGINE)
+    generate(prompts, **llm_args)
+    assert len(block_files(tmp_path)) >= 4 * 9
+    collide = {tuple(o[:4]): p[:4] for o, p in zip(others, prompts, strict=True)}
+    real = block_hash.hash_block
+    monkeypatch.setattr(block_hash, "hash_block", lambda parent, ids: real(parent, collide.get(tuple(ids), ids)))
+    with caplog.at_level(logging.WARNING, logger="asyncllm"):
+        tokens, stats = generate(others, **llm_args)
+    assert tokens == want and stats["prefix_cache_disk_hit_tokens"] == 0
+    assert any("another prefix" in r.getMessage() for r in caplog.records)
 
 
 def test_two_engines_writing_one_directory_leave_readable_blocks(

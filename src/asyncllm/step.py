@@ -91,17 +91,18 @@ class KVTransfers:
     """A step's copies of KV blocks between the device and the tiers below it (`core/kv_tiers.py`), in the
     order every rank runs them, each rank its own shard. Before the forward pass: `offloads` (device block ->
     host slot: the block is taken for other content by this step), `loads` (block hash -> host slot, read from
-    the disk tier; the step's output says which arrived, `ModelRunnerOutput.kv_loaded`), `restores` (host
-    slot -> device block, a prefix hit this step reads). After it is launched: `ahead` (device block -> host
-    slot: free cached blocks copied before the pool takes them, overlapping the forward pass). `writes`
-    (block hash -> host slot): filled slots to keep on disk too, written in the background. `wait`: the forward
-    pass waits for every copy issued before (it overwrites a block an earlier step's `ahead` copies)."""
+    the disk tier, with the 128-bit digest of the prefix the file must hold; the step's output says which
+    arrived, `ModelRunnerOutput.kv_loaded`), `restores` (host slot -> device block, a prefix hit this step
+    reads). After it is launched: `ahead` (device block -> host slot: free cached blocks copied before the pool
+    takes them, overlapping the forward pass). `writes` (block hash -> host slot, with its prefix's digest):
+    filled slots to keep on disk too, written in the background. `wait`: the forward pass waits for every copy
+    issued before (it overwrites a block an earlier step's `ahead` copies)."""
 
     offloads: list[tuple[int, int]] = field(default_factory=list)
-    loads: list[tuple[int, int]] = field(default_factory=list)
+    loads: list[tuple[int, int, bytes]] = field(default_factory=list)
     restores: list[tuple[int, int]] = field(default_factory=list)
     ahead: list[tuple[int, int]] = field(default_factory=list)
-    writes: list[tuple[int, int]] = field(default_factory=list)
+    writes: list[tuple[int, int, bytes]] = field(default_factory=list)
     wait: bool = False
 
     @property

@@ -1,13 +1,14 @@
 """The KV tiers' storage on one rank: `HostKVPool` copies whole blocks (every layer's keys and values, as bytes)
 to host slots and back, any dtype (FP8 codes included) and any order of blocks and slots; `DiskKVStore` writes a
-slot to a file and reads it back into another slot, refuses a file whose bytes, length, header or fingerprint
-are wrong (with a warning), keeps the directory within its size (oldest files out, a read counting as use),
-and drops or waits for a pending write when its slot is about to be reused."""
+slot to a file and reads it back into another slot, refuses a file whose bytes, length, header, fingerprint,
+format version or prefix digest are wrong (with a warning), keeps the directory within its size (oldest files
+out, a read counting as use), and drops or waits for a pending write when its slot is about to be reused."""
 
 from __future__ import annotations
 
 import logging
 import random
+import struct
 import time
 from pathlib import Path
 
@@ -18,6 +19,11 @@ from asyncllm.worker.kv_disk import DiskKVStore
 from asyncllm.worker.kv_host import HostKVPool
 
 FINGERPRINT = bytes(range(16))
+
+
+def digest(block_hash: int) -> bytes:
+    """A stand-in for the digest of the prefix `block_hash` names (`block_hash.extend_block_digests`)."""
+    return block_hash.to_bytes(16, "little")
 
 
 def random_cache(
@@ -51,7 +57,7 @@ def test_blocks_go_to_host_and_come_back_whole(dtype: torch.dtype) -> None:
 def _store(tmp_path: Path, capacity_blocks: int = 100) -> tuple[HostKVPool, DiskKVStore]:
     pool = HostKVPool(random_cache(2, 6, (4, 2, 8), torch.float32), num_slots=4, device=torch.device("cpu"))
     pool.to_host([(0, 0), (1, 1), (2, 2), (3, 3)])
-    file_bytes = 56 + pool.block_bytes  # a 56-byte header
+    file_bytes = 72 + pool.block_bytes  # a 72-byte header
     return pool, DiskKVStore(tmp_path, FINGERPRINT, pool, capacity_blocks * file_bytes)
 
 
@@ -63,9 +69,10 @@ def _written(store: DiskKVStore, count: int) -> None:
 
 def test_a_written_block_reads_back_into_another_slot(tmp_path: Path) -> None:
     pool, store = _store(tmp_path)
-    store.write([(0xDEAD, 1), (2**64 - 1, 2)], None)
+    store.write([(0xDEAD, 1, digest(0xDEAD)), (2**64 - 1, 2, digest(2**64 - 1))], None)
     _written(store, 2)
-    assert store.load([(0xDEAD, 3), (2**64 - 1, 0), (0xBEEF, 0)]) == [True, True, False]  # the last: never written
+    loads = [(0xDEAD, 3, digest(0xDEAD)), (2**64 - 1, 0, digest(2**64 - 1)), (0xBEEF, 0, digest(0xBEEF))]
+    assert store.load(loads) == [True, True, False]  # the last: never written
     assert torch.equal(pool.slot(3), pool.slot(1))
     assert sorted(store.on_disk()) == [0xDEAD, 2**64 - 1]
     store.close()
@@ -86,24 +93,24 @@ def test_a_written_block_reads_back_into_another_slot(tmp_path: Path) -> None:
 )
 def test_a_damaged_file_is_refused_with_a_warning(tmp_path: Path, caplog, damage, warning: str) -> None:
     _, store = _store(tmp_path)
-    store.write([(7, 1)], None)
+    store.write([(7, 1, digest(7))], None)
     _written(store, 1)
     path = next(tmp_path.glob("*.kvb"))
     path.write_bytes(damage(path.read_bytes()))
     with caplog.at_level(logging.WARNING, logger="asyncllm"):
-        assert store.load([(7, 3)]) == [False]
+        assert store.load([(7, 3, digest(7))]) == [False]
     assert warning in caplog.text
     store.close()
 
 
 def test_another_engines_file_is_refused(tmp_path: Path, caplog) -> None:
     pool, store = _store(tmp_path)
-    store.write([(7, 1)], None)
+    store.write([(7, 1, digest(7))], None)
     _written(store, 1)
     store.close()
     other = DiskKVStore(tmp_path, bytes(16), pool, store.capacity_bytes)  # another fingerprint, one directory
     with caplog.at_level(logging.WARNING, logger="asyncllm"):
-        assert other.load([(7, 3)]) == [False]
+        assert other.load([(7, 3, digest(7))]) == [False]
     assert "another model or settings" in caplog.text
     other.close()
 
@@ -111,11 +118,11 @@ def test_another_engines_file_is_refused(tmp_path: Path, caplog) -> None:
 def test_the_directory_keeps_its_size_oldest_out(tmp_path: Path) -> None:
     _, store = _store(tmp_path, capacity_blocks=3)
     for h in (1, 2, 3):
-        store.write([(h, h % 4)], None)
+        store.write([(h, h % 4, digest(h))], None)
         _written(store, h)
         time.sleep(0.02)  # distinct modification times
-    assert store.load([(1, 0)]) == [True]  # a read counts as use: 2 is now the oldest
-    store.write([(4, 3)], None)
+    assert store.load([(1, 0, digest(1))]) == [True]  # a read counts as use: 2 is now the oldest
+    store.write([(4, 3, digest(4))], None)
     deadline = time.monotonic() + 10
     while 4 not in store.on_disk() and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -132,9 +139,36 @@ def test_a_slot_about_to_be_reused_drops_its_pending_write(tmp_path: Path) -> No
         slot = rng.randrange(4)
         before = pool.slot(slot).clone()
         block_hash = rng.randrange(1, 2**64)
-        store.write([(block_hash, slot)], None)
+        store.write([(block_hash, slot, digest(block_hash))], None)
         store.release(slot)
         pool.slot(slot).copy_(torch.randint(0, 255, before.shape, dtype=torch.uint8))
-        if store.load([(block_hash, (slot + 1) % 4)]) == [True]:
+        if store.load([(block_hash, (slot + 1) % 4, digest(block_hash))]) == [True]:
             assert torch.equal(pool.slot((slot + 1) % 4), before)
+    store.close()
+
+
+def test_a_file_of_another_prefix_under_the_same_hash_is_refused(tmp_path: Path, caplog) -> None:
+    """Regression (issue 44 review): a read trusted the 64-bit block hash in the file's name and header. A file
+    well formed in every other way, but written for another prefix of that hash, is now a miss with a warning."""
+    pool, store = _store(tmp_path)
+    store.write([(7, 1, digest(7))], None)
+    _written(store, 1)
+    with caplog.at_level(logging.WARNING, logger="asyncllm"):
+        assert store.load([(7, 3, digest(8))]) == [False]
+    assert "another prefix" in caplog.text
+    assert store.load([(7, 3, digest(7))]) == [True] and torch.equal(pool.slot(3), pool.slot(1))
+    store.close()
+
+
+def test_a_file_of_an_older_format_is_refused(tmp_path: Path, caplog) -> None:
+    """Format version 1 had no prefix digest: its files are ignored (never read as version 2's layout)."""
+    _, store = _store(tmp_path)
+    store.write([(7, 1, digest(7))], None)
+    _written(store, 1)
+    path = next(tmp_path.glob("*.kvb"))
+    data = path.read_bytes()
+    path.write_bytes(data[:4] + struct.pack("<I", 1) + data[8:])
+    with caplog.at_level(logging.WARNING, logger="asyncllm"):
+        assert store.load([(7, 3, digest(7))]) == [False]
+    assert "format version 1" in caplog.text
     store.close()

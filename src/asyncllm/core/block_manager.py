@@ -14,20 +14,22 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 
-from asyncllm.core.block_hash import ROOT_HASH, extend_block_hashes, root_hash
+from asyncllm.core.block_hash import ROOT_HASH, extend_block_digests, extend_block_hashes, root_hash
 from asyncllm.core.kv_tiers import KVTiers
 from asyncllm.core.request import Request
 from asyncllm.step import KVTierInfo, KVTransfers
 
 
 class KVBlock:
-    __slots__ = ("block_hash", "block_id", "lora_id", "pending", "ref_count")
+    __slots__ = ("block_digest", "block_hash", "block_id", "pending", "ref_count")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id  # -1: a prefix hit in the host tier, not on the device yet (`find_cached_prefix`)
         self.ref_count = 0
         self.block_hash: int | None = None
-        self.lora_id = 0  # the adapter whose chain `block_hash` is on (0: the base model)
+        # With a disk tier, the 128-bit digest of the prefix `block_hash` names (`extend_block_digests`), which
+        # its file carries; None without one, and for an adapter's block (adapter ids are one engine's: never on disk).
+        self.block_digest: bytes | None = None
         self.pending = False  # registered by a step whose KV is not written yet
 
 
@@ -109,10 +111,13 @@ class BlockManager:
     def awaits_load(self, request: Request, num_hits: int) -> bool:
         """Whether `request`, whose prefix hits `num_hits` blocks (`find_cached_prefix`), waits for the
         next of its blocks to be read from disk (`KVTiers.awaits`)."""
-        if self.tiers is None or not self.tiers.has_disk:
+        if self.tiers is None or not self.tiers.has_disk or request.lora_id:
             return False
         max_blocks = (request.num_tokens - 1) // self.block_size
-        return self.tiers.awaits(request.request_id, request.block_hashes[num_hits:max_blocks])
+        extend_block_digests(request.block_digests, request.all_token_ids, self.block_size, max_blocks)
+        return self.tiers.awaits(
+            request.request_id, request.block_hashes[num_hits:max_blocks], request.block_digests[num_hits:max_blocks]
+        )
 
     def take_transfers(self) -> KVTransfers | None:
         """The copies to and from the tiers below the device that the step just planned needs."""
@@ -262,12 +267,15 @@ class BlockManager:
         root = root_hash(request.lora_id) if request.lora_id else ROOT_HASH
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, num_full, root)
         self._pending_counts.setdefault(request.request_id, start)
+        on_disk = self.tiers is not None and self.tiers.has_disk and not request.lora_id
+        if on_disk:
+            extend_block_digests(request.block_digests, request.all_token_ids, self.block_size, num_full)
         for i in range(start, num_full):
             block = self.blocks[request.block_ids[i]]
             block_hash = request.block_hashes[i]
             if block.block_hash is None and block_hash not in self._cached:
                 block.block_hash = block_hash
-                block.lora_id = request.lora_id
+                block.block_digest = request.block_digests[i] if on_disk else None
                 block.pending = True
                 self._cached[block_hash] = block
                 self._pending.append((self._num_registrations, block))

@@ -14,6 +14,8 @@ request waits, once; the step's output says which blocks arrived intact on every
 
 What a hash names never changes within an engine: it covers the whole prefix and the adapter, and the model
 and KV layout are the engine's (the disk tier's files also carry a fingerprint of them, checked on reading).
+Across engines a 64-bit hash is not proof enough: each write and load carries the block's 128-bit digest of
+its whole prefix (`block_hash.extend_block_digests`), which the file holds and the read compares.
 Plain Python, no clocks: deterministic like the block manager that drives it.
 """
 
@@ -30,8 +32,8 @@ class KVBlock(Protocol):
 
     block_id: int
     block_hash: int | None
+    block_digest: bytes | None  # the digest of its prefix, kept on disk with it (None: never on disk)
     ref_count: int
-    lora_id: int  # the adapter whose chain its hash is on (0: the base model)
     pending: bool  # registered by a step whose KV is not written yet
 
 
@@ -44,8 +46,8 @@ class KVTiers:
         self._host: OrderedDict[int, int] = OrderedDict()  # block hash -> slot; the first is reused next
         self._from_disk: set[int] = set()  # host entries read from disk and not restored since (hit counts)
         self._disk: OrderedDict[int, None] = OrderedDict.fromkeys(info.on_disk)  # believed on disk, oldest first
-        self._to_load: OrderedDict[int, int] = OrderedDict()  # hash -> its reserved slot, not sent yet
-        self._loading: deque[list[tuple[int, int]]] = deque()  # per step sent with loads, oldest first
+        self._to_load: OrderedDict[int, tuple[int, bytes]] = OrderedDict()  # hash -> (reserved slot, digest)
+        self._loading: deque[list[tuple[int, int, bytes]]] = deque()  # per step sent with loads, oldest first
         self._in_load: set[int] = set()  # hashes queued or being loaded
         self._waited: set[str] = set()  # requests that waited for loads (each waits once per admission)
         self._freed: OrderedDict[int, tuple[KVBlock, int]] = OrderedDict()  # block id -> (block, its hash)
@@ -68,10 +70,11 @@ class KVTiers:
             run.append(block_hash)
         return run
 
-    def awaits(self, request_id: str, hashes: list[int]) -> bool:
+    def awaits(self, request_id: str, hashes: list[int], digests: list[bytes]) -> bool:
         """Whether the request must wait for disk reads: `hashes` are its prefix's blocks past its device and
-        host hits. True while the first is on its way; when it is on disk and the request has not waited since
-        it was last admitted, its run on disk (at most half the host tier) is queued for loading first."""
+        host hits (`digests`, theirs). True while the first is on its way; when it is on disk and the request has
+        not waited since it was last admitted, its run on disk (at most half the host tier) is queued for loading
+        first, each read checked against its digest."""
         if not hashes or not self.has_disk:
             return False
         if hashes[0] in self._in_load:
@@ -79,7 +82,8 @@ class KVTiers:
         if hashes[0] not in self._disk or request_id in self._waited:
             return False
         self._waited.add(request_id)
-        for block_hash in hashes[: max(1, self.info.host_blocks // 2)]:
+        run = max(1, self.info.host_blocks // 2)
+        for block_hash, digest in zip(hashes[:run], digests[:run], strict=True):
             if block_hash in self._host or block_hash in self._in_load:
                 continue  # there already, or coming for another request
             if block_hash not in self._disk:
@@ -87,7 +91,7 @@ class KVTiers:
             slot = self._take_slot()
             if slot is None:
                 break
-            self._to_load[block_hash] = slot
+            self._to_load[block_hash] = (slot, digest)
             self._in_load.add(block_hash)
         return hashes[0] in self._in_load
 
@@ -137,14 +141,14 @@ class KVTiers:
 
     def loaded(self, results: tuple[bool, ...]) -> None:
         """The oldest step that sent loads has run: the blocks that arrived on every rank join the host tier."""
-        for (block_hash, slot), ok in zip(self._loading.popleft(), results, strict=True):
+        for (block_hash, slot, _), ok in zip(self._loading.popleft(), results, strict=True):
             self._in_load.discard(block_hash)
             if ok and block_hash not in self._host:
                 self._host[block_hash] = slot
                 self._from_disk.add(block_hash)
                 continue
             self._free_slots.append(slot)
-            if not ok:  # missing, corrupted or foreign on some rank (the worker warned): recomputed instead
+            if not ok:  # missing, corrupted or another prefix's on some rank (the worker warned): recomputed
                 self._disk.pop(block_hash, None)
 
     def reset(self) -> None:
@@ -162,7 +166,8 @@ class KVTiers:
         self._plan_ahead(self.info.ahead_blocks if ahead_blocks is None else ahead_blocks)
         step, self._step = self._step, KVTransfers()
         if self._to_load:
-            batch = [self._to_load.popitem(last=False) for _ in range(min(len(self._to_load), self._loads_per_step))]
+            taken = [self._to_load.popitem(last=False) for _ in range(min(len(self._to_load), self._loads_per_step))]
+            batch = [(block_hash, slot, digest) for block_hash, (slot, digest) in taken]
             step.loads.extend(batch)
             self._loading.append(batch)
         self._pinned.clear()
@@ -210,9 +215,9 @@ class KVTiers:
         assert block_hash is not None
         self._host[block_hash] = slot
         self._pinned.add(slot)
-        if self.has_disk and block.lora_id == 0:
+        if self.has_disk and block.block_digest is not None:
             if block_hash not in self._disk:
-                self._step.writes.append((block_hash, slot))
+                self._step.writes.append((block_hash, slot, block.block_digest))
             self._disk[block_hash] = None
             self._disk.move_to_end(block_hash)
             while len(self._disk) > self.info.disk_blocks:

@@ -51,6 +51,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
     block_ids: list[int] = field(default_factory=list)  # token t's KV in entry t // block_size (window_blocks.py)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks, computed lazily
+    block_digests: list[bytes] = field(default_factory=list)  # their 128-bit twins, with a disk tier only
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0

@@ -14,7 +14,8 @@ byte order (both ends share one host), parameters pickled once per request. Plai
              lora_id))
     bytes    the step's copies to and from the KV tiers (`KVTransfers`), if any (a step without them ends with
              its new requests): counts of offloads, loads, restores, ahead and writes, and the wait flag (uint32
-             x 6); then every pair's two values as int64 (block hashes use all 64 bits), in that order
+             x 6); then every entry's block or hash and slot as int64 (block hashes use all 64 bits), in that
+             order; then the 16-byte digests of the loads, then of the writes
 
 Between steps the ring also carries LoRA adapters added and removed (`encode_lora`: a magic of its own, then
 the pickled command), in order with the steps: every rank loads an adapter before any step naming it.
@@ -34,6 +35,7 @@ LORA_MAGIC = b"ALR1"
 _HEADER = struct.Struct("<4s7I")
 _NEW = struct.Struct("<3i")
 _KV = struct.Struct("<6I")
+_DIGEST = 16  # bytes of a block's prefix digest (`block_hash.extend_block_digests`)
 assert array("i").itemsize == 4 and array("B").itemsize == 1 and array("q").itemsize == 8
 
 
@@ -211,25 +213,34 @@ class StepDecoder:
 
 
 def encode_kv(kv: KVTransfers) -> bytes:
-    # Hashes (the first of each pair in loads and writes) use all 64 bits: they travel as int64, two's complement.
-    signed = [[(h - 2**64 if h >= 2**63 else h, slot) for h, slot in pairs] for pairs in (kv.loads, kv.writes)]
+    # Hashes (the first of each entry in loads and writes) use all 64 bits: they travel as int64, two's complement.
+    signed = [[(h - 2**64 if h >= 2**63 else h, slot) for h, slot, _ in entries] for entries in (kv.loads, kv.writes)]
     lists = (kv.offloads, signed[0], kv.restores, kv.ahead, signed[1])
     values = array("q", [v for pairs in lists for pair in pairs for v in pair])
-    return _KV.pack(*map(len, lists), kv.wait) + values.tobytes()
+    digests = b"".join(digest for _, _, digest in (*kv.loads, *kv.writes))
+    assert len(digests) == _DIGEST * (len(kv.loads) + len(kv.writes)), "a block digest is 16 bytes"
+    return _KV.pack(*map(len, lists), kv.wait) + values.tobytes() + digests
 
 
 def decode_kv(data: bytes) -> KVTransfers:
     *counts, wait = _KV.unpack_from(data)
-    if len(data) != _KV.size + 16 * sum(counts):  # a step's last section: a stray byte would land here
-        raise StepCodecError(f"an encoded step's KV copies take {len(data)} bytes, not {_KV.size + 16 * sum(counts)}")
+    size = _KV.size + 16 * sum(counts) + _DIGEST * (counts[1] + counts[4])
+    if len(data) != size:  # a step's last section: a stray byte would land here
+        raise StepCodecError(f"an encoded step's KV copies take {len(data)} bytes, not {size}")
     flat = array("q")
-    flat.frombytes(data[_KV.size :])
+    at = _KV.size + 16 * sum(counts)
+    flat.frombytes(data[_KV.size : at])
     values = flat.tolist()
     lists: list[list[tuple[int, int]]] = []
-    at = 0
+    i = 0
     for count in counts:
-        lists.append([(values[at + 2 * i], values[at + 2 * i + 1]) for i in range(count)])
-        at += 2 * count
+        lists.append([(values[i + 2 * j], values[i + 2 * j + 1]) for j in range(count)])
+        i += 2 * count
     offloads, loads, restores, ahead, writes = lists
-    unsigned = [[(h % 2**64, slot) for h, slot in pairs] for pairs in (loads, writes)]
-    return KVTransfers(offloads, unsigned[0], restores, ahead, unsigned[1], bool(wait))
+    with_digests: list[list[tuple[int, int, bytes]]] = []
+    for pairs in (loads, writes):
+        with_digests.append(
+            [(h % 2**64, slot, data[at + _DIGEST * j : at + _DIGEST * (j + 1)]) for j, (h, slot) in enumerate(pairs)]
+        )
+        at += _DIGEST * len(pairs)
+    return KVTransfers(offloads, with_digests[0], restores, ahead, with_digests[1], bool(wait))

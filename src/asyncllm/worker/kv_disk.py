@@ -3,7 +3,9 @@ directory named by the engine's fingerprint (`kv_fingerprint.py`): a later engin
 settings finds them there, and no other engine reads them.
 
 A file is a header (magic, format version, the fingerprint, the block hash, the payload's length and its
-xxh3-64, then the header's own xxh3-64) and the block's bytes as a host slot holds them (`kv_host.py`). A
+xxh3-64, the 128-bit digest of the block's whole token prefix, then the header's own xxh3-64) and the block's
+bytes as a host slot holds them (`kv_host.py`). A 64-bit hash may collide across restarts and engines sharing
+the directory: a read is asked for the digest its block's prefix has, and a file with another is a miss. A
 background thread writes it from the slot its copy landed in, into a temporary file of a name no other writer
 uses, then renames it over the final name: a reader sees a whole file or none, and two engines writing one
 block race harmlessly. A read (on the step's thread, a few files at once) goes straight into a host slot and
@@ -36,8 +38,9 @@ from asyncllm.worker.kv_host import HostKVPool
 logger = logging.getLogger(__name__)
 
 _MAGIC = b"AKVB"
-_VERSION = 1
-_HEADER = struct.Struct("<4sI16sQQQ")  # magic, version, fingerprint, block hash, payload bytes, payload xxh3-64
+_VERSION = 2  # 2: the prefix digest (version 1 files are ignored, with a warning)
+# magic, version, fingerprint, block hash, payload bytes, payload xxh3-64, prefix digest
+_HEADER = struct.Struct("<4sI16sQQQ16s")
 _HEADER_SUM = struct.Struct("<Q")  # xxh3-64 of the header before it
 _NAME = re.compile(r"^[0-9a-f]{16}\.kvb$")
 _RESCAN_WRITES = 1024
@@ -58,7 +61,7 @@ class DiskKVStore:
         self._files: OrderedDict[int, int] = OrderedDict()  # block hash -> file size, oldest first
         self._total = 0
         self._cond = threading.Condition()
-        self._pending: OrderedDict[int, tuple[int, torch.cuda.Event | None]] = OrderedDict()  # slot -> job
+        self._pending: OrderedDict[int, tuple[int, bytes, torch.cuda.Event | None]] = OrderedDict()  # slot -> job
         self._busy: int | None = None  # the slot the writer is reading
         self._closed = False
         self._writes = 0
@@ -78,12 +81,12 @@ class DiskKVStore:
             return tuple(self._files)
 
     # ------------------------------------------------------------------ writes (background)
-    def write(self, jobs: list[tuple[int, int]], ready: torch.cuda.Event | None) -> None:
-        """Write each (block hash, slot) of `jobs` once `ready` fires (None: the slots are filled already).
-        At most one job per slot is queued: a slot's copy and its write come from one step."""
+    def write(self, jobs: list[tuple[int, int, bytes]], ready: torch.cuda.Event | None) -> None:
+        """Write each (block hash, slot, prefix digest) of `jobs` once `ready` fires (None: the slots are filled
+        already). At most one job per slot is queued: a slot's copy and its write come from one step."""
         with self._cond:
-            for block_hash, slot in jobs:
-                self._pending[slot] = (block_hash, ready)
+            for block_hash, slot, digest in jobs:
+                self._pending[slot] = (block_hash, digest, ready)
             self._cond.notify_all()
 
     def release(self, slot: int) -> None:
@@ -110,12 +113,12 @@ class DiskKVStore:
                     self._cond.wait()
                 if not self._pending:
                     return
-                slot, (block_hash, ready) = self._pending.popitem(last=False)
+                slot, (block_hash, digest, ready) = self._pending.popitem(last=False)
                 self._busy = slot
             try:
                 if ready is not None:
                     ready.synchronize()
-                self._write_file(block_hash, self._pool.slot(slot))
+                self._write_file(block_hash, digest, self._pool.slot(slot))
             except OSError as exc:  # a full or read-only disk: the block just stays off disk
                 self._failures += 1
                 if self._failures == 1 or self._failures % 1000 == 0:
@@ -127,11 +130,10 @@ class DiskKVStore:
                     self._busy = None
                     self._cond.notify_all()
 
-    def _write_file(self, block_hash: int, slot: torch.Tensor) -> None:
+    def _write_file(self, block_hash: int, digest: bytes, slot: torch.Tensor) -> None:
         payload = slot.numpy()  # the pinned slot's bytes, no copy
-        header = _HEADER.pack(
-            _MAGIC, _VERSION, self.fingerprint, block_hash, payload.nbytes, xxhash.xxh3_64_intdigest(payload.data)
-        )
+        payload_sum = xxhash.xxh3_64_intdigest(payload.data)
+        header = _HEADER.pack(_MAGIC, _VERSION, self.fingerprint, block_hash, payload.nbytes, payload_sum, digest)
         header += _HEADER_SUM.pack(xxhash.xxh3_64_intdigest(header))
         final = self._path(block_hash)
         temp = self.directory / f".{block_hash:016x}.{os.getpid()}.{threading.get_ident()}.{next(_temp_names)}.tmp"
@@ -153,22 +155,24 @@ class DiskKVStore:
         _unlink(evicted)
 
     # ------------------------------------------------------------------ reads (the step's thread)
-    def load(self, pairs: list[tuple[int, int]]) -> list[bool]:
-        """Read each (block hash, slot) of `pairs` into its slot; whether it arrived intact."""
-        return list(self._loaders.map(lambda pair: self._load_one(*pair), pairs))
+    def load(self, jobs: list[tuple[int, int, bytes]]) -> list[bool]:
+        """Read each (block hash, slot, prefix digest) of `jobs` into its slot; whether it arrived intact and
+        holds that prefix's KV."""
+        return list(self._loaders.map(lambda job: self._load_one(*job), jobs))
 
-    def _load_one(self, block_hash: int, slot: int) -> bool:
+    def _load_one(self, block_hash: int, slot: int, digest: bytes) -> bool:
         path = self._path(block_hash)
         target = self._pool.slot(slot).numpy()
         problem = None
         try:
             with open(path, "rb") as f:
-                problem, digest = self._check_header(f.read(_HEADER.size + _HEADER_SUM.size), block_hash)
+                head = f.read(_HEADER.size + _HEADER_SUM.size)
+                problem, payload_sum = self._check_header(head, block_hash, digest)
                 if problem is None:
                     n = f.readinto(target.data.cast("B"))
                     if n != target.nbytes or f.read(1):
                         problem = "truncated" if n != target.nbytes else "longer than a block"
-                    elif xxhash.xxh3_64_intdigest(target.data) != digest:
+                    elif xxhash.xxh3_64_intdigest(target.data) != payload_sum:
                         problem = "its checksum does not match its bytes"
         except FileNotFoundError:
             return False  # never written, or evicted since: recomputed, nothing to warn about
@@ -184,24 +188,27 @@ class DiskKVStore:
                 self._files.move_to_end(block_hash)
         return True
 
-    def _check_header(self, head: bytes, block_hash: int) -> tuple[str | None, int]:
+    def _check_header(self, head: bytes, block_hash: int, digest: bytes) -> tuple[str | None, int]:
         """(what is wrong with a file's header, or None; the payload's checksum it gives)."""
         if len(head) < _HEADER.size + _HEADER_SUM.size:
             return "truncated", 0
-        magic, version, fingerprint, found_hash, size, digest = _HEADER.unpack_from(head)
-        if magic != _MAGIC:
+        if head[:4] != _MAGIC:
             return "not a KV block file", 0
+        version = struct.unpack_from("<I", head, 4)[0]
+        if version != _VERSION:  # another layout: nothing past the version is read
+            return f"format version {version}, not {_VERSION}", 0
+        _, _, fingerprint, found_hash, size, payload_sum, found_digest = _HEADER.unpack_from(head)
         if _HEADER_SUM.unpack_from(head, _HEADER.size)[0] != xxhash.xxh3_64_intdigest(head[: _HEADER.size]):
             return "its header's checksum does not match", 0
-        if version != _VERSION:
-            return f"format version {version}, not {_VERSION}", 0
         if fingerprint != self.fingerprint:
             return "written for another model or settings", 0
         if found_hash != block_hash:
             return f"it holds block {found_hash:016x}", 0
         if size != self._pool.block_bytes:
             return f"a block of {size} bytes, not {self._pool.block_bytes}", 0
-        return None, digest
+        if found_digest != digest:
+            return "it holds another prefix's KV under the same 64-bit hash", 0
+        return None, payload_sum
 
     # ------------------------------------------------------------------ the directory
     def _path(self, block_hash: int) -> Path:

@@ -35,7 +35,7 @@ class WorkerKVTiers:
         pool = self.pool
         pool.begin()
         if self.disk is not None:  # slots about to be overwritten: a write still reading one finishes first
-            for _, slot in (*kv.offloads, *kv.loads, *kv.ahead):
+            for slot in (*(s for _, s in kv.offloads), *(s for _, s, _ in kv.loads), *(s for _, s in kv.ahead)):
                 self.disk.release(slot)
         pool.to_host(kv.offloads)
         loaded = self._load(kv.loads) if kv.loads else None
@@ -56,7 +56,7 @@ class WorkerKVTiers:
             self.disk.close()
         self.pool.close()
 
-    def _load(self, loads: list[tuple[int, int]]) -> tuple[bool, ...]:
+    def _load(self, loads: list[tuple[int, int, bytes]]) -> tuple[bool, ...]:
         self.pool.synchronize()  # the host writes these slots: no copy may still read or fill them
         ok = self.disk.load(loads) if self.disk is not None else [False] * len(loads)
         if self._parallel is not None:
