@@ -217,6 +217,39 @@ def test_a_cross_encoder_scores_as_its_classifier(paths: dict[str, Path]) -> Non
     assert max(abs(w - g) for w, g in zip(want.tolist(), got)) < 1e-4
 
 
+def test_sentence_transformers_max_seq_length_is_the_default_limit(paths: dict[str, Path], tmp_path: Path) -> None:
+    """Regression (issue 43 review): sentence_bert_config.json's max_seq_length was ignored (all-MiniLM-L6-v2
+    truncates at 256 of its 512 positions). Without an explicit max_model_len it is the engine's limit (the
+    smaller of it and max_position_embeddings, as in vLLM); an explicit one up to max_position_embeddings
+    still holds, and one past them is still refused."""
+    short = tmp_path / "short"
+    shutil.copytree(paths["minilm"], short)
+    add_sentence_transformers(short, "mean", normalize=True, hidden_size=32, max_seq_length=24)
+    text = [5 + i for i in range(30)]
+    llm = LLM(str(short), **ARGS)
+    try:
+        with pytest.raises(InvalidRequestError, match="input 0 has 30 tokens, more than this engine's limit of 24"):
+            llm.embed([text])
+        assert llm.embed([text], truncate_prompt_tokens=-1)[0].num_prompt_tokens == 24
+    finally:
+        llm.shutdown()
+    llm = LLM(str(short), **ARGS, max_model_len=40)  # under the BERT's 64 positions: the caller's choice
+    try:
+        assert llm.embed([text])[0].num_prompt_tokens == 30
+    finally:
+        llm.shutdown()
+    with pytest.raises(InvalidConfigError, match="max_position_embeddings"):
+        LLM(str(short), **ARGS, max_model_len=65)
+    roomy = tmp_path / "roomy"  # a max_seq_length past the positions: max_position_embeddings bounds it
+    shutil.copytree(paths["minilm"], roomy)
+    add_sentence_transformers(roomy, "mean", normalize=True, hidden_size=32, max_seq_length=1000)
+    llm = LLM(str(roomy), **ARGS)
+    try:
+        assert llm.embed([[5] * 70], truncate_prompt_tokens=-1)[0].num_prompt_tokens == 64
+    finally:
+        llm.shutdown()
+
+
 def test_truncating_a_bert_text_keeps_its_cls_token(paths: dict[str, Path]) -> None:
     """Regression: `truncate_prompt_tokens` sliced the last k ids after the tokenizer added [CLS] ... [SEP], so a
     truncated BERT text lost its [CLS] and a CLS-pooling embedder pooled a word instead (no error). It now

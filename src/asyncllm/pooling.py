@@ -49,6 +49,9 @@ class PoolerSpec:
     yes_no_token_ids: tuple[int, int] | None = None  # YES_NO: the ("no", "yes") token ids
     encoder: bool = False  # bidirectional (BERT): a cross-encoder reads (query, document) as a token-type pair
     type_vocab_size: int | None = None  # an encoder's token types (BERT: 2); the front refuses ids past them
+    # sentence_bert_config.json's max_seq_length, where sentence-transformers truncates: without an explicit
+    # max_model_len the engine's is the smaller of it and max_position_embeddings, as vLLM's is.
+    max_seq_length: int | None = None
 
     @property
     def scores(self) -> bool:

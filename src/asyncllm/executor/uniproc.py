@@ -21,7 +21,7 @@ from asyncllm.worker.setup import build_worker
 
 class UniProcExecutor:
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint, pooler: PoolerSpec | None = None) -> None:
-        resolved = ResolvedModel.resolve(config, checkpoint.hf_config)
+        resolved = ResolvedModel.resolve(config, checkpoint.hf_config, pooler)
         if pooler is None:
             self.worker = build_worker(config, checkpoint, resolved)
         else:  # an embed or score engine (worker/pooling_setup.py)

@@ -76,6 +76,7 @@ def resolve_pooler(task: Task | None, checkpoint: Checkpoint, arch: ModelArchCon
             default_prompt_name=st.default_prompt_name if st is not None else None,
             encoder=encoder,
             type_vocab_size=arch.encoder.type_vocab_size if arch.encoder is not None else None,
+            max_seq_length=st.max_seq_length if st is not None else None,
         )
     if classifier:
         num_labels = arch.encoder.num_labels if arch.encoder is not None else None

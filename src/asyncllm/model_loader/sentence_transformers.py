@@ -1,11 +1,12 @@
 """Reading a sentence-transformers checkpoint's own files: which pooling its `Pooling` module does, whether a
-`Normalize` module follows, and the prompts (instruction prefixes) it names.
+`Normalize` module follows, the prompts (instruction prefixes) it names, and where it truncates inputs.
 
 modules.json lists the modules in order (a `Transformer`, then `Pooling` in e.g. 1_Pooling/, optionally
 `Normalize`); 1_Pooling/config.json sets one `pooling_mode_*` flag; config_sentence_transformers.json holds
-`prompts` ({name: text}) and `default_prompt_name`. A module or mode asyncllm does not compute (Dense
-projections, max or weighted-mean pooling, mean pooling without the prompt's tokens) is refused, naming it:
-an embedding that silently differs from the model's is worse than none. Plain Python; reads files only.
+`prompts` ({name: text}) and `default_prompt_name`; the Transformer module's sentence_bert_config.json holds
+`max_seq_length` (all-MiniLM-L6-v2: 256 of its 512 positions). A module or mode asyncllm does not compute
+(Dense projections, max or weighted-mean pooling, mean pooling without the prompt's tokens) is refused, naming
+it: an embedding that silently differs from the model's is worse than none. Plain Python; reads files only.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class SentenceTransformersConfig:
     normalizes: bool  # a Normalize module follows the pooling
     prompts: dict[str, str] = field(default_factory=dict)
     default_prompt_name: str | None = None
+    max_seq_length: int | None = None  # sentence_bert_config.json's (None: it sets none)
 
 
 def read_sentence_transformers(path: Path) -> SentenceTransformersConfig | None:
@@ -48,6 +50,7 @@ def read_sentence_transformers(path: Path) -> SentenceTransformersConfig | None:
         return None
     modules = _read_json(path / "modules.json")
     pooling_dir = path / "1_Pooling"
+    transformer_dir = path
     normalizes = False
     if modules is not None:
         if not isinstance(modules, list):
@@ -61,6 +64,8 @@ def read_sentence_transformers(path: Path) -> SentenceTransformersConfig | None:
                 )
             if kind == f"{_ST}Pooling":
                 pooling_dir = path / str(module.get("path", "1_Pooling"))
+            if kind == f"{_ST}Transformer":
+                transformer_dir = path / str(module.get("path", ""))
             normalizes |= kind == f"{_ST}Normalize"
     pooling = _read_json(pooling_dir / "config.json")
     if modules is None and pooling is None:
@@ -76,7 +81,14 @@ def read_sentence_transformers(path: Path) -> SentenceTransformersConfig | None:
             f"({', '.join(map(repr, prompts)) or 'none'})"
         )
     method = _pooling_method(pooling, pooling_dir) if pooling is not None else None
-    return SentenceTransformersConfig(method, normalizes, dict(prompts), default)
+    bert = _read_json(transformer_dir / "sentence_bert_config.json") or {}
+    max_seq_length = bert.get("max_seq_length")
+    if max_seq_length is not None and (type(max_seq_length) is not int or max_seq_length < 1):
+        raise UnsupportedModelError(
+            f"{transformer_dir / 'sentence_bert_config.json'}'s max_seq_length must be a positive integer, "
+            f"got {max_seq_length!r}"
+        )
+    return SentenceTransformersConfig(method, normalizes, dict(prompts), default, max_seq_length)
 
 
 def _pooling_method(config: dict[str, Any], where: Path) -> PoolingMethod:

@@ -170,8 +170,9 @@ class ModelArchConfig:
         return max(w for w in windows if w is not None)
 
     @classmethod
-    def from_hf(cls, hf_config: Any, max_model_len: int | None) -> ModelArchConfig:
-        """Read a transformers config; `max_model_len=None` means the model's max_position_embeddings.
+    def from_hf(cls, hf_config: Any, max_model_len: int | None, default_limit: int | None = None) -> ModelArchConfig:
+        """Read a transformers config; `max_model_len=None` means the model's max_position_embeddings, or
+        `default_limit` where that is smaller (a sentence-transformers checkpoint's max_seq_length).
 
         The loaders check the architecture against the registry first (`model_loader.hf.check_architecture`);
         a config lacking a field every supported family has still fails as `UnsupportedModelError`."""
@@ -202,7 +203,10 @@ class ModelArchConfig:
         hidden = required("hidden_size")
         heads = required("num_attention_heads")
         max_pos = required("max_position_embeddings")
-        model_len = max_pos if max_model_len is None else max_model_len
+        if max_model_len is not None:
+            model_len = max_model_len
+        else:
+            model_len = max_pos if default_limit is None else min(max_pos, default_limit)
         if model_len > max_pos:
             # RoPE past the trained length gives silently degraded output, unless a scaling was trained in.
             raise InvalidConfigError(

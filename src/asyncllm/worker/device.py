@@ -15,6 +15,7 @@ from asyncllm.config import EngineConfig
 from asyncllm.config_values import Device, DType, KVCacheDType
 from asyncllm.errors import DeviceError, InvalidConfigError
 from asyncllm.models.config import ModelArchConfig
+from asyncllm.pooling import PoolerSpec
 from asyncllm.quantization.scheme import QuantScheme, resolve_quantization
 from asyncllm.worker.tuning import WorkerTuning
 
@@ -61,11 +62,11 @@ class ResolvedModel:
     quant: QuantScheme | None = None  # None: unquantized linear layers
 
     @classmethod
-    def resolve(cls, config: EngineConfig, hf_config: Any) -> ResolvedModel:
+    def resolve(cls, config: EngineConfig, hf_config: Any, pooler: PoolerSpec | None = None) -> ResolvedModel:
         mc = config.model_config
         device = resolve_device(config.device_config.device)
         dtype = resolve_dtype(mc.dtype, device, hf_config)
-        arch = ModelArchConfig.from_hf(hf_config, mc.max_model_len)
+        arch = ModelArchConfig.from_hf(hf_config, mc.max_model_len, pooler.max_seq_length if pooler else None)
         requested = None if mc.quantization is None else mc.quantization.value
         qc = getattr(hf_config, "quantization_config", None)
         quant = resolve_quantization(requested, qc, device.type, device.type == "cpu" and cpu_int4_chosen())
