@@ -5,7 +5,9 @@ machine finds it slow. Its requests' matchers move to the slow lane and their dr
 are filled there (`ModelRunnerOutput.deferred`, read off the engine's executor); every output still satisfies
 the constraint, the plain requests beside them run their full length, and a seeded request draws what it
 draws with the lane off (`ASYNCLLM_GRAMMAR_SLOW_FILL_MS=off`; both drawing every token,
-`ASYNCLLM_JUMP_FORWARD=0`). Overlapped scheduling (as on a GPU) too."""
+`ASYNCLLM_JUMP_FORWARD=0`). Overlapped scheduling (as on a GPU) too; and with the grammar process
+(`ASYNCLLM_GRAMMAR_PROCESS=on`), which times its own rows and reports the constraint slow, so that the
+requests after the first go to the lane."""
 
 from __future__ import annotations
 
@@ -104,10 +106,13 @@ def _check(texts: list[str]) -> None:
 
 
 @pytest.mark.slow  # two compiles of the enum (~1 s each)
-@pytest.mark.parametrize("overlapped", [False, True])
+@pytest.mark.parametrize("variant", ["serial", "overlapped", "process"])
 async def test_a_slow_constraint_sits_out_and_still_holds(
-    tiny_model: Path, monkeypatch: pytest.MonkeyPatch, overlapped: bool
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch, variant: str
 ) -> None:
+    overlapped = variant == "overlapped"
+    if variant == "process":
+        monkeypatch.setenv("ASYNCLLM_GRAMMAR_PROCESS", "on")  # the first request's matcher goes there
     monkeypatch.setenv("ASYNCLLM_GRAMMAR_SLOW_FILL_MS", "0.2")  # read when the engine is built
     # The lane's requests draw every token: so does the twin (a forced run's text is the same, its tokens and
     # so the draws after them may not be).
@@ -120,8 +125,9 @@ async def test_a_slow_constraint_sits_out_and_still_holds(
     _check(texts)
     assert plain == [40, 40]
     assert executor.deferred, "no draw sat out"
-    if overlapped:
+    if variant != "serial":
         return
+    monkeypatch.delenv("ASYNCLLM_GRAMMAR_PROCESS", raising=False)
     monkeypatch.setenv("ASYNCLLM_GRAMMAR_SLOW_FILL_MS", "off")
     twin, twin_executor = _engine(tiny_model, False)
     try:

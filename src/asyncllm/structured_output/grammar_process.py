@@ -35,6 +35,7 @@ from asyncllm.structured_output.grammar_wire import (
     MARK,
     OPS,
     READY,
+    SLOW,
     STEP,
     Init,
     Op,
@@ -57,10 +58,16 @@ class GrammarProcess:
     beside = True
 
     def __init__(
-        self, backend: GrammarBackend, rows: RowsSegment, threads: int, on_exit: Callable[[], None] | None = None
+        self,
+        backend: GrammarBackend,
+        rows: RowsSegment,
+        threads: int,
+        on_exit: Callable[[], None] | None = None,
+        slow_fill_s: float | None = None,
     ) -> None:
         """`on_exit`: called (from a thread of its own) if the worker exits before `close()`: the device may
-        be waiting for a mark it will never set."""
+        be waiting for a mark it will never set. `slow_fill_s`: the worker times its slots' rows and reports
+        those past it (`take_slow`)."""
         self.ready = False  # the worker has its vocabulary: requests may be added
         self.failure: AsyncLLMError | None = None  # set once the worker is gone (or never came)
         self.live = 0  # slots in use
@@ -85,6 +92,9 @@ class GrammarProcess:
         self._lock = threading.Lock()  # the starter thread and close() over _proc
         self._write_lock = threading.Lock()  # the step thread's messages and `precompile`'s, whole
         self._precompiled: OrderedDict[StructuredOutput, None] = OrderedDict()  # the specs sent to compile
+        self._slow_fill_s = slow_fill_s
+        self._specs: dict[int, StructuredOutput] = {}  # live slot -> its constraint (for `take_slow`)
+        self._slow: list[StructuredOutput] = []  # constraints the worker found slow, not taken yet
         self._starter = threading.Thread(target=self._start, name="asyncllm-grammar-start", daemon=True)
 
     def start(self) -> None:
@@ -112,10 +122,17 @@ class GrammarProcess:
         slot = self._free.pop() if self._free else self._take_new()
         self._ops.append(("add", slot, spec))
         self.live += 1
+        self._specs[slot] = spec
         return slot
+
+    def take_slow(self) -> list[StructuredOutput]:
+        """The constraints whose requests the worker found slow since the last call (fill_costs.py)."""
+        slow, self._slow = self._slow, []
+        return slow
 
     def remove(self, slot: int) -> None:
         self.live -= 1
+        self._specs.pop(slot, None)
         if self.failure is None:
             self._ops.append(("remove", slot))
             self._free.append(slot)  # the worker reads the remove before any later add of it
@@ -233,6 +250,8 @@ class GrammarProcess:
             payload = {slot: error for slot, error in payload.items() if self._stale.get(slot, -1) < seq}
             for slot in [slot for slot, last in self._stale.items() if last <= seq]:
                 del self._stale[slot]  # every reply that could name its last request is in
+        if kind == SLOW:  # of its live requests only: a stale slot may serve another constraint now
+            self._slow += [self._specs[slot] for slot in payload if slot in self._specs]
         if kind == FILLED:
             self._unfilled -= 1
             self._filled_seq = seq
@@ -282,7 +301,7 @@ class GrammarProcess:
                 os.close(reply_w)
             self.pid = self._proc.pid
             tables = self._backend.tables()  # built (if nobody has yet) while the child imports xgrammar
-            to.send_bytes(pickle.dumps(Init(tables, self._rows.layout, self._threads)))
+            to.send_bytes(pickle.dumps(Init(tables, self._rows.layout, self._threads, self._slow_fill_s)))
             kind, _, payload = decode_reply(frm.recv_bytes())
             if kind != READY:
                 raise RuntimeError(f"it failed to start:\n{payload}")

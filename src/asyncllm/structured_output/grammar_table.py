@@ -302,9 +302,12 @@ class GrammarTable:
         jumps are taken only at such sizes, where they beat the draws (batch 1: 1.2-1.5x), and the step
         thread's few rows cost little; the process takes the many rows that would load the step thread. A
         constraint found slow stays here, for the slow lane."""
-        if self._costs is not None and self._costs.is_slow(spec):
-            return self._inline
         process = self._process
+        if self._costs is not None:
+            for found in process.take_slow() if process is not None else ():  # found slow in the process
+                self._costs.mark_slow(found)
+            if self._costs.is_slow(spec):
+                return self._inline
         if process is not None and process.ready and process.alive():
             few = jumps and len(self._grammars) < JUMP_MAX_ROWS and self._waiter is not None
             if few and self._process_mode is GrammarProcessMode.LAZY:
@@ -323,7 +326,11 @@ class GrammarTable:
             self._process_mode = GrammarProcessMode.OFF
             return
         self._process = GrammarProcess(
-            self.backend, self._segment, self._process_threads, lambda: self._release_flags(_PROCESS)
+            self.backend,
+            self._segment,
+            self._process_threads,
+            lambda: self._release_flags(_PROCESS),
+            self._costs.bound_s if self._costs is not None else None,
         )
         self._process.start()
 

@@ -13,7 +13,9 @@ Any request may carry a `mark`: once its rows are written, the worker stores it 
 layout's flags page), which the device waits on before it reads the set (`stream_wait.py`); every request
 before it is done by then.
 Replies: ACCEPTED (seq, refusals by slot), FILLED (seq, errors by slot of the slots it filled: to STEP, FILL
-and MARK), READY once at start-up, FAILED (a traceback) before the worker exits on an error of its own.
+and MARK), SLOW (seq, the slots whose rows turned slow in that message's work, each with ""; before its
+FILLED: fill_costs.py), READY once at start-up, FAILED (a traceback) before the worker exits on an error of
+its own.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import numpy as np
 from asyncllm.structured import StructuredOutput
 
 STEP, FILL, OPS, MARK = 1, 2, 3, 4  # requests
-ACCEPTED, FILLED, READY, FAILED = 1, 2, 3, 4  # replies
+ACCEPTED, FILLED, READY, FAILED, SLOW = 1, 2, 3, 4, 5  # replies
 
 _REQUEST = struct.Struct("<BBBxIIII")  # kind, set, verdict, seq, rows, ops bytes, mark
 _REPLY = struct.Struct("<BxxxII")  # kind, seq, payload bytes
@@ -45,6 +47,7 @@ class Init:
     tables: Any  # structured_output.backend.VocabularyTables
     layout: Any  # structured_output.host_rows.RowsLayout
     threads: int
+    slow_fill_s: float | None = None  # the bound a slot's cost is held to (None: costs not watched)
 
 
 @dataclass(frozen=True)

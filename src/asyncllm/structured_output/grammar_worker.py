@@ -22,6 +22,7 @@ from multiprocessing.connection import Connection
 import numpy as np
 
 from asyncllm.structured_output.backend import GrammarBackend
+from asyncllm.structured_output.fill_costs import FillCosts, TimedRows
 from asyncllm.structured_output.grammar_wire import (
     ACCEPTED,
     FAILED,
@@ -29,6 +30,7 @@ from asyncllm.structured_output.grammar_wire import (
     FILLED,
     OPS,
     READY,
+    SLOW,
     STEP,
     Init,
     Request,
@@ -51,8 +53,11 @@ class GrammarWorker:
         sets: list[tuple[np.ndarray, np.ndarray]],
         threads: int,
         flags: np.ndarray | None = None,
+        slow_fill_s: float | None = None,
     ) -> None:
-        """`flags`: the sets' flags, where requests' marks go (None: marks are ignored)."""
+        """`flags`: the sets' flags, where requests' marks go (None: marks are ignored). `slow_fill_s`: each
+        slot's accepts and fills are timed, and a slot whose average passes it is reported (SLOW): the engine
+        sends later requests with its constraint to its slow lane (None: not timed)."""
         from xgrammar import BatchGrammarMatcher
 
         self._backend = backend
@@ -66,6 +71,9 @@ class GrammarWorker:
             BatchGrammarMatcher(max_threads=1).batch_fill_next_token_bitmask for _ in range(self._threads)
         ]
         self._pool = ThreadPoolExecutor(self._threads - 1) if self._threads > 1 else None
+        self._costs = FillCosts(slow_fill_s) if slow_fill_s is not None else None
+        if self._costs is not None:
+            self.matchers.timer = TimedRows()
 
     def serve(self, requests: Connection, replies: Connection) -> None:
         while True:
@@ -79,6 +87,8 @@ class GrammarWorker:
                     self.matchers.add(op[1], op[2])  # type: ignore[misc]
                 elif op[0] == "remove":
                     self.matchers.remove(op[1])
+                    if self._costs is not None:
+                        self._costs.forget(op[1])
                 else:  # compile ahead: the add that follows finds it compiled (or compiling)
                     self._backend.compile_async(op[2])  # type: ignore[misc]
             if request.kind == OPS:
@@ -89,6 +99,10 @@ class GrammarWorker:
             elif request.kind == FILL:
                 errors = self._fill(request)
             self._mark(request)  # the device may read the rows now: it need not wait for the reply's trip
+            if self._costs is not None and self.matchers.timer is not None:
+                slow = self._costs.observe(*self.matchers.timer.take())
+                if slow:
+                    replies.send_bytes(encode_reply(SLOW, request.seq, dict.fromkeys(slow, "")))
             replies.send_bytes(encode_reply(FILLED, request.seq, errors))
 
     def _mark(self, request: Request) -> None:
@@ -138,7 +152,8 @@ def main() -> None:
         init: Init = pickle.loads(requests.recv_bytes())
         segment = RowsSegment.attach(rows_fd, init.layout)
         views = init.layout.views(segment.buffer)
-        worker = GrammarWorker(GrammarBackend.from_tables(init.tables), views, init.threads, segment.flags)
+        backend = GrammarBackend.from_tables(init.tables)
+        worker = GrammarWorker(backend, views, init.threads, segment.flags, init.slow_fill_s)
     except EOFError:
         return
     except BaseException:
