@@ -26,24 +26,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from shapes import SHAPES
 
-QWEN3_06B: dict[str, Any] = dict(
-    architectures=["Qwen3ForCausalLM"],
-    model_type="qwen3",
-    hidden_size=1024,
-    intermediate_size=3072,
-    num_hidden_layers=28,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    vocab_size=151669,  # Qwen3-Embedding's
-    max_position_embeddings=32768,
-    rms_norm_eps=1e-6,
-    rope_theta=1000000.0,
-    tie_word_embeddings=True,
-    torch_dtype="bfloat16",
-    hidden_act="silu",
-)
+# Qwen3-Embedding-0.6B: the Qwen3-0.6B shape (bench/shapes.py) with the embedder's vocabulary and context.
+QWEN3_06B: dict[str, Any] = {
+    k: v for k, v in SHAPES["qwen3-0.6b"].items() if k not in ("eos_token_id", "bos_token_id")
+} | dict(vocab_size=151669, max_position_embeddings=32768)
 BERT_BASE: dict[str, Any] = dict(
     architectures=["BertModel"],
     model_type="bert",
