@@ -160,15 +160,37 @@ def test_min_tokens_masks_each_verifying_row_at_its_own_count(tiny_model: Path) 
     assert all(len(t) >= 20 for t in _tokens(outs)) and stats["spec_draft_tokens"] > 0
 
 
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=30, temperature=0, repetition_penalty=1.3),
+        SamplingParams(max_tokens=30, temperature=0, presence_penalty=0.8, frequency_penalty=0.6),
+        SamplingParams(max_tokens=30, temperature=0.9, seed=5, repetition_penalty=1.2, frequency_penalty=0.4),
+    ],
+    ids=["repetition", "presence-frequency", "seeded"],
+)
+def test_penalties_count_the_drafts_before_each_row_and_forget_the_rejected(
+    tiny_model: Path, params: SamplingParams
+) -> None:
+    """A verifying row's penalties count the drafts before it as output; the draws past an accepted run are
+    taken back from the counts at the read. Every request has penalties and drafts, right and wrong: the
+    tokens are a run without speculation's."""
+    ref, _ = _run(tiny_model, params, None)
+    oracle = Oracle({tuple(p): t for p, t in zip(PROMPTS, _tokens(ref))}, 4, wrong=3)
+    outs, stats = _run(tiny_model, params, NGRAM, oracle)
+    assert _tokens(outs) == _tokens(ref)
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
+
+
 def test_requests_whose_features_verification_cannot_keep_get_no_drafts(tiny_model: Path) -> None:
-    """Penalties are not verified yet: such requests decode plainly beside drafted ones, and both give the
-    tokens of a run without speculation."""
-    params = [SamplingParams(max_tokens=24, repetition_penalty=1.3, temperature=0), GREEDY, GREEDY]
+    """Prompt logprobs are not verified yet: such requests decode plainly beside drafted ones, and both give
+    the tokens of a run without speculation."""
+    params = [SamplingParams(max_tokens=24, temperature=0, prompt_logprobs=1), GREEDY, GREEDY]
     ref, _ = _run(tiny_model, params, None)
     oracle = Oracle({tuple(p): t for p, t in zip(PROMPTS, _tokens(ref))}, 4)
     outs, stats = _run(tiny_model, params, NGRAM, oracle)
     assert _tokens(outs) == _tokens(ref)
-    # Only the greedy request (the second prompt and the third) drafted: every draft right, at most its tokens.
+    # Only the greedy requests (the second prompt and the third) drafted: every draft right, at most their tokens.
     assert 0 < stats["spec_accepted_tokens"] == stats["spec_draft_tokens"] <= 40 + 40
 
 

@@ -19,12 +19,26 @@ def test_accepts_the_longest_matching_prefix_and_the_next_token() -> None:
     ]
     plan = plan_verify(SchedulerOutput(seqs=seqs, num_draft_tokens=5), states)
     assert plan.first == [0, 4, 5] and plan.ahead == [0, 1, 2, 3, 0, 0, 1, 2]
+    assert plan.before == [[], [4], [4, 5], [4, 5, 6], [], [], [3], [3, 3]]  # the drafts each row's draw follows
     assert plan.states == [states[0]] * 4 + [states[1]] + [states[2]] * 3
     for state, rows in zip(states, (4, 1, 3)):
         state.num_sampled = 10 + rows  # as the sampler leaves them: every row drawn
     # a: 4 and 5 accepted, 6 rejected (the target drew 8 there); c: the first draft rejected.
     drawn = [4, 5, 8, 2, 77, 1, 3, 3]
-    out = VerifiedRead(ReadyStep(ModelRunnerOutput(drawn)), plan).result()
+    uncounted: list[tuple[SamplingState, int]] = []
+    out = VerifiedRead(ReadyStep(ModelRunnerOutput(drawn)), plan, uncounted.extend).result()
     assert out.sampled_token_ids == [4, 77, 1]
     assert out.accepted == {0: [5, 8]}
     assert [s.num_sampled for s in states] == [13, 11, 11]  # 3 tokens, 1, 1: as many draws as without drafts
+    assert uncounted == []  # no request here has penalties: nothing to take back
+
+
+def test_the_draws_past_an_accepted_run_leave_the_penalty_counts() -> None:
+    state = SamplingState.create(SamplingParams(repetition_penalty=1.2), 0, [1])
+    state.penalty_row = 0  # as the penalty table gives it
+    seqs = [ScheduledSeq("a", [9, 4, 5, 6], 10, [0], True, num_drafts=3)]
+    plan = plan_verify(SchedulerOutput(seqs=seqs, num_draft_tokens=3), [state])
+    uncounted: list[tuple[SamplingState, int]] = []
+    out = VerifiedRead(ReadyStep(ModelRunnerOutput([4, 7, 8, 2])), plan, uncounted.extend).result()
+    assert out.accepted == {0: [7]}  # 4 accepted, then the target's 7 where 5 was drafted
+    assert uncounted == [(state, 8), (state, 2)]  # the two rows after it were drawn, never output

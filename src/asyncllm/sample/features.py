@@ -143,14 +143,15 @@ FEATURES: tuple[Feature, ...] = (
         acts=lambda s: s.params.min_p > 0.0,
     ),
     # Repetition, presence and frequency penalties move the argmax, and their counts grow from every drawn
-    # token on the device (penalties.py): a forced token, never drawn, would go uncounted.
+    # token on the device (penalties.py): a forced token, never drawn, would go uncounted. A verifying row
+    # counts the drafts before it as output, and the draws past an accepted run are uncounted at the read.
     Feature(
         "penalties",
         ("repetition_penalty", "presence_penalty", "frequency_penalty"),
         frozenset({Need.ROW_PARAMS, Need.TOKEN_HISTORY}),
         plain_draw=Handling.NEEDS_EAGER,
         jump_forward=Handling.NEEDS_EAGER,
-        verify=Handling.NEEDS_EAGER,
+        verify=Handling.APPLIES,
         asked=lambda p: p.has_penalties,
         acts=lambda s: s.penalty_row is not None,
     ),
@@ -220,8 +221,8 @@ FEATURES: tuple[Feature, ...] = (
 
 # Why verification may apply a feature: each position's logits are shaped by the row's own parameters alone
 # (temperature, filters, bias), drawn at the offset it would have without drafts; min_tokens counts the rows
-# before it, logprobs come from each row. Penalties depend on the tokens drawn before it in the same step, and
-# prompt logprobs and grammars are not wired to the verifying rows yet: those requests get no drafts.
+# before it, penalties count the drafts before it, logprobs come from each row. Prompt logprobs and grammars
+# are not wired to the verifying rows yet: those requests get no drafts.
 
 # Jump-forward asks once per request; the plain draw's gates are worked out once per request too
 # (`_plain_gates`), as they are read for every row of every graphed decode step.

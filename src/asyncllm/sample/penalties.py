@@ -57,8 +57,21 @@ class PenaltyTable:
         ones = torch.ones(len(picks), dtype=torch.float32, device=self.device)
         self.counts.index_put_((index[:, 1], tokens), ones, accumulate=True)
 
-    def apply(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
-        """[N, vocab] float32 -> penalised [N, vocab] float32, written into `logits` (rows with penalties)."""
+    def uncount(self, drawn: Sequence[tuple[SamplingState, int]]) -> None:
+        """Take back the count of tokens `record` counted that were never output (draws past a verified run of
+        drafts), before the request's next draw."""
+        picks = [(s.penalty_row, t) for s, t in drawn if s.penalty_row is not None]
+        if picks:
+            index = to_device([v for pair in picks for v in pair], torch.int64, self.device).view(-1, 2)
+            minus = torch.full((len(picks),), -1.0, dtype=torch.float32, device=self.device)
+            self.counts.index_put_((index[:, 0], index[:, 1]), minus, accumulate=True)
+
+    def apply(
+        self, logits: torch.Tensor, states: Sequence[SamplingState], before: Sequence[Sequence[int]] | None = None
+    ) -> torch.Tensor:
+        """[N, vocab] float32 -> penalised [N, vocab] float32, written into `logits` (rows with penalties).
+        `before`: per row, tokens its draw follows in this step that no count holds yet (a verifying row's
+        drafts before it): counted for that row as if output."""
         assert logits.dtype == torch.float32 and logits.shape[0] == len(states)
         picked = [(i, row, s.params) for i, s in enumerate(states) if (row := s.penalty_row) is not None]
         if not picked:
@@ -72,6 +85,11 @@ class PenaltyTable:
         row_index, table_index = packed[:, 0].long(), packed[:, 1].long()
         x = logits.index_select(0, row_index)  # [R, vocab]
         counts = self.counts.index_select(0, table_index)  # [R, vocab]
+        if before is not None and any(before[i] for i, _, _ in picked):
+            pending = [(k, t) for k, (i, _, _) in enumerate(picked) for t in before[i] if 0 <= t < self.vocab_size]
+            index = to_device([v for pair in pending for v in pair], torch.int64, self.device).view(-1, 2)
+            ones = torch.ones(len(pending), dtype=torch.float32, device=self.device)
+            counts.index_put_((index[:, 0], index[:, 1]), ones, accumulate=True)
         seen = self.prompt_seen.index_select(0, table_index) | (counts > 0)
         penalty = packed[:, 2:3]
         x = torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)

@@ -170,21 +170,20 @@ class Sampler:
         draw: DrawInputs | None = None,
         mask: TokenMask | None = None,
         skip: Collection[int] = (),
-        ahead: Sequence[int] | None = None,
+        before: Sequence[Sequence[int]] | None = None,
     ) -> SamplerOutput:
         """Sample one token per row. `draw`: `draw_params(states)` on the device, sent before this call;
         without it the parameters are uploaded here. `mask`: the bitmask of the constrained rows (those
         whose state is `constrained`); a row it allows nothing gets token 0, which its caller reports.
         `skip`: rows whose draw does not count (deferred: their token is never output): their requests'
-        next draw takes this one's noise offset, and their penalties do not count its token. `ahead`: per row,
-        its request's draws before it in this step (verifying drafts, as `draw_params` takes it): min_tokens
-        counts them."""
+        next draw takes this one's noise offset, and their penalties do not count its token. `before`: per row,
+        the drafts its draw follows in this step (verifying): min_tokens and the penalties count them."""
         if logits.dim() != 2 or logits.shape[0] != len(states) or not logits.dtype.is_floating_point:
             raise ValueError(
                 f"Sampler: logits must be a float [num_states={len(states)}, vocab] tensor, "
                 f"got {tuple(logits.shape)} {logits.dtype}"
             )
-        x = self._processed(logits, states, mask, ahead)
+        x = self._processed(logits, states, mask, before)
         if mask is None and all(s.greedy for s in states):
             token_ids = x.argmax(dim=-1)
         else:
@@ -213,15 +212,15 @@ class Sampler:
         logits: torch.Tensor,
         states: Sequence[SamplingState],
         mask: TokenMask | None,
-        ahead: Sequence[int] | None = None,
+        before: Sequence[Sequence[int]] | None = None,
     ) -> torch.Tensor:
         """The logits the draw reads: untouched unless a row needs masking, penalties or filters; then a
         float32 copy with those rows rewritten (filtered rows already divided by their temperature, and
         those with a grammar already masked by it)."""
-        if ahead is None:
+        if before is None:
             masked = [i for i, s in enumerate(states) if s.masks_stops]
-        else:  # a row `a` draws after its state's count still masks while count + a < min_tokens
-            masked = [i for i, (s, a) in enumerate(zip(states, ahead)) if s.masks_stops_after(a)]
+        else:  # a row drawing after j drafts still masks while its count + j < min_tokens
+            masked = [i for i, (s, b) in enumerate(zip(states, before)) if s.masks_stops_after(len(b))]
         penalised = any(s.penalty_row is not None for s in states)
         filtered = [i for i, s in enumerate(states) if s.filters and not s.greedy]
         biased = [(i, t, b) for i, s in enumerate(states) for t, b in s.params.bias_items]
@@ -233,7 +232,7 @@ class Sampler:
         if masked:
             _mask_stops(x, [(i, t) for i in masked for t in states[i].min_tokens_stop_ids])
         if penalised:
-            self.penalties.apply(x, states)
+            self.penalties.apply(x, states, before)
         if filtered:
             self._filter(x, filtered, [states[i] for i in filtered], mask)
         return x

@@ -270,15 +270,15 @@ class ModelRunner:
         if masks is not None:
             mask, failed = self.grammars.fill(masks.plan, masks.rows)
             deferred = masks.plan.deferred  # rows whose mask is still being filled in the slow lane: no token
-        ahead = batch.verify.ahead if batch.verify is not None else None
-        out = self.sampler(forward.logits, batch.states, draw.params, mask, deferred, ahead)
+        before = batch.verify.before if batch.verify is not None else None
+        out = self.sampler(forward.logits, batch.states, draw.params, mask, deferred, before)
         # Verifying drafts: each sequence's first row is recorded (a drafted request's latest token is never
         # fed from here: its next step is planned after the read, from the tokens it accepted).
         latest = out.token_ids if draw.first is None else out.token_ids.index_select(0, draw.first)
         self._latest.record(draw.slots, latest)
         sent = self._outputs.send(out.token_ids, out.logprobs_output, failed, forward.prompt, deferred or None)
         if batch.verify is not None:
-            return VerifiedRead(sent, batch.verify)
+            return VerifiedRead(sent, batch.verify, self.sampler.penalties.uncount)
         if masks is None:
             return sent
         return ConstrainedRead(sent, self.grammars.follow(masks.plan, sent), self.grammars)

@@ -11,6 +11,7 @@ token is a draw of the target's). Knows nothing of models or the core's requests
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from asyncllm.sample.state import SamplingState
@@ -25,6 +26,7 @@ class VerifyPlan:
     ahead: list[int]  # [R] each row's draws ahead of its state's count (its place after the first)
     first: list[int]  # [S] each sampled sequence's first row
     drafts: list[list[int]]  # [S] each sampled sequence's drafts ([] for a plain row)
+    before: list[list[int]]  # [R] the drafts each row's draw follows in this step (row j: the first j)
 
 
 def plan_verify(scheduled: SchedulerOutput, states: list[SamplingState]) -> VerifyPlan:
@@ -34,14 +36,17 @@ def plan_verify(scheduled: SchedulerOutput, states: list[SamplingState]) -> Veri
     ahead: list[int] = []
     first: list[int] = []
     drafts: list[list[int]] = []
+    before: list[list[int]] = []
     sampled = (seq for seq in scheduled.seqs if seq.sample)
     for seq, state in zip(sampled, states, strict=True):
         k = seq.num_drafts
         first.append(len(rows))
         rows += [state] * (k + 1)
         ahead += range(k + 1)
-        drafts.append(seq.input_token_ids[-k:] if k else [])
-    return VerifyPlan(rows, ahead, first, drafts)
+        own = seq.input_token_ids[-k:] if k else []
+        drafts.append(own)
+        before += [own[:j] for j in range(k + 1)]
+    return VerifyPlan(rows, ahead, first, drafts, before)
 
 
 class VerifiedRead:
@@ -51,11 +56,14 @@ class VerifiedRead:
     request's next draw takes the offset it would have without drafts. The request's next step is planned
     only after this read (the scheduler holds a speculative request back while a step of it is in flight)."""
 
-    __slots__ = ("_output", "_plan", "_sent")
+    __slots__ = ("_output", "_plan", "_sent", "_uncount")
 
-    def __init__(self, sent: StepResult, plan: VerifyPlan) -> None:
+    def __init__(
+        self, sent: StepResult, plan: VerifyPlan, uncount: Callable[[list[tuple[SamplingState, int]]], None]
+    ) -> None:
         self._sent = sent
         self._plan = plan
+        self._uncount = uncount  # the penalty table's: tokens drawn past an accepted run were never output
         self._output: ModelRunnerOutput | None = None
 
     def done(self) -> bool:
@@ -74,6 +82,7 @@ class VerifiedRead:
         logprobs = out.logprobs
         accepted: dict[int, list[int]] = {}
         accepted_logprobs: dict[int, list[dict[int, float] | None]] = {}
+        never_output: list[tuple[SamplingState, int]] = []  # (state, token) of rows past an accepted run
         for i, (row, drafts) in enumerate(zip(plan.first, plan.drafts)):
             if not drafts:
                 continue
@@ -85,6 +94,10 @@ class VerifiedRead:
                 if logprobs is not None and logprobs[row] is not None:  # the request asks for them
                     accepted_logprobs[i] = logprobs[row + 1 : row + n + 1]  # each drawn at its own row
             plan.states[row].num_sampled -= len(drafts) - n  # the draws past the accepted run never happened
+            if plan.states[row].penalty_row is not None:
+                never_output += [(plan.states[row], tokens[r]) for r in range(row + n + 1, row + len(drafts) + 1)]
+        if never_output:
+            self._uncount(never_output)
         return ModelRunnerOutput(
             [tokens[r] for r in plan.first],
             [logprobs[r] for r in plan.first] if logprobs is not None else None,
