@@ -182,14 +182,32 @@ def test_penalties_count_the_drafts_before_each_row_and_forget_the_rejected(
     assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
 
 
-def test_requests_whose_features_verification_cannot_keep_get_no_drafts(tiny_model: Path) -> None:
-    """Prompt logprobs are not verified yet: such requests decode plainly beside drafted ones, and both give
-    the tokens of a run without speculation."""
-    params = [SamplingParams(max_tokens=24, temperature=0, prompt_logprobs=1), GREEDY, GREEDY]
+def test_prompt_logprobs_are_scored_once_beside_drafts(tiny_model: Path) -> None:
+    """Prompt logprobs are scored with the prompt's forward pass; drafts come only with decodes after it, so a
+    request asking for both gets the prompt's scores of a run without speculation, and its tokens."""
+    params = SamplingParams(max_tokens=24, temperature=0, prompt_logprobs=2)
     ref, _ = _run(tiny_model, params, None)
-    oracle = Oracle({tuple(p): t for p, t in zip(PROMPTS, _tokens(ref))}, 4)
+    oracle = Oracle({tuple(p): t for p, t in zip(PROMPTS, _tokens(ref))}, 4, wrong=3)
     outs, stats = _run(tiny_model, params, NGRAM, oracle)
     assert _tokens(outs) == _tokens(ref)
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]  # every request drafted
+    for out, plain in zip(outs, ref):
+        got, want = out.prompt_logprobs, plain.prompt_logprobs
+        assert got is not None and want is not None and len(got) == len(want) == len(out.prompt_token_ids)
+        assert got[0] is None and want[0] is None
+        for a, b in zip(got[1:], want[1:]):
+            assert a is not None and b is not None and a.keys() == b.keys()
+            assert all(abs(a[t] - b[t]) < 1e-4 for t in a)
+
+
+def test_requests_whose_features_verification_cannot_keep_get_no_drafts(tiny_model: Path) -> None:
+    """Samples of n > 1 are not verified yet: such a request decodes plainly beside drafted ones, and both
+    give the tokens of a run without speculation."""
+    params = [SamplingParams(max_tokens=24, temperature=0.8, seed=1, n=2), GREEDY, GREEDY]
+    ref, _ = _run(tiny_model, params, None)
+    oracle = Oracle({tuple(p): t for p, t in zip(PROMPTS[1:], _tokens(ref)[1:])}, 4)
+    outs, stats = _run(tiny_model, params, NGRAM, oracle)
+    assert [[o.token_ids for o in out.outputs] for out in outs] == [[o.token_ids for o in r.outputs] for r in ref]
     # Only the greedy requests (the second prompt and the third) drafted: every draft right, at most their tokens.
     assert 0 < stats["spec_accepted_tokens"] == stats["spec_draft_tokens"] <= 40 + 40
 

@@ -201,7 +201,7 @@ FEATURES: tuple[Feature, ...] = (
         frozenset({Need.PROMPT_HIDDEN}),
         plain_draw=Handling.SKIPS,
         jump_forward=Handling.NEEDS_EAGER,
-        verify=Handling.NEEDS_EAGER,
+        verify=Handling.APPLIES,
         asked=lambda p: p.prompt_logprobs is not None,
         acts=lambda s: s.params.prompt_logprobs is not None,
     ),
@@ -221,8 +221,9 @@ FEATURES: tuple[Feature, ...] = (
 
 # Why verification may apply a feature: each position's logits are shaped by the row's own parameters alone
 # (temperature, filters, bias), drawn at the offset it would have without drafts; min_tokens counts the rows
-# before it, penalties count the drafts before it, logprobs come from each row. Prompt logprobs and grammars
-# are not wired to the verifying rows yet: those requests get no drafts.
+# before it, penalties count the drafts before it, logprobs come from each row; prompt logprobs are scored by
+# the prompt's pass, before any decode carries drafts. Grammars are not wired to the verifying rows yet: those
+# requests get no drafts.
 
 # Jump-forward asks once per request; the plain draw's gates are worked out once per request too
 # (`_plain_gates`), as they are read for every row of every graphed decode step.
