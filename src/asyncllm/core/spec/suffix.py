@@ -43,7 +43,7 @@ class SuffixDrafter:
         own = self._own.get(request_id)
         if own is None:
             own = self._own[request_id] = SuffixAutomaton()
-        own.extend(tokens[: len(own) + INDEX_BUDGET])
+        own.extend(tokens, INDEX_BUDGET)
         limit = min(self.num_tokens, limit)
         if limit < 1:
             return []

@@ -28,10 +28,12 @@ class SuffixAutomaton:
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def extend(self, tokens: list[int]) -> None:
-        """Append `tokens[len(self):]`: the sequence only grows (a request's prompt, then its output)."""
-        for token in tokens[len(self.tokens) :]:
-            self._append(token)
+    def extend(self, tokens: list[int], limit: int | None = None) -> None:
+        """Append `tokens[len(self):]`, at most `limit` of them: the sequence only grows (a request's prompt,
+        then its output). Reads by index: no copy of a long sequence per call."""
+        end = len(tokens) if limit is None else min(len(tokens), len(self.tokens) + limit)
+        for i in range(len(self.tokens), end):
+            self._append(tokens[i])
 
     def longest_earlier_match(self) -> tuple[int, int]:
         """(n, end): the longest suffix of the sequence, of n tokens, that also occurred ending at index `end` <
