@@ -53,7 +53,7 @@ def aclient(server: RunningServer) -> Iterator[anthropic.Anthropic]:
 
 def test_text_and_system(aclient: anthropic.Anthropic, engine: AsyncLLMEngine) -> None:
     m = aclient.messages.create(
-        model=MODEL, max_tokens=6, system="Be brief.", messages=[{"role": "user", "content": "Hi"}]
+        model=MODEL, max_tokens=6, system="Be brief.", messages=[{"role": "user", "content": "Hi"}], **GREEDY
     )
     assert m.type == "message" and m.role == "assistant" and m.id.startswith("msg_") and m.model == MODEL
     assert m.stop_reason == "max_tokens" and m.stop_sequence is None

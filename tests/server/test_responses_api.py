@@ -45,7 +45,9 @@ def _client(server: RunningServer) -> openai.OpenAI:
 
 
 def test_text_in_text_out(client: openai.OpenAI, engine: AsyncLLMEngine) -> None:
-    r = client.responses.create(model=MODEL, input="Hello there", instructions="Be brief.", max_output_tokens=6)
+    r = client.responses.create(
+        model=MODEL, input="Hello there", instructions="Be brief.", max_output_tokens=6, temperature=0
+    )
     assert r.object == "response" and r.id.startswith("resp_") and r.model == MODEL
     assert r.status == "incomplete" and r.incomplete_details is not None
     assert r.incomplete_details.reason == "max_output_tokens"
