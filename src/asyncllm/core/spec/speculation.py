@@ -39,8 +39,9 @@ class Speculation:
     def eligible(request: Request) -> bool:
         """Whether `request`'s decodes may carry drafts: every sampling feature it asks for is one verification
         keeps exact (`sample.features.may_verify`). Not yet: samples of a request with n > 1 (they share
-        blocks through their group) and LoRA adapters (verification with adapters is untested)."""
-        return request.group_id is None and request.lora_name is None and may_verify(request.params)
+        blocks through their group). A LoRA request's drafts run through its adapter as its other inputs do:
+        the runner maps each sequence's query rows, drafts included, to its adapter's slot."""
+        return request.group_id is None and may_verify(request.params)
 
     def settle(
         self,

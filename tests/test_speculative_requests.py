@@ -1,0 +1,65 @@
+"""Speculative decoding for requests that share or shape more than their own draws (issue 41): LoRA requests
+(each draft runs through the request's adapter) and samples of n > 1 (their drafts write only blocks the
+sample owns alone). Each gives exactly the tokens of a run without speculation, greedy and seeded, with drafts
+accepted and rejected (`Replay`), and every block comes back, at the end and after an abort.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from asyncllm import LLM, SamplingParams
+from tests.fixtures.spec_drafters import Replay
+
+ARGS = dict(device="cpu", dtype="float32", num_kv_blocks=128, block_size=4)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7], [11, 12, 13, 14, 15, 16, 17], [3, 4, 3, 4, 3, 4, 3]]
+GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=32, temperature=0.9, seed=7, top_p=0.95, ignore_eos=True)
+
+
+def _run(model: Path, params, spec: dict | None, wrong: int | None = None, ref=None, **kw):
+    """`generate` on PROMPTS: (outputs, stats, the drafter). With `wrong` set, a `Replay` of `ref`'s outputs
+    drafts."""
+    adapters = kw.pop("adapters", {})
+    lora = kw.pop("lora", None)
+    llm = LLM(str(model), speculative_config=spec, **{**ARGS, **kw})
+    try:
+        for name, path in adapters.items():
+            llm.add_lora(name, path)
+        drafter = None
+        if wrong is not None:
+            sequences = [(out.prompt_token_ids, o.token_ids) for out in ref for o in out.outputs]
+            drafter = llm._engine.core.scheduler.drafter = Replay(sequences, 4, wrong)
+        outs = llm.generate(PROMPTS, params, use_tqdm=False, lora=lora)
+        return outs, llm.stats(), drafter
+    finally:
+        llm.shutdown()
+
+
+def _tokens(outs) -> list[list[list[int]]]:
+    return [[o.token_ids for o in out.outputs] for out in outs]
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_lora_requests_verify_drafts_through_their_adapter(
+    tiny_model: Path, tiny_lora_adapters: dict[str, Path], params: SamplingParams
+) -> None:
+    """Two adapters and the base in one batch, drafted by n-grams and by a replay with rejections: each
+    request's 1 + k verifying rows run through its own adapter, so its tokens are a run without speculation's
+    (and differ from the base model's: the adapters act)."""
+    lora = dict(enable_lora=True, max_lora_rank=8, max_loras=2, lora=["a", "b", None])
+    adapters = {name: tiny_lora_adapters[name] for name in ("a", "b")}
+    ref, _, _ = _run(tiny_model, params, None, adapters=adapters, **lora)
+    base, _, _ = _run(tiny_model, params, None)
+    assert _tokens(ref)[:2] != _tokens(base)[:2] and _tokens(ref)[2] == _tokens(base)[2]
+    for wrong in (None, 0, 3):
+        outs, stats, drafter = _run(tiny_model, params, NGRAM, wrong, ref, adapters=adapters, **lora)
+        assert _tokens(outs) == _tokens(ref), wrong
+        assert stats["spec_draft_tokens"] > 0, wrong
+        assert drafter is None or all(drafter.proposals), "every request, adapter or not, drafted"
+        if wrong == 3:
+            assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
+        assert stats["num_free_blocks"] == stats["num_total_blocks"]
