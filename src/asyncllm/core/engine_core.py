@@ -112,6 +112,7 @@ class EngineCore:
         params = request.params
         if request.lora_name is not None:
             request.lora_id = self.loras.resolve(request.lora_name)  # an unknown name fails this request alone
+        request.speculative = self.speculation is not None and self.speculation.eligible(request)  # its samples' too
         if params.n > 1:
             group = self.groups.create(request, self.block_manager.block_size, self.scheduler.requests)
             for i, sample in enumerate(group.samples):
@@ -122,7 +123,6 @@ class EngineCore:
             return
         if self.groups.get(request.request_id) is not None:
             raise InvalidRequestError(f"request_id={request.request_id!r} is already live: give another id")
-        request.speculative = self.speculation is not None and self.speculation.eligible(request)
         self.scheduler.add_request(request, params.seed if params.seed is not None else self._draw_seed())
         self.output_processor.add_request(request)
         if request.deadline is not None:

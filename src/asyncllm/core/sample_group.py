@@ -57,6 +57,7 @@ class SampleGroup:
                 lora_name=request.lora_name,
                 lora_id=request.lora_id,
                 deadline=request.deadline,
+                speculative=request.speculative,
             )
             for i in range(request.params.n)
         ]

@@ -37,11 +37,12 @@ class Speculation:
 
     @staticmethod
     def eligible(request: Request) -> bool:
-        """Whether `request`'s decodes may carry drafts: every sampling feature it asks for is one verification
-        keeps exact (`sample.features.may_verify`). Not yet: samples of a request with n > 1 (they share
-        blocks through their group). A LoRA request's drafts run through its adapter as its other inputs do:
-        the runner maps each sequence's query rows, drafts included, to its adapter's slot."""
-        return request.group_id is None and may_verify(request.params)
+        """Whether `request`'s decodes (each of its samples', with n > 1) may carry drafts: every sampling feature
+        it asks for is one verification keeps exact (`sample.features.may_verify`). A LoRA request's drafts run
+        through its adapter as its other inputs do: the runner maps each sequence's query rows, drafts included,
+        to its adapter's slot. A sample's drafts write KV only past its prompt, into blocks it owns alone: its
+        group shares the prompt's full blocks but the one holding its last token (`sample_group.py`)."""
+        return may_verify(request.params)
 
     def settle(
         self,
