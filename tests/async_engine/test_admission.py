@@ -175,10 +175,14 @@ async def test_a_stuck_step_makes_the_engine_unhealthy(bpe_tokenizer: Any) -> No
     try:
         await engine.check_health()
         stream = engine.add_request([1, 2], SamplingParams(max_tokens=1))
-        await asyncio.sleep(0.3)
-        assert engine.step_seconds >= 0.25
+        # Polled: on a loaded machine the step may start well after the add (a fixed 0.3 s sleep then saw less
+        # than 0.25 s of it).
+        deadline = time.monotonic() + 10
+        while engine.step_seconds < 0.25:
+            assert time.monotonic() < deadline, "the stuck step never showed"
+            await asyncio.sleep(0.01)
         await engine.check_health()  # under the default bound
-        with pytest.raises(EngineStalledError, match=r"running for 0\.\d s \(bound 0\.2 s\)"):
+        with pytest.raises(EngineStalledError, match=r"running for \d+\.\d s \(bound 0\.2 s\)"):
             await engine.check_health(max_step_seconds=0.2)
         release.set()
         assert (await _collect(stream))[-1].finish_reason == "length"
@@ -197,9 +201,14 @@ def test_loading_freezes_what_it_left_out_of_the_collector(bpe_tokenizer: Any) -
     engine = AsyncLLMEngine.from_builder(lambda: fake_built(bpe_tokenizer))
     try:
         assert before == 0 and gc.get_freeze_count() > 10_000
-        t0 = time.perf_counter()
-        gc.collect()
-        assert time.perf_counter() - t0 < 0.1
+        # The best of five: one collection can be slowed by a loaded machine; one that walked what loading
+        # left took 95-151 ms every time.
+        took = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            gc.collect()
+            took.append(time.perf_counter() - t0)
+        assert min(took) < 0.1, took
     finally:
         engine.shutdown()
 

@@ -15,7 +15,9 @@ from asyncllm.async_engine.stream import RequestStream
 from tests.async_engine.conftest import EngineFactory, wait_drained
 from tests.fixtures.fake_core import fake_built, offline_run
 
-_SLOW_S = 0.5  # the slow reader's pause after each chunk; 60 steps of the fake take ~0.15 s
+# The slow reader's pause after each chunk; 60 steps of the fake take ~0.15 s idle, and the fast readers must
+# end within the first pause: 1 s leaves room for a loaded 2-core machine and a core process (0.5 s was tight).
+_SLOW_S = 1.0
 
 
 async def _read(stream: RequestStream, delay: float) -> tuple[list[StreamOutput], float]:

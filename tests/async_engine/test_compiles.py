@@ -138,7 +138,9 @@ async def test_waiting_compiles_time_out_unstarted_and_abandoned_ones_are_bounde
 ) -> None:
     """At most COMPILE_WORKERS abandoned compiles run on: past that new compiles wait for one of them to end (so
     crafted constraints cannot take every core), and one that never got a thread is dropped unrun."""
-    engine = engine_with(bpe_tokenizer, compiler, timeout=0.3)
+    # 0.5 s: `waiting` below must get its thread within its own timeout of its submission, after the sleep and
+    # the release; with 0.3 s a loaded machine had 0.2 s for that.
+    engine = engine_with(bpe_tokenizer, compiler, timeout=0.5)
     try:
         for i in range(COMPILE_WORKERS):  # each times out, its compile abandoned, still running
             with pytest.raises(GrammarCompileTimeoutError):
@@ -148,7 +150,7 @@ async def test_waiting_compiles_time_out_unstarted_and_abandoned_ones_are_bounde
             [c async for c in late]
         assert "holdlate" not in compiler.started and compiler.running == COMPILE_WORKERS
         waiting = asyncio.ensure_future(engine.generate([7], SamplingParams(max_tokens=2, regex="after")))
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.05)
         assert not waiting.done()  # every thread is an abandoned compile's
         compiler.release.set()
         assert (await waiting).finish_reason == "length"
@@ -188,14 +190,16 @@ async def test_compiles_run_beside_each_other_in_the_core_process(bpe_tokenizer:
     """With the core in its own process the compiles run there, beside each other too (its checker had one
     thread: the second compile waited for the first, and its wait counted against its timeout)."""
     build = functools.partial(_sleeping_compiler, bpe_tokenizer, 1.0)
-    engine = AsyncLLMEngine.from_client(functools.partial(ProcClient, build), grammar_compile_timeout=1.6)
+    # 1.9 s: compiles one or two at a time end the third at 2 s or later (timed out); three at once end at
+    # 1 s, and 0.9 s is left for threads and pipes on a loaded machine (1.6 s left 0.6 s).
+    engine = AsyncLLMEngine.from_client(functools.partial(ProcClient, build), grammar_compile_timeout=1.9)
     try:
         start = time.perf_counter()
         outs = await asyncio.gather(
             *(engine.generate([1, i], SamplingParams(max_tokens=2, regex=f"slow{i}")) for i in range(3))
         )
         assert all(o.finish_reason == "length" for o in outs)
-        assert time.perf_counter() - start < 1.6  # three 1 s compiles at once, none timed out
+        assert time.perf_counter() - start < 1.9  # three 1 s compiles at once, none timed out
     finally:
         engine.shutdown()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 
@@ -161,8 +162,12 @@ async def test_stats_snapshot_and_health(make_engine: EngineFactory) -> None:
     engine, built = make_engine(step_delay=0.01)
     await engine.check_health()
     streams = [engine.add_request([4, 4, 4], SamplingParams(max_tokens=40)) for _ in range(4)]
-    await asyncio.sleep(0.05)
-    stats = engine.stats()  # read while steps run: a published snapshot, not a queued query
+    # Read while steps run (40 of 10 ms): a published snapshot, not a queued query. Polled, not read after a
+    # fixed sleep: on a loaded machine (or through a core process) no step had published the four yet.
+    deadline = time.monotonic() + 5
+    while (stats := engine.stats()).get("num_running", 0) + stats.get("num_waiting", 0) != 4:
+        assert time.monotonic() < deadline, stats
+        await asyncio.sleep(0.005)
     assert set(stats) >= {"num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "prefix_cache_hit_rate"}
     assert stats["num_running"] + stats["num_waiting"] == 4
     assert stats["num_free_blocks"] < stats["num_total_blocks"] == built.runtime.num_kv_blocks

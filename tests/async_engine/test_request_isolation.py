@@ -142,7 +142,9 @@ async def test_a_second_reader_is_refused_not_left_waiting(make_engine: Any) -> 
     """Regression (issue 10, also seen): a second task reading a stream another task waited on waited
     forever. It raises StreamInUseError; the first reader carries on to the end."""
     engine, _ = make_engine(step_delay=0.005)
-    stream = engine.add_request([1, 2, 3], SamplingParams(max_tokens=20))
+    # 100 steps of 5 ms: the first reader must still be reading when the second tries, even if a loaded
+    # machine stalls this task for a while (20 steps gave it 0.1 s).
+    stream = engine.add_request([1, 2, 3], SamplingParams(max_tokens=100))
 
     async def read(s: RequestStream) -> int:
         return sum([len(c.token_ids) async for c in s])
@@ -151,7 +153,7 @@ async def test_a_second_reader_is_refused_not_left_waiting(make_engine: Any) -> 
     await asyncio.sleep(0.002)  # the first reader now waits inside __anext__
     with pytest.raises(StreamInUseError, match="already being read"):
         await asyncio.wait_for(stream.__anext__(), 2)
-    assert await asyncio.wait_for(first, 5) == 20
+    assert await asyncio.wait_for(first, 10) == 100
     await wait_drained(engine)
 
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -43,9 +44,16 @@ def test_serve_with_two_replicas_from_the_command_line(ray_cluster: str, tiny_mo
             except httpx.TransportError:
                 time.sleep(0.1)
         with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0) as client:
-            r = client.completions.create(model=tiny_model.name, prompt=["Hi", "Hello there"], max_tokens=3)
+            # ignore_eos: "length" is certain only if EOS, which an unseeded draw may give, cannot end a reply
+            no_eos: dict[str, Any] = {"ignore_eos": True}
+            r = client.completions.create(
+                model=tiny_model.name, prompt=["Hi", "Hello there"], max_tokens=3, extra_body=no_eos
+            )
             assert [c.finish_reason for c in r.choices] == ["length", "length"]
-            chunks = list(client.completions.create(model=tiny_model.name, prompt="Hi", max_tokens=4, stream=True))
+            stream = client.completions.create(
+                model=tiny_model.name, prompt="Hi", max_tokens=4, stream=True, extra_body=no_eos
+            )
+            chunks = list(stream)
             assert chunks[-1].choices[0].finish_reason == "length"
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
         assert "vllm:num_requests_running" in metrics

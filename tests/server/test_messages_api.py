@@ -97,7 +97,8 @@ def test_sampling_fields_take_effect(aclient: anthropic.Anthropic) -> None:
     top_p = aclient.messages.create(**args, extra_body={"temperature": 1, "top_p": 1e-9}).content[0]
     assert greedy.type == top_k.type == top_p.type == "text"
     assert greedy.text == top_k.text == top_p.text
-    hot = {aclient.messages.create(**args, extra_body={"temperature": 1}).content[0].text for _ in range(4)}  # type: ignore[union-attr]
+    # Seeded: four unseeded draws could all match (or one open with EOS, leaving no content block).
+    hot = {aclient.messages.create(**args, extra_body={"temperature": 1, "seed": s}).content[0].text for s in range(4)}  # type: ignore[union-attr]
     assert len(hot) > 1
 
 
@@ -128,7 +129,15 @@ def test_stream_events_in_anthropic_order(aclient: anthropic.Anthropic) -> None:
 @pytest.mark.needs_structured_output
 def test_a_tool_is_used_and_its_result_sent_back(tools_server: RunningServer) -> None:
     with _client(tools_server) as client:
-        args: dict[str, Any] = {"model": "tiny-tools", "messages": ASK, "tools": TOOLS, "max_tokens": 300}
+        # Seeded (as tests/server/test_tools.py's forced calls are): an unseeded draw at temperature 1 could run
+        # a call's JSON past max_tokens, or end the reply asserted to reach it with EOS.
+        args: dict[str, Any] = {
+            "model": "tiny-tools",
+            "messages": ASK,
+            "tools": TOOLS,
+            "max_tokens": 300,
+            "extra_body": {"seed": 1},
+        }
         m = client.messages.create(**args, tool_choice={"type": "any", "disable_parallel_tool_use": True})
         assert m.stop_reason == "tool_use"
         (use,) = [b for b in m.content if b.type == "tool_use"]
@@ -171,8 +180,9 @@ def test_thinking_blocks(thinking_server: RunningServer) -> None:
             thought = "".join(e.thinking for e in stream if e.type == "thinking")
         assert thought == block.thinking
         enabled = {"type": "enabled", "budget_tokens": 4}
-        assert client.messages.create(**args, max_tokens=5, thinking=enabled).content[0].type == "thinking"
-        off = client.messages.create(**args, max_tokens=5, thinking={"type": "disabled"})
+        # Greedy: an unseeded draw could open the reply with EOS, leaving no block to look at.
+        assert client.messages.create(**args, max_tokens=5, thinking=enabled, **GREEDY).content[0].type == "thinking"
+        off = client.messages.create(**args, max_tokens=5, thinking={"type": "disabled"}, **GREEDY)
         assert [b.type for b in off.content] == ["text"]
 
 

@@ -69,11 +69,13 @@ def test_temperature_and_top_p_take_effect(client: openai.OpenAI) -> None:
     cold = client.responses.create(model=MODEL, input=ask, max_output_tokens=8, temperature=0)
     narrow = client.responses.create(model=MODEL, input=ask, max_output_tokens=8, temperature=1.0, top_p=1e-9)
     assert cold.output_text == narrow.output_text == greedy.choices[0].message.content
-    hot = {
-        client.responses.create(model=MODEL, input=ask, max_output_tokens=8, temperature=2.0).output_text
-        for _ in range(4)
+    hot = {  # seeded: unseeded draws could match by chance
+        client.responses.create(
+            model=MODEL, input=ask, max_output_tokens=8, temperature=2.0, extra_body={"seed": s}
+        ).output_text
+        for s in range(4)
     }
-    assert len(hot) > 1  # sampling at temperature 2 differs between requests
+    assert len(hot) > 1  # sampling at temperature 2 differs between seeds
 
 
 def test_streamed_events_add_up_to_the_response(client: openai.OpenAI) -> None:
@@ -125,7 +127,9 @@ def test_a_json_schema_constrains_the_output(client: openai.OpenAI) -> None:
         name: str = pydantic.Field(max_length=12)
         size: Literal["small", "big"]
 
-    parsed = [client.responses.parse(**args, text_format=City, temperature=t) for t in (0.0, 0.5, 1.0)]
+    parsed = [  # seeded: whether any completes must not rest on unseeded draws
+        client.responses.parse(**args, text_format=City, temperature=t, extra_body={"seed": 5}) for t in (0.0, 0.5, 1.0)
+    ]
     assert any(isinstance(p.output_parsed, City) for p in parsed if p.status == "completed")
     objects = [client.responses.create(**args, text={"format": {"type": "json_object"}}) for _ in range(3)]
     for obj in objects:
@@ -136,7 +140,14 @@ def test_a_json_schema_constrains_the_output(client: openai.OpenAI) -> None:
 @pytest.mark.needs_structured_output
 def test_a_function_tool_is_called_streamed_and_not(tools_server: RunningServer) -> None:
     with _client(tools_server) as client:
-        args: dict[str, Any] = {"model": "tiny-tools", "input": "Weather in Paris?", "tools": FLAT_TOOLS}
+        # Seeded (as tests/server/test_tools.py's forced calls are): an unseeded draw at temperature 1 could run
+        # a call's JSON past max_output_tokens.
+        args: dict[str, Any] = {
+            "model": "tiny-tools",
+            "input": "Weather in Paris?",
+            "tools": FLAT_TOOLS,
+            "extra_body": {"seed": 1},
+        }
         r = client.responses.create(**args, tool_choice="required", parallel_tool_calls=False, max_output_tokens=300)
         assert r.status == "completed"
         (call,) = [item for item in r.output if item.type == "function_call"]
