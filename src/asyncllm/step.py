@@ -37,6 +37,7 @@ class NewRequestData:
     seed: int  # params.seed, or one drawn from the engine seed: every request samples from its own generator
     lora_id: int = 0  # the LoRA adapter its tokens go through (`LoRAAdapter.lora_id`); 0: the base model
     pooling: PoolingParams | None = None  # an embed or score engine's request: pooled, never sampled
+    speculative: bool = False  # its decodes may carry drafts (a draft model proposes after its steps)
 
 
 @dataclass(frozen=True)
@@ -91,12 +92,13 @@ class KVTransfers:
     """A step's copies of KV blocks between the device and the tiers below it (`core/kv_tiers.py`), in the
     order every rank runs them, each rank its own shard. Before the forward pass: `offloads` (device block ->
     host slot: the block is taken for other content by this step), `loads` (block hash -> host slot, read from
-    the disk tier, with the 128-bit digest of the prefix the file must hold; the step's output says which
-    arrived, `ModelRunnerOutput.kv_loaded`), `restores` (host slot -> device block, a prefix hit this step
-    reads). After it is launched: `ahead` (device block -> host slot: free cached blocks copied before the pool
-    takes them, overlapping the forward pass). `writes` (block hash -> host slot, with its prefix's digest):
-    filled slots to keep on disk too, written in the background. `wait`: the forward pass waits for every copy
-    issued before (it overwrites a block an earlier step's `ahead` copies)."""
+    the disk tier beside the steps, with the 128-bit digest of the prefix the file must hold; a later step's
+    output says which arrived, `ModelRunnerOutput.kv_loaded`), `restores` (host slot -> device block, for a
+    request that computes from the next step on: the forward pass of this step does not wait for them, every
+    later step's work does). After it is launched: `ahead` (device block -> host slot: free cached blocks copied
+    before the pool takes them, overlapping the forward pass). `writes` (block hash -> host slot, with its
+    prefix's digest): filled slots to keep on disk too, written in the background. `wait`: the forward pass
+    waits for every copy to the host issued before (it overwrites a block an earlier step's `ahead` copies)."""
 
     offloads: list[tuple[int, int]] = field(default_factory=list)
     loads: list[tuple[int, int, bytes]] = field(default_factory=list)
@@ -107,8 +109,8 @@ class KVTransfers:
 
     @property
     def before_forward(self) -> bool:
-        """Copies the forward pass must wait for."""
-        return bool(self.offloads or self.loads or self.restores or self.wait)
+        """Copies the forward pass must wait for (and the step's restores follow)."""
+        return bool(self.offloads or self.wait)
 
 
 @dataclass
@@ -157,6 +159,9 @@ class ModelRunnerOutput:
     accepted: dict[int, list[int]] | None = None
     # Sample index -> the logprobs of its `accepted` tokens, one entry each (requests asking for logprobs).
     accepted_logprobs: dict[int, list[dict[int, float] | None]] | None = None
+    # Sample index -> a draft model's proposals to follow that row's last token (its accepted run's last, if
+    # any): the core keeps them for the request's next decode (speculative_config's "draft_model"). None: none.
+    drafts: dict[int, list[int]] | None = None
     # Sample indices whose draw sat out (their constraint's next mask was still being filled beside the step:
     # structured_output/deferral.py): no token for that request this step. The core has it compute its last
     # known token again, and plans it no more while a step of it is in flight. None: every row drew.
@@ -164,9 +169,10 @@ class ModelRunnerOutput:
     # An embed or score engine's step (no token sampled): per sampling sequence, in order, its embedding or
     # its one-value score. None: a generation step.
     pooled: list[list[float]] | None = None
-    # Per entry of the step's `KVTransfers.loads`, in order: whether the block reached its host slot intact
-    # on every rank. None: the step loaded nothing.
-    kv_loaded: tuple[bool, ...] | None = None
+    # Disk reads finished on every rank since the last step that reported some: per step that started reads,
+    # oldest first, per entry of its `KVTransfers.loads`, whether the block reached its host slot intact.
+    # None: none finished.
+    kv_loaded: tuple[tuple[bool, ...], ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ Life of a block: free (maybe still cached) -> held by one or more requests (ref_
 appended to the LRU end. A free block keeps its hash so a later request with the same prefix can take it
 back; when it is taken for other content it leaves the hash index first, so the index never points at KV
 that is not what the hash says. With KV tiers below the device (`kv_tiers.py`) a block taken for other
-content is copied down first, and a prefix continues from the host tier into fresh blocks the step fills.
+content is copied down first, and a prefix continues from the host tier into fresh blocks the step fills
+beside its forward pass, for its request to compute on from the next step (`restores`).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class BlockManager:
         # them: by the last allocation, and in all (of first admissions, as the hit rate's terms).
         self.tiers = KVTiers(tiers) if tiers is not None and enable_prefix_caching else None
         self._restored = (0, 0)
+        self._promised = 0  # free blocks the requests staged by the step being planned take in the next (`stage`)
         self.num_host_hit_tokens = 0
         self.num_disk_hit_tokens = 0
 
@@ -119,8 +121,16 @@ class BlockManager:
             request.request_id, request.block_hashes[num_hits:max_blocks], request.block_digests[num_hits:max_blocks]
         )
 
+    def restores(self, cached: list[KVBlock]) -> bool:
+        """Whether prefix hits `cached` (`find_cached_prefix`, or a sibling's) need blocks restored by the step
+        being planned: their request computes from the next step on, once the copies are in (`KVTiers`)."""
+        if self.tiers is None:
+            return False
+        return any(b.block_id < 0 for b in cached) or self.tiers.restoring([b.block_id for b in cached])
+
     def take_transfers(self) -> KVTransfers | None:
         """The copies to and from the tiers below the device that the step just planned needs."""
+        self._promised = 0
         return self.tiers.take_step() if self.tiers is not None else None
 
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
@@ -151,7 +161,7 @@ class BlockManager:
             num_tokens = request.num_computed_tokens + len(cached) * block_size + num_new_tokens
         num_new_blocks = -(-num_tokens // block_size) - len(request.block_ids) - len(cached)
         num_cached_free = sum(1 for b in cached if b.ref_count == 0)  # host-tier hits take a free block too
-        if max(num_new_blocks, 0) + num_cached_free > len(self._free):
+        if max(num_new_blocks, 0) + num_cached_free + self._promised > len(self._free):
             return False
         restored = [b.block_hash for b in cached if b.block_id < 0 and b.block_hash is not None]
         if restored:
@@ -178,14 +188,26 @@ class BlockManager:
             self._register_full_blocks(request, num_tokens)
         return True
 
+    def stage(self, request: Request, num_new_tokens: int, cached: list[KVBlock]) -> bool:
+        """`allocate` of the prefix hits `cached` alone, for a request that computes from the next step on (its
+        blocks restored meanwhile: `restores`), if its next `num_new_tokens` would fit too. Their blocks are
+        taken, and registered, by the step that computes them: no request may hit KV not written yet."""
+        needed = self.blocks_needed(len(cached) * self.block_size + num_new_tokens) - len(cached)
+        if needed + sum(1 for b in cached if b.ref_count == 0) + self._promised > len(self._free):
+            return False
+        if not self.allocate(request, 0, cached):
+            return False
+        self._promised += needed  # kept from this step's later admissions (the next step's come after it)
+        return True
+
     def pending_mark(self) -> int:
         """Taken right after planning a step: `commit_pending(mark)` commits what that step registered."""
         return self._num_registrations
 
-    def commit_pending(self, mark: int | None = None, kv_loaded: tuple[bool, ...] | None = None) -> None:
+    def commit_pending(self, mark: int | None = None, kv_loaded: tuple[tuple[bool, ...], ...] | None = None) -> None:
         """The step planned up to `mark` (None: every planned step) has run: the blocks registered while
-        planning it now hold the KV their hashes promise, and the disk reads it carried (`kv_loaded`: its
-        output's `ModelRunnerOutput.kv_loaded`) are in."""
+        planning it now hold the KV their hashes promise, and the disk reads its output reports (`kv_loaded`:
+        `ModelRunnerOutput.kv_loaded`) are in."""
         if kv_loaded is not None and self.tiers is not None:
             self.tiers.loaded(kv_loaded)
         while self._pending and (mark is None or self._pending[0][0] < mark):

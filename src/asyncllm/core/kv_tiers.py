@@ -6,11 +6,15 @@ A cached block leaves the device through the host tier only. The pool's free cac
 slots oldest-freed first, a bounded number per step (`ahead`, overlapping the forward pass), so that one the
 pool takes for other content is usually there already; if not, the step copies it before its forward pass
 (`offloads`). Host slots are reused least recently used first. A prefix that misses on the device and
-continues in the host tier is restored: the block manager takes fresh device blocks for it, and the step
-copies the slots into them before its forward pass reads them (`restores`). With a disk tier every block
-copied to the host is also written to disk in the background (`writes`; never a LoRA adapter's: adapter ids
-are one engine's). A prefix that continues on disk is read into host slots by a step (`loads`) while its
-request waits, once; the step's output says which blocks arrived intact on every rank.
+continues in the host tier is restored a step ahead: the block manager takes fresh device blocks for it, the
+step copies the slots into them beside its forward pass (`restores`), and the request computes from the next
+step on, whose work the worker orders after those copies; a request admitted in the step that restores blocks
+it hits waits for the next step too (`restoring`). With a disk tier every block copied to the host is also
+written to disk in the background (`writes`; never a LoRA adapter's: adapter ids are one engine's). A prefix
+that continues on disk is read into host slots on the workers' threads beside the steps (`loads`) while its
+request waits, once, and later requests go first; a later step's output says which blocks arrived intact on
+every rank (`loaded`), and the request is then restored like any host hit. While reads are out every step
+carries copies (maybe none), so the engine keeps polling for them.
 
 What a hash names never changes within an engine: it covers the whole prefix and the adapter, and the model
 and KV layout are the engine's (the disk tier's files also carry a fingerprint of them, checked on reading).
@@ -53,6 +57,7 @@ class KVTiers:
         self._freed: OrderedDict[int, tuple[KVBlock, int]] = OrderedDict()  # block id -> (block, its hash)
         self._recent_ahead: set[int] = set()  # device blocks whose `ahead` copy may still run
         self._pinned: set[int] = set()  # slots this step copies into or out of: none is reused within it
+        self._restoring: set[int] = set()  # device blocks this step restores (no forward pass reads them in it)
         self._step = KVTransfers()
         self._wait = False
 
@@ -95,6 +100,10 @@ class KVTiers:
             self._in_load.add(block_hash)
         return hashes[0] in self._in_load
 
+    def restoring(self, block_ids: list[int]) -> bool:
+        """Whether any of `block_ids` is restored by the step being planned (its forward pass may not read it)."""
+        return bool(self._restoring) and not self._restoring.isdisjoint(block_ids)
+
     def forget(self, request_id: str) -> None:
         """The request's blocks were freed (it finished, or was preempted): it may wait for loads again."""
         self._waited.discard(request_id)
@@ -106,12 +115,13 @@ class KVTiers:
             self._pinned.add(self._host[block_hash])
 
     def restore(self, block_hash: int, block_id: int) -> bool:
-        """Copy the host entry `block_hash` into the fresh device block `block_id` before this step's forward
-        pass; True when it came from disk (the first restore since it was read)."""
+        """Copy the host entry `block_hash` into the fresh device block `block_id` beside this step's forward
+        pass, for the next step; True when it came from disk (the first restore since it was read)."""
         slot = self._host[block_hash]
         self._host.move_to_end(block_hash)
         self._step.restores.append((slot, block_id))
         self._pinned.add(slot)
+        self._restoring.add(block_id)
         if block_hash in self._from_disk:
             self._from_disk.discard(block_hash)
             return True
@@ -139,17 +149,19 @@ class KVTiers:
             self._freed.pop(block.block_id, None)
             self._freed[block.block_id] = (block, block.block_hash)
 
-    def loaded(self, results: tuple[bool, ...]) -> None:
-        """The oldest step that sent loads has run: the blocks that arrived on every rank join the host tier."""
-        for (block_hash, slot, _), ok in zip(self._loading.popleft(), results, strict=True):
-            self._in_load.discard(block_hash)
-            if ok and block_hash not in self._host:
-                self._host[block_hash] = slot
-                self._from_disk.add(block_hash)
-                continue
-            self._free_slots.append(slot)
-            if not ok:  # missing, corrupted or another prefix's on some rank (the worker warned): recomputed
-                self._disk.pop(block_hash, None)
+    def loaded(self, steps: tuple[tuple[bool, ...], ...]) -> None:
+        """The oldest steps that sent loads have their reads finished (`ModelRunnerOutput.kv_loaded`, one entry
+        per step): the blocks that arrived on every rank join the host tier."""
+        for results in steps:
+            for (block_hash, slot, _), ok in zip(self._loading.popleft(), results, strict=True):
+                self._in_load.discard(block_hash)
+                if ok and block_hash not in self._host:
+                    self._host[block_hash] = slot
+                    self._from_disk.add(block_hash)
+                    continue
+                self._free_slots.append(slot)
+                if not ok:  # missing, corrupted or another prefix's on some rank (the worker warned): recomputed
+                    self._disk.pop(block_hash, None)
 
     def reset(self) -> None:
         """Forget every host entry, and what is on disk (the files stay for a later engine)."""
@@ -162,7 +174,8 @@ class KVTiers:
     # ------------------------------------------------------------------ the step's copies
     def take_step(self, ahead_blocks: int | None = None) -> KVTransfers | None:
         """The copies planned for the step being planned, with its `ahead` copies (at most `ahead_blocks`,
-        by default the tier's per-step count) and the disk reads it may carry; None when there are none."""
+        by default the tier's per-step count) and the disk reads it may start; None when there are none and no
+        read is out (the step then polls for them)."""
         self._plan_ahead(self.info.ahead_blocks if ahead_blocks is None else ahead_blocks)
         step, self._step = self._step, KVTransfers()
         if self._to_load:
@@ -171,7 +184,8 @@ class KVTiers:
             step.loads.extend(batch)
             self._loading.append(batch)
         self._pinned.clear()
-        if not (step.before_forward or step.ahead or self._wait):
+        self._restoring.clear()
+        if not (step.before_forward or step.restores or step.ahead or self._wait or self._loading):
             return None
         wait, self._wait = self._wait, False
         # A forward pass that waits for the copies issued before it also outlasts their `ahead` copies.

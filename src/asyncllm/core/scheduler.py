@@ -36,6 +36,7 @@ from asyncllm.core.block_manager import BlockManager
 from asyncllm.core.lora import AdapterBudget
 from asyncllm.core.request import Request, RequestStatus
 from asyncllm.core.sample_group import SampleGroup, SampleGroups
+from asyncllm.core.sampled_tokens import SampledTokens
 from asyncllm.core.spec.drafter import Drafter
 from asyncllm.core.waiting_queue import WaitingQueue
 from asyncllm.errors import InvalidRequestError
@@ -52,7 +53,7 @@ class SchedulerLimits:
     max_prefill_tokens_while_decoding: int | None = None
 
 
-class Scheduler:
+class Scheduler(SampledTokens):
     def __init__(
         self,
         limits: SchedulerLimits,
@@ -176,11 +177,13 @@ class Scheduler:
                 continue
             break  # the request itself was preempted: everyone after it is gone too
 
-        # Admit waiting requests in rank order, unless memory was just too short for the running ones.
+        # Admit waiting requests in rank order, unless memory was just too short for the running ones. One whose
+        # prefix comes back from a tier below the device computes from the next step, within that step's budget.
+        stage_budget, parked = self._prefill_budget(self.limits.max_num_batched_tokens), []
         while (
             self.waiting
             and not preempted
-            and min(budget, prefill_budget) > 0
+            and max(min(budget, prefill_budget), stage_budget) > 0
             and len(self.running) < self.limits.max_num_seqs
         ):
             request = self.waiting.peek()
@@ -201,18 +204,25 @@ class Scheduler:
             if request.num_computed_tokens == 0 and not shared and not scores:
                 cached = self.block_manager.find_cached_prefix(request)
                 if self.block_manager.awaits_load(request, len(cached)):
-                    break  # blocks of its prefix are on their way from disk: it waits, as for memory
+                    parked.append(self.waiting.popleft())  # its prefix is being read from disk: others go first
+                    continue
+            restores = self.block_manager.restores(cached)
+            room = stage_budget if restores else min(budget, prefill_budget)
             num_cached_tokens = len(cached) * self.block_manager.block_size
-            num_new = min(request.num_tokens - num_cached_tokens, budget, prefill_budget)
+            num_new = min(request.num_tokens - num_cached_tokens, room)
+            if num_new <= 0:
+                break
             if request.pooling is not None and num_new < request.num_tokens:
                 break  # a pooling input runs whole, in one step (core/pooling.py): it waits for a step with room
-            if not self.block_manager.allocate(request, num_new, cached) and not (
-                self._holds and self._release_idle_holds() and self.block_manager.allocate(request, num_new, cached)
+            take = self.block_manager.stage if restores else self.block_manager.allocate
+            if not take(request, num_new, cached) and not (
+                self._holds and self._release_idle_holds() and take(request, num_new, cached)
             ):
                 break  # first come, first served: the head waits for memory
             if group is not None:
                 group.admitted(request, self.block_manager)
-            prefill_budget -= num_new
+            stage_budget -= num_new if restores else 0
+            prefill_budget -= 0 if restores else num_new
             self.waiting.popleft()
             if self.block_manager.enable_prefix_caching and request.num_preemptions == 0 and not (shared or scores):
                 # First admissions only: a resumed request re-finding its own blocks is not a prefix hit.
@@ -225,8 +235,11 @@ class Scheduler:
                 assert self.adapters is not None
                 self.adapters.acquire(request.lora_id)
             self._add_running(request)
-            self._schedule(request, num_new, out)
-            budget -= num_new
+            if not restores:  # else its first step is the next, after the copies (`KVTiers.restore`)
+                self._schedule(request, num_new, out)
+                budget -= num_new
+        for request in reversed(parked):
+            self.waiting.appendleft(request)
         out.kv = self.block_manager.take_transfers()
         if not out.seqs:
             # A step without sequences runs no model (empty, or copies alone): keep the finished ids for the next
@@ -351,38 +364,6 @@ class Scheduler:
         self.waiting.appendleft(request)
         self.num_preemptions += 1
         out.preempted_request_ids.append(request.request_id)
-
-    def update_from_output(self, out: SchedulerOutput, sampled: list[int]) -> list[tuple[Request, int, int]]:
-        """Append each sampled token to its request; returns (request, token, sample index) for live ones.
-
-        Requests finished (aborted, or stopped by the previous step's output) since `out` was planned are
-        skipped: their token is dropped, as is a token appended ahead of its draw (`start_forced_run`). A
-        request preempted meanwhile keeps its token, which was computed from valid KV: it is streamed like any
-        other and recomputed with the rest when the request resumes.
-        """
-        results: list[tuple[Request, int, int]] = []
-        sampling = [s for s in out.seqs if s.sample]
-        assert len(sampling) == len(sampled), "one sampled token per sampling sequence"
-        for index, (seq, token_id) in enumerate(zip(sampling, sampled)):
-            request = self.requests.get(seq.request_id)
-            if request is None or request.status is RequestStatus.FINISHED:
-                continue
-            if request.num_drawn_ahead:  # the first token of a forced run, appended when the run was known
-                request.num_drawn_ahead -= 1
-                continue
-            request.num_pending_tokens -= 1
-            request.append_token(token_id)
-            results.append((request, token_id, index))
-        return results
-
-    @staticmethod
-    def start_forced_run(request: Request) -> None:
-        """A forced run (jump-forward) is about to be appended after the request's last known token. A draw
-        of the request already submitted (overlapped scheduling) is the run's first token: no longer pending,
-        and its output dropped when it comes. The rest are computed by its next step, like a prompt chunk."""
-        if request.num_pending_tokens:
-            request.num_pending_tokens -= 1
-            request.num_drawn_ahead += 1
 
 
 def _rank(request: Request) -> tuple[int, int]:

@@ -8,9 +8,10 @@ bytes as a host slot holds them (`kv_host.py`). A 64-bit hash may collide across
 the directory: a read is asked for the digest its block's prefix has, and a file with another is a miss. A
 background thread writes it from the slot its copy landed in, into a temporary file of a name no other writer
 uses, then renames it over the final name: a reader sees a whole file or none, and two engines writing one
-block race harmlessly. A read (on the step's thread, a few files at once) goes straight into a host slot and
-is checked whole before the block is used: a missing file is a plain miss; a corrupted, truncated or foreign
-one is ignored with a warning, and its block is recomputed. No fsync: a file torn by a crash fails its checksum.
+block race harmlessly. A read (on a few loader threads, beside the steps: `load_async`) goes straight into a
+host slot and is checked whole before the block is used: a missing file is a plain miss; a corrupted, truncated
+or foreign one is ignored with a warning, and its block is recomputed. No fsync: a file torn by a crash fails
+its checksum.
 
 The directory is bounded (`capacity_bytes`): oldest files out first, by modification time (a read refreshes
 it), other engines' files counted too (rescanned every `_RESCAN_WRITES` writes).
@@ -27,7 +28,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -154,11 +155,21 @@ class DiskKVStore:
             self._rescan()
         _unlink(evicted)
 
-    # ------------------------------------------------------------------ reads (the step's thread)
+    # ------------------------------------------------------------------ reads (loader threads)
+    def load_async(self, jobs: list[tuple[int, int, bytes]], ready: torch.cuda.Event | None) -> list[Future[bool]]:
+        """Start reading each (block hash, slot, prefix digest) of `jobs` into its slot, once `ready` fires (the
+        copies into or out of those slots issued before have landed; None: none is running). Each future says
+        whether its block arrived intact and holds that prefix's KV."""
+        return [self._loaders.submit(self._load_after, ready, *job) for job in jobs]
+
     def load(self, jobs: list[tuple[int, int, bytes]]) -> list[bool]:
-        """Read each (block hash, slot, prefix digest) of `jobs` into its slot; whether it arrived intact and
-        holds that prefix's KV."""
-        return list(self._loaders.map(lambda job: self._load_one(*job), jobs))
+        """`load_async`, waited for."""
+        return [future.result() for future in self.load_async(jobs, None)]
+
+    def _load_after(self, ready: torch.cuda.Event | None, block_hash: int, slot: int, digest: bytes) -> bool:
+        if ready is not None:
+            ready.synchronize()
+        return self._load_one(block_hash, slot, digest)
 
     def _load_one(self, block_hash: int, slot: int, digest: bytes) -> bool:
         path = self._path(block_hash)

@@ -5,12 +5,12 @@ head_dim * element size] uint8, contiguous (one file's payload on disk, one DMA 
 cache's codes copy as they are (its scales are per layer and fixed) and every dtype copies alike.
 
 On CUDA the pool is pinned (registered with the driver, not rounded up as torch's pinned allocator rounds) and
-every copy runs on a side stream: a device block's layers are gathered into a staging buffer in the device's
-memory, then each run of consecutive slots crosses in one DMA; restores cross into staging, then scatter into
-the blocks. Ordering with the forward passes is the caller's (`begin`, `join`, `record`): the side stream
-waits for the compute stream before copying, and the compute stream waits for the side stream where a forward
-pass reads or overwrites blocks the copies touch. On CPU the same gathers and scatters run in place, at once
-(the slow twin: the same bytes, no streams).
+the copies run on two side streams, one each way, each with a staging buffer in the device's memory: a device
+block's layers are gathered into staging, then each run of consecutive slots crosses in one DMA; restores cross
+into staging, then scatter into the blocks. Restores have a stream of their own so that they never queue behind
+the copies to the host, and the forward pass of the step that issues them does not wait for them: the next
+step's work does (`join_restores`). Other ordering is the caller's (`begin`, `join`, `record`). On CPU the same
+gathers and scatters run in place, at once (the slow twin: the same bytes, no streams).
 """
 
 from __future__ import annotations
@@ -40,8 +40,11 @@ class HostKVPool:
         if self.cuda and not self._registered:
             logger.warning("pinning the KV host tier failed: its copies go through pageable memory, slower")
         self.stream = torch.cuda.Stream(device) if self.cuda else None  # type: ignore[no-untyped-call]
+        self.restore_stream = torch.cuda.Stream(device) if self.cuda else None  # type: ignore[no-untyped-call]
         chunk = max(1, staging_bytes // self.block_bytes)
         self._staging = torch.empty((chunk, *self.block_shape), dtype=torch.uint8, device=device) if self.cuda else None
+        self._restore_staging = torch.empty_like(self._staging) if self._staging is not None else None
+        self._restored: torch.cuda.Event | None = None  # fires once the restores issued and not joined have landed
 
     @property
     def num_slots(self) -> int:
@@ -52,6 +55,18 @@ class HostKVPool:
         return self.host[index]
 
     # ------------------------------------------------------------------ ordering (CUDA; no-ops on CPU)
+    @property
+    def restoring(self) -> bool:
+        """Restores were issued that no later work has been ordered after yet (`join_restores`)."""
+        return self._restored is not None
+
+    def join_restores(self) -> None:
+        """Work queued on the compute stream from now on (and copies after the next `begin`) starts after every
+        restore issued so far: the blocks they fill are whole for whatever reads, writes or frees them next."""
+        if self._restored is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._restored)
+            self._restored = None
+
     def begin(self) -> None:
         """Copies issued from now on start after everything already queued on the compute stream (the KV
         the forward passes before wrote, and their reads of blocks about to be overwritten)."""
@@ -72,9 +87,10 @@ class HostKVPool:
         return event
 
     def synchronize(self) -> None:
-        """Wait on the host until every copy issued so far has landed (before the host writes a slot)."""
-        if self.stream is not None:
+        """Wait on the host until every copy issued so far, either way, has landed."""
+        if self.stream is not None and self.restore_stream is not None:
             self.stream.synchronize()
+            self.restore_stream.synchronize()
 
     # ------------------------------------------------------------------ copies
     @torch.inference_mode()
@@ -96,21 +112,30 @@ class HostKVPool:
                     self.host[slot : slot + run].copy_(self._staging[i : i + run], non_blocking=True)
 
     @torch.inference_mode()
-    def to_device(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy host slots into device blocks: `pairs` of (slot, block id)."""
+    def to_device(self, pairs: list[tuple[int, int]], after_copies: bool = False) -> None:
+        """Copy host slots into device blocks: `pairs` of (slot, block id), on the restore stream, after the
+        work queued on the compute stream (forward passes may still read the blocks, freed meanwhile) and, with
+        `after_copies`, the copies to the host issued so far (some read blocks these overwrite). Nothing waits
+        for them until `join_restores`."""
         if not pairs:
             return
-        if self._staging is None:
+        if self._restore_staging is None:
             slots, ids = _columns(pairs)
             self._scatter(ids, self.host.index_select(0, slots))
             return
-        assert self.stream is not None
-        with torch.cuda.stream(self.stream):
-            for chunk in _chunks(pairs, self._staging.shape[0]):
+        stream, staging = self.restore_stream, self._restore_staging
+        assert stream is not None and self.stream is not None
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        if after_copies:
+            stream.wait_stream(self.stream)
+        with torch.cuda.stream(stream):
+            for chunk in _chunks(pairs, staging.shape[0]):
                 n = len(chunk)
                 for slot, i, run in _runs([s for s, _ in chunk]):
-                    self._staging[i : i + run].copy_(self.host[slot : slot + run], non_blocking=True)
-                self._scatter(to_device([b for _, b in chunk], torch.int64, self.device), self._staging[:n])
+                    staging[i : i + run].copy_(self.host[slot : slot + run], non_blocking=True)
+                self._scatter(to_device([b for _, b in chunk], torch.int64, self.device), staging[:n])
+        self._restored = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        self._restored.record(stream)
 
     def close(self) -> None:
         """Unpin the pool (after the last copy: the caller synchronized)."""

@@ -2,18 +2,24 @@
 directory, `kv_disk.py`): it runs each step's `KVTransfers` around the forward pass. `attach_kv_tiers` sets it
 up from `kv_offloading_size` and `kv_cache_dir` (`kv_tier_setup.py`).
 
-Per step, in the order the engine core planned (`core/kv_tiers.py`): the side stream first waits for the
-compute stream (the KV of every forward pass before, and their reads of blocks this step overwrites); then the
-offloads, the disk reads (the host waits for the copies in flight first: it writes the slots itself), the
-restores; the forward pass waits for them all. After it is launched, the `ahead` copies (beside it), then the
-disk writes of the slots filled, in the background once their copies landed. Every rank runs the same list on
-its shard; a disk read counts only if it succeeded on every rank (one all-reduce, in steps that read).
+Per step, in the order the engine core planned (`core/kv_tiers.py`): first everything after joins the restores
+the step before issued (their requests compute now); the copies to the host then wait for the compute stream
+(the KV of every forward pass before, and their reads of blocks this step overwrites); then the offloads; the
+disk reads start on loader threads (once the copies in flight into or out of their slots landed); the restores
+go on their own stream, after the compute stream (and after the offloads, where the step has any). The forward
+pass waits for the offloads (and, with `wait`, every copy to the host before), never for the step's restores or
+reads. After it is launched, the `ahead` copies (beside it), then the disk writes of the slots filled, in the
+background once their copies landed. Every step reports the disk reads finished since (oldest first, each
+step's as a whole); a read counts only if it succeeded on every rank (one all-reduce, in steps while reads are
+out). A step of no sequences waits a little for the oldest reads, so an engine waiting for them does not spin.
 Copies never enter a CUDA graph: they run outside the replayed forward pass.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
+from concurrent.futures import Future, wait
 
 import torch
 
@@ -22,27 +28,41 @@ from asyncllm.step import KVTransfers, ModelRunnerOutput, StepResult
 from asyncllm.worker.kv_disk import DiskKVStore
 from asyncllm.worker.kv_host import HostKVPool
 
+_IDLE_WAIT_S = 0.005  # a step of no sequences waits this long at most for the oldest disk reads
+
 
 class WorkerKVTiers:
     def __init__(self, pool: HostKVPool, disk: DiskKVStore | None, parallel: TPGroup | None) -> None:
         self.pool = pool
         self.disk = disk
         self._parallel = parallel if parallel is not None and parallel.world_size > 1 else None
+        self._reading: deque[list[Future[bool]]] = deque()  # per step that started reads, oldest first
 
-    def before_forward(self, kv: KVTransfers) -> tuple[bool, ...] | None:
-        """The copies that precede the step's forward pass; per disk read, whether it arrived on every rank
-        (None: the step reads nothing)."""
+    @property
+    def busy(self) -> bool:
+        """Restores to join or disk reads to report: the next step must come through here, copies or not."""
+        return self.pool.restoring or bool(self._reading)
+
+    def before_forward(self, kv: KVTransfers, idle: bool = False) -> tuple[tuple[bool, ...], ...] | None:
+        """The copies that precede the step's forward pass; the disk reads finished since the last step, per
+        step that started them (None: none). `idle`: the step runs no model."""
         pool = self.pool
+        pool.join_restores()
         pool.begin()
         if self.disk is not None:  # slots about to be overwritten: a write still reading one finishes first
             for slot in (*(s for _, s in kv.offloads), *(s for _, s, _ in kv.loads), *(s for _, s in kv.ahead)):
                 self.disk.release(slot)
         pool.to_host(kv.offloads)
-        loaded = self._load(kv.loads) if kv.loads else None
-        pool.to_device(kv.restores)
+        if kv.loads:
+            ready = pool.record()  # the copies into or out of the slots the reads fill landed
+            if self.disk is not None:
+                self._reading.append(self.disk.load_async(kv.loads, ready))
+            else:
+                self._reading.append([_done(False) for _ in kv.loads])
+        pool.to_device(kv.restores, after_copies=kv.before_forward)
         if kv.before_forward:
             pool.join()
-        return loaded
+        return self._finished_reads(idle)
 
     def after_forward(self, kv: KVTransfers) -> None:
         """The `ahead` copies beside the forward pass just launched, then the disk writes of the step's slots."""
@@ -51,26 +71,55 @@ class WorkerKVTiers:
             self.disk.write(kv.writes, self.pool.record())
 
     def close(self) -> None:
-        """Finish the disk writes, then release the host pool."""
+        """Finish the disk reads and writes, then release the host pool."""
+        for futures in self._reading:
+            wait(futures)
+        self._reading.clear()
         if self.disk is not None:
             self.disk.close()
         self.pool.close()
 
-    def _load(self, loads: list[tuple[int, int, bytes]]) -> tuple[bool, ...]:
-        self.pool.synchronize()  # the host writes these slots: no copy may still read or fill them
-        ok = self.disk.load(loads) if self.disk is not None else [False] * len(loads)
-        if self._parallel is not None:
-            votes = torch.tensor(ok, dtype=torch.float32, device=self.pool.device)
-            ok = [v == self._parallel.world_size for v in self._parallel.all_reduce(votes).tolist()]
-        return tuple(ok)
+    def _finished_reads(self, idle: bool) -> tuple[tuple[bool, ...], ...] | None:
+        """The leading steps' reads finished on every rank, popped: per read, whether it arrived intact."""
+        if not self._reading:
+            return None
+        if idle:
+            wait(self._reading[0], timeout=_IDLE_WAIT_S)
+        done = [all(f.done() for f in futures) for futures in self._reading]
+        if self._parallel is None:
+            count = done.index(False) if False in done else len(done)
+            return self._pop([[f.result() for f in futures] for futures in list(self._reading)[:count]])
+        # One all-reduce: per step whether its reads finished, then per read whether it arrived (0: not yet).
+        votes = done + [d and f.result() for d, futures in zip(done, self._reading) for f in futures]
+        world = self._parallel.world_size
+        summed = self._parallel.all_reduce(torch.tensor(votes, dtype=torch.float32, device=self.pool.device))
+        flags = [v == world for v in summed.tolist()]
+        everywhere = flags[: len(done)]
+        count = everywhere.index(False) if False in everywhere else len(done)
+        results, at = [], len(done)
+        for futures in list(self._reading)[:count]:
+            results.append(flags[at : at + len(futures)])
+            at += len(futures)
+        return self._pop(results)
+
+    def _pop(self, results: list[list[bool]]) -> tuple[tuple[bool, ...], ...] | None:
+        for _ in results:
+            self._reading.popleft()
+        return tuple(tuple(r) for r in results) if results else None
+
+
+def _done(value: bool) -> Future[bool]:
+    future: Future[bool] = Future()
+    future.set_result(value)
+    return future
 
 
 @dataclasses.dataclass(frozen=True)
 class LoadedStep:
-    """A step that read blocks from disk: its output says which arrived (`ModelRunnerOutput.kv_loaded`)."""
+    """A step that reports disk reads finished (`ModelRunnerOutput.kv_loaded`)."""
 
     step: StepResult
-    loaded: tuple[bool, ...]
+    loaded: tuple[tuple[bool, ...], ...]
 
     def done(self) -> bool:
         return self.step.done()

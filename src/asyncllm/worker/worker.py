@@ -10,7 +10,15 @@ from __future__ import annotations
 import torch
 
 from asyncllm.errors import LoRAError
-from asyncllm.step import LoRAAdapter, ModelRunnerOutput, ReadyStep, RuntimeInfo, SchedulerOutput, StepResult
+from asyncllm.step import (
+    KVTransfers,
+    LoRAAdapter,
+    ModelRunnerOutput,
+    ReadyStep,
+    RuntimeInfo,
+    SchedulerOutput,
+    StepResult,
+)
 from asyncllm.structured_output.backend import GrammarBackend
 from asyncllm.worker.kv_tiers import LoadedStep, WorkerKVTiers
 from asyncllm.worker.model_runner import ModelRunner
@@ -30,10 +38,11 @@ class Worker:
     def submit(self, scheduled: SchedulerOutput) -> StepResult:
         assert self.runner is not None, "submit after shutdown"
         kv, tiers = scheduled.kv, self.kv_tiers
-        if kv is None:
+        if kv is None and (tiers is None or not tiers.busy):
             return self.runner.submit(scheduled)
         assert tiers is not None, "a step copies KV blocks to tiers this worker has not"
-        loaded = tiers.before_forward(kv)
+        kv = KVTransfers() if kv is None else kv  # the step before restored blocks, or disk reads are out
+        loaded = tiers.before_forward(kv, idle=not scheduled.seqs)
         # A step of copies alone runs no model (the runner hears of finished requests with the next one).
         result = self.runner.submit(scheduled) if scheduled.seqs else ReadyStep(ModelRunnerOutput([]))
         tiers.after_forward(kv)
