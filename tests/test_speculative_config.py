@@ -46,7 +46,11 @@ def test_suffix_takes_vllms_keys_and_defaults(tmp_path: pathlib.Path) -> None:
     [
         ({"method": "medusa", "num_speculative_tokens": 2}, "method"),
         ({"method": "eagle3", "num_speculative_tokens": 2}, "method 'eagle3' is not supported yet"),
-        ({"method": "draft_model", "num_speculative_tokens": 2}, "not supported yet"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, r"speculative_config\['model'\]=None"),
+        ({"method": "draft_model", "model": "/no/such/draft", "num_speculative_tokens": 2}, "no such model"),
+        ({"model": "/no/such/draft", "num_speculative_tokens": 2}, "no such model"),  # a draft named alone
+        ({"method": "draft_model", "model": ".", "num_speculative_tokens": 2}, "config.json"),
+        ({"method": "draft_model", "model": 3, "num_speculative_tokens": 2}, r"speculative_config\['model'\]=3"),
         ({"method": "suffix", "num_speculative_tokens": 24}, "num_speculative_tokens"),
         ({"method": "suffix", "suffix_decoding_max_tree_depth": 1}, "suffix_decoding_max_tree_depth"),
         ({"method": "suffix", "suffix_decoding_min_token_prob": 1.5}, "suffix_decoding_min_token_prob"),
@@ -87,3 +91,52 @@ def test_the_command_line_flag_takes_json(tmp_path) -> None:
     ns = parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'])
     config = EngineConfig.from_kwargs(str(tmp_path), **vars(ns))
     assert config.scheduler_config.speculative == SpeculativeConfig("ngram", 4, 2, 5)
+
+
+def _draft_dir(tmp_path: pathlib.Path) -> pathlib.Path:
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_text("{}")  # its contents are checked when the engine builds
+    return draft
+
+
+def test_draft_model_takes_vllms_keys(tmp_path: pathlib.Path) -> None:
+    """vLLM's spelling: the draft's path under `model`, `draft_tensor_parallel_size` 1 (the draft runs on the
+    target's device); a config naming a model and no method is a draft model's, as in vLLM."""
+    draft = str(_draft_dir(tmp_path))
+    expected = SpeculativeConfig("draft_model", 3, model=draft)
+    for value in (
+        {"method": "draft_model", "model": draft, "num_speculative_tokens": 3},
+        {"model": draft, "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1},
+        {"method": "draft_model", "model": pathlib.Path(draft), "num_speculative_tokens": 3},
+    ):
+        config = EngineConfig.from_kwargs(str(tmp_path), speculative_config=value)
+        assert config.scheduler_config.speculative == expected
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"draft_tensor_parallel_size": 2}, r"speculative_config\['draft_tensor_parallel_size'\]=2"),
+        ({"quantization": "fp8"}, "unknown key 'quantization' for method 'draft_model'"),
+        ({"prompt_lookup_min": 2}, "unknown key 'prompt_lookup_min'"),
+        ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ],
+)
+def test_draft_model_bad_keys_fail_naming_them(tmp_path: pathlib.Path, extra: dict, message: str) -> None:
+    value = {"method": "draft_model", "model": str(_draft_dir(tmp_path)), "num_speculative_tokens": 2, **extra}
+    with pytest.raises(InvalidConfigError, match=message) as info:
+        EngineConfig.from_kwargs(str(tmp_path), speculative_config=value)
+    assert "\n" not in str(info.value)
+
+
+def test_the_command_line_flag_takes_a_draft_model(tmp_path: pathlib.Path) -> None:
+    from asyncllm.server.engine_flags import add_engine_args
+
+    draft = str(_draft_dir(tmp_path))
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    spec = f'{{"method": "draft_model", "model": "{draft}", "num_speculative_tokens": 5}}'
+    ns = parser.parse_args(["--speculative-config", spec])
+    config = EngineConfig.from_kwargs(str(tmp_path), **vars(ns))
+    assert config.scheduler_config.speculative == SpeculativeConfig("draft_model", 5, model=draft)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path, PurePath
 from typing import Any, Literal
 
 from asyncllm.config_fields import invalid
@@ -17,8 +18,9 @@ __all__ = ["MAX_SPECULATIVE_TOKENS", "SpeculativeConfig"]
 
 # Drafts per step: each is a logit row of its step, so past a handful most are rejected anyway.
 MAX_SPECULATIVE_TOKENS = 16
-_SPEC_METHODS_LATER = ("draft_model", "eagle3")  # the contract's other methods, refused until built
+_SPEC_METHODS_LATER = ("eagle3",)  # the contract's other methods, refused until built
 _SPEC_KEYS = {
+    "draft_model": ("method", "model", "num_speculative_tokens", "draft_tensor_parallel_size"),
     "ngram": ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"),
     "suffix": (
         "method",
@@ -38,9 +40,12 @@ class SpeculativeConfig:
     "ngram": drafts of up to `num_speculative_tokens` copied from the request's own tokens after the latest
     earlier occurrence of its last n tokens, n from `prompt_lookup_max` down to `prompt_lookup_min`.
     "suffix": drafts from what followed the longest suffix of the request's tokens, in its own tokens or in
-    recent requests' outputs (core/spec/suffix.py; the suffix_decoding_* keys)."""
+    recent requests' outputs (core/spec/suffix.py; the suffix_decoding_* keys).
+    "draft_model": drafts from `model`, a smaller checkpoint with the target's vocabulary, run greedily by the
+    runner after each step (worker/draft_model.py); its path is checked here, its config when the engine
+    builds (worker/draft_setup.py)."""
 
-    method: Literal["ngram", "suffix"]
+    method: Literal["ngram", "suffix", "draft_model"]
     num_speculative_tokens: int
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
@@ -48,6 +53,7 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 10_000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    model: str | None = None  # the draft checkpoint ("draft_model" only)
 
     @classmethod
     def parse(cls, value: object) -> SpeculativeConfig | None:
@@ -64,15 +70,40 @@ class SpeculativeConfig:
         if not isinstance(value, dict):
             raise invalid(name, value, f"a dict such as {example}, or None")
         method = value.get("method")
+        if method is None and "model" in value:  # vLLM's reading of a config that names a draft alone
+            method, value = "draft_model", {**value, "method": "draft_model"}
         if method in _SPEC_METHODS_LATER:
-            raise InvalidConfigError(f"{name}: method {method!r} is not supported yet: use 'ngram' or 'suffix'")
+            raise InvalidConfigError(
+                f"{name}: method {method!r} is not supported yet: use 'ngram', 'suffix' or 'draft_model'"
+            )
         if method not in _SPEC_KEYS:
-            raise invalid(f"{name}['method']", method, "'ngram' or 'suffix'")
+            raise invalid(f"{name}['method']", method, "'ngram', 'suffix' or 'draft_model'")
         unknown = sorted(set(value) - set(_SPEC_KEYS[method]))
         if unknown:
             keys = ", ".join(_SPEC_KEYS[method])
             raise InvalidConfigError(f"{name} has unknown key {unknown[0]!r} for method {method!r}: use {keys}")
+        if method == "draft_model":
+            return cls._draft_model(value)
         return cls._suffix(value) if method == "suffix" else cls._ngram(value)
+
+    @classmethod
+    def _draft_model(cls, value: dict[str, Any]) -> SpeculativeConfig:
+        name = "speculative_config"
+        k = _num_tokens(value.get("num_speculative_tokens"))
+        tp = value.get("draft_tensor_parallel_size", 1)
+        if tp is not None and (isinstance(tp, bool) or tp != 1):
+            raise invalid(f"{name}['draft_tensor_parallel_size']", tp, "1 (the draft runs on the target's device)")
+        model = value.get("model")
+        if isinstance(model, PurePath):
+            model = str(model)
+        if not isinstance(model, str) or not model:
+            raise invalid(f"{name}['model']", model, "the draft checkpoint's path (a directory or a .gguf file)")
+        path = Path(model).expanduser()
+        if not ((path.is_dir() and (path / "config.json").is_file()) or (path.is_file() and path.suffix == ".gguf")):
+            raise invalid(
+                f"{name}['model']", model, "a checkpoint directory (with config.json) or a .gguf file: no such model"
+            )
+        return cls("draft_model", k, model=model)
 
     @classmethod
     def _ngram(cls, value: dict[str, Any]) -> SpeculativeConfig:

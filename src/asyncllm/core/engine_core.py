@@ -92,6 +92,7 @@ class EngineCore:
             AdapterBudget(rt.max_loras) if rt.max_loras else None,
             self.groups,
             self.speculation.drafter if self.speculation is not None else None,
+            self.speculation.lookahead if self.speculation is not None else 0,
         )
         self.output_processor = OutputProcessor(tokenizer)
         self._clock = clock
@@ -318,9 +319,8 @@ class EngineCore:
                 delta.finish_reason = reason
                 delta.metrics = request_metrics(request, now)
             deltas.append(delta)
-        if step.scheduled.num_draft_tokens:
-            assert self.speculation is not None
-            self.speculation.settle(step.scheduled, accepted, self.scheduler.requests)
+        if self.speculation is not None:  # verified drafts, and a draft model's next proposals
+            self.speculation.settle(step.scheduled, output, self.scheduler.requests)
         if self.groups:
             self.groups.label(deltas)
         return deltas

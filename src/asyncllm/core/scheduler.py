@@ -37,6 +37,7 @@ from asyncllm.core.lora import AdapterBudget
 from asyncllm.core.request import Request, RequestStatus
 from asyncllm.core.sample_group import SampleGroup, SampleGroups
 from asyncllm.core.sampled_tokens import SampledTokens
+from asyncllm.core.spec.draft_proposals import reserve_lookahead
 from asyncllm.core.spec.drafter import Drafter
 from asyncllm.core.waiting_queue import WaitingQueue
 from asyncllm.errors import InvalidRequestError
@@ -61,12 +62,14 @@ class Scheduler(SampledTokens):
         adapters: AdapterBudget | None = None,
         groups: SampleGroups | None = None,
         drafter: Drafter | None = None,
+        lookahead: int = 0,
     ) -> None:
         self.limits = limits
         self.block_manager = block_manager
         self.adapters = adapters  # None: no LoRA (no check anywhere)
         self.groups = SampleGroups() if groups is None else groups  # the engine core's live sample groups
         self.drafter = drafter  # None: no speculative decoding
+        self.lookahead = lookahead  # positions a draft model writes past a sampling step (spec/draft_proposals.py)
         self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -290,9 +293,8 @@ class Scheduler(SampledTokens):
         return cap if decoding else budget
 
     def _draft_rows(self) -> int:
-        """Drafts this step may carry: each is a logit row of the step, and its rows stay within
-        `max_num_seqs` (what the runner's per-row buffers and LM head buckets hold) even if every running
-        and waiting request samples in it."""
+        """Drafts this step may carry: each is a logit row, and the step's rows stay within `max_num_seqs` (the
+        runner's per-row buffers and LM head buckets) even if every running and waiting request samples in it."""
         if self.drafter is None:
             return 0
         seats = self.limits.max_num_seqs
@@ -310,6 +312,7 @@ class Scheduler(SampledTokens):
                     self._seeds[request.request_id],
                     request.lora_id,
                     request.pooling,
+                    request.speculative,
                 )
             )
         end = start + num_new
@@ -327,6 +330,8 @@ class Scheduler(SampledTokens):
             num_drafts = len(drafts)
             out.num_draft_tokens += num_drafts
             self.num_decodes_planned += num_drafts
+        if sample and self.lookahead and request.speculative:
+            reserve_lookahead(self.block_manager, request, end + num_drafts, self.lookahead, len(self.running))
         out.seqs.append(ScheduledSeq(request.request_id, inputs, start, list(request.block_ids), sample, num_drafts))
         # Advanced now, not when outputs return, so a later step can be planned before this one finishes.
         request.num_computed_tokens = end

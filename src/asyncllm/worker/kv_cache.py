@@ -29,11 +29,14 @@ class KVCacheSpec:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
 
-def blocks_for_budget(spec: KVCacheSpec, budget_bytes: int, max_useful_blocks: int) -> int:
-    num = min(budget_bytes // spec.bytes_per_block, max_useful_blocks)
+def blocks_for_budget(spec: KVCacheSpec, budget_bytes: int, max_useful_blocks: int, extra_bytes: int = 0) -> int:
+    """Blocks of `spec` within `budget_bytes`; `extra_bytes`: what each block id holds beside them (a draft
+    model's cache: speculative decoding)."""
+    per_block = spec.bytes_per_block + extra_bytes
+    num = min(budget_bytes // per_block, max_useful_blocks)
     if num < 1:
         raise DeviceError(
-            f"no memory left for the KV cache (one block needs {spec.bytes_per_block} bytes, "
+            f"no memory left for the KV cache (one block needs {per_block} bytes, "
             f"{budget_bytes} available): raise gpu_memory_utilization or ASYNCLLM_CPU_KVCACHE_SPACE, "
             "or set num_kv_blocks"
         )
@@ -46,16 +49,18 @@ CPU_KV_DEFAULT_MAX = 2**30
 CPU_KV_DEFAULT_MIN = 2**28
 
 
-def cpu_kv_blocks(spec: KVCacheSpec, budget_gib: float | None, max_model_len: int, max_useful_blocks: int) -> int:
+def cpu_kv_blocks(
+    spec: KVCacheSpec, budget_gib: float | None, max_model_len: int, max_useful_blocks: int, extra_bytes: int = 0
+) -> int:
     """The CPU block count: `budget_gib` of blocks, or by default room for one `max_model_len` sequence (a
     prompt up to the model's limit is served; shorter ones share it), within [1/4, 1] GiB. A cache smaller
     than one full sequence refuses longer prompts at once (InvalidRequestError naming its size), never
-    mid-generation, and the worker warns about it when the engine starts."""
+    mid-generation, and the worker warns about it when the engine starts. `extra_bytes`: as `blocks_for_budget`'s."""
     if budget_gib is not None:
-        return blocks_for_budget(spec, int(budget_gib * 2**30), max_useful_blocks)
-    one_sequence = -(-max_model_len // spec.block_size) * spec.bytes_per_block
+        return blocks_for_budget(spec, int(budget_gib * 2**30), max_useful_blocks, extra_bytes)
+    one_sequence = -(-max_model_len // spec.block_size) * (spec.bytes_per_block + extra_bytes)
     budget = min(max(one_sequence, CPU_KV_DEFAULT_MIN), CPU_KV_DEFAULT_MAX)
-    return blocks_for_budget(spec, budget, max_useful_blocks)
+    return blocks_for_budget(spec, budget, max_useful_blocks, extra_bytes)
 
 
 def allocate_kv_cache(

@@ -46,6 +46,7 @@ from asyncllm.structured_output.backend import GrammarBackend
 from asyncllm.structured_output.grammar_table import GrammarProcessMode, GrammarTable, MaskPlan
 from asyncllm.worker.buckets import StepShape
 from asyncllm.worker.cuda_graph import CudaGraphRunner
+from asyncllm.worker.draft_model import DraftModel
 from asyncllm.worker.graph_draw import GraphDraw
 from asyncllm.worker.input_batch import InputBuffers, ModelInputs
 from asyncllm.worker.latest_tokens import LatestTokens
@@ -74,6 +75,7 @@ class ModelRunner:
         graph_draw: bool = False,
         awaited_masks: bool = False,
         grammar_slow_fill_s: float | None = None,
+        draft: DraftModel | None = None,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -110,6 +112,7 @@ class ModelRunner:
         self._held: HeldDraw | None = None
         self.prompt_scorer = PromptScorer()  # requests whose prompt logprobs are still being scored
         self.loras = loras
+        self.draft = draft  # speculative_config's "draft_model": it follows every step and proposes after it
 
     def execute_model(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
         """`submit`, then wait for the step."""
@@ -123,10 +126,13 @@ class ModelRunner:
         self._launch_held()
         batch = self._prepare(scheduled)
         forward = self._launch_forward(batch)
-        # A drafter that needs the forward pass (a draft model, EAGLE) would propose here; n-gram drafts come
-        # with the step (`ScheduledSeq.num_drafts`), and the sample phase verifies them (`spec_verify.py`).
+        if self.draft is not None:  # the draft model's KV for the same tokens (draft_model.py)
+            self.draft.follow(scheduled, batch.x)
         masks = self._masks(batch)
-        return self._sample(batch, forward, masks)
+        step = self._sample(batch, forward, masks)  # the sample phase verifies the step's drafts (spec_verify.py)
+        if self.draft is not None and masks is None:  # its proposals for the next steps, once the tokens are read
+            step = self.draft.propose(scheduled, step)
+        return step
 
     def _prepare(self, scheduled: SchedulerOutput) -> StepBatch:
         """Admit the new requests; pad the inputs to the step's shape (its bucket); plan attention; stage
@@ -314,6 +320,8 @@ class ModelRunner:
         if self.prompt_scorer:
             for request_id in request_ids:
                 self.prompt_scorer.remove(request_id)
+        if self.draft is not None:
+            self.draft.forget(request_ids)
         for request_id in request_ids:
             state = self.states.pop(request_id, None)
             if state is not None:

@@ -36,6 +36,7 @@ from asyncllm.structured_output.matcher_set import MAX_FILL_THREADS
 from asyncllm.worker.buckets import Buckets
 from asyncllm.worker.cuda_graph import CudaGraphRunner
 from asyncllm.worker.device import ResolvedModel, check_pdl
+from asyncllm.worker.draft_setup import LoadedDraft, draft_bytes, load_draft, make_draft_model
 from asyncllm.worker.gemm_layout import gemv_layers, prologue_layers, set_decode_gemv, tune_linear_layers
 from asyncllm.worker.input_batch import InputBuffers
 from asyncllm.worker.kv_cache import KVCacheSpec, allocate_kv_cache, blocks_for_budget, cpu_kv_blocks
@@ -83,12 +84,12 @@ def build_worker(
 
 @dataclass(frozen=True)
 class LoadedModel:
-    """The model on its device, the attention backend its layers call, and its LoRA adapters' manager (None
-    without `enable_lora`)."""
+    """The model on its device, its layers' attention backend, LoRA manager (or None) and draft model (or None)."""
 
     model: CausalLM
     backend: AttentionBackend
     loras: LoRAManager | None = None
+    draft: LoadedDraft | None = None  # speculative_config's "draft_model" (worker/draft_setup.py)
 
 
 class WorkerSetup:
@@ -170,7 +171,7 @@ class WorkerSetup:
             )
             logger.debug("one token row through the GEMV for shapes %s", [s for s, c in choices.items() if c.gemv])
             logger.debug("the op before folded into the GEMV for %d layers", prologue_layers(module))
-        return LoadedModel(module, backend, loras)
+        return LoadedModel(module, backend, loras, load_draft(self.config, self.checkpoint, self.resolved))
 
     def _lora_manager(self, module: CausalLM) -> LoRAManager | None:
         lora = self.config.lora_config
@@ -187,9 +188,9 @@ class WorkerSetup:
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
         max_useful = sched.max_num_seqs * -(-max_model_len // cache.block_size)
-        device = self.resolved.device
+        device, extra = self.resolved.device, draft_bytes(loaded.draft)  # a draft model's cache shares the budget
         if device.type == "cpu":
-            return cpu_kv_blocks(self.kv_spec, cache.cpu_kv_cache_gib, max_model_len, max_useful)
+            return cpu_kv_blocks(self.kv_spec, cache.cpu_kv_cache_gib, max_model_len, max_useful, extra)
         start = time.perf_counter()
         budget = profile_kv_budget_bytes(
             loaded.model,
@@ -215,7 +216,7 @@ class WorkerSetup:
             budget -= int(graph_bytes * _GRAPH_MEMORY_MARGIN)
             logger.info("CUDA graphs will hold about %.1f MiB", graph_bytes / 2**20)
         self.timings["profile"] = time.perf_counter() - start
-        return blocks_for_budget(self.kv_spec, max(budget, 0), max_useful)
+        return blocks_for_budget(self.kv_spec, max(budget, 0), max_useful, extra)
 
     def runner(self, loaded: LoadedModel, num_blocks: int) -> ModelRunner:
         """Allocate the cache and the step's input buffers, and the runner that uses them."""
@@ -266,6 +267,7 @@ class WorkerSetup:
             self._grammar(arch.vocab_size),
             defer_masked_draw=device.type == "cuda",
             loras=loaded.loras,
+            draft=make_draft_model(loaded.draft, num_blocks, sched.max_num_seqs, max_seq_len, device),
             grammar_process=GrammarProcessMode.of(tuning.grammar_process, device, ranks),
             grammar_process_threads=self._grammar_process_threads(),
             # One rank only: every rank's matchers must give the same masks, and whether a forced run's first
@@ -343,7 +345,7 @@ class WorkerSetup:
             cuda_graph_token_sizes=tuple(runner.graphs.sizes("mixed")),
             startup_seconds=tuple(self.timings.items()),
             architecture=arch.architecture,
-            kv_cache_bytes=num_blocks * self.kv_spec.bytes_per_block,
+            kv_cache_bytes=num_blocks * (self.kv_spec.bytes_per_block + draft_bytes(loaded.draft)),
             num_threads=self.num_threads,
             max_loras=loaded.loras.num_slots if loaded.loras is not None else 0,
             gemv_layers=gemv_layers(loaded.model),

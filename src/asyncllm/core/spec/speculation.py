@@ -19,17 +19,23 @@ from __future__ import annotations
 from asyncllm.config_speculative import SpeculativeConfig
 from asyncllm.core.request import Request, RequestStatus
 from asyncllm.core.spec.adaptive import AdaptiveDrafter
+from asyncllm.core.spec.draft_proposals import DraftProposals
 from asyncllm.core.spec.drafter import Drafter
 from asyncllm.core.spec.ngram import NgramDrafter
 from asyncllm.core.spec.suffix import SuffixDrafter
 from asyncllm.sample.features import may_verify
-from asyncllm.step import SchedulerOutput
+from asyncllm.step import ModelRunnerOutput, SchedulerOutput
 
 
 class Speculation:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
-        self.drafter = AdaptiveDrafter(make_drafter(config), config.num_speculative_tokens)
+        inner = make_drafter(config)
+        self.drafter = AdaptiveDrafter(inner, config.num_speculative_tokens)
+        # "draft_model": the runner's proposals, kept until the scheduler asks (draft_proposals.py), and the
+        # positions past a sampling step's tokens the draft model writes while it drafts.
+        self.proposals = inner if isinstance(inner, DraftProposals) else None
+        self.lookahead = config.num_speculative_tokens if self.proposals is not None else 0
         self.num_draft_tokens = 0  # drafts verified so far
         self.num_accepted_tokens = 0  # of those, accepted
         self.num_drafts = 0  # proposals verified (a request's drafts in one step)
@@ -44,19 +50,22 @@ class Speculation:
         group shares the prompt's full blocks but the one holding its last token (`sample_group.py`)."""
         return may_verify(request.params)
 
-    def settle(
-        self,
-        scheduled: SchedulerOutput,
-        accepted: dict[int, list[int]] | None,
-        requests: dict[str, Request],
-    ) -> None:
-        """After a verifying step's tokens were appended: each live drafted request's accepted drafts hold
-        computed KV (unless it was preempted meanwhile: it recomputes everything); the counters."""
+    def settle(self, scheduled: SchedulerOutput, output: ModelRunnerOutput, requests: dict[str, Request]) -> None:
+        """After a step's tokens were appended: each live drafted request's accepted drafts hold computed KV
+        (unless it was preempted meanwhile: it recomputes everything); the counters; the draft model's
+        proposals for the next steps (`ModelRunnerOutput.drafts`), kept for the requests still running."""
+        accepted, offered = output.accepted, output.drafts
+        if not scheduled.num_draft_tokens and not offered:
+            return
         index = -1
         for seq in scheduled.seqs:
             if not seq.sample:
                 continue
             index += 1
+            if offered is not None and index in offered and self.proposals is not None:
+                live = requests.get(seq.request_id)
+                if live is not None and live.status is RequestStatus.RUNNING:
+                    self.proposals.offer(seq.request_id, live.all_token_ids, offered[index])
             if not seq.num_drafts:
                 continue
             num_accepted = len(accepted.get(index, ())) if accepted is not None else 0
@@ -73,7 +82,9 @@ class Speculation:
 
 
 def make_drafter(config: SpeculativeConfig) -> Drafter:
-    """The host-side drafter of `config.method`."""
+    """The drafter of `config.method` (a draft model's: the proposals the runner hands up)."""
+    if config.method == "draft_model":
+        return DraftProposals()
     if config.method == "suffix":
         return SuffixDrafter(
             config.num_speculative_tokens,

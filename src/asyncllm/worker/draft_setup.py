@@ -1,0 +1,128 @@
+"""`load_draft`: the draft model of `speculative_config={"method": "draft_model", "model": ...}`, opened, checked
+against the target and loaded beside it, on its device and in its dtype, with an attention backend of its own
+(its heads may differ from the target's). A draft that cannot serve this target fails here, while the engine
+is built, with a one-line `InvalidConfigError` naming `speculative_config['model']`: not a checkpoint asyncllm
+runs, another vocabulary, or fewer positions than the target's `max_model_len`.
+
+Its KV cache is sized with the target's (`LoadedDraft.kv_spec`: every block id holds a block in each) and
+allocated by `make_draft_model`. Knows nothing of steps or requests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from asyncllm.attention.registry import make_attention_backend
+from asyncllm.config import EngineConfig
+from asyncllm.envs import CascadeAttention
+from asyncllm.errors import AsyncLLMError, InvalidConfigError
+from asyncllm.layers.fusion import use_fused_kernels
+from asyncllm.model_loader.base import Checkpoint
+from asyncllm.model_loader.checkpoint import open_checkpoint
+from asyncllm.model_loader.loader import load_model
+from asyncllm.models.config import ModelArchConfig
+from asyncllm.worker.device import ResolvedModel
+from asyncllm.worker.draft_model import DraftModel, LoadedDraft
+from asyncllm.worker.kv_cache import KVCacheSpec
+
+__all__ = ["LoadedDraft", "draft_bytes", "load_draft", "make_draft_model"]
+
+_KEY = "speculative_config['model']"
+
+
+def load_draft(config: EngineConfig, target: Checkpoint, resolved: ResolvedModel) -> LoadedDraft | None:
+    """The draft model, loaded; None unless `speculative_config`'s method is "draft_model"."""
+    spec = config.scheduler_config.speculative
+    if spec is None or spec.method != "draft_model":
+        return None
+    assert spec.model is not None  # SpeculativeConfig checked it
+    try:
+        return _load(config, spec.model, spec.num_speculative_tokens, target, resolved)
+    except InvalidConfigError:
+        raise
+    except AsyncLLMError as exc:  # not a model asyncllm runs: its loader says why
+        raise InvalidConfigError(f"{_KEY}={spec.model!r} cannot be the draft: {exc}") from None
+
+
+def _load(config: EngineConfig, path: str, k: int, target: Checkpoint, resolved: ResolvedModel) -> LoadedDraft:
+    checkpoint = open_checkpoint(path, torch.float32)
+    draft = _resolve(config, checkpoint, resolved)
+    _check_vocabulary(path, target, checkpoint)
+    device, dtype = resolved.device, resolved.dtype
+    arch = draft.arch
+    # The KV in the activations' dtype (no FP8 scales to read for a draft), no cascade (a draft's attention
+    # over a shared prefix is a small share of the step).
+    backend = make_attention_backend(
+        config.device_config.attention_backend,
+        device,
+        dtype,
+        arch.num_kv_heads,
+        dtype,
+        CascadeAttention.OFF,
+        arch.num_heads // arch.num_kv_heads,
+        resolved.tuning.decode_fold_reduce,
+    )
+    mc = config.model_config
+    model = load_model(checkpoint, arch, backend, device, dtype, mc.load_format, mc.seed, None, draft.quant)
+    if backend.name == "triton":  # the same fused layers as the target's with this backend
+        use_fused_kernels(model)
+    kv_spec = KVCacheSpec(arch.num_layers, arch.num_kv_heads, arch.head_dim, config.cache_config.block_size, dtype)
+    return LoadedDraft(model, backend, kv_spec, k)
+
+
+def _resolve(config: EngineConfig, checkpoint: Checkpoint, target: ResolvedModel) -> ResolvedModel:
+    """The draft's architecture and quantization, checked against the target's limits; the target's device
+    and dtype."""
+    positions = getattr(checkpoint.hf_config, "max_position_embeddings", None)
+    limit = target.arch.max_model_len
+    if isinstance(positions, int) and positions < limit:
+        raise InvalidConfigError(
+            f"{_KEY}: the draft's max_position_embeddings ({positions}) is shorter than the target's "
+            f"max_model_len ({limit}): use a draft with as many positions, or max_model_len <= {positions}"
+        )
+    resolved = ResolvedModel.resolve(config, checkpoint.hf_config)
+    arch = ModelArchConfig.from_hf(checkpoint.hf_config, limit)  # its RoPE tables cover the target's positions
+    vocab, target_vocab = arch.vocab_size, target.arch.vocab_size
+    if vocab != target_vocab:
+        raise InvalidConfigError(
+            f"{_KEY}: the draft's vocabulary has {vocab} entries, the target's {target_vocab}: a draft must share "
+            "the target's tokenizer"
+        )
+    if arch.kv_window is not None:  # the block manager frees blocks behind the target's window alone
+        raise InvalidConfigError(
+            f"{_KEY}: a draft whose every layer slides (sliding_window={arch.kv_window}) is not supported: use a "
+            "draft with full attention"
+        )
+    device, dtype = target.device, target.dtype
+    return dataclasses.replace(resolved, device=device, dtype=dtype, arch=arch, kv_cache_dtype=dtype)
+
+
+def _check_vocabulary(model: str, target: Checkpoint, draft: Checkpoint) -> None:
+    """Where both checkpoints carry a tokenizer, the same token strings have the same ids."""
+    theirs, ours = _vocab(draft.tokenizer), _vocab(target.tokenizer)
+    if theirs is not None and ours is not None and theirs != ours:
+        differ = sorted(set(theirs.items()) ^ set(ours.items()))[0]
+        raise InvalidConfigError(
+            f"{_KEY}={model!r}: the draft's tokenizer differs from the target's (token {differ[0]!r}): a draft "
+            "must share the target's tokenizer"
+        )
+
+
+def _vocab(tokenizer: Any | None) -> dict[str, int] | None:
+    get = getattr(tokenizer, "get_vocab", None)
+    return dict(get()) if get is not None else None
+
+
+def draft_bytes(draft: LoadedDraft | None) -> int:
+    """What each block id holds in the draft's cache (0 without a draft): sized within the target's budget."""
+    return draft.kv_spec.bytes_per_block if draft is not None else 0
+
+
+def make_draft_model(
+    loaded: LoadedDraft | None, num_blocks: int, max_num_seqs: int, max_seq_len: int, device: torch.device
+) -> DraftModel | None:
+    """The runner's draft model, its cache allocated (None without a draft)."""
+    return None if loaded is None else DraftModel.create(loaded, num_blocks, max_num_seqs, max_seq_len, device)
