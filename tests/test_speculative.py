@@ -200,20 +200,6 @@ def test_prompt_logprobs_are_scored_once_beside_drafts(tiny_model: Path) -> None
             assert all(abs(a[t] - b[t]) < 1e-4 for t in a)
 
 
-def test_requests_whose_features_verification_cannot_keep_get_no_drafts(tiny_model: Path) -> None:
-    """Structured output is not verified yet: such a request decodes plainly beside drafted ones (a step with
-    a constrained row verifies no drafts: they are all rejected), and both give the tokens of a run without
-    speculation."""
-    params = [SamplingParams(max_tokens=24, temperature=0.8, seed=1, regex="[a-z ]+"), GREEDY, GREEDY]
-    ref, _ = _run(tiny_model, params, None)
-    oracle = Oracle({tuple(p): t for p, t in zip(PROMPTS[1:], _tokens(ref)[1:])}, 4)
-    outs, stats = _run(tiny_model, params, NGRAM, oracle)
-    assert [[o.token_ids for o in out.outputs] for out in outs] == [[o.token_ids for o in r.outputs] for r in ref]
-    # Only the greedy requests (the second prompt and the third) drafted, right but unverified while the
-    # constrained request ran, then accepted.
-    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
-
-
 def test_prefix_cache_never_serves_rejected_drafts_kv(tiny_model: Path) -> None:
     """Rejected drafts' KV sits in blocks past a request's tokens: none is registered, so a second request
     with the same prompt and output prefix, hitting the cache, still gets the reference tokens."""

@@ -1,8 +1,9 @@
 """Every declared sampling feature (sample/features.py) through every path: the eager sampler, the plain draw
-(`takes_plain_draw`, and `GraphDraw.launch`, what a decode step's draw graph captures) and jump-forward
-(`may_jump`). A path takes a row that asks for a feature only where the feature says the path applies it or
-may skip it, and then gives the eager sampler's tokens. Every `SamplingParams` field is some feature's, or
-named here as one that never shapes a draw: a new field forces that decision."""
+(`takes_plain_draw`, and `GraphDraw.launch`, what a decode step's draw graph captures), jump-forward
+(`may_jump`) and speculative verification (`may_verify`). A path takes a row that asks for a feature only
+where the feature says the path applies it or may skip it, and then gives the eager sampler's tokens. Every
+`SamplingParams` field is some feature's, or named here as one that never shapes a draw: a new field forces
+that decision."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from asyncllm.sample.features import FEATURES, Feature, Handling, may_jump, takes_plain_draw
+from asyncllm.sample.features import FEATURES, Feature, Handling, may_jump, may_verify, takes_plain_draw
 from asyncllm.sample.sampler import Sampler, TokenMask
 from asyncllm.sample.state import SamplingState
 from asyncllm.sampling_params import GREEDY_TEMPERATURE, SamplingParams
@@ -199,6 +200,14 @@ def test_jump_forward(feature: Feature, kwargs: dict[str, Any], greedy: bool) ->
 
 
 @pytest.mark.parametrize("greedy", [False, True])
+@pytest.mark.parametrize(("feature", "kwargs"), CASES, ids=lambda c: getattr(c, "name", None) or str(c))
+def test_verification(feature: Feature, kwargs: dict[str, Any], greedy: bool) -> None:
+    """A request asking for the feature gets drafts exactly where the feature allows verification (the
+    tokens it then gives are tests/test_speculative*.py's and tests/structured/test_speculative.py's)."""
+    assert may_verify(_params(kwargs, greedy)) is feature.verify.allows(greedy), (feature.verify, greedy)
+
+
+@pytest.mark.parametrize("greedy", [False, True])
 def test_paths_over_every_pair_of_features(greedy: bool) -> None:
     """Two features together: a path takes the request only where both allow it."""
     for (a, ka), (b, kb) in itertools.combinations(CASES, 2):
@@ -208,6 +217,7 @@ def test_paths_over_every_pair_of_features(greedy: bool) -> None:
         (state,) = _states(params, Sampler(VOCAB, CPU), rows=1)
         assert takes_plain_draw(state) is (a.plain_draw.allows(greedy) and b.plain_draw.allows(greedy)), (a, b)
         assert may_jump(params) is (a.jump_forward.allows(greedy) and b.jump_forward.allows(greedy)), (a, b)
+        assert may_verify(params) is (a.verify.allows(greedy) and b.verify.allows(greedy)), (a, b)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1e-7, GREEDY_TEMPERATURE / 2, GREEDY_TEMPERATURE, 0.05, 1.0])

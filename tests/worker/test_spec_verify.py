@@ -42,3 +42,16 @@ def test_the_draws_past_an_accepted_run_leave_the_penalty_counts() -> None:
     out = VerifiedRead(ReadyStep(ModelRunnerOutput([4, 7, 8, 2])), plan, uncounted.extend).result()
     assert out.accepted == {0: [7]}  # 4 accepted, then the target's 7 where 5 was drafted
     assert uncounted == [(state, 8), (state, 2)]  # the two rows after it were drawn, never output
+
+
+def test_a_cap_ends_the_accepted_run_where_a_grammar_forces_text() -> None:
+    """A constrained row's cap (`draft_rows.py`: the grammar forces text after a draft, jump-forward) stops
+    acceptance there though later drafts equal the draws: the step's output ends with that draft's row's token,
+    and the draws past it are given back as for a rejection."""
+    state = SamplingState.create(SamplingParams(), 0, [1])
+    seqs = [ScheduledSeq("a", [9, 4, 5, 6], 10, [0], True, num_drafts=3)]
+    plan = plan_verify(SchedulerOutput(seqs=seqs, num_draft_tokens=3), [state])
+    state.num_sampled = 14
+    out = VerifiedRead(ReadyStep(ModelRunnerOutput([4, 5, 6, 2])), plan, list, {0: 1}).result()
+    assert out.sampled_token_ids == [4] and out.accepted == {0: [5]}  # 4 accepted, 5 drawn at its row
+    assert state.num_sampled == 12  # two tokens output, two draws

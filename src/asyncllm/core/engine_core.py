@@ -300,10 +300,10 @@ class EngineCore:
                 prompt_logprobs = None
             text, reason = self.output_processor.process_token(request, token_id)
             delta = RequestDelta(request.request_id, [token_id], text)
-            if forced is not None and reason is None and index in forced:
-                reason = self._append_forced(request, forced[index], delta)
             if accepted is not None and reason is None and index in accepted:  # verified drafts, then its own
                 reason = self._append_run(request, accepted[index], delta)
+            if forced is not None and reason is None and index in forced:  # what the grammar forces after those
+                reason = self._append_forced(request, forced[index], delta)
             token_logprobs = all_logprobs[index] if all_logprobs is not None else None
             if token_logprobs is not None:
                 delta.logprobs = [token_logprobs]

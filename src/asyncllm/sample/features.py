@@ -206,14 +206,15 @@ FEATURES: tuple[Feature, ...] = (
         acts=lambda s: s.params.prompt_logprobs is not None,
     ),
     # Structured output: the draw applies the grammar's bitmask row (the graphed draw has none); jump-forward
-    # is the grammar's own path.
+    # is the grammar's own path. A verifying row's mask is the grammar's after the drafts before it (the
+    # matcher accepts them, then rolls back: structured_output/draft_rows.py).
     Feature(
         "structured_output",
         ("json_schema", "regex", "choice", "grammar", "json_object"),
         frozenset({Need.TOKEN_MASK}),
         plain_draw=Handling.NEEDS_EAGER,
         jump_forward=Handling.APPLIES,
-        verify=Handling.NEEDS_EAGER,
+        verify=Handling.APPLIES,
         asked=lambda p: p.structured is not None,
         acts=lambda s: s.constrained,
     ),
@@ -222,8 +223,7 @@ FEATURES: tuple[Feature, ...] = (
 # Why verification may apply a feature: each position's logits are shaped by the row's own parameters alone
 # (temperature, filters, bias), drawn at the offset it would have without drafts; min_tokens counts the rows
 # before it, penalties count the drafts before it, logprobs come from each row; prompt logprobs are scored by
-# the prompt's pass, before any decode carries drafts. Grammars are not wired to the verifying rows yet: those
-# requests get no drafts.
+# the prompt's pass, before any decode carries drafts; a grammar masks each row after the drafts before it.
 
 # Jump-forward asks once per request; the plain draw's gates are worked out once per request too
 # (`_plain_gates`), as they are read for every row of every graphed decode step.

@@ -37,6 +37,7 @@ from asyncllm.step import ModelRunnerOutput, StepResult
 from asyncllm.structured import StructuredOutput
 from asyncllm.structured_output.backend import GrammarBackend
 from asyncllm.structured_output.deferral import settle_lane_rows
+from asyncllm.structured_output.draft_rows import fill_draft_rows
 from asyncllm.structured_output.fill_costs import FillCosts
 from asyncllm.structured_output.grammar_process import GrammarProcess
 from asyncllm.structured_output.host_rows import HostRows, RowsLayout, RowsSegment, host_row_sets
@@ -170,6 +171,13 @@ class GrammarTable:
         return MaskPlan(rows, source, extras, constrained, base + len(extras), follows=follows, num_seqs=num_seqs)
 
     @property
+    def verifies(self) -> bool:
+        """Whether constrained rows may verify drafts (`draft_rows.py`): every matcher is in the step thread,
+        whose rows the draw waits for on the host, and none in the slow lane (whose rows may sit out)."""
+        lane = self._inline.lane
+        return self._process is None and self._waiter is None and (lane is None or not lane.live)
+
+    @property
     def waits_on_device(self) -> bool:
         """Constrained draws may wait for their rows on the device (`awaits`): the rows are shared, on CUDA."""
         return self._waiter is not None
@@ -207,6 +215,8 @@ class GrammarTable:
         if plan.extras:
             for home, (rows, slots) in by_home(plan.extras).items():
                 home.fill(host, rows, slots)
+        if plan.drafted:  # after every token of theirs was accepted (the source's, above)
+            fill_draft_rows(self._inline.matchers, host, plan)
         self._collect(plan, host)
         failed: dict[int, str | AsyncLLMError] = {
             i: grammar.error for i, grammar in plan.constrained if grammar.error is not None

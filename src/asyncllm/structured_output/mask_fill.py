@@ -18,7 +18,7 @@ import torch
 from asyncllm.errors import AsyncLLMError
 from asyncllm.step import ModelRunnerOutput, StepResult
 from asyncllm.structured_output.host_rows import HostRows
-from asyncllm.structured_output.request_grammar import MatcherHome, RequestGrammar
+from asyncllm.structured_output.request_grammar import InlineMatchers, MatcherHome, RequestGrammar
 
 # Jump-forward takes forced runs only after steps that sampled at most this many rows. A run makes the
 # request's next step a multi-token slice, so that step is no longer decode-only (no decode graph, the prompt
@@ -121,6 +121,9 @@ class FillJob:
         if not self.marks:
             self.host.writable()
         homes = self._by_home(output.sampled_token_ids)
+        failed: dict[int, str | AsyncLLMError] = dict(late)
+        if output.accepted:  # verified drafts: the tokens before each run's last go to the matchers first
+            failed.update(self._accept_leading(homes, output.accepted))
         # The grammar process's share first: it works while the step thread does its own.
         jumping = any(g.jumps for g in self.grammars)
         for home in sorted(homes, key=lambda h: not h.beside):
@@ -149,7 +152,6 @@ class FillJob:
             if home.beside:
                 ticket.seq = home.last_seq
         self.marks = {}
-        failed: dict[int, str | AsyncLLMError] = dict(late)
         forced: dict[int, list[int]] = {}
         for home, (rows, slots, _) in homes.items():
             if not rows:  # no step of this job's there (its requests ended): what it holds is another job's
@@ -165,6 +167,29 @@ class FillJob:
             output = replace(output, failed={**(output.failed or {}), **failed} or None, forced=forced or None)
         self._output = output
         return output
+
+    def _accept_leading(
+        self, homes: dict[MatcherHome, tuple[list[int], list[int], list[int]]], accepted: dict[int, list[int]]
+    ) -> dict[int, str | AsyncLLMError]:
+        """A verifying step's accepted runs: each drafted row's own token and its accepted drafts go to its
+        matcher now, and its step's token becomes the run's last (the target's token after them), in place.
+        Only the step thread's matchers verify drafts (`GrammarTable.verifies`). The refusals by sampled row (a
+        token of an accepted run is one its verifying row's mask allowed: a refusal is a bug, ending the request)."""
+        failed: dict[int, str | AsyncLLMError] = {}
+        for home, (rows, slots, tokens) in homes.items():
+            runs = [accepted.get(self._sampled[row], []) for row in rows]
+            if not any(runs):
+                continue
+            assert isinstance(home, InlineMatchers), "drafts are verified with the step thread's matchers only"
+            leading = [[token, *run[:-1]] if run else [] for token, run in zip(tokens, runs)]
+            tokens[:] = [run[-1] if run else token for token, run in zip(tokens, runs)]
+            refused: dict[int, str] = {}
+            for p in range(max(map(len, leading))):  # position by position, one xgrammar call each
+                at = [(slot, run[p]) for slot, run in zip(slots, leading) if len(run) > p]
+                refused.update(home.matchers.accept([slot for slot, _ in at], [token for _, token in at]))
+            row_of = {slot: self._sampled[row] for row, slot in zip(rows, slots)}
+            failed.update((row_of[slot], error) for slot, error in refused.items())
+        return failed
 
     def _late_errors(self, ticket: MarkTicket) -> dict[int, str | AsyncLLMError]:
         """The errors, by sampled row, that the fills of this step's rows reported (their replies come as
@@ -218,3 +243,7 @@ class MaskPlan:
     follows: list[bool] = field(default_factory=list)  # per sampled row: its input is its request's last draw
     num_seqs: int = 0  # the step's sequences (sampled or not)
     deferred: list[int] = field(default_factory=list)  # sampled rows whose draw sits out (`fill`: deferral.py)
+    # Verifying drafts (`draft_rows.py`): (sampled row, bitmask rows, grammar, drafts) of each constrained drafted
+    # sequence; the most drafts a sampled row may accept, where its grammar forces text after one (jump-forward).
+    drafted: list[tuple[int, list[int], RequestGrammar, list[int]]] = field(default_factory=list)
+    draft_caps: dict[int, int] = field(default_factory=dict)

@@ -137,6 +137,13 @@ class MatcherSet:
         if self.backend is not None:
             self._utf8 = self.backend.utf8
 
+    def cursor(self, slot: int) -> tuple[xgr.GrammarMatcher, int] | None:
+        """A made, unfailed, unterminated slot's matcher and UTF-8 state, for drafts (`draft_rows.py`)."""
+        matcher = self._matchers[slot]
+        if matcher is None or not self._ready[slot] or self._terminated[slot]:
+            return None
+        return matcher, int(self._state[slot])
+
     def resolve(self, slots: Sequence[int]) -> None:
         """Make the matchers of `slots` whose compile was pending (waiting for it)."""
         if not self._pending:
@@ -280,7 +287,7 @@ class MatcherSet:
         jumping = taken[self._jumps[s[taken]] & ~self._terminated[s[taken]]] if jump else taken[:0]
         pinned: list[tuple[int, int, int]] = []  # (position, the run's first token, the UTF-8 state before it)
         if len(jumping):
-            forced = self._forced()
+            forced = self.forced_tokens()
             for pos in jumping.tolist():
                 slot = int(s[pos])
                 matcher = self._matchers[slot]
@@ -313,7 +320,7 @@ class MatcherSet:
         """The matchers of `slots`, each made (ready): no None among them."""
         return cast("list[xgr.GrammarMatcher]", [self._matchers[k] for k in slots])
 
-    def _forced(self) -> ForcedTokens:
+    def forced_tokens(self) -> ForcedTokens:
         if self._forced_tokens is None:
             assert self.backend is not None and self._utf8 is not None
             self._forced_tokens = ForcedTokens(self.backend.tokenizer, self._utf8, self._is_stop)

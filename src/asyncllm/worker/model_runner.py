@@ -43,6 +43,7 @@ from asyncllm.sample.sampler import DrawInputs, Sampler, takes_plain_draw
 from asyncllm.sample.state import SamplingState
 from asyncllm.step import ModelRunnerOutput, ReadyStep, SchedulerOutput, StepResult
 from asyncllm.structured_output.backend import GrammarBackend
+from asyncllm.structured_output.draft_rows import plan_draft_rows
 from asyncllm.structured_output.grammar_table import GrammarProcessMode, GrammarTable, MaskPlan
 from asyncllm.worker.buckets import StepShape
 from asyncllm.worker.cuda_graph import CudaGraphRunner
@@ -140,10 +141,11 @@ class ModelRunner:
         self._admit(scheduled)
         sampling = [s.request_id for s in scheduled.seqs if s.sample]
         states = [self.states[r] for r in sampling]
-        # Drafts add logit rows, one per drafted position. Masks are planned per sequence: a step with
-        # constrained rows leaves its drafts unverified (each drafted sequence samples its first row alone).
+        # Drafts add logit rows, one per drafted position; a constrained one's are masked after the drafts before
+        # it (`draft_rows.py`) where the grammars allow it, else the step leaves its drafts unverified (each
+        # drafted sequence samples its first row alone).
         verify = None
-        if scheduled.num_draft_tokens and not any(s.constrained for s in states):
+        if scheduled.num_draft_tokens and (self.grammars.verifies or not any(s.constrained for s in states)):
             verify = plan_verify(scheduled, states)
         if verify is not None:
             states = verify.states  # [R] one per logit row
@@ -204,7 +206,9 @@ class ModelRunner:
         draw = None
         if params is not None:
             draw = params.on_device(stage(params.counters, torch.int64), stage(params.temperatures, torch.float32))
-        rows = stage(plan.rows, torch.int64) if plan is not None else None
+        rows = None
+        if plan is not None:  # verifying: each logit row's, a drafted one's after the drafts before it
+            rows = stage(plan.rows if verify is None else plan_draft_rows(plan, verify.drafts), torch.int64)
         first = stage(verify.first, torch.int64) if verify is not None else None
         return StagedDraw(False, draw, stage(self._latest.slots(sampling), torch.int64), plan, rows, first)
 
@@ -283,8 +287,9 @@ class ModelRunner:
         latest = out.token_ids if draw.first is None else out.token_ids.index_select(0, draw.first)
         self._latest.record(draw.slots, latest)
         sent = self._outputs.send(out.token_ids, out.logprobs_output, failed, forward.prompt, deferred or None)
-        if batch.verify is not None:
-            return VerifiedRead(sent, batch.verify, self.sampler.penalties.uncount)
+        if batch.verify is not None:  # read first: the grammar's matchers take the accepted runs
+            caps = masks.plan.draft_caps if masks is not None else None
+            sent = VerifiedRead(sent, batch.verify, self.sampler.penalties.uncount, caps)
         if masks is None:
             return sent
         return ConstrainedRead(sent, self.grammars.follow(masks.plan, sent), self.grammars)

@@ -56,14 +56,20 @@ class VerifiedRead:
     request's next draw takes the offset it would have without drafts. The request's next step is planned
     only after this read (the scheduler holds a speculative request back while a step of it is in flight)."""
 
-    __slots__ = ("_output", "_plan", "_sent", "_uncount")
+    __slots__ = ("_caps", "_output", "_plan", "_sent", "_uncount")
 
     def __init__(
-        self, sent: StepResult, plan: VerifyPlan, uncount: Callable[[list[tuple[SamplingState, int]]], None]
+        self,
+        sent: StepResult,
+        plan: VerifyPlan,
+        uncount: Callable[[list[tuple[SamplingState, int]]], None],
+        caps: dict[int, int] | None = None,
     ) -> None:
         self._sent = sent
         self._plan = plan
         self._uncount = uncount  # the penalty table's: tokens drawn past an accepted run were never output
+        # Sampled row -> the most drafts it may accept (a grammar forces text after that one: `draft_rows.py`).
+        self._caps = caps or {}
         self._output: ModelRunnerOutput | None = None
 
     def done(self) -> bool:
@@ -86,8 +92,8 @@ class VerifiedRead:
         for i, (row, drafts) in enumerate(zip(plan.first, plan.drafts)):
             if not drafts:
                 continue
-            n = 0
-            while n < len(drafts) and tokens[row + n] == drafts[n]:
+            n, most = 0, self._caps.get(i, len(drafts))
+            while n < most and tokens[row + n] == drafts[n]:
                 n += 1
             if n:
                 accepted[i] = tokens[row + 1 : row + n + 1]

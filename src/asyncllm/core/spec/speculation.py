@@ -47,7 +47,9 @@ class Speculation:
         it asks for is one verification keeps exact (`sample.features.may_verify`). A LoRA request's drafts run
         through its adapter as its other inputs do: the runner maps each sequence's query rows, drafts included,
         to its adapter's slot. A sample's drafts write KV only past its prompt, into blocks it owns alone: its
-        group shares the prompt's full blocks but the one holding its last token (`sample_group.py`)."""
+        group shares the prompt's full blocks but the one holding its last token (`sample_group.py`). A
+        constrained request's drafted rows are masked by its grammar after the drafts before each
+        (`structured_output/draft_rows.py`): a draft the grammar refuses is never accepted."""
         return may_verify(request.params)
 
     def settle(self, scheduled: SchedulerOutput, output: ModelRunnerOutput, requests: dict[str, Request]) -> None:
