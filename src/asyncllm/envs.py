@@ -340,8 +340,8 @@ KV_DISK_LOADS_PER_STEP: EnvVar[int] = EnvVar(
     "ASYNCLLM_KV_DISK_LOADS_PER_STEP",
     256,
     _positive,
-    "blocks one step may read from the disk tier (4 threads) while its request waits; other requests' steps "
-    "wait for the step's reads, so this bounds their stall",
+    "blocks one step may start reading from the disk tier; the reads run on 4 threads beside the steps while "
+    "their requests wait, and later steps start the rest",
 )
 
 ALL: tuple[EnvVar[Any], ...] = (  # every variable, for docs/tuning.md's table and its test

@@ -178,6 +178,141 @@ def test_an_adapters_blocks_never_reach_the_disk() -> None:
     assert executor.copies["offloads"] + executor.copies["ahead"] > 0 and disk == {}
 
 
+def _returning_turn(overlap: bool, read_steps: int = 1) -> tuple[EngineCore, TieredFakeExecutor, list[Request]]:
+    """Two turns of four conversations (their histories evicted to the host tier), then the third turn's
+    requests added, nothing stepped yet: the core, its executor and those requests."""
+    executor = TieredFakeExecutor(tiered_runtime(64, **DEVICE), asynchronous=overlap, read_steps=read_steps)
+    core = make_engine_core(executor, max_num_batched_tokens=32, async_scheduling=overlap)
+    histories = _converse(core, executor, _turns(4, 2, seed=6))
+    ip = InputProcessor(executor.runtime, None)
+    requests = []
+    for c, new in enumerate(_turns(4, 1, seed=7)[0]):
+        requests.append(ip.make_request(f"back{c}", histories[c] + new, SamplingParams(max_tokens=5), 0.0))
+        core.add_request(requests[-1])
+    return core, executor, requests
+
+
+def _run(core: EngineCore, outputs: dict[str, list[int]]) -> None:
+    for _ in range(400):
+        if not core.has_unfinished():
+            return
+        for delta in core.step():
+            outputs.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+        check_block_invariants(core.block_manager, core.scheduler.requests.values(), core.scheduler.held_block_ids())
+    raise AssertionError("the requests did not finish")
+
+
+def _want(executor: FakeExecutor, request: Request) -> list[int]:
+    return reference_tokens(executor.next_token, request.prompt_token_ids, 5, frozenset())
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_restoring_request_computes_only_from_the_next_step(overlap: bool) -> None:
+    """A returning request's restores go out with one step, and it computes from a later one: no step computes
+    on blocks it restores (the fake fails that step), and several requests restore in one step."""
+    core, executor, requests = _returning_turn(overlap)
+    first = len(executor.steps)
+    outputs: dict[str, list[int]] = {}
+    _run(core, outputs)
+    assert all(outputs[r.request_id] == _want(executor, r) for r in requests)
+    steps = executor.steps[first:]
+    restoring = [s for s in steps if s.kv is not None and s.kv.restores]
+    assert restoring and max(len(s.kv.restores) for s in restoring if s.kv is not None) > 4  # several requests
+    for i, step in enumerate(steps):
+        restored = {block_id for _, block_id in step.kv.restores} if step.kv is not None else set()
+        later = [seq for s in steps[i + 1 :] for seq in s.seqs if restored & set(seq.block_ids)]
+        assert not restored or later, "restored blocks no later step computes on"
+    assert core.stats().prefix_cache_host_hit_tokens >= 4 * sum(len(s.kv.restores) for s in restoring if s.kv)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_an_abort_while_its_restore_is_in_flight_frees_its_blocks(overlap: bool) -> None:
+    """A request aborted after the step that restores its prefix went out: its blocks go back (the next step's
+    work comes after the copies), it is never computed, the others' tokens hold, and the host entries it was
+    restoring from serve the same prefix again."""
+    core, executor, requests = _returning_turn(overlap)
+    core.step()
+    kv = executor.submitted[-1].kv
+    restored = {b for _, b in kv.restores} if kv is not None else set()
+    staged = [r for r in requests if restored & set(r.block_ids)]
+    assert staged, "the first step restores no request's prefix"
+    victim = staged[0]
+    assert core.abort(victim.request_id)[0].finish_reason == "abort"
+    check_block_invariants(core.block_manager, core.scheduler.requests.values(), core.scheduler.held_block_ids())
+    outputs: dict[str, list[int]] = {}
+    _run(core, outputs)
+    assert all(seq.request_id != victim.request_id for s in executor.steps for seq in s.seqs)
+    assert all(outputs[r.request_id] == _want(executor, r) for r in requests if r is not victim)
+    assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
+    # The same prefix again: it hits the host entries the aborted request read (or the device's blocks).
+    hits = core.stats().prefix_cache_hit_tokens
+    again = InputProcessor(executor.runtime, None).make_request(
+        "again", victim.prompt_token_ids, SamplingParams(max_tokens=5), 0.0
+    )
+    core.add_request(again)
+    _run(core, outputs)
+    assert outputs["again"] == _want(executor, again)
+    assert core.stats().prefix_cache_hit_tokens > hits
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_request_preempted_before_its_restore_is_used_comes_back_exactly(overlap: bool) -> None:
+    """Memory runs short in the step after a request's restores went out: it is the lowest-ranked running
+    request, preempted before it computed, its blocks freed behind the copies; resumed, its tokens are right."""
+    executor = TieredFakeExecutor(tiered_runtime(64, **{**DEVICE, "num_kv_blocks": 20}), asynchronous=overlap)
+    core = make_engine_core(executor, max_num_batched_tokens=32, max_num_seqs=6, async_scheduling=overlap)
+    histories = _converse(core, executor, _turns(6, 2, seed=8))
+    ip = InputProcessor(executor.runtime, None)
+    requests = [
+        ip.make_request(f"back{c}", histories[c] + new, SamplingParams(max_tokens=12), 0.0)
+        for c, new in enumerate(_turns(6, 1, seed=9)[0])
+    ]
+    for request in requests:
+        core.add_request(request)
+    outputs: dict[str, list[int]] = {}
+    _run(core, outputs)
+    for r in requests:
+        assert outputs[r.request_id] == reference_tokens(executor.next_token, r.prompt_token_ids, 12, frozenset())
+    computed: set[str] = set()
+    preempted_staged = []  # running, and never computed: admitted with its restores, then preempted
+    for step in executor.submitted:
+        preempted_staged += [r for r in step.preempted_request_ids if r not in computed]
+        computed |= {seq.request_id for seq in step.seqs}
+    assert preempted_staged, "no request was preempted between its restores and its first step"
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_slow_disk_reads_run_beside_other_requests_steps(overlap: bool) -> None:
+    """After a restart, reads that take several steps: the requests waiting for them let a new request go
+    first, whose steps run while the reads are out; then they are restored, their tokens those of a recompute."""
+    turns = _turns(3, 3, seed=1)
+    disk: Disk = {}
+    first = TieredFakeExecutor(tiered_runtime(64, disk=disk, **DEVICE), disk=disk)
+    core = make_engine_core(first, max_num_batched_tokens=32)
+    histories = _converse(core, first, turns[:2])
+    core.shutdown()
+    executor = TieredFakeExecutor(
+        tiered_runtime(64, disk=disk, **DEVICE), disk=disk, asynchronous=overlap, read_steps=4
+    )
+    core = make_engine_core(executor, max_num_batched_tokens=32, async_scheduling=overlap)
+    ip = InputProcessor(executor.runtime, None)
+    requests = [
+        ip.make_request(f"back{c}", histories[c] + new, SamplingParams(max_tokens=5), 0.0)
+        for c, new in enumerate(turns[2])
+    ]
+    requests.append(ip.make_request("fresh", [5, 6, 7, 8, 9, 10], SamplingParams(max_tokens=5), 0.0))
+    for request in requests:
+        core.add_request(request)
+    outputs: dict[str, list[int]] = {}
+    _run(core, outputs)
+    assert all(outputs[r.request_id] == _want(executor, r) for r in requests)
+    assert core.stats().prefix_cache_disk_hit_tokens > 0
+    assert executor.steps_computing_while_reading > 0
+    fresh_first = next(i for i, s in enumerate(executor.steps) if any(q.request_id == "fresh" for q in s.seqs))
+    back_first = min(i for i, s in enumerate(executor.steps) for q in s.seqs if q.request_id.startswith("back"))
+    assert fresh_first < back_first  # it arrived last, and went first
+
+
 @pytest.mark.parametrize(
     "make",
     [

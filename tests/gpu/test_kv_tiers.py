@@ -1,5 +1,6 @@
-"""The KV tiers on the GPU: the host pool pinned, its copies on a side stream through a small staging buffer
+"""The KV tiers on the GPU: the host pool pinned, its copies on side streams through a small staging buffer
 (several chunks, runs of slots and scattered ones) byte for byte those of the CPU twin, bfloat16 and FP8 codes;
+restores beside the compute stream until the next step joins them;
 an engine with CUDA graphs and overlapped scheduling (float32) gives the tokens of one without tiers while it
 restores evicted histories from host memory, and from disk after a restart; FP8 codes too."""
 
@@ -45,6 +46,41 @@ def test_side_stream_copies_equal_the_cpu_twin(dtype: torch.dtype) -> None:
         pool.to_device(restores)
         pool.join()
     torch.cuda.synchronize()
+    for (ck, cv), (gk, gv) in zip(cpu_cache, gpu_cache, strict=True):
+        assert torch.equal(gk.cpu().view(torch.uint8), ck.view(torch.uint8))
+        assert torch.equal(gv.cpu().view(torch.uint8), cv.view(torch.uint8))
+    gpu.close()
+
+
+def test_restores_run_beside_the_compute_stream_until_joined() -> None:
+    """Restores go on a stream of their own: work queued on the compute stream after them does not wait for
+    them (the forward pass of the step that issues them), work queued after `join_restores` does (the next
+    step's), and the blocks are then byte for byte the CPU twin's."""
+    from asyncllm.worker.kv_host import HostKVPool
+
+    cpu_cache = random_cache(4, 40, (16, 2, 64), torch.bfloat16)
+    gpu_cache = [(k.cuda(), v.cuda()) for k, v in cpu_cache]
+    cpu, gpu = (HostKVPool(c, 8, torch.device(d)) for c, d in ((cpu_cache, "cpu"), (gpu_cache, "cuda")))
+    for pool in (cpu, gpu):
+        pool.to_host([(b, b) for b in range(8)])
+    gpu.synchronize()
+    restores = [(s, 20 + s) for s in range(8)]
+    cpu.to_device(restores)
+    assert gpu.restore_stream is not None
+    with torch.cuda.stream(gpu.restore_stream):
+        torch.cuda._sleep(400_000_000)  # the restore stream is busy for a while (~0.2 s)
+    gpu.to_device(restores)
+    assert gpu.restoring
+    beside = torch.cuda.Event()
+    beside.record()  # the compute stream, after the restores were issued
+    beside.synchronize()
+    assert not gpu.restore_stream.query(), "the compute stream waited for the restores"
+    gpu.join_restores()
+    assert not gpu.restoring
+    after = torch.cuda.Event()
+    after.record()
+    after.synchronize()
+    assert gpu.restore_stream.query(), "the compute stream ran past the restores after joining them"
     for (ck, cv), (gk, gv) in zip(cpu_cache, gpu_cache, strict=True):
         assert torch.equal(gk.cpu().view(torch.uint8), ck.view(torch.uint8))
         assert torch.equal(gv.cpu().view(torch.uint8), cv.view(torch.uint8))
