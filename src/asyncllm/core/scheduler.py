@@ -182,7 +182,8 @@ class Scheduler(SampledTokens):
 
         # Admit waiting requests in rank order, unless memory was just too short for the running ones. One whose
         # prefix comes back from a tier below the device computes from the next step, within that step's budget.
-        stage_budget, parked = self._prefill_budget(self.limits.max_num_batched_tokens), []
+        staging = self.block_manager.tiers is not None
+        stage_budget, parked = self._prefill_budget(self.limits.max_num_batched_tokens) if staging else 0, []
         while (
             self.waiting
             and not preempted
