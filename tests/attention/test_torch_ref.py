@@ -109,3 +109,14 @@ def test_sliding_window_matches_dense_sdpa(seqs: list[tuple[int, int]], window: 
         out, expected = _run(seqs, 2, 2, torch.float32, block_size, seed, window=window)
         assert not out.isnan().any()
         torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("window", [None, 50])
+def test_long_chunks_attend_in_blocks_of_query_rows(window: int | None) -> None:
+    """Chunks whose [H, Q, K] scores exceed the reference's at-once bound (4 heads x 600 keys: under 440 rows a
+    block) are attended a block of query rows at a time: each row's softmax is its own, so the result is the
+    dense one, with cached keys before the chunk and with a window."""
+    seqs = [(0, 600), (300, 400)]
+    out, expected = _run(seqs, num_kv_heads=2, group=2, dtype=torch.float32, block_size=16, seed=4, window=window)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)

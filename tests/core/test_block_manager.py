@@ -145,6 +145,35 @@ def test_lru_evicts_tail_before_head() -> None:
     check_block_invariants(bm, [c])
 
 
+def test_blocks_holding_no_prefix_are_taken_again_first() -> None:
+    """A freed block no prefix can reuse (prefix caching off, or a partial last block) is the next one taken,
+    before cached blocks and before blocks never written: a CPU cache's pages are committed as blocks are first
+    written, so reusing them keeps resident memory at what requests hold. Cached blocks keep their LRU order."""
+    rng = random.Random(71)
+    bm = BlockManager(16, BS, False)
+    a = _request("a", _prompt(rng, 10))
+    _admit(bm, a)
+    held = sorted(a.block_ids)
+    bm.free(a)
+    b = _request("b", _prompt(rng, 10))
+    _admit(bm, b)
+    assert sorted(b.block_ids) == held
+    check_block_invariants(bm, [b])
+
+    bm = BlockManager(16, BS, True)
+    prompt = _prompt(rng, 10)  # two full blocks (cached) and a partial one
+    a = _request("a", prompt)
+    _admit(bm, a)
+    *full, partial = a.block_ids
+    bm.free(a)
+    c = _request("c", _prompt(rng, 2))
+    assert bm.allocate(c, 2)
+    assert c.block_ids == [partial]
+    again = _request("again", list(prompt))
+    assert [blk.block_id for blk in bm.find_cached_prefix(again)] == full
+    check_block_invariants(bm, [c])
+
+
 def test_chained_hash_needs_the_same_parent() -> None:
     rng = random.Random(8)
     bm = BlockManager(16, BS, True)

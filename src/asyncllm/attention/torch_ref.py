@@ -28,6 +28,12 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, star
     return rows[start - first * block_size : seq_len - first * block_size]
 
 
+# Scores held at once by `attend`, in elements: its query rows go in blocks of at most this many scores (4 MiB
+# of float32). A 512-token prompt chunk of SmolLM2 would otherwise hold [9, 512, 512] scores and their softmax
+# (18 MiB a layer): the largest temporaries of a CPU prompt step, kept by the allocator as resident memory.
+_SCORES_AT_ONCE = 1 << 20
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -39,19 +45,35 @@ def attend(
 ) -> torch.Tensor:
     """q [Q, H, D], k/v [K, Hkv, D] -> [Q, H, D]; query j sits at position causal_offset + j and key i at
     key_start + i; a query sees the keys at or before its position (and, with a window, after position -
-    window). float32 maths. Every query must see at least one key."""
+    window). float32 maths. Every query must see at least one key. Each query row's softmax is its own, so
+    the rows are attended in blocks (`_SCORES_AT_ONCE`)."""
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     group = num_heads // num_kv_heads
-    qf = q.float().transpose(0, 1)  # [H, Q, D]
     kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, K, D]
     vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
-    scores = torch.matmul(qf, kf.transpose(1, 2)) * scale  # [H, Q, K]
+    rows = max(1, _SCORES_AT_ONCE // (num_heads * k.shape[0]))
+    if q.shape[0] <= rows:
+        return _attend_rows(q, kf, vf, scale, causal_offset, window, key_start)
+    out = torch.empty_like(q)
+    for start in range(0, q.shape[0], rows):
+        block = q[start : start + rows]
+        out[start : start + rows] = _attend_rows(block, kf, vf, scale, causal_offset + start, window, key_start)
+    return out
+
+
+def _attend_rows(
+    q: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor, scale: float, causal_offset: int, window: int | None,
+    key_start: int,
+) -> torch.Tensor:  # fmt: skip
+    """`attend` for the query rows q [Q, H, D] against the keys and values as float32 [H, K, D]."""
+    qf = q.float().transpose(0, 1)  # [H, Q, D]
+    scores = torch.matmul(qf, kf.transpose(1, 2)).mul_(scale)  # [H, Q, K]; in place: one temporary fewer
     qpos = torch.arange(q.shape[0], device=q.device)[:, None] + causal_offset
-    kpos = torch.arange(k.shape[0], device=q.device)[None, :] + key_start
+    kpos = torch.arange(kf.shape[1], device=q.device)[None, :] + key_start
     hidden = kpos > qpos
     if window is not None:
         hidden |= kpos <= qpos - window
-    scores = scores.masked_fill(hidden, float("-inf"))
+    scores.masked_fill_(hidden, float("-inf"))
     out = torch.matmul(torch.softmax(scores, dim=-1), vf)  # [H, Q, D]
     return out.transpose(0, 1).to(q.dtype)
 

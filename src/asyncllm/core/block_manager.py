@@ -255,6 +255,8 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block_id] = block
+                if block.block_hash is None:  # nothing a later prefix could reuse: the first block taken again,
+                    self._free.move_to_end(block_id, last=False)  # before a cached one or one never written yet
                 if self.tiers is not None and block.block_hash is not None and not block.pending:
                     self.tiers.freed(block)
 

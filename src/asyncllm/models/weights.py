@@ -133,5 +133,24 @@ def _copy(param: nn.Parameter, tensor: torch.Tensor, hf_name: str) -> None:
             f"checkpoint weight {hf_name!r} has shape {tuple(tensor.shape)}, the model expects "
             f"{tuple(param.shape)}: the config and the weights disagree"
         )
+    if _adoptable(param, tensor):
+        param.data = tensor  # the loader's own copy taken as it is: a second table would add to the load's peak
+        return
     with torch.no_grad():
         param.copy_(tensor)
+
+
+def _adoptable(param: nn.Parameter, tensor: torch.Tensor) -> bool:
+    """Whether the parameter may take `tensor`'s memory instead of a copy: a tensor alone in heap memory it owns
+    whole (a dequantized GGUF weight; not a view of a mapped file, whose storage is not resizable), laid out as
+    the parameter is. On a CPU load the copy would make the largest table (an embedding) resident twice."""
+    storage = tensor.untyped_storage()
+    return (
+        tensor.dtype == param.dtype
+        and tensor.device == param.device
+        and not tensor.requires_grad
+        and tensor.is_contiguous()
+        and tensor.storage_offset() == 0
+        and storage.resizable()
+        and storage.nbytes() == tensor.numel() * tensor.element_size()
+    )
