@@ -4,6 +4,7 @@ one-line InvalidConfigError."""
 from __future__ import annotations
 
 import argparse
+import json
 import pathlib
 
 import pytest
@@ -45,7 +46,13 @@ def test_suffix_takes_vllms_keys_and_defaults(tmp_path: pathlib.Path) -> None:
     ("value", "message"),
     [
         ({"method": "medusa", "num_speculative_tokens": 2}, "method"),
-        ({"method": "eagle3", "num_speculative_tokens": 2}, "method 'eagle3' is not supported yet"),
+        ({"method": "eagle3", "num_speculative_tokens": 2}, r"speculative_config\['model'\]=None"),
+        ({"method": "eagle3", "model": "/no/such/head", "num_speculative_tokens": 2}, "no such head"),
+        ({"method": "eagle3", "model": ".", "num_speculative_tokens": 2}, "config.json"),
+        (
+            {"method": "eagle3", "model": "x", "num_speculative_tokens": 2, "k": 1},
+            "unknown key 'k' for method 'eagle3'",
+        ),
         ({"method": "draft_model", "num_speculative_tokens": 2}, r"speculative_config\['model'\]=None"),
         ({"method": "draft_model", "model": "/no/such/draft", "num_speculative_tokens": 2}, "no such model"),
         ({"model": "/no/such/draft", "num_speculative_tokens": 2}, "no such model"),  # a draft named alone
@@ -98,6 +105,17 @@ def _draft_dir(tmp_path: pathlib.Path) -> pathlib.Path:
     draft.mkdir()
     (draft / "config.json").write_text("{}")  # its contents are checked when the engine builds
     return draft
+
+
+def test_eagle3_takes_vllms_keys(tmp_path: pathlib.Path) -> None:
+    """vLLM's spelling of an EAGLE-3 head: its directory under `model`, as a dict or the command line's JSON."""
+    head = str(_draft_dir(tmp_path))
+    expected = SpeculativeConfig("eagle3", 3, model=head)
+    spec = {"method": "eagle3", "model": head, "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1}
+    for value in (spec, json.dumps(spec)):
+        config = EngineConfig.from_kwargs(str(tmp_path), speculative_config=value)
+        assert config.scheduler_config.speculative == expected
+        assert expected.runs_model
 
 
 def test_draft_model_takes_vllms_keys(tmp_path: pathlib.Path) -> None:

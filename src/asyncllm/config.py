@@ -173,8 +173,9 @@ class SchedulerConfig:
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = arg(
         None,
         'Speculative decoding, as vLLM spells it: {"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_min": 2, "prompt_lookup_max": 5}, {"method": "suffix"} or {"method": "draft_model", '
-        '"model": "path/to/draft", "num_speculative_tokens": 4} (JSON on the command line); the same tokens as '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 5}, {"method": "suffix"}, {"method": "draft_model", '
+        '"model": "path/to/draft", "num_speculative_tokens": 4} or {"method": "eagle3", "model": "path/to/head", '
+        '"num_speculative_tokens": 3} (JSON on the command line); the same tokens as '
         "without it (docs/API.md, Speculative decoding). None: off.",
     )
 

@@ -18,9 +18,9 @@ __all__ = ["MAX_SPECULATIVE_TOKENS", "SpeculativeConfig"]
 
 # Drafts per step: each is a logit row of its step, so past a handful most are rejected anyway.
 MAX_SPECULATIVE_TOKENS = 16
-_SPEC_METHODS_LATER = ("eagle3",)  # the contract's other methods, refused until built
 _SPEC_KEYS = {
     "draft_model": ("method", "model", "num_speculative_tokens", "draft_tensor_parallel_size"),
+    "eagle3": ("method", "model", "num_speculative_tokens", "draft_tensor_parallel_size"),
     "ngram": ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"),
     "suffix": (
         "method",
@@ -43,9 +43,12 @@ class SpeculativeConfig:
     recent requests' outputs (core/spec/suffix.py; the suffix_decoding_* keys).
     "draft_model": drafts from `model`, a smaller checkpoint with the target's vocabulary, run greedily by the
     runner after each step (worker/draft_model.py); its path is checked here, its config when the engine
-    builds (worker/draft_setup.py)."""
+    builds (worker/draft_setup.py).
+    "eagle3": drafts from `model`, an EAGLE-3 head (a directory as vLLM and SGLang load it) fed the target's
+    hidden states, run greedily by the runner after each step (worker/eagle3.py); its path is checked here, its
+    tensors and config against the target when the engine builds (worker/eagle3_setup.py)."""
 
-    method: Literal["ngram", "suffix", "draft_model"]
+    method: Literal["ngram", "suffix", "draft_model", "eagle3"]
     num_speculative_tokens: int
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
@@ -53,7 +56,12 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 10_000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
-    model: str | None = None  # the draft checkpoint ("draft_model" only)
+    model: str | None = None  # the draft checkpoint ("draft_model") or head directory ("eagle3")
+
+    @property
+    def runs_model(self) -> bool:
+        """Whether the runner drafts with a model of its own (the core keeps its proposals)."""
+        return self.method in ("draft_model", "eagle3")
 
     @classmethod
     def parse(cls, value: object) -> SpeculativeConfig | None:
@@ -72,22 +80,18 @@ class SpeculativeConfig:
         method = value.get("method")
         if method is None and "model" in value:  # vLLM's reading of a config that names a draft alone
             method, value = "draft_model", {**value, "method": "draft_model"}
-        if method in _SPEC_METHODS_LATER:
-            raise InvalidConfigError(
-                f"{name}: method {method!r} is not supported yet: use 'ngram', 'suffix' or 'draft_model'"
-            )
         if method not in _SPEC_KEYS:
-            raise invalid(f"{name}['method']", method, "'ngram', 'suffix' or 'draft_model'")
+            raise invalid(f"{name}['method']", method, "'ngram', 'suffix', 'draft_model' or 'eagle3'")
         unknown = sorted(set(value) - set(_SPEC_KEYS[method]))
         if unknown:
             keys = ", ".join(_SPEC_KEYS[method])
             raise InvalidConfigError(f"{name} has unknown key {unknown[0]!r} for method {method!r}: use {keys}")
-        if method == "draft_model":
-            return cls._draft_model(value)
+        if method in ("draft_model", "eagle3"):
+            return cls._draft_model(value, method)
         return cls._suffix(value) if method == "suffix" else cls._ngram(value)
 
     @classmethod
-    def _draft_model(cls, value: dict[str, Any]) -> SpeculativeConfig:
+    def _draft_model(cls, value: dict[str, Any], method: Literal["draft_model", "eagle3"]) -> SpeculativeConfig:
         name = "speculative_config"
         k = _num_tokens(value.get("num_speculative_tokens"))
         tp = value.get("draft_tensor_parallel_size", 1)
@@ -96,13 +100,16 @@ class SpeculativeConfig:
         model = value.get("model")
         if isinstance(model, PurePath):
             model = str(model)
+        key = f"{name}['model']"
+        if method == "eagle3":  # a head's directory: config.json and safetensors
+            if not isinstance(model, str) or not model or not (Path(model).expanduser() / "config.json").is_file():
+                raise invalid(key, model, "an EAGLE-3 head's directory (config.json and safetensors): no such head")
+            return cls("eagle3", k, model=model)
         if not isinstance(model, str) or not model:
-            raise invalid(f"{name}['model']", model, "the draft checkpoint's path (a directory or a .gguf file)")
+            raise invalid(key, model, "the draft checkpoint's path (a directory or a .gguf file)")
         path = Path(model).expanduser()
         if not ((path.is_dir() and (path / "config.json").is_file()) or (path.is_file() and path.suffix == ".gguf")):
-            raise invalid(
-                f"{name}['model']", model, "a checkpoint directory (with config.json) or a .gguf file: no such model"
-            )
+            raise invalid(key, model, "a checkpoint directory (with config.json) or a .gguf file: no such model")
         return cls("draft_model", k, model=model)
 
     @classmethod

@@ -23,6 +23,7 @@ from asyncllm.layers.fusion import Fusable, LaunchesPdl
 from asyncllm.layers.linear import Linear, PackedLinear, gate_up_shards, qkv_shards
 from asyncllm.layers.prologue import PrologueKind, ProloguePair, act_linear, norm_linear
 from asyncllm.layers.rotary import RotaryEmbedding, RotaryInputs, apply_rotary
+from asyncllm.models.aux_hidden import AuxHidden
 from asyncllm.models.base import CausalLM
 from asyncllm.models.config import ModelArchConfig
 from asyncllm.models.family import EmbeddingScale, FamilySpec, GGUFNames, Split, WeightPlan
@@ -251,6 +252,8 @@ class LlamaForCausalLM(CausalLM):
             self.embed_scale: torch.Tensor | None = None  # a plain attribute: embeddings used as they are
         # A CPU decode step in few ops (models/cpu_decode.py), set from outside once loaded; None where it passes.
         self.cpu_decode: Callable[..., torch.Tensor | None] | None = None
+        # The hidden states an EAGLE-3 head reads (models/aux_hidden.py), set from outside; None: none copied.
+        self.aux_hidden: AuxHidden | None = None
 
     def layer_mlp(self, arch: ModelArchConfig, layer: int) -> nn.Module | None:
         """Layer `layer`'s feed-forward block; None: the family's gated MLP (a MoE family returns its experts)."""
@@ -264,17 +267,21 @@ class LlamaForCausalLM(CausalLM):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden], final-normed
         assert len(kv_caches) == len(self.model.layers), (len(kv_caches), len(self.model.layers))
-        decode = self.cpu_decode
-        if decode is not None and (hidden := decode(input_ids, positions, kv_caches, meta)) is not None:
+        decode, aux = self.cpu_decode, self.aux_hidden
+        if decode is not None and aux is None and (hidden := decode(input_ids, positions, kv_caches, meta)) is not None:
             return hidden
         x = self.model.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale.to(x.dtype)
         rope = RotaryInputs(positions, self.rotary_emb)  # looked up at most once, shared by every layer
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
+            if aux is not None:
+                aux.capture(i, x, residual)
             x, residual = layer(x, residual, rope, kv_cache, meta)
         assert residual is not None
+        if aux is not None:
+            aux.capture(len(self.model.layers), x, residual)
         out, _ = self.model.norm(x, residual)
         return out
 

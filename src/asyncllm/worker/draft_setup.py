@@ -23,19 +23,27 @@ from asyncllm.layers.fusion import use_fused_kernels
 from asyncllm.model_loader.base import Checkpoint
 from asyncllm.model_loader.checkpoint import open_checkpoint
 from asyncllm.model_loader.loader import load_model
+from asyncllm.models.base import CausalLM
 from asyncllm.models.config import ModelArchConfig
 from asyncllm.worker.device import ResolvedModel
 from asyncllm.worker.draft_model import DraftModel, LoadedDraft
+from asyncllm.worker.eagle3 import Eagle3Drafter, LoadedEagle3
+from asyncllm.worker.eagle3_setup import load_eagle3
 from asyncllm.worker.kv_cache import KVCacheSpec
 
-__all__ = ["LoadedDraft", "draft_bytes", "load_draft", "make_draft_model"]
+__all__ = ["LoadedDraft", "LoadedEagle3", "draft_bytes", "load_draft", "make_draft_model"]
 
 _KEY = "speculative_config['model']"
 
 
-def load_draft(config: EngineConfig, target: Checkpoint, resolved: ResolvedModel) -> LoadedDraft | None:
-    """The draft model, loaded; None unless `speculative_config`'s method is "draft_model"."""
+def load_draft(
+    config: EngineConfig, target: Checkpoint, resolved: ResolvedModel, module: CausalLM
+) -> LoadedDraft | LoadedEagle3 | None:
+    """The draft model (or "eagle3"'s head: worker/eagle3_setup.py), loaded; None unless `speculative_config`'s
+    method runs one."""
     spec = config.scheduler_config.speculative
+    if spec is not None and spec.method == "eagle3":
+        return load_eagle3(config, module, resolved)
     if spec is None or spec.method != "draft_model":
         return None
     assert spec.model is not None  # SpeculativeConfig checked it
@@ -116,13 +124,19 @@ def _vocab(tokenizer: Any | None) -> dict[str, int] | None:
     return dict(get()) if get is not None else None
 
 
-def draft_bytes(draft: LoadedDraft | None) -> int:
+def draft_bytes(draft: LoadedDraft | LoadedEagle3 | None) -> int:
     """What each block id holds in the draft's cache (0 without a draft): sized within the target's budget."""
     return draft.kv_spec.bytes_per_block if draft is not None else 0
 
 
 def make_draft_model(
-    loaded: LoadedDraft | None, num_blocks: int, max_num_seqs: int, max_seq_len: int, device: torch.device
-) -> DraftModel | None:
-    """The runner's draft model, its cache allocated (None without a draft)."""
+    loaded: LoadedDraft | LoadedEagle3 | None,
+    num_blocks: int,
+    max_num_seqs: int,
+    max_seq_len: int,
+    device: torch.device,
+) -> DraftModel | Eagle3Drafter | None:
+    """The runner's draft model (or EAGLE-3 head), its cache allocated (None without one)."""
+    if isinstance(loaded, LoadedEagle3):
+        return Eagle3Drafter.create(loaded, num_blocks, max_num_seqs, max_seq_len, device)
     return None if loaded is None else DraftModel.create(loaded, num_blocks, max_num_seqs, max_seq_len, device)

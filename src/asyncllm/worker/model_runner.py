@@ -48,6 +48,7 @@ from asyncllm.structured_output.grammar_table import GrammarProcessMode, Grammar
 from asyncllm.worker.buckets import StepShape
 from asyncllm.worker.cuda_graph import CudaGraphRunner
 from asyncllm.worker.draft_model import DraftModel
+from asyncllm.worker.eagle3 import Eagle3Drafter
 from asyncllm.worker.graph_draw import GraphDraw
 from asyncllm.worker.input_batch import InputBuffers, ModelInputs
 from asyncllm.worker.latest_tokens import LatestTokens
@@ -76,7 +77,7 @@ class ModelRunner:
         graph_draw: bool = False,
         awaited_masks: bool = False,
         grammar_slow_fill_s: float | None = None,
-        draft: DraftModel | None = None,
+        draft: DraftModel | Eagle3Drafter | None = None,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -113,7 +114,7 @@ class ModelRunner:
         self._held: HeldDraw | None = None
         self.prompt_scorer = PromptScorer()  # requests whose prompt logprobs are still being scored
         self.loras = loras
-        self.draft = draft  # speculative_config's "draft_model": it follows every step and proposes after it
+        self.draft = draft  # speculative_config's "draft_model" or "eagle3": follows every step, proposes after it
 
     def execute_model(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
         """`submit`, then wait for the step."""
@@ -127,7 +128,7 @@ class ModelRunner:
         self._launch_held()
         batch = self._prepare(scheduled)
         forward = self._launch_forward(batch)
-        if self.draft is not None:  # the draft model's KV for the same tokens (draft_model.py)
+        if self.draft is not None:  # the draft's KV for the same tokens (draft_model.py, eagle3.py)
             self.draft.follow(scheduled, batch.x)
         masks = self._masks(batch)
         step = self._sample(batch, forward, masks)  # the sample phase verifies the step's drafts (spec_verify.py)

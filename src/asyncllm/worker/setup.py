@@ -36,7 +36,7 @@ from asyncllm.structured_output.matcher_set import MAX_FILL_THREADS
 from asyncllm.worker.buckets import Buckets
 from asyncllm.worker.cuda_graph import CudaGraphRunner
 from asyncllm.worker.device import ResolvedModel, check_pdl
-from asyncllm.worker.draft_setup import LoadedDraft, draft_bytes, load_draft, make_draft_model
+from asyncllm.worker.draft_setup import LoadedDraft, LoadedEagle3, draft_bytes, load_draft, make_draft_model
 from asyncllm.worker.gemm_layout import gemv_layers, prologue_layers, set_decode_gemv, tune_linear_layers
 from asyncllm.worker.input_batch import InputBuffers
 from asyncllm.worker.kv_cache import KVCacheSpec, allocate_kv_cache, blocks_for_budget, cpu_kv_blocks
@@ -89,7 +89,7 @@ class LoadedModel:
     model: CausalLM
     backend: AttentionBackend
     loras: LoRAManager | None = None
-    draft: LoadedDraft | None = None  # speculative_config's "draft_model" (worker/draft_setup.py)
+    draft: LoadedDraft | LoadedEagle3 | None = None  # speculative_config's "draft_model" or "eagle3" head
 
 
 class WorkerSetup:
@@ -171,7 +171,7 @@ class WorkerSetup:
             )
             logger.debug("one token row through the GEMV for shapes %s", [s for s, c in choices.items() if c.gemv])
             logger.debug("the op before folded into the GEMV for %d layers", prologue_layers(module))
-        return LoadedModel(module, backend, loras, load_draft(self.config, self.checkpoint, self.resolved))
+        return LoadedModel(module, backend, loras, load_draft(self.config, self.checkpoint, self.resolved, module))
 
     def _lora_manager(self, module: CausalLM) -> LoRAManager | None:
         lora = self.config.lora_config

@@ -32,8 +32,8 @@ class Speculation:
         self.config = config
         inner = make_drafter(config)
         self.drafter = AdaptiveDrafter(inner, config.num_speculative_tokens)
-        # "draft_model": the runner's proposals, kept until the scheduler asks (draft_proposals.py), and the
-        # positions past a sampling step's tokens the draft model writes while it drafts.
+        # "draft_model", "eagle3": the runner's proposals, kept until the scheduler asks (draft_proposals.py), and
+        # the positions past a sampling step's tokens the draft writes while it drafts.
         self.proposals = inner if isinstance(inner, DraftProposals) else None
         self.lookahead = config.num_speculative_tokens if self.proposals is not None else 0
         self.num_draft_tokens = 0  # drafts verified so far
@@ -85,7 +85,7 @@ class Speculation:
 
 def make_drafter(config: SpeculativeConfig) -> Drafter:
     """The drafter of `config.method` (a draft model's: the proposals the runner hands up)."""
-    if config.method == "draft_model":
+    if config.runs_model:  # "draft_model", "eagle3"
         return DraftProposals()
     if config.method == "suffix":
         return SuffixDrafter(

@@ -1,0 +1,160 @@
+"""Speculative decoding with an EAGLE-3 head (`{"method": "eagle3", "model": ...}`) end to end on CPU, with
+tiny random targets and random heads saved as the published ones are (tests/fixtures/eagle3_heads.py): the
+tokens are exactly the engine's without speculation, greedy and seeded; a head that drafts the target's
+commonest token gets drafts accepted; aborts and preemption leave every block free; a head that cannot serve
+the target fails at construction with a one-line InvalidConfigError naming speculative_config['model']."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from asyncllm import LLM, AsyncLLMEngine, SamplingParams
+from asyncllm.config import EngineConfig, SpeculativeConfig
+from asyncllm.errors import InvalidConfigError
+from tests.async_engine.conftest import wait_drained
+from tests.fixtures.eagle3_heads import build_eagle3_head
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7], [11, 12, 13, 14, 15, 16, 17], [3, 4, 3, 4, 3, 4, 3]]
+GREEDY = SamplingParams(max_tokens=40, temperature=0)
+SEEDED = SamplingParams(max_tokens=40, temperature=0.9, seed=7, top_p=0.95)
+ENGINE = dict(num_kv_blocks=96, block_size=4, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def head(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random head for the tiny Qwen3 target over a reduced draft vocabulary (d2t maps it back)."""
+    return build_eagle3_head(tmp_path_factory.mktemp("eagle3") / "head", tiny_model, draft_vocab_size=40)
+
+
+def _spec(head: Path, k: int = 3) -> dict:
+    return {"method": "eagle3", "model": str(head), "num_speculative_tokens": k}
+
+
+def _run(model: Path, params: SamplingParams, spec: dict | None, prompts=PROMPTS, **kw) -> tuple[list, dict]:
+    llm = LLM(str(model), speculative_config=spec, **{**ENGINE, **kw})
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    stats = llm.stats()
+    llm.shutdown()
+    return [[s.token_ids for s in o.outputs] for o in outs], stats
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "serial"])
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_eagle3_gives_the_same_tokens(
+    tiny_model: Path, head: Path, params: SamplingParams, async_scheduling: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ASYNCLLM_ASYNC_SCHEDULING", str(int(async_scheduling)))
+    ref, _ = _run(tiny_model, params, None)
+    outs, stats = _run(tiny_model, params, _spec(head))
+    assert outs == ref
+    assert stats["spec_draft_tokens"] > 0 and stats["spec_num_drafts"] > 0
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+@pytest.mark.parametrize("own_embedding", [False, True], ids=["shared-embedding", "own-embedding"])
+def test_a_head_drafting_the_commonest_token_is_accepted(
+    tiny_checkpoints: dict[str, Path], tmp_path: Path, own_embedding: bool
+) -> None:
+    """A Llama target (untied head); the head always drafts the token the target outputs most: those drafts
+    are accepted, the acceptance counters move, the tokens stay the plain run's. With its own embedding
+    (`embed_tokens.weight`) the head reads that instead of the target's."""
+    target = tiny_checkpoints["llama"]
+    ref, _ = _run(target, GREEDY, None)
+    commonest, count = Counter(t for r in ref for t in r[0]).most_common(1)[0]
+    assert count > 3
+    head = build_eagle3_head(tmp_path / "head", target, constant_draft=commonest, with_embedding=own_embedding)
+    outs, stats = _run(target, GREEDY, _spec(head, k=2))
+    assert outs == ref
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
+    assert stats["spec_accepted_tokens_pos_0"] > 0
+
+
+def test_preemption_and_prefix_hits_keep_the_tokens(tiny_model: Path, head: Path) -> None:
+    """So few blocks that requests are preempted (the head's KV recomputed with the target's on resumption),
+    and a second round hitting the prefix cache: the same tokens, every block back."""
+    prompts = [p * 2 for p in PROMPTS] * 2
+    ref, ref_stats = _run(tiny_model, GREEDY, None, prompts, num_kv_blocks=40)
+    assert ref_stats["num_preemptions"] > 0
+    outs, stats = _run(tiny_model, GREEDY, _spec(head), prompts, num_kv_blocks=40, enable_prefix_caching=True)
+    assert outs == ref
+    assert stats["num_preemptions"] > 0 and stats["spec_draft_tokens"] > 0
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+async def test_cancel_and_break_mid_speculation_free_every_block(tiny_model: Path, head: Path) -> None:
+    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    async with AsyncLLMEngine(str(tiny_model), speculative_config=_spec(head), **ENGINE) as engine:
+
+        async def read(prompt: list[int], n: int) -> int:
+            seen = 0
+            async for chunk in engine.stream(prompt, params):
+                seen += len(chunk.token_ids)
+                if seen >= n:
+                    break
+            return seen
+
+        cancelled = asyncio.ensure_future(read(PROMPTS[0], 10_000))
+        broken = await asyncio.gather(read(PROMPTS[1], 12), read(PROMPTS[2], 30))
+        cancelled.cancel()
+        await asyncio.gather(cancelled, return_exceptions=True)
+        assert min(broken) >= 12
+        stats = await wait_drained(engine, timeout=5)
+        assert stats["spec_draft_tokens"] > 0
+        assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (dict(hidden_size=32, intermediate_size=64), r"hidden states of size 32 .* target's are 64"),
+        (dict(target_hidden_size=48), r"hidden states of size 48"),
+        (dict(vocab_size=500), "vocab_size is 500"),
+        (dict(drop=("fc.weight",)), "fc.weight"),
+        (dict(drop=("midlayer.self_attn.k_proj.weight",)), "k_proj"),
+        (dict(drop=("d2t",), draft_vocab_size=40), "no d2t"),
+        (dict(d2t_shift=10_000), "outside the target's vocabulary"),
+        (dict(eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 9]}), r"\[0, 1, 9\] must be three"),
+        (dict(eagle_config={}), r"default \(2, L // 2, L - 3\)"),  # a 2-layer target: vLLM's default misses
+        (dict(eagle_config={"use_aux_hidden_state": False}), "use_aux_hidden_state"),
+        (dict(architectures=["LlamaForCausalLM"]), "not an EAGLE-3 head"),
+        (dict(num_hidden_layers=2), "num_hidden_layers=2"),
+        (dict(max_position_embeddings=64), r"max_position_embeddings \(64\) is shorter"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "-".join(v),
+)
+def test_a_head_that_cannot_serve_fails_at_construction(
+    tiny_model: Path, tmp_path: Path, build: dict, message: str
+) -> None:
+    head = build_eagle3_head(tmp_path / "head", tiny_model, **build)
+    with pytest.raises(InvalidConfigError, match=message) as info:
+        LLM(str(tiny_model), speculative_config=_spec(head), **ENGINE)
+    assert "\n" not in str(info.value) and "speculative_config['model']" in str(info.value)
+
+
+def test_a_target_whose_hidden_states_cannot_be_read_fails(tiny_checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    target = tiny_checkpoints["gemma3"]  # its layers keep their residual stream otherwise
+    head = build_eagle3_head(tmp_path / "head", target)
+    with pytest.raises(InvalidConfigError, match=r"speculative_config\['model'\]: .*cannot read the hidden states"):
+        LLM(str(target), speculative_config=_spec(head), **ENGINE)
+
+
+def test_the_command_line_flag_takes_an_eagle3_head(tiny_model: Path, head: Path) -> None:
+    from asyncllm.server.engine_flags import add_engine_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    spec = f'{{"method": "eagle3", "model": "{head}", "num_speculative_tokens": 2}}'
+    ns = parser.parse_args(["--speculative-config", spec])
+    assert EngineConfig.from_kwargs(str(tiny_model), **vars(ns)).scheduler_config.speculative == SpeculativeConfig(
+        "eagle3", 2, model=str(head)
+    )
+    llm = LLM(str(tiny_model), speculative_config=ns.speculative_config, **ENGINE)
+    outs = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    stats = llm.stats()
+    llm.shutdown()
+    assert len(outs[0].outputs[0].token_ids) > 0 and stats["spec_draft_tokens"] > 0
