@@ -1,7 +1,9 @@
 """asyncllm beside llama.cpp on a CPU, the same GGUF file (issue 40): greedy decode tok/s over 128 new tokens at
-1 and 2 threads, prompt tok/s for a 512-token prompt, and each engine's peak resident memory.
+1 and 2 threads, prompt tok/s for a 512-token prompt, and each engine's peak resident memory in each.
 
-Each measurement runs in its own process (so peak RSS is that engine's alone), and the engines alternate
+The two parts run in processes of their own, so each peak RSS is that part's alone: the main job (load, then
+chat replies of 128 tokens: what `scripts/chat.sh` does) and the prompt test (load, then distinct 512-token
+prompts; asyncllm keeps each one's KV in its prefix cache, llama.cpp keeps none). The engines alternate
 within every round, so load from other work on the machine falls on both alike; the load average is printed
 beside each row. llama.cpp runs through llama-cpp-python in the interpreter given by --llama-python (a venv
 where `import llama_cpp` works; it needs nothing of asyncllm). Limits: decode and prompt >= 0.8x llama.cpp's
@@ -21,11 +23,18 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 NEW_TOKENS = 128
 PROMPT_TOKENS = 512
 CHAT = "<|im_start|>user\nTell me a story about a dragon.<|im_end|>\n<|im_start|>assistant\n"
 TARGET, AIM, RSS_MARGIN_MB = 0.8, 1.0, 300
+KEYS = {  # figure -> its row's name
+    "decode_tok_s": "decode tok/s",
+    "decode_peak_rss_mb": "peak RSS MB, the main job (load + chat replies)",
+    "prompt_tok_s": "prompt tok/s",
+    "prompt_peak_rss_mb": "peak RSS MB, load + 512-token prompts (ours cached)",
+}
 TWIN = "asyncllm-float32"  # --twin: asyncllm with ASYNCLLM_CPU_INT4=off
 BEFORE = "asyncllm-before"  # --before-src: asyncllm imported from another tree (e.g. `git archive <commit> src`)
 
@@ -40,7 +49,7 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def llama_part(model: str, threads: int, repeats: int) -> dict[str, float]:
+def llama_part(model: str, threads: int, repeats: int, what: str) -> dict[str, float]:
     import llama_cpp.llama as binding
     from llama_cpp import Llama
 
@@ -75,15 +84,10 @@ def llama_part(model: str, threads: int, repeats: int) -> dict[str, float]:
         llm.eval(ids)
         return PROMPT_TOKENS / (time.perf_counter() - start)
 
-    decode(), prompt()  # warm-up
-    return {
-        "decode_tok_s": statistics.median(decode() for _ in range(repeats)),
-        "prompt_tok_s": statistics.median(prompt() for _ in range(repeats)),
-        "peak_rss_mb": peak_rss_mb(),
-    }
+    return _measure(what, decode, prompt, repeats)
 
 
-def asyncllm_part(model: str, threads: int, repeats: int) -> dict[str, float]:
+def asyncllm_part(model: str, threads: int, repeats: int, what: str) -> dict[str, float]:
     from asyncllm import LLM, SamplingParams
 
     llm = LLM(model, device="cpu", num_threads=threads)
@@ -103,21 +107,24 @@ def asyncllm_part(model: str, threads: int, repeats: int) -> dict[str, float]:
         assert m is not None and m.time_to_first_token is not None
         return PROMPT_TOKENS / m.time_to_first_token  # the prompt's forward pass and its one token
 
-    decode(), prompt()
-    out = {
-        "decode_tok_s": statistics.median(decode() for _ in range(repeats)),
-        "prompt_tok_s": statistics.median(prompt() for _ in range(repeats)),
-        "peak_rss_mb": peak_rss_mb(),
-    }
+    out = _measure(what, decode, prompt, repeats)
     llm.shutdown()
     return out
 
 
+def _measure(what: str, decode: Callable[[], float], prompt: Callable[[], float], repeats: int) -> dict[str, float]:
+    """One part's figures: after a warm-up run, the median of `repeats`, and the process's peak RSS."""
+    run = decode if what == "decode" else prompt
+    run()  # warm-up
+    value = statistics.median(run() for _ in range(repeats))
+    return {f"{what}_tok_s": value, f"{what}_peak_rss_mb": peak_rss_mb()}
+
+
 def run_part(
-    python: str, engine: str, model: str, threads: int, repeats: int, before_src: str | None = None
+    python: str, engine: str, model: str, threads: int, repeats: int, what: str, before_src: str | None = None
 ) -> dict[str, float | str]:
     kind = "llama" if engine == "llama" else "asyncllm"
-    cmd = [python, __file__, "--part", kind, model, str(threads), str(repeats)]
+    cmd = [python, __file__, "--part", kind, model, str(threads), str(repeats), what]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     if engine == TWIN:
         env["ASYNCLLM_CPU_INT4"] = "off"  # the dequantized float32 path: main's before issue 40
@@ -139,12 +146,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="measurements per process (median)")
     ap.add_argument("--twin", action="store_true", help="also run asyncllm with ASYNCLLM_CPU_INT4=off (before)")
     ap.add_argument("--before-src", default=None, help="also run asyncllm from DIR/src (another commit's tree)")
-    ap.add_argument("--part", nargs=4, help=argparse.SUPPRESS)  # internal: engine, model, threads, repeats
+    ap.add_argument("--part", nargs=5, help=argparse.SUPPRESS)  # internal: engine, model, threads, repeats, what
     args = ap.parse_args()
     if args.part:
-        engine, model, threads, repeats = args.part
+        engine, model, threads, repeats, what = args.part
         part = llama_part if engine == "llama" else asyncllm_part
-        print(json.dumps(part(model, int(threads), int(repeats))))
+        print(json.dumps(part(model, int(threads), int(repeats), what)))
         return
     if args.model is None:
         from asyncllm.default_model import default_model_path
@@ -162,8 +169,9 @@ def main() -> None:
         for threads in args.threads:
             for engine, python in engines.items():
                 load = os.getloadavg()[0]
-                part = run_part(python, engine, args.model, threads, args.repeats, args.before_src)
-                result = {**part, "load": load}
+                result: dict[str, float | str] = {"load": load}
+                for what in ("decode", "prompt"):
+                    result.update(run_part(python, engine, args.model, threads, args.repeats, what, args.before_src))
                 runs.setdefault((engine, threads), []).append(result)
                 print(f"# round {r} {engine} threads={threads}: {json.dumps(result)}", file=sys.stderr)
     report(runs, args.threads, list(engines))
@@ -180,7 +188,7 @@ def report(runs: dict[tuple[str, int], list[dict[str, float | str]]], threads: l
         _table(runs, threads, name)
     print(json.dumps({"workload": "cpu_vs_llamacpp", "engines": engines, **{
         f"{key}@{t}": {e: _median(runs.get((e, t), []), key) for e in engines}
-        for t in threads for key in ("decode_tok_s", "prompt_tok_s", "peak_rss_mb")}}))  # fmt: skip
+        for t in threads for key in KEYS}}))  # fmt: skip
 
 
 def _fmt(value: float | None) -> str:
@@ -194,13 +202,9 @@ def _table(runs: dict[tuple[str, int], list[dict[str, float | str]]], threads: l
         ours = runs.get((name, t), [])
         theirs = runs.get(("llama", t), [])
         loads = "/".join(f"{float(r['load']):.1f}" for r in theirs + ours)
-        for key, unit in (
-            ("decode_tok_s", "decode tok/s"),
-            ("prompt_tok_s", "prompt tok/s"),
-            ("peak_rss_mb", "peak RSS MB"),
-        ):
+        for key, unit in KEYS.items():
             a, b = _median(theirs, key), _median(ours, key)
-            if key == "peak_rss_mb":
+            if key.endswith("peak_rss_mb"):
                 ok = None if a is None or b is None else b <= a + RSS_MARGIN_MB
                 ratio, limit = ("" if a is None or b is None else f"+{b - a:.0f} MB"), f"<= +{RSS_MARGIN_MB} MB"
             else:
