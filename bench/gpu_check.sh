@@ -7,7 +7,7 @@
 #   8 separate requests, prefix cache on and off, ~3 min), moe (Qwen3-30B-A3B shape, ~6 min), gemma3 (Gemma 3 4B shape, ~3 min), serve (issue 24, ~6 min), w8 (prompt logprobs), lora (~5 min), quant (~15 min), abpeers (W1+W5 of AB_BASE against this tree, then nano-vllm), enginetests, quicktests, attntests, w12var, w2var, sampling, ab (W1 of AB_BASE against this tree), decodesweep, w1big, gemm, pa, w2ab (W1/W2 under graph and scheduling variants), w1prof (W1 plain + under
 #   torch.profiler, ~2 min), w4 (long-context prefill and decode, 16K/32K, two token budgets, ~1 min), and
 #   on two GPUs tptests, tpbench (tensor parallelism); wave4 (issues 41/43/44: their GPU tests, spec_oracle,
-#   embed_throughput, kv_tiers; EMBED_ARGS / KV_TIERS_ARGS narrow them).
+#   embed_throughput, kv_tiers; EMBED_ARGS / KV_TIERS_ARGS narrow them); spec (issue 41: spec_oracle, W1 with ngram off/on).
 # Tuning variables (ASYNCLLM_*, docs/tuning.md) pass through to every step: ASYNCLLM_DECODE_PDL=1 bash bench/gpu_check.sh
 #   w12var; a variant's bench flags take them as --engine-arg with the lower-case name (cuda_graph_max_tokens=0).
 # Set-up here first: rm -rf .peers && cp -r ../shared/peers .peers && cp -r ../shared/models/qwen3-tokenizer .peers/
@@ -245,6 +245,17 @@ if has wave4; then  # issues 41, 43, 44 on the card: their GPU tests, then specu
   while read -r line; do rows+=("embed: $line"); done < <(grep '^{' "$OUT/embed.log")
   (cd bench && timeout "${KV_TIERS_TIMEOUT:-300}" python3 kv_tiers.py ${KV_TIERS_ARGS:-}) 2>&1 | tee "$OUT/kv_tiers.log" | grep -E '^\{|Error' | tail -6
   while read -r line; do rows+=("kv tiers: $line"); done < <(grep '^{' "$OUT/kv_tiers.log")
+fi
+if has spec; then  # issue 41: speculation's ceiling at batch 1 (spec_oracle) and its cost at 256 streams (W1, ngram off/on)
+  (cd bench && timeout 150 python3 spec_oracle.py --shape qwen3-0.6b --k 4 --tokens 256) 2>&1 | tee "$OUT/spec.log" | grep -E '^\{|Error' | tail -3
+  rows+=("spec oracle: $(grep '^{' "$OUT/spec.log" | tail -1)")
+  for round in 1 2; do
+    for mode in off ngram; do
+      extra=(); [ "$mode" = ngram ] && extra=(--engine-arg 'speculative_config={"method": "ngram", "num_speculative_tokens": 4}')
+      (cd bench && timeout 150 python3 w1_throughput.py "${extra[@]}") 2>&1 | tee -a "$OUT/spec_w1.log" | grep -E '^\{|Error' | tail -2
+      rows+=("W1 256 streams, speculation $mode (round $round): $(grep '^{' "$OUT/spec_w1.log" | tail -1 | python3 -c 'import json,sys; d=json.loads(sys.stdin.read()); print(d["output_tok_per_s"], "tok/s")')")
+    done
+  done
 fi
 if has compare; then
   # compare.sh copies $PROJ/src/asyncllm, whose kernels/ is a link here: hand it the overlay's layout instead.
