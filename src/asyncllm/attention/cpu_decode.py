@@ -1,5 +1,6 @@
 """Decode attention over the paged cache in three ops a layer, for the CPU decode path (models/cpu_decode.py):
-one `index_select` per cache gathers the batch's blocks, one `scaled_dot_product_attention` attends.
+one `index_select` per cache gathers the batch's blocks, one `scaled_dot_product_attention` attends; a lone
+sequence in consecutive blocks (a chat's) is attended through views of the cache made once a step.
 
 It takes the steps the torch reference (torch_ref.py, its twin and specification) would batch without any mask:
 every sequence decodes one token and all have the same length, so every gathered key is seen by every query
@@ -18,6 +19,41 @@ def decode_blocks(block_tables: torch.Tensor, seq_len: int, block_size: int) -> 
     """[B * nb] int64: the blocks holding each sequence's `seq_len` keys, row after row (made once a step)."""
     num_blocks = -(-seq_len // block_size)
     return block_tables[:, :num_blocks].reshape(-1).long()
+
+
+def stacked_caches(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
+    """[2 * layers, num_blocks, block_size, Hkv, D]: one view of every layer's keys and values where they lie in
+    one storage in that order (the CPU engine allocates them so: worker/kv_cache.py), else None."""
+    k0 = kv_caches[0][0]
+    per, base, storage = k0.numel(), k0.storage_offset(), k0.untyped_storage().data_ptr()
+    for i, (k, v) in enumerate(kv_caches):
+        for j, cache in enumerate((k, v)):
+            if cache.storage_offset() != base + (2 * i + j) * per or not cache.is_contiguous():
+                return None
+            if cache.untyped_storage().data_ptr() != storage or cache.dtype != k0.dtype or cache.shape != k0.shape:
+                return None
+    return k0.as_strided((2 * len(kv_caches), *k0.shape), (per, *k0.stride()))
+
+
+def sequence_views(stacked: torch.Tensor, blocks: torch.Tensor, batch: int, seq_len: int) -> list[torch.Tensor] | None:
+    """Every layer's keys then values, [1, Hkv, seq_len, D] each (layer i's at 2i and 2i + 1): views of the
+    cache (`stacked_caches`), for a lone sequence whose blocks are consecutive ids (fresh blocks are handed out in
+    order, so a lone chat's mostly are): no gather, and what a layer writes into its cache this step is in its
+    view. Made once a step, in a few ops; None where they do not apply."""
+    if batch != 1 or not len(blocks):
+        return None
+    first, count = int(blocks[0]), len(blocks)
+    if int(blocks[-1]) - first != count - 1 or not bool((blocks.diff() == 1).all()):
+        return None
+    rows = stacked[:, first : first + count].flatten(1, 2)[:, :seq_len]  # [2 layers, L, Hkv, D]
+    return list(rows.transpose(1, 2).unsqueeze(1).unbind(0))  # [1, Hkv, L, D] each, strided: the kernel takes it
+
+
+def attend_views(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """`paged_decode_attention` over one sequence's `sequence_views`: q [1, H, D] -> [1, H * D]."""
+    _, num_heads, head_dim = q.shape
+    qg = q.view(1, k.shape[1], num_heads // k.shape[1], head_dim)
+    return F.scaled_dot_product_attention(qg, k, v, scale=scale).reshape(1, num_heads * head_dim)
 
 
 def _adjacent(k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor | None:

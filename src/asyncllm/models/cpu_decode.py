@@ -22,7 +22,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncllm.attention.backend import AttentionMetadata
-from asyncllm.attention.cpu_decode import decode_blocks, paged_decode_attention
+from asyncllm.attention.cpu_decode import (
+    attend_views,
+    decode_blocks,
+    paged_decode_attention,
+    sequence_views,
+    stacked_caches,
+)
 from asyncllm.attention.layer import KVCache
 from asyncllm.layers.activation import SiluAndMul
 from asyncllm.layers.linear import Linear, PackedLinear
@@ -99,15 +105,19 @@ class CpuDecode:
         self._owners = owners  # (parent, attribute, module) the layers were read from: a swap (LoRA) turns it off
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.eps = arch.rms_norm_eps
+        # The steps' cache list (the runner's, the same every step), its layers as one view (`stacked_caches`; None
+        # where they are not one storage) and each layer's caches as rows by slot: made at the first step.
+        self._stacked: tuple[list[KVCache], torch.Tensor | None, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
 
     def _still_ours(self) -> bool:
         return all(getattr(parent, attr) is module for parent, attr, module in self._owners)
 
     def _norm(self, h: torch.Tensor, weight: torch.Tensor, into: _Proj | None = None) -> torch.Tensor:
-        """rms_norm_ref for float32 rows, without its two identity casts: the same ops in the same order; for an
-        int4 projection `into`, the product stored in its bfloat16 input at once."""
-        normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return weight * normed if into is None else _mul_into(into, weight, normed)
+        """rms_norm_ref for float32 rows in one call of torch's `rms_norm` (on CPU the reference's five ops in one
+        call from Python: tests hold the two paths together); for an int4 projection `into`, rounded to its
+        bfloat16 input as the reference's cast does."""
+        normed = F.rms_norm(h, (h.shape[-1],), weight, self.eps)
+        return normed if into is None or into.int4 is None else normed.to(_INT4_INPUT)
 
     def __call__(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
@@ -124,6 +134,11 @@ class CpuDecode:
         h_q, h_kv, dim = self.num_heads, self.num_kv_heads, self.head_dim
         seq_len = meta.max_seq_len
         blocks = decode_blocks(meta.block_tables, seq_len, k0.shape[1])
+        if self._stacked is None or self._stacked[0] is not kv_caches:  # the same list every step: made once
+            flat = [(k.view(-1, h_kv, dim), v.view(-1, h_kv, dim)) for k, v in kv_caches]  # rows by slot
+            self._stacked = (kv_caches, stacked_caches(kv_caches), flat)
+        _, stacked, flat = self._stacked
+        views = None if stacked is None else sequence_views(stacked, blocks, num_tokens, seq_len)  # None: gathered
         slots = meta.slot_mapping
         cos, sin = rotary.cos_cache[positions], rotary.sin_cache[positions]  # [T, D/2]
         cos2 = torch.cat((cos, cos), dim=-1)[:, None, :]  # [T, 1, D]
@@ -131,14 +146,18 @@ class CpuDecode:
         x = model.model.embed_tokens(input_ids)  # type: ignore[union-attr]
         residual: torch.Tensor | None = None
         qk_rows = (h_q + h_kv) * dim
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             residual = x if residual is None else x + residual  # a bfloat16 x promotes exactly
             qkv = layer.qkv(self._norm(residual, layer.attn_norm, layer.qkv)).float()  # [T, (H + 2 Hkv) D]
             qk = qkv[:, :qk_rows].view(num_tokens, h_q + h_kv, dim)
             qk = qk * cos2 + qk.roll(dim // 2, dims=-1) * sin2  # rotate-half: [x2, x1] against [-s, s]
-            k_cache.view(-1, h_kv, dim).index_copy_(0, slots, qk[:, h_q:])
-            v_cache.view(-1, h_kv, dim).index_copy_(0, slots, qkv[:, qk_rows:].view(num_tokens, h_kv, dim))
-            out = paged_decode_attention(qk[:, :h_q], k_cache, v_cache, blocks, seq_len, layer.scale)
+            k_rows, v_rows = flat[i]
+            k_rows.index_copy_(0, slots, qk[:, h_q:])
+            v_rows.index_copy_(0, slots, qkv[:, qk_rows:].view(num_tokens, h_kv, dim))
+            if views is not None:
+                out = attend_views(qk[:, :h_q], views[2 * i], views[2 * i + 1], layer.scale)
+            else:
+                out = paged_decode_attention(qk[:, :h_q], k_cache, v_cache, blocks, seq_len, layer.scale)
             residual = layer.o(out) + residual
             gate_up = layer.gate_up(self._norm(residual, layer.mlp_norm, layer.gate_up))  # [T, 2I]
             gate, up = gate_up.chunk(2, dim=-1)
