@@ -83,13 +83,6 @@ def test_bad_configs_fail_at_construction(tmp_path, value: object, message: str)
     assert "\n" not in str(info.value)
 
 
-def test_tensor_parallel_is_refused_for_now(tmp_path) -> None:
-    with pytest.raises(InvalidConfigError, match="tensor_parallel_size"):
-        EngineConfig.from_kwargs(
-            str(tmp_path), speculative_config={"method": "ngram", "num_speculative_tokens": 2}, tensor_parallel_size=2
-        )
-
-
 def test_the_command_line_flag_takes_json(tmp_path) -> None:
     from asyncllm.server.engine_flags import add_engine_args
 

@@ -288,12 +288,6 @@ class EngineConfig:
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     lora_config: LoRAConfig = field(default_factory=LoRAConfig)
 
-    def __post_init__(self) -> None:
-        if self.scheduler_config.speculative is not None and self.parallel_config.tensor_parallel_size > 1:
-            raise InvalidConfigError(
-                "speculative_config with tensor_parallel_size > 1 is not supported yet: use tensor_parallel_size=1"
-            )
-
     @classmethod
     def from_kwargs(cls, model: str | Path, **engine_args: Any) -> EngineConfig:
         """Build from `AsyncLLMEngine(model, **engine_args)`; names the first unknown argument."""

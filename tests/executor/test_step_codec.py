@@ -1,6 +1,7 @@
 """The step delta that crosses the ring: every encoded step decodes to the very `SchedulerOutput` the core
-planned, over random runs of new, growing, preempted, resumed, finished and reused requests; a decode step
-costs a few bytes per sequence whatever the tables' length; and a table that shrinks is refused."""
+planned, over random runs of new, growing, preempted, resumed, finished and reused requests (drafts and the
+speculative flag included); a decode step costs a few bytes per sequence whatever the tables' length; and a
+table that shrinks is refused."""
 
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ def runs(draw: st.DrawFn) -> list[SchedulerOutput]:
             prompt = draw(st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=20))
             params = draw(st.sampled_from(_PARAMS))
             seed, lora_id = draw(st.integers(-(2**70), 2**70)), draw(st.sampled_from([0, 0, 1, 7]))
-            out.new_requests.append(NewRequestData(rid, prompt, params, seed, lora_id))
+            speculative = draw(st.booleans())
+            out.new_requests.append(NewRequestData(rid, prompt, params, seed, lora_id, speculative=speculative))
             known.add(rid)
             live[rid] = []
         preempted = {rid for rid in sorted(known) if draw(st.integers(0, 6)) == 0 and live[rid]}
@@ -57,7 +59,11 @@ def runs(draw: st.DrawFn) -> list[SchedulerOutput]:
             tokens = draw(st.lists(st.integers(0, 2**31 - 1), min_size=0, max_size=6))
             tokens.append(draw(st.sampled_from([PLACEHOLDER, 5])))
             start = draw(st.integers(0, 2**31 - 100))
-            out.seqs.append(ScheduledSeq(rid, tokens, start, list(live[rid]), draw(st.booleans())))
+            sample = draw(st.booleans())
+            # Speculative decoding: the last inputs of a sampled sequence may be drafts (up to 16, the config's most).
+            num_drafts = draw(st.integers(0, min(len(tokens) - 1, 16))) if sample else 0
+            out.num_draft_tokens += num_drafts
+            out.seqs.append(ScheduledSeq(rid, tokens, start, list(live[rid]), sample, num_drafts))
         steps.append(out)
     return steps
 
@@ -74,6 +80,7 @@ def test_every_step_round_trips(steps: list[SchedulerOutput]) -> None:
         assert got.finished_request_ids == step.finished_request_ids
         assert got.preempted_request_ids == step.preempted_request_ids
         assert got.seqs == step.seqs
+        assert got.num_draft_tokens == step.num_draft_tokens
 
 
 def _decode_step(n: int, blocks_each: int, pos: int) -> SchedulerOutput:

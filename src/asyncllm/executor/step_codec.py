@@ -9,9 +9,10 @@ byte order (both ends share one host), parameters pickled once per request. Plai
     header   magic, counts: finished, preempted, new requests, seqs, input tokens, new blocks; new bytes
     int32    finished indices | preempted indices
     int32    per seq: index | start_pos | number of inputs | number of new blocks;  uint8 per seq: sample
+             (bit 0) and its drafts (`num_drafts`, speculative decoding: the bits above)
     int32    every seq's inputs, concatenated (PLACEHOLDER is -1) | every seq's new block ids, concatenated
     bytes    per new request: index, prompt length, blob length (int32 x 3) | prompt | pickle((id, params, seed,
-             lora_id))
+             lora_id, speculative))
     bytes    the step's copies to and from the KV tiers (`KVTransfers`), if any (a step without them ends with
              its new requests): counts of offloads, loads, restores, ahead and writes, and the wait flag (uint32
              x 6); then every entry's block or hash and slot as int64 (block hashes use all 64 bits), in that
@@ -19,6 +20,9 @@ byte order (both ends share one host), parameters pickled once per request. Plai
 
 Between steps the ring also carries LoRA adapters added and removed (`encode_lora`: a magic of its own, then
 the pickled command), in order with the steps: every rank loads an adapter before any step naming it.
+
+A step's drafts are inputs like any other, so every rank verifies the same drafts in the same rows; the
+step's `num_draft_tokens` is their sum, recomputed by the decoder.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ _HEADER = struct.Struct("<4s7I")
 _NEW = struct.Struct("<3i")
 _KV = struct.Struct("<6I")
 _DIGEST = 16  # bytes of a block's prefix digest (`block_hash.extend_block_digests`)
+_MAX_DRAFTS = 127  # a seq's drafts share its sample byte (config_speculative.MAX_SPECULATIVE_TOKENS is 16)
 assert array("i").itemsize == 4 and array("B").itemsize == 1 and array("q").itemsize == 8
 
 
@@ -80,7 +85,8 @@ class StepEncoder:
         news: list[bytes] = []
         for new in out.new_requests:
             i = self._assign(new.request_id)
-            blob = pickle.dumps((new.request_id, new.params, new.seed, new.lora_id), protocol=pickle.HIGHEST_PROTOCOL)
+            fields = (new.request_id, new.params, new.seed, new.lora_id, new.speculative)
+            blob = pickle.dumps(fields, protocol=pickle.HIGHEST_PROTOCOL)
             prompt = _int32(new.prompt_token_ids)
             news += (_NEW.pack(i, len(new.prompt_token_ids), len(blob)), prompt, blob)
         preempted = [i for r in out.preempted_request_ids if (i := self._index.get(r)) is not None]
@@ -115,7 +121,9 @@ class StepEncoder:
             len(new_bytes),
         )  # fmt: skip
         columns = finished + preempted + index + [s.start_pos for s in seqs] + num_tokens + num_new_blocks
-        sample = bytes([s.sample for s in seqs])
+        if out.num_draft_tokens and max(s.num_drafts for s in seqs) > _MAX_DRAFTS:
+            raise StepCodecError(f"a sequence carries more than {_MAX_DRAFTS} drafts")
+        sample = bytes([s.sample | s.num_drafts << 1 for s in seqs])
         return b"".join((header, _int32(columns), sample, _int32(tokens + new_blocks), new_bytes, kv))
 
     def _assign(self, request_id: str) -> int:
@@ -185,13 +193,15 @@ class StepDecoder:
                 t += n
         b = n_tok
         seqs = []
+        num_draft_tokens = 0
         for i, start, toks, n, s in zip(index, starts, inputs, num_new_blocks, sample):
             table = tables[i]
             if n:
                 table += values[b : b + n]
                 b += n
-            seqs.append(ScheduledSeq(ids[i], toks, start, table, bool(s)))
-        return SchedulerOutput(seqs, new_requests, finished, preempted, kv=kv)
+            seqs.append(ScheduledSeq(ids[i], toks, start, table, bool(s & 1), s >> 1))
+            num_draft_tokens += s >> 1
+        return SchedulerOutput(seqs, new_requests, finished, preempted, num_draft_tokens, kv)
 
     def _add_new(self, data: bytes, at: int, count: int) -> list[NewRequestData]:
         out = []
@@ -201,14 +211,14 @@ class StepDecoder:
             prompt = array("i")
             prompt.frombytes(data[at : at + 4 * prompt_len])
             at += 4 * prompt_len
-            request_id, params, seed, lora_id = pickle.loads(data[at : at + blob_len])
+            request_id, params, seed, lora_id, speculative = pickle.loads(data[at : at + blob_len])
             at += blob_len
             while len(self._ids) <= i:
                 self._ids.append("")
                 self._tables.append([])
             self._ids[i] = request_id
             self._tables[i] = []
-            out.append(NewRequestData(request_id, prompt.tolist(), params, seed, lora_id))
+            out.append(NewRequestData(request_id, prompt.tolist(), params, seed, lora_id, speculative=speculative))
         return out
 
 

@@ -4,9 +4,10 @@ The process attaches to the ring, joins the engine's process group, builds its `
 (`build_worker`, in lock-step, from rank 0's resolved model and EOS ids; the checkpoint is reopened for its
 weights alone, no config parsed and no tokenizer loaded until a constraint needs one) on its own device,
 then runs every step the ring brings and discards the output (rank 0's is the engine's; every rank samples
-the same tokens from the same gathered logits and seeds). It reports "attached", "ready" or its failure (with
-the traceback) on its report pipe, exits when the ring closes, and exits at once when the pipe from its parent
-closes (the parent died). Knows nothing of scheduling.
+the same tokens from the same gathered logits and seeds, and verifies the same drafts: a step verifying
+drafts is read here, `verify_reads`, as the core reads it on rank 0). It reports "attached", "ready" or its
+failure (with the traceback) on its report pipe, exits when the ring closes, and exits at once when the pipe
+from its parent closes (the parent died). Knows nothing of scheduling.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from asyncllm.config import EngineConfig
 from asyncllm.distributed.parallel_state import ParallelContext, Rendezvous
 from asyncllm.distributed.shm_ring import RingClosedError, RingHandle
 from asyncllm.executor.step_codec import AddLoRA, StepDecoder
+from asyncllm.executor.verify_reads import VerifyReads
 from asyncllm.step import SchedulerOutput
 from asyncllm.worker.device import ResolvedModel
 from asyncllm.worker.worker import Worker
@@ -89,6 +91,7 @@ def run_worker(spec: WorkerSpec, parent_alive: Connection, status: Connection) -
             worker = build_worker(spec.config, checkpoint, resolved, parallel, parallel.min_int)
             _send(status, READY)
             decoder = StepDecoder()
+            reads = VerifyReads()  # the steps verifying drafts, read as rank 0's core reads them
             while True:
                 try:
                     data = reader.read()
@@ -96,7 +99,8 @@ def run_worker(spec: WorkerSpec, parent_alive: Connection, status: Connection) -
                     break  # the engine shut down (or died): every step before was run
                 message = decoder.decode_message(data)
                 if isinstance(message, SchedulerOutput):
-                    worker.submit(message)
+                    reads.before_submit(message)
+                    reads.after_submit(message, worker.submit(message))
                 elif isinstance(message, AddLoRA):
                     worker.add_lora(message.adapter)  # rank 0 loaded it first: the same file loads here
                 else:
