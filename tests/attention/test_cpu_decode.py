@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from asyncllm.attention.cpu_decode import (
-    attend_views,
+    attend_keys,
     decode_blocks,
     paged_decode_attention,
-    sequence_views,
     stacked_caches,
+    step_keys,
 )
 from asyncllm.attention.torch_ref import TorchAttentionBackend
 from tests.fixtures.paged import PagedBatcher
@@ -48,32 +48,33 @@ def test_matches_the_reference_decode(heads, kv_heads, dim, block_size, batch, s
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 16), (6, 1, 8)])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("seq_len", [1, 5, 37])
-def test_a_lone_sequence_in_consecutive_blocks_reads_views_of_the_cache(heads, kv_heads, dim, block_size, seq_len):
-    """Every layer's keys and values in one storage, as the CPU engine allocates them (worker/kv_cache.py): a lone
-    sequence whose blocks are consecutive ids is attended through views made once a step (`sequence_views`),
-    which see what a layer writes after they are made, and give the reference's result; blocks out of order,
-    or a batch, take the gather (None)."""
-    layers, num_blocks, first = 3, 64, 7
+@pytest.mark.parametrize("layout", ["consecutive", "shuffled", "batch"])
+def test_every_layers_keys_taken_once_a_step_give_the_gather(heads, kv_heads, dim, block_size, seq_len, layout):
+    """Every layer's keys and values in one storage, as the CPU engine allocates them (worker/kv_cache.py): taken
+    once a step (`step_keys`) before any layer writes its new token, as views of a lone sequence's consecutive
+    blocks or as one gather (blocks out of order, a batch), then each layer's new key and value written, they
+    give exactly what each layer's own gather gives."""
+    layers, num_blocks = 3, 160
     gen = torch.Generator().manual_seed(heads + dim + block_size + seq_len)
     store = torch.randn(2 * layers, num_blocks, block_size, kv_heads, dim, generator=gen)
     caches = [(store[2 * i], store[2 * i + 1]) for i in range(layers)]
     stacked = stacked_caches(caches)
     assert stacked is not None
-    nb = -(-seq_len // block_size)
-    table = torch.arange(first, first + nb, dtype=torch.int32)[None, :]
+    assert stacked_caches([(store[0], store[2]), (store[1], store[3])]) is None  # not in the engine's order
+    nb, batch = -(-seq_len // block_size), 3 if layout == "batch" else 1
+    shuffled = torch.randperm(num_blocks, generator=gen)[: batch * nb]
+    ids = torch.arange(7, 7 + nb) if layout == "consecutive" else shuffled
+    table = ids.view(batch, nb).to(torch.int32)
     blocks = decode_blocks(table, seq_len, block_size)
-    views = sequence_views(stacked, blocks, 1, seq_len)
-    assert views is not None and len(views) == 2 * layers
-    slot = first * block_size + seq_len - 1  # this step's token, written after the views were made
+    keys = step_keys(stacked, blocks, batch, seq_len)
+    assert keys.copied == ((layout != "consecutive" and nb > 1) or batch > 1)
+    slots = table[:, (seq_len - 1) // block_size].long() * block_size + (seq_len - 1) % block_size
     scale = dim**-0.5
     for i, (k_cache, v_cache) in enumerate(caches):
-        k_cache.view(-1, kv_heads, dim)[slot] = torch.randn(kv_heads, dim, generator=gen)
-        v_cache.view(-1, kv_heads, dim)[slot] = torch.randn(kv_heads, dim, generator=gen)
-        q = torch.randn(1, heads, dim, generator=gen)
-        want = paged_decode_attention(q, k_cache, v_cache, blocks, seq_len, scale)  # the gather
-        torch.testing.assert_close(attend_views(q, views[2 * i], views[2 * i + 1], scale), want, rtol=0, atol=0)
-    if nb > 1:
-        shuffled = blocks.flip(0)
-        assert sequence_views(stacked, shuffled, 1, seq_len) is None
-    assert sequence_views(stacked, torch.cat((blocks, blocks + nb)), 2, seq_len) is None
-    assert stacked_caches([(store[0], store[2]), (store[1], store[3])]) is None  # not in the engine's order
+        k_new, v_new = torch.randn(2, batch, kv_heads, dim, generator=gen)
+        k_cache.view(-1, kv_heads, dim).index_copy_(0, slots, k_new)  # the step's tokens, after the keys were taken
+        v_cache.view(-1, kv_heads, dim).index_copy_(0, slots, v_new)
+        keys.write(i, k_new, v_new)
+        q = torch.randn(batch, heads, dim, generator=gen)
+        want = paged_decode_attention(q, k_cache, v_cache, blocks, seq_len, scale)  # this layer's own gather
+        torch.testing.assert_close(attend_keys(q, keys.kv[2 * i], keys.kv[2 * i + 1], scale), want, rtol=0, atol=0)

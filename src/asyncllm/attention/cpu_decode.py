@@ -1,6 +1,7 @@
 """Decode attention over the paged cache in three ops a layer, for the CPU decode path (models/cpu_decode.py):
-one `index_select` per cache gathers the batch's blocks, one `scaled_dot_product_attention` attends; a lone
-sequence in consecutive blocks (a chat's) is attended through views of the cache made once a step.
+one `index_select` per cache gathers the batch's blocks, one `scaled_dot_product_attention` attends. Where every
+layer's caches lie in one storage (the CPU engine's) the keys of all layers are taken once a step instead
+(`step_keys`: views of a lone sequence's consecutive blocks, else one gather), and a layer only attends.
 
 It takes the steps the torch reference (torch_ref.py, its twin and specification) would batch without any mask:
 every sequence decodes one token and all have the same length, so every gathered key is seen by every query
@@ -10,6 +11,8 @@ Knows nothing of models; a cache in the activations' dtype only (an FP8 cache's 
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -35,25 +38,38 @@ def stacked_caches(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.
     return k0.as_strided((2 * len(kv_caches), *k0.shape), (per, *k0.stride()))
 
 
-def sequence_views(stacked: torch.Tensor, blocks: torch.Tensor, batch: int, seq_len: int) -> list[torch.Tensor] | None:
-    """Every layer's keys then values, [1, Hkv, seq_len, D] each (layer i's at 2i and 2i + 1): views of the
-    cache (`stacked_caches`), for a lone sequence whose blocks are consecutive ids (fresh blocks are handed out in
-    order, so a lone chat's mostly are): no gather, and what a layer writes into its cache this step is in its
-    view. Made once a step, in a few ops; None where they do not apply."""
-    if batch != 1 or not len(blocks):
-        return None
+@dataclass(frozen=True)
+class StepKeys:
+    """Every layer's keys then values for a decode step, [B, Hkv, seq_len, D] each (layer i's at 2i and 2i + 1),
+    made once a step (`step_keys`). `copied`: they are a gathered copy, so each layer also writes its new token's
+    key and value into them (`write`); else they are views of the cache, which see the cache's own writes."""
+
+    kv: list[torch.Tensor]
+    copied: bool
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Layer `layer`'s new keys and values [B, Hkv, D] at each sequence's last position (a copy's only)."""
+        if self.copied:
+            self.kv[2 * layer][:, :, -1] = k
+            self.kv[2 * layer + 1][:, :, -1] = v
+
+
+def step_keys(stacked: torch.Tensor, blocks: torch.Tensor, batch: int, seq_len: int) -> StepKeys:
+    """The step's keys and values from the cache (`stacked_caches`) in a few ops for every layer at once: views
+    where a lone sequence's blocks are consecutive ids (fresh blocks are handed out in order, so a first chat
+    turn's are), else one gather of every layer's blocks (the step's new tokens not yet in it: `StepKeys.write`)."""
     first, count = int(blocks[0]), len(blocks)
-    if int(blocks[-1]) - first != count - 1 or not bool((blocks.diff() == 1).all()):
-        return None
-    rows = stacked[:, first : first + count].flatten(1, 2)[:, :seq_len]  # [2 layers, L, Hkv, D]
-    return list(rows.transpose(1, 2).unsqueeze(1).unbind(0))  # [1, Hkv, L, D] each, strided: the kernel takes it
+    views = batch == 1 and int(blocks[-1]) - first == count - 1 and bool((blocks.diff() == 1).all())
+    rows = stacked[:, first : first + count] if views else stacked.index_select(1, blocks)  # [2L, B * nb, ...]
+    rows = rows.reshape(rows.shape[0], batch, -1, *rows.shape[3:])[:, :, :seq_len]  # [2L, B, L, Hkv, D]
+    return StepKeys(list(rows.transpose(2, 3).unbind(0)), copied=not views)  # [B, Hkv, L, D], strided
 
 
-def attend_views(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """`paged_decode_attention` over one sequence's `sequence_views`: q [1, H, D] -> [1, H * D]."""
-    _, num_heads, head_dim = q.shape
-    qg = q.view(1, k.shape[1], num_heads // k.shape[1], head_dim)
-    return F.scaled_dot_product_attention(qg, k, v, scale=scale).reshape(1, num_heads * head_dim)
+def attend_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """`paged_decode_attention` over one layer's `StepKeys`: q [B, H, D] -> [B, H * D]."""
+    batch, num_heads, head_dim = q.shape
+    qg = q.view(batch, k.shape[1], num_heads // k.shape[1], head_dim)
+    return F.scaled_dot_product_attention(qg, k, v, scale=scale).reshape(batch, num_heads * head_dim)
 
 
 def _adjacent(k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor | None:

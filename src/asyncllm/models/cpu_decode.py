@@ -23,11 +23,11 @@ from torch import nn
 
 from asyncllm.attention.backend import AttentionMetadata
 from asyncllm.attention.cpu_decode import (
-    attend_views,
+    attend_keys,
     decode_blocks,
     paged_decode_attention,
-    sequence_views,
     stacked_caches,
+    step_keys,
 )
 from asyncllm.attention.layer import KVCache
 from asyncllm.layers.activation import SiluAndMul
@@ -138,7 +138,7 @@ class CpuDecode:
             flat = [(k.view(-1, h_kv, dim), v.view(-1, h_kv, dim)) for k, v in kv_caches]  # rows by slot
             self._stacked = (kv_caches, stacked_caches(kv_caches), flat)
         _, stacked, flat = self._stacked
-        views = None if stacked is None else sequence_views(stacked, blocks, num_tokens, seq_len)  # None: gathered
+        keys = None if stacked is None else step_keys(stacked, blocks, num_tokens, seq_len)  # None: by each layer
         slots = meta.slot_mapping
         cos, sin = rotary.cos_cache[positions], rotary.sin_cache[positions]  # [T, D/2]
         cos2 = torch.cat((cos, cos), dim=-1)[:, None, :]  # [T, 1, D]
@@ -151,11 +151,13 @@ class CpuDecode:
             qkv = layer.qkv(self._norm(residual, layer.attn_norm, layer.qkv)).float()  # [T, (H + 2 Hkv) D]
             qk = qkv[:, :qk_rows].view(num_tokens, h_q + h_kv, dim)
             qk = qk * cos2 + qk.roll(dim // 2, dims=-1) * sin2  # rotate-half: [x2, x1] against [-s, s]
+            k_new, v_new = qk[:, h_q:], qkv[:, qk_rows:].view(num_tokens, h_kv, dim)
             k_rows, v_rows = flat[i]
-            k_rows.index_copy_(0, slots, qk[:, h_q:])
-            v_rows.index_copy_(0, slots, qkv[:, qk_rows:].view(num_tokens, h_kv, dim))
-            if views is not None:
-                out = attend_views(qk[:, :h_q], views[2 * i], views[2 * i + 1], layer.scale)
+            k_rows.index_copy_(0, slots, k_new)
+            v_rows.index_copy_(0, slots, v_new)
+            if keys is not None:
+                keys.write(i, k_new, v_new)
+                out = attend_keys(qk[:, :h_q], keys.kv[2 * i], keys.kv[2 * i + 1], layer.scale)
             else:
                 out = paged_decode_attention(qk[:, :h_q], k_cache, v_cache, blocks, seq_len, layer.scale)
             residual = layer.o(out) + residual
