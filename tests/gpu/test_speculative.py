@@ -67,7 +67,13 @@ def test_every_method_gives_the_tokens_without_speculation(
         assert stats["spec_accepted_tokens"] >= 0.9 * stats["spec_draft_tokens"]
 
 
-def test_constrained_drafts_give_the_tokens_without_speculation(tiny_model: Path) -> None:
+@pytest.mark.parametrize("process", ["auto", "on"])
+def test_constrained_drafts_give_the_tokens_without_speculation(
+    tiny_model: Path, process: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Drafted rows masked in the step thread or in the grammar process ("on"), each draw queued behind the
+    device's waits for its homes' rows (structured_output/draft_rows.py)."""
+    monkeypatch.setenv("ASYNCLLM_GRAMMAR_PROCESS", process)
     schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}, "required": ["a"]}
     params = [SamplingParams(max_tokens=40, temperature=t, seed=3, json_schema=schema) for t in (0, 1.0)]
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}

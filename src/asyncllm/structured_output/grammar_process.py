@@ -29,6 +29,7 @@ from asyncllm.structured import StructuredOutput
 from asyncllm.structured_output.backend import GrammarBackend
 from asyncllm.structured_output.grammar_wire import (
     ACCEPTED,
+    DRAFTS,
     FAILED,
     FILL,
     FILLED,
@@ -151,10 +152,23 @@ class GrammarProcess:
         sampled_next: Collection[int] = (),
         jump: bool = True,
         mark: int = 0,
+        leads: list[list[int]] | None = None,
     ) -> None:
-        message = encode_request(STEP, host.index, self._seq + 1, self._ops, rows, slots, tokens, verdict, mark)
+        seq = self._seq + 1
+        message = encode_request(STEP, host.index, seq, self._ops, rows, slots, tokens, verdict, mark, leads)
         if self._send(message):
             self._verdict = self._seq if verdict else None
+
+    def drafts(
+        self, host: HostRows, rows: list[list[int]], slots: list[int], drafts: list[list[int]], jumps: list[bool]
+    ) -> dict[int, int]:
+        """Sent (one DRAFTS message; its rows are waited for as any fill's, by `collect` or the set's mark). Its
+        matchers never jump forward: no caps."""
+        flat_rows = [row for own in rows for row in own]
+        flat_slots = [slot for own, slot in zip(rows, slots) for _ in own]
+        tokens = [token for own, run in zip(rows, drafts) for token in run[: len(own)]]
+        self._send(encode_request(DRAFTS, host.index, self._seq + 1, self._ops, flat_rows, flat_slots, tokens))
+        return {}
 
     def refusals(self) -> dict[int, str]:
         """The last `step`'s refusals when it asked for a verdict (waiting for them); otherwise they come

@@ -171,13 +171,6 @@ class GrammarTable:
         return MaskPlan(rows, source, extras, constrained, base + len(extras), follows=follows, num_seqs=num_seqs)
 
     @property
-    def verifies(self) -> bool:
-        """Whether constrained rows may verify drafts (`draft_rows.py`): every matcher is in the step thread,
-        whose rows the draw waits for on the host, and none in the slow lane (whose rows may sit out)."""
-        lane = self._inline.lane
-        return self._process is None and self._waiter is None and (lane is None or not lane.live)
-
-    @property
     def waits_on_device(self) -> bool:
         """Constrained draws may wait for their rows on the device (`awaits`): the rows are shared, on CUDA."""
         return self._waiter is not None
@@ -216,7 +209,7 @@ class GrammarTable:
             for home, (rows, slots) in by_home(plan.extras).items():
                 home.fill(host, rows, slots)
         if plan.drafted:  # after every token of theirs was accepted (the source's, above)
-            fill_draft_rows(self._inline.matchers, host, plan)
+            fill_draft_rows(host, plan)
         self._collect(plan, host)
         failed: dict[int, str | AsyncLLMError] = {
             i: grammar.error for i, grammar in plan.constrained if grammar.error is not None
@@ -244,6 +237,8 @@ class GrammarTable:
                 for _, grammar in plan.constrained:
                     if grammar.home is home and grammar.slot in errors:
                         grammar.error = grammar.error or errors[grammar.slot]
+        if plan.drafted:  # a drafted request's last token is in (its step was read): before any home's mark
+            fill_draft_rows(host, plan)
         ticket = MarkTicket()
         waits = []
         for home in {grammar.home for _, grammar in plan.constrained if not grammar.removed}:

@@ -14,6 +14,7 @@ import os
 import pickle
 import signal
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -22,9 +23,11 @@ from multiprocessing.connection import Connection
 import numpy as np
 
 from asyncllm.structured_output.backend import GrammarBackend
+from asyncllm.structured_output.draft_fill import accept_runs, fill_after_drafts
 from asyncllm.structured_output.fill_costs import FillCosts, TimedRows
 from asyncllm.structured_output.grammar_wire import (
     ACCEPTED,
+    DRAFTS,
     FAILED,
     FILL,
     FILLED,
@@ -98,6 +101,8 @@ class GrammarWorker:
                 errors = self._step(request, replies)
             elif request.kind == FILL:
                 errors = self._fill(request)
+            elif request.kind == DRAFTS:
+                self._drafts(request)
             self._mark(request)  # the device may read the rows now: it need not wait for the reply's trip
             if self._costs is not None and self.matchers.timer is not None:
                 slow = self._costs.observe(*self.matchers.timer.take())
@@ -114,13 +119,30 @@ class GrammarWorker:
     def _step(self, request: Request, replies: Connection) -> dict[int, str]:
         rows, slots, tokens = request.rows.tolist(), request.slots.tolist(), request.tokens
         assert tokens is not None
+        # A verified step's accepted tokens before each slot's last: the engine's rows were filled after them.
+        led = accept_runs(self.matchers, slots, request.leads) if request.leads else {}
         if request.verdict:  # the engine waits for the refusals: accept every token first
-            refused = self.matchers.accept(slots, tokens.tolist())
+            refused = {**led, **self.matchers.accept(slots, tokens.tolist())}
             replies.send_bytes(encode_reply(ACCEPTED, request.seq, refused))
             return self._fill(request)
         bits, states = self._sets[request.set]
         refused, errors = self.matchers.step(bits, states, rows, slots, tokens.tolist(), self._spread)
-        return {**refused, **errors}
+        return {**led, **refused, **errors}
+
+    def _drafts(self, request: Request) -> None:
+        """Each drafting slot's rows (a run of the request's rows with one slot), filled after its drafts."""
+        bits, states = self._sets[request.set]
+        rows, slots = request.rows.tolist(), request.slots.tolist()
+        assert request.tokens is not None
+        tokens = request.tokens.tolist()
+        start, timer = 0, self.matchers.timer
+        for end in range(1, len(rows) + 1):
+            if end == len(rows) or slots[end] != slots[start]:
+                began = time.thread_time()
+                fill_after_drafts(self.matchers, bits, states, slots[start], rows[start:end], tokens[start:end])
+                if timer is not None:  # a row's cost, as its own rows' (the message's sample of it)
+                    timer.spread([slots[start]], (time.thread_time() - began) / (end - start))
+                start = end
 
     def _fill(self, request: Request) -> dict[int, str]:
         bits, states = self._sets[request.set]

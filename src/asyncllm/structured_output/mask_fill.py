@@ -10,6 +10,7 @@ whoever plans the step.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -18,7 +19,8 @@ import torch
 from asyncllm.errors import AsyncLLMError
 from asyncllm.step import ModelRunnerOutput, StepResult
 from asyncllm.structured_output.host_rows import HostRows
-from asyncllm.structured_output.request_grammar import InlineMatchers, MatcherHome, RequestGrammar
+from asyncllm.structured_output.request_grammar import MatcherHome, RequestGrammar
+from asyncllm.structured_output.slow_lane import DraftRows
 
 # Jump-forward takes forced runs only after steps that sampled at most this many rows. A run makes the
 # request's next step a multi-token slice, so that step is no longer decode-only (no decode graph, the prompt
@@ -122,8 +124,8 @@ class FillJob:
             self.host.writable()
         homes = self._by_home(output.sampled_token_ids)
         failed: dict[int, str | AsyncLLMError] = dict(late)
-        if output.accepted:  # verified drafts: the tokens before each run's last go to the matchers first
-            failed.update(self._accept_leading(homes, output.accepted))
+        # Verified drafts: the tokens before each run's last go to the matchers first (each home's `leads`).
+        leads = self._leads(homes, output.accepted) if output.accepted else {}
         # The grammar process's share first: it works while the step thread does its own.
         jumping = any(g.jumps for g in self.grammars)
         for home in sorted(homes, key=lambda h: not h.beside):
@@ -136,7 +138,7 @@ class FillJob:
             if jumping:
                 jump = self._jump
                 after = {g.slot: g for _, g in self.sampled_next if g.home is home and g.jumps} if jump else {}
-                home.step(self.host, rows, slots, tokens, 0 in tokens, after, jump, mark)
+                home.step(self.host, rows, slots, tokens, 0 in tokens, after, jump, mark, leads.get(home))
                 for slot in after.keys() & home.forced().keys():
                     # That draw repeats the run's first token: its noise offset is the next real draw's, as
                     # when the run is known before the next step is planned (serial scheduling).
@@ -144,7 +146,7 @@ class FillJob:
                     assert state is not None
                     state.num_sampled -= 1
             else:
-                home.step(self.host, rows, slots, tokens, verdict=0 in tokens, mark=mark)
+                home.step(self.host, rows, slots, tokens, verdict=0 in tokens, mark=mark, leads=leads.get(home))
             if ticket is not None and home.beside:
                 ticket.seq = home.last_seq
         for home, (mark, ticket) in self.marks.items():  # homes with no row of this step's: the mark alone
@@ -168,28 +170,20 @@ class FillJob:
         self._output = output
         return output
 
-    def _accept_leading(
+    def _leads(
         self, homes: dict[MatcherHome, tuple[list[int], list[int], list[int]]], accepted: dict[int, list[int]]
-    ) -> dict[int, str | AsyncLLMError]:
-        """A verifying step's accepted runs: each drafted row's own token and its accepted drafts go to its
-        matcher now, and its step's token becomes the run's last (the target's token after them), in place.
-        Only the step thread's matchers verify drafts (`GrammarTable.verifies`). The refusals by sampled row (a
-        token of an accepted run is one its verifying row's mask allowed: a refusal is a bug, ending the request)."""
-        failed: dict[int, str | AsyncLLMError] = {}
-        for home, (rows, slots, tokens) in homes.items():
+    ) -> dict[MatcherHome, list[list[int]]]:
+        """A verifying step's accepted runs, by home: each drafted row's own token and its accepted drafts
+        but the last, which its matchers take before the step's token; that token becomes the run's last (the
+        target's token after them), in place. A refusal among them is reported as any step's (every token of
+        an accepted run is one its verifying row's mask allowed: a refusal is a bug, ending the request)."""
+        out: dict[MatcherHome, list[list[int]]] = {}
+        for home, (rows, _, tokens) in homes.items():
             runs = [accepted.get(self._sampled[row], []) for row in rows]
-            if not any(runs):
-                continue
-            assert isinstance(home, InlineMatchers), "drafts are verified with the step thread's matchers only"
-            leading = [[token, *run[:-1]] if run else [] for token, run in zip(tokens, runs)]
-            tokens[:] = [run[-1] if run else token for token, run in zip(tokens, runs)]
-            refused: dict[int, str] = {}
-            for p in range(max(map(len, leading))):  # position by position, one xgrammar call each
-                at = [(slot, run[p]) for slot, run in zip(slots, leading) if len(run) > p]
-                refused.update(home.matchers.accept([slot for slot, _ in at], [token for _, token in at]))
-            row_of = {slot: self._sampled[row] for row, slot in zip(rows, slots)}
-            failed.update((row_of[slot], error) for slot, error in refused.items())
-        return failed
+            if any(runs):
+                out[home] = [[token, *run[:-1]] if run else [] for token, run in zip(tokens, runs)]
+                tokens[:] = [run[-1] if run else token for token, run in zip(tokens, runs)]
+        return out
 
     def _late_errors(self, ticket: MarkTicket) -> dict[int, str | AsyncLLMError]:
         """The errors, by sampled row, that the fills of this step's rows reported (their replies come as
@@ -244,6 +238,8 @@ class MaskPlan:
     num_seqs: int = 0  # the step's sequences (sampled or not)
     deferred: list[int] = field(default_factory=list)  # sampled rows whose draw sits out (`fill`: deferral.py)
     # Verifying drafts (`draft_rows.py`): (sampled row, bitmask rows, grammar, drafts) of each constrained drafted
-    # sequence; the most drafts a sampled row may accept, where its grammar forces text after one (jump-forward).
+    # sequence; the most drafts a sampled row may accept (where its grammar forces text after one, jump-forward,
+    # or its drafted rows were not filled in time, in the slow lane); the lane's rows under way, by sampled row.
     drafted: list[tuple[int, list[int], RequestGrammar, list[int]]] = field(default_factory=list)
     draft_caps: dict[int, int] = field(default_factory=dict)
+    lane_drafts: dict[int, Future[DraftRows]] = field(default_factory=dict)

@@ -7,6 +7,7 @@ order. Knows nothing of steps' plans or devices: rows and slots are the numbers 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Protocol
 
@@ -15,6 +16,7 @@ import numpy as np
 from asyncllm.errors import AsyncLLMError
 from asyncllm.structured import StructuredOutput
 from asyncllm.structured_output.backend import GrammarBackend
+from asyncllm.structured_output.draft_fill import accept_runs, fill_after_drafts
 from asyncllm.structured_output.fill_costs import FillCosts, TimedRows
 from asyncllm.structured_output.host_rows import HostRows
 from asyncllm.structured_output.matcher_set import BatchFill, Filler, MatcherSet
@@ -49,11 +51,21 @@ class MatcherHome(Protocol):
         sampled_next: Collection[int] = (),
         jump: bool = True,
         mark: int = 0,
+        leads: list[list[int]] | None = None,
     ) -> None:
         """slots[i] accepts tokens[i], then host row rows[i] is filled for slots[i]. `verdict`: `refusals()`
         will be asked for this step's refusals. `sampled_next`: the slots the step planned after this one
         samples (a jumping slot's row there allows its forced run's first token alone). `jump`: False takes
-        no new forced run this step (every slot's next token is drawn). `mark`: then `mark(host, mark)`."""
+        no new forced run this step (every slot's next token is drawn). `mark`: then `mark(host, mark)`.
+        `leads`: slots[i] accepts leads[i] first (a verified step's accepted tokens before its last)."""
+        ...
+
+    def drafts(
+        self, host: HostRows, rows: list[list[int]], slots: list[int], drafts: list[list[int]], jumps: list[bool]
+    ) -> dict[int, int]:
+        """Host rows rows[i][j] filled for slots[i] after drafts[i][: j + 1] (`draft_fill.fill_after_drafts`;
+        the matcher then stands where it stood). The most drafts position i may accept, where jumps[i] and
+        its grammar forces text after one (jump-forward)."""
         ...
 
     def forced(self) -> dict[int, list[int]]:
@@ -130,6 +142,7 @@ class InlineMatchers:
         self.lane: SlowLane | None = None
         self._backend, self._words = backend, words
         self._specs: dict[int, StructuredOutput] = {}  # slot -> its constraint, while costs are watched
+        self._found_slow: set[int] = set()  # slots found slow by their drafted rows, to move to the lane
         if self.costs is not None:
             self.matchers.timer = TimedRows()
 
@@ -160,6 +173,7 @@ class InlineMatchers:
         if self.costs is not None:
             self.costs.forget(slot)
             self._specs.pop(slot, None)
+            self._found_slow.discard(slot)
         self._errors.pop(slot, None)  # the slot may serve another request before the next collect
         self._refused.pop(slot, None)
         self._free.append(slot)
@@ -174,11 +188,14 @@ class InlineMatchers:
         sampled_next: Collection[int] = (),
         jump: bool = True,
         mark: int = 0,
+        leads: list[list[int]] | None = None,
     ) -> None:
         refused: dict[int, str] = {}
         if self.lane is not None and self.lane.live:
-            rows, slots, tokens, refused = self._to_lane(rows, slots, tokens, verdict)
+            rows, slots, tokens, leads, refused = self._to_lane(rows, slots, tokens, verdict, leads)
         matchers = self.matchers
+        if leads:
+            refused.update(accept_runs(matchers, slots, leads))
         self._refused, errors = matchers.step(
             host.bits_np, host.states_np, rows, slots, tokens, self._spread, sampled_next, jump
         )
@@ -207,39 +224,58 @@ class InlineMatchers:
         if self.costs is not None:
             self._watch(host, rows, slots)
 
+    def drafts(
+        self, host: HostRows, rows: list[list[int]], slots: list[int], drafts: list[list[int]], jumps: list[bool]
+    ) -> dict[int, int]:
+        caps: dict[int, int] = {}
+        clock = time.thread_time
+        for i, (own, slot, tokens, jump) in enumerate(zip(rows, slots, drafts, jumps)):
+            assert not self.in_lane(slot), "the lane's drafted rows are its own (`SlowLane.draft`)"
+            start = clock()
+            cap = fill_after_drafts(self.matchers, host.bits_np, host.states_np, slot, own, tokens, jump)
+            if cap is not None:
+                caps[i] = cap
+            if self.costs is not None and self.costs.observe([slot], [(clock() - start) / len(own)]):
+                self._found_slow.add(slot)  # a row's cost, as its own rows': it moves when its next row is filled
+        return caps
+
     def take_lane_row(self, host: HostRows, row: int, slot: int) -> str | None:
         """Host row `row` is the lane slot's next row (waited for if need be); why its request cannot go on."""
         assert self.lane is not None
         return self.lane.take(slot, host.bits_np, host.states_np, row)
 
     def _to_lane(
-        self, rows: list[int], slots: list[int], tokens: list[int], verdict: bool
-    ) -> tuple[list[int], list[int], list[int], dict[int, str]]:
-        """Hand the lane its slots' tokens; the rest of (rows, slots, tokens), and the lane's refusals where a
-        verdict is asked for one of them (its row allowed nothing: it drew token 0)."""
+        self, rows: list[int], slots: list[int], tokens: list[int], verdict: bool, leads: list[list[int]] | None
+    ) -> tuple[list[int], list[int], list[int], list[list[int]] | None, dict[int, str]]:
+        """Hand the lane its slots' tokens (and leads); the rest of (rows, slots, tokens, leads), and the lane's
+        refusals where a verdict is asked for one of them (its row allowed nothing: it drew token 0)."""
         lane = self.lane
         assert lane is not None
         mine = [i for i, slot in enumerate(slots) if slot in lane]
         if not mine:
-            return rows, slots, tokens, {}
-        lane.step([slots[i] for i in mine], [tokens[i] for i in mine])
+            return rows, slots, tokens, leads, {}
+        lane.step([slots[i] for i in mine], [tokens[i] for i in mine], [leads[i] for i in mine] if leads else None)
         zeros = [slots[i] for i in mine if tokens[i] == 0] if verdict else []
         refused = lane.refusals(zeros) if zeros else {}
         rest = [i for i in range(len(slots)) if slots[i] not in lane]
-        return [rows[i] for i in rest], [slots[i] for i in rest], [tokens[i] for i in rest], refused
+        kept = [leads[i] for i in rest] if leads else None
+        return [rows[i] for i in rest], [slots[i] for i in rest], [tokens[i] for i in rest], kept, refused
 
     def _watch(self, host: HostRows, rows: list[int], slots: list[int]) -> None:
         """Fold the rows just timed into their requests' costs; move those that turned slow to the lane,
         with the row just filled for them (a jumping one stays), and remember their constraints."""
         assert self.costs is not None and self.matchers.timer is not None
         timed, seconds = self.matchers.timer.take()
-        slow = self.costs.observe(timed, seconds)
+        slow = set(self.costs.observe(timed, seconds)) | self._found_slow
         if not slow:
             return
         row_of = dict(zip(slots, rows))
         for slot in slow:
             self.costs.mark_slow(self._specs[slot])
-            moved = self.matchers.detach(slot) if slot in row_of else None
+            if slot not in row_of:  # found slow filling its drafted rows: moved with its next row
+                continue
+            self._found_slow.discard(slot)
+            moved = self.matchers.detach(slot)
             if moved is not None:
                 row = row_of[slot]
                 self._lane().attach(slot, moved, host.bits_np[row], int(host.states_np[row]))

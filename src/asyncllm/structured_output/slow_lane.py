@@ -10,8 +10,10 @@ thread runs the lane's work in the order handed: a slot's matcher is only ever t
 reused for another request finds the previous one's work done first. The lane remembers where the first
 tokens of its constraints lead (`SEEN_PATHS`): a request whose output so far is one seen before takes a copy
 of that matcher and its row (xgrammar's `fork`, ~1 ms at a 20,000-string enum's widest state, against 4-10 ms
-to accept and fill there), so many requests with one slow constraint cost about what one costs. Knows nothing
-of steps' plans or devices.
+to accept and fill there), so many requests with one slow constraint cost about what one costs. Speculative
+decoding: a step's accepted tokens before its last come with it (`step`'s `leads`), and a request's drafted
+rows are filled in the lane too (`draft`), handed back as a future the step takes only if done by its draw.
+Knows nothing of steps' plans or devices.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import numpy as np
 
 from asyncllm.structured import StructuredOutput
 from asyncllm.structured_output.backend import GrammarBackend
+from asyncllm.structured_output.draft_fill import accept_runs, fill_after_drafts
 from asyncllm.structured_output.matcher_set import BatchFill, MatcherSet
 
 Moved = tuple[object, int, str]  # `MatcherSet.detach`'s: the matcher, its UTF-8 state, its field
@@ -43,6 +46,7 @@ SEEN_PATHS = 128
 SEEN_TOKENS = 8
 
 Path = tuple[StructuredOutput, tuple[int, ...]]
+DraftRows = tuple[np.ndarray, np.ndarray]  # a request's drafted rows: bits [k, words] int32, states [k] int64
 
 
 class SlowLane:
@@ -83,11 +87,17 @@ class SlowLane:
         del self._last[slot]
         self._pool.submit(self._remove, slot)
 
-    def step(self, slots: list[int], tokens: list[int]) -> None:
-        """slots[i] accepts tokens[i], then its next row is filled (in the lane, in order)."""
-        future = self._pool.submit(self._step, slots, tokens)
+    def step(self, slots: list[int], tokens: list[int], leads: list[list[int]] | None = None) -> None:
+        """slots[i] accepts leads[i] (a verified step's accepted tokens before its last), then tokens[i], then its
+        next row is filled (in the lane, in order)."""
+        future = self._pool.submit(self._step, slots, tokens, leads or [[] for _ in slots])
         for slot in slots:
             self._last[slot] = future
+
+    def draft(self, slot: int, drafts: list[int]) -> Future[DraftRows]:
+        """The slot's rows after each of `drafts` (`fill_after_drafts`), filled in the lane after the work handed
+        so far (its matcher then stands where it stood). Not the slot's next row: `ready` and `take` ignore it."""
+        return self._pool.submit(self._draft, slot, drafts)
 
     def ready(self, slot: int) -> bool:
         """The slot's next row is filled: `take` will not wait."""
@@ -137,23 +147,31 @@ class SlowLane:
         self._refused.pop(slot, None)
         self._paths.pop(slot, None)
 
-    def _step(self, slots: list[int], tokens: list[int]) -> None:
+    def _step(self, slots: list[int], tokens: list[int], leads: list[list[int]]) -> None:
         todo: list[int] = []
         for i, (slot, token) in enumerate(zip(slots, tokens)):
             path = self._paths.get(slot)
-            path = self._paths[slot] = (path[0], (*path[1], token)) if path and len(path[1]) < SEEN_TOKENS else None
+            more = (*path[1], *leads[i], token) if path else ()
+            path = self._paths[slot] = (path[0], more) if path and len(more) <= SEEN_TOKENS else None
             if path is None or not self._reuse(slot, path, path[0].field):
                 todo.append(i)
         if not todo:
             return
         slots, tokens = [slots[i] for i in todo], [tokens[i] for i in todo]
+        refused = accept_runs(self._matchers, slots, [leads[i] for i in todo])
         bits, states = self._blank(len(slots))
-        refused, errors = self._matchers.step(bits, states, list(range(len(slots))), slots, tokens, self._spread)
+        stepped, errors = self._matchers.step(bits, states, list(range(len(slots))), slots, tokens, self._spread)
+        refused.update(stepped)
         for i, slot in enumerate(slots):
             self._rows[slot] = (bits[i], int(states[i]), errors.get(slot))
             if slot not in refused and slot not in errors:
                 self._remember(slot)
         self._refused.update(refused)
+
+    def _draft(self, slot: int, drafts: list[int]) -> DraftRows:
+        bits, states = self._blank(len(drafts))
+        fill_after_drafts(self._matchers, bits, states, slot, range(len(drafts)), drafts)  # the lane never jumps
+        return bits, states
 
     def _reuse(self, slot: int, path: Path, field: str) -> bool:
         """Give `slot` the matcher and row of `path`, if seen: True; else False (nothing changed)."""

@@ -143,11 +143,8 @@ class ModelRunner:
         sampling = [s.request_id for s in scheduled.seqs if s.sample]
         states = [self.states[r] for r in sampling]
         # Drafts add logit rows, one per drafted position; a constrained one's are masked after the drafts before
-        # it (`draft_rows.py`) where the grammars allow it, else the step leaves its drafts unverified (each
-        # drafted sequence samples its first row alone).
-        verify = None
-        if scheduled.num_draft_tokens and (self.grammars.verifies or not any(s.constrained for s in states)):
-            verify = plan_verify(scheduled, states)
+        # it (`draft_rows.py`).
+        verify = plan_verify(scheduled, states) if scheduled.num_draft_tokens else None
         if verify is not None:
             states = verify.states  # [R] one per logit row
         scoring = self.prompt_scorer.plan(scheduled) if self.prompt_scorer else None
@@ -282,7 +279,8 @@ class ModelRunner:
             mask, failed = self.grammars.fill(masks.plan, masks.rows)
             deferred = masks.plan.deferred  # rows whose mask is still being filled in the slow lane: no token
         before = batch.verify.before if batch.verify is not None else None
-        out = self.sampler(forward.logits, batch.states, draw.params, mask, deferred, before)
+        skip = batch.verify.rows_of(deferred) if batch.verify is not None else deferred  # logit rows
+        out = self.sampler(forward.logits, batch.states, draw.params, mask, skip, before)
         # Verifying drafts: each sequence's first row is recorded (a drafted request's latest token is never
         # fed from here: its next step is planned after the read, from the tokens it accepted).
         latest = out.token_ids if draw.first is None else out.token_ids.index_select(0, draw.first)

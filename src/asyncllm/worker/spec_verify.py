@@ -12,7 +12,7 @@ token is a draw of the target's). Knows nothing of models or the core's requests
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from asyncllm.sample.state import SamplingState
 from asyncllm.step import ModelRunnerOutput, SchedulerOutput, StepResult
@@ -27,6 +27,10 @@ class VerifyPlan:
     first: list[int]  # [S] each sampled sequence's first row
     drafts: list[list[int]]  # [S] each sampled sequence's drafts ([] for a plain row)
     before: list[list[int]]  # [R] the drafts each row's draw follows in this step (row j: the first j)
+
+    def rows_of(self, sequences: list[int]) -> list[int]:
+        """The logit rows of these sampled sequences (a draw that sits out skips every row of its sequence)."""
+        return [r for i in sequences for r in range(self.first[i], self.first[i] + 1 + len(self.drafts[i]))]
 
 
 def plan_verify(scheduled: SchedulerOutput, states: list[SamplingState]) -> VerifyPlan:
@@ -89,8 +93,9 @@ class VerifiedRead:
         accepted: dict[int, list[int]] = {}
         accepted_logprobs: dict[int, list[dict[int, float] | None]] = {}
         never_output: list[tuple[SamplingState, int]] = []  # (state, token) of rows past an accepted run
+        sat_out = set(out.deferred or ())  # no row of theirs counted a draw (the sampler skipped them)
         for i, (row, drafts) in enumerate(zip(plan.first, plan.drafts)):
-            if not drafts:
+            if not drafts or i in sat_out:
                 continue
             n, most = 0, self._caps.get(i, len(drafts))
             while n < most and tokens[row + n] == drafts[n]:
@@ -104,12 +109,10 @@ class VerifiedRead:
                 never_output += [(plan.states[row], tokens[r]) for r in range(row + n + 1, row + len(drafts) + 1)]
         if never_output:
             self._uncount(never_output)
-        return ModelRunnerOutput(
-            [tokens[r] for r in plan.first],
-            [logprobs[r] for r in plan.first] if logprobs is not None else None,
-            out.failed,
-            out.prompt_logprobs,
-            out.forced,
-            accepted or None,
-            accepted_logprobs or None,
+        return replace(  # the rest (failures, sat-out rows, ...) as they came, by sampled sequence
+            out,
+            sampled_token_ids=[tokens[r] for r in plan.first],
+            logprobs=[logprobs[r] for r in plan.first] if logprobs is not None else None,
+            accepted=accepted or None,
+            accepted_logprobs=accepted_logprobs or None,
         )

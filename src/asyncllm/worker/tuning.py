@@ -29,10 +29,7 @@ class WorkerTuning:
 
     @classmethod
     def read(cls, config: EngineConfig) -> WorkerTuning:
-        """The variables now (a bad value raises `InvalidConfigError` naming it). With speculative decoding the
-        grammar matchers stay in the step thread and no slow lane is kept: drafted constrained rows are masked
-        there, and no row of theirs may sit out (structured_output/draft_rows.py)."""
-        speculates = config.scheduler_config.speculative is not None
+        """The variables now (a bad value raises `InvalidConfigError` naming it)."""
         return cls(
             decode_gemv=envs.DECODE_GEMV.get(),
             decode_pdl=envs.DECODE_PDL.get(),
@@ -40,8 +37,8 @@ class WorkerTuning:
             cascade_attention=envs.CASCADE_ATTENTION.get(),
             cuda_graph_sampling=envs.CUDA_GRAPH_SAMPLING.get(),
             cuda_graph_max_tokens=config.graph_max_tokens(envs.CUDA_GRAPH_MAX_TOKENS.get()),
-            grammar_process=GrammarProcessChoice.OFF if speculates else envs.GRAMMAR_PROCESS.get(),
+            grammar_process=envs.GRAMMAR_PROCESS.get(),
             grammar_process_threads=envs.GRAMMAR_PROCESS_THREADS.get(),
             jump_forward=envs.JUMP_FORWARD.get(),
-            grammar_slow_fill_s=None if speculates else envs.grammar_slow_fill_s(),
+            grammar_slow_fill_s=envs.grammar_slow_fill_s(),
         )

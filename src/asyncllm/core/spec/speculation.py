@@ -59,6 +59,7 @@ class Speculation:
         accepted, offered = output.accepted, output.drafts
         if not scheduled.num_draft_tokens and not offered:
             return
+        sat_out = set(output.deferred or ())  # its constraint's mask was not ready: its drafts were not verified
         index = -1
         for seq in scheduled.seqs:
             if not seq.sample:
@@ -68,7 +69,7 @@ class Speculation:
                 live = requests.get(seq.request_id)
                 if live is not None and live.status is RequestStatus.RUNNING:
                     self.proposals.offer(seq.request_id, live.all_token_ids, offered[index])
-            if not seq.num_drafts:
+            if not seq.num_drafts or index in sat_out:
                 continue
             num_accepted = len(accepted.get(index, ())) if accepted is not None else 0
             self.num_draft_tokens += seq.num_drafts
