@@ -12,6 +12,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 
 from asyncllm import LLM, AsyncLLMEngine, SamplingParams
 from asyncllm.config import EngineConfig, SpeculativeConfig
@@ -158,3 +159,33 @@ def test_the_command_line_flag_takes_an_eagle3_head(tiny_model: Path, head: Path
     stats = llm.stats()
     llm.shutdown()
     assert len(outs[0].outputs[0].token_ids) > 0 and stats["spec_draft_tokens"] > 0
+
+
+def test_the_heads_kv_follows_the_accepted_tokens(
+    tiny_checkpoints: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bug: after a step that accepted drafts, the head's pass over the accepted run left out the step's own
+    token (`accepted` holds the tokens after it), so its KV at each of those positions was computed from the
+    token two ahead and the last position's from none (drafts then followed the wrong state; the output was
+    unchanged, acceptance fell). Every position's last head write before the end must take the token after it."""
+    from asyncllm.models.eagle3 import Eagle3Head
+
+    target = tiny_checkpoints["llama"]
+    ref, _ = _run(target, GREEDY, None, PROMPTS[:1])
+    commonest = Counter(ref[0][0]).most_common(1)[0][0]
+    head = build_eagle3_head(tmp_path / "head", target, constant_draft=commonest, with_embedding=True)
+    writes: dict[int, int] = {}  # position -> the token of its latest head pass
+    forward = Eagle3Head.forward
+
+    def recording(self: Eagle3Head, embeds, hidden, positions, kv_cache, meta):  # type: ignore[no-untyped-def]
+        assert self.embed_tokens is not None
+        tokens = torch.cdist(embeds.float(), self.embed_tokens.weight.float()).argmin(dim=-1)  # exact rows
+        writes.update(zip(positions.tolist(), tokens.tolist()))
+        return forward(self, embeds, hidden, positions, kv_cache, meta)
+
+    monkeypatch.setattr(Eagle3Head, "forward", recording)
+    outs, stats = _run(target, GREEDY, _spec(head, k=2), PROMPTS[:1])
+    assert outs == ref and stats["spec_accepted_tokens"] > 0
+    tokens = PROMPTS[0] + outs[0][0]
+    wrong = [p for p in range(len(tokens) - 1) if writes.get(p) != tokens[p + 1]]
+    assert wrong == []

@@ -156,7 +156,8 @@ class Eagle3Drafter:
             n = seq.num_tokens
             if seq.sample:
                 if seq.request_id in self._prompts and index not in skip:
-                    run = accepted.get(index) or [out.sampled_token_ids[index]]
+                    # The step's token, then the tokens it accepted after it (`accepted` leaves the first out).
+                    run = [out.sampled_token_ids[index], *accepted.get(index, ())]
                     last = n - seq.num_drafts - 1  # the row of the last input: the run's tokens follow it
                     first = seq.start_pos + last
                     end = min(len(seq.block_ids) * bs, self.max_seq_len)  # positions the head may write below
