@@ -129,6 +129,8 @@ def test_draft_model_takes_vllms_keys(tmp_path: pathlib.Path) -> None:
     ("extra", "message"),
     [
         ({"draft_tensor_parallel_size": 2}, r"speculative_config\['draft_tensor_parallel_size'\]=2"),
+        ({"draft_tensor_parallel_size": 1.0}, r"speculative_config\['draft_tensor_parallel_size'\]=1.0"),
+        ({"draft_tensor_parallel_size": True}, r"speculative_config\['draft_tensor_parallel_size'\]=True"),
         ({"quantization": "fp8"}, "unknown key 'quantization' for method 'draft_model'"),
         ({"prompt_lookup_min": 2}, "unknown key 'prompt_lookup_min'"),
         ({"num_speculative_tokens": 0}, "num_speculative_tokens"),

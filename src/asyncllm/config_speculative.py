@@ -95,7 +95,7 @@ class SpeculativeConfig:
         name = "speculative_config"
         k = _num_tokens(value.get("num_speculative_tokens"))
         tp = value.get("draft_tensor_parallel_size", 1)
-        if tp is not None and (isinstance(tp, bool) or tp != 1):
+        if tp is not None and (type(tp) is not int or tp != 1):  # 1 exactly: not True, not 1.0
             raise invalid(f"{name}['draft_tensor_parallel_size']", tp, "1 (the draft runs on the target's device)")
         model = value.get("model")
         if isinstance(model, PurePath):

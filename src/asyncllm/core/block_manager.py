@@ -190,8 +190,9 @@ class BlockManager:
 
     def stage(self, request: Request, num_new_tokens: int, cached: list[KVBlock]) -> bool:
         """`allocate` of the prefix hits `cached` alone, for a request that computes from the next step on (its
-        blocks restored meanwhile: `restores`), if its next `num_new_tokens` would fit too. Their blocks are
-        taken, and registered, by the step that computes them: no request may hit KV not written yet."""
+        blocks restored meanwhile: `restores`), if its next `num_new_tokens` would fit too. The hits' blocks are
+        taken and registered (pending) now; the blocks of its new tokens are taken by the step that computes them.
+        No request hits KV still being restored: `restores` sends a request sharing such blocks a step later too."""
         needed = self.blocks_needed(len(cached) * self.block_size + num_new_tokens) - len(cached)
         if needed + sum(1 for b in cached if b.ref_count == 0) + self._promised > len(self._free):
             return False

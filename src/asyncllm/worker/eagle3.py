@@ -97,7 +97,7 @@ class Eagle3Drafter:
         for new in scheduled.new_requests:  # (the finished ones went with the runner's `forget`)
             if new.speculative:
                 self._prompts[new.request_id] = new.prompt_token_ids
-        self._gone += scheduled.preempted_request_ids
+        self._gone += [r for r in scheduled.preempted_request_ids if r in self._prompts]  # only theirs have rows
         seqs: list[ScheduledSeq] = []
         sources: list[int] = []  # each head row's target row (its hidden states)
         nexts: list[int] = []  # each head row's next token: a target row (< T), or T + its place in `tail`
@@ -128,9 +128,9 @@ class Eagle3Drafter:
 
     def forget(self, request_ids: list[str]) -> None:
         """Requests the runner drops: finished (the step's `finished_request_ids`), or warm-up's."""
+        self._gone += [r for r in request_ids if r in self._prompts]  # emptied only by a head pass: bounded
         for request_id in request_ids:
             self._prompts.pop(request_id, None)
-        self._gone += request_ids
 
     def propose(self, scheduled: SchedulerOutput, step: StepResult) -> StepResult:
         """`step`, with the head's proposals for its speculative rows (`ModelRunnerOutput.drafts`): read now
