@@ -6,7 +6,6 @@ construction with a one-line InvalidConfigError."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import pytest
 
 from asyncllm import LLM, AsyncLLMEngine, SamplingParams
 from asyncllm.errors import InvalidConfigError
-from tests.async_engine.conftest import wait_drained
+from tests.fixtures.spec_streams import cancel_and_break
 from tests.fixtures.tiny_models import build_checkpoint
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7], [11, 12, 13, 14, 15, 16, 17], [3, 4, 3, 4, 3, 4, 3]]
@@ -113,23 +112,8 @@ def test_prefix_cache_hits_carry_the_drafts_kv(tiny_model: Path) -> None:
 
 
 async def test_cancel_and_break_mid_speculation_free_every_block(tiny_model: Path) -> None:
-    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
     async with AsyncLLMEngine(str(tiny_model), speculative_config=_spec(tiny_model), **ENGINE) as engine:
-
-        async def read(prompt: list[int], n: int) -> int:
-            seen = 0
-            async for chunk in engine.stream(prompt, params):
-                seen += len(chunk.token_ids)
-                if seen >= n:
-                    break
-            return seen
-
-        cancelled = asyncio.ensure_future(read(PROMPTS[0], 10_000))
-        broken = await asyncio.gather(read(PROMPTS[1], 12), read(PROMPTS[2], 30))
-        cancelled.cancel()
-        await asyncio.gather(cancelled, return_exceptions=True)
-        assert min(broken) >= 12
-        stats = await wait_drained(engine, timeout=5)
+        stats = await cancel_and_break(engine, PROMPTS, timeout=5)
         assert stats["spec_draft_tokens"] > 0
         assert stats["num_free_blocks"] == stats["num_total_blocks"]
 

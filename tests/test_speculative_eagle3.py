@@ -7,7 +7,6 @@ the target fails at construction with a one-line InvalidConfigError naming specu
 from __future__ import annotations
 
 import argparse
-import asyncio
 from collections import Counter
 from pathlib import Path
 
@@ -17,8 +16,8 @@ import torch
 from asyncllm import LLM, AsyncLLMEngine, SamplingParams
 from asyncllm.config import EngineConfig, SpeculativeConfig
 from asyncllm.errors import InvalidConfigError
-from tests.async_engine.conftest import wait_drained
 from tests.fixtures.eagle3_heads import build_eagle3_head
+from tests.fixtures.spec_streams import cancel_and_break
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7], [11, 12, 13, 14, 15, 16, 17], [3, 4, 3, 4, 3, 4, 3]]
 GREEDY = SamplingParams(max_tokens=40, temperature=0)
@@ -88,23 +87,8 @@ def test_preemption_and_prefix_hits_keep_the_tokens(tiny_model: Path, head: Path
 
 
 async def test_cancel_and_break_mid_speculation_free_every_block(tiny_model: Path, head: Path) -> None:
-    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
     async with AsyncLLMEngine(str(tiny_model), speculative_config=_spec(head), **ENGINE) as engine:
-
-        async def read(prompt: list[int], n: int) -> int:
-            seen = 0
-            async for chunk in engine.stream(prompt, params):
-                seen += len(chunk.token_ids)
-                if seen >= n:
-                    break
-            return seen
-
-        cancelled = asyncio.ensure_future(read(PROMPTS[0], 10_000))
-        broken = await asyncio.gather(read(PROMPTS[1], 12), read(PROMPTS[2], 30))
-        cancelled.cancel()
-        await asyncio.gather(cancelled, return_exceptions=True)
-        assert min(broken) >= 12
-        stats = await wait_drained(engine, timeout=5)
+        stats = await cancel_and_break(engine, PROMPTS, timeout=5)
         assert stats["spec_draft_tokens"] > 0
         assert stats["num_free_blocks"] == stats["num_total_blocks"]
 

@@ -7,7 +7,6 @@ every block back."""
 
 from __future__ import annotations
 
-import asyncio
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -15,8 +14,8 @@ from typing import Any
 import pytest
 
 from asyncllm import LLM, AsyncLLMEngine, SamplingParams
-from tests.async_engine.conftest import wait_drained
 from tests.fixtures.eagle3_heads import build_eagle3_head
+from tests.fixtures.spec_streams import cancel_and_break
 from tests.structured.conftest import check, constrained
 
 pytestmark = pytest.mark.slow  # starts worker processes: seconds each
@@ -105,25 +104,10 @@ def test_tp2_constrained_drafts_give_the_tokens_without(
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 async def test_aborts_mid_speculation_free_every_block(tiny_model: Path, tmp_path: Path, method: str) -> None:
-    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
     spec = _spec(method, tiny_model, tmp_path)
     args = {**ENGINE, "num_kv_blocks": 96}
     async with AsyncLLMEngine(str(tiny_model), speculative_config=spec, tensor_parallel_size=2, **args) as engine:
-
-        async def read(prompt: list[int], n: int) -> int:
-            seen = 0
-            async for chunk in engine.stream(prompt, params):
-                seen += len(chunk.token_ids)
-                if seen >= n:
-                    break
-            return seen
-
-        cancelled = asyncio.ensure_future(read(PROMPTS[0], 10_000))
-        broken = await asyncio.gather(read(PROMPTS[1], 12), read(PROMPTS[2], 30))
-        cancelled.cancel()
-        await asyncio.gather(cancelled, return_exceptions=True)
-        assert min(broken) >= 12
-        stats = await wait_drained(engine, timeout=10)
+        stats = await cancel_and_break(engine, PROMPTS, timeout=10)
         assert stats["spec_draft_tokens"] > 0
         assert stats["num_free_blocks"] == stats["num_total_blocks"]
         # The engine goes on after the aborts: a fresh request under speculation still runs to its end.

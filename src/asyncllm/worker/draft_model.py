@@ -150,11 +150,17 @@ class DraftModel:
             hidden = self.model(x.input_ids, x.positions, self.kv_caches, x.meta)  # [n, hidden]
             previous = self.model.compute_logits(hidden[x.logits_indices]).argmax(dim=-1)  # [n]
             steps.append(previous)
-        drafted = torch.cat(steps).tolist()
-        out: list[list[int]] = [[] for _ in rows]
-        at = 0
-        for step in steps:
-            for i in range(step.shape[0]):
-                out[i].append(drafted[at + i])
-            at += step.shape[0]
-        return out
+        return drafts_by_row(steps, len(rows))
+
+
+def drafts_by_row(steps: list[torch.Tensor], num_rows: int) -> list[list[int]]:
+    """The drafts of `num_rows` rows sorted by room, from the tokens of each greedy draft step (`steps[j]`:
+    [rows still drafting at step j], a prefix of the rows), read to the host in one go. Shared with eagle3.py."""
+    drafted = torch.cat(steps).tolist()
+    out: list[list[int]] = [[] for _ in range(num_rows)]
+    at = 0
+    for step in steps:
+        for i in range(step.shape[0]):
+            out[i].append(drafted[at + i])
+        at += step.shape[0]
+    return out

@@ -15,9 +15,7 @@ from typing import Any
 
 import torch
 
-from asyncllm.attention.registry import make_attention_backend
 from asyncllm.config import EngineConfig
-from asyncllm.envs import CascadeAttention
 from asyncllm.errors import AsyncLLMError, InvalidConfigError
 from asyncllm.layers.fusion import use_fused_kernels
 from asyncllm.model_loader.base import Checkpoint
@@ -26,6 +24,7 @@ from asyncllm.model_loader.loader import load_model
 from asyncllm.models.base import CausalLM
 from asyncllm.models.config import ModelArchConfig
 from asyncllm.worker.device import ResolvedModel
+from asyncllm.worker.draft_backend import draft_attention_backend
 from asyncllm.worker.draft_model import DraftModel, LoadedDraft
 from asyncllm.worker.eagle3 import Eagle3Drafter, LoadedEagle3
 from asyncllm.worker.eagle3_setup import load_eagle3
@@ -61,18 +60,7 @@ def _load(config: EngineConfig, path: str, k: int, target: Checkpoint, resolved:
     _check_vocabulary(path, target, checkpoint)
     device, dtype = resolved.device, resolved.dtype
     arch = draft.arch
-    # The KV in the activations' dtype (no FP8 scales to read for a draft), no cascade (a draft's attention
-    # over a shared prefix is a small share of the step).
-    backend = make_attention_backend(
-        config.device_config.attention_backend,
-        device,
-        dtype,
-        arch.num_kv_heads,
-        dtype,
-        CascadeAttention.OFF,
-        arch.num_heads // arch.num_kv_heads,
-        resolved.tuning.decode_fold_reduce,
-    )
+    backend = draft_attention_backend(config, arch, resolved)
     mc = config.model_config
     model = load_model(checkpoint, arch, backend, device, dtype, mc.load_format, mc.seed, None, draft.quant)
     if backend.name == "triton":  # the same fused layers as the target's with this backend

@@ -29,6 +29,7 @@ from asyncllm.attention.backend import AttentionBackend, PlanBounds
 from asyncllm.models.aux_hidden import AuxHidden
 from asyncllm.models.eagle3 import Eagle3Head
 from asyncllm.step import ModelRunnerOutput, ReadyStep, ScheduledSeq, SchedulerOutput, StepResult
+from asyncllm.worker.draft_model import drafts_by_row
 from asyncllm.worker.input_batch import InputBuffers, ModelInputs, WorkRoom
 from asyncllm.worker.kv_cache import KVCacheSpec, allocate_kv_cache
 
@@ -190,14 +191,7 @@ class Eagle3Drafter:
             )
             tokens = self.head.draft(normed)
             steps.append(tokens)
-        drafted = torch.cat(steps).tolist()
-        out: list[list[int]] = [[] for _ in rows]
-        at = 0
-        for step in steps:
-            for i in range(step.shape[0]):
-                out[i].append(drafted[at + i])
-            at += step.shape[0]
-        return out
+        return drafts_by_row(steps, len(rows))
 
     def _prepare(self, seqs: list[ScheduledSeq]) -> ModelInputs:
         """The inputs and attention plan of one head pass over `seqs`, uploaded."""

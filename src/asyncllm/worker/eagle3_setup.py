@@ -18,9 +18,7 @@ from typing import Any
 
 import torch
 
-from asyncllm.attention.registry import make_attention_backend
 from asyncllm.config import EngineConfig
-from asyncllm.envs import CascadeAttention
 from asyncllm.errors import AsyncLLMError, InvalidConfigError
 from asyncllm.layers.param_dtype import parameters_in
 from asyncllm.model_loader.safetensors import iter_safetensors
@@ -30,6 +28,7 @@ from asyncllm.models.config import ModelArchConfig
 from asyncllm.models.eagle3 import EAGLE3_ARCHITECTURES, Eagle3Head
 from asyncllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from asyncllm.worker.device import ResolvedModel
+from asyncllm.worker.draft_backend import draft_attention_backend
 from asyncllm.worker.eagle3 import LoadedEagle3
 from asyncllm.worker.kv_cache import KVCacheSpec
 
@@ -66,16 +65,7 @@ def _load(config: EngineConfig, path: Path, k: int, target: CausalLM, resolved: 
         )
     draft_vocab = hf.get("draft_vocab_size") or arch.vocab_size
     _check_vocab_map(weights, draft_vocab, arch.vocab_size)
-    backend = make_attention_backend(
-        config.device_config.attention_backend,
-        device,
-        dtype,
-        arch.num_kv_heads,
-        dtype,
-        CascadeAttention.OFF,
-        arch.num_heads // arch.num_kv_heads,
-        resolved.tuning.decode_fold_reduce,
-    )
+    backend = draft_attention_backend(config, arch, resolved)
     qkv_bias = bool(hf.get("attention_bias", False))
     norm_before_residual = bool(hf.get("norm_before_residual", False))
     with torch.device(device), parameters_in(dtype):
