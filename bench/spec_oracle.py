@@ -4,10 +4,12 @@ output token without speculation and with k drafts, and the cost of a verifying 
 plain decode step. Limits: <= 0.45 ms per output token (Qwen3-0.6B shape, k = 4), a verifying step <= 1.2x a
 plain one.
 
-The plain figures come from an engine without speculation (overlapped scheduling: the W5 path); the oracle is
-installed in a second engine through its core's scheduler (`llm._engine.core.scheduler.drafter`): a bench's
-reach into the engine, not an API. Random weights of the real shape (load_format="dummy"), greedy, one request
-at a time; times from the request's own metrics (first token to last), best of `--rounds`.
+The plain figures come from an engine without speculation (overlapped scheduling: the W5 path); a second
+engine is built with the oracle as its host drafter (its warm-up run drafts too), by patching
+`asyncllm.core.spec.speculation.make_drafter`, the seam an engine builds its drafter from, around its
+construction: a bench's reach into the engine, not an API. The engine wraps the oracle in the adaptive cap as
+any method's drafter (every draft right: k a step). Random weights of the real shape (load_format="dummy"),
+greedy, one request at a time; times from the request's own metrics (first token to last), best of `--rounds`.
 
     python3 bench/spec_oracle.py [--shape qwen3-0.6b] [--k 4] [--tokens 256]      (CUDA)
     python3 bench/spec_oracle.py --shape qwen3-tiny --device cpu --tokens 8 --rounds 1   (a CPU smoke run)
@@ -20,11 +22,13 @@ import json
 import tempfile
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 from engine_args import add_engine_arg_option, engine_kwargs
 from shapes import write_shape_dir
 
 from asyncllm import LLM, SamplingParams
+from asyncllm.core.spec import speculation
 
 PROMPT = list(range(1000, 1032))  # 32 tokens
 
@@ -87,11 +91,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         plain = decode_timing(llm, args.tokens, args.rounds)
     finally:
         llm.shutdown()
-    spec = {"method": "ngram", "num_speculative_tokens": args.k}  # its drafter is replaced by the oracle
-    llm = LLM(str(model_dir), speculative_config=spec, **common)
+    spec = {"method": "ngram", "num_speculative_tokens": args.k}  # its drafter is the oracle instead
+    oracle = Replay(plain["token_ids"], len(PROMPT), args.k)
+    with mock.patch.object(speculation, "make_drafter", lambda config: oracle):
+        llm = LLM(str(model_dir), speculative_config=spec, **common)
     try:
         llm.generate([PROMPT], warm, use_tqdm=False)
-        llm._engine.core.scheduler.drafter = Replay(plain["token_ids"], len(PROMPT), args.k)
         drafted = decode_timing(llm, args.tokens, args.rounds)
         stats = llm.stats()
     finally:

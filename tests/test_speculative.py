@@ -14,6 +14,7 @@ import pytest
 
 from asyncllm import LLM, SamplingParams
 from asyncllm.core.request import Request
+from tests.fixtures.spec_drafters import drafting_with
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7], [11, 12, 13, 14, 15, 16, 17], [3, 4, 3, 4, 3, 4, 3]]
@@ -43,9 +44,8 @@ class Oracle:
 
 
 def _run(model: Path, params: SamplingParams | list[SamplingParams], spec: dict | None, oracle=None, **kw):
-    llm = LLM(str(model), speculative_config=spec, num_kv_blocks=96, block_size=4, **kw)
-    if oracle is not None:
-        llm._engine.core.scheduler.drafter = oracle
+    with drafting_with(oracle):
+        llm = LLM(str(model), speculative_config=spec, num_kv_blocks=96, block_size=4, **kw)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     stats = llm.stats()
     llm.shutdown()
@@ -205,8 +205,8 @@ def test_prefix_cache_never_serves_rejected_drafts_kv(tiny_model: Path) -> None:
     with the same prompt and output prefix, hitting the cache, still gets the reference tokens."""
     ref, _ = _run(tiny_model, GREEDY, None)
     refs = {tuple(p): t for p, t in zip(PROMPTS, _tokens(ref))}
-    llm = LLM(str(tiny_model), speculative_config=NGRAM, num_kv_blocks=96, block_size=4)
-    llm._engine.core.scheduler.drafter = Oracle(refs, 4, wrong=2)
+    with drafting_with(Oracle(refs, 4, wrong=2)):
+        llm = LLM(str(tiny_model), speculative_config=NGRAM, num_kv_blocks=96, block_size=4)
     first = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     follow = [p + t[:20] for p, t in zip(PROMPTS, _tokens(ref))]  # prompt + output prefix: cached blocks
     again = llm.generate(follow, SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)
@@ -218,9 +218,9 @@ def test_prefix_cache_never_serves_rejected_drafts_kv(tiny_model: Path) -> None:
 
 def test_abort_mid_speculation_frees_every_block(tiny_model: Path) -> None:
     ref, _ = _run(tiny_model, GREEDY, None)
-    llm = LLM(str(tiny_model), speculative_config=NGRAM, num_kv_blocks=96, block_size=4)
+    with drafting_with(Oracle({tuple(p): t for p, t in zip(PROMPTS, _tokens(ref))}, 4, wrong=3)):
+        llm = LLM(str(tiny_model), speculative_config=NGRAM, num_kv_blocks=96, block_size=4)
     core = llm._engine.core
-    core.scheduler.drafter = Oracle({tuple(p): t for p, t in zip(PROMPTS, _tokens(ref))}, 4, wrong=3)
     for i, prompt in enumerate(PROMPTS):
         core.add_request(Request(f"r{i}", prompt, GREEDY, 0.0, max_tokens=40))
     for _ in range(4):

@@ -12,7 +12,7 @@ import pytest
 
 from asyncllm import LLM, SamplingParams
 from asyncllm.core.request import Request
-from tests.fixtures.spec_drafters import Replay
+from tests.fixtures.spec_drafters import Replay, drafting_with
 
 ARGS = dict(device="cpu", dtype="float32", num_kv_blocks=128, block_size=4)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -26,14 +26,15 @@ def _run(model: Path, params, spec: dict | None, wrong: int | None = None, ref=N
     drafts."""
     adapters = kw.pop("adapters", {})
     lora = kw.pop("lora", None)
-    llm = LLM(str(model), speculative_config=spec, **{**ARGS, **kw})
+    drafter = None
+    if wrong is not None:
+        sequences = [(out.prompt_token_ids, o.token_ids) for out in ref for o in out.outputs]
+        drafter = Replay(sequences, 4, wrong)
+    with drafting_with(drafter):
+        llm = LLM(str(model), speculative_config=spec, **{**ARGS, **kw})
     try:
         for name, path in adapters.items():
             llm.add_lora(name, path)
-        drafter = None
-        if wrong is not None:
-            sequences = [(out.prompt_token_ids, o.token_ids) for out in ref for o in out.outputs]
-            drafter = llm._engine.core.scheduler.drafter = Replay(sequences, 4, wrong)
         outs = llm.generate(PROMPTS, params, use_tqdm=False, lora=lora)
         return outs, llm.stats(), drafter
     finally:
@@ -95,11 +96,11 @@ def test_abort_mid_speculation_frees_every_samples_blocks(tiny_model: Path) -> N
     block: the prompt's shared blocks once, each sample's own, drafted ones included."""
     n3 = SamplingParams(max_tokens=32, temperature=0.9, seed=7, ignore_eos=True, n=3)
     ref, _, _ = _run(tiny_model, n3, None)
-    llm = LLM(str(tiny_model), speculative_config=NGRAM, **ARGS)
+    sequences = [(out.prompt_token_ids, o.token_ids) for out in ref for o in out.outputs]
+    with drafting_with(Replay(sequences, 4, wrong=3)):
+        llm = LLM(str(tiny_model), speculative_config=NGRAM, **ARGS)
     try:
         core = llm._engine.core
-        sequences = [(out.prompt_token_ids, o.token_ids) for out in ref for o in out.outputs]
-        core.scheduler.drafter = Replay(sequences, 4, wrong=3)
         core.add_request(Request("group", PROMPTS[0], n3, 0.0, max_tokens=32))
         core.add_request(
             Request("single", PROMPTS[1], SamplingParams(max_tokens=32, temperature=0), 0.0, max_tokens=32)

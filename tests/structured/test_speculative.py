@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from asyncllm import LLM, SamplingParams
-from tests.fixtures.spec_drafters import Replay
+from tests.fixtures.spec_drafters import Replay, drafting_with
 from tests.structured.conftest import ENGINE_ARGS, check, constrained
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [11, 12, 13, 14, 15, 16, 17], [3, 4, 3, 4, 3, 4, 3]]
@@ -43,10 +43,9 @@ def _params(draw: str) -> list[SamplingParams]:
 
 
 def _generate(model: Path, params: list[SamplingParams], spec: dict | None, drafter: Any = None):
-    llm = LLM(str(model), speculative_config=spec, **ENGINE_ARGS)
+    with drafting_with(drafter):
+        llm = LLM(str(model), speculative_config=spec, **ENGINE_ARGS)
     try:
-        if drafter is not None:
-            llm._engine.core.scheduler.drafter = drafter
         outs = llm.generate(PROMPTS * len(NAMES), params, use_tqdm=False)
         return outs, llm.stats()
     finally:

@@ -21,7 +21,7 @@ from asyncllm import LLM, AsyncLLMEngine, RequestOutput, SamplingParams
 from asyncllm.build import build_engine
 from asyncllm.config import EngineConfig
 from tests.async_engine.conftest import wait_drained
-from tests.fixtures.spec_drafters import Replay
+from tests.fixtures.spec_drafters import Replay, drafting_with
 from tests.structured.conftest import ENGINE_ARGS, OverlappedExecutor, check, constrained, overlapped_engine
 from tests.structured.test_grammar_process import grammar_processes
 from tests.structured.test_slow_lane import WORDS, RecordingExecutor
@@ -37,11 +37,10 @@ def _params(draw: str) -> list[SamplingParams]:
 
 
 def _generate(model: Path, params: list[SamplingParams], spec: dict | None, drafter: Any = None):
-    llm = LLM(str(model), speculative_config=spec, **ENGINE_ARGS)
+    with drafting_with(drafter):
+        llm = LLM(str(model), speculative_config=spec, **ENGINE_ARGS)
     try:
         assert len(grammar_processes()) == 1  # started with the engine: every constrained matcher goes there
-        if drafter is not None:
-            llm._engine.core.scheduler.drafter = drafter
         outs = llm.generate(PROMPTS * len(NAMES), params, use_tqdm=False)
         return outs, llm.stats()
     finally:
@@ -110,14 +109,13 @@ def _sync(model: Path, prompts: list[list[int]], params: list[SamplingParams]) -
 
 # ---------------------------------------------------------------------------------------------- the slow lane
 def _lane_engine(path: Path, overlapped: bool, spec: dict | None, drafter: Any) -> tuple[Any, RecordingExecutor]:
-    """An engine whose executor records the steps' deferred rows; `drafter` replaces its drafter."""
+    """An engine whose executor records the steps' deferred rows; `drafter` (if not None) drafts for it."""
     config = EngineConfig.from_kwargs(str(path), speculative_config=spec, **ENGINE_ARGS).resolved(streaming=True)
     made: list[RecordingExecutor] = []
 
     def build() -> Any:
-        built = build_engine(config, time.monotonic)
-        if drafter is not None:
-            built.core.scheduler.drafter = drafter
+        with drafting_with(drafter):  # (in the step thread: the patch is the module's, seen by every thread)
+            built = build_engine(config, time.monotonic)
         made.append(RecordingExecutor(built.core.executor))
         built.core.executor = OverlappedExecutor(made[0]) if overlapped else made[0]
         return built
