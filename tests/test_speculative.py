@@ -106,7 +106,9 @@ def test_stops_cut_inside_an_accepted_run(tiny_model: Path, wrong: int) -> None:
     ]
     for params in cases:
         plain, _ = _run(tiny_model, params, None)
-        outs, stats = _run(tiny_model, params, NGRAM, Oracle(refs, 4, wrong))
+        oracle = Oracle(refs, 4, wrong)
+        outs, stats = _run(tiny_model, params, NGRAM, oracle)
+        assert oracle.num_proposals > 0  # the oracle's runs were verified, not the config's own drafter's
         for a, b in zip(outs, plain):
             assert (a.outputs[0].token_ids, a.outputs[0].text, a.outputs[0].finish_reason) == (
                 b.outputs[0].token_ids,
@@ -140,8 +142,10 @@ class StopDrafter:
 
     def __init__(self, token: int) -> None:
         self.token = token
+        self.num_proposals = 0
 
     def propose(self, request_id: str, tokens: list[int], limit: int) -> list[int]:
+        self.num_proposals += 1
         return [self.token] * limit
 
     def forget(self, request_id: str, output: list[int]) -> None:
@@ -155,9 +159,11 @@ def test_min_tokens_masks_each_verifying_row_at_its_own_count(tiny_model: Path) 
     stop = ref[1].outputs[0].token_ids[5]  # a token the model draws early for the second prompt
     params = SamplingParams(max_tokens=30, min_tokens=20, temperature=0, stop_token_ids=[stop])
     plain, _ = _run(tiny_model, params, None)
-    outs, stats = _run(tiny_model, params, NGRAM, StopDrafter(stop))
+    drafter = StopDrafter(stop)
+    outs, stats = _run(tiny_model, params, NGRAM, drafter)
     assert _tokens(outs) == _tokens(plain)
     assert all(len(t) >= 20 for t in _tokens(outs)) and stats["spec_draft_tokens"] > 0
+    assert drafter.num_proposals > 0  # the stop drafts were this drafter's, not the config's own
 
 
 @pytest.mark.parametrize(
@@ -205,12 +211,16 @@ def test_prefix_cache_never_serves_rejected_drafts_kv(tiny_model: Path) -> None:
     with the same prompt and output prefix, hitting the cache, still gets the reference tokens."""
     ref, _ = _run(tiny_model, GREEDY, None)
     refs = {tuple(p): t for p, t in zip(PROMPTS, _tokens(ref))}
-    with drafting_with(Oracle(refs, 4, wrong=2)):
+    oracle = Oracle(refs, 4, wrong=2)
+    with drafting_with(oracle):
         llm = LLM(str(tiny_model), speculative_config=NGRAM, num_kv_blocks=96, block_size=4)
     first = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     follow = [p + t[:20] for p, t in zip(PROMPTS, _tokens(ref))]  # prompt + output prefix: cached blocks
     again = llm.generate(follow, SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)
-    assert llm.stats()["prefix_cache_hit_tokens"] > 0
+    stats = llm.stats()
+    assert stats["prefix_cache_hit_tokens"] > 0
+    # The oracle drafted, and some of its drafts were rejected: their KV sat in the blocks the cache must not serve.
+    assert oracle.num_proposals > 0 and stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
     llm.shutdown()
     assert _tokens(first) == _tokens(ref)
     assert [t[20:] for t in _tokens(ref)] == _tokens(again)
