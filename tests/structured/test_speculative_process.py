@@ -40,6 +40,9 @@ def _generate(model: Path, params: list[SamplingParams], spec: dict | None, draf
     with drafting_with(drafter):
         llm = LLM(str(model), speculative_config=spec, **ENGINE_ARGS)
     try:
+        deadline = time.monotonic() + 60  # the engine's starter thread spawns it: poll, never assume it is up yet
+        while len(grammar_processes()) != 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert len(grammar_processes()) == 1  # started with the engine: every constrained matcher goes there
         outs = llm.generate(PROMPTS * len(NAMES), params, use_tqdm=False)
         return outs, llm.stats()
