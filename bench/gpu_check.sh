@@ -7,7 +7,8 @@
 #   8 separate requests, prefix cache on and off, ~3 min), moe (Qwen3-30B-A3B shape, ~6 min), gemma3 (Gemma 3 4B shape, ~3 min), serve (issue 24, ~6 min), w8 (prompt logprobs), lora (~5 min), quant (~15 min), abpeers (W1+W5 of AB_BASE against this tree, then nano-vllm), enginetests, quicktests, attntests, w12var, w2var, sampling, ab (W1 of AB_BASE against this tree), decodesweep, w1big, gemm, pa, w2ab (W1/W2 under graph and scheduling variants), w1prof (W1 plain + under
 #   torch.profiler, ~2 min), w4 (long-context prefill and decode, 16K/32K, two token budgets, ~1 min), and
 #   on two GPUs tptests, tpbench (tensor parallelism); wave4 (issues 41/43/44: their GPU tests, spec_oracle,
-#   embed_throughput, kv_tiers; EMBED_ARGS / KV_TIERS_ARGS narrow them); spec (issue 41: spec_oracle, W1 with ngram off/on).
+#   embed_throughput, kv_tiers; EMBED_ARGS / KV_TIERS_ARGS narrow them); spec (issue 41: spec_oracle, W1 with ngram off/on);
+#   spec8b (issue 41: EAGLE-3 draft and verify costs, Qwen3-8B shape).
 # Tuning variables (ASYNCLLM_*, docs/tuning.md) pass through to every step: ASYNCLLM_DECODE_PDL=1 bash bench/gpu_check.sh
 #   w12var; a variant's bench flags take them as --engine-arg with the lower-case name (cuda_graph_max_tokens=0).
 # Set-up here first: rm -rf .peers && cp -r ../shared/peers .peers && cp -r ../shared/models/qwen3-tokenizer .peers/
@@ -256,6 +257,10 @@ if has spec; then  # issue 41: speculation's ceiling at batch 1 (spec_oracle) an
       rows+=("W1 256 streams, speculation $mode (round $round): $(grep '^{' "$OUT/spec_w1.log" | tail -1 | python3 -c 'import json,sys; d=json.loads(sys.stdin.read()); print(d["output_tok_per_s"], "tok/s")')")
     done
   done
+fi
+if has spec8b; then  # issue 41: EAGLE-3's draft and verify costs on the Qwen3-8B shape (a random head; ~3 min)
+  (cd bench && timeout 300 python3 spec_eagle3.py --shape qwen3-8b --k 3) 2>&1 | tee "$OUT/spec8b.log" | grep -E '^\{|Error|Traceback' | tail -3
+  rows+=("spec eagle3 8b: $(grep '^{' "$OUT/spec8b.log" | tail -1)")
 fi
 if has compare; then
   # compare.sh copies $PROJ/src/asyncllm, whose kernels/ is a link here: hand it the overlay's layout instead.
