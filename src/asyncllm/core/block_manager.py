@@ -71,6 +71,12 @@ class BlockManager:
         return len(self._free)
 
     @property
+    def num_unpromised_blocks(self) -> int:
+        """Free blocks no request staged by the step being planned is owed (`stage`): what optional takers (a
+        draft model's lookahead) may use without pushing a staged request's blocks into a preemption."""
+        return len(self._free) - self._promised
+
+    @property
     def prefix_cache_hit_rate(self) -> float:
         return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
 
