@@ -43,8 +43,8 @@ def reserve_lookahead(bm: BlockManager, request: Request, upto: int, lookahead: 
     """Blocks for `lookahead` positions after the first `upto` of `request` (never past its prompt plus
     max_tokens), while at least `keep_free` blocks stay free (the running requests' next tokens come first:
     a lookahead never makes the scheduler preempt), beyond those promised to requests whose prefixes the step
-    restores (`BlockManager.stage`: they take their blocks in the next step). Called while the step is planned, before its computed
-    count moves; changes nothing when memory is short (the runner then drafts fewer tokens)."""
+    restores (`BlockManager.stage`: they take their blocks in the next step). Called while the step is planned,
+    before its computed count moves; changes nothing when memory is short (the runner then drafts fewer tokens)."""
     end = min(upto + lookahead, request.num_prompt_tokens + request.max_tokens)
     needed = bm.blocks_needed(end) - len(request.block_ids)
     if needed > 0 and bm.num_unpromised_blocks - needed >= keep_free:
