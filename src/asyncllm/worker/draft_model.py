@@ -25,7 +25,8 @@ import torch
 
 from asyncllm.attention.backend import AttentionBackend, PlanBounds
 from asyncllm.models.base import CausalLM
-from asyncllm.step import ModelRunnerOutput, ReadyStep, ScheduledSeq, SchedulerOutput, StepResult
+from asyncllm.step import ModelRunnerOutput, ScheduledSeq, SchedulerOutput, StepResult
+from asyncllm.worker.draft_steps import drafts_by_row, not_drafting, with_drafts
 from asyncllm.worker.input_batch import InputBuffers, ModelInputs, WorkRoom
 from asyncllm.worker.kv_cache import KVCacheSpec, allocate_kv_cache
 
@@ -106,17 +107,12 @@ class DraftModel:
         sampled = [seq for seq in scheduled.seqs if seq.sample]
         if not any(seq.request_id in self._speculative for seq in sampled):
             return step
-        out = step.result()
-        rows = self._rows(sampled, out)
-        if not rows:
-            return ReadyStep(out)
-        drafts = self._draft(rows)
-        return ReadyStep(dataclasses.replace(out, drafts={row.index: d for row, d in zip(rows, drafts)}))
+        return with_drafts(step, lambda out: self._rows(sampled, out), self._draft)
 
     def _rows(self, sampled: list[ScheduledSeq], out: ModelRunnerOutput) -> list[_Row]:
         """The rows to draft for, those with the most room first: speculative, with a token this step (not
         failed, not sitting out) that is the request's last (no forced run after it)."""
-        skip = set(out.failed or ()) | set(out.deferred or ()) | set(out.forced or ())
+        skip = not_drafting(out)
         accepted = out.accepted or {}
         bs = self.buffers.block_size
         rows: list[_Row] = []
@@ -151,16 +147,3 @@ class DraftModel:
             previous = self.model.compute_logits(hidden[x.logits_indices]).argmax(dim=-1)  # [n]
             steps.append(previous)
         return drafts_by_row(steps, len(rows))
-
-
-def drafts_by_row(steps: list[torch.Tensor], num_rows: int) -> list[list[int]]:
-    """The drafts of `num_rows` rows sorted by room, from the tokens of each greedy draft step (`steps[j]`:
-    [rows still drafting at step j], a prefix of the rows), read to the host in one go. Shared with eagle3.py."""
-    drafted = torch.cat(steps).tolist()
-    out: list[list[int]] = [[] for _ in range(num_rows)]
-    at = 0
-    for step in steps:
-        for i in range(step.shape[0]):
-            out[i].append(drafted[at + i])
-        at += step.shape[0]
-    return out

@@ -19,7 +19,6 @@ Knows nothing of the core's requests beyond the step's plain data.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -28,8 +27,8 @@ from torch import nn
 from asyncllm.attention.backend import AttentionBackend, PlanBounds
 from asyncllm.models.aux_hidden import AuxHidden
 from asyncllm.models.eagle3 import Eagle3Head
-from asyncllm.step import ModelRunnerOutput, ReadyStep, ScheduledSeq, SchedulerOutput, StepResult
-from asyncllm.worker.draft_model import drafts_by_row
+from asyncllm.step import ModelRunnerOutput, ScheduledSeq, SchedulerOutput, StepResult
+from asyncllm.worker.draft_steps import drafts_by_row, not_drafting, with_drafts
 from asyncllm.worker.input_batch import InputBuffers, ModelInputs, WorkRoom
 from asyncllm.worker.kv_cache import KVCacheSpec, allocate_kv_cache
 
@@ -138,17 +137,12 @@ class Eagle3Drafter:
         where it has such rows, else handed back as it is."""
         if not any(seq.sample and seq.request_id in self._prompts for seq in scheduled.seqs):
             return step
-        out = step.result()
-        rows = self._rows(scheduled, out)
-        if not rows:
-            return ReadyStep(out)
-        drafts = self._draft(rows)
-        return ReadyStep(dataclasses.replace(out, drafts={row.index: d for row, d in zip(rows, drafts)}))
+        return with_drafts(step, lambda out: self._rows(scheduled, out), self._draft)
 
     def _rows(self, scheduled: SchedulerOutput, out: ModelRunnerOutput) -> list[_Row]:
         """The rows to draft for, those with the most room first: speculative, with a token this step (not
         failed, not sitting out) that is the request's last (no forced run after it)."""
-        skip = set(out.failed or ()) | set(out.deferred or ()) | set(out.forced or ())
+        skip = not_drafting(out)
         accepted = out.accepted or {}
         bs = self.buffers.block_size
         rows: list[_Row] = []
