@@ -250,7 +250,7 @@ fi
 if has spec; then  # issue 41: speculation's ceiling at batch 1 (spec_oracle) and its cost at 256 streams (W1, ngram off/on)
   (cd bench && timeout 150 python3 spec_oracle.py --shape qwen3-0.6b --k 4 --tokens 256) 2>&1 | tee "$OUT/spec.log" | grep -E '^\{|Error' | tail -3
   rows+=("spec oracle: $(grep '^{' "$OUT/spec.log" | tail -1)")
-  for round in 1 2; do
+  for round in $(seq "${SPEC_ROUNDS:-2}"); do  # SPEC_ROUNDS: rounds of W1 off / on (default 2)
     for mode in off ngram; do
       extra=(); [ "$mode" = ngram ] && extra=(--engine-arg 'speculative_config={"method": "ngram", "num_speculative_tokens": 4}')
       (cd bench && timeout 150 python3 w1_throughput.py "${extra[@]}") 2>&1 | tee -a "$OUT/spec_w1.log" | grep -E '^\{|Error' | tail -2
