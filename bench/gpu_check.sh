@@ -258,6 +258,10 @@ if has spec; then  # issue 41: speculation's ceiling at batch 1 (spec_oracle) an
     done
   done
 fi
+if has kvtiers; then  # issue 44: W10 and the disk tier alone (KV_TIERS_ARGS narrows them, e.g. --conversations 16 --turns 4)
+  (cd bench && timeout "${KV_TIERS_TIMEOUT:-300}" python3 kv_tiers.py ${KV_TIERS_ARGS:-}) 2>&1 | tee "$OUT/kv_tiers.log" | grep -E '^\{|Error|Traceback' | tail -6
+  while read -r line; do rows+=("kv tiers: $line"); done < <(grep '^{' "$OUT/kv_tiers.log")
+fi
 if has spec8b; then  # issue 41: EAGLE-3's draft and verify costs on the Qwen3-8B shape (a random head; ~3 min)
   (cd bench && timeout 300 python3 spec_eagle3.py --shape qwen3-8b --k 3) 2>&1 | tee "$OUT/spec8b.log" | grep -E '^\{|Error|Traceback' | tail -3
   rows+=("spec eagle3 8b: $(grep '^{' "$OUT/spec8b.log" | tail -1)")
