@@ -32,15 +32,27 @@ NAMES = ["person", "scores", "regex", "choice", "grammar"]
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
-def _params(draw: str) -> list[SamplingParams]:
-    return [constrained(name, draw, seed=11 * i + j) for i, name in enumerate(NAMES) for j in range(len(PROMPTS))]
+# Greedy requests on PROMPTS, seeded ones on these (the same repeats, other ids): no seeded request's tokens are a
+# prefix of a greedy one's, so a replayed draft is always the request's own continuation.
+SEEDED_PROMPTS = [[t + 20 for t in p] for p in PROMPTS]
+ALL_PROMPTS = PROMPTS * len(NAMES) + SEEDED_PROMPTS * len(NAMES)
+
+
+def _params() -> list[SamplingParams]:
+    """Every name on every prompt, greedy (on PROMPTS) then seeded (on SEEDED_PROMPTS), as in ALL_PROMPTS."""
+    return [
+        constrained(name, draw, seed=11 * i + j)
+        for draw in ("greedy", "t1")
+        for i, name in enumerate(NAMES)
+        for j in range(len(PROMPTS))
+    ]
 
 
 def _generate(model: Path, params: list[SamplingParams], spec: dict | None, drafter: Any = None):
     with drafting_with(drafter):
         llm = LLM(str(model), speculative_config=spec, **ENGINE_ARGS)
     try:
-        outs = llm.generate(PROMPTS * len(NAMES), params, use_tqdm=False)
+        outs = llm.generate(ALL_PROMPTS, params, use_tqdm=False)
         # Started with the engine (by its starter thread), so every constrained matcher went there; counted after
         # the run, as tests/structured/test_grammar_process.py does, polled for a loaded machine.
         deadline = time.monotonic() + 30
@@ -54,17 +66,17 @@ def _generate(model: Path, params: list[SamplingParams], spec: dict | None, draf
 
 @pytest.mark.slow  # an engine and its grammar process a run, four runs a case
 @pytest.mark.parametrize("jump", [True, False], ids=["jump-forward", "drawn"])
-@pytest.mark.parametrize("draw", ["greedy", "t1"], ids=["greedy", "seeded"])
 def test_drafts_through_the_grammar_process_give_the_tokens_without_speculation(
-    tiny_model: Path, draw: str, jump: bool, monkeypatch: pytest.MonkeyPatch
+    tiny_model: Path, jump: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Greedy and seeded requests in each run."""
     monkeypatch.setenv("ASYNCLLM_GRAMMAR_PROCESS", "on")
     monkeypatch.setenv("ASYNCLLM_JUMP_FORWARD", str(int(jump)))
-    params = _params(draw)
+    params = _params()
     ref, _ = _generate(tiny_model, params, None)
     want = [o.outputs[0].token_ids for o in ref]
     for i, out in enumerate(ref):
-        check(NAMES[i // len(PROMPTS)], out.outputs[0].text)
+        check(NAMES[i % len(PROMPTS * len(NAMES)) // len(PROMPTS)], out.outputs[0].text)
     sequences = [(o.prompt_token_ids, o.outputs[0].token_ids) for o in ref]
     for drafter in [None, Replay(sequences, 4, wrong=0), Replay(sequences, 4, wrong=3)]:
         outs, stats = _generate(tiny_model, params, SPEC, drafter)
@@ -72,7 +84,8 @@ def test_drafts_through_the_grammar_process_give_the_tokens_without_speculation(
         assert [o.outputs[0].text for o in outs] == [o.outputs[0].text for o in ref]
         assert stats["spec_draft_tokens"] > 0
         if drafter is not None:
-            assert {f"llm-{i}" for i in range(9)} <= drafter.drafted, drafter.drafted
+            half = len(PROMPTS * len(NAMES))  # the first three names' requests, greedy and seeded, were drafted for
+            assert {f"llm-{i}" for i in [*range(9), *range(half, half + 9)]} <= drafter.drafted, drafter.drafted
             assert stats["spec_accepted_tokens"] > 0
             if drafter.wrong == 0:  # every draft right and none forced (the process draws every token): all taken
                 assert stats["spec_accepted_tokens"] == stats["spec_draft_tokens"]
