@@ -36,8 +36,10 @@ from asyncllm import LLM, SamplingParams
 from asyncllm.core.spec import speculation
 from asyncllm.core.spec.adaptive import AdaptiveDrafter
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tests.fixtures
-from tests.fixtures.eagle3_heads import build_eagle3_head
+ROOT = str(Path(__file__).resolve().parents[1])  # the repository root: tests.fixtures
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+from tests.fixtures.eagle3_heads import build_eagle3_head  # noqa: E402
 
 
 def run_engine(model_dir: Path, common: dict[str, Any], tokens: int, rounds: int) -> dict[str, Any]:
