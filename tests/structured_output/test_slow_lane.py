@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -58,16 +59,22 @@ def _allowed(row: np.ndarray) -> np.ndarray:
     return np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[:VOCAB])
 
 
-def test_the_lane_gives_each_request_its_own_matchers_rows_seen_paths_included(backend: GrammarBackend) -> None:
-    spec = SamplingParams(json_schema=SCHEMA).structured
-    assert spec is not None
-    lane, reference = SlowLane(backend, WORDS), MatcherSet(backend, WORDS)
+def _lane_and_reference(backend: GrammarBackend) -> tuple[SlowLane, MatcherSet, Any]:
+    """A lane and the step thread's matchers it must agree with, and the one-thread `spread` the latter fill with."""
     from xgrammar import BatchGrammarMatcher  # loaded with the backend's compiles
 
     fill = BatchGrammarMatcher(max_threads=1).batch_fill_next_token_bitmask
 
     def spread(n, share):  # type: ignore[no-untyped-def]
         share(fill, 0, n)
+
+    return SlowLane(backend, WORDS), MatcherSet(backend, WORDS), spread
+
+
+def test_the_lane_gives_each_request_its_own_matchers_rows_seen_paths_included(backend: GrammarBackend) -> None:
+    spec = SamplingParams(json_schema=SCHEMA).structured
+    assert spec is not None
+    lane, reference, spread = _lane_and_reference(backend)
 
     rng = random.Random(0)
     try:
@@ -103,13 +110,7 @@ def test_the_lanes_drafted_rows_and_accepted_runs_are_its_own_matchers(backend: 
     advance it by exactly those tokens, seen paths included (requests 0 and 3, 1 and 4 share a beginning)."""
     spec = SamplingParams(json_schema=SCHEMA).structured
     assert spec is not None
-    lane, reference = SlowLane(backend, WORDS), MatcherSet(backend, WORDS)
-    from xgrammar import BatchGrammarMatcher  # loaded with the backend's compiles
-
-    fill = BatchGrammarMatcher(max_threads=1).batch_fill_next_token_bitmask
-
-    def spread(n, share):  # type: ignore[no-untyped-def]
-        share(fill, 0, n)
+    lane, reference, spread = _lane_and_reference(backend)
 
     def after(slot: int, drafts: list[int]) -> tuple[np.ndarray, np.ndarray]:
         bits, states = np.zeros((len(drafts), WORDS), np.int32), np.zeros(len(drafts), np.int64)
