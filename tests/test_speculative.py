@@ -93,6 +93,31 @@ def test_accepted_and_rejected_drafts(
     assert stats["num_free_blocks"] == stats["num_total_blocks"]  # rejected drafts' blocks came back
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "serial"])
+def test_speculation_pauses_while_more_requests_run_than_its_limit(
+    tiny_model: Path, async_scheduling: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past `disable_by_batch_size` running requests no request drafts and the steps are exactly those of the
+    engine without speculation (overlapped, each request planned while its last step runs); once the batch
+    shrinks to the limit, drafts resume. The tokens are the plain engine's throughout."""
+    monkeypatch.setenv("ASYNCLLM_ASYNC_SCHEDULING", str(int(async_scheduling)))
+    ref, ref_stats = _run(tiny_model, GREEDY, None)
+    oracle = Oracle({tuple(p): t for p, t in zip(PROMPTS, _tokens(ref))}, 4)
+    paused, stats = _run(tiny_model, GREEDY, {**NGRAM, "disable_by_batch_size": 2}, oracle)
+    assert _tokens(paused) == _tokens(ref)
+    assert stats["spec_draft_tokens"] == oracle.num_proposals == 0  # three ran from the first step to the last
+    assert stats["num_steps"] == ref_stats["num_steps"]
+
+    lengths = [SamplingParams(max_tokens=m, temperature=0) for m in (40, 10, 10)]
+    ref, ref_stats = _run(tiny_model, lengths, None)
+    oracle = Oracle({tuple(p): t for p, t in zip(PROMPTS, _tokens(ref))}, 4)
+    resumed, stats = _run(tiny_model, lengths, {**NGRAM, "disable_by_batch_size": 1}, oracle)
+    assert _tokens(resumed) == _tokens(ref)
+    assert stats["spec_accepted_tokens"] == stats["spec_draft_tokens"] > 0  # the long one, alone, drafted
+    assert stats["num_steps"] < ref_stats["num_steps"] - 10
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
 @pytest.mark.parametrize("wrong", [0, 3])
 def test_stops_cut_inside_an_accepted_run(tiny_model: Path, wrong: int) -> None:
     """A stop token, a stop string and max_tokens landing inside an accepted run cut it exactly there."""

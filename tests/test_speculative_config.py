@@ -73,6 +73,8 @@ def test_suffix_takes_vllms_keys_and_defaults(tmp_path: pathlib.Path) -> None:
             "prompt_lookup_max",
         ),
         ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "unknown key 'model'"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
+        ({"method": "suffix", "disable_by_batch_size": 2.5}, "disable_by_batch_size"),
         ("{not json", "JSON"),
         ([1, 2], "dict"),
     ],
@@ -81,6 +83,18 @@ def test_bad_configs_fail_at_construction(tmp_path, value: object, message: str)
     with pytest.raises(InvalidConfigError, match=message) as info:
         EngineConfig.from_kwargs(str(tmp_path), speculative_config=value)
     assert "\n" not in str(info.value)
+
+
+def test_speculation_pauses_past_a_batch_size_of_32_unless_told(tmp_path) -> None:
+    def spec(**extra: object) -> SpeculativeConfig:
+        value = {"method": "ngram", "num_speculative_tokens": 2, **extra}
+        config = EngineConfig.from_kwargs(str(tmp_path), speculative_config=value).scheduler_config.speculative
+        assert config is not None
+        return config
+
+    assert spec().disable_by_batch_size is None and spec().max_speculating_seqs == 32
+    assert spec(disable_by_batch_size=4).max_speculating_seqs == 4
+    assert spec(disable_by_batch_size=None).max_speculating_seqs == 32
 
 
 def test_the_command_line_flag_takes_json(tmp_path) -> None:

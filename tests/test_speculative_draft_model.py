@@ -151,3 +151,18 @@ def test_a_draft_that_cannot_serve_fails_at_construction(
 def test_a_sliding_window_draft_fails_at_construction(tiny_model: Path, tiny_checkpoints: dict[str, Path]) -> None:
     with pytest.raises(InvalidConfigError, match=r"speculative_config\['model'\]: .*sliding_window=8"):
         LLM(str(tiny_model), speculative_config=_spec(tiny_checkpoints["mistral_swa"]), **ENGINE)
+
+
+def test_a_paused_draft_proposes_nothing_and_resumes_exactly(tiny_model: Path) -> None:
+    """Past `disable_by_batch_size` running requests the draft model proposes nothing (the steps are the plain
+    engine's); it keeps following every token, so once the batch shrinks its drafts (the target itself: right)
+    are accepted again and the tokens stay the plain engine's."""
+    lengths = [SamplingParams(max_tokens=m, temperature=0) for m in (40, 10, 10)]
+    ref, ref_stats = _run(tiny_model, lengths, None)
+    outs, stats = _run(tiny_model, lengths, {**_spec(tiny_model), "disable_by_batch_size": 1})
+    assert outs == ref
+    assert stats["spec_accepted_tokens"] > 0.9 * stats["spec_draft_tokens"] > 0
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    paused, paused_stats = _run(tiny_model, GREEDY, {**_spec(tiny_model), "disable_by_batch_size": 2})
+    assert paused == _run(tiny_model, GREEDY, None)[0]
+    assert paused_stats["spec_draft_tokens"] == 0

@@ -173,3 +173,18 @@ def test_the_heads_kv_follows_the_accepted_tokens(
     tokens = PROMPTS[0] + outs[0][0]
     wrong = [p for p in range(len(tokens) - 1) if writes.get(p) != tokens[p + 1]]
     assert wrong == []
+
+
+def test_a_paused_head_proposes_nothing_and_the_tokens_stay(tiny_model: Path, head: Path) -> None:
+    """Past `disable_by_batch_size` running requests the head proposes nothing; once the batch shrinks it
+    drafts again (from a head KV that misses the paused steps' last positions: drafts less often right, never
+    wrong), and the tokens are the plain engine's."""
+    lengths = [SamplingParams(max_tokens=m, temperature=0) for m in (40, 10, 10)]
+    ref, _ = _run(tiny_model, lengths, None)
+    outs, stats = _run(tiny_model, lengths, {**_spec(head), "disable_by_batch_size": 1})
+    assert outs == ref
+    assert stats["spec_draft_tokens"] > 0
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    paused, paused_stats = _run(tiny_model, GREEDY, {**_spec(head), "disable_by_batch_size": 2})
+    assert paused == _run(tiny_model, GREEDY, None)[0]
+    assert paused_stats["spec_draft_tokens"] == 0

@@ -5,6 +5,7 @@ config.py for size; plain Python, no torch.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path, PurePath
@@ -12,16 +13,20 @@ from typing import Any, Literal
 
 from asyncllm.config_fields import invalid
 from asyncllm.errors import InvalidConfigError
-from asyncllm.validation import check_float, check_int
+from asyncllm.validation import check_float, check_int, check_optional_int
 
-__all__ = ["MAX_SPECULATIVE_TOKENS", "SpeculativeConfig"]
+__all__ = ["DEFAULT_MAX_SPECULATING_SEQS", "MAX_SPECULATIVE_TOKENS", "SpeculativeConfig"]
 
 # Drafts per step: each is a logit row of its step, so past a handful most are rejected anyway.
 MAX_SPECULATIVE_TOKENS = 16
+# Speculation pauses while more requests than this run (`disable_by_batch_size` unset): a step of many rows is
+# bound by compute, not by reading the weights, so drafts no longer ride for free, and a step that verifies
+# drafts cannot be overlapped with the planning of the next (its accepted tokens decide that step's inputs).
+DEFAULT_MAX_SPECULATING_SEQS = 32
 _SPEC_KEYS = {
-    "draft_model": ("method", "model", "num_speculative_tokens", "draft_tensor_parallel_size"),
-    "eagle3": ("method", "model", "num_speculative_tokens", "draft_tensor_parallel_size"),
-    "ngram": ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"),
+    "draft_model": ("method", "model", "num_speculative_tokens", "draft_tensor_parallel_size", "disable_by_batch_size"),
+    "eagle3": ("method", "model", "num_speculative_tokens", "draft_tensor_parallel_size", "disable_by_batch_size"),
+    "ngram": ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"),
     "suffix": (
         "method",
         "num_speculative_tokens",
@@ -29,6 +34,7 @@ _SPEC_KEYS = {
         "suffix_decoding_max_cached_requests",
         "suffix_decoding_max_spec_factor",
         "suffix_decoding_min_token_prob",
+        "disable_by_batch_size",
     ),
 }
 
@@ -57,6 +63,15 @@ class SpeculativeConfig:
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
     model: str | None = None  # the draft checkpoint ("draft_model") or head directory ("eagle3")
+    # Any method: speculation pauses for a step while more requests than this run (None: the default,
+    # `DEFAULT_MAX_SPECULATING_SEQS`); vLLM's key.
+    disable_by_batch_size: int | None = None
+
+    @property
+    def max_speculating_seqs(self) -> int:
+        """The most running requests a step may draft for; past it every request decodes as without speculation
+        (overlapped with the planning of the next step) until the batch shrinks again."""
+        return self.disable_by_batch_size if self.disable_by_batch_size is not None else DEFAULT_MAX_SPECULATING_SEQS
 
     @property
     def runs_model(self) -> bool:
@@ -87,8 +102,12 @@ class SpeculativeConfig:
             keys = ", ".join(_SPEC_KEYS[method])
             raise InvalidConfigError(f"{name} has unknown key {unknown[0]!r} for method {method!r}: use {keys}")
         if method in ("draft_model", "eagle3"):
-            return cls._draft_model(value, method)
-        return cls._suffix(value) if method == "suffix" else cls._ngram(value)
+            config = cls._draft_model(value, method)
+        else:
+            config = cls._suffix(value) if method == "suffix" else cls._ngram(value)
+        key, allowed = f"{name}['disable_by_batch_size']", "an integer >= 1 (running requests), or None"
+        limit = check_optional_int(invalid, key, value.get("disable_by_batch_size"), allowed, lo=1)
+        return dataclasses.replace(config, disable_by_batch_size=limit)
 
     @classmethod
     def _draft_model(cls, value: dict[str, Any], method: Literal["draft_model", "eagle3"]) -> SpeculativeConfig:

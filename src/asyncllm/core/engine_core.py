@@ -91,8 +91,7 @@ class EngineCore:
             self.block_manager,
             AdapterBudget(rt.max_loras) if rt.max_loras else None,
             self.groups,
-            self.speculation.drafter if self.speculation is not None else None,
-            self.speculation.lookahead if self.speculation is not None else 0,
+            self.speculation,
         )
         self.output_processor = OutputProcessor(tokenizer)
         self._clock = clock

@@ -64,9 +64,12 @@ class Request:
     prompt_logprobs: list[dict[int, float] | None] | None = field(init=False)
     lora_id: int = 0  # `lora_name`'s adapter, resolved by the core (0: none); part of its prefix hashes
     # Its decodes may carry drafts (speculative decoding: the engine speculates, and every feature the request
-    # asks for is one verification keeps exact). Such a request is never planned while a step of it is in
-    # flight: its next step starts from the tokens that step accepted.
+    # asks for is one verification keeps exact). While the engine speculates (few requests run: scheduler.py),
+    # such a request is never planned while a step of it is in flight: its next step starts from the tokens
+    # that step accepted.
     speculative: bool = False
+    # A step verifying drafts of it is in flight: its next step waits for the tokens it accepts.
+    verifying: bool = False
     # A draw of it sat out (`sit_out`): from then on it is never planned while a step of it is in flight either.
     sits_out: bool = False
 

@@ -25,6 +25,8 @@ class SampledTokens:
             request = self.requests.get(seq.request_id)
             if request is None or request.status is RequestStatus.FINISHED:
                 continue
+            if seq.num_drafts:
+                request.verifying = False
             if request.num_drawn_ahead:  # the first token of a forced run, appended when the run was known
                 request.num_drawn_ahead -= 1
                 continue

@@ -21,10 +21,13 @@ With LoRA adapters, running requests use at most `max_loras` distinct ones (the 
 `lora.AdapterBudget`): a waiting request whose adapter does not fit waits like one short of memory, and one
 that outranks running requests preempts them until it fits.
 
-With a drafter (speculative decoding), a speculative request's decode carries drafts after its last token
-(`ScheduledSeq.num_drafts`), their blocks allocated with it; the step verifies them. Such a request is not
-planned while a step of it is in flight (its next inputs follow the tokens that step accepts), and a step's
-drafts never take its logit rows past `max_num_seqs`, counting a row for every request that could sample.
+With speculative decoding, a speculative request's decode carries drafts after its last token
+(`ScheduledSeq.num_drafts`), their blocks allocated with it; the step verifies them. While it speculates, such a
+request is not planned while a step of it is in flight (its next inputs follow the tokens that step accepts),
+and a step's drafts never take its logit rows past `max_num_seqs`, counting a row for every request that could
+sample. Speculation pauses for a step while more requests run than `Speculation.max_seqs`: then no request
+drafts (nor does the runner's draft model: `SchedulerOutput.propose_drafts`) and each is planned while its
+last step is in flight, as without speculation, unless that step verifies drafts of it (`Request.verifying`).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from asyncllm.core.request import Request, RequestStatus
 from asyncllm.core.sample_group import SampleGroup, SampleGroups
 from asyncllm.core.sampled_tokens import SampledTokens
 from asyncllm.core.spec.draft_proposals import reserve_lookahead
-from asyncllm.core.spec.drafter import Drafter
+from asyncllm.core.spec.speculation import Speculation
 from asyncllm.core.waiting_queue import WaitingQueue
 from asyncllm.errors import InvalidRequestError
 from asyncllm.outputs import FinishReason
@@ -61,15 +64,17 @@ class Scheduler(SampledTokens):
         block_manager: BlockManager,
         adapters: AdapterBudget | None = None,
         groups: SampleGroups | None = None,
-        drafter: Drafter | None = None,
-        lookahead: int = 0,
+        speculation: Speculation | None = None,
     ) -> None:
         self.limits = limits
         self.block_manager = block_manager
         self.adapters = adapters  # None: no LoRA (no check anywhere)
         self.groups = SampleGroups() if groups is None else groups  # the engine core's live sample groups
-        self.drafter = drafter  # None: no speculative decoding
-        self.lookahead = lookahead  # positions a draft model writes past a sampling step (spec/draft_proposals.py)
+        self.drafter = speculation.drafter if speculation is not None else None  # None: no speculative decoding
+        # Positions a draft model writes past a sampling step (spec/draft_proposals.py).
+        self.lookahead = speculation.lookahead if speculation is not None else 0
+        self.max_speculating = speculation.max_seqs if speculation is not None else 0
+        self.speculating = False  # whether the step last planned drafts (for its speculative requests)
         self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -141,12 +146,18 @@ class Scheduler(SampledTokens):
 
         running, allocate, schedule_seq = self.running, self.block_manager.allocate, self._schedule  # hot loop
         draft_rows = self._draft_rows()
+        speculating = self.speculating = draft_rows > 0 and len(running) <= self.max_speculating
+        out.propose_drafts = speculating
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            if request.has_enough_tokens or ((request.speculative or request.sits_out) and request.num_pending_tokens):
-                # Its last token is in flight: it finishes when that step's output is processed. Or (speculative,
-                # or its draws may sit out) a step of it is: its next one starts after what that step gives.
+            if request.has_enough_tokens or (
+                request.num_pending_tokens
+                and (request.verifying or request.sits_out or (speculating and request.speculative))
+            ):
+                # Its last token is in flight: it finishes when that step's output is processed. Or a step of it
+                # is whose tokens its next one starts after: drafts it verifies, a draw that may sit out, or
+                # (speculating) the step its next drafts follow.
                 i += 1
                 continue
             num_new = min(request.num_planned_tokens - request.num_computed_tokens, budget)
@@ -158,7 +169,7 @@ class Scheduler(SampledTokens):
                     continue
                 prefill_budget -= num_new
             drafts: list[int] = []
-            if request.speculative and draft_rows > 0 and _is_decode(request, num_new):
+            if speculating and request.speculative and draft_rows > 0 and _is_decode(request, num_new):
                 assert self.drafter is not None  # room for the target's own token within budget and max_tokens
                 limit = min(budget - 1, draft_rows, request.max_tokens - request.num_output_tokens - 1)
                 drafts = self.drafter.propose(request.request_id, request.all_token_ids, limit)
@@ -331,7 +342,8 @@ class Scheduler(SampledTokens):
             num_drafts = len(drafts)
             out.num_draft_tokens += num_drafts
             self.num_decodes_planned += num_drafts
-        if sample and self.lookahead and request.speculative:
+            request.verifying = True
+        if sample and self.lookahead and request.speculative and self.speculating:
             reserve_lookahead(self.block_manager, request, end + num_drafts, self.lookahead, len(self.running))
         out.seqs.append(ScheduledSeq(request.request_id, inputs, start, list(request.block_ids), sample, num_drafts))
         # Advanced now, not when outputs return, so a later step can be planned before this one finishes.

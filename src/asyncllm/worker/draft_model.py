@@ -91,21 +91,21 @@ class DraftModel:
         for new in scheduled.new_requests:  # (the finished ones went with the runner's `forget`)
             if new.speculative:
                 self._speculative.add(new.request_id)
-        self._gone += [r for r in scheduled.preempted_request_ids if r in self._speculative]  # only theirs have rows
+        self._gone += [r for r in scheduled.preempted_request_ids if self.buffers.holds_row(r)]
         meta = dataclasses.replace(x.meta, plan=None)
         self.backend.plan_and_upload(meta)
         self.model(x.input_ids, x.positions, self.kv_caches, meta)
 
     def forget(self, request_ids: list[str]) -> None:
         """Requests the runner drops: finished (the step's `finished_request_ids`), or warm-up's."""
-        self._gone += [r for r in request_ids if r in self._speculative]  # emptied only by a draft step: bounded
+        self._gone += [r for r in request_ids if self.buffers.holds_row(r)]  # at most a row each: bounded
         self._speculative.difference_update(request_ids)
 
     def propose(self, scheduled: SchedulerOutput, step: StepResult) -> StepResult:
         """`step`, with the draft's proposals for its speculative rows (`ModelRunnerOutput.drafts`): read now
-        where it has such rows, else handed back as it is."""
+        where it has such rows and speculation is not paused, else handed back as it is."""
         sampled = [seq for seq in scheduled.seqs if seq.sample]
-        if not any(seq.request_id in self._speculative for seq in sampled):
+        if not scheduled.propose_drafts or not any(seq.request_id in self._speculative for seq in sampled):
             return step
         return with_drafts(step, lambda out: self._rows(sampled, out), self._draft)
 

@@ -13,7 +13,9 @@ write the head's KV past the request's tokens, as far as its blocks reach (the s
 core/spec/draft_proposals.py); positions whose token changes are rewritten by a later step.
 
 A step with constrained rows proposes nothing (as a draft model's) and leaves those rows' last positions
-without the head's KV: later drafts are only less often accepted, never wrong (verification is exact).
+without the head's KV: later drafts are only less often accepted, never wrong (verification is exact). So
+does a step while speculation pauses (`SchedulerOutput.propose_drafts`: many running requests), for its rows'
+last positions.
 Knows nothing of the core's requests beyond the step's plain data.
 """
 
@@ -97,7 +99,7 @@ class Eagle3Drafter:
         for new in scheduled.new_requests:  # (the finished ones went with the runner's `forget`)
             if new.speculative:
                 self._prompts[new.request_id] = new.prompt_token_ids
-        self._gone += [r for r in scheduled.preempted_request_ids if r in self._prompts]  # only theirs have rows
+        self._gone += [r for r in scheduled.preempted_request_ids if self.buffers.holds_row(r)]
         seqs: list[ScheduledSeq] = []
         sources: list[int] = []  # each head row's target row (its hidden states)
         nexts: list[int] = []  # each head row's next token: a target row (< T), or T + its place in `tail`
@@ -128,14 +130,14 @@ class Eagle3Drafter:
 
     def forget(self, request_ids: list[str]) -> None:
         """Requests the runner drops: finished (the step's `finished_request_ids`), or warm-up's."""
-        self._gone += [r for r in request_ids if r in self._prompts]  # emptied only by a head pass: bounded
+        self._gone += [r for r in request_ids if self.buffers.holds_row(r)]  # at most a row each: bounded
         for request_id in request_ids:
             self._prompts.pop(request_id, None)
 
     def propose(self, scheduled: SchedulerOutput, step: StepResult) -> StepResult:
         """`step`, with the head's proposals for its speculative rows (`ModelRunnerOutput.drafts`): read now
-        where it has such rows, else handed back as it is."""
-        if not any(seq.sample and seq.request_id in self._prompts for seq in scheduled.seqs):
+        where it has such rows and speculation is not paused, else handed back as it is."""
+        if not scheduled.propose_drafts or not any(seq.sample and seq.request_id in self._prompts for seq in scheduled.seqs):
             return step
         return with_drafts(step, lambda out: self._rows(scheduled, out), self._draft)
 

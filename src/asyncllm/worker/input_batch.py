@@ -225,6 +225,10 @@ class InputBuffers:
             self.flush()
         return inputs
 
+    def holds_row(self, request_id: str) -> bool:
+        """Whether a block-table row was written for `request_id` (one a later `prepare` must be told it left)."""
+        return request_id in self._row_of
+
     def stage_plan(self, meta: AttentionMetadata, plan: AttentionPlan | None, static: bool) -> None:
         """Stage the attention plan's work list (a static plan's in the fixed `work` region, where its graph
         reads it) and bind the plan into `meta` for the forward pass."""

@@ -36,6 +36,7 @@ class Speculation:
         # the positions past a sampling step's tokens the draft writes while it drafts.
         self.proposals = inner if isinstance(inner, DraftProposals) else None
         self.lookahead = config.num_speculative_tokens if self.proposals is not None else 0
+        self.max_seqs = config.max_speculating_seqs  # past this many running requests, a step drafts for none
         self.num_draft_tokens = 0  # drafts verified so far
         self.num_accepted_tokens = 0  # of those, accepted
         self.num_drafts = 0  # proposals verified (a request's drafts in one step)
