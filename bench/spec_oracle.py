@@ -4,7 +4,9 @@ output token without speculation and with k drafts, and the cost of a verifying 
 plain decode step. Limits: <= 0.45 ms per output token (Qwen3-0.6B shape, k = 4), a verifying step <= 1.2x a
 plain one.
 
-The plain figures come from an engine without speculation (overlapped scheduling: the W5 path); a second
+The plain figures come from an engine without speculation (overlapped scheduling: the W5 path), and from one
+with serial scheduling (`ASYNCLLM_ASYNC_SCHEDULING=0`, as a verifying step runs: its next step waits for its
+accepted tokens), so the verifying step's forward cost shows apart from the overlap it forgoes; a third
 engine is built with the oracle as its host drafter (its warm-up run drafts too), by patching
 `asyncllm.core.spec.speculation.make_drafter`, the seam an engine builds its drafter from, around its
 construction: a bench's reach into the engine, not an API. The engine wraps the oracle in the adaptive cap as
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -91,6 +94,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         plain = decode_timing(llm, args.tokens, args.rounds)
     finally:
         llm.shutdown()
+    with mock.patch.dict(os.environ, {"ASYNCLLM_ASYNC_SCHEDULING": "0"}):
+        llm = LLM(str(model_dir), **common)  # no speculation, serial scheduling
+    try:
+        llm.generate([PROMPT], warm, use_tqdm=False)
+        serial = decode_timing(llm, args.tokens, args.rounds)
+    finally:
+        llm.shutdown()
     spec = {"method": "ngram", "num_speculative_tokens": args.k}  # its drafter is the oracle instead
     oracle = Replay(plain["token_ids"], len(PROMPT), args.k)
     with mock.patch.object(speculation, "make_drafter", lambda config: oracle):
@@ -113,6 +123,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "plain_ms_per_step": plain["ms_per_step"],
         "verify_ms_per_step": drafted["ms_per_step"],
         "verify_step_ratio": round(drafted["ms_per_step"] / plain["ms_per_step"], 3),
+        "serial_ms_per_step": serial["ms_per_step"],
+        "verify_over_serial_step": round(drafted["ms_per_step"] / serial["ms_per_step"], 3),
         "tokens_per_verify_step": round((len(drafted["token_ids"]) - 1) / max(drafted["steps"], 1), 2),
         "same_tokens": drafted["token_ids"] == plain["token_ids"],
         "accepted_of_drafts": f"{stats['spec_accepted_tokens']}/{stats['spec_draft_tokens']}",

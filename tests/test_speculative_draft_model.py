@@ -158,7 +158,7 @@ def test_a_paused_draft_proposes_nothing_and_resumes_exactly(tiny_model: Path) -
     engine's); it keeps following every token, so once the batch shrinks its drafts (the target itself: right)
     are accepted again and the tokens stay the plain engine's."""
     lengths = [SamplingParams(max_tokens=m, temperature=0) for m in (40, 10, 10)]
-    ref, ref_stats = _run(tiny_model, lengths, None)
+    ref, _ = _run(tiny_model, lengths, None)
     outs, stats = _run(tiny_model, lengths, {**_spec(tiny_model), "disable_by_batch_size": 1})
     assert outs == ref
     assert stats["spec_accepted_tokens"] > 0.9 * stats["spec_draft_tokens"] > 0

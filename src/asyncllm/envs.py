@@ -340,8 +340,8 @@ KV_DISK_LOADS_PER_STEP: EnvVar[int] = EnvVar(
     "ASYNCLLM_KV_DISK_LOADS_PER_STEP",
     256,
     _positive,
-    "blocks one step may start reading from the disk tier; the reads run on 4 threads beside the steps while "
-    "their requests wait, and later steps start the rest",
+    "blocks one step may start reading from the disk tier; the reads run on 4-16 threads (one a core) beside "
+    "the steps while their requests wait, and later steps start the rest",
 )
 
 ALL: tuple[EnvVar[Any], ...] = (  # every variable, for docs/tuning.md's table and its test

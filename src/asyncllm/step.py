@@ -120,10 +120,10 @@ class SchedulerOutput:
     finished_request_ids: list[str] = field(default_factory=list)  # runner drops their state
     preempted_request_ids: list[str] = field(default_factory=list)
     num_draft_tokens: int = 0  # the sum of the seqs' `num_drafts`: 0 unless the step verifies drafts
+    kv: KVTransfers | None = None  # copies to and from the KV tiers below the device (None: none)
     # Speculative decoding: whether the runner's draft model (if any) proposes after this step for its speculative
     # rows; False while speculation pauses (many running requests: scheduler.py).
     propose_drafts: bool = True
-    kv: KVTransfers | None = None  # copies to and from the KV tiers below the device (None: none)
 
     @property
     def num_batched_tokens(self) -> int:

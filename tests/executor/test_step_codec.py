@@ -64,6 +64,7 @@ def runs(draw: st.DrawFn) -> list[SchedulerOutput]:
             num_drafts = draw(st.integers(0, min(len(tokens) - 1, 16))) if sample else 0
             out.num_draft_tokens += num_drafts
             out.seqs.append(ScheduledSeq(rid, tokens, start, list(live[rid]), sample, num_drafts))
+        out.propose_drafts = draw(st.booleans())  # speculation paused or not
         steps.append(out)
     return steps
 
@@ -81,6 +82,7 @@ def test_every_step_round_trips(steps: list[SchedulerOutput]) -> None:
         assert got.preempted_request_ids == step.preempted_request_ids
         assert got.seqs == step.seqs
         assert got.num_draft_tokens == step.num_draft_tokens
+        assert got.propose_drafts == step.propose_drafts
 
 
 def _decode_step(n: int, blocks_each: int, pos: int) -> SchedulerOutput:
@@ -101,7 +103,7 @@ def test_decode_steps_send_only_new_blocks() -> None:
     decoder.decode(encoder.encode(first))
     step = _decode_step(256, 200, 4)
     message = encoder.encode(step)
-    assert len(message) <= 32 + 21 * 256
+    assert len(message) <= 36 + 21 * 256  # the header: magic and 8 uint32
     assert decoder.decode(message).seqs == step.seqs
     grown = _decode_step(256, 201, 5)  # every table gained one block: one more int32 each
     assert len(encoder.encode(grown)) == len(message) + 4 * 256

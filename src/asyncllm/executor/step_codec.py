@@ -6,7 +6,8 @@ index, inputs, start position, sample flag and only the block ids appended since
 sent; finished requests free their index, preempted ones restart their table. Columns of int32 in native
 byte order (both ends share one host), parameters pickled once per request. Plain Python, no torch.
 
-    header   magic, counts: finished, preempted, new requests, seqs, input tokens, new blocks; new bytes
+    header   magic, counts: finished, preempted, new requests, seqs, input tokens, new blocks; new bytes; flags
+             (bit 0: `propose_drafts`)
     int32    finished indices | preempted indices
     int32    per seq: index | start_pos | number of inputs | number of new blocks;  uint8 per seq: sample
              (bit 0) and its drafts (`num_drafts`, speculative decoding: the bits above)
@@ -34,9 +35,9 @@ from dataclasses import dataclass
 
 from asyncllm.step import KVTransfers, LoRAAdapter, NewRequestData, ScheduledSeq, SchedulerOutput
 
-MAGIC = b"ATP1"
+MAGIC = b"ATP2"
 LORA_MAGIC = b"ALR1"
-_HEADER = struct.Struct("<4s7I")
+_HEADER = struct.Struct("<4s8I")
 _NEW = struct.Struct("<3i")
 _KV = struct.Struct("<6I")
 _DIGEST = 16  # bytes of a block's prefix digest (`block_hash.extend_block_digests`)
@@ -118,7 +119,7 @@ class StepEncoder:
         kv = encode_kv(out.kv) if out.kv is not None else b""
         header = _HEADER.pack(
             MAGIC, len(finished), len(preempted), len(out.new_requests), len(seqs), len(tokens), len(new_blocks),
-            len(new_bytes),
+            len(new_bytes), int(out.propose_drafts),
         )  # fmt: skip
         columns = finished + preempted + index + [s.start_pos for s in seqs] + num_tokens + num_new_blocks
         if out.num_draft_tokens and max(s.num_drafts for s in seqs) > _MAX_DRAFTS:
@@ -159,7 +160,7 @@ class StepDecoder:
     def decode(self, data: bytes) -> SchedulerOutput:
         """The step `data` encodes. Its `ScheduledSeq.block_ids` are this decoder's own tables: valid until
         the next `decode` (the runner reads them within the step)."""
-        magic, n_fin, n_pre, n_new, n_seqs, n_tok, n_blk, new_bytes = _HEADER.unpack_from(data)
+        magic, n_fin, n_pre, n_new, n_seqs, n_tok, n_blk, new_bytes, flags = _HEADER.unpack_from(data)
         if magic != MAGIC:
             raise StepCodecError(f"not an encoded step (magic {magic!r})")
         at = _HEADER.size
@@ -201,7 +202,7 @@ class StepDecoder:
                 b += n
             seqs.append(ScheduledSeq(ids[i], toks, start, table, bool(s & 1), s >> 1))
             num_draft_tokens += s >> 1
-        return SchedulerOutput(seqs, new_requests, finished, preempted, num_draft_tokens, kv)
+        return SchedulerOutput(seqs, new_requests, finished, preempted, num_draft_tokens, kv, bool(flags & 1))
 
     def _add_new(self, data: bytes, at: int, count: int) -> list[NewRequestData]:
         out = []

@@ -137,7 +137,8 @@ class Eagle3Drafter:
     def propose(self, scheduled: SchedulerOutput, step: StepResult) -> StepResult:
         """`step`, with the head's proposals for its speculative rows (`ModelRunnerOutput.drafts`): read now
         where it has such rows and speculation is not paused, else handed back as it is."""
-        if not scheduled.propose_drafts or not any(seq.sample and seq.request_id in self._prompts for seq in scheduled.seqs):
+        speculative = any(seq.sample and seq.request_id in self._prompts for seq in scheduled.seqs)
+        if not scheduled.propose_drafts or not speculative:
             return step
         return with_drafts(step, lambda out: self._rows(scheduled, out), self._draft)
 

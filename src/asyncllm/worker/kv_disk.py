@@ -46,7 +46,9 @@ _HEADER_SUM = struct.Struct("<Q")  # xxh3-64 of the header before it
 _NAME = re.compile(r"^[0-9a-f]{16}\.kvb$")
 _RESCAN_WRITES = 1024
 _STALE_TEMP_S = 600.0  # a temporary file this old was left by a writer that died
-_LOAD_THREADS = 4
+# Reads (page cache or disk into pinned slots) and their xxh3 checks release the GIL: they scale with cores,
+# and a returning 8K-token history of an 8B model is over a gigabyte.
+_LOAD_THREADS = max(4, min(16, os.cpu_count() or 4))
 _temp_names = itertools.count()
 
 
