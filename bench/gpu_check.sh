@@ -240,7 +240,7 @@ if has wave4; then  # issues 41, 43, 44 on the card: their GPU tests, then specu
     tests/gpu/test_kv_tiers.py tests/kernels/test_varlen_attention.py 2>&1 | tee "$OUT/wave4_tests.log" \
     | grep -E "^(FAILED|ERROR)|passed|failed" | tail -15
   rows+=("wave4 tests: $(tail -1 "$OUT/wave4_tests.log")")
-  (cd bench && timeout 150 python3 spec_oracle.py --shape qwen3-0.6b --k 4 --tokens 256) 2>&1 | tee "$OUT/spec.log" | grep -E '^\{|Error' | tail -3
+  (cd bench && timeout 240 python3 spec_oracle.py --shape qwen3-0.6b --k 4 --tokens 256) 2>&1 | tee "$OUT/spec.log" | grep -E '^\{|Error' | tail -3
   rows+=("spec oracle: $(grep '^{' "$OUT/spec.log" | tail -1)")
   (cd bench && timeout "${EMBED_TIMEOUT:-240}" python3 embed_throughput.py ${EMBED_ARGS:-}) 2>&1 | tee "$OUT/embed.log" | grep -E '^\{|Error' | tail -4
   while read -r line; do rows+=("embed: $line"); done < <(grep '^{' "$OUT/embed.log")
@@ -248,7 +248,7 @@ if has wave4; then  # issues 41, 43, 44 on the card: their GPU tests, then specu
   while read -r line; do rows+=("kv tiers: $line"); done < <(grep '^{' "$OUT/kv_tiers.log")
 fi
 if has spec; then  # issue 41: speculation's ceiling at batch 1 (spec_oracle) and its cost at 256 streams (W1, ngram off/on)
-  (cd bench && timeout 150 python3 spec_oracle.py --shape qwen3-0.6b --k 4 --tokens 256) 2>&1 | tee "$OUT/spec.log" | grep -E '^\{|Error' | tail -3
+  (cd bench && timeout 240 python3 spec_oracle.py --shape qwen3-0.6b --k 4 --tokens 256) 2>&1 | tee "$OUT/spec.log" | grep -E '^\{|Error' | tail -3
   rows+=("spec oracle: $(grep '^{' "$OUT/spec.log" | tail -1)")
   for round in $(seq "${SPEC_ROUNDS:-2}"); do  # SPEC_ROUNDS: rounds of W1 off / on (default 2)
     for mode in off ngram; do
