@@ -46,7 +46,8 @@ class Replay:
 
     def propose(self, request_id: str, tokens: list[int], limit: int) -> list[int]:
         done = len(tokens) - self.prompt_len
-        return self.reference[done : done + min(self.k, limit)]  # a drafter proposes at most k
+        # The engine's adaptive cap keeps `limit` within k (k + 1 for a chained step, whose first is a guess).
+        return self.reference[done : done + limit]
 
     def forget(self, request_id: str, output: list[int]) -> None:
         pass

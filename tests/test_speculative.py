@@ -14,6 +14,7 @@ import pytest
 
 from asyncllm import LLM, SamplingParams
 from asyncllm.core.request import Request
+from tests.fixtures.deferred_steps import deferring_steps
 from tests.fixtures.spec_drafters import drafting_with
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -91,6 +92,28 @@ def test_accepted_and_rejected_drafts(
     else:
         assert 0 < accepted < drafts
     assert stats["num_free_blocks"] == stats["num_total_blocks"]  # rejected drafts' blocks came back
+
+
+@pytest.mark.parametrize(
+    "params", [GREEDY, SamplingParams(max_tokens=40, temperature=0.9, seed=7, logprobs=2)], ids=["greedy", "seeded"]
+)
+def test_chained_steps_stand_or_are_undone_exactly(tiny_model: Path, params: SamplingParams) -> None:
+    """Overlapped, a request whose drafts have lately all been accepted has its next step planned while the
+    verifying one runs, chained on it (`spec_chained_drafts`); where that step then rejects a draft, the chained
+    one is void (`spec_void_drafts`): its draws are given back and its output dropped. The tokens and their
+    logprobs stay the plain engine's, greedy and seeded; every block comes back."""
+    ref, _ = _run(tiny_model, params, None)
+    oracle = Oracle({tuple(p): t for p, t in zip(PROMPTS, _tokens(ref))}, 4, wrong=11)
+    with deferring_steps() as executors:  # steps run late, as on a GPU: the next is planned meanwhile
+        outs, stats = _run(tiny_model, params, {"method": "ngram", "num_speculative_tokens": 4}, oracle)
+    assert executors[0].num_late_reads > 0
+    assert _tokens(outs) == _tokens(ref)
+    if params.logprobs:
+        for out, want in zip(outs, ref):
+            assert [sorted(e) for e in out.outputs[0].logprobs] == [sorted(e) for e in want.outputs[0].logprobs]
+    assert stats["spec_chained_drafts"] > 0 and stats["spec_void_drafts"] > 0
+    assert stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "serial"])

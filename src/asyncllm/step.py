@@ -71,6 +71,10 @@ class ScheduledSeq:
     # Speculative decoding: the last this many inputs are drafts, verified by this step (logits at each of
     # the last 1 + num_drafts positions); their KV past the accepted ones is garbage, overwritten later.
     num_drafts: int = 0
+    # Planned while the request's previous step, verifying drafts, was in flight, as if it accepts all of them
+    # (its input before the drafts is that step's last token, a PLACEHOLDER): void, and its draws given back,
+    # unless it does (core/spec/chain.py).
+    chained: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -83,8 +87,8 @@ class ScheduledSeq:
 
     @property
     def takes_previous_token(self) -> bool:
-        """Its last input is the token the previous step samples for this request."""
-        return self.input_token_ids[-1] == PLACEHOLDER
+        """Its last input before its drafts is the token the previous step samples for this request."""
+        return self.input_token_ids[-1 - self.num_drafts] == PLACEHOLDER
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,8 @@ def runs(draw: st.DrawFn) -> list[SchedulerOutput]:
             # Speculative decoding: the last inputs of a sampled sequence may be drafts (up to 16, the config's most).
             num_drafts = draw(st.integers(0, min(len(tokens) - 1, 16))) if sample else 0
             out.num_draft_tokens += num_drafts
-            out.seqs.append(ScheduledSeq(rid, tokens, start, list(live[rid]), sample, num_drafts))
+            chained = bool(num_drafts) and draw(st.booleans())  # planned on a verifying step in flight
+            out.seqs.append(ScheduledSeq(rid, tokens, start, list(live[rid]), sample, num_drafts, chained))
         out.propose_drafts = draw(st.booleans())  # speculation paused or not
         steps.append(out)
     return steps

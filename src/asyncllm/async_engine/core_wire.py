@@ -50,6 +50,8 @@ STATS_KEYS = (
     "spec_draft_tokens",  # speculative decoding's running totals
     "spec_accepted_tokens",
     "spec_num_drafts",
+    "spec_chained_drafts",
+    "spec_void_drafts",
     "prefix_cache_host_hit_tokens",  # of the hits, those restored from the KV tiers below the device
     "prefix_cache_disk_hit_tokens",
 )

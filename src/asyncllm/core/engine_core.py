@@ -177,10 +177,7 @@ class EngineCore:
             prefix_cache_hit_tokens=bm.num_hit_tokens,
             prefix_cache_host_hit_tokens=bm.num_host_hit_tokens,
             prefix_cache_disk_hit_tokens=bm.num_disk_hit_tokens,
-            spec_draft_tokens=self.speculation.num_draft_tokens if self.speculation else 0,
-            spec_accepted_tokens=self.speculation.num_accepted_tokens if self.speculation else 0,
-            spec_num_drafts=self.speculation.num_drafts if self.speculation else 0,
-            spec_accepted_per_position=tuple(self.speculation.accepted_per_position) if self.speculation else (),
+            **(self.speculation.stats() if self.speculation else {}),
         )
 
     # ------------------------------------------------------------------ the step

@@ -23,6 +23,10 @@ class EngineStats:
     spec_draft_tokens: int = 0  # speculative decoding: drafts verified, and of those accepted (running totals)
     spec_accepted_tokens: int = 0
     spec_num_drafts: int = 0  # verified proposals (a request's drafts in one step: vLLM's num_drafts)
+    # Of the drafts verified, those of steps planned while the request's previous step was in flight, chained on
+    # it (core/spec/chain.py); and the drafts of chained steps found void (never verified, not counted above).
+    spec_chained_drafts: int = 0
+    spec_void_drafts: int = 0
     # Accepted drafts by position in their proposal (0: the first draft), one per num_speculative_tokens; in
     # `as_dict` each is a key of its own, `spec_accepted_tokens_pos_<i>` (a flat dict sums across replicas).
     # Of the hit tokens, those restored from the KV tiers below the device (`kv_offloading_size`, `kv_cache_dir`).

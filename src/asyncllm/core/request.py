@@ -68,8 +68,14 @@ class Request:
     # such a request is never planned while a step of it is in flight: its next step starts from the tokens
     # that step accepted.
     speculative: bool = False
-    # A step verifying drafts of it is in flight: its next step waits for the tokens it accepts.
-    verifying: bool = False
+    # Steps verifying drafts of it in flight: its next step waits for the tokens they accept, unless it is
+    # chained on the latest (core/spec/chain.py), whose drafts are `drafts_in_flight`.
+    num_verifying: int = 0
+    drafts_in_flight: list[int] = field(default_factory=list)
+    # The drafts of its step in flight that its latest (chained) step assumed accepted (0: none chained), and
+    # its chained steps in flight found void (their outputs are dropped as they come).
+    chained_on: int = 0
+    num_void: int = 0
     # A draw of it sat out (`sit_out`): from then on it is never planned while a step of it is in flight either.
     sits_out: bool = False
 

@@ -26,7 +26,7 @@ class SampledTokens:
             if request is None or request.status is RequestStatus.FINISHED:
                 continue
             if seq.num_drafts:
-                request.verifying = False
+                request.num_verifying -= 1
             if request.num_drawn_ahead:  # the first token of a forced run, appended when the run was known
                 request.num_drawn_ahead -= 1
                 continue

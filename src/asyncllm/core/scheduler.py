@@ -21,13 +21,11 @@ With LoRA adapters, running requests use at most `max_loras` distinct ones (the 
 `lora.AdapterBudget`): a waiting request whose adapter does not fit waits like one short of memory, and one
 that outranks running requests preempts them until it fits.
 
-With speculative decoding, a speculative request's decode carries drafts after its last token
-(`ScheduledSeq.num_drafts`), their blocks allocated with it; the step verifies them. While it speculates, such a
-request is not planned while a step of it is in flight (its next inputs follow the tokens that step accepts),
-and a step's drafts never take its logit rows past `max_num_seqs`, counting a row for every request that could
-sample. Speculation pauses for a step while more requests run than `Speculation.max_seqs`: then no request
-drafts (nor does the runner's draft model: `SchedulerOutput.propose_drafts`) and each is planned while its
-last step is in flight, as without speculation, unless that step verifies drafts of it (`Request.verifying`).
+With speculative decoding, a speculative request's decode carries drafts after its last token, their blocks
+allocated with it; the step verifies them. While the engine speculates, such a request is planned while a step
+of it is in flight only chained on it (spec/chain.py), and a step's drafts never take its logit rows past
+`max_num_seqs`, counting a row for every request that could sample. Past `Speculation.max_seqs` running
+requests no request drafts (`SchedulerOutput.propose_drafts`) and each is planned as without speculation.
 """
 
 from __future__ import annotations
@@ -40,6 +38,7 @@ from asyncllm.core.lora import AdapterBudget
 from asyncllm.core.request import Request, RequestStatus
 from asyncllm.core.sample_group import SampleGroup, SampleGroups
 from asyncllm.core.sampled_tokens import SampledTokens
+from asyncllm.core.spec.chain import plan_chained
 from asyncllm.core.spec.draft_proposals import reserve_lookahead
 from asyncllm.core.spec.speculation import Speculation
 from asyncllm.core.waiting_queue import WaitingQueue
@@ -74,6 +73,7 @@ class Scheduler(SampledTokens):
         # Positions a draft model writes past a sampling step (spec/draft_proposals.py).
         self.lookahead = speculation.lookahead if speculation is not None else 0
         self.max_speculating = speculation.max_seqs if speculation is not None else 0
+        self.chain_drafter = speculation.drafter if speculation is not None and speculation.chains else None
         self.speculating = False  # whether the step last planned drafts (for its speculative requests)
         self.waiting = WaitingQueue()
         self.running: list[Request] = []
@@ -153,11 +153,15 @@ class Scheduler(SampledTokens):
             request = running[i]
             if request.has_enough_tokens or (
                 request.num_pending_tokens
-                and (request.verifying or request.sits_out or (speculating and request.speculative))
+                and (request.num_verifying or request.sits_out or (speculating and request.speculative))
             ):
                 # Its last token is in flight: it finishes when that step's output is processed. Or a step of it
                 # is whose tokens its next one starts after: drafts it verifies, a draw that may sit out, or
                 # (speculating) the step its next drafts follow.
+                if speculating and self.chain_drafter is not None:  # unless chained on it (spec/chain.py)
+                    n = plan_chained(self.block_manager, self.chain_drafter, request, min(budget - 1, draft_rows), out)
+                    budget, draft_rows = budget - n, draft_rows - max(n - 1, 0)
+                    self.num_decodes_planned += n
                 i += 1
                 continue
             num_new = min(request.num_planned_tokens - request.num_computed_tokens, budget)
@@ -342,7 +346,8 @@ class Scheduler(SampledTokens):
             num_drafts = len(drafts)
             out.num_draft_tokens += num_drafts
             self.num_decodes_planned += num_drafts
-            request.verifying = True
+            request.num_verifying += 1
+            request.drafts_in_flight = drafts
         if sample and self.lookahead and request.speculative and self.speculating:
             reserve_lookahead(self.block_manager, request, end + num_drafts, self.lookahead, len(self.running))
         out.seqs.append(ScheduledSeq(request.request_id, inputs, start, list(request.block_ids), sample, num_drafts))

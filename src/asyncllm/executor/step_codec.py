@@ -10,7 +10,7 @@ byte order (both ends share one host), parameters pickled once per request. Plai
              (bit 0: `propose_drafts`)
     int32    finished indices | preempted indices
     int32    per seq: index | start_pos | number of inputs | number of new blocks;  uint8 per seq: sample
-             (bit 0) and its drafts (`num_drafts`, speculative decoding: the bits above)
+             (bit 0), its drafts (`num_drafts`, speculative decoding: bits 1-6) and `chained` (bit 7)
     int32    every seq's inputs, concatenated (PLACEHOLDER is -1) | every seq's new block ids, concatenated
     bytes    per new request: index, prompt length, blob length (int32 x 3) | prompt | pickle((id, params, seed,
              lora_id, speculative))
@@ -41,7 +41,7 @@ _HEADER = struct.Struct("<4s8I")
 _NEW = struct.Struct("<3i")
 _KV = struct.Struct("<6I")
 _DIGEST = 16  # bytes of a block's prefix digest (`block_hash.extend_block_digests`)
-_MAX_DRAFTS = 127  # a seq's drafts share its sample byte (config_speculative.MAX_SPECULATIVE_TOKENS is 16)
+_MAX_DRAFTS = 63  # a seq's drafts share its sample byte (config_speculative.MAX_SPECULATIVE_TOKENS is 16)
 assert array("i").itemsize == 4 and array("B").itemsize == 1 and array("q").itemsize == 8
 
 
@@ -124,7 +124,7 @@ class StepEncoder:
         columns = finished + preempted + index + [s.start_pos for s in seqs] + num_tokens + num_new_blocks
         if out.num_draft_tokens and max(s.num_drafts for s in seqs) > _MAX_DRAFTS:
             raise StepCodecError(f"a sequence carries more than {_MAX_DRAFTS} drafts")
-        sample = bytes([s.sample | s.num_drafts << 1 for s in seqs])
+        sample = bytes([s.sample | s.num_drafts << 1 | s.chained << 7 for s in seqs])
         return b"".join((header, _int32(columns), sample, _int32(tokens + new_blocks), new_bytes, kv))
 
     def _assign(self, request_id: str) -> int:
@@ -200,8 +200,8 @@ class StepDecoder:
             if n:
                 table += values[b : b + n]
                 b += n
-            seqs.append(ScheduledSeq(ids[i], toks, start, table, bool(s & 1), s >> 1))
-            num_draft_tokens += s >> 1
+            seqs.append(ScheduledSeq(ids[i], toks, start, table, bool(s & 1), (s >> 1) & 63, bool(s >> 7)))
+            num_draft_tokens += (s >> 1) & 63
         return SchedulerOutput(seqs, new_requests, finished, preempted, num_draft_tokens, kv, bool(flags & 1))
 
     def _add_new(self, data: bytes, at: int, count: int) -> list[NewRequestData]:

@@ -258,6 +258,14 @@ def may_jump(params: SamplingParams) -> bool:
     return not any(f.asked(params) and not f.jump_forward.allows(greedy) for f in _JUMP_GATED)
 
 
+def may_chain(params: SamplingParams) -> bool:
+    """Whether a request's drafted step may be chained on its step in flight (speculative decoding: planned
+    as if that step accepts every draft, void if not): verification keeps it exact and nothing but the draw
+    count carries from one draw to the next (no penalty counts, no grammar), so a void step is undone by
+    giving its draws back."""
+    return may_verify(params) and params.structured is None and not params.has_penalties
+
+
 def may_verify(params: SamplingParams) -> bool:
     """Whether a request's decodes may carry drafts (speculative decoding) and still give exactly the tokens
     it gets without them: every feature it asks for is one verification applies or may skip."""

@@ -30,6 +30,9 @@ class SamplingState:
     min_tokens_stop_ids: tuple[int, ...] = ()
     num_sampled: int = 0  # draws so far: the noise offset of the next one
     penalty_row: int | None = None  # set by the sampler's PenaltyTable for requests with penalties
+    # Speculative decoding: its last verified step accepted every draft, so a step chained on it stands
+    # (worker/spec_verify.py).
+    all_accepted: bool = False
     # Its draws apply a grammar's bitmask row (`params.structured` is set): a fact of the request, so the
     # sampler asks this, never the grammar's handle (structured_output/ imports sample/, not the reverse).
     constrained: bool = False

@@ -150,7 +150,7 @@ class InputBuffers:
             ids, start, blocks = seq.input_token_ids, seq.start_pos, seq.block_ids
             n = len(ids)
             if seq.takes_previous_token:
-                fill_rows.append(t + n - 1)
+                fill_rows.append(t + n - 1 - seq.num_drafts)
                 fill_owners.append(seq.request_id)
             if n == 1:  # a decode (or a one-token chunk): plain ints beat numpy at this size
                 id_list.append(ids[0])

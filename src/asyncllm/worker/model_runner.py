@@ -189,7 +189,7 @@ class ModelRunner:
         """Stage the draw: in the step's draw graph's fixed regions where it has one (`tail`: the graph's rows)
         and every row takes the plain draw; else the eager draw's parameters (a verifying row's noise offset
         its place after the first), the constrained rows' bitmask rows (`GrammarTable.plan`, known before the
-        forward pass), the sampled ids' slots and, verifying drafts, each sequence's first row (whose token is
+        forward pass), the sampled ids' slots and, verifying drafts, each sequence's last row (whose token is
         recorded)."""
         stage = self.inputs.staging.stage
         plan = None  # unless a request with a grammar is live and sampled
@@ -207,8 +207,8 @@ class ModelRunner:
         rows = None
         if plan is not None:  # verifying: each logit row's, a drafted one's after the drafts before it
             rows = stage(plan.rows if verify is None else plan_draft_rows(plan, verify.drafts), torch.int64)
-        first = stage(verify.first, torch.int64) if verify is not None else None
-        return StagedDraw(False, draw, stage(self._latest.slots(sampling), torch.int64), plan, rows, first)
+        last = stage(verify.last, torch.int64) if verify is not None else None
+        return StagedDraw(False, draw, stage(self._latest.slots(sampling), torch.int64), plan, rows, last)
 
     def _launch_forward(self, batch: StepBatch) -> Forward:
         """The forward pass (a replayed graph or eager), then the logits the step reads: the scored prompt
@@ -281,9 +281,10 @@ class ModelRunner:
         before = batch.verify.before if batch.verify is not None else None
         skip = batch.verify.rows_of(deferred) if batch.verify is not None else deferred  # logit rows
         out = self.sampler(forward.logits, batch.states, draw.params, mask, skip, before)
-        # Verifying drafts: each sequence's first row is recorded (a drafted request's latest token is never
-        # fed from here: its next step is planned after the read, from the tokens it accepted).
-        latest = out.token_ids if draw.first is None else out.token_ids.index_select(0, draw.first)
+        # Verifying drafts: each sequence's last row is recorded, the latest token if every draft is accepted (a
+        # step chained on this one feeds it; any other next step is planned after the read, from the tokens
+        # its request accepted).
+        latest = out.token_ids if draw.last is None else out.token_ids.index_select(0, draw.last)
         self._latest.record(draw.slots, latest)
         sent = self._outputs.send(out.token_ids, out.logprobs_output, failed, forward.prompt, deferred or None)
         if batch.verify is not None:  # read first: the grammar's matchers take the accepted runs
@@ -359,7 +360,7 @@ class StagedDraw:
     slots: torch.Tensor | None = None  # [S] int64: each sampled row's latest-token slot (None: graphed)
     mask_plan: MaskPlan | None = None  # where the constrained rows find their masks (`GrammarTable.plan`)
     mask_rows: torch.Tensor | None = None  # [S] int64: each sampled row's bitmask row, -1 where unconstrained
-    first: torch.Tensor | None = None  # [S] int64, verifying drafts: each sampled sequence's first logit row
+    last: torch.Tensor | None = None  # [S] int64, verifying drafts: each sampled sequence's last logit row
 
 
 @dataclass(frozen=True)

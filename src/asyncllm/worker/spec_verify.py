@@ -6,7 +6,13 @@ next draws would be without drafts (its seed, at its draw count plus the row's p
 token the target gives after the drafts before it. Drafts are accepted while they equal those tokens; the
 token after the last accepted draft is the target's own. Greedy and seeded output are therefore exactly
 what the engine gives without drafts, and unseeded output keeps the target's distribution (every output
-token is a draw of the target's). Knows nothing of models or the core's requests.
+token is a draw of the target's).
+
+A chained sequence (`ScheduledSeq.chained`) was planned before its request's previous verifying step was read,
+as if that step accepts every draft; its first input is that step's last row's token (each sequence's last row
+is recorded as its request's latest token). Its request's state says whether it did (`all_accepted`, set by
+the previous read): if not, the sequence is void, every draw it took is given back and nothing of it is
+output (the core, which knows the same, drops it too). Knows nothing of models or the core's requests.
 """
 
 from __future__ import annotations
@@ -27,6 +33,12 @@ class VerifyPlan:
     first: list[int]  # [S] each sampled sequence's first row
     drafts: list[list[int]]  # [S] each sampled sequence's drafts ([] for a plain row)
     before: list[list[int]]  # [R] the drafts each row's draw follows in this step (row j: the first j)
+    chained: list[bool]  # [S] whether each sampled sequence was planned as if its previous step accepts all
+
+    @property
+    def last(self) -> list[int]:
+        """[S] each sampled sequence's last row (its token is the request's latest if every draft is accepted)."""
+        return [row + len(drafts) for row, drafts in zip(self.first, self.drafts)]
 
     def rows_of(self, sequences: list[int]) -> list[int]:
         """The logit rows of these sampled sequences (a draw that sits out skips every row of its sequence)."""
@@ -41,6 +53,7 @@ def plan_verify(scheduled: SchedulerOutput, states: list[SamplingState]) -> Veri
     first: list[int] = []
     drafts: list[list[int]] = []
     before: list[list[int]] = []
+    chained: list[bool] = []
     sampled = (seq for seq in scheduled.seqs if seq.sample)
     for seq, state in zip(sampled, states, strict=True):
         k = seq.num_drafts
@@ -50,7 +63,8 @@ def plan_verify(scheduled: SchedulerOutput, states: list[SamplingState]) -> Veri
         own = seq.input_token_ids[-k:] if k else []
         drafts.append(own)
         before += [own[:j] for j in range(k + 1)]
-    return VerifyPlan(rows, ahead, first, drafts, before)
+        chained.append(seq.chained)
+    return VerifyPlan(rows, ahead, first, drafts, before, chained)
 
 
 class VerifiedRead:
@@ -97,9 +111,14 @@ class VerifiedRead:
         for i, (row, drafts) in enumerate(zip(plan.first, plan.drafts)):
             if not drafts or i in sat_out:
                 continue
+            state = plan.states[row]
+            if plan.chained[i] and not state.all_accepted:  # void: the step it was chained on rejected a draft
+                state.num_sampled -= len(drafts) + 1  # (no penalties: a request with them is never chained)
+                continue
             n, most = 0, self._caps.get(i, len(drafts))
             while n < most and tokens[row + n] == drafts[n]:
                 n += 1
+            state.all_accepted = n == len(drafts)
             if n:
                 accepted[i] = tokens[row + 1 : row + n + 1]
                 if logprobs is not None and logprobs[row] is not None:  # the request asks for them

@@ -48,3 +48,17 @@ def test_forget_drops_the_history_and_passes_the_output_on() -> None:
     assert d.cap("r") == 4 and inner.forgotten == [("r", [5, 6])]
     d.observe("r", 0, 0)  # a step without drafts teaches nothing
     assert d.cap("r") == 4
+
+
+def test_a_chain_is_expected_only_after_whole_runs_and_drafts_past_a_guess() -> None:
+    """`expects_all` holds once a request's recent proposals were accepted whole; `propose_after` asks the method
+    for one token more (the guess of the token in flight) and drops it, within the same cap."""
+    inner = Fixed()
+    d = AdaptiveDrafter(inner, num_tokens=4)
+    assert not d.expects_all("r", 4)  # never verified yet
+    d.observe("r", 4, 4)
+    assert d.expects_all("r", 4) and not d.expects_all("other", 1)
+    assert d.propose_after("r", [1, 2], 16) == [7] * 4 and inner.limits[-1] == 5
+    assert d.propose_after("r", [1, 2], 2) == [7] * 2
+    d.observe("r", 4, 3)  # one rejected: the average falls below a whole run
+    assert not d.expects_all("r", 4)

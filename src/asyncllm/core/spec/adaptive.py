@@ -30,6 +30,17 @@ class AdaptiveDrafter:
             return self.num_tokens
         return max(1, min(self.num_tokens, int(average + 0.5) + 1))
 
+    def propose_after(self, request_id: str, tokens: list[int], limit: int) -> list[int]:
+        """Drafts to follow the token after `tokens`, not known yet: the method's proposal one token longer, less
+        its first (the guess of that token; where it guessed wrong the drafts after it are rejected)."""
+        return self.inner.propose(request_id, tokens, min(limit, self.cap(request_id)) + 1)[1:]
+
+    def expects_all(self, request_id: str, num_drafts: int) -> bool:
+        """Whether `request_id` has lately been accepting about `num_drafts` drafts a step (each of its last few
+        proposals right through), so a step chained on one of `num_drafts` likely stands."""
+        average = self._accepting.get(request_id)
+        return average is not None and average >= num_drafts - 0.25
+
     def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """A verified step gave `request_id` `num_accepted` of its `num_drafts` drafts."""
         if num_drafts < 1:

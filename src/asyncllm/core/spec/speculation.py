@@ -16,9 +16,12 @@ and the core appends them as it appends a forced run. Plain Python.
 
 from __future__ import annotations
 
+from typing import Any
+
 from asyncllm.config_speculative import SpeculativeConfig
 from asyncllm.core.request import Request, RequestStatus
 from asyncllm.core.spec.adaptive import AdaptiveDrafter
+from asyncllm.core.spec.chain import settle_chained_on
 from asyncllm.core.spec.draft_proposals import DraftProposals
 from asyncllm.core.spec.drafter import Drafter
 from asyncllm.core.spec.ngram import NgramDrafter
@@ -37,10 +40,24 @@ class Speculation:
         self.proposals = inner if isinstance(inner, DraftProposals) else None
         self.lookahead = config.num_speculative_tokens if self.proposals is not None else 0
         self.max_seqs = config.max_speculating_seqs  # past this many running requests, a step drafts for none
+        self.chains = config.method == "ngram"  # steps may be chained on verifying ones (chain.py)
         self.num_draft_tokens = 0  # drafts verified so far
         self.num_accepted_tokens = 0  # of those, accepted
         self.num_drafts = 0  # proposals verified (a request's drafts in one step)
         self.accepted_per_position = [0] * config.num_speculative_tokens  # accepted drafts by their position
+        self.num_chained_drafts = 0  # of the drafts verified, those of steps chained on one in flight (chain.py)
+        self.num_void_drafts = 0  # drafts of chained steps found void (never verified, not counted above)
+
+    def stats(self) -> dict[str, Any]:
+        """The running totals, as `EngineStats` names them."""
+        return {
+            "spec_draft_tokens": self.num_draft_tokens,
+            "spec_accepted_tokens": self.num_accepted_tokens,
+            "spec_num_drafts": self.num_drafts,
+            "spec_accepted_per_position": tuple(self.accepted_per_position),
+            "spec_chained_drafts": self.num_chained_drafts,
+            "spec_void_drafts": self.num_void_drafts,
+        }
 
     @staticmethod
     def eligible(request: Request) -> bool:
@@ -72,6 +89,12 @@ class Speculation:
                     self.proposals.offer(seq.request_id, live.all_token_ids, offered[index])
             if not seq.num_drafts or index in sat_out:
                 continue
+            request = requests.get(seq.request_id)
+            if request is not None and seq.chained and request.num_void:  # void (chain.py): never verified
+                request.num_void -= 1
+                self.num_void_drafts += seq.num_drafts
+                continue
+            self.num_chained_drafts += seq.num_drafts if seq.chained else 0
             num_accepted = len(accepted.get(index, ())) if accepted is not None else 0
             self.num_draft_tokens += seq.num_drafts
             self.num_accepted_tokens += num_accepted
@@ -79,10 +102,12 @@ class Speculation:
             for position in range(num_accepted):
                 self.accepted_per_position[position] += 1
             self.drafter.observe(seq.request_id, seq.num_drafts, num_accepted)
-            request = requests.get(seq.request_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
-                continue  # finished (its blocks are free) or preempted (its KV dropped)
-            request.num_computed_tokens += num_accepted
+            if request is None or request.status is RequestStatus.FINISHED:
+                continue  # its blocks are free
+            if request.chained_on:  # a step chained on this one is in flight: it counted the drafts already
+                settle_chained_on(request, num_accepted)
+            elif request.status is RequestStatus.RUNNING:  # (a preempted one's KV was dropped)
+                request.num_computed_tokens += num_accepted
 
 
 def make_drafter(config: SpeculativeConfig) -> Drafter:
@@ -97,4 +122,6 @@ def make_drafter(config: SpeculativeConfig) -> Drafter:
             config.suffix_decoding_max_spec_factor,
             config.suffix_decoding_min_token_prob,
         )
-    return NgramDrafter(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+    # One token more than the method's k: a chained step's proposal starts with a guess of the token before its
+    # drafts (chain.py); the adaptive cap keeps every other proposal within k.
+    return NgramDrafter(config.num_speculative_tokens + 1, config.prompt_lookup_min, config.prompt_lookup_max)
