@@ -12,6 +12,7 @@ import torch
 
 from asyncllm import LLM, SamplingParams
 from tests.fixtures.eagle3_heads import build_eagle3_head
+from tests.fixtures.spec_drafters import Replay, drafting_with
 
 pytestmark = [
     pytest.mark.gpu,
@@ -87,3 +88,17 @@ def test_constrained_drafts_give_the_tokens_without_speculation(
             llm.shutdown()
 
     assert run(spec) == run(None)
+
+
+@pytest.mark.parametrize("draw", list(DRAWS))
+def test_chained_steps_stand_or_are_undone_on_the_device(tiny_model: Path, draw: str) -> None:
+    """Steps chained on a verifying step in flight (core/spec/chain.py), with the device's real ordering: the
+    chained step is launched before the one it follows is read, its first input fed on the device from that
+    step's last row. Drafts replayed from the plain run with every 11th wrong, so chains stand and fall."""
+    ref, _ = _run(tiny_model, DRAWS[draw], None)
+    replay = Replay(list(zip(PROMPTS, ref)), 4, wrong=11)
+    with drafting_with(replay):
+        outs, stats = _run(tiny_model, DRAWS[draw], {"method": "ngram", "num_speculative_tokens": 4})
+    assert outs == ref
+    assert stats["spec_chained_drafts"] > 0 and stats["spec_void_drafts"] > 0
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
