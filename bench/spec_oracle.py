@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "tokens_per_verify_step": round((len(drafted["token_ids"]) - 1) / max(drafted["steps"], 1), 2),
         "same_tokens": drafted["token_ids"] == plain["token_ids"],
         "accepted_of_drafts": f"{stats['spec_accepted_tokens']}/{stats['spec_draft_tokens']}",
+        "chained_drafts": stats["spec_chained_drafts"],  # of those, drafts of steps chained on one in flight
         "limits": "oracle_ms_per_token <= 0.45 (0.6B, k=4); verify_step_ratio <= 1.2",
     }
     print(json.dumps(row), flush=True)

@@ -15,33 +15,10 @@ import pytest
 from asyncllm import LLM, SamplingParams
 from asyncllm.core.request import Request
 from tests.fixtures.deferred_steps import deferring_steps
-from tests.fixtures.spec_drafters import drafting_with
+from tests.fixtures.spec_drafters import Oracle, drafting_with
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7], [11, 12, 13, 14, 15, 16, 17], [3, 4, 3, 4, 3, 4, 3]]
-
-
-class Oracle:
-    """Proposes the reference continuation of each prompt; every `wrong`-th proposed position (counting
-    along the output) gets a wrong token, so drafts past it are rejected."""
-
-    def __init__(self, refs: dict[tuple[int, ...], list[int]], k: int, wrong: int = 0) -> None:
-        self.refs, self.k, self.wrong = refs, k, wrong
-        self.num_proposals = 0
-
-    def propose(self, request_id: str, tokens: list[int], limit: int) -> list[int]:
-        for prompt, ref in self.refs.items():
-            if tuple(tokens[: len(prompt)]) == prompt:
-                done = len(tokens) - len(prompt)
-                drafts = ref[done : done + min(self.k, limit)]
-                if self.wrong:
-                    drafts = [t if (done + i) % self.wrong else (t + 1) % 300 for i, t in enumerate(drafts)]
-                self.num_proposals += bool(drafts)
-                return drafts
-        return []
-
-    def forget(self, request_id: str, output: list[int]) -> None:
-        pass
 
 
 def _run(model: Path, params: SamplingParams | list[SamplingParams], spec: dict | None, oracle=None, **kw):
