@@ -14,7 +14,9 @@ from typing import Any
 import pytest
 
 from asyncllm import LLM, AsyncLLMEngine, SamplingParams
+from tests.fixtures.deferred_steps import deferring_steps
 from tests.fixtures.eagle3_heads import build_eagle3_head
+from tests.fixtures.spec_drafters import Oracle, drafting_with
 from tests.fixtures.spec_streams import cancel_and_break
 from tests.structured.conftest import check, constrained
 
@@ -115,3 +117,17 @@ async def test_aborts_mid_speculation_free_every_block(tiny_model: Path, tmp_pat
         async for chunk in engine.stream(PROMPTS[0], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)):
             tokens += chunk.token_ids
         assert len(tokens) == 20 and chunk.finish_reason == "length"
+
+
+def test_tp2_chained_steps_stand_or_are_undone_on_every_rank(tiny_model: Path) -> None:
+    """Steps chained on a verifying step in flight (core/spec/chain.py), read late as on a GPU: every rank stages
+    the chained step before reading the one it follows, as rank 0 does, and finds the same ones void; seeded
+    tokens are the plain run's."""
+    plain, _ = _plain(tiny_model, SEEDED, 1)
+    oracle = Oracle({tuple(p): t for p, t in zip(PROMPTS, plain)}, 4, wrong=11)
+    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    with drafting_with(oracle), deferring_steps():
+        got, stats = _run(tiny_model, SEEDED, spec, 2)
+    assert got == plain
+    assert stats["spec_chained_drafts"] > 0 and stats["spec_void_drafts"] > 0
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]

@@ -57,3 +57,16 @@ def test_a_step_naming_a_drafted_request_waits_for_the_read() -> None:
 def test_back_to_back_verifying_steps_are_each_read_once() -> None:
     log = _drive([_step(("a", 2)), _step(("b", 1)), _step(("c", 4)), _step(("d", 0))])
     assert log == ["submit 0", "submit 1", "read 0", "submit 2", "read 1", "submit 3", "read 2"]
+
+
+def test_a_step_chained_on_a_drafted_request_is_submitted_before_the_read() -> None:
+    """Chained on the step in flight (core/spec/chain.py): rank 0 launches it before reading that step, so a
+    worker does too (the two stage the same draw counts), then reads the earlier step as after any submit."""
+    chained = SchedulerOutput([ScheduledSeq("a", [-1, 5, 6], 4, [0], True, 2, chained=True)], num_draft_tokens=2)
+    assert _drive([_step(("a", 3)), chained, _step(("b", 0))]) == [
+        "submit 0",
+        "submit 1",
+        "read 0",
+        "submit 2",
+        "read 1",
+    ]

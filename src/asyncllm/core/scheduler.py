@@ -151,13 +151,14 @@ class Scheduler(SampledTokens):
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            if request.has_enough_tokens or (
-                request.num_pending_tokens
-                and (request.num_verifying or request.sits_out or (speculating and request.speculative))
+            if (
+                request.has_enough_tokens
+                or request.num_verifying
+                or (request.num_pending_tokens and (request.sits_out or (speculating and request.speculative)))
             ):
                 # Its last token is in flight: it finishes when that step's output is processed. Or a step of it
-                # is whose tokens its next one starts after: drafts it verifies, a draw that may sit out, or
-                # (speculating) the step its next drafts follow.
+                # is whose tokens its next one starts after: drafts it verifies (a void one too: its draws are
+                # given back when it is read), a draw that may sit out, or (speculating) the one drafts follow.
                 if speculating and self.chain_drafter is not None:  # unless chained on it (spec/chain.py)
                     n = plan_chained(self.block_manager, self.chain_drafter, request, min(budget - 1, draft_rows), out)
                     budget, draft_rows = budget - n, draft_rows - max(n - 1, 0)
@@ -206,8 +207,8 @@ class Scheduler(SampledTokens):
             and len(self.running) < self.limits.max_num_seqs
         ):
             request = self.waiting.peek()
-            if request.num_pending_tokens:
-                break  # preempted with a token in flight: it resumes once that token is known (in order)
+            if request.num_pending_tokens or request.num_verifying:
+                break  # preempted with a step in flight: it resumes once that step is read (in order)
             cached = []
             group = None if request.group_id is None else self.groups.get(request.group_id)
             # One that scores its prompt (prompt logprobs) computes every position: no prefix of any kind.

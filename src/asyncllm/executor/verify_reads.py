@@ -5,8 +5,9 @@ accepted run are given back, the penalty counts of tokens never output taken bac
 on rank 0; a worker, whose outputs nobody reads, reads them here so that its state stays rank 0's. A read
 waits for the step, so it is put off until the next step is submitted (the device stays busy), unless that
 step names one of the read step's drafted requests: then it comes first, as rank 0's core reads a
-speculative request's step before planning the request again. Plain Python: it drives the worker's
-`StepResult`s.
+speculative request's step before planning the request again; except where the next step is chained on it
+(`ScheduledSeq.chained`, core/spec/chain.py), which rank 0 launches before that read too. Plain Python: it
+drives the worker's `StepResult`s.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ class VerifyReads:
         it): their state must be settled first."""
         if self._unread is None:
             return
-        named = {seq.request_id for seq in step.seqs}
+        named = {seq.request_id for seq in step.seqs if not seq.chained}  # a chained one is staged first on rank 0
         named.update(step.finished_request_ids, step.preempted_request_ids)
         if not self._requests.isdisjoint(named):
             self._read()
