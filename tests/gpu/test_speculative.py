@@ -95,9 +95,9 @@ def test_constrained_drafts_give_the_tokens_without_speculation(
 def test_chained_steps_stand_or_are_undone_on_the_device(tiny_model: Path, draw: str) -> None:
     """Steps chained on a verifying step in flight (core/spec/chain.py) on the device: the chained step's first
     input fed on the device from the last row of the step it follows, in a mixed CUDA graph. The tiny model's
-    steps end before the host plans the next, so they are held back until read (`deferring_steps`), as a
-    larger model's run late by themselves (bench/spec_oracle.py, the 0.6B shape, chains with the device's own
-    ordering). Drafts replayed from the plain run with every 11th wrong, so chains stand and fall."""
+    steps end before the host plans the next, so each reports itself unfinished until read (`deferring_steps`),
+    as a larger model's steps are (bench/spec_oracle.py, the 0.6B shape, chains by itself). Drafts replayed
+    from the plain run with every 11th wrong, so chains stand and fall."""
     # Long enough for whole runs to be chained on, then missed.
     params = SamplingParams(max_tokens=160, temperature=0.9 if draw == "seeded" else 0, seed=7, ignore_eos=True)
     ref, _ = _run(tiny_model, params, None)
