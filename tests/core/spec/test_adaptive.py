@@ -58,7 +58,7 @@ def test_a_chain_is_expected_only_after_whole_runs_and_drafts_past_a_guess() -> 
     assert not d.expects_all("r", 4)  # never verified yet
     d.observe("r", 4, 4)
     assert d.expects_all("r", 4) and not d.expects_all("other", 1)
-    assert d.propose_after("r", [1, 2], 16) == [7] * 4 and inner.limits[-1] == 5
-    assert d.propose_after("r", [1, 2], 2) == [7] * 2
+    assert d.propose_after("r", [1], [2], 16) == [7] * 4 and inner.limits[-1] == 5
+    assert d.propose_after("r", [1], [2], 2) == [7] * 2
     d.observe("r", 4, 3)  # one rejected: the average falls below a whole run
     assert not d.expects_all("r", 4)

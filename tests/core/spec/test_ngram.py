@@ -48,3 +48,13 @@ def test_incremental_index_matches_a_rescan(seed: int) -> None:
 def test_refuses_bad_bounds() -> None:
     with pytest.raises(ValueError):
         NgramDrafter(4, 3, 2)
+
+
+def test_drafts_ahead_are_looked_past_but_never_indexed() -> None:
+    """`propose_ahead` (chained verification) continues past drafts still being verified without indexing them:
+    once they are rejected, the request's proposals are what a rescan of its real tokens gives."""
+    d = NgramDrafter(4, 2, 5)
+    known = [1, 2, 3, 4, 5, 6, 1, 2]
+    assert d.propose_ahead("a", known, [3, 4], 10) == [5, 6, 1, 2]  # (2, 3, 4) occurred at the start
+    later = [*known, 7, 8, 2, 3]  # the drafts 3, 4 were rejected: 7 came instead
+    assert d.propose("a", later, 10) == _rescan(later, 4, 2, 5, 10) == [4, 5, 6, 1]

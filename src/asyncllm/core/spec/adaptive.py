@@ -9,7 +9,7 @@ a wrong guess costs one logit row, not k. Wraps any `Drafter`; plain Python.
 
 from __future__ import annotations
 
-from asyncllm.core.spec.drafter import Drafter
+from asyncllm.core.spec.drafter import Drafter, DraftsAhead
 
 _WEIGHT = 0.5  # of the latest step in the average
 
@@ -30,10 +30,14 @@ class AdaptiveDrafter:
             return self.num_tokens
         return max(1, min(self.num_tokens, int(average + 0.5) + 1))
 
-    def propose_after(self, request_id: str, tokens: list[int], limit: int) -> list[int]:
-        """Drafts to follow the token after `tokens`, not known yet: the method's proposal one token longer, less
-        its first (the guess of that token; where it guessed wrong the drafts after it are rejected)."""
-        return self.inner.propose(request_id, tokens, min(limit, self.cap(request_id)) + 1)[1:]
+    def propose_after(self, request_id: str, tokens: list[int], ahead: list[int], limit: int) -> list[int]:
+        """Drafts to follow `tokens`, then `ahead` (drafts being verified), then the token after them, not known
+        yet: the method's proposal one token longer, less its first (the guess of that token; where it guessed
+        wrong the drafts after it are rejected)."""
+        most = min(limit, self.cap(request_id)) + 1
+        if isinstance(self.inner, DraftsAhead):
+            return self.inner.propose_ahead(request_id, tokens, ahead, most)[1:]
+        return self.inner.propose(request_id, tokens + ahead, most)[1:]
 
     def expects_all(self, request_id: str, num_drafts: int) -> bool:
         """Whether `request_id` has lately been accepting about `num_drafts` drafts a step (each of its last few

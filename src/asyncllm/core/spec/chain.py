@@ -13,9 +13,8 @@ the same acceptance); its KV writes land past the accepted tokens and are rewrit
 Chained only where that undoing is exact and likely needed rarely: the `ngram` method (its drafter keeps no
 state per request), a request whose draws carry nothing but their count from one to the next
 (`sample.features.may_chain`: no penalties, no grammar) and that has lately had every draft accepted, one
-chained step at a time, never one chained on a void one. The n-gram index then also covers the drafts in flight
-(a void chain leaves n-grams over rejected drafts in it: drafts copied from there are only less often right).
-Plain Python.
+chained step at a time, never one chained on a void one. The n-gram index takes only known tokens, never the
+drafts in flight (`NgramDrafter.propose_ahead`). Plain Python.
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ def chain_drafts(drafter: AdaptiveDrafter, request: Request, limit: int) -> list
     drafts = request.drafts_in_flight
     if not drafter.expects_all(request.request_id, len(drafts)):
         return []
-    return drafter.propose_after(request.request_id, request.all_token_ids + drafts, limit)
+    return drafter.propose_after(request.request_id, request.all_token_ids, drafts, limit)
 
 
 def plan_chained(

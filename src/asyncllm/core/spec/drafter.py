@@ -7,10 +7,18 @@ Suffix Decoding learns from earlier outputs). Both run in the step thread: their
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 
 class Drafter(Protocol):
     def propose(self, request_id: str, tokens: list[int], limit: int) -> list[int]: ...
 
     def forget(self, request_id: str, output: list[int]) -> None: ...
+
+
+@runtime_checkable
+class DraftsAhead(Protocol):
+    """A drafter that can propose past tokens not known yet (`ahead`) without taking them into its state
+    (ngram.py); any other is asked with them appended to the known ones."""
+
+    def propose_ahead(self, request_id: str, tokens: list[int], ahead: list[int], limit: int) -> list[int]: ...

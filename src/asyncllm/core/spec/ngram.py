@@ -30,6 +30,11 @@ class NgramDrafter:
     def propose(self, request_id: str, tokens: list[int], limit: int) -> list[int]:
         """Up to min(`num_tokens`, `limit`) tokens to follow `tokens` (the request's prompt and output, its
         last one included); [] when no n-gram of its tail occurred before, or `limit` < 1."""
+        return self.propose_ahead(request_id, tokens, [], limit)
+
+    def propose_ahead(self, request_id: str, tokens: list[int], ahead: list[int], limit: int) -> list[int]:
+        """`propose` after `tokens` and then `ahead`, tokens not known yet (drafts being verified: chained
+        verification, chain.py): only `tokens` are indexed, so a draft that is rejected never enters the index."""
         index = self._indices.get(request_id)
         if index is None:
             index = self._indices[request_id] = _Index()
@@ -37,12 +42,13 @@ class NgramDrafter:
         limit = min(self.num_tokens, limit)
         if limit < 1:
             return []
-        size = len(tokens)
+        seq = tokens + ahead if ahead else tokens
+        size = len(seq)
         ends = index.ends
         for n in range(min(self.max_n, size - 1), self.min_n - 1, -1):
-            end = ends.get(tuple(tokens[size - n :]))
+            end = ends.get(tuple(seq[size - n :]))
             if end is not None:
-                return tokens[end : end + limit]
+                return seq[end : end + limit]
         return []
 
     def forget(self, request_id: str, output: list[int]) -> None:
