@@ -27,12 +27,11 @@ class EngineStats:
     # it (core/spec/chain.py); and the drafts of chained steps found void (never verified, not counted above).
     spec_chained_drafts: int = 0
     spec_void_drafts: int = 0
-    # Accepted drafts by position in their proposal (0: the first draft), one per num_speculative_tokens; in
-    # `as_dict` each is a key of its own, `spec_accepted_tokens_pos_<i>` (a flat dict sums across replicas).
     # Of the hit tokens, those restored from the KV tiers below the device (`kv_offloading_size`, `kv_cache_dir`).
     prefix_cache_host_hit_tokens: int = 0
     prefix_cache_disk_hit_tokens: int = 0
-
+    # Accepted drafts by position in their proposal (0: the first draft), one per num_speculative_tokens; in
+    # `as_dict` each is a key of its own, `spec_accepted_tokens_pos_<i>` (a flat dict sums across replicas).
     spec_accepted_per_position: tuple[int, ...] = ()
 
     def as_dict(self) -> dict[str, float | int]:

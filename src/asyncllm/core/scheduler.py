@@ -159,7 +159,7 @@ class Scheduler(SampledTokens):
                 # Its last token is in flight: it finishes when that step's output is processed. Or a step of it
                 # is whose tokens its next one starts after: drafts it verifies (a void one too: its draws are
                 # given back when it is read), a draw that may sit out, or (speculating) the one drafts follow.
-                if speculating and self.chain_drafter is not None:  # unless chained on it (spec/chain.py)
+                if speculating and request.num_verifying and self.chain_drafter is not None:  # spec/chain.py
                     n = plan_chained(self.block_manager, self.chain_drafter, request, min(budget - 1, draft_rows), out)
                     budget, draft_rows = budget - n, draft_rows - max(n - 1, 0)
                     self.num_decodes_planned += n

@@ -19,6 +19,9 @@ class AdaptiveDrafter:
         self.inner = inner
         self.num_tokens = num_tokens
         self._accepting: dict[str, float] = {}  # request -> average accepted drafts a verified step
+        # The method's way to propose past drafts not verified yet without indexing them (checked once: a
+        # protocol's isinstance is slow for a per-step path).
+        self._ahead = inner.propose_ahead if isinstance(inner, DraftsAhead) else None
 
     def propose(self, request_id: str, tokens: list[int], limit: int) -> list[int]:
         return self.inner.propose(request_id, tokens, min(limit, self.cap(request_id)))
@@ -35,8 +38,8 @@ class AdaptiveDrafter:
         yet: the method's proposal one token longer, less its first (the guess of that token; where it guessed
         wrong the drafts after it are rejected)."""
         most = min(limit, self.cap(request_id)) + 1
-        if isinstance(self.inner, DraftsAhead):
-            return self.inner.propose_ahead(request_id, tokens, ahead, most)[1:]
+        if self._ahead is not None:
+            return self._ahead(request_id, tokens, ahead, most)[1:]
         return self.inner.propose(request_id, tokens + ahead, most)[1:]
 
     def expects_all(self, request_id: str, num_drafts: int) -> bool:

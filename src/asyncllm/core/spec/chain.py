@@ -10,11 +10,11 @@ void: the core drops its output as it comes (`Speculation.settle` counts it, `Re
 computed count back to the accepted drafts, and the runner gives back every draw it took (`spec_verify.py`, from
 the same acceptance); its KV writes land past the accepted tokens and are rewritten by the next step.
 
-Chained only where that undoing is exact and likely needed rarely: the `ngram` method (its drafter keeps no
-state per request), a request whose draws carry nothing but their count from one to the next
-(`sample.features.may_chain`: no penalties, no grammar) and that has lately had every draft accepted, one
-chained step at a time, never one chained on a void one. The n-gram index takes only known tokens, never the
-drafts in flight (`NgramDrafter.propose_ahead`). Plain Python.
+Chained only where that undoing is exact and likely needed rarely: the `ngram` method (whose index takes only
+known tokens, never the drafts in flight: `NgramDrafter.propose_ahead`; suffix decoding's automaton would index
+them), a request whose draws carry nothing but their count from one to the next (`sample.features.may_chain`:
+no penalties, no grammar) and that has lately had every draft accepted, one chained step at a time, never one
+chained on a void one. Plain Python.
 """
 
 from __future__ import annotations
