@@ -75,6 +75,7 @@ def test_constrained_drafts_give_the_tokens_without_speculation(
 ) -> None:
     """Drafted rows masked in the step thread or in the grammar process ("on"), each draw queued behind the
     device's waits for its homes' rows (structured_output/draft_rows.py)."""
+    pytest.importorskip("xgrammar")  # the device image has none unless .whl carries it (bench/gpu_check.sh)
     monkeypatch.setenv("ASYNCLLM_GRAMMAR_PROCESS", process)
     schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}, "required": ["a"]}
     params = [SamplingParams(max_tokens=40, temperature=t, seed=3, json_schema=schema) for t in (0, 1.0)]
