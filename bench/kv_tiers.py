@@ -25,11 +25,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from engine_args import add_engine_arg_option, engine_kwargs, free_device_memory
 from shapes import SHAPES
+from triton_compiles import triton_compiles
 
 from asyncllm import LLM, SamplingParams
 
@@ -181,19 +183,65 @@ def bandwidth(args: argparse.Namespace) -> dict[str, Any]:
 
 def disk(args: argparse.Namespace, kind: str) -> dict[str, Any]:
     """`disk_cold`: one history computed from scratch (its TTFT), the engine then stopped (its blocks kept on
-    disk); `disk_warm`: a new engine answers the returning turn from disk (its TTFT)."""
+    disk); `disk_warm`: a new engine answers the returning turn from disk (its TTFT). Beside the warm TTFT, where
+    it goes: the steps it took, the Triton kernels it compiled, the same turn's TTFT once its history is on the
+    device (the compute alone) and the history's files read alone (`read_files`)."""
     rng = random.Random(2)
     history = [rng.randrange(VOCAB) for _ in range(args.disk_history)]
     turn = history + [rng.randrange(VOCAB) for _ in range(64)]
+    files_before = set(Path(args.disk_dir).rglob("*.kvb"))
     llm = engine(args, kv_offloading_size=4.0 if not args.tiny else 0.01, kv_cache_dir=args.disk_dir)
+    greedy = SamplingParams(temperature=0, max_tokens=1)
     try:
         prompt = history if kind == "disk_cold" else turn
-        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
+        steps0 = llm.stats()["num_steps"]
+        with triton_compiles() as compiles:
+            out = llm.generate([prompt], greedy, use_tqdm=False)[0]
         assert out.metrics is not None
         stats = llm.stats()
+        result: dict[str, Any] = {
+            "ttft_s": out.metrics.time_to_first_token,
+            "disk_hit_tokens": stats["prefix_cache_disk_hit_tokens"],
+            "steps": stats["num_steps"] - steps0,
+            "triton_compiles": dict(compiles),
+        }
+        if kind == "disk_warm":
+            again = llm.generate([history + turn[-64:][::-1]], greedy, use_tqdm=False)[0]
+            assert again.metrics is not None
+            result["device_hit_ttft_s"] = again.metrics.time_to_first_token
+            result["read_files"] = read_files(sorted(files_before), args.device)
     finally:
         llm.shutdown()
-    return {"ttft_s": out.metrics.time_to_first_token, "disk_hit_tokens": stats["prefix_cache_disk_hit_tokens"]}
+    return result
+
+
+def read_files(paths: list[Path], device: str) -> dict[str, Any]:
+    """The disk tier's reads alone: these files (page cache or disk) into pinned memory, each checked with
+    xxh3 as the loader does, on as many threads as it uses (`kv_disk._LOAD_THREADS`), best of three."""
+    import torch
+    import xxhash
+
+    from asyncllm.worker import kv_disk
+
+    if not paths:
+        return {"files": 0}
+    size = paths[0].stat().st_size
+    pinned = torch.cuda.is_available() and device == "cuda"
+    buffer = torch.empty((len(paths), size), dtype=torch.uint8, pin_memory=pinned).numpy()
+
+    def read(i: int) -> int:
+        with open(paths[i], "rb") as f:
+            n = f.readinto(memoryview(buffer[i]))
+        return xxhash.xxh3_64_intdigest(buffer[i, :n].data) & 1
+
+    seconds = []
+    with ThreadPoolExecutor(kv_disk._LOAD_THREADS) as pool:
+        for _ in range(3):
+            t0 = time.perf_counter()
+            list(pool.map(read, range(len(paths))))
+            seconds.append(time.perf_counter() - t0)
+    best = min(seconds)
+    return {"files": len(paths), "bytes": len(paths) * size, "seconds": best, "gb_s": len(paths) * size / best / 1e9}
 
 
 def measure(args: argparse.Namespace, kind: str) -> dict[str, Any]:
