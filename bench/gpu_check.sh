@@ -232,7 +232,7 @@ if has w4; then  # long context: prefill tok/s vs the compute limit, decode ms/t
   while read -r line; do rows+=("w4: $line"); done < <(grep '^{' "$OUT/w4.log")
 fi
 if has startup; then
-  (cd bench && timeout 200 python3 startup.py --shape qwen3-0.6b) 2>&1 | tee "$OUT/startup.log" | tail -2
+  (cd bench && timeout 200 python3 startup.py --shape qwen3-0.6b ${STARTUP_ARGS:-}) 2>&1 | tee "$OUT/startup.log" | grep "^{" | tail -2  # STARTUP_ARGS: e.g. --profile 40
   rows+=("startup: $(grep '^{' "$OUT/startup.log" | tail -1)")
 fi
 if has wave4; then  # issues 41, 43, 44 on the card: their GPU tests, then speculation's ceiling, embeddings, KV tiers

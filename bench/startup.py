@@ -1,12 +1,17 @@
 """Start-up cost and the first request: load, memory profile, warm-up and CUDA-graph capture times, then
 the time to first token of the first request in this process against a warm one (target: within 2x).
 Random weights of a real shape (load_format="dummy"). Prints one JSON line.
-Usage (device machine, from bench/): python3 startup.py [--shape qwen3-0.6b] [--enforce-eager]"""
+`--profile N`: also cProfile the construction and print its top N functions, by cumulative and by own time, after
+the JSON line (where a phase's seconds go: first kernel loads, cuBLAS set-up, captures).
+Usage (device machine, from bench/): python3 startup.py [--shape qwen3-0.6b] [--enforce-eager] [--profile 40]"""
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import tempfile
 import time
@@ -22,9 +27,13 @@ def main() -> None:
     ap.add_argument("--shape", default="qwen3-0.6b")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--profile", type=int, default=0, metavar="N", help="print the construction's top N functions")
     args = ap.parse_args()
+    profiler = cProfile.Profile() if args.profile else None
     model_dir = write_shape_dir(args.shape, Path(tempfile.mkdtemp()) / args.shape)
     t0 = time.perf_counter()
+    if profiler is not None:
+        profiler.enable()
     llm = LLM(
         str(model_dir),
         device="cuda",
@@ -33,6 +42,8 @@ def main() -> None:
         enforce_eager=args.enforce_eager,
     )
     built = time.perf_counter() - t0
+    if profiler is not None:
+        profiler.disable()
     params = SamplingParams(temperature=0.6, max_tokens=1, ignore_eos=True)
     prompt = list(range(1000, 1128))
 
@@ -58,6 +69,11 @@ def main() -> None:
             }
         )
     )
+    if profiler is not None:
+        for order in ("cumulative", "tottime"):
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(args.profile)
+            print(f"---- construction, by {order} time\n{text.getvalue()}")
 
 
 if __name__ == "__main__":
