@@ -8,7 +8,7 @@
 #   torch.profiler, ~2 min), w4 (long-context prefill and decode, 16K/32K, two token budgets, ~1 min), and
 #   on two GPUs tptests, tpbench (tensor parallelism); wave4 (issues 41/43/44: their GPU tests, spec_oracle,
 #   embed_throughput, kv_tiers; EMBED_ARGS / KV_TIERS_ARGS narrow them); spec (issue 41: spec_oracle, W1 with ngram off/on);
-#   spec8b (issue 41: EAGLE-3 draft and verify costs, Qwen3-8B shape).
+#   spec8b (issue 41: EAGLE-3 draft and verify costs, Qwen3-8B shape); kvpace (issue 44: W10 per restore bound, KV_PACE_MIB).
 # Tuning variables (ASYNCLLM_*, docs/tuning.md) pass through to every step: ASYNCLLM_DECODE_PDL=1 bash bench/gpu_check.sh
 #   w12var; a variant's bench flags take them as --engine-arg with the lower-case name (cuda_graph_max_tokens=0).
 # Set-up here first: rm -rf .peers && cp -r ../shared/peers .peers && cp -r ../shared/models/qwen3-tokenizer .peers/
@@ -265,6 +265,15 @@ fi
 if has kvtiers; then  # issue 44: W10 and the disk tier alone (KV_TIERS_ARGS narrows them, e.g. --conversations 16 --turns 4)
   (cd bench && timeout "${KV_TIERS_TIMEOUT:-300}" python3 kv_tiers.py ${KV_TIERS_ARGS:-}) 2>&1 | tee "$OUT/kv_tiers.log" | grep -E '^\{|Error|Traceback' | tail -6
   while read -r line; do rows+=("kv tiers: $line"); done < <(grep '^{' "$OUT/kv_tiers.log")
+fi
+if has kvpace; then  # issue 44: W10 off and on, then on again per ASYNCLLM_KV_RESTORE_MIB_PER_STEP in KV_PACE_MIB
+  (cd bench && timeout 330 python3 kv_tiers.py --parts w10 ${KV_TIERS_ARGS:-}) 2>&1 | tee "$OUT/kvpace.log" | grep -E '^\{|Error|Traceback' | tail -3
+  rows+=("W10 off/on, no restore bound: $(grep '^{' "$OUT/kvpace.log" | tail -1)")
+  for mib in ${KV_PACE_MIB:-1024}; do
+    (cd bench && ASYNCLLM_KV_RESTORE_MIB_PER_STEP=$mib timeout 200 python3 kv_tiers.py --parts w10 --kinds on ${KV_TIERS_ARGS:-}) 2>&1 \
+      | tee "$OUT/kvpace_$mib.log" | grep -E '^\{|Error|Traceback' | tail -3
+    rows+=("W10 on, restores <= $mib MiB a step: $(grep '^{' "$OUT/kvpace_$mib.log" | tail -1)")
+  done
 fi
 if has spec8b; then  # issue 41: EAGLE-3's draft and verify costs on the Qwen3-8B shape (a random head; ~3 min)
   (cd bench && timeout 300 python3 spec_eagle3.py --shape qwen3-8b --k 3) 2>&1 | tee "$OUT/spec8b.log" | grep -E '^\{|Error|Traceback' | tail -3

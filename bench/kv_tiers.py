@@ -12,7 +12,7 @@ own (the device's memory whole for it); `--tiny` runs everything in this process
 a handful of short conversations; tests/bench). Prints one JSON line.
 
 Usage: python3 bench/kv_tiers.py [--parts w10,w1,bandwidth,disk] [--conversations 64] [--turns 8]
-       [--host-gib G] [--engine-arg NAME=VALUE]   |   python3 bench/kv_tiers.py --tiny
+       [--host-gib G] [--kinds on] [--engine-arg NAME=VALUE]   |   python3 bench/kv_tiers.py --tiny
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--disk-history", type=int, default=8192)
     ap.add_argument("--disk-dir", default=None, help="the disk tier's directory (default: a new temporary one)")
     ap.add_argument("--max-model-len", type=int, default=16384)
+    ap.add_argument("--kinds", default=None, help="the runs, of " + ",".join(KINDS) + " (default: what --parts needs)")
     ap.add_argument("--child", choices=KINDS, default=None, help=argparse.SUPPRESS)
     add_engine_arg_option(ap)
     return ap
@@ -301,6 +302,8 @@ def main() -> None:
     parts = args.parts.split(",")
     kinds = [k for k in ("off", "on") if {"w10", "w1"} & set(parts)]
     kinds += ["bandwidth"] * ("bandwidth" in parts) + ["disk_cold", "disk_warm"] * ("disk" in parts)
+    if args.kinds is not None:  # e.g. "on" alone, to compare a setting's run against an earlier "off"
+        kinds = [k for k in kinds if k in args.kinds.split(",")]
     runs = {kind: measure(args, kind) if args.tiny else child(args, kind) for kind in kinds}
     print(json.dumps(summary(args, runs)))
 

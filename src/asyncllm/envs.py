@@ -343,6 +343,15 @@ KV_DISK_LOADS_PER_STEP: EnvVar[int] = EnvVar(
     "blocks one step may start reading from the disk tier; the reads run on 4-16 threads (one a core) beside "
     "the steps while their requests wait, and later steps start the rest",
 )
+KV_RESTORE_MIB_PER_STEP: EnvVar[int] = EnvVar(
+    "ASYNCLLM_KV_RESTORE_MIB_PER_STEP",
+    0,
+    _count,
+    "with a host tier, the MiB of KV one step may restore from it (the device's side, all ranks alike); a "
+    "request whose restore would pass it waits for the next step, unless it is the step's first. The next step's "
+    "work waits for these copies, so a step that restores more than its own forward pass hides stalls every "
+    "stream. 0: no bound",
+)
 
 ALL: tuple[EnvVar[Any], ...] = (  # every variable, for docs/tuning.md's table and its test
     DEAD_ENGINE_JOIN_S,
@@ -365,4 +374,5 @@ ALL: tuple[EnvVar[Any], ...] = (  # every variable, for docs/tuning.md's table a
     KV_OFFLOAD_AHEAD,
     KV_DISK_GIB,
     KV_DISK_LOADS_PER_STEP,
+    KV_RESTORE_MIB_PER_STEP,
 )

@@ -190,6 +190,7 @@ class KVTierInfo:
     ahead_blocks: int  # free cached blocks a step may copy to the host before the pool takes them
     disk_blocks: int = 0  # the most blocks the disk tier keeps (0: no disk tier)
     loads_per_step: int = 0  # disk blocks one step may read
+    restores_per_step: int = 0  # host blocks one step may restore, past its first request's (0: no bound)
     on_disk: tuple[int, ...] = field(default=(), repr=False)  # hashes the disk tier held at start, oldest first
 
 

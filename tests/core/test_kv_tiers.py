@@ -18,7 +18,7 @@ from asyncllm.core.request import Request
 from asyncllm.executor.step_codec import decode_kv, encode_kv
 from asyncllm.input_processor import InputProcessor
 from asyncllm.sampling_params import SamplingParams
-from asyncllm.step import KVTransfers, LoRAAdapter
+from asyncllm.step import KVTransfers, LoRAAdapter, SchedulerOutput
 from tests.core.invariants import check_block_invariants
 from tests.fixtures.fake_executor import FakeExecutor, kv_token, make_engine_core, make_runtime, reference_tokens
 from tests.fixtures.fake_tiers import Disk, TieredFakeExecutor, tiered_runtime
@@ -178,10 +178,13 @@ def test_an_adapters_blocks_never_reach_the_disk() -> None:
     assert executor.copies["offloads"] + executor.copies["ahead"] > 0 and disk == {}
 
 
-def _returning_turn(overlap: bool, read_steps: int = 1) -> tuple[EngineCore, TieredFakeExecutor, list[Request]]:
+def _returning_turn(
+    overlap: bool, read_steps: int = 1, restores_per_step: int = 0
+) -> tuple[EngineCore, TieredFakeExecutor, list[Request]]:
     """Two turns of four conversations (their histories evicted to the host tier), then the third turn's
     requests added, nothing stepped yet: the core, its executor and those requests."""
-    executor = TieredFakeExecutor(tiered_runtime(64, **DEVICE), asynchronous=overlap, read_steps=read_steps)
+    runtime = tiered_runtime(64, restores_per_step=restores_per_step, **DEVICE)
+    executor = TieredFakeExecutor(runtime, asynchronous=overlap, read_steps=read_steps)
     core = make_engine_core(executor, max_num_batched_tokens=32, async_scheduling=overlap)
     histories = _converse(core, executor, _turns(4, 2, seed=6))
     ip = InputProcessor(executor.runtime, None)
@@ -200,6 +203,11 @@ def _run(core: EngineCore, outputs: dict[str, list[int]]) -> None:
             outputs.setdefault(delta.request_id, []).extend(delta.new_token_ids)
         check_block_invariants(core.block_manager, core.scheduler.requests.values(), core.scheduler.held_block_ids())
     raise AssertionError("the requests did not finish")
+
+
+def _first_user(steps: list[SchedulerOutput], block_id: int) -> str | None:
+    """The request of the first sequence in `steps` on `block_id` (a block is another's once freed)."""
+    return next((seq.request_id for s in steps for seq in s.seqs if block_id in seq.block_ids), None)
 
 
 def _want(executor: FakeExecutor, request: Request) -> list[int]:
@@ -223,6 +231,28 @@ def test_a_restoring_request_computes_only_from_the_next_step(overlap: bool) -> 
         later = [seq for s in steps[i + 1 :] for seq in s.seqs if restored & set(seq.block_ids)]
         assert not restored or later, "restored blocks no later step computes on"
     assert core.stats().prefix_cache_host_hit_tokens >= 4 * sum(len(s.kv.restores) for s in restoring if s.kv)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_bounded_step_restores_one_request_past_its_bound(overlap: bool) -> None:
+    """`restores_per_step` (ASYNCLLM_KV_RESTORE_MIB_PER_STEP): a step restores at most that many blocks, past it
+    only its first request's; the others wait for later steps, and every output is the recomputed one."""
+    core, executor, requests = _returning_turn(overlap, restores_per_step=2)
+    first = len(executor.steps)
+    outputs: dict[str, list[int]] = {}
+    _run(core, outputs)
+    assert all(outputs[r.request_id] == _want(executor, r) for r in requests)
+    steps = executor.steps[first:]
+    restoring = 0
+    for i, step in enumerate(steps):
+        restored = {block_id for _, block_id in step.kv.restores} if step.kv is not None else set()
+        if not restored:
+            continue
+        restoring += 1
+        owners = {_first_user(steps[i + 1 :], block_id) for block_id in restored}
+        assert len(restored) <= 2 or len(owners) == 1, f"step {i} restores {len(restored)} blocks for {owners}"
+    assert restoring >= 3  # the unbounded run restores them in one or two steps (the test above)
+    assert core.stats().prefix_cache_host_hit_tokens > 0
 
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -134,6 +134,10 @@ class BlockManager:
             return False
         return any(b.block_id < 0 for b in cached) or self.tiers.restoring([b.block_id for b in cached])
 
+    def may_restore(self, cached: list[KVBlock]) -> bool:
+        """Whether the step being planned may restore the host-tier hits among `cached` (`KVTiers.may_restore`)."""
+        return self.tiers is None or self.tiers.may_restore(sum(1 for b in cached if b.block_id < 0))
+
     def take_transfers(self) -> KVTransfers | None:
         """The copies to and from the tiers below the device that the step just planned needs."""
         self._promised = 0

@@ -100,6 +100,13 @@ class KVTiers:
             self._in_load.add(block_hash)
         return hashes[0] in self._in_load
 
+    def may_restore(self, num_blocks: int) -> bool:
+        """Whether the step being planned may restore `num_blocks` more (`KVTierInfo.restores_per_step`): the
+        next step's work waits for its restores, so a step restoring more than its own forward pass hides stalls
+        every request in it. The step's first restore is never refused: a history past the bound still comes."""
+        limit = self.info.restores_per_step
+        return limit <= 0 or not self._step.restores or len(self._step.restores) + num_blocks <= limit
+
     def restoring(self, block_ids: list[int]) -> bool:
         """Whether any of `block_ids` is restored by the step being planned (its forward pass may not read it)."""
         return bool(self._restoring) and not self._restoring.isdisjoint(block_ids)

@@ -230,8 +230,8 @@ class Scheduler(SampledTokens):
             room = stage_budget if restores else min(budget, prefill_budget)
             num_cached_tokens = len(cached) * self.block_manager.block_size
             num_new = min(request.num_tokens - num_cached_tokens, room)
-            if num_new <= 0:
-                break
+            if num_new <= 0 or (restores and not self.block_manager.may_restore(cached)):
+                break  # no room, or the step restores all it may (ASYNCLLM_KV_RESTORE_MIB_PER_STEP)
             if request.pooling is not None and num_new < request.num_tokens:
                 break  # a pooling input runs whole, in one step (core/pooling.py): it waits for a step with room
             take = self.block_manager.stage if restores else self.block_manager.allocate

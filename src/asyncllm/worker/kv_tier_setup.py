@@ -72,6 +72,7 @@ def attach_kv_tiers(worker: Worker, setup: TierSetup) -> Worker:
         ahead_blocks=envs.KV_OFFLOAD_AHEAD.get(),
         disk_blocks=disk.capacity_blocks if disk is not None else 0,
         loads_per_step=envs.KV_DISK_LOADS_PER_STEP.get(),
+        restores_per_step=-(-(envs.KV_RESTORE_MIB_PER_STEP.get() << 20) // block_bytes),
         on_disk=disk.on_disk() if disk is not None else (),
     )
     if rank == 0:
