@@ -352,6 +352,14 @@ KV_RESTORE_MIB_PER_STEP: EnvVar[int] = EnvVar(
     "work waits for these copies, so a step that restores more than its own forward pass hides stalls every "
     "stream. 0: no bound",
 )
+TUNING_CACHE: EnvVar[bool] = EnvVar(
+    "ASYNCLLM_TUNING_CACHE",
+    True,
+    _flag,
+    "keep the start-up GEMM timings' choices (per card, driver, library versions, kernel source and weight shape) "
+    "in $XDG_CACHE_HOME/asyncllm/tuning (~/.cache/asyncllm/tuning), so a later start on the same card skips them. "
+    "false: time at every start, keep nothing",
+)
 
 ALL: tuple[EnvVar[Any], ...] = (  # every variable, for docs/tuning.md's table and its test
     DEAD_ENGINE_JOIN_S,
@@ -375,4 +383,5 @@ ALL: tuple[EnvVar[Any], ...] = (  # every variable, for docs/tuning.md's table a
     KV_DISK_GIB,
     KV_DISK_LOADS_PER_STEP,
     KV_RESTORE_MIB_PER_STEP,
+    TUNING_CACHE,
 )

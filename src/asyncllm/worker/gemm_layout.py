@@ -7,7 +7,8 @@ measures it; bench/RESULTS.md has the figures). A weight stored [in, out] is sti
 [out, in] view, so the maths and the model code do not change. At one token row cuBLAS reads small weights at
 a fraction of the bandwidth where the GEMV (split K, reduced in the same launch) streams them; the GEMV reads
 the [out, in] layout, so a shape taking it keeps that layout unless [in, out] wins the other row counts by
-more. Each shape is timed once, over several of its layers in turn (weights read from memory, not from L2).
+more. Each shape is timed once, over several of its layers in turn (weights read from memory, not from L2), and
+its choice kept on disk for the next start on the same card and software (tuning_cache.py).
 Only 16-bit weights are timed: float32 keeps one layout and cuBLAS, and so its bit-exact parity tests. A layer
 after a norm or SiLU-and-mul it can fold into its GEMV (layers/prologue.py) is timed as that pair too, the
 op's own launch counted as saved.
@@ -15,6 +16,7 @@ op's own launch counted as saved.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -30,6 +32,7 @@ from asyncllm.layers.linear import Linear
 from asyncllm.layers.norm import RMSNorm
 from asyncllm.layers.prologue import PrologueKind, fusable, model_pairs
 from asyncllm.quantization.linear import QuantLinear
+from asyncllm.worker.tuning_cache import ChoiceCache
 
 _ROWS = (1, 8, 64, 256, 2048)  # decode batch sizes, and a prefill chunk
 # A shape takes the GEMV only where it is clearly faster at one row; below this many weights both are
@@ -103,12 +106,19 @@ def tune_linear_layers(model: nn.Module, device: torch.device, *, gemv: bool) ->
             if pair is not None:
                 ops.setdefault(key, pair.op)
     choices: dict[Shape, GemmChoice] = {}
+    kept = ChoiceCache.for_device(device)  # an earlier start's choices on this card (tuning_cache.py)
     for key, modules in groups.items():
         shape, kind = key
-        n, k, _ = shape
+        n, k, dtype = shape
         timed = gemv and n * k >= GEMV_MIN_WEIGHTS
-        prologue = (kind, ops[key]) if timed and kind is not None else None
-        choice = _choose(_weights_beyond_l2(modules, device), device, gemv=timed, prologue=prologue)
+        entry = f"{n}x{k}:{dtype}:{kind.value if kind is not None else '-'}:{'gemv' if timed else 'cublas'}"
+        found = kept.get(entry)
+        if found is not None:
+            choice = GemmChoice(**found)
+        else:
+            prologue = (kind, ops[key]) if timed and kind is not None else None
+            choice = _choose(_weights_beyond_l2(modules, device), device, gemv=timed, prologue=prologue)
+            kept.put(entry, dataclasses.asdict(choice))
         if kind is None or shape not in choices:
             choices[shape] = choice
         for module in modules:
@@ -118,6 +128,7 @@ def tune_linear_layers(model: nn.Module, device: torch.device, *, gemv: bool) ->
                 module.use_prologue_gemv(True)
             elif choice.gemv:
                 module.use_gemv(True)
+    kept.save()
     return choices
 
 
