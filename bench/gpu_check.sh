@@ -267,8 +267,9 @@ if has kvtiers; then  # issue 44: W10 and the disk tier alone (KV_TIERS_ARGS nar
   while read -r line; do rows+=("kv tiers: $line"); done < <(grep '^{' "$OUT/kv_tiers.log")
 fi
 if has kvpace; then  # issue 44: W10 off and on, then on again per ASYNCLLM_KV_RESTORE_MIB_PER_STEP in KV_PACE_MIB (KV_PACE_ARGS: more flags)
-  (cd bench && timeout 330 python3 kv_tiers.py --parts w10 ${KV_PACE_ARGS:-}) 2>&1 | tee "$OUT/kvpace.log" | grep -E '^\{|Error|Traceback' | tail -3
-  rows+=("W10 off/on, no restore bound: $(grep '^{' "$OUT/kvpace.log" | tail -1)")
+  kinds=off,on; [ "${KV_PACE_OFF:-1}" = 0 ] && kinds=on  # KV_PACE_OFF=0: no "off" run (an earlier one stands)
+  (cd bench && timeout 330 python3 kv_tiers.py --parts w10 --kinds $kinds ${KV_PACE_ARGS:-}) 2>&1 | tee "$OUT/kvpace.log" | grep -E '^\{|Error|Traceback' | tail -3
+  rows+=("W10 $kinds, no restore bound: $(grep '^{' "$OUT/kvpace.log" | tail -1)")
   for mib in ${KV_PACE_MIB:-1024}; do
     (cd bench && ASYNCLLM_KV_RESTORE_MIB_PER_STEP=$mib timeout 200 python3 kv_tiers.py --parts w10 --kinds on ${KV_PACE_ARGS:-}) 2>&1 \
       | tee "$OUT/kvpace_$mib.log" | grep -E '^\{|Error|Traceback' | tail -3
