@@ -57,7 +57,12 @@ class ChoiceCache:
         """The cache for this card and software (one kept nowhere where ASYNCLLM_TUNING_CACHE=0)."""
         if not envs.TUNING_CACHE.get() or device.type != "cuda":
             return cls(None)
-        return cls(cache_root() / f"gemm-{identity(device_facts(device))}.json")
+        try:
+            facts = device_facts(device)
+        except Exception as exc:  # a cache never stops an engine from starting: it times, as without one
+            logger.warning("the GEMM choices are not kept (the card's facts: %s)", exc)
+            return cls(None)
+        return cls(cache_root() / f"gemm-{identity(facts)}.json")
 
     def get(self, entry: str) -> dict[str, bool] | None:
         return self._choices.get(entry)
