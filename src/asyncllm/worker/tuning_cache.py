@@ -49,7 +49,7 @@ class ChoiceCache:
         self.path = path
         self._choices: dict[str, dict[str, bool]] = {}
         self._changed = False
-        if path is not None and path.exists():
+        if path is not None:
             self._choices = _read(path)
 
     @classmethod
@@ -121,6 +121,8 @@ def identity(facts: dict[str, object]) -> str:
 def _read(path: Path) -> dict[str, dict[str, bool]]:
     try:
         data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}  # the first start on this card and software
     except (OSError, ValueError) as exc:
         logger.warning("ignoring the GEMM choices in %s (%s): timing again", path, exc)
         return {}
