@@ -34,6 +34,19 @@ def test_what_one_start_keeps_the_next_reads(tmp_path: Path) -> None:
     assert len(json.loads(path.read_text())["choices"]) == 3
 
 
+def test_engines_saving_together_keep_each_others_choices(tmp_path: Path) -> None:
+    """Two engines (or tensor-parallel ranks) that read the file before either wrote: the second to save keeps
+    the first's new entries."""
+    path = tmp_path / "gemm-x.json"
+    a, b = ChoiceCache(path), ChoiceCache(path)
+    a.put("1024x3072:torch.bfloat16:-:gemv", GEMV)
+    b.put("512x3072:torch.bfloat16:-:gemv", PLAIN)
+    a.save()
+    b.save()
+    both = ChoiceCache(path)
+    assert both.get("1024x3072:torch.bfloat16:-:gemv") == GEMV and both.get("512x3072:torch.bfloat16:-:gemv") == PLAIN
+
+
 @pytest.mark.parametrize(
     "text",
     ["{not json", json.dumps({"version": 99, "choices": {}}), json.dumps([1, 2]), ""],

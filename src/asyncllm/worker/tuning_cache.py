@@ -72,13 +72,16 @@ class ChoiceCache:
         self._changed = True
 
     def save(self) -> None:
-        """Write the choices back if any was added (a full disk or a read-only home: kept in memory only)."""
+        """Write the choices back if any was added, over what the file holds now (another engine, or another
+        tensor-parallel rank, may have added its own meanwhile; ours win). A full disk or a read-only home: kept
+        in memory only."""
         if self.path is None or not self._changed:
             return
         temp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            temp.write_text(json.dumps({"version": _VERSION, "choices": self._choices}, indent=1, sort_keys=True))
+            choices = _read(self.path) | self._choices
+            temp.write_text(json.dumps({"version": _VERSION, "choices": choices}, indent=1, sort_keys=True))
             os.replace(temp, self.path)
             self._changed = False
         except OSError as exc:
