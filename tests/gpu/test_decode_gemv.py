@@ -5,14 +5,13 @@ those of the GEMV off ("on" folds the norms and SiLU-and-mul into it too); "auto
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from asyncllm import LLM, SamplingParams
+from tests.fixtures.tiny_models import widened_to_qwen3_06b
 from tests.worker.test_decode_gemv import LINEARS_PER_LAYER, _prompts, _tokens
 
 pytestmark = [
@@ -57,12 +56,7 @@ def test_auto_times_real_decode_shapes(tiny_model: Path, tmp_path: Path) -> None
     """Two layers of Qwen3-0.6B's shapes (random weights, the tiny tokenizer), bfloat16 with CUDA graphs:
     "auto" times each shape at start-up (within the tune_gemm phase) and decodes; a shape's choice covers
     all its layers."""
-    path = tmp_path / "wide"
-    shutil.copytree(tiny_model, path)
-    config = json.loads((path / "config.json").read_text())
-    config.update(hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8,
-                  head_dim=128)  # fmt: skip
-    (path / "config.json").write_text(json.dumps(config))
+    path = widened_to_qwen3_06b(tiny_model, tmp_path / "wide")
     llm = LLM(str(path), device="cuda", dtype="bfloat16", load_format="dummy", num_kv_blocks=64)
     try:
         out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)

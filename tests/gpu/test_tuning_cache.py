@@ -7,29 +7,18 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from asyncllm import LLM, SamplingParams
+from tests.fixtures.tiny_models import widened_to_qwen3_06b
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
-
-
-def _wide(tiny_model: Path, tmp_path: Path) -> Path:
-    """Two layers of Qwen3-0.6B's shapes (random weights), big enough for the GEMV to be timed."""
-    path = tmp_path / "wide"
-    shutil.copytree(tiny_model, path)
-    config = json.loads((path / "config.json").read_text())
-    config.update(hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8,
-                  head_dim=128)  # fmt: skip
-    (path / "config.json").write_text(json.dumps(config))
-    return path
 
 
 def _start(path: Path) -> tuple[int, int]:
@@ -55,7 +44,7 @@ def test_a_later_start_takes_the_kept_choices(
     tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    path = _wide(tiny_model, tmp_path)
+    path = widened_to_qwen3_06b(tiny_model, tmp_path / "wide")
     _start(path)
     files = list((tmp_path / "cache" / "asyncllm" / "tuning").glob("gemm-*.json"))
     assert len(files) == 1
