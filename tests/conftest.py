@@ -54,6 +54,13 @@ def structured_output_enforced(tiny_checkpoints: dict[str, Path]) -> bool:
 
 
 @pytest.fixture(autouse=True)
+def _no_kept_gemm_choices(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Test engines neither read nor keep start-up GEMM choices in the user's cache (worker/tuning_cache.py): each
+    times as a first start does. The cache's own tests turn it back on."""
+    monkeypatch.setenv("ASYNCLLM_TUNING_CACHE", "0")
+
+
+@pytest.fixture(autouse=True)
 def _skip_unless_structured_output(request: pytest.FixtureRequest) -> None:
     if request.node.get_closest_marker("needs_structured_output") is None:
         return

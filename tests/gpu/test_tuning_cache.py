@@ -36,7 +36,7 @@ def _rewrite(file: Path, gemv: bool) -> None:
     """Every kept choice set to cuBLAS from the plain layout, or (for the shapes timed against it) the GEMV."""
     data = json.loads(file.read_text())
     for entry in data["choices"]:
-        data["choices"][entry] = {"transposed": False, "gemv": gemv and entry.endswith(":gemv"), "prologue": False}
+        data["choices"][entry] = {"transposed": False, "gemv": gemv and ":gemv:" in entry, "prologue": False}
     file.write_text(json.dumps(data))
 
 
@@ -44,17 +44,18 @@ def test_a_later_start_takes_the_kept_choices(
     tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("ASYNCLLM_TUNING_CACHE", "1")  # off for every other test (tests/conftest.py)
     path = widened_to_qwen3_06b(tiny_model, tmp_path / "wide")
     _start(path)
     files = list((tmp_path / "cache" / "asyncllm" / "tuning").glob("gemm-*.json"))
     assert len(files) == 1
     kept = json.loads(files[0].read_text())["choices"]
-    assert any(entry.endswith(":gemv") for entry in kept)  # 0.6B's shapes are timed against the GEMV
+    assert any(":gemv:" in entry for entry in kept)  # 0.6B's shapes are timed against the GEMV
     _rewrite(files[0], gemv=False)
     assert _start(path) == (0, 0)
     _rewrite(files[0], gemv=True)
     gemv_layers, _ = _start(path)
-    assert gemv_layers == 2 * sum(entry.endswith(":gemv") for entry in kept)  # each shape: both layers
+    assert gemv_layers == 2 * sum(":gemv:" in entry for entry in kept)  # each shape: both layers
     files[0].write_text("{garbled")
     with caplog.at_level(logging.WARNING, logger="asyncllm.worker.tuning_cache"):
         _start(path)

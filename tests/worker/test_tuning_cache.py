@@ -82,6 +82,7 @@ def test_another_card_or_library_names_another_file() -> None:
 
 def test_nothing_is_kept_for_a_cpu_device_or_when_turned_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("ASYNCLLM_TUNING_CACHE", "1")  # off for every other test (tests/conftest.py)
     assert cache_root() == tmp_path / "asyncllm" / "tuning"
     cpu = ChoiceCache.for_device(torch.device("cpu"))
     cpu.put("1024x3072:torch.bfloat16:-:gemv", GEMV)

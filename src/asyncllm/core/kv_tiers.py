@@ -105,7 +105,8 @@ class KVTiers:
         next step's work waits for its restores, so a step restoring more than its own forward pass hides stalls
         every request in it. The step's first restore is never refused: a history past the bound still comes."""
         limit = self.info.restores_per_step
-        return limit <= 0 or not self._step.restores or len(self._step.restores) + num_blocks <= limit
+        restores = self._step.restores
+        return limit <= 0 or num_blocks == 0 or not restores or len(restores) + num_blocks <= limit
 
     def restoring(self, block_ids: list[int]) -> bool:
         """Whether any of `block_ids` is restored by the step being planned (its forward pass may not read it)."""

@@ -111,13 +111,17 @@ def tune_linear_layers(model: nn.Module, device: torch.device, *, gemv: bool) ->
         shape, kind = key
         n, k, dtype = shape
         timed = gemv and n * k >= GEMV_MIN_WEIGHTS
-        entry = f"{n}x{k}:{dtype}:{kind.value if kind is not None else '-'}:{'gemv' if timed else 'cublas'}"
+        weights = _weights_beyond_l2(modules, device)
+        # The layers timed in turn are part of the key: a shallow model's fit in L2, and time faster than they run
+        # in a deep model of the same shapes.
+        mode = "gemv" if timed else "cublas"
+        entry = f"{n}x{k}:{dtype}:{kind.value if kind is not None else '-'}:{mode}:{len(weights)}"
         found = kept.get(entry)
-        if found is not None:
+        if found is not None and _could_be_timed(found, timed, kind is not None):
             choice = GemmChoice(**found)
         else:
             prologue = (kind, ops[key]) if timed and kind is not None else None
-            choice = _choose(_weights_beyond_l2(modules, device), device, gemv=timed, prologue=prologue)
+            choice = _choose(weights, device, gemv=timed, prologue=prologue)
             kept.put(entry, dataclasses.asdict(choice))
         if kind is None or shape not in choices:
             choices[shape] = choice
@@ -130,6 +134,12 @@ def tune_linear_layers(model: nn.Module, device: torch.device, *, gemv: bool) ->
                 module.use_gemv(True)
     kept.save()
     return choices
+
+
+def _could_be_timed(found: dict[str, bool], gemv: bool, prologue: bool) -> bool:
+    """Whether a kept choice is one the timing could have made for its entry (a hand-edited file could name a
+    path the entry never timed: the GEMV for a shape timed against cuBLAS alone)."""
+    return (gemv or not (found["gemv"] or found["prologue"])) and (prologue or not found["prologue"])
 
 
 def _weights_beyond_l2(modules: list[Linear], device: torch.device) -> list[torch.Tensor]:

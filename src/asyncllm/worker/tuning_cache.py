@@ -3,12 +3,13 @@ the same card skips the timing (0.3-1 s of every start) and makes the same choic
 
 One JSON file per identity: the card (name, compute capability, memory), the driver and CUDA runtime, torch's
 and Triton's versions, and the source of the code whose speed was timed (the GEMV kernels, the linear layers,
-the choosing itself), under $XDG_CACHE_HOME/asyncllm/tuning (else ~/.cache/asyncllm/tuning). Within a file,
-an entry per weight shape and what was timed for it. Anything else (another card, a driver update, an edited
-kernel) names another file, so a stale choice is never read. A file that does not parse, or an entry that is
-not a choice, is ignored and timed again. Files are replaced atomically (a temporary name, then a rename):
-engines starting together at worst time the same shapes twice. `ASYNCLLM_TUNING_CACHE=0` times every start
-and writes nothing.
+the folded ops, the choosing itself), under $XDG_CACHE_HOME/asyncllm/tuning (else ~/.cache/asyncllm/tuning).
+Within a file, an entry per weight shape, what was timed for it and over how many layers (a shallow model's fit
+in L2). Anything else (another card, a driver update, an edited kernel) names another file, so a stale choice is
+never read. A file that does not parse, or an entry that is not a choice, is ignored and timed again. A file is
+replaced atomically (a temporary file of a unique name, then a rename), merged with what it holds then: engines
+starting together at worst time the same shapes twice. `ASYNCLLM_TUNING_CACHE=0` times every start and writes
+nothing; so do the tests, but for the cache's own.
 
 A choice only picks among paths that compute the same numbers per layer (a weight layout, cuBLAS or the GEMV),
 so a cached one can be slower than a fresh timing would pick, never wrong.
@@ -21,6 +22,7 @@ import hashlib
 import json
 import logging
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -36,9 +38,13 @@ _TIMED_SOURCES = (
     "worker/gemm_layout.py",
     "layers/linear.py",
     "layers/prologue.py",
+    "layers/norm.py",  # a folded op's own launch is timed too (`gemm_layout.prologue_saving_us`)
+    "layers/activation.py",
     "kernels/quant_matmul_gemv.py",
     "kernels/gemv_plan.py",
     "kernels/gemv_prologue.py",
+    "kernels/rms_norm.py",
+    "kernels/silu_mul.py",
 )
 
 
@@ -58,11 +64,11 @@ class ChoiceCache:
         if not envs.TUNING_CACHE.get() or device.type != "cuda":
             return cls(None)
         try:
-            facts = device_facts(device)
-        except Exception as exc:  # a cache never stops an engine from starting: it times, as without one
-            logger.warning("the GEMM choices are not kept (the card's facts: %s)", exc)
+            path = cache_root() / f"gemm-{identity(device_facts(device))}.json"
+        except Exception as exc:  # a cache never stops an engine from starting (no home, the card's facts)
+            logger.warning("the GEMM choices are not kept: %s", exc)
             return cls(None)
-        return cls(cache_root() / f"gemm-{identity(facts)}.json")
+        return cls(path)
 
     def get(self, entry: str) -> dict[str, bool] | None:
         return self._choices.get(entry)
@@ -77,18 +83,21 @@ class ChoiceCache:
         in memory only."""
         if self.path is None or not self._changed:
             return
-        temp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        temp: str | None = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             choices = _read(self.path) | self._choices
-            temp.write_text(json.dumps({"version": _VERSION, "choices": choices}, indent=1, sort_keys=True))
+            fd, temp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+            with os.fdopen(fd, "w") as f:  # a name no other writer (another container's same pid) uses
+                json.dump({"version": _VERSION, "choices": choices}, f, indent=1, sort_keys=True)
             os.replace(temp, self.path)
             self._changed = False
-        except OSError as exc:
+        except Exception as exc:  # a full disk or a read-only home: kept in memory only
             logger.debug("the GEMM choices were not kept in %s: %s", self.path, exc)
         finally:
-            with contextlib.suppress(OSError):
-                temp.unlink(missing_ok=True)
+            if temp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(temp)
 
 
 def cache_root() -> Path:
@@ -126,7 +135,7 @@ def _read(path: Path) -> dict[str, dict[str, bool]]:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         return {}  # the first start on this card and software
-    except (OSError, ValueError) as exc:
+    except Exception as exc:  # unreadable, not JSON, nested past the parser's depth
         logger.warning("ignoring the GEMM choices in %s (%s): timing again", path, exc)
         return {}
     if not isinstance(data, dict) or data.get("version") != _VERSION or not isinstance(data.get("choices"), dict):
