@@ -4,6 +4,7 @@ No cluster: the actor class's `options` is recorded instead of called."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -31,8 +32,8 @@ def _options(monkeypatch: pytest.MonkeyPatch, overrides: dict[str, Any] | None) 
 
 
 def test_tuning_variables_go_with_the_replicas(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("ASYNCLLM_DECODE_GEMV", "ASYNCLLM_CUDA_GRAPH_MAX_TOKENS", "ASYNCLLM_DEAD_ENGINE_JOIN_S"):
-        monkeypatch.setenv(name, "")  # unset for this test, whatever the caller's environment holds
+    for name in [n for n in os.environ if n.startswith("ASYNCLLM_")]:
+        monkeypatch.setenv(name, "")  # unset for this test, whatever the caller's environment (or conftest) holds
     assert "runtime_env" not in _options(monkeypatch, None)  # none set: the options as before
     monkeypatch.setenv("ASYNCLLM_DECODE_GEMV", "off")
     monkeypatch.setenv("ASYNCLLM_CUDA_GRAPH_MAX_TOKENS", "0")
