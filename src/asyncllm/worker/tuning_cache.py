@@ -91,7 +91,7 @@ class ChoiceCache:
             with os.fdopen(fd, "w") as f:  # a name no other writer (another container's same pid) uses
                 json.dump({"version": _VERSION, "choices": choices}, f, indent=1, sort_keys=True)
             os.replace(temp, self.path)
-            self._changed = False
+            temp, self._changed = None, False
         except Exception as exc:  # a full disk or a read-only home: kept in memory only
             logger.debug("the GEMM choices were not kept in %s: %s", self.path, exc)
         finally:
