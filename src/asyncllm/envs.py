@@ -10,6 +10,7 @@ import enum
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from asyncllm.errors import InvalidConfigError
@@ -34,6 +35,12 @@ class EnvVar(Generic[T]):
             return self.parse(raw.strip())
         except ValueError as exc:
             raise InvalidConfigError(f"{self.name}={raw!r} is invalid ({exc}): {self.doc}") from exc
+
+
+def cache_home() -> Path:
+    """asyncllm's own cache directory: $XDG_CACHE_HOME/asyncllm, else ~/.cache/asyncllm (the default model's
+    wheels, the kept GEMM choices)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "asyncllm"
 
 
 def _seconds(raw: str) -> float:

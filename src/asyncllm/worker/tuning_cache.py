@@ -101,8 +101,7 @@ class ChoiceCache:
 
 
 def cache_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "asyncllm" / "tuning"
+    return envs.cache_home() / "tuning"
 
 
 def device_facts(device: torch.device) -> dict[str, object]:
