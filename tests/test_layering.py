@@ -41,6 +41,7 @@ LAYERS: list[tuple[str, ...]] = [  # top to bottom; each entry: module prefixes 
 FOUNDATION = {
     "asyncllm.chat",
     "asyncllm.envs",  # the ASYNCLLM_* tuning variables
+    "asyncllm.env_var",  # how such a variable is declared and parsed
     "asyncllm.errors",
     "asyncllm.input_limits",  # bounds on client input, checked before any tokenizer, template or compiler
     "asyncllm.install",  # the distribution's name and the pip commands error messages print

@@ -1,40 +1,28 @@
 """Tuning knobs that are not engine arguments: `ASYNCLLM_*` environment variables, each declared here once
 with its type, default and meaning, and read when it is used (never at import), so a test or a benchmark
 that sets one affects the engines it makes next. Users should need none of them; a bad value fails where
-it is read, naming the variable and the values it takes. Imports nothing of the package but its errors.
+it is read, naming the variable and the values it takes (env_var.py: how a variable is declared and parsed).
 """
 
 from __future__ import annotations
 
 import enum
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any
 
-from asyncllm.errors import InvalidConfigError
-
-T = TypeVar("T")
-E = TypeVar("E", bound=enum.Enum)
-
-
-@dataclass(frozen=True)
-class EnvVar(Generic[T]):
-    name: str
-    default: T
-    parse: Callable[[str], T]
-    doc: str
-
-    def get(self) -> T:
-        """The variable's value now: its default when unset or empty."""
-        raw = os.environ.get(self.name, "")
-        if not raw.strip():
-            return self.default
-        try:
-            return self.parse(raw.strip())
-        except ValueError as exc:
-            raise InvalidConfigError(f"{self.name}={raw!r} is invalid ({exc}): {self.doc}") from exc
+from asyncllm.env_var import (
+    EnvVar,
+    count,
+    count_or_auto,
+    flag,
+    gib_or_auto,
+    ms_or_off,
+    one_of,
+    positive,
+    positive_or_auto,
+    seconds,
+)
 
 
 def cache_home() -> Path:
@@ -43,90 +31,10 @@ def cache_home() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "asyncllm"
 
 
-def _seconds(raw: str) -> float:
-    value = float(raw)
-    if not value > 0 or value == float("inf"):  # NaN fails too
-        raise ValueError("give a finite number of seconds > 0")
-    return value
-
-
-def _flag(raw: str) -> bool:
-    """A switch: 1 or true, 0 or false (any case)."""
-    value = {"1": True, "true": True, "0": False, "false": False}.get(raw.lower())
-    if value is None:
-        raise ValueError("use 1, 0, true or false")
-    return value
-
-
-def _gib_or_auto(raw: str) -> float | None:
-    """A positive number of GiB, or "auto" (None: the engine settles it)."""
-    if raw.lower() == "auto":
-        return None
-    value = float(raw)
-    if not value > 0 or value == float("inf"):  # NaN fails too
-        raise ValueError("use auto or a finite number of GiB > 0")
-    return value
-
-
-def _count_or_auto(raw: str) -> int | None:
-    """A count of tokens >= 0, or "auto" (None: the engine settles it)."""
-    if raw.lower() == "auto":
-        return None
-    if not (raw.isascii() and raw.isdigit()):
-        raise ValueError("use auto or an integer >= 0")
-    return int(raw)
-
-
-def _positive_or_auto(raw: str) -> int | None:
-    """A count >= 1, or "auto" (None: the engine settles it)."""
-    value = _count_or_auto(raw)
-    if value == 0:
-        raise ValueError("use auto or an integer >= 1")
-    return value
-
-
-def _ms_or_off(raw: str) -> float | None:
-    """A finite number of milliseconds > 0, or "off" (None)."""
-    if raw.lower() == "off":
-        return None
-    value = float(raw)
-    if not value > 0 or value == float("inf"):  # NaN fails too
-        raise ValueError("use off or a finite number of milliseconds > 0")
-    return value
-
-
 def grammar_slow_fill_s() -> float | None:
     """`GRAMMAR_SLOW_FILL_MS` in seconds (None: off)."""
     ms = GRAMMAR_SLOW_FILL_MS.get()
     return None if ms is None else ms / 1000
-
-
-def _positive(raw: str) -> int:
-    """A count >= 1."""
-    value = _count_or_auto(raw)
-    if value is None or value == 0:
-        raise ValueError("use an integer >= 1")
-    return value
-
-
-def _count(raw: str) -> int:
-    """A count >= 0."""
-    value = _count_or_auto(raw)
-    if value is None:
-        raise ValueError("use an integer >= 0")
-    return value
-
-
-def _one_of(choices: type[E]) -> Callable[[str], E]:
-    """One of an enum's values (any case)."""
-
-    def parse(raw: str) -> E:
-        for member in choices:
-            if member.value == raw.lower():
-                return member
-        raise ValueError("use one of " + ", ".join(str(m.value) for m in choices))
-
-    return parse
 
 
 class DecodeGemv(str, enum.Enum):
@@ -167,10 +75,17 @@ class CpuDecode(str, enum.Enum):
     OFF = "off"  # never: the modules' own forward (the twin)
 
 
+class CpuNative(str, enum.Enum):
+    """Whether that path's int4 layers run their small ops in C (`CPU_NATIVE`)."""
+
+    AUTO = "auto"  # where a C compiler builds kernels/cpu_decode_ops.c (once per machine, kept in the cache)
+    OFF = "off"  # never: torch's eager ops between the projections (the twin)
+
+
 DEAD_ENGINE_JOIN_S: EnvVar[float] = EnvVar(
     "ASYNCLLM_DEAD_ENGINE_JOIN_S",
     6.0,
-    _seconds,
+    seconds,
     "seconds a dead engine's shutdown waits for its step thread to release the device before leaving it "
     "(a kernel stuck on a dead tensor-parallel peer can block that release for good); above the executor's "
     "own bound on the release (3 s) plus its stop of the workers (1 s)",
@@ -183,14 +98,14 @@ DEAD_ENGINE_JOIN_S: EnvVar[float] = EnvVar(
 ASYNC_SCHEDULING: EnvVar[bool] = EnvVar(
     "ASYNCLLM_ASYNC_SCHEDULING",
     True,
-    _flag,
+    flag,
     "plan step N+1 and process step N-1's outputs while the device runs step N (overlapped scheduling); false "
     "waits for each step before planning the next (the serial twin: the same tokens)",
 )
 MAX_STEP_SECONDS: EnvVar[float] = EnvVar(
     "ASYNCLLM_MAX_STEP_SECONDS",
     20.0,
-    _seconds,
+    seconds,
     "a step running longer than this makes check_health() (and the server's /health) fail: a stuck device or "
     "kernel (vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S). Far above any real step (a GPU step takes milliseconds, "
     "a long CPU prefill a few seconds). AsyncLLMEngine and the server only",
@@ -198,7 +113,7 @@ MAX_STEP_SECONDS: EnvVar[float] = EnvVar(
 CPU_KVCACHE_SPACE: EnvVar[float | None] = EnvVar(
     "ASYNCLLM_CPU_KVCACHE_SPACE",
     None,
-    _gib_or_auto,
+    gib_or_auto,
     "the KV cache's budget on CPU in GiB when `num_kv_blocks` is not given (vLLM's VLLM_CPU_KVCACHE_SPACE). "
     "auto: room for one max_model_len sequence (shorter ones share it), at least 1/4 GiB and at most 1 GiB. "
     "Memory becomes resident only as blocks are first written",
@@ -208,7 +123,7 @@ CPU_KVCACHE_SPACE: EnvVar[float | None] = EnvVar(
 DECODE_GEMV: EnvVar[DecodeGemv] = EnvVar(
     "ASYNCLLM_DECODE_GEMV",
     DecodeGemv.AUTO,
-    _one_of(DecodeGemv),
+    one_of(DecodeGemv),
     "at one token row (batch-1 decode), dense linear layers with the Triton backend run a one-launch GEMV "
     "instead of cuBLAS, and the op before a layer (RMSNorm with the residual add, SiLU-and-mul) folds into "
     "that GEMV: auto (with CUDA graphs, for each layer shape, and each pair, that timed faster at start-up), "
@@ -218,7 +133,7 @@ DECODE_GEMV: EnvVar[DecodeGemv] = EnvVar(
 DECODE_PDL: EnvVar[bool] = EnvVar(
     "ASYNCLLM_DECODE_PDL",
     False,
-    _flag,
+    flag,
     "launch the decode chain's Triton kernels (the GEMV and its folded ops, RMSNorm, the q/k norm + rotary + "
     "KV write) as programmatic dependent launches, each overlapping the previous kernel's tail, CUDA graphs "
     "included; results unchanged. CUDA on Hopper or newer with the Triton backend only (refused otherwise)",
@@ -226,7 +141,7 @@ DECODE_PDL: EnvVar[bool] = EnvVar(
 DECODE_FOLD_REDUCE: EnvVar[bool] = EnvVar(
     "ASYNCLLM_DECODE_FOLD_REDUCE",
     True,
-    _flag,
+    flag,
     "the Triton decode attention merges a sequence's KV splits inside its split kernel (the last split to "
     "finish merges: one launch a layer) instead of in a second reduce launch; false: the reduce launch, the "
     "simple twin (results equal to rounding). Cascade decode's merge is the reduce launch either way",
@@ -234,7 +149,7 @@ DECODE_FOLD_REDUCE: EnvVar[bool] = EnvVar(
 CASCADE_ATTENTION: EnvVar[CascadeAttention] = EnvVar(
     "ASYNCLLM_CASCADE_ATTENTION",
     CascadeAttention.AUTO,
-    _one_of(CascadeAttention),
+    one_of(CascadeAttention),
     "cascade decode attention (Triton backend): decode sequences whose KV blocks begin with the same prefix "
     "(128 tokens or more) read it once per group and step, merged exactly with each one's own keys: auto (on "
     "CUDA), on (also in Triton's CPU interpreter, for tests; refused with attention_backend='torch'), off "
@@ -243,7 +158,7 @@ CASCADE_ATTENTION: EnvVar[CascadeAttention] = EnvVar(
 CUDA_GRAPH_SAMPLING: EnvVar[bool] = EnvVar(
     "ASYNCLLM_CUDA_GRAPH_SAMPLING",
     False,
-    _flag,
+    flag,
     "decode steps replayed from CUDA graphs run the LM head inside the graph and, when every row's token is "
     "the plain draw (temperature or greedy, no filters, penalties, logprobs, min_tokens masks or constraints), "
     "the draw and the record of each request's latest token in a small graph replayed right after; other "
@@ -253,7 +168,7 @@ CUDA_GRAPH_SAMPLING: EnvVar[bool] = EnvVar(
 CUDA_GRAPH_MAX_TOKENS: EnvVar[int | None] = EnvVar(
     "ASYNCLLM_CUDA_GRAPH_MAX_TOKENS",
     None,
-    _count_or_auto,
+    count_or_auto,
     "steps that are not decode-only (prompt chunks, alone or beside decodes) of up to this many tokens replay "
     "CUDA graphs captured per token count (padded up by at most a quarter); larger steps run eagerly. 0: "
     "decode steps only; auto: 2048, or max_num_seqs plus the prefill cap when that is larger (so capped steps "
@@ -262,7 +177,7 @@ CUDA_GRAPH_MAX_TOKENS: EnvVar[int | None] = EnvVar(
 GRAMMAR_PROCESS: EnvVar[GrammarProcessChoice] = EnvVar(
     "ASYNCLLM_GRAMMAR_PROCESS",
     GrammarProcessChoice.AUTO,
-    _one_of(GrammarProcessChoice),
+    one_of(GrammarProcessChoice),
     "where structured output's grammar matchers live: in a process of their own, which takes each step's "
     "tokens and fills the next token masks beside the step thread, or in the step thread. auto: the process "
     "on CUDA with one rank, started in the background at the first constrained request (a request that may "
@@ -275,7 +190,7 @@ GRAMMAR_PROCESS: EnvVar[GrammarProcessChoice] = EnvVar(
 JUMP_FORWARD: EnvVar[bool] = EnvVar(
     "ASYNCLLM_JUMP_FORWARD",
     True,
-    _flag,
+    flag,
     "structured output's jump-forward: where a request's constraint forces the next text (a JSON schema's keys "
     "and punctuation), its tokens (the tokenizer's encoding of that text) are output without a draw each and "
     "computed in one step. Requests asking for logprobs, prompt logprobs or penalties never jump, nor do "
@@ -285,7 +200,7 @@ JUMP_FORWARD: EnvVar[bool] = EnvVar(
 GRAMMAR_PROCESS_THREADS: EnvVar[int | None] = EnvVar(
     "ASYNCLLM_GRAMMAR_PROCESS_THREADS",
     None,
-    _positive_or_auto,
+    positive_or_auto,
     "the grammar process's threads, each accepting and filling a share of a step's rows. auto: the cores this "
     "process may use less two (the step thread and the device's driver), shared among tensor-parallel ranks, "
     "at most 8",
@@ -293,7 +208,7 @@ GRAMMAR_PROCESS_THREADS: EnvVar[int | None] = EnvVar(
 GRAMMAR_SLOW_FILL_MS: EnvVar[float | None] = EnvVar(
     "ASYNCLLM_GRAMMAR_SLOW_FILL_MS",
     1.0,
-    _ms_or_off,
+    ms_or_off,
     "structured output in the step thread: a request whose matcher costs more than this many milliseconds of "
     "CPU a token on average (accepting it and filling the next token mask: an enum, choice or regex of some "
     "20,000 alternatives takes 3-10 ms where an ordinary schema takes microseconds) moves to a thread of its "
@@ -303,7 +218,7 @@ GRAMMAR_SLOW_FILL_MS: EnvVar[float | None] = EnvVar(
 CPU_INT4: EnvVar[CpuInt4] = EnvVar(
     "ASYNCLLM_CPU_INT4",
     CpuInt4.AUTO,
-    _one_of(CpuInt4),
+    one_of(CpuInt4),
     "on CPU, quantized linear layers (GGUF Q4_0/Q4_1/Q4_K/Q8_0/Q5_K, AWQ, GPTQ) and a GGUF head stored with 8 bits "
     "or fewer run from torch's int4 kernel with bfloat16 inputs, weights kept packed: auto (where the CPU computes "
     "bfloat16 natively: AVX512-BF16 or AMX), off (GGUF files dequantized to float32 at load, as on other CPUs; "
@@ -312,16 +227,25 @@ CPU_INT4: EnvVar[CpuInt4] = EnvVar(
 CPU_DECODE: EnvVar[CpuDecode] = EnvVar(
     "ASYNCLLM_CPU_DECODE",
     CpuDecode.AUTO,
-    _one_of(CpuDecode),
+    one_of(CpuDecode),
     "on CPU, a Llama-family model's decode steps (every sequence one token, all of one length) run as one "
     "function of few ops over the same weights (paged attention through torch's scaled_dot_product_attention): "
     "auto (float32 models whose every layer it reproduces), off (the modules' forward; the twin)",
+)
+CPU_NATIVE: EnvVar[CpuNative] = EnvVar(
+    "ASYNCLLM_CPU_NATIVE",
+    CpuNative.AUTO,
+    one_of(CpuNative),
+    "on CPU, where that decode path's projections are all packed int4, each layer's small ops (add and RMSNorm, "
+    "rotary and the cache write, attention, SiLU-and-multiply) run as four calls into C compiled on this machine "
+    "the first time (cc, gcc, clang or $CC; kept under the cache directory): auto (where a compiler builds it; "
+    "else torch's ops, with a warning), off (torch's eager ops; the twin)",
 )
 # Read once per engine by the tensor-parallel executor, which sends every rank its choice.
 TP_CUSTOM_ALL_REDUCE: EnvVar[bool] = EnvVar(
     "ASYNCLLM_TP_CUSTOM_ALL_REDUCE",
     True,
-    _flag,
+    flag,
     "on CUDA with tensor_parallel_size=2, all-reduces up to a decode step's hidden states ([max_num_seqs, "
     "hidden], bfloat16/float32) run a one-shot kernel over symmetric memory instead of NCCL; checked against "
     "NCCL at start-up, NCCL on any failure. false: NCCL only",
@@ -330,7 +254,7 @@ TP_CUSTOM_ALL_REDUCE: EnvVar[bool] = EnvVar(
 KV_OFFLOAD_AHEAD: EnvVar[int] = EnvVar(
     "ASYNCLLM_KV_OFFLOAD_AHEAD",
     256,
-    _count,
+    count,
     "with a host tier, the free cached blocks (oldest freed first) each step copies to host memory beside its "
     "forward pass, so that a block the pool then takes for other content is there already; blocks the pool takes "
     "before that are copied before the forward pass that overwrites them (waiting). 0: only those",
@@ -338,7 +262,7 @@ KV_OFFLOAD_AHEAD: EnvVar[int] = EnvVar(
 KV_DISK_GIB: EnvVar[float | None] = EnvVar(
     "ASYNCLLM_KV_DISK_GIB",
     None,
-    _gib_or_auto,
+    gib_or_auto,
     "the most GiB the disk tier (`kv_cache_dir`) keeps, shared by the tensor-parallel ranks, oldest blocks out "
     "first (other engines' files in the same directory counted). auto: half the space free on its file system "
     "when the engine starts, plus what the tier holds already",
@@ -346,14 +270,14 @@ KV_DISK_GIB: EnvVar[float | None] = EnvVar(
 KV_DISK_LOADS_PER_STEP: EnvVar[int] = EnvVar(
     "ASYNCLLM_KV_DISK_LOADS_PER_STEP",
     256,
-    _positive,
+    positive,
     "blocks one step may start reading from the disk tier; the reads run on 4-16 threads (one a core) beside "
     "the steps while their requests wait, and later steps start the rest",
 )
 KV_RESTORE_MIB_PER_STEP: EnvVar[int] = EnvVar(
     "ASYNCLLM_KV_RESTORE_MIB_PER_STEP",
     0,
-    _count,
+    count,
     "with a host tier, the MiB of KV one step may restore from it (the device's side, all ranks alike); a "
     "request whose restore would pass it waits for the next step, unless it is the step's first. The next step's "
     "work waits for these copies, so a step that restores more than its own forward pass hides stalls every "
@@ -362,7 +286,7 @@ KV_RESTORE_MIB_PER_STEP: EnvVar[int] = EnvVar(
 TUNING_CACHE: EnvVar[bool] = EnvVar(
     "ASYNCLLM_TUNING_CACHE",
     True,
-    _flag,
+    flag,
     "keep the start-up GEMM timings' choices (per card, driver, library versions, kernel source and weight shape) "
     "in $XDG_CACHE_HOME/asyncllm/tuning (~/.cache/asyncllm/tuning), so a later start on the same card skips them. "
     "false: time at every start, keep nothing",
@@ -379,6 +303,7 @@ ALL: tuple[EnvVar[Any], ...] = (  # every variable, for docs/tuning.md's table a
     CASCADE_ATTENTION,
     CPU_INT4,
     CPU_DECODE,
+    CPU_NATIVE,
     CUDA_GRAPH_SAMPLING,
     CUDA_GRAPH_MAX_TOKENS,
     GRAMMAR_PROCESS,

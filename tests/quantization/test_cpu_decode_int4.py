@@ -1,15 +1,18 @@
 """The CPU decode path (models/cpu_decode.py) over packed int4 layers in the whole engine: a tiny GGUF's greedy
-decode steps take it, and every step's top log-probabilities stay within the bfloat16 bound of the modules' path
+decode steps take it, with its small ops in C (ASYNCLLM_CPU_NATIVE=auto, kernels/cpu_decode_ops.c) and in torch
+(off), and every step's top log-probabilities stay within the bfloat16 bound of the modules' path
 (ASYNCLLM_CPU_DECODE=off), the bound tests/quantization/test_cpu_int4.py holds the int4 path to."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from asyncllm import LLM, SamplingParams
+from asyncllm import LLM, SamplingParams, envs
+from asyncllm.kernels import cpu_decode_native
 from asyncllm.quantization import cpu_int4
 from tests.fixtures.tiny_gguf import build_hf_model, write_gguf
 
@@ -24,9 +27,12 @@ def gguf_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_gguf(root / "llama-Q4_1.gguf", "llama", model, quant=Q.Q4_1)
 
 
-def _decode_logprobs(path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> tuple[list[int], list[dict], int]:
+def _decode_logprobs(
+    path: Path, monkeypatch: pytest.MonkeyPatch, mode: str, native: str = "off"
+) -> tuple[list[int], list[dict], int]:
     monkeypatch.setenv("ASYNCLLM_CPU_INT4", "auto")
     monkeypatch.setenv("ASYNCLLM_CPU_DECODE", mode)
+    monkeypatch.setenv("ASYNCLLM_CPU_NATIVE", native)
     llm = LLM(str(path), **ENGINE)
     try:
         model = llm._engine.core.executor.worker.runner.model  # type: ignore[attr-defined]
@@ -40,8 +46,14 @@ def _decode_logprobs(path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> 
         llm.shutdown()
 
 
-def test_engine_decode_within_bf16_bound_of_the_modules(gguf_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    tokens, fast, taken = _decode_logprobs(gguf_file, monkeypatch, "auto")
+@pytest.mark.parametrize("native", ["auto", "off"])
+def test_engine_decode_within_bf16_bound_of_the_modules(
+    gguf_file: Path, native: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="asyncllm"):
+        tokens, fast, taken = _decode_logprobs(gguf_file, monkeypatch, "auto", native)
+    in_c = "small ops in C" in caplog.text
+    assert in_c == (native == "auto" and cpu_decode_native.load(envs.cache_home() / "cpu-kernels") is not None)
     ref_tokens, ref, off = _decode_logprobs(gguf_file, monkeypatch, "off")
     assert taken >= 11 and off == 0  # every decode step after the prompt's (and the warm-up's)
     same = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), len(tokens))

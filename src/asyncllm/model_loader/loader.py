@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,6 +34,9 @@ from asyncllm.quantization.apply import quantize_linear_layers
 from asyncllm.quantization.convert import CheckpointConverter
 from asyncllm.quantization.scheme import CheckpointFormat, QuantScheme
 from asyncllm.quantization.sharding import quantized_shards
+
+if TYPE_CHECKING:
+    from asyncllm.kernels.cpu_decode_native import CpuDecodeOps
 
 logger = logging.getLogger("asyncllm")
 
@@ -119,13 +123,25 @@ def _on_cpu_kernel(model: CausalLM, quant: QuantScheme | None, device: torch.dev
     if device.type == "cpu" and envs.CPU_DECODE.get() is envs.CpuDecode.AUTO:
         from asyncllm.models import cpu_decode
 
-        decode = cpu_decode.build(model)
+        decode = cpu_decode.build(model, _native_ops(quant))
         if decode is not None:
             model.cpu_decode = decode  # type: ignore[assignment]
-            logger.info("CPU decode steps take models/cpu_decode.py (ASYNCLLM_CPU_DECODE=off: the modules)")
+            logger.info(
+                "CPU decode steps take models/cpu_decode.py%s (ASYNCLLM_CPU_DECODE=off: the modules)",
+                ", small ops in C" if decode.native is not None else "",
+            )
     if device.type == "cpu":
         host_heap.for_serving()
     return model
+
+
+def _native_ops(quant: QuantScheme | None) -> CpuDecodeOps | None:
+    """The CPU decode path's compiled small ops, for packed int4 layers only (built once per machine)."""
+    if quant is None or not quant.cpu_int4 or envs.CPU_NATIVE.get() is envs.CpuNative.OFF:
+        return None
+    from asyncllm.kernels import cpu_decode_native
+
+    return cpu_decode_native.load(envs.cache_home() / "cpu-kernels")
 
 
 def _sliced(weights: Weights, select: Callable[[str], WeightShard | None]) -> Weights:

@@ -30,9 +30,11 @@ from asyncllm.attention.cpu_decode import (
     step_keys,
 )
 from asyncllm.attention.layer import KVCache
+from asyncllm.kernels.cpu_decode_native import CpuDecodeOps
 from asyncllm.layers.activation import SiluAndMul
 from asyncllm.layers.linear import Linear, PackedLinear
 from asyncllm.layers.norm import RMSNorm
+from asyncllm.models.cpu_decode_native import NativeDecode, NativeLayer
 from asyncllm.quantization import cpu_int4
 from asyncllm.quantization.linear import PackedQuantLinear, QuantLinear
 
@@ -98,10 +100,17 @@ class CpuDecode:
     """`__call__(input_ids, positions, kv_caches, meta)`: the final-normed hidden states [T, hidden] of a
     decode step this path takes, else None."""
 
-    def __init__(self, model: nn.Module, layers: list[_Layer], owners: list[tuple[nn.Module, str, nn.Module]]) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        layers: list[_Layer],
+        owners: list[tuple[nn.Module, str, nn.Module]],
+        native: NativeDecode | None = None,
+    ) -> None:
         arch = model.arch  # type: ignore[union-attr]
         self.model = model
         self.layers = layers
+        self.native = native  # the layers' small ops in C (cpu_decode_native.py), where they are all int4
         self._owners = owners  # (parent, attribute, module) the layers were read from: a swap (LoRA) turns it off
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.eps = arch.rms_norm_eps
@@ -133,6 +142,12 @@ class CpuDecode:
         rotary = model.rotary_emb  # type: ignore[union-attr]
         h_q, h_kv, dim = self.num_heads, self.num_kv_heads, self.head_dim
         seq_len = meta.max_seq_len
+        cos, sin = rotary.cos_cache[positions], rotary.sin_cache[positions]  # [T, D/2]
+        if self.native is not None:
+            x = model.model.embed_tokens(input_ids).contiguous()  # type: ignore[union-attr]
+            out = self.native(x, cos, sin, meta.slot_mapping, kv_caches, meta.block_tables, seq_len)
+            if out is not None:
+                return out
         blocks = decode_blocks(meta.block_tables, seq_len, k0.shape[1])
         if self._stacked is None or self._stacked[0] is not kv_caches:  # the same list every step: made once
             flat = [(k.view(-1, h_kv, dim), v.view(-1, h_kv, dim)) for k, v in kv_caches]  # rows by slot
@@ -140,7 +155,6 @@ class CpuDecode:
         _, stacked, flat = self._stacked
         keys = None if stacked is None else step_keys(stacked, blocks, num_tokens, seq_len)  # None: by each layer
         slots = meta.slot_mapping
-        cos, sin = rotary.cos_cache[positions], rotary.sin_cache[positions]  # [T, D/2]
         cos2 = torch.cat((cos, cos), dim=-1)[:, None, :]  # [T, 1, D]
         sin2 = torch.cat((-sin, sin), dim=-1)[:, None, :]  # x1 c + x2 (-s) is x1 c - x2 s exactly
         x = model.model.embed_tokens(input_ids)  # type: ignore[union-attr]
@@ -168,9 +182,10 @@ class CpuDecode:
         return self._norm(x + residual, model.model.norm.weight)  # type: ignore[union-attr]
 
 
-def build(model: nn.Module) -> CpuDecode | None:
+def build(model: nn.Module, native: CpuDecodeOps | None = None) -> CpuDecode | None:
     """The path for a loaded model, or None where some layer is not the plain Llama maths it reproduces (a
-    q/k norm, Gemma's norms, sliding windows, MoE, another activation, a projection it cannot call directly)."""
+    q/k norm, Gemma's norms, sliding windows, MoE, another activation, a projection it cannot call directly).
+    With `native` (the compiled ops), layers whose projections are all packed int4 run their small ops in C."""
     from asyncllm.attention.torch_ref import TorchAttentionBackend
     from asyncllm.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 
@@ -197,4 +212,23 @@ def build(model: nn.Module) -> CpuDecode | None:
         qkv, o, gate_up, down = projs
         assert qkv is not None and o is not None and gate_up is not None and down is not None
         layers.append(_Layer(norms[0].weight, qkv, o, norms[1].weight, gate_up, down, attn.attn.scale))
-    return CpuDecode(model, layers, owners)
+    arch = model.arch
+    heads = (arch.num_heads, arch.num_kv_heads, arch.head_dim)
+    fast = None if native is None else _native(native, layers, model.model.norm.weight, heads, arch.rms_norm_eps)
+    return CpuDecode(model, layers, owners, fast)
+
+
+def _native(
+    ops: CpuDecodeOps, layers: list[_Layer], final_norm: torch.Tensor, heads: tuple[int, int, int], eps: float
+) -> NativeDecode | None:
+    """The C path over these layers, where every projection is packed int4 and only q/k/v carry a bias."""
+    native: list[NativeLayer] = []
+    for layer in layers:
+        qkv, o, gate_up, down = (p.int4 for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        if qkv is None or o is None or gate_up is None or down is None:
+            return None
+        if any(p.bias is not None for p in (layer.o, layer.gate_up, layer.down)):
+            return None
+        bias = layer.qkv.bias
+        native.append(NativeLayer(layer.attn_norm, qkv, bias, o, layer.mlp_norm, gate_up, down, layer.scale))
+    return NativeDecode.build(ops, native, final_norm, heads, eps)
