@@ -5,7 +5,10 @@ element left unwritten fails. Bad inputs raise naming what is wrong; a missing c
 
 from __future__ import annotations
 
+import json
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -145,3 +148,11 @@ def test_a_build_is_kept_and_reused(ops: native.CpuDecodeOps, tmp_path: Path) ->
     stamp = built[0].stat().st_mtime_ns
     assert native.load(cache) is not None
     assert sorted(cache.iterdir()) == built and built[0].stat().st_mtime_ns == stamp  # loaded, not built again
+
+
+def test_the_micro_benchmark_runs(ops: native.CpuDecodeOps) -> None:
+    bench = Path(__file__).resolve().parents[2] / "bench" / "kernels" / "bench_cpu_decode_ops.py"
+    cmd = [sys.executable, str(bench), "--keys", "20", "--repeats", "3"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["op"] for r in rows] == ["add_rms_norm", "rope_kv_write", "decode_attention", "silu_mul"]

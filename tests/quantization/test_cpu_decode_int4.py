@@ -27,9 +27,15 @@ def gguf_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_gguf(root / "llama-Q4_1.gguf", "llama", model, quant=Q.Q4_1)
 
 
+PROMPTS = [[(i * 37 + 11) % 120 + 3 for i in range(9)], [(i * 53 + 5) % 120 + 3 for i in range(9)]]
+Decoded = tuple[list[list[int]], list[list[dict]], int]
+
+
 def _decode_logprobs(
-    path: Path, monkeypatch: pytest.MonkeyPatch, mode: str, native: str = "off"
-) -> tuple[list[int], list[dict], int]:
+    path: Path, monkeypatch: pytest.MonkeyPatch, mode: str, native: str = "off", prompts: int = 1
+) -> Decoded:
+    """Each prompt's greedy tokens and top log-probabilities, and how many steps the decode path took. Prompts
+    of one length decode together: two make steps of two rows."""
     monkeypatch.setenv("ASYNCLLM_CPU_INT4", "auto")
     monkeypatch.setenv("ASYNCLLM_CPU_DECODE", mode)
     monkeypatch.setenv("ASYNCLLM_CPU_NATIVE", native)
@@ -40,10 +46,24 @@ def _decode_logprobs(
         if fast is not None:
             model.cpu_decode = lambda *args: taken.append(1) or fast(*args)  # counts the steps it takes
         params = SamplingParams(temperature=0, max_tokens=12, logprobs=8, ignore_eos=True)
-        out = llm.generate([[(i * 37 + 11) % 120 + 3 for i in range(9)]], params, use_tqdm=False)[0]
-        return out.token_ids, out.logprobs, len(taken)
+        outs = llm.generate(PROMPTS[:prompts], params, use_tqdm=False)
+        return [o.token_ids for o in outs], [o.logprobs for o in outs], len(taken)
     finally:
         llm.shutdown()
+
+
+def _within_bf16_bound(fast: Decoded, ref: Decoded) -> None:
+    for tokens, ref_tokens, got_steps, want_steps in zip(fast[0], ref[0], fast[1], ref[1]):
+        same = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), len(tokens))
+        for got, want in zip(got_steps[: same + 1], want_steps[: same + 1]):  # while both follow the same tokens
+            scale = max(abs(v) for v in want.values())
+            tol = 2 * (0.03 * scale + 0.05)
+            shared = set(got) & set(want)
+            assert shared and max(abs(got[t] - want[t]) for t in shared) <= tol
+
+
+def _builds_in_c() -> bool:
+    return cpu_decode_native.load(envs.cache_home() / "cpu-kernels") is not None
 
 
 @pytest.mark.parametrize("native", ["auto", "off"])
@@ -51,14 +71,18 @@ def test_engine_decode_within_bf16_bound_of_the_modules(
     gguf_file: Path, native: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.INFO, logger="asyncllm"):
-        tokens, fast, taken = _decode_logprobs(gguf_file, monkeypatch, "auto", native)
-    in_c = "small ops in C" in caplog.text
-    assert in_c == (native == "auto" and cpu_decode_native.load(envs.cache_home() / "cpu-kernels") is not None)
-    ref_tokens, ref, off = _decode_logprobs(gguf_file, monkeypatch, "off")
-    assert taken >= 11 and off == 0  # every decode step after the prompt's (and the warm-up's)
-    same = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), len(tokens))
-    for got, want in zip(fast[: same + 1], ref[: same + 1]):  # while both follow the same tokens
-        scale = max(abs(v) for v in want.values())
-        tol = 2 * (0.03 * scale + 0.05)
-        shared = set(got) & set(want)
-        assert shared and max(abs(got[t] - want[t]) for t in shared) <= tol
+        fast = _decode_logprobs(gguf_file, monkeypatch, "auto", native)
+    assert ("small ops in C" in caplog.text) == (native == "auto" and _builds_in_c())
+    ref = _decode_logprobs(gguf_file, monkeypatch, "off")
+    assert fast[2] >= 11 and ref[2] == 0  # every decode step after the prompt's (and the warm-up's)
+    _within_bf16_bound(fast, ref)
+
+
+def test_small_ops_in_c_on_steps_of_two_rows(gguf_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two sequences a step (their own blocks, slots and rotary positions): the C ops against torch's."""
+    if not _builds_in_c():
+        pytest.skip("no C compiler builds kernels/cpu_decode_ops.c here")
+    fast = _decode_logprobs(gguf_file, monkeypatch, "auto", "auto", prompts=2)
+    ref = _decode_logprobs(gguf_file, monkeypatch, "auto", "off", prompts=2)
+    assert fast[2] >= 11 and ref[2] >= 11
+    _within_bf16_bound(fast, ref)

@@ -61,6 +61,7 @@ class NativeDecode:
         self.hidden = final_norm.shape[0]
         self.inter = layers[0].down.in_features
         self._buffers: dict[int, _Buffers] = {}
+        self._caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # the step's cache list, once checked
         # The raw pointers a layer passes, read once (parameters do not move).
         self._ptrs = [
             (ly.attn_norm.data_ptr(), None if ly.qkv_bias is None else ly.qkv_bias.data_ptr(), ly.mlp_norm.data_ptr())
@@ -91,8 +92,12 @@ class NativeDecode:
         seq_len: int,
     ) -> torch.Tensor | None:
         rows = x.shape[0]
-        if rows > cpu_int4.INT4_MAX_ROWS:
+        if rows > cpu_int4.INT4_MAX_ROWS or block_tables.stride(1) != 1:
             return None  # past the GEMV's rows the torch loop's dense path is faster
+        if kv_caches is not self._caches:  # the runner's list, the same every step: checked once
+            if not all(c.is_contiguous() and c.dtype == torch.float32 for pair in kv_caches for c in pair):
+                return None
+            self._caches = kv_caches
         k0 = kv_caches[0][0]
         num_blocks, block_size = k0.shape[:2]
         needed = -(-seq_len // block_size)
