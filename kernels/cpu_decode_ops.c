@@ -110,17 +110,18 @@ void asl_decode_attention(const float *q, const float *k_cache, const float *v_c
         for (long kv = 0; kv < hkv; kv++) {
             const float *qg = q + (t * hq + kv * group) * d;
             for (long g = 0; g < group; g++) maxes[g] = -INFINITY;
-            for (long j = 0; j < seq_len; j++) {
-                long slot = (long)table[j / block_size] * block_size + j % block_size;
-                const float *key = k_cache + (slot * hkv + kv) * d;
-                for (long g = 0; g < group; g++) {
-                    const float *qh = qg + g * d;
-                    float dot = 0.0f;
-                    for (long i = 0; i < d; i++) dot += qh[i] * key[i];
-                    dot *= scale;
-                    scores[g * seq_len + j] = dot;
-                    if (dot > maxes[g]) maxes[g] = dot;
-                }
+            for (long j0 = 0; j0 < seq_len; j0 += block_size) {  /* a block's keys lie in consecutive slots */
+                const float *key = k_cache + ((long)table[j0 / block_size] * block_size * hkv + kv) * d;
+                long end = j0 + block_size < seq_len ? j0 + block_size : seq_len;
+                for (long j = j0; j < end; j++, key += hkv * d)
+                    for (long g = 0; g < group; g++) {
+                        const float *qh = qg + g * d;
+                        float dot = 0.0f;
+                        for (long i = 0; i < d; i++) dot += qh[i] * key[i];
+                        dot *= scale;
+                        scores[g * seq_len + j] = dot;
+                        if (dot > maxes[g]) maxes[g] = dot;
+                    }
             }
             for (long g = 0; g < group; g++) {
                 float sum = 0.0f, *row = scores + g * seq_len;
@@ -131,14 +132,15 @@ void asl_decode_attention(const float *q, const float *k_cache, const float *v_c
                 sums[g] = sum;
             }
             memset(acc, 0, sizeof(float) * group * d);
-            for (long j = 0; j < seq_len; j++) {
-                long slot = (long)table[j / block_size] * block_size + j % block_size;
-                const float *value = v_cache + (slot * hkv + kv) * d;
-                for (long g = 0; g < group; g++) {
-                    float p = scores[g * seq_len + j];
-                    float *a = acc + g * d;
-                    for (long i = 0; i < d; i++) a[i] += p * value[i];
-                }
+            for (long j0 = 0; j0 < seq_len; j0 += block_size) {
+                const float *value = v_cache + ((long)table[j0 / block_size] * block_size * hkv + kv) * d;
+                long end = j0 + block_size < seq_len ? j0 + block_size : seq_len;
+                for (long j = j0; j < end; j++, value += hkv * d)
+                    for (long g = 0; g < group; g++) {
+                        float p = scores[g * seq_len + j];
+                        float *a = acc + g * d;
+                        for (long i = 0; i < d; i++) a[i] += p * value[i];
+                    }
             }
             for (long g = 0; g < group; g++)
                 for (long i = 0; i < d; i++)

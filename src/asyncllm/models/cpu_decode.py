@@ -8,6 +8,8 @@ reference's sums bit for bit), the cache written and read with one op each per t
 (attention/cpu_decode.py), and a packed int4 layer's bfloat16 output handed on as it is (the next op promotes it
 to float32 exactly as the reference's explicit cast does). In float32 only attention's summation order differs
 from the module path, its twin (ASYNCLLM_CPU_DECODE=off); tests/models/test_cpu_decode.py holds the two together.
+Where every projection is packed int4 and the C ops built (`build(model, native)`), a layer's small ops run in C
+instead (cpu_decode_native.py; this file's torch loop is then its twin, ASYNCLLM_CPU_NATIVE=off).
 
 Installed from outside (`install`) on a loaded float32 model whose every layer it understands; any other step
 (prompt chunks, mixed lengths, a LoRA batch) returns None and the modules run. Knows no engine or scheduler.

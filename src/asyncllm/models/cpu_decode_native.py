@@ -92,8 +92,8 @@ class NativeDecode:
         seq_len: int,
     ) -> torch.Tensor | None:
         rows = x.shape[0]
-        if rows > cpu_int4.INT4_MAX_ROWS or block_tables.stride(1) != 1:
-            return None  # past the GEMV's rows the torch loop's dense path is faster
+        if rows > cpu_int4.INT4_MAX_ROWS or block_tables.stride(1) != 1 or 2 * cos.shape[-1] != self.head_dim:
+            return None  # past the GEMV's rows the torch loop's dense path is faster; a partial rotary
         if kv_caches is not self._caches:  # the runner's list, the same every step: checked once
             if not all(c.is_contiguous() and c.dtype == torch.float32 for pair in kv_caches for c in pair):
                 return None
