@@ -21,6 +21,9 @@ mkdir -p .cache && [ -d .peers/qwen3-tokenizer ] && [ ! -d .cache/qwen3-tokenize
 # The installed layout without installing: src/asyncllm with top-level kernels/ as asyncllm.kernels.
 overlay=$(mktemp -d); cp -r src/asyncllm "$overlay/asyncllm"; rm -f "$overlay/asyncllm/kernels"  # the link to kernels/
 cp -r kernels "$overlay/asyncllm/kernels"
+# Its bytecode compiled now, as pip does at install: the device sets PYTHONDONTWRITEBYTECODE, so otherwise every
+# process compiles the package from source (seconds of every start-up figure).
+python3 -m compileall -q "$overlay" >/dev/null
 export PYTHONPATH="$overlay:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # Wheels carried in .whl (xgrammar and what structured output's tests use), installed beside the overlay.
 if compgen -G ".whl/*.whl" >/dev/null; then

@@ -276,7 +276,7 @@ KV_DISK_LOADS_PER_STEP: EnvVar[int] = EnvVar(
 )
 KV_RESTORE_MIB_PER_STEP: EnvVar[int] = EnvVar(
     "ASYNCLLM_KV_RESTORE_MIB_PER_STEP",
-    0,
+    512,  # W10 on an H100: returning turns' TTFT p50 0.45 of the tier off unbounded, 0.33 at 1024, 0.32 at 512
     count,
     "with a host tier, the MiB of KV one step may restore from it (the device's side, all ranks alike); a "
     "request whose restore would pass it waits for the next step, unless it is the step's first. The next step's "
