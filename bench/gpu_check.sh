@@ -3,7 +3,7 @@
 # side-by-side with nano-vllm (../shared/peers, copied to .peers and carried); ends with a short table.
 # Usage (device machine, repo root): bash bench/gpu_check.sh [STEPS]   STEPS: comma list of
 #   tests, kernels, startup, compare (default: all four); gguf (GGUF layouts, issue 26); COMPARE_STEPS overrides compare.sh's steps;
-#   also w6 (structured output's cost; carry .whl with xgrammar's wheels), w7 (n=8 samples per prompt against
+#   also w6 (structured output's cost; carry .whl, filled by bench/device_wheels.sh: xgrammar and pydantic), w7 (n=8 samples per prompt against
 #   8 separate requests, prefix cache on and off, ~3 min), moe (Qwen3-30B-A3B shape, ~6 min), gemma3 (Gemma 3 4B shape, ~3 min), serve (issue 24, ~6 min), w8 (prompt logprobs), lora (~5 min), quant (~15 min), abpeers (W1+W5 of AB_BASE against this tree, then nano-vllm), enginetests, quicktests, attntests, w12var, w2var, sampling, ab (W1 of AB_BASE against this tree), decodesweep, w1big, gemm, pa, w2ab (W1/W2 under graph and scheduling variants), w1prof (W1 plain + under
 #   torch.profiler, ~2 min), w4 (long-context prefill and decode, 16K/32K, two token budgets, ~1 min), and
 #   on two GPUs tptests, tpbench (tensor parallelism); wave4 (issues 41/43/44: their GPU tests, spec_oracle,
