@@ -102,7 +102,11 @@ class NativeDecode:
         num_blocks, block_size = k0.shape[:2]
         needed = -(-seq_len // block_size)
         # The C code writes and reads where these say: check them once a step, not trust them.
-        if int(slots.max()) >= num_blocks * block_size or int(block_tables[:rows, :needed].max()) >= num_blocks:
+        low, high = slots.aminmax()
+        first, last = block_tables[:rows, :needed].aminmax()
+        if int(low) < 0:
+            return None  # a row that writes no KV (a padded one): the torch loop's indexing
+        if int(high) >= num_blocks * block_size or int(last) >= num_blocks or int(first) < 0:
             raise IndexError(f"a decode step's slots or blocks lie outside the cache's {num_blocks} blocks")
         buf = self._buffers.get(rows)
         if buf is None:
