@@ -13,6 +13,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -32,10 +33,15 @@ _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 _SIGNATURES = {
     "asl_add_rms_norm": [_P, _I, _I, _P, _P, _F, _L, _L, _P, _I],
     "asl_rope_kv_write": [_P, _I, _P, _L, _L, _L, _L, _P, _P, _P, _P, _P, _P],
-    "asl_decode_attention": [_P, _P, _P, _P, _L, _L, _L, _L, _L, _L, _L, _F, _P, _I],
+    "asl_decode_attention": [_P, _P, _P, _P, _L, _L, _L, _L, _L, _L, _L, _F, _P, _I, _P],
     "asl_silu_mul": [_P, _I, _L, _L, _P, _I],
 }
 F32, BF16 = 1, 2  # a row's kind, as the C code reads it
+
+
+def attention_scratch(group: int, seq_len: int, head_dim: int) -> int:
+    """Floats `asl_decode_attention` works in: scores, sums and maxima of one KV head's `group` query heads."""
+    return group * (seq_len + head_dim + 2)
 
 
 def kind(t: torch.Tensor) -> int:
@@ -138,9 +144,10 @@ class CpuDecodeOps:
         used = block_tables[:t, :needed]
         if int(used.min()) < 0 or int(used.max()) >= num_blocks:
             raise IndexError(f"a block outside the cache's {num_blocks}")
+        scratch = torch.empty(attention_scratch(hq // hkv, seq_len, d), dtype=torch.float32)
         self.lib.asl_decode_attention(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
-            seq_len, block_size, t, hq, hkv, d, scale, out.data_ptr(), planes_of(out, hq * d),
+            seq_len, block_size, t, hq, hkv, d, scale, out.data_ptr(), planes_of(out, hq * d), scratch.data_ptr(),
         )  # fmt: skip
 
     def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> None:
@@ -156,8 +163,9 @@ class CpuDecodeOps:
 def load(cache_dir: Path) -> CpuDecodeOps | None:
     """The compiled ops, built into `cache_dir` the first time on this machine; None (with a warning) where no C
     compiler is found or none builds them."""
-    compiler = os.environ.get("CC") or next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
-    if compiler is None:
+    cc = os.environ.get("CC")  # may carry a wrapper or flags: "ccache gcc"
+    compiler = shlex.split(cc) if cc else next(([c] for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
+    if not compiler:
         logger.warning("no C compiler (cc, gcc, clang or $CC) found: the CPU decode step keeps torch's small ops")
         return None
     source = SOURCE.read_bytes()
@@ -168,24 +176,26 @@ def load(cache_dir: Path) -> CpuDecodeOps | None:
         try:
             lib = ctypes.CDLL(str(path))
         except OSError as e:
-            logger.warning("loading %s failed (%s): the CPU decode step keeps torch's small ops", path, e)
-            return None
+            logger.debug("loading %s failed: %s", path, e)
+            continue  # e.g. built for another CPU: the plain build next
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, None
         return CpuDecodeOps(lib)
-    logger.warning("%s could not build %s: the CPU decode step keeps torch's small ops", compiler, SOURCE.name)
+    named = " ".join(compiler)
+    logger.warning("%s could not build %s: the CPU decode step keeps torch's small ops", named, SOURCE.name)
     return None
 
 
-def _identity(compiler: str, flags: tuple[str, ...], source: bytes) -> str:
+def _identity(compiler: list[str], flags: tuple[str, ...], source: bytes) -> str:
     """A name for the build: the source, the flags, the compiler's version and this CPU (-march=native code may
     not run on another one sharing the directory)."""
     try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, timeout=30, check=False).stdout
+        version = subprocess.run([*compiler, "--version"], capture_output=True, timeout=30, check=False).stdout
     except (OSError, subprocess.SubprocessError):
         version = b""
-    digest = hashlib.sha256(source + " ".join(flags).encode() + version + _cpu_facts().encode())
+    named = " ".join((*compiler, *flags)).encode()
+    digest = hashlib.sha256(source + named + version + _cpu_facts().encode())
     return digest.hexdigest()[:20]
 
 
@@ -198,7 +208,7 @@ def _cpu_facts() -> str:
         return f"{platform.machine()} {platform.processor()}"
 
 
-def _compile(compiler: str, flags: tuple[str, ...], path: Path) -> bool:
+def _compile(compiler: list[str], flags: tuple[str, ...], path: Path) -> bool:
     """Build the library at `path` through a temporary file in its directory (a concurrent build never leaves a
     half-written one there)."""
     try:
@@ -209,7 +219,7 @@ def _compile(compiler: str, flags: tuple[str, ...], path: Path) -> bool:
         logger.warning("cannot write the CPU decode ops under %s: %s", path.parent, e)
         return False
     try:
-        cmd = [compiler, *flags, "-o", tmp, str(SOURCE), "-lm"]
+        cmd = [*compiler, *flags, "-o", tmp, str(SOURCE), "-lm"]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
         if proc.returncode != 0:
             logger.debug("%s failed: %s", " ".join(cmd), proc.stderr.strip()[-500:])

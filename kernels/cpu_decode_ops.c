@@ -10,7 +10,6 @@
  * projection packed as two 4-bit planes (quantization/cpu_int4.py) reads each input twice. */
 #include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 static inline float bf16_to_f32(uint16_t b) {
@@ -95,16 +94,13 @@ void asl_rope_kv_write(const void *qkv, int qkv_kind, const float *bias, long T,
 
 /* Decode attention: each row's one query [Hq, D] against its seq_len keys, read from the paged caches
  * [num_blocks * block_size, Hkv, D] through its block table row (block_tables + t * table_stride, int32); query
- * head h reads kv head h / (Hq / Hkv). out [T, planes * Hq * D] as store_row writes. */
+ * head h reads kv head h / (Hq / Hkv). out [T, planes * Hq * D] as store_row writes. scratch: the caller's
+ * ATTENTION_SCRATCH(group, seq_len, d) floats (group = Hq / Hkv), so nothing here allocates or can fail. */
 void asl_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
                           long table_stride, long seq_len, long block_size, long T, long hq, long hkv, long d,
-                          float scale, void *out, int planes) {
+                          float scale, void *out, int planes, float *scratch) {
     long group = hq / hkv, width = hq * d;
-    float *scores = malloc(sizeof(float) * group * seq_len);
-    float *acc = malloc(sizeof(float) * group * d);
-    float *maxes = malloc(sizeof(float) * group * 2);
-    if (!scores || !acc || !maxes) abort();
-    float *sums = maxes + group;
+    float *scores = scratch, *acc = scores + group * seq_len, *maxes = acc + group * d, *sums = maxes + group;
     for (long t = 0; t < T; t++) {
         const int32_t *table = block_tables + t * table_stride;
         for (long kv = 0; kv < hkv; kv++) {
@@ -147,9 +143,6 @@ void asl_decode_attention(const float *q, const float *k_cache, const float *v_c
                     store_row(out, planes, t, width, (kv * group + g) * d + i, acc[g * d + i] / sums[g]);
         }
     }
-    free(scores);
-    free(acc);
-    free(maxes);
 }
 
 /* gate_up [T, 2 I] (float32 or bfloat16): out [T, planes * I] = silu(gate) * up, as store_row writes. */

@@ -78,6 +78,7 @@ def main() -> None:
     k_rows, v_rows = k_cache.view(-1, HKV, D), v_cache.view(-1, HKV, D)
     lib, ptr = ops.lib, torch.Tensor.data_ptr  # the raw calls, as the decode step makes them (checked once)
     tables_p, k_p, v_p = ptr(tables), ptr(k_cache), ptr(v_cache)
+    scratch = torch.empty(cpu_decode_native.attention_scratch(HQ // HKV, args.keys, D))
 
     def c_norm() -> None:
         lib.asl_add_rms_norm(ptr(x), 2, 1, ptr(residual), ptr(weight), 1e-5, 1, HIDDEN, ptr(normed), 1)
@@ -87,7 +88,7 @@ def main() -> None:
 
     def c_attention() -> None:
         lib.asl_decode_attention(ptr(q), k_p, v_p, tables_p, blocks, args.keys, BLOCK, 1, HQ, HKV, D, D**-0.5,
-                                 ptr(attn_out), 1)  # fmt: skip
+                                 ptr(attn_out), 1, ptr(scratch))  # fmt: skip
 
     def c_silu() -> None:
         lib.asl_silu_mul(ptr(gate_up), 2, 1, INTER, ptr(act), 1)

@@ -34,8 +34,8 @@ Decoded = tuple[list[list[int]], list[list[dict]], int]
 def _decode_logprobs(
     path: Path, monkeypatch: pytest.MonkeyPatch, mode: str, native: str = "off", prompts: int = 1
 ) -> Decoded:
-    """Each prompt's greedy tokens and top log-probabilities, and how many steps the decode path took. Prompts
-    of one length decode together: two make steps of two rows."""
+    """Each prompt's greedy tokens and top log-probabilities, and how many steps the decode path took (with
+    `native` on, how many its C ops computed). Prompts of one length decode together: two make steps of two rows."""
     monkeypatch.setenv("ASYNCLLM_CPU_INT4", "auto")
     monkeypatch.setenv("ASYNCLLM_CPU_DECODE", mode)
     monkeypatch.setenv("ASYNCLLM_CPU_NATIVE", native)
@@ -43,11 +43,14 @@ def _decode_logprobs(
     try:
         model = llm._engine.core.executor.worker.runner.model  # type: ignore[attr-defined]
         fast, taken = model.cpu_decode, []
-        if fast is not None:
-            model.cpu_decode = lambda *args: taken.append(1) or fast(*args)  # counts the steps it takes
+        if fast is not None and fast.native is not None:  # counts the steps the C ops computed
+            c_ops = fast.native
+            fast.native = lambda *args: (lambda out: taken.append(out is not None) or out)(c_ops(*args))
+        elif fast is not None:
+            model.cpu_decode = lambda *args: taken.append(True) or fast(*args)  # counts the steps it takes
         params = SamplingParams(temperature=0, max_tokens=12, logprobs=8, ignore_eos=True)
         outs = llm.generate(PROMPTS[:prompts], params, use_tqdm=False)
-        return [o.token_ids for o in outs], [o.logprobs for o in outs], len(taken)
+        return [o.token_ids for o in outs], [o.logprobs for o in outs], sum(taken)
     finally:
         llm.shutdown()
 
@@ -66,6 +69,12 @@ def _builds_in_c() -> bool:
     return cpu_decode_native.load(envs.cache_home() / "cpu-kernels") is not None
 
 
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C ops built into this test's cache directory, not the user's."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
 @pytest.mark.parametrize("native", ["auto", "off"])
 def test_engine_decode_within_bf16_bound_of_the_modules(
     gguf_file: Path, native: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
@@ -79,7 +88,7 @@ def test_engine_decode_within_bf16_bound_of_the_modules(
 
 
 def test_small_ops_in_c_on_steps_of_two_rows(gguf_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two sequences a step (their own blocks, slots and rotary positions): the C ops against torch's."""
+    """Two sequences a step (their own blocks and slots, one length): the C ops against torch's."""
     if not _builds_in_c():
         pytest.skip("no C compiler builds kernels/cpu_decode_ops.c here")
     fast = _decode_logprobs(gguf_file, monkeypatch, "auto", "auto", prompts=2)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -123,7 +124,7 @@ def _on_cpu_kernel(model: CausalLM, quant: QuantScheme | None, device: torch.dev
     if device.type == "cpu" and envs.CPU_DECODE.get() is envs.CpuDecode.AUTO:
         from asyncllm.models import cpu_decode
 
-        decode = cpu_decode.build(model, _native_ops(quant))
+        decode = cpu_decode.build(model, partial(_native_ops, quant))
         if decode is not None:
             model.cpu_decode = decode  # type: ignore[assignment]
             logger.info(

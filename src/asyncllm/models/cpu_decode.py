@@ -17,6 +17,7 @@ Installed from outside (`install`) on a loaded float32 model whose every layer i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -184,10 +185,11 @@ class CpuDecode:
         return self._norm(x + residual, model.model.norm.weight)  # type: ignore[union-attr]
 
 
-def build(model: nn.Module, native: CpuDecodeOps | None = None) -> CpuDecode | None:
+def build(model: nn.Module, native: Callable[[], CpuDecodeOps | None] | None = None) -> CpuDecode | None:
     """The path for a loaded model, or None where some layer is not the plain Llama maths it reproduces (a
     q/k norm, Gemma's norms, sliding windows, MoE, another activation, a projection it cannot call directly).
-    With `native` (the compiled ops), layers whose projections are all packed int4 run their small ops in C."""
+    With `native` (what gives the compiled ops, called only for a model they fit), layers whose projections are
+    all packed int4 run their small ops in C."""
     from asyncllm.attention.torch_ref import TorchAttentionBackend
     from asyncllm.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 
@@ -221,7 +223,11 @@ def build(model: nn.Module, native: CpuDecodeOps | None = None) -> CpuDecode | N
 
 
 def _native(
-    ops: CpuDecodeOps, layers: list[_Layer], final_norm: torch.Tensor, heads: tuple[int, int, int], eps: float
+    ops_for: Callable[[], CpuDecodeOps | None],
+    layers: list[_Layer],
+    final_norm: torch.Tensor,
+    heads: tuple[int, int, int],
+    eps: float,
 ) -> NativeDecode | None:
     """The C path over these layers, where every projection is packed int4 and only q/k/v carry a bias."""
     native: list[NativeLayer] = []
@@ -233,4 +239,5 @@ def _native(
             return None
         bias = layer.qkv.bias
         native.append(NativeLayer(layer.attn_norm, qkv, bias, o, layer.mlp_norm, gate_up, down, layer.scale))
-    return NativeDecode.build(ops, native, final_norm, heads, eps)
+    ops = ops_for()  # compiled (once per machine) only now that the model is known to fit
+    return None if ops is None else NativeDecode.build(ops, native, final_norm, heads, eps)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncllm.kernels.cpu_decode_native import BF16, F32, CpuDecodeOps
+from asyncllm.kernels.cpu_decode_native import BF16, F32, CpuDecodeOps, attention_scratch
 from asyncllm.quantization import cpu_int4
 
 _mm = torch.ops.aten._weight_int4pack_mm_for_cpu
@@ -39,11 +39,11 @@ class _Buffers:
         def planes(w: cpu_int4.Int4Weight) -> torch.Tensor:
             return torch.empty(rows, w.planes * w.in_features, dtype=torch.bfloat16)
 
-        self.residual = torch.empty(rows, hidden)
+        self.residual = torch.empty(rows, hidden, dtype=torch.float32)  # the C code's types, whatever the default
         self.qkv_in, self.o_in, self.gate_up_in, self.down_in = (
             planes(layer.qkv), planes(layer.o), planes(layer.gate_up), planes(layer.down)
         )  # fmt: skip
-        self.q = torch.empty(rows, *q_shape)
+        self.q = torch.empty(rows, *q_shape, dtype=torch.float32)
 
 
 class NativeDecode:
@@ -62,11 +62,20 @@ class NativeDecode:
         self.inter = layers[0].down.in_features
         self._buffers: dict[int, _Buffers] = {}
         self._caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # the step's cache list, once checked
-        # The raw pointers a layer passes, read once (parameters do not move).
-        self._ptrs = [
-            (ly.attn_norm.data_ptr(), None if ly.qkv_bias is None else ly.qkv_bias.data_ptr(), ly.mlp_norm.data_ptr())
-            for ly in layers
-        ]
+        self._scratch = torch.empty(0, dtype=torch.float32)  # attention's, grown to the longest sequence yet
+
+    def _caches_fit(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Every layer's caches float32, contiguous, [num_blocks, block_size, Hkv, D] alike."""
+        shape = kv_caches[0][0].shape
+        if (
+            len(kv_caches) != len(self.layers)
+            or len(shape) != 4
+            or tuple(shape[2:]) != (self.num_kv_heads, self.head_dim)
+        ):
+            return False
+        return all(
+            c.is_contiguous() and c.dtype == torch.float32 and c.shape == shape for pair in kv_caches for c in pair
+        )
 
     @staticmethod
     def build(ops: CpuDecodeOps, layers: list[NativeLayer], final_norm: torch.Tensor, heads: tuple[int, int, int],
@@ -92,15 +101,24 @@ class NativeDecode:
         seq_len: int,
     ) -> torch.Tensor | None:
         rows = x.shape[0]
-        if rows > cpu_int4.INT4_MAX_ROWS or block_tables.stride(1) != 1 or 2 * cos.shape[-1] != self.head_dim:
+        if rows > cpu_int4.INT4_MAX_ROWS or 2 * cos.shape[-1] != self.head_dim:
             return None  # past the GEMV's rows the torch loop's dense path is faster; a partial rotary
         if kv_caches is not self._caches:  # the runner's list, the same every step: checked once
-            if not all(c.is_contiguous() and c.dtype == torch.float32 for pair in kv_caches for c in pair):
+            if not self._caches_fit(kv_caches):
                 return None
             self._caches = kv_caches
         k0 = kv_caches[0][0]
         num_blocks, block_size = k0.shape[:2]
         needed = -(-seq_len // block_size)
+        # What the C code reads as raw memory: the types and shapes it assumes, checked once a step.
+        if x.dtype != torch.float32 or slots.dtype != torch.int64 or block_tables.dtype != torch.int32:
+            return None
+        if block_tables.stride(1) != 1 or block_tables.shape[0] < rows or block_tables.shape[1] < needed:
+            return None
+        if cos.dtype != torch.float32 or sin.dtype != torch.float32 or slots.shape != (rows,):
+            return None
+        if not (x.is_contiguous() and cos.is_contiguous() and sin.is_contiguous() and slots.is_contiguous()):
+            return None
         # The C code writes and reads where these say: check them once a step, not trust them.
         low, high = slots.aminmax()
         first, last = block_tables[:rows, :needed].aminmax()
@@ -113,6 +131,10 @@ class NativeDecode:
             buf = self._buffers[rows] = _Buffers(rows, self.layers[0], self.hidden, (self.num_heads, self.head_dim))
         lib, eps, hidden, inter = self.lib, self.eps, self.hidden, self.inter
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        floats = attention_scratch(hq // hkv, seq_len, d)
+        if self._scratch.numel() < floats:
+            self._scratch = torch.empty(2 * floats, dtype=torch.float32)
+        scratch = self._scratch.data_ptr()
         res, q = buf.residual.data_ptr(), buf.q.data_ptr()
         qkv_in, o_in, gate_up_in, down_in = (t.data_ptr() for t in (buf.qkv_in, buf.o_in, buf.gate_up_in, buf.down_in))
         planes = (buf.qkv_in.shape[1] // hidden, buf.o_in.shape[1] // (hq * d), buf.gate_up_in.shape[1] // hidden,
@@ -120,14 +142,17 @@ class NativeDecode:
         cos_p, sin_p, slots_p = cos.data_ptr(), sin.data_ptr(), slots.data_ptr()
         tables, table_stride = block_tables.data_ptr(), block_tables.stride(0)
         h, h_kind, add = x, F32, 0
-        for layer, (attn_norm, qkv_bias, mlp_norm), (k_cache, v_cache) in zip(self.layers, self._ptrs, kv_caches):
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            # Pointers read each step, not kept: a weight's storage may be replaced after the path was built.
+            attn_norm, mlp_norm = layer.attn_norm.data_ptr(), layer.mlp_norm.data_ptr()
+            qkv_bias = None if layer.qkv_bias is None else layer.qkv_bias.data_ptr()
             lib.asl_add_rms_norm(h.data_ptr(), h_kind, add, res, attn_norm, eps, rows, hidden, qkv_in, planes[0])
             w = layer.qkv
             qkv = _mm(buf.qkv_in, w.packed, w.group_size, w.scale_zeros)  # [T, (Hq + 2 Hkv) D] bfloat16
             k_p, v_p = k_cache.data_ptr(), v_cache.data_ptr()
             lib.asl_rope_kv_write(qkv.data_ptr(), BF16, qkv_bias, rows, hq, hkv, d, cos_p, sin_p, slots_p, q, k_p, v_p)
             lib.asl_decode_attention(q, k_p, v_p, tables, table_stride, seq_len, block_size, rows, hq, hkv, d,
-                                     layer.scale, o_in, planes[1])  # fmt: skip
+                                     layer.scale, o_in, planes[1], scratch)  # fmt: skip
             w = layer.o
             o = _mm(buf.o_in, w.packed, w.group_size, w.scale_zeros)  # [T, hidden]
             lib.asl_add_rms_norm(o.data_ptr(), BF16, 1, res, mlp_norm, eps, rows, hidden, gate_up_in, planes[2])
@@ -137,7 +162,7 @@ class NativeDecode:
             w = layer.down
             h = _mm(buf.down_in, w.packed, w.group_size, w.scale_zeros)  # [T, hidden] bfloat16
             h_kind, add = BF16, 1
-        out = torch.empty(rows, hidden)
+        out = torch.empty(rows, hidden, dtype=torch.float32)
         lib.asl_add_rms_norm(h.data_ptr(), h_kind, add, res, self.final_norm.data_ptr(), eps, rows, hidden,
                              out.data_ptr(), 0)  # fmt: skip
         return out
