@@ -35,6 +35,8 @@ _SIGNATURES = {
     "asl_rope_kv_write": [_P, _I, _P, _L, _L, _L, _L, _P, _P, _P, _P, _P, _P],
     "asl_decode_attention": [_P, _P, _P, _P, _L, _L, _L, _L, _L, _L, _L, _F, _P, _I, _P],
     "asl_silu_mul": [_P, _I, _L, _L, _P, _I],
+    "asl_quantize_rows_q8": [_P, _L, _L, _P, _P],
+    "asl_q8_head": [_P, _P, _P, _P, _L, _L, _L, _P, _L, _L],
 }
 F32, BF16 = 1, 2  # a row's kind, as the C code reads it
 
@@ -158,6 +160,28 @@ class CpuDecodeOps:
             raise ValueError(f"gate_up {tuple(gate_up.shape)} against out {tuple(out.shape)}")
         inter = width // 2
         self.lib.asl_silu_mul(gate_up.data_ptr(), kind(gate_up), t, inter, out.data_ptr(), planes_of(out, inter))
+
+    def q8_head(self, codes: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x [T, K] float32 against 8-bit codes [V, K] (in [-127, 127]) with float32 scales [V, K / 32]: the
+        logits [T, V], x quantized to 8 bits per 32 values (`q8_head_ref`). One thread, every output."""
+        _contiguous(codes=codes, scales=scales, x=x)
+        v, k = codes.shape
+        if codes.dtype != torch.int8 or k % 32 or scales.shape != (v, k // 32) or scales.dtype != torch.float32:
+            raise ValueError("codes must be int8 [V, K] (K a multiple of 32) with float32 scales [V, K / 32]")
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k:
+            raise ValueError(f"x must be float32 [T, {k}], got {x.dtype} {tuple(x.shape)}")
+        xq, sx = self.quantize_rows(x)
+        out = torch.empty(x.shape[0], v, dtype=torch.float32)
+        self.lib.asl_q8_head(codes.data_ptr(), scales.data_ptr(), xq.data_ptr(), sx.data_ptr(), x.shape[0], k, v,
+                             out.data_ptr(), 0, v)  # fmt: skip
+        return out
+
+    def quantize_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, K] float32 (contiguous, K a multiple of 32) as int8 codes [T, K] and scales [T, K / 32]."""
+        t, k = x.shape
+        xq, sx = torch.empty(t, k, dtype=torch.int8), torch.empty(t, k // 32, dtype=torch.float32)
+        self.lib.asl_quantize_rows_q8(x.data_ptr(), t, k, xq.data_ptr(), sx.data_ptr())
+        return xq, sx
 
 
 def load(cache_dir: Path) -> CpuDecodeOps | None:

@@ -153,3 +153,66 @@ void asl_silu_mul(const void *gate_up, int kind, long T, long I, void *out, int 
             store_row(out, planes, t, I, i, g / (1.0f + expf(-g)) * u);
         }
 }
+
+/* The LM head from 8-bit codes, as llama.cpp reads a Q8_0 head: each row of x [T, K] quantized per 32 values
+ * (scale amax / 127, codes rounded to nearest) into xq [T, K] and sx [T, K / 32], then for outputs v0 .. v1 - 1
+ * out[t, v] = sum over groups g of (w_scale[v, g] * sx[t, g]) * sum_i codes[v, 32 g + i] * xq[t, 32 g + i], the
+ * inner sums exact in 32-bit integers. codes [V, K] int8 in [-127, 127] with w_scale [V, K / 32] float32: each
+ * weight row is read once for all T rows. Threads split the outputs among themselves (each call its range). */
+void asl_quantize_rows_q8(const float *x, long T, long K, int8_t *xq, float *sx) {
+    for (long t = 0; t < T; t++)
+        for (long g = 0; g < K / 32; g++) {
+            const float *v = x + t * K + g * 32;
+            float amax = 0.0f;
+            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(v[i]));
+            float scale = amax / 127.0f, inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+            sx[t * (K / 32) + g] = scale;
+            for (int i = 0; i < 32; i++) xq[t * K + g * 32 + i] = (int8_t)lrintf(v[i] * inv);
+        }
+}
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+/* sum_i a[i] * b[i] over 32 int8 pairs: |a| (unsigned) against b with a's sign, as 8 partial int32 sums. */
+static inline __m256i dot32(const int8_t *a, const int8_t *b) {
+    __m256i va = _mm256_loadu_si256((const __m256i *)a), vb = _mm256_loadu_si256((const __m256i *)b);
+    __m256i ua = _mm256_sign_epi8(va, va), sb = _mm256_sign_epi8(vb, va);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), ua, sb);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(ua, sb), _mm256_set1_epi16(1));  /* pairs <= 2 * 127 * 127 */
+#endif
+}
+#endif
+
+void asl_q8_head(const int8_t *codes, const float *w_scale, const int8_t *xq, const float *sx, long T, long K,
+                 long V, float *out, long v0, long v1) {
+    long groups = K / 32;
+    for (long v = v0; v < v1; v++) {
+        const int8_t *row = codes + v * K;
+        const float *ws = w_scale + v * groups;
+        for (long t = 0; t < T; t++) {
+            const int8_t *xr = xq + t * K;
+            const float *xs = sx + t * groups;
+#if defined(__AVX2__)
+            __m256 acc = _mm256_setzero_ps();
+            for (long g = 0; g < groups; g++) {
+                __m256 dot = _mm256_cvtepi32_ps(dot32(row + g * 32, xr + g * 32));
+                acc = _mm256_fmadd_ps(dot, _mm256_set1_ps(ws[g] * xs[g]), acc);
+            }
+            __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+            half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+            half = _mm_add_ss(half, _mm_movehdup_ps(half));
+            out[t * V + v] = _mm_cvtss_f32(half);
+#else
+            float acc = 0.0f;
+            for (long g = 0; g < groups; g++) {
+                int32_t dot = 0;
+                for (int i = 0; i < 32; i++) dot += (int32_t)row[g * 32 + i] * (int32_t)xr[g * 32 + i];
+                acc += (float)dot * (ws[g] * xs[g]);
+            }
+            out[t * V + v] = acc;
+#endif
+        }
+    }
+}

@@ -65,3 +65,21 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [T, 2 I] -> silu(gate) * up [T, I] in float32."""
     gate, up = gate_up.float().chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def quantize_rows_q8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] float32 per 32 values: scale amax / 127 and codes round(x / scale) (ties to even), 0 where all 0."""
+    t, k = x.shape
+    groups = x.view(t, k // 32, 32)
+    scale = groups.abs().amax(dim=-1) / 127.0
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    return torch.round(groups * inv[..., None]).to(torch.int8).view(t, k), scale
+
+
+def q8_head_ref(codes: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """[T, V] logits of x [T, K] against codes [V, K] int8 with scales [V, K / 32]: x quantized as above, each
+    group's integer dot product exact, scaled by both scales (float64 here; the C code sums in float32)."""
+    xq, sx = quantize_rows_q8_ref(x)
+    v, k = codes.shape
+    dots = torch.einsum("vgi,tgi->tvg", codes.view(v, k // 32, 32).double(), xq.view(-1, k // 32, 32).double())
+    return (dots * scales.double()[None] * sx.double()[:, None, :]).sum(-1).float()

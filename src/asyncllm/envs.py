@@ -238,8 +238,9 @@ CPU_NATIVE: EnvVar[CpuNative] = EnvVar(
     one_of(CpuNative),
     "on CPU, where that decode path's projections are all packed int4, each layer's small ops (add and RMSNorm, "
     "rotary and the cache write, attention, SiLU-and-multiply) run as four calls into C compiled on this machine "
-    "the first time (cc, gcc, clang or $CC; kept under the cache directory): auto (where a compiler builds it; "
-    "else torch's ops, with a warning), off (torch's eager ops; the twin)",
+    "the first time (cc, gcc, clang or $CC; kept under the cache directory), and on one thread a tied Q8_0 head "
+    "reads the embedding's 8-bit codes there: auto (where a compiler builds it; else torch's ops, with a "
+    "warning), off (torch's eager ops and the packed int4 head; the twin)",
 )
 # Read once per engine by the tensor-parallel executor, which sends every rank its choice.
 TP_CUSTOM_ALL_REDUCE: EnvVar[bool] = EnvVar(

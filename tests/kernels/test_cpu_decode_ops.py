@@ -19,6 +19,8 @@ from asyncllm.kernels.cpu_decode_ops_ref import (
     add_rms_norm_ref,
     as_planes,
     decode_attention_ref,
+    q8_head_ref,
+    quantize_rows_q8_ref,
     rope_kv_write_ref,
     silu_mul_ref,
 )
@@ -104,6 +106,21 @@ def test_silu_mul(ops: native.CpuDecodeOps, rows: int, inter: int, dtype: torch.
     out = _out(rows, inter, planes)
     ops.silu_mul(gate_up, out)
     _close(out, silu_mul_ref(gate_up), planes)
+
+
+@pytest.mark.parametrize("rows,vocab,k", [(1, 640, 576), (3, 100, 64), (2, 7, 32)])
+def test_q8_head(ops: native.CpuDecodeOps, rows: int, vocab: int, k: int) -> None:
+    codes = torch.randint(-127, 128, (vocab, k), dtype=torch.int8)
+    scales, x = torch.rand(vocab, k // 32) * 0.02, torch.randn(rows, k) * 3
+    x[0, :32] = 0.0  # a group of zeros: scale 0, codes 0
+    xq, sx = ops.quantize_rows(x)
+    want_q, want_s = quantize_rows_q8_ref(x)
+    assert torch.equal(xq, want_q) and torch.equal(sx, want_s)  # the same roundings, bit for bit
+    torch.testing.assert_close(ops.q8_head(codes, scales, x), q8_head_ref(codes, scales, x), rtol=1e-5, atol=1e-4)
+    exact = x @ (codes.float() * scales.repeat_interleave(32, dim=1)).T  # x unquantized: within its 8-bit rounding
+    assert (ops.q8_head(codes, scales, x) - exact).abs().max() <= 0.02 * exact.abs().max() + 1e-3
+    with pytest.raises(ValueError, match="codes must be int8"):
+        ops.q8_head(codes.int(), scales, x)
 
 
 def test_nan_propagates(ops: native.CpuDecodeOps) -> None:

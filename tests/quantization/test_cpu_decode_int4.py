@@ -17,7 +17,16 @@ from asyncllm.quantization import cpu_int4
 from tests.fixtures.tiny_gguf import build_hf_model, write_gguf
 
 pytestmark = pytest.mark.skipif(not cpu_int4.supported(), reason="no native bfloat16 on this CPU")
-ENGINE = dict(device="cpu", dtype="float32", block_size=4, num_kv_blocks=96, max_num_batched_tokens=64)
+# One CPU thread, as on a 2-core machine by default: the Q8_0 head's C path is taken on one thread only.
+ENGINE = dict(device="cpu", dtype="float32", block_size=4, num_kv_blocks=96, max_num_batched_tokens=64, num_threads=1)
+
+
+@pytest.fixture(scope="module")
+def q8_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every weight Q8_0, the embedding tied to the head: the head reads the embedding's codes (Q8Head)."""
+    root = tmp_path_factory.mktemp("cpu_decode_q8")
+    model = build_hf_model("llama", vocab_size=128, intermediate_size=128, tie_word_embeddings=True)
+    return write_gguf(root / "llama-Q8_0.gguf", "llama", model, quant=Q.Q8_0)
 
 
 @pytest.fixture(scope="module")
@@ -93,5 +102,19 @@ def test_small_ops_in_c_on_steps_of_two_rows(gguf_file: Path, monkeypatch: pytes
         pytest.skip("no C compiler builds kernels/cpu_decode_ops.c here")
     fast = _decode_logprobs(gguf_file, monkeypatch, "auto", "auto", prompts=2)
     ref = _decode_logprobs(gguf_file, monkeypatch, "auto", "off", prompts=2)
+    assert fast[2] >= 11 and ref[2] >= 11
+    _within_bf16_bound(fast, ref)
+
+
+def test_q8_head_within_bf16_bound(
+    q8_file: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A tied Q8_0 head read from the embedding's codes in C (one CPU thread), against the packed int4 head."""
+    if not _builds_in_c():
+        pytest.skip("no C compiler builds kernels/cpu_decode_ops.c here")
+    with caplog.at_level(logging.INFO, logger="asyncllm"):
+        fast = _decode_logprobs(q8_file, monkeypatch, "auto", "auto")
+    assert "the LM head reads the embedding's 8-bit codes" in caplog.text
+    ref = _decode_logprobs(q8_file, monkeypatch, "auto", "off")
     assert fast[2] >= 11 and ref[2] >= 11
     _within_bf16_bound(fast, ref)

@@ -9,6 +9,7 @@ nothing of KV caches, batching or the engine.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -121,10 +122,17 @@ def _on_cpu_kernel(model: CausalLM, quant: QuantScheme | None, device: torch.dev
         from asyncllm.quantization.cpu_pack import use_cpu_int4
 
         use_cpu_int4(model, quant, dtype)
+    native = functools.cache(partial(_native_ops, quant))  # built (once per machine) only if something uses it
+    if quant is not None and quant.cpu_int4 and device.type == "cpu" and envs.CPU_NATIVE.get() is envs.CpuNative.AUTO:
+        from asyncllm.quantization.cpu_q8_head import use_q8_head
+
+        ops = native()
+        if ops is not None and use_q8_head(model, ops):
+            logger.info("the LM head reads the embedding's 8-bit codes in C (ASYNCLLM_CPU_NATIVE=off: packed int4)")
     if device.type == "cpu" and envs.CPU_DECODE.get() is envs.CpuDecode.AUTO:
         from asyncllm.models import cpu_decode
 
-        decode = cpu_decode.build(model, partial(_native_ops, quant))
+        decode = cpu_decode.build(model, native)
         if decode is not None:
             model.cpu_decode = decode  # type: ignore[assignment]
             logger.info(
