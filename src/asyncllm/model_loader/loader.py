@@ -122,12 +122,11 @@ def _on_cpu_kernel(model: CausalLM, quant: QuantScheme | None, device: torch.dev
         from asyncllm.quantization.cpu_pack import use_cpu_int4
 
         use_cpu_int4(model, quant, dtype)
-    native = functools.cache(partial(_native_ops, quant))  # built (once per machine) only if something uses it
-    if quant is not None and quant.cpu_int4 and device.type == "cpu" and envs.CPU_NATIVE.get() is envs.CpuNative.AUTO:
+    native = functools.cache(partial(_native_ops, quant))  # built (once per machine) only for a model it fits
+    if device.type == "cpu":
         from asyncllm.quantization.cpu_q8_head import use_q8_head
 
-        ops = native()
-        if ops is not None and use_q8_head(model, ops):
+        if use_q8_head(model, native):
             logger.info("the LM head reads the embedding's 8-bit codes in C (ASYNCLLM_CPU_NATIVE=off: packed int4)")
     if device.type == "cpu" and envs.CPU_DECODE.get() is envs.CpuDecode.AUTO:
         from asyncllm.models import cpu_decode

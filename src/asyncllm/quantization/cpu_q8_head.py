@@ -10,6 +10,8 @@ torch's int4 kernel splits the head among its threads and stays faster (measured
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -29,15 +31,18 @@ class Q8Head(nn.Module):
         return self.ops.q8_head(self.codes, self.scales, hidden.float().contiguous())
 
 
-def use_q8_head(model: nn.Module, ops: CpuDecodeOps) -> bool:
+def use_q8_head(model: nn.Module, ops_for: Callable[[], CpuDecodeOps | None]) -> bool:
     """Swap a packed `Int4Head` tied to an `Int8Embedding` for `Q8Head` (its planes freed) on a one-thread
-    engine; whether it did."""
+    engine, where `ops_for` (called only then) gives the compiled ops; whether it did."""
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     if torch.get_num_threads() != 1:
         return False
     if not isinstance(getattr(model, "lm_head", None), Int4Head) or not isinstance(embed, Int8Embedding):
         return False
     if embed.codes.shape[1] % 32 or not embed.codes.is_contiguous() or not embed.scales.is_contiguous():
+        return False
+    ops = ops_for()
+    if ops is None:
         return False
     model.lm_head = Q8Head(embed, ops)
     return True
