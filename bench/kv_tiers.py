@@ -58,6 +58,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--disk-dir", default=None, help="the disk tier's directory (default: a new temporary one)")
     ap.add_argument("--max-model-len", type=int, default=16384)
     ap.add_argument("--kinds", default=None, help="the runs, of " + ",".join(KINDS) + " (default: what --parts needs)")
+    ap.add_argument("--trace", action="store_true", help="disk_warm: where the restore's time goes (kv_trace.py)")
     ap.add_argument("--child", choices=KINDS, default=None, help=argparse.SUPPRESS)
     add_engine_arg_option(ap)
     return ap
@@ -191,13 +192,20 @@ def disk(args: argparse.Namespace, kind: str) -> dict[str, Any]:
     history = [rng.randrange(VOCAB) for _ in range(args.disk_history)]
     turn = history + [rng.randrange(VOCAB) for _ in range(64)]
     files_before = set(Path(args.disk_dir).rglob("*.kvb"))
+    tracing = args.trace and kind == "disk_warm"
+    if tracing:
+        import kv_trace
+
+        kv_trace.install()
     llm = engine(args, kv_offloading_size=4.0 if not args.tiny else 0.01, kv_cache_dir=args.disk_dir)
     greedy = SamplingParams(temperature=0, max_tokens=1)
     try:
         prompt = history if kind == "disk_cold" else turn
         steps0 = llm.stats()["num_steps"]
+        t0 = time.perf_counter()
         with triton_compiles() as compiles:
             out = llm.generate([prompt], greedy, use_tqdm=False)[0]
+        trace = kv_trace.timeline(t0) if tracing else None
         assert out.metrics is not None
         stats = llm.stats()
         result: dict[str, Any] = {
@@ -206,6 +214,8 @@ def disk(args: argparse.Namespace, kind: str) -> dict[str, Any]:
             "steps": stats["num_steps"] - steps0,
             "triton_compiles": dict(compiles),
         }
+        if trace is not None:
+            result["trace"] = trace
         if kind == "disk_warm":
             again = llm.generate([history + turn[-64:][::-1]], greedy, use_tqdm=False)[0]
             assert again.metrics is not None
@@ -305,6 +315,9 @@ def main() -> None:
     if args.kinds is not None:  # e.g. "on" alone, to compare a setting's run against an earlier "off"
         kinds = [k for k in kinds if k in args.kinds.split(",")]
     runs = {kind: measure(args, kind) if args.tiny else child(args, kind) for kind in kinds}
+    for kind, run in runs.items():
+        for row in run.pop("trace", []):
+            print(f"trace {kind} {row}")
     print(json.dumps(summary(args, runs)))
 
 

@@ -1,0 +1,133 @@
+"""Where a disk-tier restore's time goes (issue 44), for bench/kv_tiers.py's `--trace`: wraps the worker's KV tier
+methods in this process (the engine's step thread runs here) and records, on one clock, each step's tier work,
+each disk read, each restore's copies on the device and each forward pass. A profiling aid that reaches into the
+worker's classes on purpose: it is not an interface, and tests do not use it.
+
+`install()` once before the engine starts; `timeline(t0)` after the request: the events since `t0` (seconds, from
+`time.perf_counter`) as compact rows, then `clear()`.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from typing import Any
+
+_events: list[tuple[float, str, str]] = []  # (time, what, detail)
+_pending_gpu: list[tuple[Any, Any, str]] = []  # (base event, end event, label): resolved in timeline()
+_lock = threading.Lock()
+_base: list[Any] = []  # [cuda event, perf_counter at it]
+
+
+def _note(what: str, detail: str = "", at: float | None = None) -> None:
+    with _lock:
+        _events.append((time.perf_counter() if at is None else at, what, detail))
+
+
+def install() -> None:
+    import torch
+
+    from asyncllm.worker import kv_disk, kv_host, kv_tiers, model_runner
+
+    before = kv_tiers.WorkerKVTiers.before_forward
+
+    @functools.wraps(before)
+    def before_forward(self: Any, kv: Any, idle: bool = False) -> Any:
+        t = time.perf_counter()
+        loaded = before(self, kv, idle)
+        n = sum(len(s) for s in loaded) if loaded else 0
+        _note(
+            "tiers",
+            f"loads={len(kv.loads)} restores={len(kv.restores)} idle={idle} reported={n} "
+            f"took={1e3 * (time.perf_counter() - t):.2f}ms",
+            t,
+        )
+        return loaded
+
+    kv_tiers.WorkerKVTiers.before_forward = before_forward  # type: ignore[method-assign]
+
+    load_one = kv_disk.DiskKVStore._load_one
+
+    @functools.wraps(load_one)
+    def _load_one(self: Any, block_hash: int, slot: int, digest: bytes) -> bool:
+        t = time.perf_counter()
+        ok = load_one(self, block_hash, slot, digest)
+        _note("read", f"{1e3 * (time.perf_counter() - t):.2f}ms ok={ok}", t)
+        return ok
+
+    kv_disk.DiskKVStore._load_one = _load_one  # type: ignore[method-assign]
+
+    to_device = kv_host.HostKVPool.to_device
+
+    @functools.wraps(to_device)
+    def to_device_traced(self: Any, pairs: Any, after_copies: bool = False) -> None:
+        t = time.perf_counter()
+        start = None
+        if self.restore_stream is not None and pairs:
+            if not _base:
+                base = torch.cuda.Event(enable_timing=True)
+                base.record()
+                base.synchronize()
+                _base.extend([base, time.perf_counter()])
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(self.restore_stream)
+        to_device(self, pairs, after_copies)
+        if not pairs:
+            return
+        _note("restore", f"{len(pairs)} blocks issued in {1e3 * (time.perf_counter() - t):.2f}ms", t)
+        if start is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(self.restore_stream)
+            with _lock:
+                _pending_gpu.append((start, end, f"restore of {len(pairs)} blocks on the device"))
+
+    kv_host.HostKVPool.to_device = to_device_traced  # type: ignore[method-assign]
+
+    submit = model_runner.ModelRunner.submit
+
+    @functools.wraps(submit)
+    def submit_traced(self: Any, scheduled: Any) -> Any:
+        t = time.perf_counter()
+        tokens = sum(len(s.input_token_ids) for s in scheduled.seqs) if scheduled.seqs else 0
+        step = submit(self, scheduled)
+        _note(
+            "forward", f"rows={len(scheduled.seqs)} tokens={tokens} launch={1e3 * (time.perf_counter() - t):.2f}ms", t
+        )
+        return step
+
+    model_runner.ModelRunner.submit = submit_traced  # type: ignore[method-assign]
+
+
+def timeline(t0: float) -> list[str]:
+    """The events since `t0`, as rows "+ms what detail"; disk reads folded into first/last/count."""
+    import torch
+
+    rows: list[tuple[float, str]] = []
+    with _lock:
+        events = [e for e in _events if e[0] >= t0]
+        gpu = list(_pending_gpu)
+    reads = [e for e in events if e[1] == "read"]
+    if reads:
+        first, last = min(e[0] for e in reads), max(e[0] for e in reads)
+        rows.append((first, f"reads: {len(reads)} started from here to +{1e3 * (last - t0):.1f}ms"))
+        ends = sorted(e[0] + float(e[2].split("ms")[0]) / 1e3 for e in reads)
+        took = sorted(float(e[2].split("ms")[0]) for e in reads)
+        for q in (0.25, 0.5, 0.75):
+            rows.append((ends[int(q * (len(ends) - 1))], f"reads: {q:.0%} finished"))
+        rows.append((ends[-1], f"reads: the last finished (a read's median {took[len(took) // 2]:.2f}ms)"))
+    rows += [(t, f"{what} {detail}") for t, what, detail in events if what != "read"]
+    if gpu and _base:
+        torch.cuda.synchronize()
+        base, base_t = _base
+        for start, end, label in gpu:
+            s = base_t + base.elapsed_time(start) / 1e3
+            if s >= t0:
+                rows.append((s, f"{label}: {start.elapsed_time(end):.2f}ms on the device"))
+    return [f"+{1e3 * (t - t0):8.2f}ms  {text}" for t, text in sorted(rows)]
+
+
+def clear() -> None:
+    with _lock:
+        _events.clear()
+        _pending_gpu.clear()
