@@ -176,10 +176,10 @@ class ModelRunnerOutput:
     # An embed or score engine's step (no token sampled): per sampling sequence, in order, its embedding or
     # its one-value score. None: a generation step.
     pooled: list[list[float]] | None = None
-    # Disk reads finished on every rank since the last step that reported some: per step that started reads,
-    # oldest first, per entry of its `KVTransfers.loads`, whether the block reached its host slot intact.
-    # None: none finished.
-    kv_loaded: tuple[tuple[bool, ...], ...] | None = None
+    # Disk reads finished on every rank since the last step that reported some: the oldest reads not reported
+    # yet, in the order the steps sent them (`KVTransfers.loads`, step after step), each whether its block
+    # reached its host slot intact on every rank. None: none finished.
+    kv_loaded: tuple[bool, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """The disk tier's reads beside the steps, on one rank (CPU, where they run on loader threads as on CUDA):
 `DiskKVStore.load_async` starts reading only once the copies it is told to wait for have landed, and
-`WorkerKVTiers` reports each step's reads whole, oldest first, in whichever later step finds them finished
-(a step of no sequences waits a little for them; a step after one that started reads comes through it even
-without copies of its own)."""
+`WorkerKVTiers` reports the reads in the order the steps sent them, the leading ones finished in whichever
+later step finds them so (a step of no sequences waits a little for them; a step after one that started reads
+comes through it even without copies of its own)."""
 
 from __future__ import annotations
 
@@ -58,12 +58,12 @@ def test_reads_are_reported_by_later_steps_oldest_first(tmp_path: Path) -> None:
     second = KVTransfers(loads=[(102, 6, digest(102)), (777, 7, digest(777))])  # 777: never written
     reported = [tiers.before_forward(first), tiers.before_forward(second)]
     assert tiers.busy or reported[1] is not None
-    for _ in range(2000):  # idle steps (no sequences, no copies) until both are in
-        if sum(len(r) for r in reported if r is not None) == 2:
+    for _ in range(2000):  # idle steps (no sequences, no copies) until all four are in
+        if sum(len(r) for r in reported if r is not None) == 4:
             break
         reported.append(tiers.before_forward(KVTransfers(), idle=True))
-    steps = [step for r in reported if r is not None for step in r]
-    assert steps == [(True, True), (True, False)] and not tiers.busy
+    results = [ok for r in reported if r is not None for ok in r]
+    assert results == [True, True, True, False] and not tiers.busy
     for slot, block in ((4, 0), (5, 1), (6, 2)):
         assert torch.equal(pool.slot(slot), pool.slot(block))
     tiers.close()

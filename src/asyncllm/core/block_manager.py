@@ -8,7 +8,9 @@ appended to the LRU end. A free block keeps its hash so a later request with the
 back; when it is taken for other content it leaves the hash index first, so the index never points at KV
 that is not what the hash says. With KV tiers below the device (`kv_tiers.py`) a block taken for other
 content is copied down first, and a prefix continues from the host tier into fresh blocks the step fills
-beside its forward pass, for its request to compute on from the next step (`restores`).
+beside its forward pass, for its request to compute on from the next step (`restores`). Blocks read from disk
+for a waiting request are restored as they arrive, into free blocks registered as cached (`take_transfers`):
+the request, admitted once its last read is in, finds them on the device.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from asyncllm.step import KVTierInfo, KVTransfers
 
 
 class KVBlock:
-    __slots__ = ("block_digest", "block_hash", "block_id", "pending", "ref_count")
+    __slots__ = ("block_digest", "block_hash", "block_id", "from_disk", "pending", "ref_count")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id  # -1: a prefix hit in the host tier, not on the device yet (`find_cached_prefix`)
@@ -32,6 +34,7 @@ class KVBlock:
         # its file carries; None without one, and for an adapter's block (adapter ids are one engine's: never on disk).
         self.block_digest: bytes | None = None
         self.pending = False  # registered by a step whose KV is not written yet
+        self.from_disk = False  # restored from disk ahead of its request, and not hit since (a disk hit)
 
 
 class BlockManager:
@@ -139,9 +142,14 @@ class BlockManager:
         return self.tiers is None or self.tiers.may_restore(sum(1 for b in cached if b.block_id < 0))
 
     def take_transfers(self) -> KVTransfers | None:
-        """The copies to and from the tiers below the device that the step just planned needs."""
+        """The copies to and from the tiers below the device that the step just planned needs, with the
+        restores of blocks just read from disk (`_restore_arrivals`)."""
+        if self.tiers is None:
+            self._promised = 0
+            return None
+        self._restore_arrivals(self.tiers)
         self._promised = 0
-        return self.tiers.take_step() if self.tiers is not None else None
+        return self.tiers.take_step()
 
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admission's lookup for the hit rate (only admissions that succeed are counted)."""
@@ -177,7 +185,7 @@ class BlockManager:
         if restored:
             assert self.tiers is not None
             self.tiers.pin(restored)  # before this allocation's evictions look for host slots
-        from_disk = 0
+        from_disk = prefetched = 0
         for block in cached:
             if block.block_id < 0:  # in the host tier: a fresh block, filled by the step before its forward pass
                 assert self.tiers is not None and block.block_hash is not None
@@ -187,9 +195,11 @@ class BlockManager:
                 continue
             if block.ref_count == 0:
                 del self._free[block.block_id]
+            prefetched += block.from_disk
+            block.from_disk = False
             block.ref_count += 1
             request.block_ids.append(block.block_id)
-        self._restored = ((len(restored) - from_disk) * block_size, from_disk * block_size)
+        self._restored = ((len(restored) - from_disk) * block_size, (from_disk + prefetched) * block_size)
         for _ in range(max(num_new_blocks, 0)):
             request.block_ids.append(self._take_free_block().block_id)
         if self.enable_prefix_caching:
@@ -215,7 +225,7 @@ class BlockManager:
         """Taken right after planning a step: `commit_pending(mark)` commits what that step registered."""
         return self._num_registrations
 
-    def commit_pending(self, mark: int | None = None, kv_loaded: tuple[tuple[bool, ...], ...] | None = None) -> None:
+    def commit_pending(self, mark: int | None = None, kv_loaded: tuple[bool, ...] | None = None) -> None:
         """The step planned up to `mark` (None: every planned step) has run: the blocks registered while
         planning it now hold the KV their hashes promise, and the disk reads its output reports (`kv_loaded`:
         `ModelRunnerOutput.kv_loaded`) are in."""
@@ -280,8 +290,39 @@ class BlockManager:
             self.tiers.reset()
 
     # ------------------------------------------------------------------ internals
+    def _restore_arrivals(self, tiers: KVTiers) -> None:
+        """Restore the blocks just read from disk (`KVTiers.arrivals`) into free blocks, registered under their
+        hashes as free cached blocks (the last to be taken) and pending until this step has run: their waiting
+        request finds them on the device, and the copies overlap the reads still out. Within the step's restore
+        bound and its free blocks not owed to staged requests; the rest waits for the next step. A request
+        admitted in this step that hits them computes from the next (`restores`)."""
+        arrived = tiers.arrivals()
+        for i, (block_hash, digest) in enumerate(arrived):
+            if block_hash in self._cached:
+                continue  # on the device already (computed meanwhile)
+            head = next(iter(self._free.values()), None)
+            # The next free block was restored ahead too and not taken by its request yet (or is registered by a
+            # step in flight): the device holds no more arrivals without undoing some. Or the step's restores
+            # are at their bound.
+            full = head is None or head.pending or head.from_disk or len(self._free) <= self._promised
+            if full or not tiers.may_restore(1):
+                tiers.defer(arrived[i:])
+                return
+            tiers.pin([block_hash])  # before the block taken below is copied down into a host slot
+            block = self._take_free_block()
+            block.from_disk = tiers.restore(block_hash, block.block_id)
+            block.ref_count = 0
+            block.block_hash, block.block_digest, block.pending = block_hash, digest, True
+            self._free[block.block_id] = block  # the last free block taken
+            self._cached[block_hash] = block
+            self._pending.append((self._num_registrations, block))
+            self._num_registrations += 1
+
     def _take_free_block(self) -> KVBlock:
         _, block = self._free.popitem(last=False)
+        if block.from_disk and self.tiers is not None and block.block_hash is not None:
+            self.tiers.unused_arrival(block.block_hash)  # its request restores it from the host tier: a disk hit
+        block.from_disk = False
         if block.block_hash is not None:
             if self.tiers is not None and not block.pending:
                 self.tiers.evicting(block)  # copied down first (or already there)

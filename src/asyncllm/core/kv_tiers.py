@@ -12,9 +12,11 @@ step on, whose work the worker orders after those copies; a request admitted in 
 it hits waits for the next step too (`restoring`). With a disk tier every block copied to the host is also
 written to disk in the background (`writes`; never a LoRA adapter's: adapter ids are one engine's). A prefix
 that continues on disk is read into host slots on the workers' threads beside the steps (`loads`) while its
-request waits, once, and later requests go first; a later step's output says which blocks arrived intact on
-every rank (`loaded`), and the request is then restored like any host hit. While reads are out every step
-carries copies (maybe none), so the engine keeps polling for them.
+request waits, once, and later requests go first; later steps' outputs say which reads finished, in the order
+they were sent, and which blocks arrived intact on every rank (`loaded`). Those are restored into free device
+blocks as they arrive (`arrivals`: the block manager registers them as cached there), so the copies to the
+device overlap the reads still out and the request, admitted once its last read is in, finds its prefix on the
+device. While reads are out every step carries copies (maybe none), so the engine keeps polling for them.
 
 What a hash names never changes within an engine: it covers the whole prefix and the adapter, and the model
 and KV layout are the engine's (the disk tier's files also carry a fingerprint of them, checked on reading).
@@ -51,7 +53,8 @@ class KVTiers:
         self._from_disk: set[int] = set()  # host entries read from disk and not restored since (hit counts)
         self._disk: OrderedDict[int, None] = OrderedDict.fromkeys(info.on_disk)  # believed on disk, oldest first
         self._to_load: OrderedDict[int, tuple[int, bytes]] = OrderedDict()  # hash -> (reserved slot, digest)
-        self._loading: deque[list[tuple[int, int, bytes]]] = deque()  # per step sent with loads, oldest first
+        self._loading: deque[tuple[int, int, bytes]] = deque()  # reads sent and not reported, in the order sent
+        self._arrived: list[tuple[int, bytes]] = []  # (hash, digest) read from disk since `arrivals` took them
         self._in_load: set[int] = set()  # hashes queued or being loaded
         self._waited: set[str] = set()  # requests that waited for loads (each waits once per admission)
         self._freed: OrderedDict[int, tuple[KVBlock, int]] = OrderedDict()  # block id -> (block, its hash)
@@ -157,25 +160,46 @@ class KVTiers:
             self._freed.pop(block.block_id, None)
             self._freed[block.block_id] = (block, block.block_hash)
 
-    def loaded(self, steps: tuple[tuple[bool, ...], ...]) -> None:
-        """The oldest steps that sent loads have their reads finished (`ModelRunnerOutput.kv_loaded`, one entry
-        per step): the blocks that arrived on every rank join the host tier."""
-        for results in steps:
-            for (block_hash, slot, _), ok in zip(self._loading.popleft(), results, strict=True):
-                self._in_load.discard(block_hash)
-                if ok and block_hash not in self._host:
-                    self._host[block_hash] = slot
-                    self._from_disk.add(block_hash)
-                    continue
-                self._free_slots.append(slot)
-                if not ok:  # missing, corrupted or another prefix's on some rank (the worker warned): recomputed
-                    self._disk.pop(block_hash, None)
+    def loaded(self, results: tuple[bool, ...]) -> None:
+        """The oldest reads sent have finished (`ModelRunnerOutput.kv_loaded`, one entry per read, in the order
+        sent): the blocks that arrived on every rank join the host tier."""
+        if len(results) > len(self._loading):
+            raise RuntimeError(f"{len(results)} disk reads reported finished, but {len(self._loading)} are out")
+        for ok in results:
+            block_hash, slot, digest = self._loading.popleft()
+            self._in_load.discard(block_hash)
+            if ok and block_hash not in self._host:
+                self._host[block_hash] = slot
+                self._from_disk.add(block_hash)
+                self._arrived.append((block_hash, digest))
+                continue
+            self._free_slots.append(slot)
+            if not ok:  # missing, corrupted or another prefix's on some rank (the worker warned): recomputed
+                self._disk.pop(block_hash, None)
+
+    def arrivals(self) -> list[tuple[int, bytes]]:
+        """The blocks read from disk since the last call, (hash, prefix digest), that the host tier still holds
+        and no restore took yet, in the order they arrived (the block manager restores them ahead of their
+        request)."""
+        arrived, self._arrived = self._arrived, []
+        return [entry for entry in arrived if entry[0] in self._from_disk]
+
+    def unused_arrival(self, block_hash: int) -> None:
+        """A block restored ahead from `arrivals` leaves the device before its request took it: a later restore
+        of its host entry still counts as a disk hit."""
+        if block_hash in self._host:
+            self._from_disk.add(block_hash)
+
+    def defer(self, arrived: list[tuple[int, bytes]]) -> None:
+        """`arrivals` not restored by this step (its restore bound, or no free block): offered again next step."""
+        self._arrived[:0] = arrived
 
     def reset(self) -> None:
         """Forget every host entry, and what is on disk (the files stay for a later engine)."""
         self._free_slots += [slot for slot in self._host.values() if slot not in self._pinned]
         self._host = OrderedDict((h, s) for h, s in self._host.items() if s in self._pinned)
         self._from_disk.clear()
+        self._arrived.clear()
         self._disk.clear()
         self._freed.clear()
 
@@ -190,7 +214,7 @@ class KVTiers:
             taken = [self._to_load.popitem(last=False) for _ in range(min(len(self._to_load), self._loads_per_step))]
             batch = [(block_hash, slot, digest) for block_hash, (slot, digest) in taken]
             step.loads.extend(batch)
-            self._loading.append(batch)
+            self._loading.extend(batch)
         self._pinned.clear()
         self._restoring.clear()
         if not (step.before_forward or step.restores or step.ahead or self._wait or self._loading):

@@ -9,15 +9,17 @@ disk reads start on loader threads (once the copies in flight into or out of the
 go on their own stream, after the compute stream (and after the offloads, where the step has any). The forward
 pass waits for the offloads (and, with `wait`, every copy to the host before), never for the step's restores or
 reads. After it is launched, the `ahead` copies (beside it), then the disk writes of the slots filled, in the
-background once their copies landed. Every step reports the disk reads finished since (oldest first, each
-step's as a whole); a read counts only if it succeeded on every rank (one all-reduce, in steps while reads are
-out). A step of no sequences waits a little for the oldest reads, so an engine waiting for them does not spin.
+background once their copies landed. Every step reports the disk reads finished since, the leading ones in
+the order they were sent (a read counts as finished once it is on every rank, and as arrived only if it
+succeeded on every rank: one all-reduce, in steps while reads are out). A step of no sequences waits a little
+for the next few reads, so an engine waiting for them does not spin, and restores them while the rest are read.
 Copies never enter a CUDA graph: they run outside the replayed forward pass.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections import deque
 from concurrent.futures import Future, wait
 
@@ -28,7 +30,8 @@ from asyncllm.step import KVTransfers, ModelRunnerOutput, StepResult
 from asyncllm.worker.kv_disk import DiskKVStore
 from asyncllm.worker.kv_host import HostKVPool
 
-_IDLE_WAIT_S = 0.005  # a step of no sequences waits this long at most for the oldest disk reads
+_IDLE_WAIT_S = 0.005  # a step of no sequences waits this long at most for the next disk reads
+_IDLE_WAIT_READS = 32  # ... for this many of them: their restores then overlap the reads after them
 
 
 class WorkerKVTiers:
@@ -36,16 +39,17 @@ class WorkerKVTiers:
         self.pool = pool
         self.disk = disk
         self._parallel = parallel if parallel is not None and parallel.world_size > 1 else None
-        self._reading: deque[list[Future[bool]]] = deque()  # per step that started reads, oldest first
+        self._reading: deque[Future[bool]] = deque()  # disk reads not reported yet, in the order sent
 
     @property
     def busy(self) -> bool:
         """Restores to join or disk reads to report: the next step must come through here, copies or not."""
         return self.pool.restoring or bool(self._reading)
 
-    def before_forward(self, kv: KVTransfers, idle: bool = False) -> tuple[tuple[bool, ...], ...] | None:
-        """The copies that precede the step's forward pass; the disk reads finished since the last step, per
-        step that started them (None: none). `idle`: the step runs no model."""
+    def before_forward(self, kv: KVTransfers, idle: bool = False) -> tuple[bool, ...] | None:
+        """The copies that precede the step's forward pass; the disk reads finished since the last step, the
+        leading ones in the order sent, each whether it arrived intact (None: none). `idle`: the step runs no
+        model."""
         pool = self.pool
         pool.join_restores()
         pool.begin()
@@ -56,9 +60,9 @@ class WorkerKVTiers:
         if kv.loads:
             ready = pool.record()  # the copies into or out of the slots the reads fill landed
             if self.disk is not None:
-                self._reading.append(self.disk.load_async(kv.loads, ready))
+                self._reading.extend(self.disk.load_async(kv.loads, ready))
             else:
-                self._reading.append([_done(False) for _ in kv.loads])
+                self._reading.extend(_done(False) for _ in kv.loads)
         pool.to_device(kv.restores, after_copies=kv.before_forward)
         if kv.before_forward:
             pool.join()
@@ -72,40 +76,37 @@ class WorkerKVTiers:
 
     def close(self) -> None:
         """Finish the disk reads and writes, then release the host pool."""
-        for futures in self._reading:
-            wait(futures)
+        wait(self._reading)
         self._reading.clear()
         if self.disk is not None:
             self.disk.close()
         self.pool.close()
 
-    def _finished_reads(self, idle: bool) -> tuple[tuple[bool, ...], ...] | None:
-        """The leading steps' reads finished on every rank, popped: per read, whether it arrived intact."""
+    def _finished_reads(self, idle: bool) -> tuple[bool, ...] | None:
+        """The leading reads finished on every rank, popped: per read, whether it arrived intact everywhere."""
         if not self._reading:
             return None
         if idle:
-            wait(self._reading[0], timeout=_IDLE_WAIT_S)
-        done = [all(f.done() for f in futures) for futures in self._reading]
+            wait(list(itertools.islice(self._reading, _IDLE_WAIT_READS)), timeout=_IDLE_WAIT_S)
         if self._parallel is None:
-            count = done.index(False) if False in done else len(done)
-            return self._pop([[f.result() for f in futures] for futures in list(self._reading)[:count]])
-        # One all-reduce: per step whether its reads finished, then per read whether it arrived (0: not yet).
-        votes = done + [d and f.result() for d, futures in zip(done, self._reading) for f in futures]
-        world = self._parallel.world_size
-        summed = self._parallel.all_reduce(torch.tensor(votes, dtype=torch.float32, device=self.pool.device))
-        flags = [v == world for v in summed.tolist()]
-        everywhere = flags[: len(done)]
-        count = everywhere.index(False) if False in everywhere else len(done)
-        results, at = [], len(done)
-        for futures in list(self._reading)[:count]:
-            results.append(flags[at : at + len(futures)])
-            at += len(futures)
-        return self._pop(results)
-
-    def _pop(self, results: list[list[bool]]) -> tuple[tuple[bool, ...], ...] | None:
+            results = []
+            for future in self._reading:
+                if not future.done():
+                    break
+                results.append(future.result())
+        else:
+            # One all-reduce of two votes a read: finished here, and arrived here (0 while not finished).
+            done = [f.done() for f in self._reading]
+            votes = done + [d and f.result() for d, f in zip(done, self._reading, strict=True)]
+            world = self._parallel.world_size
+            summed = self._parallel.all_reduce(torch.tensor(votes, dtype=torch.float32, device=self.pool.device))
+            flags = [v == world for v in summed.tolist()]
+            everywhere, arrived = flags[: len(done)], flags[len(done) :]
+            count = everywhere.index(False) if False in everywhere else len(done)
+            results = arrived[:count]
         for _ in results:
             self._reading.popleft()
-        return tuple(tuple(r) for r in results) if results else None
+        return tuple(results) if results else None
 
 
 def _done(value: bool) -> Future[bool]:
@@ -119,7 +120,7 @@ class LoadedStep:
     """A step that reports disk reads finished (`ModelRunnerOutput.kv_loaded`)."""
 
     step: StepResult
-    loaded: tuple[tuple[bool, ...], ...]
+    loaded: tuple[bool, ...]
 
     def done(self) -> bool:
         return self.step.done()

@@ -1,0 +1,73 @@
+"""Blocks read from the disk tier are restored to the device as they arrive, while the rest of their request's
+reads are out (`BlockManager.take_transfers`), over the token-id fake of tests/fixtures/fake_tiers.py: the
+returning turns' tokens are a recompute's, the restores overlap the reads, and a device pool too small for all
+the arrivals at once still serves every request exactly (the rest wait, or come back through the host tier)."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncllm.core.engine_core import EngineCore
+from asyncllm.core.request import Request
+from asyncllm.input_processor import InputProcessor
+from asyncllm.sampling_params import SamplingParams
+from tests.core.test_kv_tiers import DEVICE, _converse, _run, _turns, _want
+from tests.fixtures.fake_executor import make_engine_core
+from tests.fixtures.fake_tiers import Disk, TieredFakeExecutor, tiered_runtime
+
+
+def _restart(
+    overlap: bool, num_kv_blocks: int, returning: int = 3, loads_per_step: int = 3, **executor_kwargs: int
+) -> tuple[EngineCore, TieredFakeExecutor, list[Request]]:
+    """Two turns of three conversations kept on disk by an engine that stopped; a new engine on that disk
+    (`num_kv_blocks` on its device, starting `loads_per_step` reads a step) with the third turn's requests of
+    the first `returning` conversations added, nothing stepped yet."""
+    turns = _turns(3, 3, seed=11)
+    disk: Disk = {}
+    first = TieredFakeExecutor(tiered_runtime(64, disk=disk, **DEVICE), disk=disk)
+    core = make_engine_core(first, max_num_batched_tokens=32)
+    histories = _converse(core, first, turns[:2])
+    core.shutdown()  # flushes the free cached blocks down to disk
+    device = DEVICE | {"num_kv_blocks": num_kv_blocks}
+    runtime = tiered_runtime(64, disk=disk, loads_per_step=loads_per_step, **device)
+    executor = TieredFakeExecutor(runtime, disk=disk, asynchronous=overlap, **executor_kwargs)  # type: ignore[arg-type]
+    core = make_engine_core(executor, max_num_batched_tokens=32, async_scheduling=overlap)
+    ip = InputProcessor(executor.runtime, None)
+    requests = [
+        ip.make_request(f"back{c}", histories[c] + new, SamplingParams(max_tokens=5), 0.0)
+        for c, new in enumerate(turns[2][:returning])
+    ]
+    for request in requests:
+        core.add_request(request)
+    return core, executor, requests
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_blocks_read_from_disk_are_restored_while_the_rest_are_read(overlap: bool) -> None:
+    """One returning conversation whose reads finish one a step: its first blocks cross to the device while
+    its last are still being read."""
+    core, executor, requests = _restart(overlap, num_kv_blocks=64, returning=1, read_steps=2, reads_per_report=1)
+    outputs: dict[str, list[int]] = {}
+    _run(core, outputs)
+    assert all(outputs[r.request_id] == _want(executor, r) for r in requests)
+    assert executor.steps_restoring_while_reading > 0
+    stats = core.stats()
+    # Every block read came back to the device and counts as a disk hit once, when its request took it.
+    assert stats.prefix_cache_disk_hit_tokens == 4 * len(executor.loaded_hashes) > 0
+    assert stats.prefix_cache_host_hit_tokens == 0
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_device_pool_smaller_than_the_arrivals_still_serves_them_exactly(overlap: bool) -> None:
+    """16 device blocks, three histories of ~7 blocks each read in one step: not every arrival fits on the
+    device ahead of its request; those wait, or are restored from the host tier when their request comes (no
+    arrival undoes another's restore: the fake fails a step that restores into one block twice). The tokens are
+    a recompute's either way."""
+    core, executor, requests = _restart(overlap, num_kv_blocks=16, loads_per_step=64)
+    outputs: dict[str, list[int]] = {}
+    _run(core, outputs)
+    assert all(outputs[r.request_id] == _want(executor, r) for r in requests)
+    assert executor.copies["restores"] > len(executor.loaded_hashes)  # some came back through the host tier
+    stats = core.stats()  # and each still counts as a disk hit: it was read from disk for this request
+    assert stats.prefix_cache_disk_hit_tokens == 4 * len(executor.loaded_hashes) > 0
+    assert stats.prefix_cache_host_hit_tokens == 0
