@@ -8,7 +8,8 @@
 #   torch.profiler, ~2 min), w4 (long-context prefill and decode, 16K/32K, two token budgets, ~1 min), and
 #   on two GPUs tptests, tpbench (tensor parallelism); wave4 (issues 41/43/44: their GPU tests, spec_oracle,
 #   embed_throughput, kv_tiers; EMBED_ARGS / KV_TIERS_ARGS narrow them); spec (issue 41: spec_oracle, W1 with ngram off/on);
-#   spec8b (issue 41: EAGLE-3 draft and verify costs, Qwen3-8B shape); kvpace (issue 44: W10 per restore bound, KV_PACE_MIB).
+#   spec8b (issue 41: EAGLE-3 draft and verify costs, Qwen3-8B shape); kvpace (issue 44: W10 per restore bound, KV_PACE_MIB);
+#   imports (issue 45: import and open phases under -X importtime).
 # Tuning variables (ASYNCLLM_*, docs/tuning.md) pass through to every step: ASYNCLLM_DECODE_PDL=1 bash bench/gpu_check.sh
 #   w12var; a variant's bench flags take them as --engine-arg with the lower-case name (cuda_graph_max_tokens=0).
 # Set-up here first: rm -rf .peers && cp -r ../shared/peers .peers && cp -r ../shared/models/qwen3-tokenizer .peers/
@@ -241,6 +242,10 @@ if has startup; then  # twice: the machine's first run fills Triton's cache, the
     (cd bench && timeout 200 python3 startup.py --shape qwen3-0.6b $extra) 2>&1 | tee "$OUT/startup_$run.log" | grep "^{" | tail -1
     rows+=("startup ($run run): $(grep '^{' "$OUT/startup_$run.log" | tail -1)")
   done
+fi
+if has imports; then  # issue 45: where start-up's import and open phases go (-X importtime of torch + open_checkpoint)
+  (cd bench && timeout 120 python3 open_imports.py --shape qwen3-0.6b) 2>&1 | tee "$OUT/open_imports.log" | grep -E '^\{|Error|Traceback' | cut -c1-600
+  rows+=("imports: $(grep '^{' "$OUT/open_imports.log" | tail -1 | cut -c1-300)")
 fi
 if has wave4; then  # issues 41, 43, 44 on the card: their GPU tests, then speculation's ceiling, embeddings, KV tiers
   python3 -m pytest -q -rfE --tb=short -p no:cacheprovider -o addopts="" tests/gpu/test_bert.py tests/gpu/test_pooling.py \
