@@ -237,15 +237,24 @@ if has w4; then  # long context: prefill tok/s vs the compute limit, decode ms/t
 fi
 if has startup; then  # twice: the machine's first run fills Triton's cache, the second starts warm (STARTUP_ARGS
   # go to the second, e.g. --profile 40)
+  # STARTUP_PYCACHE=1: Python keeps bytecode (in /tmp/pycache), as an installed package's imports read it.
+  if [ -n "${STARTUP_PYCACHE:-}" ]; then py=(env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=/tmp/pycache python3); else py=(python3); fi
   for run in first second; do
     [ $run = second ] && extra=${STARTUP_ARGS:-} || extra=
-    (cd bench && timeout 200 python3 startup.py --shape qwen3-0.6b $extra) 2>&1 | tee "$OUT/startup_$run.log" | grep "^{" | tail -1
+    (cd bench && timeout 200 "${py[@]}" startup.py --shape qwen3-0.6b $extra) 2>&1 | tee "$OUT/startup_$run.log" | grep "^{" | tail -1
     rows+=("startup ($run run): $(grep '^{' "$OUT/startup_$run.log" | tail -1)")
   done
 fi
 if has imports; then  # issue 45: where start-up's import and open phases go (-X importtime of torch + open_checkpoint)
-  (cd bench && timeout 120 python3 open_imports.py --shape qwen3-0.6b) 2>&1 | tee "$OUT/open_imports.log" | grep -E '^\{|Error|Traceback' | cut -c1-600
-  rows+=("imports: $(grep '^{' "$OUT/open_imports.log" | tail -1 | cut -c1-300)")
+  # As the device runs Python (PYTHONDONTWRITEBYTECODE: no bytecode written), then twice with bytecode kept in a
+  # cache (the first run fills it): an installed package's imports read bytecode pip wrote.
+  python3 -c "import torch, transformers, os; print('bytecode beside torch / transformers:', *(os.path.isdir(os.path.join(os.path.dirname(m.__file__), '__pycache__')) for m in (torch, transformers)), 'PYTHONDONTWRITEBYTECODE=' + os.environ.get('PYTHONDONTWRITEBYTECODE', ''))"
+  for run in plain fill cached; do
+    if [ $run = plain ]; then envs=(); else envs=(env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=/tmp/pycache); fi
+    (cd bench && timeout 120 "${envs[@]}" python3 open_imports.py --shape qwen3-0.6b) 2>&1 | tee "$OUT/open_imports_$run.log" \
+      | grep -E '^\{|Error|Traceback' | cut -c1-700
+    rows+=("imports ($run): $(grep '^{' "$OUT/open_imports_$run.log" | tail -1 | cut -c1-240)")
+  done
 fi
 if has wave4; then  # issues 41, 43, 44 on the card: their GPU tests, then speculation's ceiling, embeddings, KV tiers
   python3 -m pytest -q -rfE --tb=short -p no:cacheprovider -o addopts="" tests/gpu/test_bert.py tests/gpu/test_pooling.py \
