@@ -273,8 +273,8 @@ KV_DISK_LOADS_PER_STEP: EnvVar[int] = EnvVar(
     1024,  # an 8K-token history of blocks of 16 in one step: its reads all start at once
     positive,
     "blocks one step may start reading from the disk tier; the reads run on 4-16 threads (one a core) beside "
-    "the steps while their requests wait, later steps start the rest, and each block crosses to the device as "
-    "soon as it is read",
+    "the steps while their requests wait, later steps start the rest, and the blocks read cross to the device "
+    "while the rest are read (within the restore bound and the free blocks)",
 )
 KV_RESTORE_MIB_PER_STEP: EnvVar[int] = EnvVar(
     "ASYNCLLM_KV_RESTORE_MIB_PER_STEP",

@@ -71,3 +71,35 @@ def test_a_device_pool_smaller_than_the_arrivals_still_serves_them_exactly(overl
     stats = core.stats()  # and each still counts as a disk hit: it was read from disk for this request
     assert stats.prefix_cache_disk_hit_tokens == 4 * len(executor.loaded_hashes) > 0
     assert stats.prefix_cache_host_hit_tokens == 0
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("ahead_blocks", [1, 256])
+def test_arrivals_into_a_device_of_cached_blocks_with_a_full_host_tier(overlap: bool, ahead_blocks: int) -> None:
+    """Regression (issue 44 review): a restart with 8 host slots, its device's free blocks all cached by a
+    fresh request, two returning conversations whose reads fill every slot. Restoring one arrival took a cached
+    block whose copy down reused a later arrival's host slot, and the next restore failed (KeyError) inside the
+    scheduler. Arrivals now keep their slots, and take only free blocks whose reuse copies nothing down."""
+    turns = _turns(3, 3, seed=11)
+    disk: Disk = {}
+    first = TieredFakeExecutor(tiered_runtime(64, disk=disk, **DEVICE), disk=disk)
+    core = make_engine_core(first, max_num_batched_tokens=32)
+    histories = _converse(core, first, turns[:2])
+    core.shutdown()
+    device = DEVICE | {"num_kv_blocks": 16}
+    runtime = tiered_runtime(8, ahead_blocks=ahead_blocks, disk=disk, **device)
+    executor = TieredFakeExecutor(runtime, disk=disk, asynchronous=overlap)
+    core = make_engine_core(executor, max_num_batched_tokens=64, async_scheduling=overlap)
+    ip = InputProcessor(executor.runtime, None)
+    fresh = ip.make_request("fresh", [60 - (i % 50) for i in range(63)], SamplingParams(max_tokens=1), 0.0)
+    core.add_request(fresh)
+    _run(core, {})
+    requests = [
+        ip.make_request(f"back{c}", histories[c] + turns[2][c], SamplingParams(max_tokens=5), 0.0) for c in range(2)
+    ]
+    for request in requests:
+        core.add_request(request)
+    outputs: dict[str, list[int]] = {}
+    _run(core, outputs)
+    assert all(outputs[r.request_id] == _want(executor, r) for r in requests)
+    assert core.stats().prefix_cache_disk_hit_tokens > 0

@@ -246,7 +246,7 @@ class BlockManager:
             if block.block_hash is not None and self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
             block.block_hash = None
-            block.pending = False
+            block.pending = block.from_disk = False
         for request_id, count in self._pending_counts.items():
             if request_id in self._num_registered:
                 self._num_registered[request_id] = count
@@ -285,6 +285,7 @@ class BlockManager:
         """Forget every cached prefix (blocks stay where they are)."""
         for block in self._cached.values():
             block.block_hash = None
+            block.from_disk = False
         self._cached.clear()
         if self.tiers is not None:
             self.tiers.reset()
@@ -293,22 +294,25 @@ class BlockManager:
     def _restore_arrivals(self, tiers: KVTiers) -> None:
         """Restore the blocks just read from disk (`KVTiers.arrivals`) into free blocks, registered under their
         hashes as free cached blocks (the last to be taken) and pending until this step has run: their waiting
-        request finds them on the device, and the copies overlap the reads still out. Within the step's restore
-        bound and its free blocks not owed to staged requests; the rest waits for the next step. A request
-        admitted in this step that hits them computes from the next (`restores`)."""
+        request finds them on the device, and the copies overlap the reads still out. Only into free blocks whose
+        reuse copies nothing down (uncached, or in the host tier already: an offload would hold up the step's
+        forward pass), within the step's restore bound and its free blocks not owed to staged requests; the
+        rest waits for the next step. A request admitted in this step that hits them computes from the next
+        (`restores`)."""
         arrived = tiers.arrivals()
+        tiers.pin([block_hash for block_hash, _ in arrived])  # no eviction below reuses their host slots
         for i, (block_hash, digest) in enumerate(arrived):
             if block_hash in self._cached:
                 continue  # on the device already (computed meanwhile)
             head = next(iter(self._free.values()), None)
-            # The next free block was restored ahead too and not taken by its request yet (or is registered by a
-            # step in flight): the device holds no more arrivals without undoing some. Or the step's restores
-            # are at their bound.
+            # The next free block was restored ahead too and not taken by its request yet, or is registered by a
+            # step in flight (the device holds no more arrivals without undoing some), or would be copied down
+            # first; or the step's restores are at their bound.
             full = head is None or head.pending or head.from_disk or len(self._free) <= self._promised
-            if full or not tiers.may_restore(1):
+            copies = head is not None and head.block_hash is not None and not tiers.holds(head.block_hash)
+            if full or copies or not tiers.may_restore(1):
                 tiers.defer(arrived[i:])
                 return
-            tiers.pin([block_hash])  # before the block taken below is copied down into a host slot
             block = self._take_free_block()
             block.from_disk = tiers.restore(block_hash, block.block_id)
             block.ref_count = 0

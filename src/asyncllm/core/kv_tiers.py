@@ -103,6 +103,10 @@ class KVTiers:
             self._in_load.add(block_hash)
         return hashes[0] in self._in_load
 
+    def holds(self, block_hash: int) -> bool:
+        """Whether the host tier holds `block_hash` (a device block of it is taken for other content at no copy)."""
+        return block_hash in self._host
+
     def may_restore(self, num_blocks: int) -> bool:
         """Whether the step being planned may restore `num_blocks` more (`KVTierInfo.restores_per_step`): the
         next step's work waits for its restores, so a step restoring more than its own forward pass hides stalls

@@ -12,7 +12,8 @@ reads. After it is launched, the `ahead` copies (beside it), then the disk write
 background once their copies landed. Every step reports the disk reads finished since, the leading ones in
 the order they were sent (a read counts as finished once it is on every rank, and as arrived only if it
 succeeded on every rank: one all-reduce, in steps while reads are out). A step of no sequences waits a little
-for the next few reads, so an engine waiting for them does not spin, and restores them while the rest are read.
+for the next few reads, so an engine waiting for them does not spin, and the core restores the blocks reported
+(`BlockManager.take_transfers`) while the rest are read.
 Copies never enter a CUDA graph: they run outside the replayed forward pass.
 """
 
