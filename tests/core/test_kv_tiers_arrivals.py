@@ -5,7 +5,11 @@ the arrivals at once still serves every request exactly (the rest wait, or come 
 
 from __future__ import annotations
 
+import random
+
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from asyncllm.core.engine_core import EngineCore
 from asyncllm.core.request import Request
@@ -103,3 +107,59 @@ def test_arrivals_into_a_device_of_cached_blocks_with_a_full_host_tier(overlap: 
     _run(core, outputs)
     assert all(outputs[r.request_id] == _want(executor, r) for r in requests)
     assert core.stats().prefix_cache_disk_hit_tokens > 0
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000),
+    host_blocks=st.integers(4, 40),
+    num_kv_blocks=st.integers(20, 40),
+    read_steps=st.integers(1, 3),
+    reads_per_report=st.one_of(st.none(), st.integers(1, 4)),
+    loads_per_step=st.integers(1, 64),
+    restores_per_step=st.integers(0, 6),
+    overlap=st.booleans(),
+    returning=st.integers(1, 3),
+)
+def test_restarts_under_random_pressure_give_a_recomputes_tokens(
+    seed: int,
+    host_blocks: int,
+    num_kv_blocks: int,
+    read_steps: int,
+    reads_per_report: int | None,
+    loads_per_step: int,
+    restores_per_step: int,
+    overlap: bool,
+    returning: int,
+) -> None:
+    """Any host tier, device pool, read speed, report size, restore bound and scheduling: a restart's returning
+    turns (and a fresh request beside them) give a recompute's tokens, the block accounting holds after every
+    step (`_run`), and the fake's ordering checks pass."""
+    rng = random.Random(seed)
+    turns = _turns(3, 3, seed=seed)
+    disk: Disk = {}
+    first = TieredFakeExecutor(tiered_runtime(64, disk=disk, **DEVICE), disk=disk)
+    core = make_engine_core(first, max_num_batched_tokens=32)
+    histories = _converse(core, first, turns[:2])
+    core.shutdown()
+    device = DEVICE | {"num_kv_blocks": num_kv_blocks}
+    runtime = tiered_runtime(
+        host_blocks, disk=disk, loads_per_step=loads_per_step, restores_per_step=restores_per_step, **device
+    )
+    executor = TieredFakeExecutor(
+        runtime, disk=disk, asynchronous=overlap, read_steps=read_steps, reads_per_report=reads_per_report
+    )
+    core = make_engine_core(executor, max_num_batched_tokens=32, async_scheduling=overlap)
+    ip = InputProcessor(executor.runtime, None)
+    requests = [
+        ip.make_request(f"back{c}", histories[c] + turns[2][c], SamplingParams(max_tokens=5), 0.0)
+        for c in rng.sample(range(3), returning)
+    ]
+    requests.insert(
+        rng.randrange(len(requests) + 1), ip.make_request("fresh", [5, 6, 7, 8, 9], SamplingParams(max_tokens=5), 0.0)
+    )
+    for request in requests:
+        core.add_request(request)
+    outputs: dict[str, list[int]] = {}
+    _run(core, outputs)
+    assert all(outputs[r.request_id] == _want(executor, r) for r in requests)
