@@ -1,7 +1,8 @@
 """Blocks read from the disk tier are restored to the device as they arrive, while the rest of their request's
 reads are out (`BlockManager.take_transfers`), over the token-id fake of tests/fixtures/fake_tiers.py: the
 returning turns' tokens are a recompute's, the restores overlap the reads, and a device pool too small for all
-the arrivals at once still serves every request exactly (the rest wait, or come back through the host tier)."""
+the arrivals at once still serves every request exactly (the rest wait, or come back through the host tier).
+Then both tiers under random sizes, speeds and scheduling (hypothesis)."""
 
 from __future__ import annotations
 
@@ -132,7 +133,7 @@ def test_restarts_under_random_pressure_give_a_recomputes_tokens(
     overlap: bool,
     returning: int,
 ) -> None:
-    """Any host tier, device pool, read speed, report size, restore bound and scheduling: a restart's returning
+    """After a restart: any host tier, device pool, read speed, report size, restore bound and scheduling: a restart's returning
     turns (and a fresh request beside them) give a recompute's tokens, the block accounting holds after every
     step (`_run`), and the fake's ordering checks pass."""
     rng = random.Random(seed)
@@ -163,3 +164,24 @@ def test_restarts_under_random_pressure_give_a_recomputes_tokens(
     outputs: dict[str, list[int]] = {}
     _run(core, outputs)
     assert all(outputs[r.request_id] == _want(executor, r) for r in requests)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000),
+    host_blocks=st.integers(1, 40),
+    num_kv_blocks=st.integers(20, 40),
+    ahead_blocks=st.integers(0, 8),
+    restores_per_step=st.integers(0, 6),
+    overlap=st.booleans(),
+)
+def test_host_tier_conversations_under_random_pressure_give_a_recomputes_tokens(
+    seed: int, host_blocks: int, num_kv_blocks: int, ahead_blocks: int, restores_per_step: int, overlap: bool
+) -> None:
+    """The host tier alone, any size, device pool, `ahead` budget, restore bound and scheduling: four turns of
+    three conversations give a recompute's tokens (`_converse` checks each turn and the accounting every step)."""
+    device = DEVICE | {"num_kv_blocks": num_kv_blocks}
+    runtime = tiered_runtime(host_blocks, ahead_blocks=ahead_blocks, restores_per_step=restores_per_step, **device)
+    executor = TieredFakeExecutor(runtime, asynchronous=overlap)
+    core = make_engine_core(executor, max_num_batched_tokens=32, async_scheduling=overlap)
+    _converse(core, executor, _turns(3, 4, seed=seed))
