@@ -133,9 +133,9 @@ def test_restarts_under_random_pressure_give_a_recomputes_tokens(
     overlap: bool,
     returning: int,
 ) -> None:
-    """After a restart: any host tier, device pool, read speed, report size, restore bound and scheduling: a restart's returning
-    turns (and a fresh request beside them) give a recompute's tokens, the block accounting holds after every
-    step (`_run`), and the fake's ordering checks pass."""
+    """After a restart, any host tier, device pool, read speed, report size, restore bound and scheduling: the
+    returning turns (and a fresh request beside them) give a recompute's tokens, the block accounting holds after
+    every step (`_run`), and the fake's ordering checks pass."""
     rng = random.Random(seed)
     turns = _turns(3, 3, seed=seed)
     disk: Disk = {}
