@@ -206,6 +206,8 @@ def disk(args: argparse.Namespace, kind: str) -> dict[str, Any]:
         with triton_compiles() as compiles:
             out = llm.generate([prompt], greedy, use_tqdm=False)[0]
         trace = kv_trace.timeline(t0) if tracing else None
+        if tracing:
+            kv_trace.uninstall()
         assert out.metrics is not None
         stats = llm.stats()
         result: dict[str, Any] = {

@@ -4,7 +4,7 @@ each disk read, each restore's copies on the device and each forward pass. A pro
 worker's classes on purpose: it is not an interface, and tests do not use it.
 
 `install()` once before the engine starts; `timeline(t0)` after the request: the events since `t0` (seconds, from
-`time.perf_counter`) as compact rows, then `clear()`.
+`time.perf_counter`) as compact rows; `uninstall()` puts the worker's methods back and forgets the events.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ _events: list[tuple[float, str, str]] = []  # (time, what, detail)
 _pending_gpu: list[tuple[Any, Any, str]] = []  # (base event, end event, label): resolved in timeline()
 _lock = threading.Lock()
 _base: list[Any] = []  # [cuda event, perf_counter at it]
+_originals: list[tuple[Any, str, Any]] = []  # (class, method name, the method before install)
 
 
 def _note(what: str, detail: str = "", at: float | None = None) -> None:
@@ -30,13 +31,21 @@ def install() -> None:
 
     from asyncllm.worker import kv_disk, kv_host, kv_tiers, model_runner
 
+    for cls, name in (
+        (kv_tiers.WorkerKVTiers, "before_forward"),
+        (kv_disk.DiskKVStore, "_load_one"),
+        (kv_host.HostKVPool, "to_device"),
+        (model_runner.ModelRunner, "submit"),
+    ):
+        _originals.append((cls, name, cls.__dict__[name]))
+
     before = kv_tiers.WorkerKVTiers.before_forward
 
     @functools.wraps(before)
     def before_forward(self: Any, kv: Any, idle: bool = False) -> Any:
         t = time.perf_counter()
         loaded = before(self, kv, idle)
-        n = sum(len(s) for s in loaded) if loaded else 0
+        n = len(loaded) if loaded else 0
         _note(
             "tiers",
             f"loads={len(kv.loads)} restores={len(kv.restores)} idle={idle} reported={n} "
@@ -127,7 +136,11 @@ def timeline(t0: float) -> list[str]:
     return [f"+{1e3 * (t - t0):8.2f}ms  {text}" for t, text in sorted(rows)]
 
 
-def clear() -> None:
+def uninstall() -> None:
+    while _originals:
+        cls, name, method = _originals.pop()
+        setattr(cls, name, method)
     with _lock:
         _events.clear()
         _pending_gpu.clear()
+    _base.clear()
