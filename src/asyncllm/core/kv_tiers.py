@@ -195,7 +195,8 @@ class KVTiers:
             self._from_disk.add(block_hash)
 
     def defer(self, arrived: list[tuple[int, bytes]]) -> None:
-        """`arrivals` not restored by this step (its restore bound, or no free block): offered again next step."""
+        """`arrivals` not restored by this step (its restore bound, or no free block to take without a copy
+        down): offered again next step."""
         self._arrived[:0] = arrived
 
     def reset(self) -> None:
