@@ -75,6 +75,17 @@ def _converse(
     return histories
 
 
+def kept_on_disk(turns: list[list[list[int]]]) -> tuple[Disk, list[list[int]], TieredFakeExecutor]:
+    """The first two of `turns` conversed by an engine that then stopped (shutting down flushes its free cached
+    blocks down to disk): the disk, the histories, and that engine's executor."""
+    disk: Disk = {}
+    first = TieredFakeExecutor(tiered_runtime(64, disk=disk, **DEVICE), disk=disk)
+    core = make_engine_core(first, max_num_batched_tokens=32)
+    histories = _converse(core, first, turns[:2])
+    core.shutdown()
+    return disk, histories, first
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_evicted_conversations_come_back_from_the_host_tier(overlap: bool) -> None:
     turns = _turns(4, 4)
@@ -113,11 +124,7 @@ def test_a_tiny_host_tier_still_gives_the_same_tokens() -> None:
 
 def test_a_restart_finds_the_conversations_on_disk() -> None:
     turns = _turns(3, 3, seed=1)
-    disk: Disk = {}
-    first = TieredFakeExecutor(tiered_runtime(64, disk=disk, **DEVICE), disk=disk)
-    core = make_engine_core(first, max_num_batched_tokens=32)
-    histories = _converse(core, first, turns[:2])
-    core.shutdown()  # flushes the free cached blocks down to disk
+    disk, histories, first = kept_on_disk(turns)
     assert first.copies["writes"] == len(disk) > 0
     second = TieredFakeExecutor(tiered_runtime(64, disk=disk, **DEVICE), disk=disk)
     core = make_engine_core(second, max_num_batched_tokens=32)
@@ -130,11 +137,7 @@ def test_a_restart_finds_the_conversations_on_disk() -> None:
 def test_failed_reads_are_recomputed() -> None:
     """A block whose read fails on some rank (a corrupted file) is recomputed, and never asked for again."""
     turns = _turns(3, 3, seed=2)
-    disk: Disk = {}
-    first = TieredFakeExecutor(tiered_runtime(64, disk=disk, **DEVICE), disk=disk)
-    core = make_engine_core(first, max_num_batched_tokens=32)
-    histories = _converse(core, first, turns[:2])
-    core.shutdown()
+    disk, histories, _ = kept_on_disk(turns)
     broken = frozenset(list(disk)[::2])
     second = TieredFakeExecutor(tiered_runtime(64, disk=disk, **DEVICE), disk=disk, fail_loads=broken)
     core = make_engine_core(second, max_num_batched_tokens=32)
@@ -151,11 +154,7 @@ def test_a_block_on_disk_under_another_prefixs_hash_is_a_miss(monkeypatch: pytes
     block it looks up is on disk under its hash, holding another prefix's KV. Each read is a miss (the digest
     of its prefix differs), and the tokens are those of a run that recomputes."""
     turns = _turns(3, 3, seed=5)
-    disk: Disk = {}
-    first = TieredFakeExecutor(tiered_runtime(64, disk=disk, **DEVICE), disk=disk)
-    core = make_engine_core(first, max_num_batched_tokens=32)
-    histories = _converse(core, first, turns[:2])
-    core.shutdown()
+    disk, histories, _ = kept_on_disk(turns)
     others = [[(t + 1) % 63 + 1 for t in h[:4]] + h[4:] for h in histories]  # another first block
     collide = {tuple(o[:4]): h[:4] for o, h in zip(others, histories, strict=True)}
     real = block_hash.hash_block
@@ -316,11 +315,7 @@ def test_slow_disk_reads_run_beside_other_requests_steps(overlap: bool) -> None:
     """After a restart, reads that take several steps: the requests waiting for them let a new request go
     first, whose steps run while the reads are out; then they are restored, their tokens those of a recompute."""
     turns = _turns(3, 3, seed=1)
-    disk: Disk = {}
-    first = TieredFakeExecutor(tiered_runtime(64, disk=disk, **DEVICE), disk=disk)
-    core = make_engine_core(first, max_num_batched_tokens=32)
-    histories = _converse(core, first, turns[:2])
-    core.shutdown()
+    disk, histories, _ = kept_on_disk(turns)
     executor = TieredFakeExecutor(
         tiered_runtime(64, disk=disk, **DEVICE), disk=disk, asynchronous=overlap, read_steps=4
     )

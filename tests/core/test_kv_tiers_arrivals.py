@@ -16,9 +16,19 @@ from asyncllm.core.engine_core import EngineCore
 from asyncllm.core.request import Request
 from asyncllm.input_processor import InputProcessor
 from asyncllm.sampling_params import SamplingParams
-from tests.core.test_kv_tiers import DEVICE, _converse, _run, _turns, _want
+from tests.core.test_kv_tiers import DEVICE, _converse, _run, _turns, _want, kept_on_disk
 from tests.fixtures.fake_executor import make_engine_core
-from tests.fixtures.fake_tiers import Disk, TieredFakeExecutor, tiered_runtime
+from tests.fixtures.fake_tiers import TieredFakeExecutor, tiered_runtime
+
+
+def _served(core: EngineCore, executor: TieredFakeExecutor, requests: list[Request]) -> None:
+    """Add `requests`, run them to the end (the accounting checked every step), and check each gives the tokens
+    of a run that recomputes its whole sequence."""
+    for request in requests:
+        core.add_request(request)
+    outputs: dict[str, list[int]] = {}
+    _run(core, outputs)
+    assert all(outputs[r.request_id] == _want(executor, r) for r in requests)
 
 
 def _restart(
@@ -28,11 +38,7 @@ def _restart(
     (`num_kv_blocks` on its device, starting `loads_per_step` reads a step) with the third turn's requests of
     the first `returning` conversations added, nothing stepped yet."""
     turns = _turns(3, 3, seed=11)
-    disk: Disk = {}
-    first = TieredFakeExecutor(tiered_runtime(64, disk=disk, **DEVICE), disk=disk)
-    core = make_engine_core(first, max_num_batched_tokens=32)
-    histories = _converse(core, first, turns[:2])
-    core.shutdown()  # flushes the free cached blocks down to disk
+    disk, histories, _ = kept_on_disk(turns)
     device = DEVICE | {"num_kv_blocks": num_kv_blocks}
     runtime = tiered_runtime(64, disk=disk, loads_per_step=loads_per_step, **device)
     executor = TieredFakeExecutor(runtime, disk=disk, asynchronous=overlap, **executor_kwargs)  # type: ignore[arg-type]
@@ -86,11 +92,7 @@ def test_arrivals_into_a_device_of_cached_blocks_with_a_full_host_tier(overlap: 
     block whose copy down reused a later arrival's host slot, and the next restore failed (KeyError) inside the
     scheduler. Arrivals now keep their slots, and take only free blocks whose reuse copies nothing down."""
     turns = _turns(3, 3, seed=11)
-    disk: Disk = {}
-    first = TieredFakeExecutor(tiered_runtime(64, disk=disk, **DEVICE), disk=disk)
-    core = make_engine_core(first, max_num_batched_tokens=32)
-    histories = _converse(core, first, turns[:2])
-    core.shutdown()
+    disk, histories, _ = kept_on_disk(turns)
     device = DEVICE | {"num_kv_blocks": 16}
     runtime = tiered_runtime(8, ahead_blocks=ahead_blocks, disk=disk, **device)
     executor = TieredFakeExecutor(runtime, disk=disk, asynchronous=overlap)
@@ -102,11 +104,7 @@ def test_arrivals_into_a_device_of_cached_blocks_with_a_full_host_tier(overlap: 
     requests = [
         ip.make_request(f"back{c}", histories[c] + turns[2][c], SamplingParams(max_tokens=5), 0.0) for c in range(2)
     ]
-    for request in requests:
-        core.add_request(request)
-    outputs: dict[str, list[int]] = {}
-    _run(core, outputs)
-    assert all(outputs[r.request_id] == _want(executor, r) for r in requests)
+    _served(core, executor, requests)
     assert core.stats().prefix_cache_disk_hit_tokens > 0
 
 
@@ -138,11 +136,7 @@ def test_restarts_under_random_pressure_give_a_recomputes_tokens(
     every step (`_run`), and the fake's ordering checks pass."""
     rng = random.Random(seed)
     turns = _turns(3, 3, seed=seed)
-    disk: Disk = {}
-    first = TieredFakeExecutor(tiered_runtime(64, disk=disk, **DEVICE), disk=disk)
-    core = make_engine_core(first, max_num_batched_tokens=32)
-    histories = _converse(core, first, turns[:2])
-    core.shutdown()
+    disk, histories, _ = kept_on_disk(turns)
     device = DEVICE | {"num_kv_blocks": num_kv_blocks}
     runtime = tiered_runtime(
         host_blocks, disk=disk, loads_per_step=loads_per_step, restores_per_step=restores_per_step, **device
@@ -159,11 +153,7 @@ def test_restarts_under_random_pressure_give_a_recomputes_tokens(
     requests.insert(
         rng.randrange(len(requests) + 1), ip.make_request("fresh", [5, 6, 7, 8, 9], SamplingParams(max_tokens=5), 0.0)
     )
-    for request in requests:
-        core.add_request(request)
-    outputs: dict[str, list[int]] = {}
-    _run(core, outputs)
-    assert all(outputs[r.request_id] == _want(executor, r) for r in requests)
+    _served(core, executor, requests)
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -144,12 +144,10 @@ class BlockManager:
     def take_transfers(self) -> KVTransfers | None:
         """The copies to and from the tiers below the device that the step just planned needs, with the
         restores of blocks just read from disk (`_restore_arrivals`)."""
-        if self.tiers is None:
-            self._promised = 0
-            return None
-        self._restore_arrivals(self.tiers)
+        if self.tiers is not None:
+            self._restore_arrivals(self.tiers)  # within the free blocks staged requests are not owed
         self._promised = 0
-        return self.tiers.take_step()
+        return self.tiers.take_step() if self.tiers is not None else None
 
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admission's lookup for the hit rate (only admissions that succeed are counted)."""
