@@ -20,6 +20,7 @@ from pathlib import Path
 from shapes import write_shape_dir
 
 from asyncllm import LLM, SamplingParams
+from asyncllm.console import configure_logging
 
 
 def main() -> None:
@@ -29,6 +30,7 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="print the construction's top N functions")
     args = ap.parse_args()
+    configure_logging("info")  # the set-up's log lines (the graphs' capture breakdown) beside the JSON line
     profiler = cProfile.Profile() if args.profile else None
     model_dir = write_shape_dir(args.shape, Path(tempfile.mkdtemp()) / args.shape)
     t0 = time.perf_counter()

@@ -64,6 +64,9 @@ class CudaGraphRunner:
         self._hidden = PrefixViews(torch.empty(0, hidden_size, dtype=dtype, device=device))  # [rows, hidden]
         self._logits: PrefixViews | None = None  # [rows, vocab]: decode graphs' LM head output (decode_logits)
         self._tails: dict[int, torch.cuda.CUDAGraph] = {}  # decode size -> its tail's graph
+        # Where capture's seconds went (the start-up log line): staging each bucket's dummy inputs and plan,
+        # the eager run before each capture, the capture itself (recording and instantiation), the first replays.
+        self.capture_seconds: dict[str, float] = {"stage": 0.0, "eager": 0.0, "record": 0.0, "upload": 0.0}
 
     def sizes(self, kind: str) -> list[int]:
         """The captured sizes of one kind ("decode": batch sizes, "mixed": token counts), ascending."""
@@ -122,7 +125,9 @@ class CudaGraphRunner:
             for lora in variants
             for attn in backend.graph_variants(buckets.bounds(key))  # cascade decode: a graph of its own
         ]
+        spent = self.capture_seconds
         for key, lora, attn in captures:
+            t0 = time.perf_counter()
             kind, size = key
             if kind == "decode":
                 x = buffers.prepare(_dummy_decode(size), pad_to=size, flush=False)
@@ -146,8 +151,10 @@ class CudaGraphRunner:
                         logits.append(step_logits.new_empty(decode_rows, step_logits.shape[1]))
                     logits[0][:size].copy_(step_logits)
 
+            t1 = time.perf_counter()
             forward()  # compiles every kernel and settles the allocator before capture
             torch.cuda.synchronize(self.device)
+            t2 = time.perf_counter()
             graph = torch.cuda.CUDAGraph()
             # thread_local: another thread's CUDA call (NCCL's watchdog querying an earlier collective's
             # event, under tensor parallelism) must not invalidate this capture.
@@ -156,15 +163,21 @@ class CudaGraphRunner:
             if self._pool is None:
                 self._pool = graph.pool()
             self._graphs[key, lora, attn] = graph
+            t3 = time.perf_counter()
+            spent["stage"] += t1 - t0
+            spent["eager"] += t2 - t1
+            spent["record"] += t3 - t2
         if self.loras is not None:
             self.loras.stage_idle(0, active=False)
         if logits:
             self._logits = PrefixViews(logits[0])
             if tail is not None:
                 self._capture_tails(tail, sorted({n for k, n in keys if k == "decode"}, reverse=True))
+        t0 = time.perf_counter()
         for graph in (*self._graphs.values(), *self._tails.values()):
             graph.replay()  # a graph's first launch uploads it: the first request must not pay that
         torch.cuda.synchronize(self.device)
+        spent["upload"] = time.perf_counter() - t0
         return time.perf_counter() - start
 
     def _capture_tails(self, tail: Callable[[torch.Tensor], None], sizes: list[int]) -> None:

@@ -321,9 +321,10 @@ class WorkerSetup:
         graphs = runner.graphs
         self.timings["capture"] = runner.capture_graphs()
         logger.info(
-            "captured %d CUDA graphs in %.2f s: decode batch sizes %s, token counts %s, %d draw graphs",
+            "captured %d CUDA graphs in %.2f s (%s): decode batch sizes %s, token counts %s, %d draw graphs",
             len(graphs.sizes("decode")) + len(graphs.sizes("mixed")),
             self.timings["capture"],
+            ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in graphs.capture_seconds.items()),
             graphs.sizes("decode"),
             graphs.sizes("mixed"),
             len(graphs.tail_sizes()),
