@@ -276,6 +276,13 @@ KV_DISK_LOADS_PER_STEP: EnvVar[int] = EnvVar(
     "the steps while their requests wait, later steps start the rest, and the blocks read cross to the device "
     "while the rest are read (within the restore bound and the free blocks)",
 )
+KV_DISK_LOAD_THREADS: EnvVar[int | None] = EnvVar(
+    "ASYNCLLM_KV_DISK_LOAD_THREADS",
+    None,
+    positive_or_auto,
+    "threads that read the disk tier's files into host slots (auto: one a core, 4 to 16); the reads hold the "
+    "GIL between system calls, so more threads can slow the step thread beside them",
+)
 KV_RESTORE_MIB_PER_STEP: EnvVar[int] = EnvVar(
     "ASYNCLLM_KV_RESTORE_MIB_PER_STEP",
     512,  # W10 on an H100: returning turns' TTFT p50 0.45 of the tier off unbounded, 0.33 at 1024, 0.32 at 512
@@ -316,6 +323,7 @@ ALL: tuple[EnvVar[Any], ...] = (  # every variable, for docs/tuning.md's table a
     KV_OFFLOAD_AHEAD,
     KV_DISK_GIB,
     KV_DISK_LOADS_PER_STEP,
+    KV_DISK_LOAD_THREADS,
     KV_RESTORE_MIB_PER_STEP,
     TUNING_CACHE,
 )

@@ -53,7 +53,9 @@ _temp_names = itertools.count()
 
 
 class DiskKVStore:
-    def __init__(self, directory: Path, fingerprint: bytes, pool: HostKVPool, capacity_bytes: int) -> None:
+    def __init__(
+        self, directory: Path, fingerprint: bytes, pool: HostKVPool, capacity_bytes: int, load_threads: int | None = None
+    ) -> None:
         assert len(fingerprint) == 16
         self.directory = directory
         directory.mkdir(parents=True, exist_ok=True)
@@ -70,7 +72,7 @@ class DiskKVStore:
         self._writes = 0
         self._failures = 0
         self._rescan()
-        self._loaders = ThreadPoolExecutor(_LOAD_THREADS, thread_name_prefix="asyncllm-kv-load")
+        self._loaders = ThreadPoolExecutor(load_threads or _LOAD_THREADS, thread_name_prefix="asyncllm-kv-load")
         self._writer = threading.Thread(target=self._run, name="asyncllm-kv-disk", daemon=True)
         self._writer.start()
 

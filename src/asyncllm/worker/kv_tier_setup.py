@@ -66,7 +66,8 @@ def attach_kv_tiers(worker: Worker, setup: TierSetup) -> Worker:
         root = Path(cache.kv_cache_dir)
         fingerprint = kv_fingerprint(setup.checkpoint.path, _facts(setup, runner, rank, world))
         directory = root / fingerprint.hex()
-        disk = DiskKVStore(directory, fingerprint, pool, _disk_capacity(root, directory, world))
+        capacity = _disk_capacity(root, directory, world)
+        disk = DiskKVStore(directory, fingerprint, pool, capacity, envs.KV_DISK_LOAD_THREADS.get())
     info = KVTierInfo(
         host_blocks=num_slots,
         ahead_blocks=envs.KV_OFFLOAD_AHEAD.get(),
