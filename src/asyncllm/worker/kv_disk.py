@@ -54,7 +54,12 @@ _temp_names = itertools.count()
 
 class DiskKVStore:
     def __init__(
-        self, directory: Path, fingerprint: bytes, pool: HostKVPool, capacity_bytes: int, load_threads: int | None = None
+        self,
+        directory: Path,
+        fingerprint: bytes,
+        pool: HostKVPool,
+        capacity_bytes: int,
+        load_threads: int | None = None,  # None: one a core, 4 to 16
     ) -> None:
         assert len(fingerprint) == 16
         self.directory = directory
