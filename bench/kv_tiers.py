@@ -59,6 +59,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-model-len", type=int, default=16384)
     ap.add_argument("--kinds", default=None, help="the runs, of " + ",".join(KINDS) + " (default: what --parts needs)")
     ap.add_argument("--trace", action="store_true", help="disk_warm: where the restore's time goes (kv_trace.py)")
+    ap.add_argument(
+        "--switch-interval", type=float, default=None, help="sys.setswitchinterval in each run (the GIL's hand-off)"
+    )
     ap.add_argument("--child", choices=KINDS, default=None, help=argparse.SUPPRESS)
     add_engine_arg_option(ap)
     return ap
@@ -308,6 +311,8 @@ def main() -> None:
     args = settle(parser().parse_args())
     if args.disk_dir is None:
         args.disk_dir = tempfile.mkdtemp(prefix="asyncllm-kv-tiers-")
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     if args.child is not None:
         print(json.dumps(measure(args, args.child)))
         return
