@@ -272,7 +272,7 @@ KV_DISK_LOADS_PER_STEP: EnvVar[int] = EnvVar(
     "ASYNCLLM_KV_DISK_LOADS_PER_STEP",
     1024,  # an 8K-token history of blocks of 16 in one step: its reads all start at once
     positive,
-    "blocks one step may start reading from the disk tier; the reads run on 4-16 threads (one a core) beside "
+    "blocks one step may start reading from the disk tier; the reads run on 2-8 threads (one a core) beside "
     "the steps while their requests wait, later steps start the rest, and the blocks read cross to the device "
     "while the rest are read (within the restore bound and the free blocks)",
 )
@@ -280,7 +280,7 @@ KV_DISK_LOAD_THREADS: EnvVar[int | None] = EnvVar(
     "ASYNCLLM_KV_DISK_LOAD_THREADS",
     None,
     positive_or_auto,
-    "threads that read the disk tier's files into host slots (auto: one a core, 4 to 16); the reads hold the "
+    "threads that read the disk tier's files into host slots (auto: one a core, 2 to 8); the reads hold the "
     "GIL between system calls, so more threads can slow the step thread beside them",
 )
 KV_RESTORE_MIB_PER_STEP: EnvVar[int] = EnvVar(

@@ -25,8 +25,9 @@ pytestmark = [
 def test_side_stream_copies_equal_the_cpu_twin(dtype: torch.dtype) -> None:
     from asyncllm.worker.kv_host import HostKVPool
 
-    cpu_cache = random_cache(4, 40, (16, 2, 64), dtype)
-    gpu_cache = [(k.cuda(), v.cuda()) for k, v in cpu_cache]
+    cpu_cache = random_cache(4, 40, (16, 2, 64), dtype)  # a tensor a layer: one copy a layer
+    gpu_cache = random_cache(4, 40, (16, 2, 64), dtype, "cuda", stacked=True)  # one allocation, as the engine's
+    gpu_cache = [(k.copy_(ck), v.copy_(cv)) for (k, v), (ck, cv) in zip(gpu_cache, cpu_cache, strict=True)]
     cpu = HostKVPool(cpu_cache, 24, torch.device("cpu"))
     block_bytes = cpu.block_bytes
     gpu = HostKVPool(gpu_cache, 24, torch.device("cuda"), staging_bytes=3 * block_bytes)  # chunks of 3 blocks

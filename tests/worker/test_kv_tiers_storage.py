@@ -27,9 +27,19 @@ def digest(block_hash: int) -> bytes:
 
 
 def random_cache(
-    num_layers: int, num_blocks: int, shape: tuple[int, int, int], dtype: torch.dtype, device: str = "cpu"
+    num_layers: int,
+    num_blocks: int,
+    shape: tuple[int, int, int],
+    dtype: torch.dtype,
+    device: str = "cpu",
+    stacked: bool = False,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (keys, values) of random values; `stacked`: views of one allocation, layer after layer, as
+    the engine allocates them (one copy moves a block of every layer), else a tensor each."""
     gen = torch.Generator().manual_seed(num_layers * 100 + num_blocks)
+    if stacked:
+        flat = torch.randn((2 * num_layers, num_blocks, *shape), generator=gen).to(dtype).to(device)
+        return [(flat[2 * i], flat[2 * i + 1]) for i in range(num_layers)]
 
     def one() -> torch.Tensor:
         values = torch.randn((num_blocks, *shape), generator=gen).to(dtype)
@@ -38,9 +48,10 @@ def random_cache(
     return [(one(), one()) for _ in range(num_layers)]
 
 
+@pytest.mark.parametrize("stacked", [False, True], ids=["a tensor a layer", "one allocation"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
-def test_blocks_go_to_host_and_come_back_whole(dtype: torch.dtype) -> None:
-    cache = random_cache(3, 11, (5, 2, 6), dtype)
+def test_blocks_go_to_host_and_come_back_whole(dtype: torch.dtype, stacked: bool) -> None:
+    cache = random_cache(3, 11, (5, 2, 6), dtype, stacked=stacked)  # rows of 24, 12 and 6 bytes
     want = [(k.clone(), v.clone()) for k, v in cache]
     pool = HostKVPool(cache, num_slots=7, device=torch.device("cpu"))
     assert pool.block_bytes == 2 * 3 * 5 * 2 * 6 * torch.empty((), dtype=dtype).element_size()
@@ -86,6 +97,8 @@ def test_a_written_block_reads_back_into_another_slot(tmp_path: Path) -> None:
     [
         (lambda b: b[:-1] + bytes([b[-1] ^ 1]), "checksum"),
         (lambda b: b[:-5], "truncated"),
+        (lambda b: b[:10], "truncated"),  # within the header
+        (lambda b: b"", "truncated"),
         (lambda b: b + b"x", "longer than a block"),
         (lambda b: b[:20] + bytes([b[20] ^ 1]) + b[21:], "header's checksum"),
         (lambda b: b"JUNK" + b[4:], "not a KV block file"),
@@ -100,6 +113,35 @@ def test_a_damaged_file_is_refused_with_a_warning(tmp_path: Path, caplog, damage
     with caplog.at_level(logging.WARNING, logger="asyncllm"):
         assert store.load([(7, 3, digest(7))]) == [False]
     assert warning in caplog.text
+    store.close()
+
+
+def test_a_directory_in_a_files_place_is_refused_with_a_warning(tmp_path: Path, caplog) -> None:
+    _, store = _store(tmp_path)
+    store.write([(7, 1, digest(7))], None)
+    _written(store, 1)
+    path = next(tmp_path.glob("*.kvb"))
+    path.unlink()
+    path.mkdir()
+    with caplog.at_level(logging.WARNING, logger="asyncllm"):
+        assert store.load([(7, 3, digest(7))]) == [False]
+    assert "unreadable" in caplog.text
+    store.close()
+
+
+@pytest.mark.parametrize("cut", [0, 5], ids=["whole", "truncated"])
+def test_reads_without_preadv_read_the_same(tmp_path: Path, monkeypatch, cut: int) -> None:
+    """Where the platform has no `preadv`, a file is read a buffer at a time: the same blocks, the same refusals."""
+    pool, store = _store(tmp_path)
+    store.write([(7, 1, digest(7))], None)
+    _written(store, 1)
+    if cut:
+        path = next(tmp_path.glob("*.kvb"))
+        path.write_bytes(path.read_bytes()[:-cut])
+    monkeypatch.delattr("os.preadv", raising=False)
+    assert store.load([(7, 3, digest(7))]) == [not cut]
+    if not cut:
+        assert torch.equal(pool.slot(3), pool.slot(1))
     store.close()
 
 

@@ -66,7 +66,8 @@ def cpu_kv_blocks(
 def allocate_kv_cache(
     spec: KVCacheSpec, num_blocks: int, device: torch.device
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer (key, value), each [num_blocks, block_size, num_kv_heads, head_dim].
+    """Per layer (key, value), each [num_blocks, block_size, num_kv_heads, head_dim]: views of one allocation,
+    layer after layer.
 
     Zero-filled: the torch reference reads padded rows under a mask, and 0 * NaN from garbage memory would
     still poison the result. On CPU the zeros are an anonymous mapping's: the kernel backs a page only when it
@@ -76,13 +77,10 @@ def allocate_kv_cache(
     shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
     if device.type == "cpu":
         return _zero_pages_cache(spec, shape)
-    return [
-        (
-            torch.zeros(shape, dtype=spec.dtype, device=device),
-            torch.zeros(shape, dtype=spec.dtype, device=device),
-        )
-        for _ in range(spec.num_layers)
-    ]
+    # One allocation for every layer, as on CPU: the host tier moves a block of every layer in one strided copy
+    # (kv_host.py), not one launch a layer.
+    flat = torch.zeros((2 * spec.num_layers, *shape), dtype=spec.dtype, device=device)
+    return [(flat[2 * i], flat[2 * i + 1]) for i in range(spec.num_layers)]
 
 
 def _zero_pages_cache(spec: KVCacheSpec, shape: tuple[int, int, int, int]) -> list[tuple[torch.Tensor, torch.Tensor]]:

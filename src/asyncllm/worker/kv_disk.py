@@ -20,6 +20,7 @@ it), other engines' files counted too (rescanned every `_RESCAN_WRITES` writes).
 from __future__ import annotations
 
 import contextlib
+import io
 import itertools
 import logging
 import os
@@ -47,8 +48,11 @@ _NAME = re.compile(r"^[0-9a-f]{16}\.kvb$")
 _RESCAN_WRITES = 1024
 _STALE_TEMP_S = 600.0  # a temporary file this old was left by a writer that died
 # Reads (page cache or disk into pinned slots) and their xxh3 checks release the GIL: they scale with cores,
-# and a returning 8K-token history of an 8B model is over a gigabyte.
-_LOAD_THREADS = max(4, min(16, os.cpu_count() or 4))
+# and a returning 8K-token history of an 8B model is over a gigabyte. At most 8: on a 16-core H100 machine, 8
+# read 1.2 GB alone as fast as 16 (23-30 against 20-27 GB/s), and 16 slowed the step thread's restores beside
+# them several times over (bench/RESULTS.md, the tenth session).
+_LOAD_THREADS = max(2, min(8, os.cpu_count() or 4))
+_UTIME_FD = os.utime in os.supports_fd
 _temp_names = itertools.count()
 
 
@@ -59,7 +63,7 @@ class DiskKVStore:
         fingerprint: bytes,
         pool: HostKVPool,
         capacity_bytes: int,
-        load_threads: int | None = None,  # None: one a core, 4 to 16
+        load_threads: int | None = None,  # None: one a core, 2 to 8
     ) -> None:
         assert len(fingerprint) == 16
         self.directory = directory
@@ -181,28 +185,39 @@ class DiskKVStore:
         return self._load_one(block_hash, slot, digest)
 
     def _load_one(self, block_hash: int, slot: int, digest: bytes) -> bool:
+        # Few system calls and no file object: each call gives the GIL up and takes it back, and the step
+        # thread beside the readers waits for every take (measured: a restart's reads ran at a third of their
+        # speed alone).
         path = self._path(block_hash)
         target = self._pool.slot(slot).numpy()
+        head = bytearray(_HEADER.size + _HEADER_SUM.size)
+        extra = bytearray(1)  # a byte past the payload: the file is longer than a block
         problem = None
         try:
-            with open(path, "rb") as f:
-                head = f.read(_HEADER.size + _HEADER_SUM.size)
-                problem, payload_sum = self._check_header(head, block_hash, digest)
-                if problem is None:
-                    n = f.readinto(target.data.cast("B"))
-                    if n != target.nbytes or f.read(1):
-                        problem = "truncated" if n != target.nbytes else "longer than a block"
-                    elif xxhash.xxh3_64_intdigest(target.data) != payload_sum:
-                        problem = "its checksum does not match its bytes"
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
         except FileNotFoundError:
             return False  # never written, or evicted since: recomputed, nothing to warn about
         except OSError as exc:
             problem = f"unreadable: {exc}"
+        else:
+            try:
+                n = _read_into(fd, [head, target.data.cast("B"), extra])
+                problem, payload_sum = self._check_header(bytes(head[: min(n, len(head))]), block_hash, digest)
+                body = n - len(head)
+                if problem is None and body != target.nbytes:
+                    problem = "truncated" if body < target.nbytes else "longer than a block"
+                elif problem is None and xxhash.xxh3_64_intdigest(target.data) != payload_sum:
+                    problem = "its checksum does not match its bytes"
+                if problem is None:
+                    with contextlib.suppress(OSError):
+                        os.utime(fd if _UTIME_FD else path)  # recently used: the last to be evicted
+            except OSError as exc:
+                problem = f"unreadable: {exc}"
+            finally:
+                os.close(fd)
         if problem is not None:
             logger.warning("KV cache file %s ignored (%s): its block is recomputed", path, problem)
             return False
-        with contextlib.suppress(OSError):
-            os.utime(path)  # recently used: the last to be evicted
         with self._cond:
             if block_hash in self._files:
                 self._files.move_to_end(block_hash)
@@ -263,6 +278,27 @@ class DiskKVStore:
             self._total -= size
             evicted.append(self._path(block_hash))
         return evicted
+
+
+def _read_into(fd: int, buffers: list[bytearray | memoryview]) -> int:
+    """Fill `buffers` in order from the start of the file `fd` until they are full or the file ends (one
+    `preadv` where there is one); the bytes read."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    done = 0
+    while views:
+        if hasattr(os, "preadv"):
+            n = os.preadv(fd, views, done)
+        else:  # one buffer a call, from the file's position (its start, then where the last read stopped)
+            n = io.FileIO(fd, closefd=False).readinto(views[0]) or 0
+        if n == 0:
+            break
+        done += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+    return done
 
 
 def _unlink(paths: list[Path]) -> None:

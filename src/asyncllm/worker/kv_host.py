@@ -31,6 +31,9 @@ class HostKVPool:
     def __init__(self, caches: KVCaches, num_slots: int, device: torch.device, staging_bytes: int = 64 << 20) -> None:
         # Every layer's keys and values as bytes: [num_blocks, block_size, Hkv, D * element size] each.
         self.layers = [t.view(torch.uint8) for kv in caches for t in kv]
+        # [2L, num_blocks, bs, Hkv, D bytes] over all of them where they are views of one allocation (kv_cache.py's):
+        # a block of every layer then moves in one launch, not one a layer.
+        self._stacked = _stacked(self.layers)
         self.block_shape = (len(self.layers), *self.layers[0].shape[1:])  # [2L, bs, Hkv, D bytes]
         self.block_bytes = self.layers[0][0].numel() * len(self.layers)
         self.device = device
@@ -107,7 +110,7 @@ class HostKVPool:
             for chunk in _chunks(pairs, self._staging.shape[0]):
                 n = len(chunk)
                 ids = to_device([b for b, _ in chunk], torch.int64, self.device)
-                torch.stack([t.index_select(0, ids) for t in self.layers], dim=1, out=self._staging[:n])
+                self._gather_into(ids, self._staging[:n])
                 for slot, i, run in _runs([s for _, s in chunk]):
                     self.host[slot : slot + run].copy_(self._staging[i : i + run], non_blocking=True)
 
@@ -145,11 +148,53 @@ class HostKVPool:
             self._registered = False
 
     def _gather(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.stack([t.index_select(0, ids) for t in self.layers], dim=1)  # [n, 2L, bs, Hkv, D bytes]
+        """The blocks `ids` of every layer, [n, 2L, bs, Hkv, D bytes]."""
+        if self._stacked is not None:
+            return self._stacked.index_select(1, ids).transpose(0, 1)
+        return torch.stack([t.index_select(0, ids) for t in self.layers], dim=1)
+
+    def _gather_into(self, ids: torch.Tensor, out: torch.Tensor) -> None:
+        if self._stacked is not None:
+            out.copy_(self._gather(ids))
+        else:
+            torch.stack([t.index_select(0, ids) for t in self.layers], dim=1, out=out)
 
     def _scatter(self, ids: torch.Tensor, blocks: torch.Tensor) -> None:
+        """`blocks` ([n, 2L, bs, Hkv, D bytes]) into the blocks `ids` of every layer."""
+        if self._stacked is not None:
+            _wide(self._stacked).index_copy_(1, ids, _wide(blocks.transpose(0, 1)))
+            return
         for j, t in enumerate(self.layers):
             t.index_copy_(0, ids, blocks[:, j])
+
+
+def _stacked(layers: list[torch.Tensor]) -> torch.Tensor | None:
+    """The layers' byte views as one [2L, num_blocks, ...] view where each is contiguous and they sit at one
+    spacing in one allocation; None otherwise (the copies then take one launch a layer)."""
+    first = layers[0]
+    storage = first.untyped_storage().data_ptr()
+    spacing = layers[1].data_ptr() - first.data_ptr() if len(layers) > 1 else first.numel()
+    for i, t in enumerate(layers):
+        if not t.is_contiguous() or t.shape != first.shape or t.untyped_storage().data_ptr() != storage:
+            return None
+        if t.data_ptr() - first.data_ptr() != i * spacing:
+            return None
+    if spacing < first.numel():
+        return None
+    return first.as_strided((len(layers), *first.shape), (spacing, *first.stride()))
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """Bytes viewed 8 at a time where they can be (a row of whole, aligned words): index_copy_ then moves an
+    eighth of the elements."""
+    if (
+        t.shape[-1] % 8 == 0
+        and t.stride(-1) == 1
+        and t.data_ptr() % 8 == 0
+        and all(s % 8 == 0 for s in t.stride()[:-1])
+    ):
+        return t.view(torch.int64)
+    return t
 
 
 def _pin(host: torch.Tensor) -> bool:
