@@ -19,13 +19,9 @@ it), other engines' files counted too (rescanned every `_RESCAN_WRITES` writes).
 
 from __future__ import annotations
 
-import contextlib
-import io
 import itertools
 import logging
 import os
-import re
-import struct
 import threading
 import time
 from collections import OrderedDict
@@ -33,18 +29,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-import xxhash
 
+from asyncllm.worker import kv_file
 from asyncllm.worker.kv_host import HostKVPool
 
 logger = logging.getLogger(__name__)
 
-_MAGIC = b"AKVB"
-_VERSION = 2  # 2: the prefix digest (version 1 files are ignored, with a warning)
-# magic, version, fingerprint, block hash, payload bytes, payload xxh3-64, prefix digest
-_HEADER = struct.Struct("<4sI16sQQQ16s")
-_HEADER_SUM = struct.Struct("<Q")  # xxh3-64 of the header before it
-_NAME = re.compile(r"^[0-9a-f]{16}\.kvb$")
 _RESCAN_WRITES = 1024
 _STALE_TEMP_S = 600.0  # a temporary file this old was left by a writer that died
 # Reads (page cache or disk into pinned slots) and their xxh3 checks release the GIL: they scale with cores,
@@ -52,7 +42,6 @@ _STALE_TEMP_S = 600.0  # a temporary file this old was left by a writer that die
 # read 1.2 GB alone as fast as 16 (23-30 against 20-27 GB/s), and 16 slowed the step thread's restores beside
 # them several times over (bench/RESULTS.md, the tenth session).
 _LOAD_THREADS = max(2, min(8, os.cpu_count() or 4))
-_UTIME_FD = os.utime in os.supports_fd
 _temp_names = itertools.count()
 
 
@@ -70,7 +59,7 @@ class DiskKVStore:
         directory.mkdir(parents=True, exist_ok=True)
         self.fingerprint = fingerprint
         self._pool = pool
-        self.file_bytes = _HEADER.size + _HEADER_SUM.size + pool.block_bytes
+        self.file_bytes = kv_file.HEADER_BYTES + pool.block_bytes
         self.capacity_bytes = capacity_bytes
         self._files: OrderedDict[int, int] = OrderedDict()  # block hash -> file size, oldest first
         self._total = 0
@@ -146,10 +135,8 @@ class DiskKVStore:
 
     def _write_file(self, block_hash: int, digest: bytes, slot: torch.Tensor) -> None:
         payload = slot.numpy()  # the pinned slot's bytes, no copy
-        payload_sum = xxhash.xxh3_64_intdigest(payload.data)
-        header = _HEADER.pack(_MAGIC, _VERSION, self.fingerprint, block_hash, payload.nbytes, payload_sum, digest)
-        header += _HEADER_SUM.pack(xxhash.xxh3_64_intdigest(header))
-        final = self._path(block_hash)
+        header = kv_file.header(self.fingerprint, block_hash, payload.data, digest)
+        final = kv_file.path_of(self.directory, block_hash)
         temp = self.directory / f".{block_hash:016x}.{os.getpid()}.{threading.get_ident()}.{next(_temp_names)}.tmp"
         try:
             with open(temp, "wb") as f:
@@ -185,36 +172,14 @@ class DiskKVStore:
         return self._load_one(block_hash, slot, digest)
 
     def _load_one(self, block_hash: int, slot: int, digest: bytes) -> bool:
-        # Few system calls and no file object: each call gives the GIL up and takes it back, and the step
-        # thread beside the readers waits for every take (measured: a restart's reads ran at a third of their
-        # speed alone).
-        path = self._path(block_hash)
-        target = self._pool.slot(slot).numpy()
-        head = bytearray(_HEADER.size + _HEADER_SUM.size)
-        extra = bytearray(1)  # a byte past the payload: the file is longer than a block
-        problem = None
-        try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
-        except FileNotFoundError:
+        path = kv_file.path_of(self.directory, block_hash)
+        problem = kv_file.read_block(path, self._pool.slot(slot).numpy().data, self.fingerprint, block_hash, digest)
+        return self._loaded(block_hash, path, problem)
+
+    def _loaded(self, block_hash: int, path: Path, problem: str | None) -> bool:
+        """Whether a read's block arrived intact (`kv_file.read_block`'s verdict), warned of when it did not."""
+        if problem == kv_file.MISSING:
             return False  # never written, or evicted since: recomputed, nothing to warn about
-        except OSError as exc:
-            problem = f"unreadable: {exc}"
-        else:
-            try:
-                n = _read_into(fd, [head, target.data.cast("B"), extra])
-                problem, payload_sum = self._check_header(bytes(head[: min(n, len(head))]), block_hash, digest)
-                body = n - len(head)
-                if problem is None and body != target.nbytes:
-                    problem = "truncated" if body < target.nbytes else "longer than a block"
-                elif problem is None and xxhash.xxh3_64_intdigest(target.data) != payload_sum:
-                    problem = "its checksum does not match its bytes"
-                if problem is None:
-                    with contextlib.suppress(OSError):
-                        os.utime(fd if _UTIME_FD else path)  # recently used: the last to be evicted
-            except OSError as exc:
-                problem = f"unreadable: {exc}"
-            finally:
-                os.close(fd)
         if problem is not None:
             logger.warning("KV cache file %s ignored (%s): its block is recomputed", path, problem)
             return False
@@ -223,32 +188,7 @@ class DiskKVStore:
                 self._files.move_to_end(block_hash)
         return True
 
-    def _check_header(self, head: bytes, block_hash: int, digest: bytes) -> tuple[str | None, int]:
-        """(what is wrong with a file's header, or None; the payload's checksum it gives)."""
-        if len(head) < _HEADER.size + _HEADER_SUM.size:
-            return "truncated", 0
-        if head[:4] != _MAGIC:
-            return "not a KV block file", 0
-        version = struct.unpack_from("<I", head, 4)[0]
-        if version != _VERSION:  # another layout: nothing past the version is read
-            return f"format version {version}, not {_VERSION}", 0
-        _, _, fingerprint, found_hash, size, payload_sum, found_digest = _HEADER.unpack_from(head)
-        if _HEADER_SUM.unpack_from(head, _HEADER.size)[0] != xxhash.xxh3_64_intdigest(head[: _HEADER.size]):
-            return "its header's checksum does not match", 0
-        if fingerprint != self.fingerprint:
-            return "written for another model or settings", 0
-        if found_hash != block_hash:
-            return f"it holds block {found_hash:016x}", 0
-        if size != self._pool.block_bytes:
-            return f"a block of {size} bytes, not {self._pool.block_bytes}", 0
-        if found_digest != digest:
-            return "it holds another prefix's KV under the same 64-bit hash", 0
-        return None, payload_sum
-
     # ------------------------------------------------------------------ the directory
-    def _path(self, block_hash: int) -> Path:
-        return self.directory / f"{block_hash:016x}.kvb"
-
     def _rescan(self) -> None:
         """What is on disk now (other engines write here too), oldest first; stale temporary files removed."""
         found: list[tuple[float, int, int]] = []
@@ -259,7 +199,7 @@ class DiskKVStore:
                     stat = entry.stat()
                 except OSError:
                     continue  # removed meanwhile
-                if _NAME.match(entry.name):
+                if kv_file.NAME.match(entry.name):
                     found.append((stat.st_mtime, int(entry.name[:16], 16), stat.st_size))
                 elif entry.name.endswith(".tmp") and now - stat.st_mtime > _STALE_TEMP_S:
                     Path(entry.path).unlink(missing_ok=True)
@@ -276,29 +216,8 @@ class DiskKVStore:
         while self._total > self.capacity_bytes and self._files:
             block_hash, size = self._files.popitem(last=False)
             self._total -= size
-            evicted.append(self._path(block_hash))
+            evicted.append(kv_file.path_of(self.directory, block_hash))
         return evicted
-
-
-def _read_into(fd: int, buffers: list[bytearray | memoryview]) -> int:
-    """Fill `buffers` in order from the start of the file `fd` until they are full or the file ends (one
-    `preadv` where there is one); the bytes read."""
-    views = [memoryview(b).cast("B") for b in buffers]
-    done = 0
-    while views:
-        if hasattr(os, "preadv"):
-            n = os.preadv(fd, views, done)
-        else:  # one buffer a call, from the file's position (its start, then where the last read stopped)
-            n = io.FileIO(fd, closefd=False).readinto(views[0]) or 0
-        if n == 0:
-            break
-        done += n
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
-    return done
 
 
 def _unlink(paths: list[Path]) -> None:
