@@ -1,7 +1,7 @@
 """Where a disk-tier restore's time goes (issue 44), for bench/kv_tiers.py's `--trace`: wraps the worker's KV tier
 methods in this process (the engine's step thread runs here) and records, on one clock, each step's tier work,
-each disk read, each restore's copies on the device and each forward pass. A profiling aid that reaches into the
-worker's classes on purpose: it is not an interface, and tests do not use it.
+each disk read as it arrives, each restore's copies on the device and each forward pass. A profiling aid that
+reaches into the worker's classes on purpose: it is not an interface, and tests do not use it.
 
 `install()` once before the engine starts; `timeline(t0)` after the request: the events since `t0` (seconds, from
 `time.perf_counter`) as compact rows; `uninstall()` puts the worker's methods back and forgets the events.
@@ -33,7 +33,7 @@ def install() -> None:
 
     for cls, name in (
         (kv_tiers.WorkerKVTiers, "before_forward"),
-        (kv_disk.DiskKVStore, "_load_one"),
+        (kv_disk.DiskKVStore, "_loaded"),
         (kv_host.HostKVPool, "to_device"),
         (model_runner.ModelRunner, "submit"),
     ):
@@ -56,16 +56,15 @@ def install() -> None:
 
     kv_tiers.WorkerKVTiers.before_forward = before_forward  # type: ignore[method-assign]
 
-    load_one = kv_disk.DiskKVStore._load_one
+    loaded = kv_disk.DiskKVStore._loaded
 
-    @functools.wraps(load_one)
-    def _load_one(self: Any, block_hash: int, slot: int, digest: bytes) -> bool:
-        t = time.perf_counter()
-        ok = load_one(self, block_hash, slot, digest)
-        _note("read", f"{1e3 * (time.perf_counter() - t):.2f}ms ok={ok}", t)
+    @functools.wraps(loaded)
+    def _loaded(self: Any, block_hash: int, path: Any, problem: Any) -> bool:
+        ok = loaded(self, block_hash, path, problem)  # a read's verdict, as it reaches the engine (either reader)
+        _note("read", f"ok={ok}")
         return ok
 
-    kv_disk.DiskKVStore._load_one = _load_one  # type: ignore[method-assign]
+    kv_disk.DiskKVStore._loaded = _loaded  # type: ignore[method-assign]
 
     to_device = kv_host.HostKVPool.to_device
 
@@ -109,22 +108,19 @@ def install() -> None:
 
 
 def timeline(t0: float) -> list[str]:
-    """The events since `t0`, as rows "+ms what detail"; disk reads folded into first/last/count."""
+    """The events since `t0`, as rows "+ms what detail"; the disk reads' arrivals folded into quartiles."""
     import torch
 
     rows: list[tuple[float, str]] = []
     with _lock:
         events = [e for e in _events if e[0] >= t0]
         gpu = list(_pending_gpu)
-    reads = [e for e in events if e[1] == "read"]
-    if reads:
-        first, last = min(e[0] for e in reads), max(e[0] for e in reads)
-        rows.append((first, f"reads: {len(reads)} started from here to +{1e3 * (last - t0):.1f}ms"))
-        ends = sorted(e[0] + float(e[2].split("ms")[0]) / 1e3 for e in reads)
-        took = sorted(float(e[2].split("ms")[0]) for e in reads)
+    arrived = sorted(e[0] for e in events if e[1] == "read")
+    if arrived:
+        rows.append((arrived[0], f"reads: the first of {len(arrived)} in"))
         for q in (0.25, 0.5, 0.75):
-            rows.append((ends[int(q * (len(ends) - 1))], f"reads: {q:.0%} finished"))
-        rows.append((ends[-1], f"reads: the last finished (a read's median {took[len(took) // 2]:.2f}ms)"))
+            rows.append((arrived[int(q * (len(arrived) - 1))], f"reads: {q:.0%} in"))
+        rows.append((arrived[-1], "reads: the last in"))
     rows += [(t, f"{what} {detail}") for t, what, detail in events if what != "read"]
     if gpu and _base:
         torch.cuda.synchronize()

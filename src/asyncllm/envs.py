@@ -82,6 +82,13 @@ class CpuNative(str, enum.Enum):
     OFF = "off"  # never: torch's eager ops between the projections (the twin)
 
 
+class KvDiskReader(str, enum.Enum):
+    """Where the disk tier's reads run (`KV_DISK_READER`)."""
+
+    PROCESS = "process"  # a process of their own over the host slots' shared memory (Linux), else threads
+    THREADS = "threads"  # threads of the engine's process, beside the step thread under one GIL
+
+
 DEAD_ENGINE_JOIN_S: EnvVar[float] = EnvVar(
     "ASYNCLLM_DEAD_ENGINE_JOIN_S",
     6.0,
@@ -280,8 +287,16 @@ KV_DISK_LOAD_THREADS: EnvVar[int | None] = EnvVar(
     "ASYNCLLM_KV_DISK_LOAD_THREADS",
     None,
     positive_or_auto,
-    "threads that read the disk tier's files into host slots (auto: one a core, 2 to 8); the reads hold the "
-    "GIL between system calls, so more threads can slow the step thread beside them",
+    "threads that read the disk tier's files into host slots (auto: one a core, 2 to 8), in the reader process "
+    "or the engine's (ASYNCLLM_KV_DISK_READER)",
+)
+KV_DISK_READER: EnvVar[KvDiskReader] = EnvVar(
+    "ASYNCLLM_KV_DISK_READER",
+    KvDiskReader.PROCESS,
+    one_of(KvDiskReader),
+    "where the disk tier's reads run: process (a process of their own over the host slots' shared memory, on "
+    "Linux; elsewhere threads) or threads (of the engine's process, whose GIL they then share with the step "
+    "thread: on an H100 machine a restart's reads ran at half their speed)",
 )
 KV_RESTORE_MIB_PER_STEP: EnvVar[int] = EnvVar(
     "ASYNCLLM_KV_RESTORE_MIB_PER_STEP",
@@ -324,6 +339,7 @@ ALL: tuple[EnvVar[Any], ...] = (  # every variable, for docs/tuning.md's table a
     KV_DISK_GIB,
     KV_DISK_LOADS_PER_STEP,
     KV_DISK_LOAD_THREADS,
+    KV_DISK_READER,
     KV_RESTORE_MIB_PER_STEP,
     TUNING_CACHE,
 )

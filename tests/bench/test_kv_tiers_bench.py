@@ -39,6 +39,6 @@ def test_the_restart_trace_shows_reads_restores_and_the_forward_pass(kv_tiers: M
     kv_tiers.measure(args, "disk_cold")
     warm = kv_tiers.measure(args, "disk_warm")
     trace = "\n".join(warm["trace"])
-    assert "reads: the last finished" in trace and "restore" in trace and "forward rows=1" in trace, trace
+    assert "reads: the last in" in trace and "restore" in trace and "forward rows=1" in trace, trace
     assert WorkerKVTiers.before_forward is untraced  # the trace put the worker's methods back
     assert warm["disk_hit_tokens"] > 0

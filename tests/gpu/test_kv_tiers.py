@@ -21,8 +21,9 @@ pytestmark = [
 ]
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["private", "shared (the disk reader's)"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
-def test_side_stream_copies_equal_the_cpu_twin(dtype: torch.dtype) -> None:
+def test_side_stream_copies_equal_the_cpu_twin(dtype: torch.dtype, shared: bool) -> None:
     from asyncllm.worker.kv_host import HostKVPool
 
     cpu_cache = random_cache(4, 40, (16, 2, 64), dtype)  # a tensor a layer: one copy a layer
@@ -30,8 +31,9 @@ def test_side_stream_copies_equal_the_cpu_twin(dtype: torch.dtype) -> None:
     gpu_cache = [(k.copy_(ck), v.copy_(cv)) for (k, v), (ck, cv) in zip(gpu_cache, cpu_cache, strict=True)]
     cpu = HostKVPool(cpu_cache, 24, torch.device("cpu"))
     block_bytes = cpu.block_bytes
-    gpu = HostKVPool(gpu_cache, 24, torch.device("cuda"), staging_bytes=3 * block_bytes)  # chunks of 3 blocks
+    gpu = HostKVPool(gpu_cache, 24, torch.device("cuda"), staging_bytes=3 * block_bytes, shared=shared)  # chunks of 3
     assert gpu.host.is_pinned()
+    assert (gpu.shared_fd is not None) == shared  # the shared memory pinned as well
     rng = random.Random(0)
     blocks = rng.sample(range(40), 20)
     slots = [*range(5, 13), *rng.sample(range(13, 24), 6), 0, 2, 1, 4, 3, 19]  # runs and scattered slots

@@ -7,8 +7,11 @@ out, a read counting as use), and drops or waits for a pending write when its sl
 from __future__ import annotations
 
 import logging
+import os
 import random
+import signal
 import struct
+import threading
 import time
 from pathlib import Path
 
@@ -65,11 +68,23 @@ def test_blocks_go_to_host_and_come_back_whole(dtype: torch.dtype, stacked: bool
             assert torch.equal(v[dst].view(torch.uint8), wv[src].view(torch.uint8))
 
 
-def _store(tmp_path: Path, capacity_blocks: int = 100) -> tuple[HostKVPool, DiskKVStore]:
-    pool = HostKVPool(random_cache(2, 6, (4, 2, 8), torch.float32), num_slots=4, device=torch.device("cpu"))
+@pytest.fixture(params=[False, True], ids=["threads", "reader process"])
+def shared(request) -> bool:
+    """Where the store reads: on threads of this process, or in its reader process over the slots' shared
+    memory (Linux)."""
+    if request.param and not hasattr(os, "memfd_create"):
+        pytest.skip("the reader process needs memfd_create (Linux)")
+    return request.param
+
+
+def _store(tmp_path: Path, capacity_blocks: int = 100, shared: bool = False) -> tuple[HostKVPool, DiskKVStore]:
+    cache = random_cache(2, 6, (4, 2, 8), torch.float32)
+    pool = HostKVPool(cache, num_slots=4, device=torch.device("cpu"), shared=shared)
     pool.to_host([(0, 0), (1, 1), (2, 2), (3, 3)])
     file_bytes = 72 + pool.block_bytes  # a 72-byte header
-    return pool, DiskKVStore(tmp_path, FINGERPRINT, pool, capacity_blocks * file_bytes)
+    store = DiskKVStore(tmp_path, FINGERPRINT, pool, capacity_blocks * file_bytes)
+    assert (store.reader_pid is not None) == shared
+    return pool, store
 
 
 def _written(store: DiskKVStore, count: int) -> None:
@@ -78,8 +93,8 @@ def _written(store: DiskKVStore, count: int) -> None:
         time.sleep(0.01)
 
 
-def test_a_written_block_reads_back_into_another_slot(tmp_path: Path) -> None:
-    pool, store = _store(tmp_path)
+def test_a_written_block_reads_back_into_another_slot(tmp_path: Path, shared: bool) -> None:
+    pool, store = _store(tmp_path, shared=shared)
     store.write([(0xDEAD, 1, digest(0xDEAD)), (2**64 - 1, 2, digest(2**64 - 1))], None)
     _written(store, 2)
     loads = [(0xDEAD, 3, digest(0xDEAD)), (2**64 - 1, 0, digest(2**64 - 1)), (0xBEEF, 0, digest(0xBEEF))]
@@ -104,8 +119,8 @@ def test_a_written_block_reads_back_into_another_slot(tmp_path: Path) -> None:
         (lambda b: b"JUNK" + b[4:], "not a KV block file"),
     ],
 )
-def test_a_damaged_file_is_refused_with_a_warning(tmp_path: Path, caplog, damage, warning: str) -> None:
-    _, store = _store(tmp_path)
+def test_a_damaged_file_is_refused_with_a_warning(tmp_path: Path, caplog, damage, warning: str, shared: bool) -> None:
+    _, store = _store(tmp_path, shared=shared)
     store.write([(7, 1, digest(7))], None)
     _written(store, 1)
     path = next(tmp_path.glob("*.kvb"))
@@ -116,8 +131,8 @@ def test_a_damaged_file_is_refused_with_a_warning(tmp_path: Path, caplog, damage
     store.close()
 
 
-def test_a_directory_in_a_files_place_is_refused_with_a_warning(tmp_path: Path, caplog) -> None:
-    _, store = _store(tmp_path)
+def test_a_directory_in_a_files_place_is_refused_with_a_warning(tmp_path: Path, caplog, shared: bool) -> None:
+    _, store = _store(tmp_path, shared=shared)
     store.write([(7, 1, digest(7))], None)
     _written(store, 1)
     path = next(tmp_path.glob("*.kvb"))
@@ -145,8 +160,40 @@ def test_reads_without_preadv_read_the_same(tmp_path: Path, monkeypatch, cut: in
     store.close()
 
 
-def test_another_engines_file_is_refused(tmp_path: Path, caplog) -> None:
-    pool, store = _store(tmp_path)
+class _Gate:
+    """A stand-in for the CUDA event `load_async` waits on: fires when the test opens it."""
+
+    def __init__(self) -> None:
+        self.open = threading.Event()
+
+    def synchronize(self) -> None:
+        self.open.wait(10)
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the reader process needs memfd_create (Linux)")
+def test_a_dead_reader_process_leaves_misses_and_threads_read_on(tmp_path: Path, caplog) -> None:
+    """Reads sent to a reader process that died are misses (their blocks recomputed), with a warning; later
+    reads run on this process's threads and find the blocks."""
+    pool, store = _store(tmp_path, shared=True)
+    store.write([(7, 1, digest(7))], None)
+    _written(store, 1)
+    gate = _Gate()
+    with caplog.at_level(logging.WARNING, logger="asyncllm"):
+        waiting = store.load_async([(7, 3, digest(7))], gate)  # type: ignore[arg-type]
+        pid = store.reader_pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        gate.open.set()
+        assert [f.result(timeout=10) for f in waiting] == [False]
+    assert "reader process exited" in caplog.text
+    assert store.reader_pid is None
+    assert store.load([(7, 3, digest(7))]) == [True]
+    assert torch.equal(pool.slot(3), pool.slot(1))
+    store.close()
+
+
+def test_another_engines_file_is_refused(tmp_path: Path, caplog, shared: bool) -> None:
+    pool, store = _store(tmp_path, shared=shared)
     store.write([(7, 1, digest(7))], None)
     _written(store, 1)
     store.close()
@@ -157,8 +204,8 @@ def test_another_engines_file_is_refused(tmp_path: Path, caplog) -> None:
     other.close()
 
 
-def test_the_directory_keeps_its_size_oldest_out(tmp_path: Path) -> None:
-    _, store = _store(tmp_path, capacity_blocks=3)
+def test_the_directory_keeps_its_size_oldest_out(tmp_path: Path, shared: bool) -> None:
+    _, store = _store(tmp_path, capacity_blocks=3, shared=shared)
     for h in (1, 2, 3):
         store.write([(h, h % 4, digest(h))], None)
         _written(store, h)
@@ -174,8 +221,8 @@ def test_the_directory_keeps_its_size_oldest_out(tmp_path: Path) -> None:
     store.close()
 
 
-def test_a_slot_about_to_be_reused_drops_its_pending_write(tmp_path: Path) -> None:
-    pool, store = _store(tmp_path)
+def test_a_slot_about_to_be_reused_drops_its_pending_write(tmp_path: Path, shared: bool) -> None:
+    pool, store = _store(tmp_path, shared=shared)
     rng = random.Random(0)
     for _ in range(50):  # whichever way each race goes, a file holds the bytes its slot held when written
         slot = rng.randrange(4)
@@ -189,10 +236,10 @@ def test_a_slot_about_to_be_reused_drops_its_pending_write(tmp_path: Path) -> No
     store.close()
 
 
-def test_a_file_of_another_prefix_under_the_same_hash_is_refused(tmp_path: Path, caplog) -> None:
+def test_a_file_of_another_prefix_under_the_same_hash_is_refused(tmp_path: Path, caplog, shared: bool) -> None:
     """Regression (issue 44 review): a read trusted the 64-bit block hash in the file's name and header. A file
     well formed in every other way, but written for another prefix of that hash, is now a miss with a warning."""
-    pool, store = _store(tmp_path)
+    pool, store = _store(tmp_path, shared=shared)
     store.write([(7, 1, digest(7))], None)
     _written(store, 1)
     with caplog.at_level(logging.WARNING, logger="asyncllm"):
@@ -202,9 +249,9 @@ def test_a_file_of_another_prefix_under_the_same_hash_is_refused(tmp_path: Path,
     store.close()
 
 
-def test_a_file_of_an_older_format_is_refused(tmp_path: Path, caplog) -> None:
+def test_a_file_of_an_older_format_is_refused(tmp_path: Path, caplog, shared: bool) -> None:
     """Format version 1 had no prefix digest: its files are ignored (never read as version 2's layout)."""
-    _, store = _store(tmp_path)
+    _, store = _store(tmp_path, shared=shared)
     store.write([(7, 1, digest(7))], None)
     _written(store, 1)
     path = next(tmp_path.glob("*.kvb"))

@@ -8,9 +8,10 @@ bytes as a host slot holds them (`kv_host.py`). A 64-bit hash may collide across
 the directory: a read is asked for the digest its block's prefix has, and a file with another is a miss. A
 background thread writes it from the slot its copy landed in, into a temporary file of a name no other writer
 uses, then renames it over the final name: a reader sees a whole file or none, and two engines writing one
-block race harmlessly. A read (on a few loader threads, beside the steps: `load_async`) goes straight into a
-host slot and is checked whole before the block is used: a missing file is a plain miss; a corrupted, truncated
-or foreign one is ignored with a warning, and its block is recomputed. No fsync: a file torn by a crash fails
+block race harmlessly. A read (in a reader process over the host slots' shared memory, `kv_reader.py`, or on a
+few loader threads; beside the steps either way: `load_async`) goes straight into a host slot and is checked
+whole before the block is used: a missing file is a plain miss; a corrupted, truncated or foreign one is
+ignored with a warning, and its block is recomputed. No fsync: a file torn by a crash fails
 its checksum.
 
 The directory is bounded (`capacity_bytes`): oldest files out first, by modification time (a read refreshes
@@ -32,6 +33,7 @@ import torch
 
 from asyncllm.worker import kv_file
 from asyncllm.worker.kv_host import HostKVPool
+from asyncllm.worker.kv_reader import ReaderProcess
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +55,7 @@ class DiskKVStore:
         pool: HostKVPool,
         capacity_bytes: int,
         load_threads: int | None = None,  # None: one a core, 2 to 8
+        reader_process: bool = True,  # where the pool's slots are shared (`HostKVPool.shared_fd`)
     ) -> None:
         assert len(fingerprint) == 16
         self.directory = directory
@@ -70,9 +73,25 @@ class DiskKVStore:
         self._writes = 0
         self._failures = 0
         self._rescan()
-        self._loaders = ThreadPoolExecutor(load_threads or _LOAD_THREADS, thread_name_prefix="asyncllm-kv-load")
+        threads = load_threads or _LOAD_THREADS
+        self._loaders = ThreadPoolExecutor(threads, thread_name_prefix="asyncllm-kv-load")
+        self._reader: ReaderProcess | None = None
+        if reader_process and pool.shared_fd is not None:
+            size = pool.host.numel()
+            try:
+                self._reader = ReaderProcess(
+                    pool.shared_fd, size, directory, fingerprint, pool.block_bytes, threads, self._loaded
+                )
+            except OSError as exc:
+                logger.warning("the KV disk tier's reader process did not start (%s): reads run in this process", exc)
         self._writer = threading.Thread(target=self._run, name="asyncllm-kv-disk", daemon=True)
         self._writer.start()
+
+    @property
+    def reader_pid(self) -> int | None:
+        """The process reading the files (`kv_reader.py`); None where reads run on this process's threads."""
+        reader = self._reader
+        return reader.pid if reader is not None and reader.alive else None
 
     @property
     def capacity_blocks(self) -> int:
@@ -107,6 +126,8 @@ class DiskKVStore:
         self._writer.join(timeout)
         if self._writer.is_alive():
             logger.warning("the KV disk tier's writes did not finish within %.0f s: some blocks were not kept", timeout)
+        if self._reader is not None:
+            self._reader.close()
         self._loaders.shutdown(wait=True)
 
     def _run(self) -> None:
@@ -160,6 +181,9 @@ class DiskKVStore:
         """Start reading each (block hash, slot, prefix digest) of `jobs` into its slot, once `ready` fires (the
         copies into or out of those slots issued before have landed; None: none is running). Each future says
         whether its block arrived intact and holds that prefix's KV."""
+        reader = self._reader
+        if reader is not None and reader.alive:
+            return reader.submit(jobs, ready.synchronize if ready is not None else None)
         return [self._loaders.submit(self._load_after, ready, *job) for job in jobs]
 
     def load(self, jobs: list[tuple[int, int, bytes]]) -> list[bool]:

@@ -16,6 +16,9 @@ gathers and scatters run in place, at once (the slow twin: the same bytes, no st
 from __future__ import annotations
 
 import logging
+import math
+import mmap
+import os
 from collections.abc import Iterator
 
 import torch
@@ -28,7 +31,16 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (key, value), ea
 
 
 class HostKVPool:
-    def __init__(self, caches: KVCaches, num_slots: int, device: torch.device, staging_bytes: int = 64 << 20) -> None:
+    def __init__(
+        self,
+        caches: KVCaches,
+        num_slots: int,
+        device: torch.device,
+        staging_bytes: int = 64 << 20,
+        shared: bool = False,
+    ) -> None:
+        """`shared`: the slots in memory another process can map (`shared_fd`, Linux): the disk tier's reader
+        process fills them (`kv_reader.py`)."""
         # Every layer's keys and values as bytes: [num_blocks, block_size, Hkv, D * element size] each.
         self.layers = [t.view(torch.uint8) for kv in caches for t in kv]
         # [2L, num_blocks, bs, Hkv, D bytes] over all of them where they are views of one allocation (kv_cache.py's):
@@ -38,8 +50,17 @@ class HostKVPool:
         self.block_bytes = self.layers[0][0].numel() * len(self.layers)
         self.device = device
         self.cuda = device.type == "cuda"
-        self.host = torch.empty((num_slots, *self.block_shape), dtype=torch.uint8)  # [S, 2L, bs, Hkv, D bytes]
+        shape = (num_slots, *self.block_shape)  # [S, 2L, bs, Hkv, D bytes]
+        self.shared_fd: int | None = None  # the slots' memory file, where another process may map them
+        self.host = torch.empty(shape, dtype=torch.uint8)
+        if shared and hasattr(os, "memfd_create"):
+            self.shared_fd, self.host = _shared(shape)
         self._registered = self.cuda and _pin(self.host)
+        if self.cuda and not self._registered and self.shared_fd is not None:
+            logger.warning("pinning the KV host tier's shared memory failed: the disk tier reads in this process")
+            self._close_shared()
+            self.host = torch.empty(shape, dtype=torch.uint8)
+            self._registered = _pin(self.host)
         if self.cuda and not self._registered:
             logger.warning("pinning the KV host tier failed: its copies go through pageable memory, slower")
         self.stream = torch.cuda.Stream(device) if self.cuda else None  # type: ignore[no-untyped-call]
@@ -146,6 +167,13 @@ class HostKVPool:
             self.synchronize()
             torch.cuda.cudart().cudaHostUnregister(self.host.data_ptr())  # type: ignore[no-untyped-call]
             self._registered = False
+        self._close_shared()
+
+    def _close_shared(self) -> None:
+        """Close the memory file (its mapping stays while the slots are referenced)."""
+        if self.shared_fd is not None:
+            os.close(self.shared_fd)
+            self.shared_fd = None
 
     def _gather(self, ids: torch.Tensor) -> torch.Tensor:
         """The blocks `ids` of every layer, [n, 2L, bs, Hkv, D bytes]."""
@@ -195,6 +223,20 @@ def _wide(t: torch.Tensor) -> torch.Tensor:
     ):
         return t.view(torch.int64)
     return t
+
+
+def _shared(shape: tuple[int, ...]) -> tuple[int, torch.Tensor]:
+    """An anonymous memory file of `shape` bytes and the slots over its shared mapping (pages made as written,
+    or as pinning makes them)."""
+    size = math.prod(shape)
+    fd = os.memfd_create("asyncllm-kv-host", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, size)
+        mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd, torch.frombuffer(mapping, dtype=torch.uint8).view(shape)  # the tensor holds the mapping
 
 
 def _pin(host: torch.Tensor) -> bool:

@@ -60,14 +60,16 @@ def attach_kv_tiers(worker: Worker, setup: TierSetup) -> Worker:
             "each): give more, or 0 to turn the host tier off"
         )
     device = setup.resolved.device
-    pool = HostKVPool(runner.graphs.kv_caches, num_slots, device, _STAGING_BYTES)
+    # With a disk tier the slots are shared memory, which the reader process fills (kv_reader.py).
+    reader_process = cache.kv_cache_dir is not None and envs.KV_DISK_READER.get() is envs.KvDiskReader.PROCESS
+    pool = HostKVPool(runner.graphs.kv_caches, num_slots, device, _STAGING_BYTES, shared=reader_process)
     disk = None
     if cache.kv_cache_dir is not None:
         root = Path(cache.kv_cache_dir)
         fingerprint = kv_fingerprint(setup.checkpoint.path, _facts(setup, runner, rank, world))
         directory = root / fingerprint.hex()
         capacity = _disk_capacity(root, directory, world)
-        disk = DiskKVStore(directory, fingerprint, pool, capacity, envs.KV_DISK_LOAD_THREADS.get())
+        disk = DiskKVStore(directory, fingerprint, pool, capacity, envs.KV_DISK_LOAD_THREADS.get(), reader_process)
     info = KVTierInfo(
         host_blocks=num_slots,
         ahead_blocks=envs.KV_OFFLOAD_AHEAD.get(),

@@ -1,0 +1,229 @@
+"""The disk tier's reads in a process of their own (`ReaderProcess`), over the host slots' shared memory.
+
+Why a process: in the engine's process every reader thread takes the GIL back after each system call, and the
+step thread, which takes it back after each torch op it launches, waits behind them. On an H100 machine the 512
+reads of an 8K-token history (1.2 GB) took 108-172 ms beside the steps against 40-61 ms alone, and the step
+restoring the first blocks read took up to 149 ms to issue its copies (bench/RESULTS.md, the tenth session).
+The reader process has its own GIL: the engine's side is one thread that sends each step's jobs and one that
+takes the results, a few at a time.
+
+The child maps the slots' memory file (`HostKVPool.shared_fd`), reads each job's file straight into its slot on
+a few threads (`kv_file.read_block`), and answers each job with its verdict. Jobs and answers are fixed-size
+records on its stdin and stdout. If the child dies, its outstanding reads are misses (their blocks are
+recomputed) and the store reads on threads from then on. Torch-free: the child imports nothing heavy.
+
+Child: `python .../asyncllm/worker/kv_reader.py FD SIZE DIRECTORY FINGERPRINT_HEX SLOT_BYTES THREADS`; it
+answers one byte once it has mapped the slots, and the engine waits for that byte before it serves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import mmap
+import os
+import queue
+import select
+import signal
+import struct
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+if __name__ == "__main__":  # the child, run by path: its sibling alone, not the package (starts in half the time)
+    import kv_file  # type: ignore[import-not-found]
+else:
+    from asyncllm.worker import kv_file
+
+logger = logging.getLogger(__name__)
+
+_JOB = struct.Struct("<QQQ16s")  # job id, block hash, slot, prefix digest
+_ANSWER = struct.Struct("<QBH")  # job id, verdict, the problem's length in bytes (UTF-8, after the record)
+_INTACT, _MISSING, _PROBLEM = 0, 1, 2
+_READY = b"R"  # the child's first byte: the slots are mapped
+_START_TIMEOUT_S = 30.0
+
+Job = tuple[int, int, bytes]  # (block hash, slot, prefix digest)
+Verdict = Callable[[int, Path, "str | None"], bool]  # (block hash, path, kv_file.read_block's verdict) -> arrived
+
+
+class ReaderProcess:
+    """The engine's side: `submit` a step's jobs, each answered by a future of whether its block arrived."""
+
+    def __init__(
+        self,
+        shared_fd: int,
+        size: int,
+        directory: Path,
+        fingerprint: bytes,
+        slot_bytes: int,
+        threads: int,
+        verdict: Verdict,
+    ) -> None:
+        argv = [sys.executable, __file__, str(shared_fd), str(size), str(directory), fingerprint.hex()]
+        argv += [str(slot_bytes), str(threads)]
+        self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(shared_fd,))
+        if not _ready(self._proc, _START_TIMEOUT_S):
+            self._proc.kill()
+            self._proc.communicate()  # reaped, its pipes closed
+            raise OSError(f"it did not start within {_START_TIMEOUT_S:.0f} s (exit code {self._proc.returncode})")
+        self._directory = directory
+        self._verdict = verdict
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._waiting: dict[int, tuple[int, Future[bool] | None]] = {}  # job id -> (block hash, its future)
+        self._dead = False
+        self._outbox: queue.SimpleQueue[tuple[Callable[[], None] | None, bytes] | None] = queue.SimpleQueue()
+        self._sender = threading.Thread(target=self._send, name="asyncllm-kv-read-send", daemon=True)
+        self._receiver = threading.Thread(target=self._receive, name="asyncllm-kv-read-receive", daemon=True)
+        self._sender.start()
+        self._receiver.start()
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    @property
+    def alive(self) -> bool:
+        return not self._dead
+
+    def submit(self, jobs: list[Job], ready: Callable[[], None] | None) -> list[Future[bool]]:
+        """Read each job's block into its slot once `ready()` returns (the copies into or out of those slots
+        issued before have landed; None: none is running)."""
+        futures: list[Future[bool]] = []
+        records = bytearray()
+        with self._lock:
+            for block_hash, slot, digest in jobs:
+                job_id = next(self._ids)
+                future: Future[bool] = Future()
+                futures.append(future)
+                if self._dead:
+                    future.set_result(False)
+                    continue
+                self._waiting[job_id] = (block_hash, future)
+                records += _JOB.pack(job_id, block_hash, slot, digest)
+        if records:
+            self._outbox.put((ready, bytes(records)))
+        return futures
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Let the child finish the reads sent, then stop it."""
+        self._outbox.put(None)
+        self._sender.join(timeout)
+        self._receiver.join(timeout)
+        try:
+            self._proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._fail_waiting()
+        if not self._receiver.is_alive() and self._proc.stdout is not None:
+            self._proc.stdout.close()
+
+    def _send(self) -> None:
+        stdin = self._proc.stdin
+        assert stdin is not None
+        try:
+            while (item := self._outbox.get()) is not None:
+                ready, records = item
+                if ready is not None:
+                    ready()
+                stdin.write(records)
+                stdin.flush()
+        except (OSError, ValueError):  # the child is gone: the receiver fails what waits
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                stdin.close()
+
+    def _receive(self) -> None:
+        stdout = self._proc.stdout
+        assert stdout is not None
+        buffer = bytearray()
+        while chunk := os.read(stdout.fileno(), 1 << 16):
+            buffer += chunk
+            while len(buffer) >= _ANSWER.size:
+                job_id, verdict, length = _ANSWER.unpack_from(buffer)
+                end = _ANSWER.size + length
+                if len(buffer) < end:
+                    break
+                problem = bytes(buffer[_ANSWER.size : end]).decode() if verdict == _PROBLEM else None
+                del buffer[:end]
+                with self._lock:
+                    block_hash, future = self._waiting.pop(job_id, (0, None))
+                if future is None:  # failed already (close's timeout)
+                    continue
+                found = kv_file.MISSING if verdict == _MISSING else problem
+                future.set_result(self._verdict(block_hash, kv_file.path_of(self._directory, block_hash), found))
+        self._fail_waiting()
+
+    def _fail_waiting(self) -> None:
+        """The child is gone: every read not answered is a miss, and later jobs are answered at once."""
+        with self._lock:
+            if not self._dead and self._waiting:
+                logger.warning(
+                    "the KV disk tier's reader process exited (code %s) with %d reads out: their blocks are "
+                    "recomputed, and later reads run in this process",
+                    self._proc.poll(),
+                    len(self._waiting),
+                )
+            self._dead = True
+            waiting, self._waiting = self._waiting, {}
+        for _, future in waiting.values():
+            if future is not None:
+                future.set_result(False)
+
+
+def _ready(proc: subprocess.Popen[bytes], timeout: float) -> bool:
+    """Whether the child answered its ready byte within `timeout` seconds."""
+    stdout = proc.stdout
+    assert stdout is not None
+    readable, _, _ = select.select([stdout], [], [], timeout)
+    return bool(readable) and os.read(stdout.fileno(), 1) == _READY  # unbuffered: the answers follow on the fd
+
+
+# ---------------------------------------------------------------------------------------------- the child
+
+
+def main(argv: list[str]) -> None:
+    fd, size, directory, fingerprint_hex, slot_bytes, threads = argv
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C stops the engine, which closes stdin
+    mapping = mmap.mmap(int(fd), int(size), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    slots = memoryview(mapping)
+    root, fingerprint, step = Path(directory), bytes.fromhex(fingerprint_hex), int(slot_bytes)
+    lock = threading.Lock()
+    os.write(1, _READY)
+
+    def read(job_id: int, block_hash: int, slot: int, digest: bytes) -> None:
+        try:
+            target = slots[slot * step : (slot + 1) * step]
+            problem = kv_file.read_block(kv_file.path_of(root, block_hash), target, fingerprint, block_hash, digest)
+        except Exception as exc:  # every job is answered: the engine waits for each
+            problem = f"the reader failed: {exc!r}"
+        if problem is None:
+            answer = _ANSWER.pack(job_id, _INTACT, 0)
+        elif problem == kv_file.MISSING:
+            answer = _ANSWER.pack(job_id, _MISSING, 0)
+        else:
+            text = problem.encode()[:1000]
+            answer = _ANSWER.pack(job_id, _PROBLEM, len(text)) + text
+        with lock:
+            os.write(1, answer)
+
+    buffer = bytearray()
+    with ThreadPoolExecutor(int(threads), thread_name_prefix="asyncllm-kv-read") as pool:
+        while chunk := os.read(0, 1 << 16):
+            buffer += chunk
+            whole = len(buffer) - len(buffer) % _JOB.size
+            for record in _JOB.iter_unpack(bytes(buffer[:whole])):
+                pool.submit(read, *record)
+            del buffer[:whole]
+    # stdin closed and every read answered: the process exits, and with it the mapping
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
