@@ -10,4 +10,10 @@ get() { python3 -m pip download -q --only-binary=:all: --python-version 3.12 --p
   --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d .whl "$@"; }
 get --no-deps xgrammar==0.2.9 apache-tvm-ffi  # its torch, transformers and numpy are the device's own
 get pydantic  # with what it needs (pydantic-core at its pinned version)
-ls -1 .whl
+# The locked transformers and its tokenizers and hub (constraints.txt), for the start-up steps alone
+# (STARTUP_LOCKED=1): the device's image has an older transformers, whose import is slower (bench/RESULTS.md).
+mkdir -p .whl/locked && rm -f .whl/locked/*.whl
+for pkg in transformers tokenizers huggingface_hub; do
+  get --no-deps -d .whl/locked "$(grep -i "^${pkg}==" constraints.txt)"
+done
+ls -1 .whl .whl/locked

@@ -235,10 +235,17 @@ if has w4; then  # long context: prefill tok/s vs the compute limit, decode ms/t
   (cd bench && timeout 240 python3 w4_prefill.py --shape qwen3-0.6b --profile) 2>&1 | tee "$OUT/w4.log" | grep -E '^\{|Error|Traceback'
   while read -r line; do rows+=("w4: $line"); done < <(grep '^{' "$OUT/w4.log")
 fi
+# STARTUP_LOCKED=1: the start-up and imports steps run the locked transformers, tokenizers and hub (constraints.txt;
+# bench/device_wheels.sh puts them in .whl/locked), not the image's older ones.
+locked=()
+if [ -n "${STARTUP_LOCKED:-}" ] && compgen -G ".whl/locked/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-locked .whl/locked/*.whl \
+    && locked=(PYTHONPATH="/tmp/site-locked:$PYTHONPATH")
+fi
 if has startup; then  # twice: the machine's first run fills Triton's cache, the second starts warm (STARTUP_ARGS
   # go to the second, e.g. --profile 40)
   # STARTUP_PYCACHE=1: Python keeps bytecode (in /tmp/pycache), as an installed package's imports read it.
-  if [ -n "${STARTUP_PYCACHE:-}" ]; then py=(env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=/tmp/pycache python3); else py=(python3); fi
+  if [ -n "${STARTUP_PYCACHE:-}" ]; then py=(env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=/tmp/pycache "${locked[@]}" python3); else py=(env "${locked[@]}" python3); fi
   for run in first second; do
     [ $run = second ] && extra=${STARTUP_ARGS:-} || extra=
     (cd bench && timeout 200 "${py[@]}" startup.py --shape qwen3-0.6b $extra) 2>&1 | tee "$OUT/startup_$run.log" | grep "^{" | tail -1
@@ -250,7 +257,7 @@ if has imports; then  # issue 45: where start-up's import and open phases go (-X
   # cache (the first run fills it): an installed package's imports read bytecode pip wrote.
   python3 -c "import torch, transformers, os; print('bytecode beside torch / transformers:', *(os.path.isdir(os.path.join(os.path.dirname(m.__file__), '__pycache__')) for m in (torch, transformers)), 'PYTHONDONTWRITEBYTECODE=' + os.environ.get('PYTHONDONTWRITEBYTECODE', ''))"
   for run in plain fill cached; do
-    if [ $run = plain ]; then envs=(); else envs=(env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=/tmp/pycache); fi
+    if [ $run = plain ]; then envs=(env "${locked[@]}"); else envs=(env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=/tmp/pycache "${locked[@]}"); fi
     (cd bench && timeout 120 "${envs[@]}" python3 open_imports.py --shape qwen3-0.6b) 2>&1 | tee "$OUT/open_imports_$run.log" \
       | grep -E '^\{|Error|Traceback' | cut -c1-700
     rows+=("imports ($run): $(grep '^{' "$OUT/open_imports_$run.log" | tail -1 | cut -c1-240)")
