@@ -170,6 +170,42 @@ class _Gate:
         self.open.wait(10)
 
 
+def test_reads_wait_for_the_copies_before_them(tmp_path: Path, shared: bool) -> None:
+    """A read fills its slot only once the copies issued before it landed (`ready`): until then the slot keeps
+    what it held; and closing the store waits for the reads sent."""
+    pool, store = _store(tmp_path, shared=shared)
+    store.write([(7, 1, digest(7))], None)
+    _written(store, 1)
+    before = pool.slot(3).clone()
+    gate = _Gate()
+    waiting = store.load_async([(7, 3, digest(7))], gate)  # type: ignore[arg-type]
+    time.sleep(0.2)
+    assert not waiting[0].done() and torch.equal(pool.slot(3), before)
+    threading.Timer(0.1, gate.open.set).start()
+    store.close()  # with the read still out
+    assert waiting[0].result(timeout=10) is True
+    assert torch.equal(pool.slot(3), pool.slot(1))
+
+
+@pytest.mark.parametrize("pad", [0, 1, 2])
+def test_a_long_problem_in_any_script_is_reported(tmp_path: Path, caplog, shared: bool, pad: int) -> None:
+    """A refusal's text (here the path, long and not ASCII, of a file that is a link loop) reaches the log,
+    and the read is a miss, whichever side read it. Three-byte characters after 0-2 bytes of padding: the
+    reader process's cut of a long text falls inside a character in two of the three."""
+    directory = tmp_path.joinpath("a" * (pad + 1), *["€" * 80] * 5)  # 1,200 bytes of three-byte characters
+    _, store = _store(directory, shared=shared)
+    store.write([(7, 1, digest(7))], None)
+    _written(store, 1)
+    path = next(directory.glob("*.kvb"))
+    path.unlink()
+    path.symlink_to(path)  # a loop: opening it fails
+    with caplog.at_level(logging.WARNING, logger="asyncllm"):
+        assert store.load([(7, 3, digest(7)), (7, 2, digest(7))]) == [False, False]
+    assert caplog.text.count("unreadable") == 2
+    assert store.load([(8, 3, digest(8))]) == [False]  # the reader still answers
+    store.close()
+
+
 @pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="the reader process needs memfd_create (Linux)")
 def test_a_dead_reader_process_leaves_misses_and_threads_read_on(tmp_path: Path, caplog) -> None:
     """Reads sent to a reader process that died are misses (their blocks recomputed), with a warning; later

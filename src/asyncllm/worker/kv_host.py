@@ -190,7 +190,10 @@ class HostKVPool:
     def _scatter(self, ids: torch.Tensor, blocks: torch.Tensor) -> None:
         """`blocks` ([n, 2L, bs, Hkv, D bytes]) into the blocks `ids` of every layer."""
         if self._stacked is not None:
-            _wide(self._stacked).index_copy_(1, ids, _wide(blocks.transpose(0, 1)))
+            dst, src = self._stacked, blocks.transpose(0, 1)
+            if _widens(dst) and _widens(src):  # both or neither: index_copy_ takes one dtype
+                dst, src = dst.view(torch.int64), src.view(torch.int64)
+            dst.index_copy_(1, ids, src)
             return
         for j, t in enumerate(self.layers):
             t.index_copy_(0, ids, blocks[:, j])
@@ -212,17 +215,15 @@ def _stacked(layers: list[torch.Tensor]) -> torch.Tensor | None:
     return first.as_strided((len(layers), *first.shape), (spacing, *first.stride()))
 
 
-def _wide(t: torch.Tensor) -> torch.Tensor:
-    """Bytes viewed 8 at a time where they can be (a row of whole, aligned words): index_copy_ then moves an
-    eighth of the elements."""
-    if (
+def _widens(t: torch.Tensor) -> bool:
+    """Whether bytes `t` can be viewed 8 at a time (rows of whole, aligned words): index_copy_ then moves an eighth
+    of the elements."""
+    return (
         t.shape[-1] % 8 == 0
         and t.stride(-1) == 1
         and t.data_ptr() % 8 == 0
         and all(s % 8 == 0 for s in t.stride()[:-1])
-    ):
-        return t.view(torch.int64)
-    return t
+    )
 
 
 def _shared(shape: tuple[int, ...]) -> tuple[int, torch.Tensor]:

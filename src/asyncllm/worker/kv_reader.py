@@ -12,8 +12,8 @@ a few threads (`kv_file.read_block`), and answers each job with its verdict. Job
 records on its stdin and stdout. If the child dies, its outstanding reads are misses (their blocks are
 recomputed) and the store reads on threads from then on. Torch-free: the child imports nothing heavy.
 
-Child: `python .../asyncllm/worker/kv_reader.py FD SIZE DIRECTORY FINGERPRINT_HEX SLOT_BYTES THREADS`; it
-answers one byte once it has mapped the slots, and the engine waits for that byte before it serves.
+Child: `python -c _BOOT WORKER_DIR FD SIZE DIRECTORY FINGERPRINT_HEX SLOT_BYTES THREADS`; it answers one byte
+once it has mapped the slots, and the engine waits for that byte before it serves.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-if __name__ == "__main__":  # the child, run by path: its sibling alone, not the package (starts in half the time)
+if not __package__:  # the child (`_BOOT`): its sibling alone, not the package (it starts in half the time)
     import kv_file  # type: ignore[import-not-found]
 else:
     from asyncllm.worker import kv_file
@@ -46,6 +46,8 @@ _ANSWER = struct.Struct("<QBH")  # job id, verdict, the problem's length in byte
 _INTACT, _MISSING, _PROBLEM = 0, 1, 2
 _READY = b"R"  # the child's first byte: the slots are mapped
 _START_TIMEOUT_S = 30.0
+# The child's command: this folder last on its path (no module here shadows another), this file as a module.
+_BOOT = "import sys; sys.path.append(sys.argv[1]); import kv_reader; kv_reader.main(sys.argv[2:])"
 
 Job = tuple[int, int, bytes]  # (block hash, slot, prefix digest)
 Verdict = Callable[[int, Path, "str | None"], bool]  # (block hash, path, kv_file.read_block's verdict) -> arrived
@@ -64,15 +66,24 @@ class ReaderProcess:
         threads: int,
         verdict: Verdict,
     ) -> None:
-        argv = [sys.executable, __file__, str(shared_fd), str(size), str(directory), fingerprint.hex()]
-        argv += [str(slot_bytes), str(threads)]
+        argv = [sys.executable, "-c", _BOOT, str(Path(__file__).parent), str(shared_fd), str(size), str(directory)]
+        argv += [fingerprint.hex(), str(slot_bytes), str(threads)]
         self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(shared_fd,))
-        if not _ready(self._proc, _START_TIMEOUT_S):
-            self._proc.kill()
-            self._proc.communicate()  # reaped, its pipes closed
-            raise OSError(f"it did not start within {_START_TIMEOUT_S:.0f} s (exit code {self._proc.returncode})")
+        started = False
+        try:
+            started = _ready(self._proc, _START_TIMEOUT_S)
+        except Exception as exc:  # the store then reads on threads
+            raise OSError(f"waiting for it failed: {exc!r}") from exc
+        finally:
+            if not started:
+                self._proc.kill()
+                self._proc.communicate()  # reaped, its pipes closed
+        if not started:
+            code = self._proc.returncode
+            raise OSError(f"it exited with code {code} before it was ready" if code else "it did not start in time")
         self._directory = directory
-        self._verdict = verdict
+        self._verdict: Verdict | None = verdict  # dropped at close: it holds the store, and the store holds this
+        self._closing = False
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._waiting: dict[int, tuple[int, Future[bool] | None]] = {}  # job id -> (block hash, its future)
@@ -112,6 +123,7 @@ class ReaderProcess:
 
     def close(self, timeout: float = 30.0) -> None:
         """Let the child finish the reads sent, then stop it."""
+        self._closing = True
         self._outbox.put(None)
         self._sender.join(timeout)
         self._receiver.join(timeout)
@@ -121,6 +133,7 @@ class ReaderProcess:
             self._proc.kill()
             self._proc.wait()
         self._fail_waiting()
+        self._verdict = None
         if not self._receiver.is_alive() and self._proc.stdout is not None:
             self._proc.stdout.close()
 
@@ -144,35 +157,53 @@ class ReaderProcess:
         stdout = self._proc.stdout
         assert stdout is not None
         buffer = bytearray()
-        while chunk := os.read(stdout.fileno(), 1 << 16):
-            buffer += chunk
-            while len(buffer) >= _ANSWER.size:
-                job_id, verdict, length = _ANSWER.unpack_from(buffer)
-                end = _ANSWER.size + length
-                if len(buffer) < end:
-                    break
-                problem = bytes(buffer[_ANSWER.size : end]).decode() if verdict == _PROBLEM else None
-                del buffer[:end]
-                with self._lock:
-                    block_hash, future = self._waiting.pop(job_id, (0, None))
-                if future is None:  # failed already (close's timeout)
-                    continue
-                found = kv_file.MISSING if verdict == _MISSING else problem
-                future.set_result(self._verdict(block_hash, kv_file.path_of(self._directory, block_hash), found))
-        self._fail_waiting()
+        try:
+            while chunk := os.read(stdout.fileno(), 1 << 16):
+                buffer += chunk
+                while len(buffer) >= _ANSWER.size:
+                    job_id, verdict, length = _ANSWER.unpack_from(buffer)
+                    end = _ANSWER.size + length
+                    if len(buffer) < end:
+                        break
+                    problem = bytes(buffer[_ANSWER.size : end]).decode(errors="replace")
+                    del buffer[:end]
+                    self._answer(
+                        job_id, kv_file.MISSING if verdict == _MISSING else None if verdict == _INTACT else problem
+                    )
+        except OSError:
+            pass  # the pipe closed under it (close() after a timeout)
+        finally:
+            self._fail_waiting()
+
+    def _answer(self, job_id: int, problem: str | None) -> None:
+        with self._lock:
+            block_hash, future = self._waiting.pop(job_id, (0, None))
+        if future is None:  # failed already (close's timeout)
+            return
+        arrived = False
+        try:
+            verdict = self._verdict
+            if verdict is not None:
+                arrived = verdict(block_hash, kv_file.path_of(self._directory, block_hash), problem)
+        except Exception:  # every future is resolved, whatever the bookkeeping does
+            logger.exception("the KV disk tier's verdict on block %016x failed: it is recomputed", block_hash)
+        future.set_result(arrived)
 
     def _fail_waiting(self) -> None:
         """The child is gone: every read not answered is a miss, and later jobs are answered at once."""
         with self._lock:
-            if not self._dead and self._waiting:
-                logger.warning(
-                    "the KV disk tier's reader process exited (code %s) with %d reads out: their blocks are "
-                    "recomputed, and later reads run in this process",
-                    self._proc.poll(),
-                    len(self._waiting),
-                )
+            unexpected = not self._dead and not self._closing
             self._dead = True
             waiting, self._waiting = self._waiting, {}
+        if unexpected:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(1.0)  # its stdout closed: it is exiting; reaped, not left a zombie
+            logger.warning(
+                "the KV disk tier's reader process exited (code %s) with %d reads out: their blocks are "
+                "recomputed, and later reads run in this process",
+                self._proc.poll(),
+                len(waiting),
+            )
         for _, future in waiting.values():
             if future is not None:
                 future.set_result(False)
@@ -182,8 +213,11 @@ def _ready(proc: subprocess.Popen[bytes], timeout: float) -> bool:
     """Whether the child answered its ready byte within `timeout` seconds."""
     stdout = proc.stdout
     assert stdout is not None
-    readable, _, _ = select.select([stdout], [], [], timeout)
-    return bool(readable) and os.read(stdout.fileno(), 1) == _READY  # unbuffered: the answers follow on the fd
+    poller = select.poll()  # not select.select: a descriptor past 1023 is fine
+    poller.register(stdout.fileno(), select.POLLIN)
+    if not poller.poll(timeout * 1000):
+        return False
+    return os.read(stdout.fileno(), 1) == _READY  # unbuffered: the answers follow on the fd
 
 
 # ---------------------------------------------------------------------------------------------- the child
@@ -209,7 +243,7 @@ def main(argv: list[str]) -> None:
         elif problem == kv_file.MISSING:
             answer = _ANSWER.pack(job_id, _MISSING, 0)
         else:
-            text = problem.encode()[:1000]
+            text = problem.encode()[:1000].decode(errors="ignore").encode()  # whole characters
             answer = _ANSWER.pack(job_id, _PROBLEM, len(text)) + text
         with lock:
             os.write(1, answer)
@@ -223,7 +257,3 @@ def main(argv: list[str]) -> None:
                 pool.submit(read, *record)
             del buffer[:whole]
     # stdin closed and every read answered: the process exits, and with it the mapping
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
