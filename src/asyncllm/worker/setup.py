@@ -320,14 +320,11 @@ class WorkerSetup:
             return
         graphs = runner.graphs
         self.timings["capture"] = runner.capture_graphs()
+        phases = ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in graphs.capture_seconds.items())
+        decode, mixed = graphs.sizes("decode"), graphs.sizes("mixed")
         logger.info(
             "captured %d CUDA graphs in %.2f s (%s): decode batch sizes %s, token counts %s, %d draw graphs",
-            len(graphs.sizes("decode")) + len(graphs.sizes("mixed")),
-            self.timings["capture"],
-            ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in graphs.capture_seconds.items()),
-            graphs.sizes("decode"),
-            graphs.sizes("mixed"),
-            len(graphs.tail_sizes()),
+            *(len(decode) + len(mixed), self.timings["capture"], phases, decode, mixed, len(graphs.tail_sizes())),
         )
 
     def runtime_info(self, loaded: LoadedModel, runner: ModelRunner, num_blocks: int) -> RuntimeInfo:
