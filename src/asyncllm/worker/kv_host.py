@@ -52,9 +52,13 @@ class HostKVPool:
         self.cuda = device.type == "cuda"
         shape = (num_slots, *self.block_shape)  # [S, 2L, bs, Hkv, D bytes]
         self.shared_fd: int | None = None  # the slots' memory file, where another process may map them
-        self.host = torch.empty(shape, dtype=torch.uint8)
+        host = None
         if shared and hasattr(os, "memfd_create"):
-            self.shared_fd, self.host = _shared(shape)
+            try:
+                self.shared_fd, host = _shared(shape)
+            except OSError as exc:
+                logger.warning("the KV host tier's shared memory failed (%s): the disk tier reads in this process", exc)
+        self.host = host if host is not None else torch.empty(shape, dtype=torch.uint8)
         self._registered = self.cuda and _pin(self.host)
         if self.cuda and not self._registered and self.shared_fd is not None:
             logger.warning("pinning the KV host tier's shared memory failed: the disk tier reads in this process")
