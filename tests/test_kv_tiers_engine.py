@@ -75,7 +75,12 @@ def test_the_host_tier_restores_evicted_histories_exactly(qwen3: Path, without_t
     assert stats["prefix_cache_hit_tokens"] >= stats["prefix_cache_host_hit_tokens"]
 
 
-def test_a_restart_finds_the_histories_on_disk(qwen3: Path, without_tiers: list[list[int]], tmp_path: Path) -> None:
+@pytest.mark.parametrize("reader", ["process", "threads"])
+def test_a_restart_finds_the_histories_on_disk(
+    qwen3: Path, without_tiers: list[list[int]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reader: str
+) -> None:
+    """Whichever reads the files (ASYNCLLM_KV_DISK_READER: a process of their own, or threads of the engine's)."""
+    monkeypatch.setenv("ASYNCLLM_KV_DISK_READER", reader)
     tokens, stats = converse(qwen3, kv_offloading_size=HOST, kv_cache_dir=str(tmp_path))
     assert tokens == without_tiers and stats["prefix_cache_disk_hit_tokens"] == 0
     assert len(block_files(tmp_path)) > 20
