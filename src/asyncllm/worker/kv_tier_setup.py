@@ -84,7 +84,10 @@ def attach_kv_tiers(worker: Worker, setup: TierSetup) -> Worker:
             num_slots,
             num_slots * block_bytes * world / 2**30,
             ", pinned" if device.type == "cuda" else "",
-            f"; disk tier {disk.directory}: {len(info.on_disk)} blocks found" if disk is not None else "",
+            f"; disk tier {disk.directory}: {len(info.on_disk)} blocks found, "
+            f"read {'by a process of their own' if disk.reader_pid is not None else 'on threads'}"
+            if disk is not None
+            else "",
         )
     worker.kv_tiers = WorkerKVTiers(pool, disk, setup.parallel)
     worker.runtime = dataclasses.replace(worker.runtime, kv_tiers=info)
