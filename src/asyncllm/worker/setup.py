@@ -65,14 +65,15 @@ def build_worker(
     the smallest of the ranks'; it is a collective)."""
     setup = WorkerSetup(config, checkpoint, resolved, parallel)
     setup.apply_threads()  # before loading: dequantizing and copying weights run on these threads too
+    # On CUDA the vocabulary's grammar tables (1-2 s of host work for a 150k vocabulary, holding the GIL) are
+    # built while the engine loads, warms up and captures, from the start: the load and the memory profile wait
+    # on files and the device, where the launch-bound warm-up would wait on the GIL. The engine serves once they
+    # are in. On CPU they stay lazy: the host is the device, and most CPU engines never see a constraint.
+    grammar = setup.grammar()
+    tables = grammar.prepare_async() if grammar is not None and resolved.device.type == "cuda" else None
     loaded = setup.load()
     num_blocks = agree(setup.num_blocks(loaded))
-    runner = setup.runner(loaded, num_blocks)
-    # On CUDA the vocabulary's grammar tables (1-2 s of host work for a 150k vocabulary, holding the GIL)
-    # are built while the kernels warm up and graphs are captured, and waited for before the engine serves:
-    # neither the first constrained request nor the first steps of any request pay for them. On CPU they
-    # stay lazy: the host there is also the device, and most CPU engines never see a constraint.
-    tables = runner.grammar.prepare_async() if runner.grammar is not None and resolved.device.type == "cuda" else None
+    runner = setup.runner(loaded, num_blocks, grammar)
     setup.warm_up(runner, num_blocks)
     setup.capture(runner)
     if tables is not None:
@@ -218,8 +219,9 @@ class WorkerSetup:
         self.timings["profile"] = time.perf_counter() - start
         return blocks_for_budget(self.kv_spec, max(budget, 0), max_useful, extra)
 
-    def runner(self, loaded: LoadedModel, num_blocks: int) -> ModelRunner:
-        """Allocate the cache and the step's input buffers, and the runner that uses them."""
+    def runner(self, loaded: LoadedModel, num_blocks: int, grammar: GrammarBackend | None) -> ModelRunner:
+        """Allocate the cache and the step's input buffers, and the runner that uses them (`grammar`: this
+        process's constraint compiler, `grammar()`)."""
         start = time.perf_counter()
         cache, sched = self.config.cache_config, self.config.scheduler_config
         device, max_model_len = self.resolved.device, self.resolved.arch.max_model_len
@@ -264,7 +266,7 @@ class WorkerSetup:
             device,
             self.checkpoint.eos_token_ids,
             arch.vocab_size,
-            self._grammar(arch.vocab_size),
+            grammar,
             defer_masked_draw=device.type == "cuda",
             loras=loaded.loras,
             draft=make_draft_model(loaded.draft, num_blocks, sched.max_num_seqs, max_seq_len, device),
@@ -357,10 +359,10 @@ class WorkerSetup:
         whole are logged once, not once per rank."""
         return self.parallel is None or self.parallel.rank == 0
 
-    def _grammar(self, vocab_size: int) -> GrammarBackend | None:
+    def grammar(self) -> GrammarBackend | None:
         """This process's compiler of output constraints, over the checkpoint's tokenizer and the model's
         embedding rows, ending with its EOS ids (built lazily: free until the first constrained request)."""
-        checkpoint, eos = self.checkpoint, self.checkpoint.eos_token_ids
+        checkpoint, eos, vocab_size = self.checkpoint, self.checkpoint.eos_token_ids, self.resolved.arch.vocab_size
         if not eos:
             return None
         if checkpoint.tokenizer is not None:
