@@ -9,6 +9,7 @@
 #   on two GPUs tptests, tpbench (tensor parallelism); wave4 (issues 41/43/44: their GPU tests, spec_oracle,
 #   embed_throughput, kv_tiers; EMBED_ARGS / KV_TIERS_ARGS narrow them); spec (issue 41: spec_oracle, W1 with ngram off/on);
 #   spec8b (issue 41: EAGLE-3 draft and verify costs, Qwen3-8B shape); kvpace (issue 44: W10 per restore bound, KV_PACE_MIB);
+#   kvrestart (issue 44: the restart row with the disk reads in the reader process, then on threads);
 #   imports (issue 45: import and open phases under -X importtime).
 # Tuning variables (ASYNCLLM_*, docs/tuning.md) pass through to every step: ASYNCLLM_DECODE_PDL=1 bash bench/gpu_check.sh
 #   w12var; a variant's bench flags take them as --engine-arg with the lower-case name (cuda_graph_max_tokens=0).
@@ -289,6 +290,13 @@ fi
 if has kvtiers; then  # issue 44: W10 and the disk tier alone (KV_TIERS_ARGS narrows them, e.g. --conversations 16 --turns 4)
   (cd bench && timeout "${KV_TIERS_TIMEOUT:-300}" python3 kv_tiers.py ${KV_TIERS_ARGS:-}) 2>&1 | tee "$OUT/kv_tiers.log" | grep -E '^\{|Error|Traceback' | tail -6
   while read -r line; do rows+=("kv tiers: $line"); done < <(grep '^{' "$OUT/kv_tiers.log")
+fi
+if has kvrestart; then  # issue 44's restart row per disk reader (KV_RESTART_READERS, default "process threads"), with traces
+  for reader in ${KV_RESTART_READERS:-process threads}; do
+    (cd bench && ASYNCLLM_KV_DISK_READER=$reader timeout 200 python3 kv_tiers.py --parts disk --trace) 2>&1 \
+      | tee "$OUT/kv_restart_$reader.log" | grep -E '^\{|Error|Traceback' | tail -3
+    rows+=("restart, reads by $reader: $(grep -o '"disk_ttft_over_cold": [0-9.]*' "$OUT/kv_restart_$reader.log")")
+  done
 fi
 if has kvpace; then  # issue 44: W10 off and on, then on again per ASYNCLLM_KV_RESTORE_MIB_PER_STEP in KV_PACE_MIB (KV_PACE_ARGS: more flags)
   kinds=off,on; [ "${KV_PACE_OFF:-1}" = 0 ] && kinds=on  # KV_PACE_OFF=0: no "off" run (an earlier one stands)
