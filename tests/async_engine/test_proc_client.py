@@ -223,6 +223,9 @@ async def test_a_failed_step_in_the_core_kills_every_stream_and_the_process_exit
         with pytest.raises(EngineDeadError):
             engine.add_request([1, 2], SamplingParams(max_tokens=2))
         assert client.pid is not None and _gone(client.pid, 10)  # the core released its device and left
+        deadline = time.monotonic() + 10  # the front's reading thread ends once it has read the core's exit
+        while engine.step_thread_alive and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert not engine.step_thread_alive
     finally:
         engine.shutdown()
