@@ -2,17 +2,15 @@
 directory named by the engine's fingerprint (`kv_fingerprint.py`): a later engine on the same model and
 settings finds them there, and no other engine reads them.
 
-A file is a header (magic, format version, the fingerprint, the block hash, the payload's length and its
-xxh3-64, the 128-bit digest of the block's whole token prefix, then the header's own xxh3-64) and the block's
-bytes as a host slot holds them (`kv_host.py`). A 64-bit hash may collide across restarts and engines sharing
-the directory: a read is asked for the digest its block's prefix has, and a file with another is a miss. A
-background thread writes it from the slot its copy landed in, into a temporary file of a name no other writer
-uses, then renames it over the final name: a reader sees a whole file or none, and two engines writing one
-block race harmlessly. A read (in a reader process over the host slots' shared memory, `kv_reader.py`, or on a
-few loader threads; beside the steps either way: `load_async`) goes straight into a host slot and is checked
-whole before the block is used: a missing file is a plain miss; a corrupted, truncated or foreign one is
-ignored with a warning, and its block is recomputed. No fsync: a file torn by a crash fails
-its checksum.
+A file is a checksummed header and the block's bytes as a host slot holds them (`kv_file.py`, the format). A
+64-bit hash may collide across restarts and engines sharing the directory: a read is asked for the digest its
+block's prefix has, and a file with another is a miss. A background thread writes it from the slot its copy
+landed in, into a temporary file of a name no other writer uses, then renames it over the final name: a reader
+sees a whole file or none, and two engines writing one block race harmlessly. A read (in a reader process over
+the host slots' shared memory, `kv_reader.py`, or on a few loader threads; beside the steps either way:
+`load_async`) goes straight into a host slot and is checked whole before the block is used: a missing file is a
+plain miss; a corrupted, truncated or foreign one is ignored with a warning, and its block is recomputed. No
+fsync: a file torn by a crash fails its checksum.
 
 The directory is bounded (`capacity_bytes`): oldest files out first, by modification time (a read refreshes
 it), other engines' files counted too (rescanned every `_RESCAN_WRITES` writes).

@@ -135,7 +135,7 @@ class HostKVPool:
             for chunk in _chunks(pairs, self._staging.shape[0]):
                 n = len(chunk)
                 ids = to_device([b for b, _ in chunk], torch.int64, self.device)
-                self._gather_into(ids, self._staging[:n])
+                self._staging[:n].copy_(self._gather(ids))
                 for slot, i, run in _runs([s for _, s in chunk]):
                     self.host[slot : slot + run].copy_(self._staging[i : i + run], non_blocking=True)
 
@@ -181,15 +181,12 @@ class HostKVPool:
 
     def _gather(self, ids: torch.Tensor) -> torch.Tensor:
         """The blocks `ids` of every layer, [n, 2L, bs, Hkv, D bytes]."""
-        if self._stacked is not None:
-            return self._stacked.index_select(1, ids).transpose(0, 1)
-        return torch.stack([t.index_select(0, ids) for t in self.layers], dim=1)
-
-    def _gather_into(self, ids: torch.Tensor, out: torch.Tensor) -> None:
-        if self._stacked is not None:
-            out.copy_(self._gather(ids))
-        else:
-            torch.stack([t.index_select(0, ids) for t in self.layers], dim=1, out=out)
+        stacked = self._stacked
+        if stacked is None:
+            return torch.stack([t.index_select(0, ids) for t in self.layers], dim=1)
+        if _widens(stacked):  # 8 bytes an element, as `_scatter`
+            return stacked.view(torch.int64).index_select(1, ids).view(torch.uint8).transpose(0, 1)
+        return stacked.index_select(1, ids).transpose(0, 1)
 
     def _scatter(self, ids: torch.Tensor, blocks: torch.Tensor) -> None:
         """`blocks` ([n, 2L, bs, Hkv, D bytes]) into the blocks `ids` of every layer."""
