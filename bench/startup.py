@@ -3,7 +3,9 @@ the time to first token of the first request in this process against a warm one 
 Random weights of a real shape (load_format="dummy"). Prints one JSON line.
 `--profile N`: also cProfile the construction and print its top N functions, by cumulative and by own time, after
 the JSON line (where a phase's seconds go: first kernel loads, cuBLAS set-up, captures).
-Usage (device machine, from bench/): python3 startup.py [--shape qwen3-0.6b] [--enforce-eager] [--profile 40]"""
+`--graph-detail`: also log each CUDA graph's capture (staging, eager run, recording) as it happens.
+Usage (device machine, from bench/): python3 startup.py [--shape qwen3-0.6b] [--enforce-eager] [--profile 40]
+[--graph-detail]"""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import argparse
 import cProfile
 import io
 import json
+import logging
 import pstats
 import statistics
 import tempfile
@@ -29,8 +32,11 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="print the construction's top N functions")
+    ap.add_argument("--graph-detail", action="store_true", help="log each CUDA graph's capture phases")
     args = ap.parse_args()
     configure_logging("info")  # the set-up's log lines (the graphs' capture breakdown) beside the JSON line
+    if args.graph_detail:
+        logging.getLogger("asyncllm.worker.cuda_graph").setLevel(logging.DEBUG)
     profiler = cProfile.Profile() if args.profile else None
     model_dir = write_shape_dir(args.shape, Path(tempfile.mkdtemp()) / args.shape)
     t0 = time.perf_counter()

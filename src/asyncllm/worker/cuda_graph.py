@@ -19,6 +19,7 @@ start-up adds one small capture per decode size. Knows nothing of requests or sa
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -35,6 +36,8 @@ from asyncllm.worker.step_staging import PrefixViews
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE  # what CUDAGraph.pool() returns and torch.cuda.graph takes
+
+logger = logging.getLogger(__name__)
 
 
 class CudaGraphRunner:
@@ -167,6 +170,10 @@ class CudaGraphRunner:
             spent["stage"] += t1 - t0
             spent["eager"] += t2 - t1
             spent["record"] += t3 - t2
+            logger.debug(
+                "graph %s %d (LoRA %s, variant %d): stage %.1f ms, eager %.1f ms, record %.1f ms",
+                *(kind, size, lora, attn, (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3),
+            )
         if self.loras is not None:
             self.loras.stage_idle(0, active=False)
         if logits:
