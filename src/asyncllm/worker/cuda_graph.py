@@ -19,6 +19,7 @@ start-up adds one small capture per decode size. Knows nothing of requests or sa
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -63,6 +64,7 @@ class CudaGraphRunner:
         # (bucket, LoRA active, the attention plan's graph variant) -> graph
         self._graphs: dict[tuple[GraphKey, bool, int], torch.cuda.CUDAGraph] = {}
         self._pool: _POOL_HANDLE | None = None
+        self._stream: torch.cuda.Stream | None = None  # where captures record (made at the first)
         self._hidden_shape = (hidden_size, dtype)
         self._hidden = PrefixViews(torch.empty(0, hidden_size, dtype=dtype, device=device))  # [rows, hidden]
         self._logits: PrefixViews | None = None  # [rows, vocab]: decode graphs' LM head output (decode_logits)
@@ -158,14 +160,7 @@ class CudaGraphRunner:
             forward()  # compiles every kernel and settles the allocator before capture
             torch.cuda.synchronize(self.device)
             t2 = time.perf_counter()
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: another thread's CUDA call (NCCL's watchdog querying an earlier collective's
-            # event, under tensor parallelism) must not invalidate this capture.
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                forward()
-            if self._pool is None:
-                self._pool = graph.pool()
-            self._graphs[key, lora, attn] = graph
+            self._graphs[key, lora, attn] = self._record(forward)
             t3 = time.perf_counter()
             spent["stage"] += t1 - t0
             spent["eager"] += t2 - t1
@@ -184,6 +179,9 @@ class CudaGraphRunner:
         for graph in (*self._graphs.values(), *self._tails.values()):
             graph.replay()  # a graph's first launch uploads it: the first request must not pay that
         torch.cuda.synchronize(self.device)
+        # The eager runs' activations, cached since no capture emptied the cache: returned as torch.cuda.graph
+        # would have (measure_graph_memory counts what the graphs hold, nothing else).
+        torch.cuda.empty_cache()
         spent["upload"] = time.perf_counter() - t0
         return time.perf_counter() - start
 
@@ -193,12 +191,31 @@ class CudaGraphRunner:
             view = self._logits(size)
             tail(view)  # compiles, and settles the allocator, before capture
             torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                tail(view)
-            if self._pool is None:
-                self._pool = graph.pool()
-            self._tails[size] = graph
+            self._tails[size] = self._record(functools.partial(tail, view))
+
+    def _record(self, fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
+        """A graph of `fn` in the shared pool, captured on a side stream (the device idle: the eager run
+        before it was waited for). What `torch.cuda.graph` does, less the emptying of the allocator's caches
+        (device and pinned host) it starts every capture with: before each of ~44 captures, that handed the
+        last eager run's activations back to the driver (each cudaFree waits for the device) for the next
+        eager run to allocate again."""
+        graph = torch.cuda.CUDAGraph()
+        stream = self._stream
+        if stream is None:
+            stream = self._stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            # thread_local: another thread's CUDA call (NCCL's watchdog querying an earlier collective's
+            # event, under tensor parallelism) must not invalidate this capture.
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
+                fn()
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self._pool is None:
+            self._pool = graph.pool()
+        return graph
 
     def release(self) -> None:
         """Drop the graphs (and their pool) and this runner's hold on the KV cache."""
