@@ -53,6 +53,13 @@ class GrammarProcessChoice(str, enum.Enum):
     OFF = "off"  # the step thread (the twin)
 
 
+class CudaGraphCapture(str, enum.Enum):
+    """When the CUDA graphs are captured (`CUDA_GRAPH_CAPTURE`)."""
+
+    START = "start"  # every bucket's at start-up
+    LAZY = "lazy"  # the largest of each kind at start-up, every other at the first step that needs it
+
+
 class CascadeAttention(str, enum.Enum):
     """When decode steps read a shared prompt prefix once per group (`CASCADE_ATTENTION`)."""
 
@@ -180,6 +187,15 @@ CUDA_GRAPH_MAX_TOKENS: EnvVar[int | None] = EnvVar(
     "CUDA graphs captured per token count (padded up by at most a quarter); larger steps run eagerly. 0: "
     "decode steps only; auto: 2048, or max_num_seqs plus the prefill cap when that is larger (so capped steps "
     "replay graphs). Each count costs a capture at start-up; the largest sets the graphs' memory",
+)
+CUDA_GRAPH_CAPTURE: EnvVar[CudaGraphCapture] = EnvVar(
+    "ASYNCLLM_CUDA_GRAPH_CAPTURE",
+    CudaGraphCapture.START,
+    one_of(CudaGraphCapture),
+    "when the CUDA graphs are captured: start (every batch size and token count at start-up), lazy (the "
+    "largest of each at start-up, which sets the graphs' memory; every other by the first step that needs it, "
+    "which runs eagerly and then records its graph: start-up is shorter, and that one step longer). One rank "
+    "only: with tensor parallelism every graph is captured at start-up",
 )
 GRAMMAR_PROCESS: EnvVar[GrammarProcessChoice] = EnvVar(
     "ASYNCLLM_GRAMMAR_PROCESS",
@@ -330,6 +346,7 @@ ALL: tuple[EnvVar[Any], ...] = (  # every variable, for docs/tuning.md's table a
     CPU_NATIVE,
     CUDA_GRAPH_SAMPLING,
     CUDA_GRAPH_MAX_TOKENS,
+    CUDA_GRAPH_CAPTURE,
     GRAMMAR_PROCESS,
     GRAMMAR_PROCESS_THREADS,
     GRAMMAR_SLOW_FILL_MS,

@@ -53,9 +53,11 @@ class CudaGraphRunner:
         device: torch.device,
         loras: LoRAManager | None = None,
         decode_logits: bool = False,
+        lazy: bool = False,
     ) -> None:
         self.model = model
         self.decode_logits = decode_logits
+        self.lazy = lazy
         self.loras = loras
         self.kv_caches = kv_caches
         self.buffers = buffers
@@ -68,14 +70,27 @@ class CudaGraphRunner:
         self._hidden_shape = (hidden_size, dtype)
         self._hidden = PrefixViews(torch.empty(0, hidden_size, dtype=dtype, device=device))  # [rows, hidden]
         self._logits: PrefixViews | None = None  # [rows, vocab]: decode graphs' LM head output (decode_logits)
+        self._logits_rows = 0  # the static logits' rows: the largest decode bucket's
+        self._planned: set[tuple[GraphKey, bool, int]] = set()  # every graph `capture` planned, captured or not
         self._tails: dict[int, torch.cuda.CUDAGraph] = {}  # decode size -> its tail's graph
         # Where capture's seconds went (the start-up log line): staging each bucket's dummy inputs and plan,
         # the eager run before each capture, the capture itself (recording and instantiation), the first replays.
         self.capture_seconds: dict[str, float] = {"stage": 0.0, "eager": 0.0, "record": 0.0, "upload": 0.0}
 
     def sizes(self, kind: str) -> list[int]:
-        """The captured sizes of one kind ("decode": batch sizes, "mixed": token counts), ascending."""
-        return sorted(n for (k, n), lora, variant in self._graphs if k == kind and not lora and not variant)
+        """The sizes of one kind ("decode": batch sizes, "mixed": token counts) whose steps replay graphs,
+        ascending: captured, or (`lazy`) captured by the first step that needs one."""
+        return sorted(n for (k, n), lora, variant in self._planned if k == kind and not lora and not variant)
+
+    @property
+    def captured(self) -> int:
+        """How many forward-pass graphs are captured (every LoRA and attention variant counted)."""
+        return len(self._graphs)
+
+    @property
+    def pending(self) -> int:
+        """How many planned graphs no step has captured yet (`lazy`)."""
+        return len(self._planned) - len(self._graphs)
 
     def tail_sizes(self) -> list[int]:
         """The decode sizes captured with a tail graph, ascending."""
@@ -87,13 +102,18 @@ class CudaGraphRunner:
         its inputs, and its attention plan, already sent."""
         lora = self.loras is not None and self.loras.batch.active
         variant = 0 if x.meta.plan is None else x.meta.plan.graph_variant
-        graph = None if shape.graph is None else self._graphs.get((shape.graph, lora, variant))
-        if graph is None:
+        key = shape.graph
+        graph = None if key is None else self._graphs.get((key, lora, variant))
+        if key is None or (graph is None and (key, lora, variant) not in self._planned):
             hidden: torch.Tensor = self.model(x.input_ids, x.positions, self.kv_caches, x.meta)
             return hidden, None
-        graph.replay()
-        assert shape.graph is not None
-        logits = self._logits(x.num_tokens) if self._logits is not None and shape.graph[0] == "decode" else None
+        if graph is None:  # lazy: this step runs its bucket's forward pass eagerly, then records it
+            assert x.num_tokens == key[1], "a bucketed step is padded to its bucket"
+            with torch.inference_mode():
+                self._capture_one(key, lora, variant, x)
+        else:
+            graph.replay()
+        logits = self._logits(x.num_tokens) if self._logits is not None and key[0] == "decode" else None
         return self._hidden(x.num_tokens), logits
 
     def has_tail(self, shape: StepShape) -> bool:
@@ -110,18 +130,19 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def capture(self, tail: Callable[[torch.Tensor], None] | None = None) -> float:
         """Capture a graph per bucket (largest first, one shared pool), and with `decode_logits` a graph of
-        `tail` (over the bucket's logits, [size, vocab]) per decode bucket; returns the seconds it took."""
-        if self._graphs:
+        `tail` (over the bucket's logits, [size, vocab]) per decode bucket; returns the seconds it took.
+        `lazy`: only the largest bucket of each kind now (they set the pool's size, which the smaller graphs
+        reuse, and the static buffers), and every draw graph; each other bucket's graph is captured by the
+        first step that needs it (`run`), whose own forward pass is the eager run before the capture."""
+        if self._planned:
             raise RuntimeError("CudaGraphRunner.capture runs once: the graphs hold its output buffer's address")
         start = time.perf_counter()
         buckets, buffers = self.buckets, self.buffers
         keys = sorted(buckets.graph_keys, key=lambda key: -key[1])
         hidden_size, dtype = self._hidden_shape
         rows = max((n for _, n in keys), default=0)  # the largest graph's rows, not the step budget's
-        hidden = torch.empty(rows, hidden_size, dtype=dtype, device=self.device)
-        self._hidden = PrefixViews(hidden)
-        decode_rows = max((n for k, n in keys if k == "decode"), default=0)
-        logits: list[torch.Tensor] = []  # the static logits, allocated at the first (largest) decode graph's
+        self._hidden = PrefixViews(torch.empty(rows, hidden_size, dtype=dtype, device=self.device))
+        self._logits_rows = max((n for k, n in keys if k == "decode"), default=0)
         variants = (False, True) if self.loras is not None else (False,)
         backend = buckets.backend
         captures = [
@@ -130,8 +151,11 @@ class CudaGraphRunner:
             for lora in variants
             for attn in backend.graph_variants(buckets.bounds(key))  # cascade decode: a graph of its own
         ]
-        spent = self.capture_seconds
+        self._planned.update(captures)
+        largest = {kind: max((n for k, n in keys if k == kind), default=0) for kind in ("decode", "mixed")}
         for key, lora, attn in captures:
+            if self.lazy and key[1] != largest[key[0]]:
+                continue
             t0 = time.perf_counter()
             kind, size = key
             if kind == "decode":
@@ -143,38 +167,12 @@ class CudaGraphRunner:
             if self.loras is not None:  # adapter layers active or not, with no adapter row: compiled, no work
                 self.loras.stage_idle(x.num_tokens, active=lora)
             buffers.flush()
-
-            head = self.decode_logits and kind == "decode"
-
-            def forward(x: ModelInputs = x, size: int = size, head: bool = head) -> None:
-                out = self.model(x.input_ids, x.positions, self.kv_caches, x.meta)  # [size, hidden]
-                hidden[:size].copy_(out)
-                if head:
-                    # The eager path's LM head call over the same rows: the same numbers, then kept static.
-                    step_logits = self.model.compute_logits(hidden[:size])  # [size, vocab]
-                    if not logits:  # eagerly, before the first capture: outside the graphs' pool
-                        logits.append(step_logits.new_empty(decode_rows, step_logits.shape[1]))
-                    logits[0][:size].copy_(step_logits)
-
-            t1 = time.perf_counter()
-            forward()  # compiles every kernel and settles the allocator before capture
-            torch.cuda.synchronize(self.device)
-            t2 = time.perf_counter()
-            self._graphs[key, lora, attn] = self._record(forward)
-            t3 = time.perf_counter()
-            spent["stage"] += t1 - t0
-            spent["eager"] += t2 - t1
-            spent["record"] += t3 - t2
-            logger.debug(
-                "graph %s %d (LoRA %s, variant %d): stage %.1f ms, eager %.1f ms, record %.1f ms",
-                *(kind, size, lora, attn, (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3),
-            )
+            self.capture_seconds["stage"] += time.perf_counter() - t0
+            self._capture_one(key, lora, attn, x)
         if self.loras is not None:
             self.loras.stage_idle(0, active=False)
-        if logits:
-            self._logits = PrefixViews(logits[0])
-            if tail is not None:
-                self._capture_tails(tail, sorted({n for k, n in keys if k == "decode"}, reverse=True))
+        if self._logits is not None and tail is not None:
+            self._capture_tails(tail, sorted({n for k, n in keys if k == "decode"}, reverse=True))
         t0 = time.perf_counter()
         for graph in (*self._graphs.values(), *self._tails.values()):
             graph.replay()  # a graph's first launch uploads it: the first request must not pay that
@@ -182,8 +180,38 @@ class CudaGraphRunner:
         # The eager runs' activations, cached since no capture emptied the cache: returned as torch.cuda.graph
         # would have (measure_graph_memory counts what the graphs hold, nothing else).
         torch.cuda.empty_cache()
-        spent["upload"] = time.perf_counter() - t0
+        self.capture_seconds["upload"] = time.perf_counter() - t0
         return time.perf_counter() - start
+
+    def _capture_one(self, key: GraphKey, lora: bool, attn: int, x: ModelInputs) -> None:
+        """Run the bucket's forward pass over the staged inputs `x` eagerly (compiling every kernel and settling
+        the allocator), then record it as the graph of (key, lora, attn)."""
+        kind, size = key
+        head = self.decode_logits and kind == "decode"
+        hidden = self._hidden(size)
+
+        def forward() -> None:
+            hidden.copy_(self.model(x.input_ids, x.positions, self.kv_caches, x.meta))  # [size, hidden]
+            if head:
+                # The eager path's LM head call over the same rows: the same numbers, then kept static.
+                step_logits = self.model.compute_logits(hidden)  # [size, vocab]
+                if self._logits is None:  # eagerly, before the first capture: outside the graphs' pool
+                    rows = step_logits.new_empty(self._logits_rows, step_logits.shape[1])
+                    self._logits = PrefixViews(rows)
+                self._logits(size).copy_(step_logits)
+
+        t1 = time.perf_counter()
+        forward()
+        torch.cuda.synchronize(self.device)
+        t2 = time.perf_counter()
+        self._graphs[key, lora, attn] = self._record(forward)
+        t3 = time.perf_counter()
+        self.capture_seconds["eager"] += t2 - t1
+        self.capture_seconds["record"] += t3 - t2
+        logger.debug(
+            "graph %s %d (LoRA %s, variant %d): eager %.1f ms, record %.1f ms",
+            *(kind, size, lora, attn, (t2 - t1) * 1e3, (t3 - t2) * 1e3),
+        )
 
     def _capture_tails(self, tail: Callable[[torch.Tensor], None], sizes: list[int]) -> None:
         assert self._logits is not None
@@ -220,6 +248,7 @@ class CudaGraphRunner:
     def release(self) -> None:
         """Drop the graphs (and their pool) and this runner's hold on the KV cache."""
         self._graphs.clear()
+        self._planned.clear()
         self._tails.clear()
         self._logits = None
         self._pool = None

@@ -22,7 +22,7 @@ import torch
 from asyncllm.attention.backend import AttentionBackend
 from asyncllm.attention.registry import make_attention_backend
 from asyncllm.config import EngineConfig
-from asyncllm.envs import CascadeAttention, DecodeGemv
+from asyncllm.envs import CascadeAttention, CudaGraphCapture, DecodeGemv
 from asyncllm.layers.fusion import use_fused_kernels, use_pdl
 from asyncllm.layers.parallel import TPGroup
 from asyncllm.model_loader.base import Checkpoint
@@ -246,18 +246,11 @@ class WorkerSetup:
         )
         arch = self.resolved.arch
         graph_sampling = self._graph_sampling(loaded.backend)
-        graphs = CudaGraphRunner(
-            loaded.model,
-            kv_caches,
-            buffers,
-            buckets,
-            arch.hidden_size,
-            self.resolved.dtype,
-            device,
-            loaded.loras,
-            decode_logits=graph_sampling,
-        )
         ranks, tuning = 1 if self.parallel is None else self.parallel.world_size, self.resolved.tuning
+        lazy = tuning.cuda_graph_capture is CudaGraphCapture.LAZY and ranks == 1  # TP: every rank captures at start
+        model, dtype = loaded.model, self.resolved.dtype
+        graphs = CudaGraphRunner(model, kv_caches, buffers, buckets, arch.hidden_size, dtype, device, loaded.loras,
+                                 decode_logits=graph_sampling, lazy=lazy)  # fmt: skip
         runner = ModelRunner(
             loaded.model,
             loaded.backend,
@@ -324,9 +317,10 @@ class WorkerSetup:
         self.timings["capture"] = runner.capture_graphs()
         phases = ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in graphs.capture_seconds.items())
         decode, mixed = graphs.sizes("decode"), graphs.sizes("mixed")
+        later = f", {graphs.pending} more at the first step needing each" if graphs.lazy else ""
         logger.info(
-            "captured %d CUDA graphs in %.2f s (%s): decode batch sizes %s, token counts %s, %d draw graphs",
-            *(len(decode) + len(mixed), self.timings["capture"], phases, decode, mixed, len(graphs.tail_sizes())),
+            "captured %d CUDA graphs in %.2f s (%s%s): decode batch sizes %s, token counts %s, %d draw graphs",
+            *(graphs.captured, self.timings["capture"], phases, later, decode, mixed, len(graphs.tail_sizes())),
         )
 
     def runtime_info(self, loaded: LoadedModel, runner: ModelRunner, num_blocks: int) -> RuntimeInfo:

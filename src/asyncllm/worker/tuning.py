@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from asyncllm import envs
 from asyncllm.config import EngineConfig
-from asyncllm.envs import CascadeAttention, DecodeGemv, GrammarProcessChoice
+from asyncllm.envs import CascadeAttention, CudaGraphCapture, DecodeGemv, GrammarProcessChoice
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,7 @@ class WorkerTuning:
     cascade_attention: CascadeAttention  # ASYNCLLM_CASCADE_ATTENTION
     cuda_graph_sampling: bool  # ASYNCLLM_CUDA_GRAPH_SAMPLING
     cuda_graph_max_tokens: int  # ASYNCLLM_CUDA_GRAPH_MAX_TOKENS, "auto" settled for this engine's step budget
+    cuda_graph_capture: CudaGraphCapture  # ASYNCLLM_CUDA_GRAPH_CAPTURE
     grammar_process: GrammarProcessChoice  # ASYNCLLM_GRAMMAR_PROCESS
     grammar_process_threads: int | None  # ASYNCLLM_GRAMMAR_PROCESS_THREADS (None: auto)
     jump_forward: bool  # ASYNCLLM_JUMP_FORWARD
@@ -37,6 +38,7 @@ class WorkerTuning:
             cascade_attention=envs.CASCADE_ATTENTION.get(),
             cuda_graph_sampling=envs.CUDA_GRAPH_SAMPLING.get(),
             cuda_graph_max_tokens=config.graph_max_tokens(envs.CUDA_GRAPH_MAX_TOKENS.get()),
+            cuda_graph_capture=envs.CUDA_GRAPH_CAPTURE.get(),
             grammar_process=envs.GRAMMAR_PROCESS.get(),
             grammar_process_threads=envs.GRAMMAR_PROCESS_THREADS.get(),
             jump_forward=envs.JUMP_FORWARD.get(),

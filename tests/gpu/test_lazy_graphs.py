@@ -1,0 +1,60 @@
+"""ASYNCLLM_CUDA_GRAPH_CAPTURE=lazy on the GPU: start-up captures the largest graph of each kind, and each other
+bucket's graph is captured by the first step that needs it (run eagerly, then recorded). The same tokens as
+graphs captured at start-up and as eager steps, while the live batch crosses every bucket (those first steps
+and the replays after them); once every bucket was met, every step replays a graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncllm import LLM, SamplingParams
+from tests.gpu.test_cuda_graphs import _workload
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+_COMMON = dict(device="cuda", block_size=4, max_num_seqs=40, num_kv_blocks=512, max_num_batched_tokens=96)
+
+
+@pytest.mark.parametrize("sampling_graphs", ["0", "1"], ids=["eager-draw", "graph-sampling"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.usefixtures("exact_fp32")
+def test_lazy_capture_equals_capture_at_start_and_eager(
+    tiny_checkpoints, dtype: str, sampling_graphs: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = str(tiny_checkpoints["qwen3"])
+    monkeypatch.setenv("ASYNCLLM_CUDA_GRAPH_SAMPLING", sampling_graphs)
+    at_start = LLM(path, dtype=dtype, **_COMMON)
+    eager = LLM(path, dtype=dtype, enforce_eager=True, **_COMMON)
+    monkeypatch.setenv("ASYNCLLM_CUDA_GRAPH_CAPTURE", "lazy")
+    lazy = LLM(path, dtype=dtype, **_COMMON)
+    assert lazy.runtime.cuda_graph_sizes == at_start.runtime.cuda_graph_sizes == (1, 2, 4, 8, 16, 32, 40)
+    assert lazy.runtime.cuda_graph_token_sizes == at_start.runtime.cuda_graph_token_sizes
+    prompts, params = _workload(lazy.runtime.vocab_size)
+    first = [o.token_ids for o in lazy.generate(prompts, params, use_tqdm=False)]  # captures as it goes
+    again = [o.token_ids for o in lazy.generate(prompts, params, use_tqdm=False)]  # replays them
+    ref = [o.token_ids for o in at_start.generate(prompts, params, use_tqdm=False)]
+    assert first == again == ref
+    if dtype == "float32":
+        assert ref == [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+
+
+def test_lazy_graphs_replay_once_captured(tiny_checkpoints, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompts alone, twice: the second pass meets only buckets the first captured, and every one of its steps
+    replays a graph (none runs the model eagerly)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    monkeypatch.setenv("ASYNCLLM_CUDA_GRAPH_CAPTURE", "lazy")
+    llm = LLM(str(tiny_checkpoints["qwen3"]), **_COMMON)
+    prompts, _ = _workload(llm.runtime.vocab_size)
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)
+    steps_before = llm.stats()["num_steps"]
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+    steps = llm.stats()["num_steps"] - steps_before
+    launches = sum(e.count for e in prof.key_averages() if e.key.startswith("cudaGraphLaunch"))
+    assert launches == steps > 0
