@@ -43,12 +43,12 @@ def test_lazy_capture_equals_capture_at_start_and_eager(
 
 
 def test_lazy_graphs_replay_once_captured(tiny_checkpoints, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Prompts alone, twice: the second pass meets only buckets the first captured, and every one of its steps
-    replays a graph (none runs the model eagerly)."""
+    """Prompts alone, twice, without the prefix cache (whose hits would plan the second pass's steps apart): the
+    second pass meets only buckets the first captured, and every one of its steps replays a graph."""
     from torch.profiler import ProfilerActivity, profile
 
     monkeypatch.setenv("ASYNCLLM_CUDA_GRAPH_CAPTURE", "lazy")
-    llm = LLM(str(tiny_checkpoints["qwen3"]), **_COMMON)
+    llm = LLM(str(tiny_checkpoints["qwen3"]), enable_prefix_caching=False, **_COMMON)
     prompts, _ = _workload(llm.runtime.vocab_size)
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)

@@ -45,6 +45,8 @@ _JOB = struct.Struct("<QQQ16s")  # job id, block hash, slot, prefix digest
 _ANSWER = struct.Struct("<QBH")  # job id, verdict, the problem's length in bytes (UTF-8, after the record)
 _INTACT, _MISSING, _PROBLEM = 0, 1, 2
 _READY = b"R"  # the child's first byte: the slots are mapped
+_MADV_POPULATE_WRITE = 23  # linux/mman.h; Python's mmap module names it only where its build saw it
+_MAP_AHEAD_BYTES = 1 << 25  # per madvise call: the child's GIL is held through each (~2 ms)
 _START_TIMEOUT_S = 30.0
 # The child's command: this folder last on its path (no module here shadows another), this file as a module.
 _BOOT = "import sys; sys.path.append(sys.argv[1]); import kv_reader; kv_reader.main(sys.argv[2:])"
@@ -223,6 +225,20 @@ def _ready(proc: subprocess.Popen[bytes], timeout: float) -> bool:
 # ---------------------------------------------------------------------------------------------- the child
 
 
+def _map_ahead(mapping: mmap.mmap) -> None:
+    """Fill this process's page tables for the whole pool, in the background from the ready byte on. The
+    pages exist (the engine made and pinned them), but this mapping of them is new: otherwise each read's
+    first write into a slot faults once per 4 KiB page, which took the reads on a 2-core VM from 0.12 to 0.40 s
+    a GiB. MADV_POPULATE_WRITE (Linux 5.14 or newer) maps 1 GiB in ~0.06 s; on an older kernel the pages
+    fault in as before."""
+    option = getattr(mmap, "MADV_POPULATE_WRITE", _MADV_POPULATE_WRITE)
+    for start in range(0, len(mapping), _MAP_AHEAD_BYTES):
+        try:
+            mapping.madvise(option, start, min(_MAP_AHEAD_BYTES, len(mapping) - start))
+        except (OSError, ValueError):
+            return
+
+
 def main(argv: list[str]) -> None:
     fd, size, directory, fingerprint_hex, slot_bytes, threads = argv
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C stops the engine, which closes stdin
@@ -231,6 +247,7 @@ def main(argv: list[str]) -> None:
     root, fingerprint, step = Path(directory), bytes.fromhex(fingerprint_hex), int(slot_bytes)
     lock = threading.Lock()
     os.write(1, _READY)
+    threading.Thread(target=_map_ahead, args=(mapping,), name="asyncllm-kv-map", daemon=True).start()
 
     def read(job_id: int, block_hash: int, slot: int, digest: bytes) -> None:
         try:
