@@ -13,7 +13,8 @@ get pydantic  # with what it needs (pydantic-core at its pinned version)
 # The locked transformers and its tokenizers and hub (constraints.txt), for the start-up steps alone
 # (STARTUP_LOCKED=1): the device's image has an older transformers, whose import is slower (bench/RESULTS.md).
 mkdir -p .whl/locked && rm -f .whl/locked/*.whl
-for pkg in transformers tokenizers huggingface_hub; do
+# The hub's HTTP client (httpx2, httpcore2, truststore, h11, idna: the image has none of them at these versions).
+for pkg in transformers tokenizers huggingface_hub httpx2 httpcore2 truststore h11 idna; do
   get --no-deps -d .whl/locked "$(grep -i "^${pkg}==" constraints.txt)"
 done
 ls -1 .whl .whl/locked
