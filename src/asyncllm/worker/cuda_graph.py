@@ -224,9 +224,10 @@ class CudaGraphRunner:
     def _record(self, fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
         """A graph of `fn` in the shared pool, captured on a side stream (the device idle: the eager run
         before it was waited for). What `torch.cuda.graph` does, less the emptying of the allocator's caches
-        (device and pinned host) it starts every capture with: before each of ~44 captures, that handed the
-        last eager run's activations back to the driver (each cudaFree waits for the device) for the next
-        eager run to allocate again."""
+        (device and pinned host) it starts every capture with. At start-up that handed each eager run's
+        activations back to the driver for the next to allocate again (no measurable cost on an H100:
+        bench/RESULTS.md, eleventh session); a lazy capture mid-serving would also drop the pinned blocks
+        the KV tiers' copies keep cached, whose next allocation waits for the whole device."""
         graph = torch.cuda.CUDAGraph()
         stream = self._stream
         if stream is None:
