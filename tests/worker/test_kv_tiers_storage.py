@@ -297,3 +297,47 @@ def test_a_file_of_an_older_format_is_refused(tmp_path: Path, caplog, shared: bo
         assert store.load([(7, 3, digest(7))]) == [False]
     assert "format version 1" in caplog.text
     store.close()
+
+
+def _shmem_kib(pid: int) -> int:
+    """The process's resident shared memory (its mappings of the slots' pages), KiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssShmem:"):
+            return int(line.split()[1])
+    pytest.skip("no RssShmem in /proc/PID/status")
+
+
+@pytest.mark.parametrize("map_ahead", [False, True], ids=["unpinned pool", "pinned pool"])
+def test_the_reader_process_maps_the_slots_ahead_only_over_a_pinned_pool(tmp_path: Path, map_ahead: bool) -> None:
+    """Over a pinned pool (CUDA: its pages exist) the reader fills its page tables for every slot in the background
+    after its ready byte, so that no read faults its slot in 4 KiB at a time; over an unpinned one it must not
+    (that would commit the whole pool's memory, which would otherwise come only as slots are written)."""
+    import mmap
+
+    from asyncllm.worker.kv_reader import ReaderProcess
+
+    if not hasattr(os, "memfd_create"):
+        pytest.skip("the reader process needs memfd_create (Linux)")
+    size = 64 << 20
+    fd = os.memfd_create("asyncllm-test-slots")
+    try:
+        os.ftruncate(fd, size)
+        probe = mmap.mmap(fd, size)
+        try:
+            probe.madvise(getattr(mmap, "MADV_POPULATE_WRITE", 23), 0, mmap.PAGESIZE)
+        except OSError:
+            pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14)")
+        finally:
+            probe.close()
+        reader = ReaderProcess(fd, size, tmp_path, FINGERPRINT, 1 << 20, 2, lambda *_: True, map_ahead=map_ahead)
+        try:
+            deadline = time.monotonic() + 10
+            while map_ahead and _shmem_kib(reader.pid) < (size >> 10) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0 if map_ahead else 0.5)
+            mapped = _shmem_kib(reader.pid)
+            assert mapped >= size >> 10 if map_ahead else mapped < (size >> 10) // 8, mapped
+        finally:
+            reader.close()
+    finally:
+        os.close(fd)

@@ -12,8 +12,8 @@ a few threads (`kv_file.read_block`), and answers each job with its verdict. Job
 records on its stdin and stdout. If the child dies, its outstanding reads are misses (their blocks are
 recomputed) and the store reads on threads from then on. Torch-free: the child imports nothing heavy.
 
-Child: `python -c _BOOT WORKER_DIR FD SIZE DIRECTORY FINGERPRINT_HEX SLOT_BYTES THREADS`; it answers one byte
-once it has mapped the slots, and the engine waits for that byte before it serves.
+Child: `python -c _BOOT WORKER_DIR FD SIZE DIRECTORY FINGERPRINT_HEX SLOT_BYTES THREADS MAP_AHEAD`; it answers one
+byte once it has mapped the slots, and the engine waits for that byte before it serves.
 """
 
 from __future__ import annotations
@@ -67,9 +67,12 @@ class ReaderProcess:
         slot_bytes: int,
         threads: int,
         verdict: Verdict,
+        map_ahead: bool = False,
     ) -> None:
+        """`map_ahead`: the slots' pages are all in memory (pinned), so the child fills its page tables for
+        them in the background (`_map_ahead`); otherwise that would commit the whole pool's memory."""
         argv = [sys.executable, "-c", _BOOT, str(Path(__file__).parent), str(shared_fd), str(size), str(directory)]
-        argv += [fingerprint.hex(), str(slot_bytes), str(threads)]
+        argv += [fingerprint.hex(), str(slot_bytes), str(threads), str(int(map_ahead))]
         self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(shared_fd,))
         started = False
         try:
@@ -226,11 +229,11 @@ def _ready(proc: subprocess.Popen[bytes], timeout: float) -> bool:
 
 
 def _map_ahead(mapping: mmap.mmap) -> None:
-    """Fill this process's page tables for the whole pool, in the background from the ready byte on. The
-    pages exist (the engine made and pinned them), but this mapping of them is new: otherwise each read's
-    first write into a slot faults once per 4 KiB page, which took the reads on a 2-core VM from 0.12 to 0.40 s
-    a GiB. MADV_POPULATE_WRITE (Linux 5.14 or newer) maps 1 GiB in ~0.06 s; on an older kernel the pages
-    fault in as before."""
+    """Fill this process's page tables for the whole pool, in the background from the ready byte on (only where
+    the engine pinned the pool: its pages exist, and nothing is committed here). This mapping of them is new:
+    otherwise each read's first write into a slot faults once per 4 KiB page, which took the reads on a 2-core
+    VM from 0.12 to 0.40 s a GiB. MADV_POPULATE_WRITE (Linux 5.14 or newer) maps 1 GiB in ~0.06 s; on an older
+    kernel the pages fault in as before."""
     option = getattr(mmap, "MADV_POPULATE_WRITE", _MADV_POPULATE_WRITE)
     for start in range(0, len(mapping), _MAP_AHEAD_BYTES):
         try:
@@ -240,14 +243,15 @@ def _map_ahead(mapping: mmap.mmap) -> None:
 
 
 def main(argv: list[str]) -> None:
-    fd, size, directory, fingerprint_hex, slot_bytes, threads = argv
+    fd, size, directory, fingerprint_hex, slot_bytes, threads, map_ahead = argv
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C stops the engine, which closes stdin
     mapping = mmap.mmap(int(fd), int(size), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     slots = memoryview(mapping)
     root, fingerprint, step = Path(directory), bytes.fromhex(fingerprint_hex), int(slot_bytes)
     lock = threading.Lock()
     os.write(1, _READY)
-    threading.Thread(target=_map_ahead, args=(mapping,), name="asyncllm-kv-map", daemon=True).start()
+    if map_ahead == "1":
+        threading.Thread(target=_map_ahead, args=(mapping,), name="asyncllm-kv-map", daemon=True).start()
 
     def read(job_id: int, block_hash: int, slot: int, digest: bytes) -> None:
         try:
