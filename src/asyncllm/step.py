@@ -206,7 +206,9 @@ class RuntimeInfo:
     device: str  # "cpu" or "cuda:N"
     dtype: str  # "float32", "bfloat16", ...
     attention_backend: str = "torch"  # the backend that runs ("torch", "triton", ...), after "auto" resolved
-    cuda_graph_sizes: tuple[int, ...] = ()  # decode batch sizes replayed from CUDA graphs; () when eager
+    # decode batch sizes replayed from CUDA graphs (captured at start-up, or by the first step of each:
+    # ASYNCLLM_CUDA_GRAPH_CAPTURE=lazy); () when eager
+    cuda_graph_sizes: tuple[int, ...] = ()
     cuda_graph_token_sizes: tuple[int, ...] = ()  # token counts of the other steps' graphs; () when none
     # (phase, seconds) in order; from `build_engine` they cover the whole build (see asyncllm.startup).
     startup_seconds: tuple[tuple[str, float], ...] = ()

@@ -20,6 +20,7 @@ start-up adds one small capture per decode size. Knows nothing of requests or sa
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -104,13 +105,13 @@ class CudaGraphRunner:
         variant = 0 if x.meta.plan is None else x.meta.plan.graph_variant
         key = shape.graph
         graph = None if key is None else self._graphs.get((key, lora, variant))
-        if key is None or (graph is None and (key, lora, variant) not in self._planned):
+        if key is None or (graph is None and not (self.lazy and (key, lora, variant) in self._planned)):
             hidden: torch.Tensor = self.model(x.input_ids, x.positions, self.kv_caches, x.meta)
             return hidden, None
         if graph is None:  # lazy: this step runs its bucket's forward pass eagerly, then records it
             assert x.num_tokens == key[1], "a bucketed step is padded to its bucket"
             with torch.inference_mode():
-                self._capture_one(key, lora, variant, x)
+                self._capture_one(key, lora, variant, x, mid_serving=True)
         else:
             graph.replay()
         logits = self._logits(x.num_tokens) if self._logits is not None and key[0] == "decode" else None
@@ -169,23 +170,29 @@ class CudaGraphRunner:
             buffers.flush()
             self.capture_seconds["stage"] += time.perf_counter() - t0
             self._capture_one(key, lora, attn, x)
+            t0 = time.perf_counter()
+            # A graph's first launch uploads it (the first request must not pay that): over its own inputs.
+            self._graphs[key, lora, attn].replay()
+            self.capture_seconds["upload"] += time.perf_counter() - t0
         if self.loras is not None:
             self.loras.stage_idle(0, active=False)
         if self._logits is not None and tail is not None:
             self._capture_tails(tail, sorted({n for k, n in keys if k == "decode"}, reverse=True))
         t0 = time.perf_counter()
-        for graph in (*self._graphs.values(), *self._tails.values()):
-            graph.replay()  # a graph's first launch uploads it: the first request must not pay that
+        for graph in self._tails.values():
+            graph.replay()  # over the logits the forward graphs left
         torch.cuda.synchronize(self.device)
         # The eager runs' activations, cached since no capture emptied the cache: returned as torch.cuda.graph
         # would have (measure_graph_memory counts what the graphs hold, nothing else).
         torch.cuda.empty_cache()
-        self.capture_seconds["upload"] = time.perf_counter() - t0
+        self.capture_seconds["upload"] += time.perf_counter() - t0
         return time.perf_counter() - start
 
-    def _capture_one(self, key: GraphKey, lora: bool, attn: int, x: ModelInputs) -> None:
+    def _capture_one(self, key: GraphKey, lora: bool, attn: int, x: ModelInputs, mid_serving: bool = False) -> None:
         """Run the bucket's forward pass over the staged inputs `x` eagerly (compiling every kernel and settling
-        the allocator), then record it as the graph of (key, lora, attn)."""
+        the allocator), then record it as the graph of (key, lora, attn). `mid_serving` (a lazy capture, the
+        eager run a step's own): the device is not waited for (recording runs nothing, and needs nothing
+        finished), and a capture that fails leaves its bucket eager with a warning, the step's outputs made."""
         kind, size = key
         head = self.decode_logits and kind == "decode"
         hidden = self._hidden(size)
@@ -202,9 +209,17 @@ class CudaGraphRunner:
 
         t1 = time.perf_counter()
         forward()
-        torch.cuda.synchronize(self.device)
+        if not mid_serving:
+            torch.cuda.synchronize(self.device)
         t2 = time.perf_counter()
-        self._graphs[key, lora, attn] = self._record(forward)
+        try:
+            self._graphs[key, lora, attn] = self._record(forward)
+        except RuntimeError as exc:  # out of memory for the pool, most likely: the bucket stays eager
+            if not mid_serving:
+                raise
+            self._planned.discard((key, lora, attn))
+            logger.warning("capturing the CUDA graph of %s %d failed (%s): its steps run eagerly", kind, size, exc)
+            return
         t3 = time.perf_counter()
         self.capture_seconds["eager"] += t2 - t1
         self.capture_seconds["record"] += t3 - t2
@@ -233,14 +248,20 @@ class CudaGraphRunner:
         if stream is None:
             stream = self._stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            # thread_local: another thread's CUDA call (NCCL's watchdog querying an earlier collective's
-            # event, under tensor parallelism) must not invalidate this capture.
-            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
-            try:
-                fn()
-            finally:
-                graph.capture_end()
+        collecting = gc.isenabled()
+        gc.disable()  # no finalizer of a serving heap's garbage runs inside the capture (a lazy one)
+        try:
+            with torch.cuda.stream(stream):
+                # thread_local: another thread's CUDA call (NCCL's watchdog querying an earlier collective's
+                # event, under tensor parallelism) must not invalidate this capture.
+                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                try:
+                    fn()
+                finally:
+                    graph.capture_end()
+        finally:
+            if collecting:
+                gc.enable()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         if self._pool is None:
             self._pool = graph.pool()
