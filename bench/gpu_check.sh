@@ -291,11 +291,16 @@ if has kvtiers; then  # issue 44: W10 and the disk tier alone (KV_TIERS_ARGS nar
   (cd bench && timeout "${KV_TIERS_TIMEOUT:-300}" python3 kv_tiers.py ${KV_TIERS_ARGS:-}) 2>&1 | tee "$OUT/kv_tiers.log" | grep -E '^\{|Error|Traceback' | tail -6
   while read -r line; do rows+=("kv tiers: $line"); done < <(grep '^{' "$OUT/kv_tiers.log")
 fi
-if has kvrestart; then  # issue 44's restart row per disk reader (KV_RESTART_READERS, default "process threads"), with traces
+if has kvrestart; then  # issue 44's restart row per disk reader (KV_RESTART_READERS, default "process threads") and
+  # reader thread count (KV_RESTART_THREADS, default "": the engine's own), with traces
   for reader in ${KV_RESTART_READERS:-process threads}; do
-    (cd bench && ASYNCLLM_KV_DISK_READER=$reader timeout 200 python3 kv_tiers.py --parts disk --trace) 2>&1 \
-      | tee "$OUT/kv_restart_$reader.log" | grep -E '^\{|Error|Traceback' | tail -3
-    rows+=("restart, reads by $reader: $(grep -o '"disk_ttft_over_cold": [0-9.]*' "$OUT/kv_restart_$reader.log")")
+    for threads in ${KV_RESTART_THREADS:-default}; do
+      log="$OUT/kv_restart_${reader}_$threads.log" count=()
+      [ "$threads" != default ] && count=(ASYNCLLM_KV_DISK_LOAD_THREADS=$threads)
+      (cd bench && env "${count[@]}" ASYNCLLM_KV_DISK_READER=$reader timeout 200 python3 kv_tiers.py --parts disk --trace) \
+        2>&1 | tee "$log" | grep -E '^\{|Error|Traceback' | tail -3
+      rows+=("restart, reads by $reader ($threads threads): $(grep -o '"disk_ttft_over_cold": [0-9.]*' "$log")")
+    done
   done
 fi
 if has kvpace; then  # issue 44: W10 off and on, then on again per ASYNCLLM_KV_RESTORE_MIB_PER_STEP in KV_PACE_MIB (KV_PACE_ARGS: more flags)
