@@ -247,8 +247,10 @@ if has startup; then  # twice: the machine's first run fills Triton's cache, the
   # go to the second, e.g. --profile 40)
   # STARTUP_PYCACHE=1: Python keeps bytecode (in /tmp/pycache), as an installed package's imports read it.
   if [ -n "${STARTUP_PYCACHE:-}" ]; then py=(env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=/tmp/pycache "${locked[@]}" python3); else py=(env "${locked[@]}" python3); fi
-  for run in first second; do
-    [ $run = second ] && extra=${STARTUP_ARGS:-} || extra=
+  # STARTUP_WARM_RUNS=N: N warm runs (second, third, ...): this device's phases moved by a second between runs
+  runs=(first second); for ((i = 2; i <= ${STARTUP_WARM_RUNS:-1}; i++)); do runs+=("warm$i"); done
+  for run in "${runs[@]}"; do
+    [ $run != first ] && extra=${STARTUP_ARGS:-} || extra=
     (cd bench && timeout 200 "${py[@]}" startup.py --shape qwen3-0.6b $extra) 2>&1 | tee "$OUT/startup_$run.log" | grep "^{" | tail -1
     rows+=("startup ($run run): $(grep '^{' "$OUT/startup_$run.log" | tail -1)")
   done
