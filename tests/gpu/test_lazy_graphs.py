@@ -61,3 +61,49 @@ def test_lazy_graphs_replay_once_captured(tiny_checkpoints, monkeypatch: pytest.
         counts.append((launches, llm.stats()["num_steps"] - steps_before))
     (first, first_steps), (again, again_steps) = counts
     assert first < first_steps and again == again_steps > 0, counts
+
+
+@pytest.mark.usefixtures("exact_fp32")
+def test_idle_engine_captures_the_pending_graphs(tiny_checkpoints, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An async engine with lazy capture captures the graphs start-up left while it idles
+    (`stats()["cuda_graphs_pending"]` falls to 0), over dummy rows that write no KV: the prefix cache that the
+    first pass filled serves the second pass, and both give a start-up capture's tokens; then every step
+    replays a graph."""
+    import asyncio
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from asyncllm import AsyncLLMEngine
+
+    path = str(tiny_checkpoints["qwen3"])
+    at_start = LLM(path, dtype="float32", **_COMMON)
+    prompts, params = _workload(at_start.runtime.vocab_size)
+    ref = [o.token_ids for o in at_start.generate(prompts, params, use_tqdm=False)]
+    monkeypatch.setenv("ASYNCLLM_CUDA_GRAPH_CAPTURE", "lazy")
+
+    async def run(engine: AsyncLLMEngine) -> list[list[int]]:
+        outputs = await asyncio.gather(*(engine.generate(p, s) for p, s in zip(prompts, params)))
+        return [o.outputs[0].token_ids for o in outputs]
+
+    async def main() -> dict[str, object]:
+        async with AsyncLLMEngine(path, dtype="float32", **_COMMON) as engine:
+            seen: dict[str, object] = {"pending_at_start": engine.stats()["cuda_graphs_pending"]}
+            seen["first"] = await run(engine)  # beside the idle captures, or capturing buckets itself
+            deadline = asyncio.get_running_loop().time() + 120
+            while engine.stats()["cuda_graphs_pending"] and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.05)
+            before = engine.stats()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                seen["second"] = await run(engine)
+            after = engine.stats()
+            seen["launches"] = sum(e.count for e in prof.key_averages() if e.key.startswith("cudaGraphLaunch"))
+            seen["steps"] = after["num_steps"] - before["num_steps"]
+            seen["hits"] = after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"]
+            seen["pending"] = after["cuda_graphs_pending"]
+            return seen
+
+    seen = asyncio.run(main())
+    assert seen["pending_at_start"] > 0 and seen["pending"] == 0, seen
+    assert seen["first"] == ref and seen["second"] == ref
+    assert seen["hits"] > 0  # the first pass's blocks, kept through the idle captures
+    assert seen["launches"] == seen["steps"] > 0, seen

@@ -54,6 +54,7 @@ STATS_KEYS = (
     "spec_void_drafts",
     "prefix_cache_host_hit_tokens",  # of the hits, those restored from the KV tiers below the device
     "prefix_cache_disk_hit_tokens",
+    "cuda_graphs_pending",
 )
 
 

@@ -170,8 +170,10 @@ class InProcClient(Generic[S]):
     def _serve(self, core: EngineCore) -> None:
         inbox = self._inbox
 
+        idle_work = core.graphs_pending > 0  # lazy capture's graphs, captured one at a time while nothing runs
+
         def has_work() -> bool:
-            return core.has_unfinished() or self._failed_between_steps is not None
+            return core.has_unfinished() or self._failed_between_steps is not None or idle_work
 
         while True:
             inbox.wait(has_work)
@@ -189,6 +191,8 @@ class InProcClient(Generic[S]):
                 idle = core.last_step_idle
             else:
                 idle = False
+                if idle_work:  # a request sent meanwhile waits for one capture at most (tens of milliseconds)
+                    idle_work = core.idle_work()
             self._stats = core.stats().as_dict()  # before routing: a finished stream sees its blocks freed
             for slot in self._router.route(self._outputs):  # their event loop is closed: stop computing them
                 self.abort_request(slot)

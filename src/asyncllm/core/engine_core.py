@@ -101,6 +101,7 @@ class EngineCore:
         self.async_scheduling = async_scheduling
         self._in_flight: _Launched | None = None
         self.last_step_idle = False
+        self.graphs_pending = rt.cuda_graphs_pending  # lazy capture's, as of the last idle moment
         # Requests whose first step the last `step()` planned (their prompt started computing): the async
         # front stops counting them as waiting. Replaced by every call, so nobody has to read it.
         self.last_started: tuple[str, ...] = ()
@@ -116,14 +117,14 @@ class EngineCore:
         if params.n > 1:
             group = self.groups.create(request, self.block_manager.block_size, self.scheduler.requests)
             for i, sample in enumerate(group.samples):
-                self.scheduler.add_request(sample, params.seed + i if params.seed is not None else self._draw_seed())
-                self.output_processor.add_request(sample)
-                if sample.deadline is not None:
-                    self.deadlines.add(sample.request_id, sample.deadline)
+                self._queue(sample, params.seed + i if params.seed is not None else None)
             return
         if self.groups.get(request.request_id) is not None:
             raise InvalidRequestError(f"request_id={request.request_id!r} is already live: give another id")
-        self.scheduler.add_request(request, params.seed if params.seed is not None else self._draw_seed())
+        self._queue(request, params.seed)
+
+    def _queue(self, request: Request, seed: int | None) -> None:
+        self.scheduler.add_request(request, seed if seed is not None else self._seed_rng.getrandbits(63))
         self.output_processor.add_request(request)
         if request.deadline is not None:
             self.deadlines.add(request.request_id, request.deadline)
@@ -141,9 +142,6 @@ class EngineCore:
     def lora_names(self) -> list[str]:
         return self.loras.names()
 
-    def _draw_seed(self) -> int:
-        return self._seed_rng.getrandbits(63)
-
     def abort(self, request_id: str) -> list[RequestDelta]:
         """End a live request with "abort" and free its blocks: its final deltas (one per sample still
         running), none if it is unknown or already finished."""
@@ -157,11 +155,16 @@ class EngineCore:
 
     def abort_request(self, request_id: str) -> RequestDelta | None:
         """`abort`'s last delta (a request's only one, unless it has several samples); None if none."""
-        deltas = self.abort(request_id)
-        return deltas[-1] if deltas else None
+        return deltas[-1] if (deltas := self.abort(request_id)) else None
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
+
+    def idle_work(self) -> bool:
+        """Nothing runs: capture one CUDA graph lazy capture left for later; whether one is still pending."""
+        if self.graphs_pending and not self.has_unfinished():
+            self.graphs_pending = self.executor.capture_pending_graph()
+        return self.graphs_pending > 0
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
@@ -177,6 +180,7 @@ class EngineCore:
             prefix_cache_hit_tokens=bm.num_hit_tokens,
             prefix_cache_host_hit_tokens=bm.num_host_hit_tokens,
             prefix_cache_disk_hit_tokens=bm.num_disk_hit_tokens,
+            cuda_graphs_pending=self.graphs_pending,
             **(self.speculation.stats() if self.speculation else {}),
         )
 

@@ -181,6 +181,11 @@ class MultiProcExecutor:
         self._worker.remove_lora(lora_id)
         self._broadcast(encode_lora(RemoveLoRA(lora_id)))
 
+    def capture_pending_graph(self) -> int:
+        """None is pending: every rank captures its graphs at start-up (a lazy capture would record one rank's
+        collectives at a step the others replay)."""
+        return 0
+
     def _broadcast(self, message: bytes) -> None:
         assert self._procs is not None
         while True:

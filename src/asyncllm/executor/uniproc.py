@@ -46,3 +46,6 @@ class UniProcExecutor:
 
     def remove_lora(self, lora_id: int) -> None:
         self.worker.remove_lora(lora_id)
+
+    def capture_pending_graph(self) -> int:
+        return self.worker.capture_pending_graph()

@@ -138,7 +138,7 @@ class CudaGraphRunner:
         if self._planned:
             raise RuntimeError("CudaGraphRunner.capture runs once: the graphs hold its output buffer's address")
         start = time.perf_counter()
-        buckets, buffers = self.buckets, self.buffers
+        buckets = self.buckets
         keys = sorted(buckets.graph_keys, key=lambda key: -key[1])
         hidden_size, dtype = self._hidden_shape
         rows = max((n for _, n in keys), default=0)  # the largest graph's rows, not the step budget's
@@ -155,25 +155,8 @@ class CudaGraphRunner:
         self._planned.update(captures)
         largest = {kind: max((n for k, n in keys if k == kind), default=0) for kind in ("decode", "mixed")}
         for key, lora, attn in captures:
-            if self.lazy and key[1] != largest[key[0]]:
-                continue
-            t0 = time.perf_counter()
-            kind, size = key
-            if kind == "decode":
-                x = buffers.prepare(_dummy_decode(size), pad_to=size, flush=False)
-            else:
-                x = buffers.prepare(_dummy_mixed(buffers.block_size), pad_tokens_to=size, flush=False)
-            bounds = buckets.bounds(key)
-            buffers.stage_plan(x.meta, backend.plan(x.meta, bounds, attn), static=True)
-            if self.loras is not None:  # adapter layers active or not, with no adapter row: compiled, no work
-                self.loras.stage_idle(x.num_tokens, active=lora)
-            buffers.flush()
-            self.capture_seconds["stage"] += time.perf_counter() - t0
-            self._capture_one(key, lora, attn, x)
-            t0 = time.perf_counter()
-            # A graph's first launch uploads it (the first request must not pay that): over its own inputs.
-            self._graphs[key, lora, attn].replay()
-            self.capture_seconds["upload"] += time.perf_counter() - t0
+            if not self.lazy or key[1] == largest[key[0]]:
+                self._capture_staged(key, lora, attn)
         if self.loras is not None:
             self.loras.stage_idle(0, active=False)
         if self._logits is not None and tail is not None:
@@ -187,6 +170,47 @@ class CudaGraphRunner:
         torch.cuda.empty_cache()
         self.capture_seconds["upload"] += time.perf_counter() - t0
         return time.perf_counter() - start
+
+    @torch.inference_mode()
+    def capture_next(self) -> int:
+        """`lazy`, while the engine idles (no request in flight): capture the smallest graph still pending
+        (small batches and short prompts come first to a fresh engine; the largest, captured at start-up, sized
+        the pool), over dummy inputs that write no KV (the cache holds live prefixes now); returns how many are
+        left. Each call costs one eager run and one recording (~15-40 ms on an H100): a request that arrives
+        waits for at most one."""
+        left = sorted(self._planned.difference(self._graphs), key=lambda c: (c[0][1], c[0][0], c[1], c[2]))
+        if not left:
+            return 0
+        key, lora, attn = left[0]
+        self._capture_staged(key, lora, attn, serving=True)
+        if self.loras is not None:
+            self.loras.stage_idle(0, active=False)
+        return len(left) - 1
+
+    def _capture_staged(self, key: GraphKey, lora: bool, attn: int, serving: bool = False) -> None:
+        """Stage the bucket's dummy inputs and attention plan, capture its graph and launch it once (a graph's
+        first launch uploads it: the first request must not pay that), over its own inputs. `serving` (an
+        idle capture): the dummy rows write no KV (slot -1; their attention reads block 0, whatever it holds,
+        into outputs never read), and a failed capture leaves its bucket eager (`_capture_one`)."""
+        t0 = time.perf_counter()
+        buffers, kind, size = self.buffers, *key
+        if kind == "decode":
+            x = buffers.prepare(_dummy_decode(size), pad_to=size, flush=False)
+        else:
+            x = buffers.prepare(_dummy_mixed(buffers.block_size), pad_tokens_to=size, flush=False)
+        if serving:
+            buffers.slot_mapping.put([-1] * x.num_tokens)
+        buffers.stage_plan(x.meta, self.buckets.backend.plan(x.meta, self.buckets.bounds(key), attn), static=True)
+        if self.loras is not None:  # adapter layers active or not, with no adapter row: compiled, no work
+            self.loras.stage_idle(x.num_tokens, active=lora)
+        buffers.flush()
+        self.capture_seconds["stage"] += time.perf_counter() - t0
+        self._capture_one(key, lora, attn, x, mid_serving=serving)
+        t0 = time.perf_counter()
+        graph = self._graphs.get((key, lora, attn))
+        if graph is not None:  # None: a failed capture mid-serving (its bucket stays eager)
+            graph.replay()
+        self.capture_seconds["upload"] += time.perf_counter() - t0
 
     def _capture_one(self, key: GraphKey, lora: bool, attn: int, x: ModelInputs, mid_serving: bool = False) -> None:
         """Run the bucket's forward pass over the staged inputs `x` eagerly (compiling every kernel and settling

@@ -317,7 +317,7 @@ class WorkerSetup:
         self.timings["capture"] = runner.capture_graphs()
         phases = ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in graphs.capture_seconds.items())
         decode, mixed = graphs.sizes("decode"), graphs.sizes("mixed")
-        later = f", {graphs.pending} more at the first step needing each" if graphs.lazy else ""
+        later = f", {graphs.pending} more when idle or at the first step needing each" if graphs.lazy else ""
         logger.info(
             "captured %d CUDA graphs in %.2f s (%s%s): decode batch sizes %s, token counts %s, %d draw graphs",
             *(graphs.captured, self.timings["capture"], phases, later, decode, mixed, len(graphs.tail_sizes())),
@@ -337,6 +337,7 @@ class WorkerSetup:
             attention_backend=loaded.backend.name,
             cuda_graph_sizes=tuple(runner.graphs.sizes("decode")),
             cuda_graph_token_sizes=tuple(runner.graphs.sizes("mixed")),
+            cuda_graphs_pending=runner.graphs.pending,
             startup_seconds=tuple(self.timings.items()),
             architecture=arch.architecture,
             kv_cache_bytes=num_blocks * (self.kv_spec.bytes_per_block + draft_bytes(loaded.draft)),

@@ -59,6 +59,12 @@ class Worker:
         if self.runner is not None and self.runner.loras is not None:
             self.runner.loras.remove(lora_id)
 
+    def capture_pending_graph(self) -> int:
+        """Capture one graph lazy capture left for later (no step in flight); how many are still pending."""
+        if self.runner is None or isinstance(self.runner, PoolingRunner):
+            return 0
+        return self.runner.graphs.capture_next()
+
     def shutdown(self) -> None:
         """Release the device: graphs, KV cache and model (idempotent), after the disk tier's last writes."""
         if self.kv_tiers is not None:
