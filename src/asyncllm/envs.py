@@ -57,7 +57,7 @@ class CudaGraphCapture(str, enum.Enum):
     """When the CUDA graphs are captured (`CUDA_GRAPH_CAPTURE`)."""
 
     START = "start"  # every bucket's at start-up
-    LAZY = "lazy"  # the largest of each kind at start-up, every other at the first step that needs it
+    LAZY = "lazy"  # the largest of each kind at start-up, every other while idle or at the first step needing it
 
 
 class CascadeAttention(str, enum.Enum):
@@ -193,9 +193,10 @@ CUDA_GRAPH_CAPTURE: EnvVar[CudaGraphCapture] = EnvVar(
     CudaGraphCapture.START,
     one_of(CudaGraphCapture),
     "when the CUDA graphs are captured: start (every batch size and token count at start-up), lazy (the "
-    "largest of each at start-up, which sets the graphs' memory; every other by the first step that needs it, "
-    "which runs eagerly and then records its graph: start-up is shorter, and that one step longer). One rank "
-    "only: with tensor parallelism every graph is captured at start-up",
+    "largest of each at start-up, which sets the graphs' memory; every other by an async engine while it "
+    "idles, one at a time, or by the first step that needs it, which runs eagerly and then records its graph: "
+    "start-up is shorter, and that one step longer). One rank only: with tensor parallelism every graph is "
+    "captured at start-up",
 )
 GRAMMAR_PROCESS: EnvVar[GrammarProcessChoice] = EnvVar(
     "ASYNCLLM_GRAMMAR_PROCESS",
