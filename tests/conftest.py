@@ -6,6 +6,7 @@ Tests marked `needs_structured_output` skip unless the engine enforces output co
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +22,11 @@ from tests.fixtures.triton_kernels import use_interpreter_without_cuda
 use_interpreter_without_cuda()
 if os.environ.get("TRITON_INTERPRET") == "1":
     patch_lang_once_per_launch()  # see tests/fixtures/triton_interpreter.py
+# A suite started in the background of a shell without job control (`scripts/test.sh &`) inherits Ctrl-C
+# ignored, and so would every process it starts: the Ctrl-C tests then see nothing to stop. Restored here
+# (each xdist worker loads this file too); a process started from a Python handler gets the default.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_configure(config: pytest.Config) -> None:
