@@ -81,20 +81,22 @@ def test_idle_engine_captures_the_pending_graphs(tiny_checkpoints, monkeypatch: 
     ref = [o.token_ids for o in at_start.generate(prompts, params, use_tqdm=False)]
     monkeypatch.setenv("ASYNCLLM_CUDA_GRAPH_CAPTURE", "lazy")
 
-    async def run(engine: AsyncLLMEngine) -> list[list[int]]:
-        outputs = await asyncio.gather(*(engine.generate(p, s) for p, s in zip(prompts, params)))
+    async def run(engine: AsyncLLMEngine, ids: str) -> list[list[int]]:
+        # The ids of warm-up's and capture's dummy rows: a request of such an id gets its own block table.
+        requests = (engine.generate(p, s, request_id=f"{ids}-{i}") for i, (p, s) in enumerate(zip(prompts, params)))
+        outputs = await asyncio.gather(*requests)
         return [o.outputs[0].token_ids for o in outputs]
 
     async def main() -> dict[str, object]:
         async with AsyncLLMEngine(path, dtype="float32", **_COMMON) as engine:
             seen: dict[str, object] = {"pending_at_start": engine.stats()["cuda_graphs_pending"]}
-            seen["first"] = await run(engine)  # beside the idle captures, or capturing buckets itself
+            seen["first"] = await run(engine, "warmup")  # beside the idle captures, or capturing buckets itself
             deadline = asyncio.get_running_loop().time() + 120
             while engine.stats()["cuda_graphs_pending"] and asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(0.05)
             before = engine.stats()
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                seen["second"] = await run(engine)
+                seen["second"] = await run(engine, "capture")
             after = engine.stats()
             seen["launches"] = sum(e.count for e in prof.key_averages() if e.key.startswith("cudaGraphLaunch"))
             seen["steps"] = after["num_steps"] - before["num_steps"]

@@ -195,3 +195,19 @@ def test_a_static_plan_is_staged_at_one_fixed_address_and_sent_with_the_inputs()
         buffers.flush()
         assert plan.device.tolist() == padded
     assert len(addresses) == 1
+
+
+def test_a_new_request_gets_its_own_row_whatever_ran_under_its_id_before() -> None:
+    """Regression: warm-up's and capture's dummy sequences ("warmup-0", "capture-0") left their block-table
+    rows owned under their ids, and a row is rewritten only when its owner or block count changes: a user's
+    request of the same id, landing on that row with as many blocks or more, kept the dummy's first blocks
+    (its attention read block 0's keys). A new request's row is written whole."""
+    from asyncllm.sampling_params import SamplingParams
+    from asyncllm.step import NewRequestData
+
+    buffers = InputBuffers(64, 8, 4, 4, torch.device("cpu"))
+    buffers.prepare(SchedulerOutput(seqs=[ScheduledSeq("capture-0", [1], 0, [0], True)]))  # a dummy, never finished
+    new = NewRequestData("capture-0", [5, 6, 7, 8, 9], SamplingParams(), seed=0)
+    step = SchedulerOutput(seqs=[ScheduledSeq("capture-0", [5, 6, 7, 8, 9], 0, [6, 2], True)], new_requests=[new])
+    x = buffers.prepare(step)
+    assert x.meta.block_tables[0, :2].tolist() == [6, 2]

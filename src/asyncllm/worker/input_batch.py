@@ -130,9 +130,10 @@ class InputBuffers:
         block-table row is rewritten only when its sequence or block count changed since the last step.
         """
         self.staging.begin(new_step=True)  # the host buffers are free to overwrite only once copied out
-        # A preempted request comes back with other blocks; a finished one's id may be reused: neither may
-        # inherit its old row.
-        for request_id in (*scheduled.preempted_request_ids, *scheduled.finished_request_ids):
+        # A preempted request comes back with other blocks; a finished one's id may be reused, and so may a
+        # dummy's (warm-up's, capture's: never finished): none may inherit its old row.
+        new = (n.request_id for n in scheduled.new_requests)
+        for request_id in (*scheduled.preempted_request_ids, *scheduled.finished_request_ids, *new):
             row = self._row_of.pop(request_id, None)
             if row is not None and self._row_owner[row] == request_id:
                 self._row_owner[row] = None
