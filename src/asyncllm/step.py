@@ -210,7 +210,7 @@ class RuntimeInfo:
     # ASYNCLLM_CUDA_GRAPH_CAPTURE=lazy); () when eager
     cuda_graph_sizes: tuple[int, ...] = ()
     cuda_graph_token_sizes: tuple[int, ...] = ()  # token counts of the other steps' graphs; () when none
-    cuda_graphs_pending: int = 0  # lazy capture: graphs not captured at start-up (`capture_pending_graph`)
+    cuda_graphs_pending: int = 0  # lazy capture: graphs not captured at start-up (`ModelExecutor.pending_graphs`)
     # (phase, seconds) in order; from `build_engine` they cover the whole build (see asyncllm.startup).
     startup_seconds: tuple[tuple[str, float], ...] = ()
     architecture: str = ""  # the checkpoint's, e.g. "Qwen3ForCausalLM"
@@ -300,7 +300,7 @@ class ModelExecutor(Protocol):
         """Forget an adapter no live request uses (steps already submitted may still run with it)."""
         ...
 
-    def capture_pending_graph(self) -> int:
-        """Capture one CUDA graph that lazy capture left for later (`RuntimeInfo.cuda_graphs_pending`), while
-        no step is in flight; returns how many are still pending (0: none, or the executor has none)."""
+    def pending_graphs(self, capture_one: bool = False) -> int:
+        """How many CUDA graphs lazy capture left for later are still pending (`RuntimeInfo.cuda_graphs_pending`;
+        asked only where that was not 0). `capture_one` (no step in flight): capture the next one first."""
         ...

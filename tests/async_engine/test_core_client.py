@@ -99,3 +99,33 @@ def test_ctrl_c_during_the_load_leaves_the_constructor_at_once_and_the_core_is_r
     while not built.executor.is_shut_down:
         assert time.monotonic() < deadline, "the step thread kept the core it built"
         time.sleep(0.01)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["serial", "overlapped"])
+async def test_an_idle_engine_captures_the_pending_graphs_one_at_a_time(bpe_tokenizer: Any, asynchronous: bool) -> None:
+    """Lazy capture's graphs are captured while nothing is in flight (the fake executor raises on a capture
+    beside a queued step), one at a time: a request sent meanwhile waits for one capture at most, not for all
+    of them, and gets the tokens it would alone; `stats()["cuda_graphs_pending"]` falls to 0."""
+    pending, capture_s = 20, 0.1
+    built = fake_built(bpe_tokenizer, asynchronous=asynchronous, cuda_graphs_pending=pending, capture_delay=capture_s)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    prompts: list[str | list[int]] = [[5 + i, 6, 7] for i in range(3)]
+    want = offline_run(fake_built(bpe_tokenizer), prompts, [params] * len(prompts))
+    engine = AsyncLLMEngine.from_builder(lambda: built)
+    try:
+        got, took = [], []
+        for prompt in prompts:
+            await asyncio.sleep(capture_s / 2)  # the engine idles: captures run
+            start = time.monotonic()
+            out = await engine.generate(prompt, params)
+            took.append(time.monotonic() - start)
+            got.append((out.token_ids, out.text))
+        assert got == want
+        assert max(took) < pending * capture_s / 4, took  # all the captures would take 2 s
+        deadline = time.monotonic() + 10
+        while engine.stats()["cuda_graphs_pending"]:
+            assert time.monotonic() < deadline, engine.stats()
+            await asyncio.sleep(0.05)
+        assert built.executor.captures == pending and engine.is_running
+    finally:
+        await engine.aclose()

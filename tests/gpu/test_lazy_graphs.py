@@ -1,7 +1,8 @@
 """ASYNCLLM_CUDA_GRAPH_CAPTURE=lazy on the GPU: start-up captures the largest graph of each kind, and each other
-bucket's graph is captured by the first step that needs it (run eagerly, then recorded). The same tokens as
-graphs captured at start-up and as eager steps, while the live batch crosses every bucket (those first steps
-and the replays after them); once every bucket was met, every step replays a graph."""
+bucket's graph is captured by the first step that needs it (run eagerly, then recorded) or, in an async engine,
+while it idles. The same tokens as graphs captured at start-up and as eager steps, while the live batch crosses
+every bucket (those first steps and the replays after them); once every bucket was met, every step replays a
+graph."""
 
 from __future__ import annotations
 
@@ -76,20 +77,21 @@ def test_idle_engine_captures_the_pending_graphs(tiny_checkpoints, monkeypatch: 
     from asyncllm import AsyncLLMEngine
 
     path = str(tiny_checkpoints["qwen3"])
+    monkeypatch.setenv("ASYNCLLM_CUDA_GRAPH_SAMPLING", "0")  # one graph launch a step (no draw graph)
     at_start = LLM(path, dtype="float32", **_COMMON)
     prompts, params = _workload(at_start.runtime.vocab_size)
     ref = [o.token_ids for o in at_start.generate(prompts, params, use_tqdm=False)]
     monkeypatch.setenv("ASYNCLLM_CUDA_GRAPH_CAPTURE", "lazy")
 
     async def run(engine: AsyncLLMEngine, ids: str) -> list[list[int]]:
-        # The ids of warm-up's and capture's dummy rows: a request of such an id gets its own block table.
+        # The ids of capture's (and warm-up's) dummy rows: a request of such an id gets its own block table.
         requests = (engine.generate(p, s, request_id=f"{ids}-{i}") for i, (p, s) in enumerate(zip(prompts, params)))
         outputs = await asyncio.gather(*requests)
         return [o.outputs[0].token_ids for o in outputs]
 
     async def main() -> dict[str, object]:
         async with AsyncLLMEngine(path, dtype="float32", **_COMMON) as engine:
-            seen: dict[str, object] = {"pending_at_start": engine.stats()["cuda_graphs_pending"]}
+            seen: dict[str, object] = {"pending_at_start": engine.runtime.cuda_graphs_pending}
             seen["first"] = await run(engine, "warmup")  # beside the idle captures, or capturing buckets itself
             deadline = asyncio.get_running_loop().time() + 120
             while engine.stats()["cuda_graphs_pending"] and asyncio.get_running_loop().time() < deadline:

@@ -211,3 +211,27 @@ def test_a_new_request_gets_its_own_row_whatever_ran_under_its_id_before() -> No
     step = SchedulerOutput(seqs=[ScheduledSeq("capture-0", [5, 6, 7, 8, 9], 0, [6, 2], True)], new_requests=[new])
     x = buffers.prepare(step)
     assert x.meta.block_tables[0, :2].tolist() == [6, 2]
+
+
+def test_a_sequence_placed_again_on_a_row_it_left_gets_its_blocks_written() -> None:
+    """Regression: a sequence that moved to a lower row (the one ahead of it finished) still owned the row it
+    left; preempted and resumed with other blocks, or its id reused by a new request, and placed on that row
+    again, it kept the row's older blocks. Each owner holds one row."""
+    from asyncllm.sampling_params import SamplingParams
+    from asyncllm.step import NewRequestData
+
+    for comes_back in ("preempted", "reused"):
+        buffers = InputBuffers(64, 8, 4, 4, torch.device("cpu"))
+        buffers.prepare(
+            SchedulerOutput(seqs=[ScheduledSeq("a", [1], 0, [1], True), ScheduledSeq("b", [2], 4, [3, 4], True)])
+        )
+        buffers.prepare(SchedulerOutput(seqs=[ScheduledSeq("b", [2], 5, [3, 4], True)], finished_request_ids=["a"]))
+        if comes_back == "preempted":
+            buffers.prepare(SchedulerOutput(seqs=[ScheduledSeq("c", [5], 0, [9], True)], preempted_request_ids=["b"]))
+            step = SchedulerOutput(seqs=[ScheduledSeq("c", [5], 1, [9], True), ScheduledSeq("b", [2], 5, [6, 7], True)])
+        else:
+            new = [NewRequestData(i, [5], SamplingParams(), seed=0) for i in ("c", "b")]
+            seqs = [ScheduledSeq("c", [5], 0, [9], True), ScheduledSeq("b", [2, 3, 4, 5, 6], 0, [6, 7], True)]
+            step = SchedulerOutput(seqs=seqs, finished_request_ids=["b"], new_requests=new)
+        x = buffers.prepare(step)
+        assert x.meta.block_tables[1, :2].tolist() == [6, 7], comes_back

@@ -191,8 +191,8 @@ class InProcClient(Generic[S]):
                 idle = core.last_step_idle
             else:
                 idle = False
-                if idle_work:  # a request sent meanwhile waits for one capture at most (tens of milliseconds)
-                    idle_work = core.idle_work()
+                if idle_work and not self._outputs:  # those go out first; a request sent meanwhile waits for
+                    idle_work = core.idle_work()  # one capture at most (tens of milliseconds)
             self._stats = core.stats().as_dict()  # before routing: a finished stream sees its blocks freed
             for slot in self._router.route(self._outputs):  # their event loop is closed: stop computing them
                 self.abort_request(slot)

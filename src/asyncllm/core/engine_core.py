@@ -101,7 +101,7 @@ class EngineCore:
         self.async_scheduling = async_scheduling
         self._in_flight: _Launched | None = None
         self.last_step_idle = False
-        self.graphs_pending = rt.cuda_graphs_pending  # lazy capture's, as of the last idle moment
+        self.graphs_pending = rt.cuda_graphs_pending  # lazy capture's (0 once all are captured: not asked again)
         # Requests whose first step the last `step()` planned (their prompt started computing): the async
         # front stops counting them as waiting. Replaced by every call, so nobody has to read it.
         self.last_started: tuple[str, ...] = ()
@@ -162,8 +162,8 @@ class EngineCore:
 
     def idle_work(self) -> bool:
         """Nothing runs: capture one CUDA graph lazy capture left for later; whether one is still pending."""
-        if self.graphs_pending and not self.has_unfinished():
-            self.graphs_pending = self.executor.capture_pending_graph()
+        if self.graphs_pending:
+            self.graphs_pending = self.executor.pending_graphs(capture_one=not self.has_unfinished())
         return self.graphs_pending > 0
 
     def stats(self) -> EngineStats:
@@ -180,7 +180,7 @@ class EngineCore:
             prefix_cache_hit_tokens=bm.num_hit_tokens,
             prefix_cache_host_hit_tokens=bm.num_host_hit_tokens,
             prefix_cache_disk_hit_tokens=bm.num_disk_hit_tokens,
-            cuda_graphs_pending=self.graphs_pending,
+            cuda_graphs_pending=self.graphs_pending and self.executor.pending_graphs(),  # steps capture too
             **(self.speculation.stats() if self.speculation else {}),
         )
 

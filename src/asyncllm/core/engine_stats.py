@@ -30,7 +30,7 @@ class EngineStats:
     # Of the hit tokens, those restored from the KV tiers below the device (`kv_offloading_size`, `kv_cache_dir`).
     prefix_cache_host_hit_tokens: int = 0
     prefix_cache_disk_hit_tokens: int = 0
-    cuda_graphs_pending: int = 0  # lazy capture: graphs not captured yet, as of the engine's last idle moment
+    cuda_graphs_pending: int = 0  # lazy capture: graphs not captured yet (by an idle engine, or a step needing one)
     # Accepted drafts by position in their proposal (0: the first draft), one per num_speculative_tokens; in
     # `as_dict` each is a key of its own, `spec_accepted_tokens_pos_<i>` (a flat dict sums across replicas).
     spec_accepted_per_position: tuple[int, ...] = ()

@@ -181,7 +181,7 @@ class MultiProcExecutor:
         self._worker.remove_lora(lora_id)
         self._broadcast(encode_lora(RemoveLoRA(lora_id)))
 
-    def capture_pending_graph(self) -> int:
+    def pending_graphs(self, capture_one: bool = False) -> int:
         """None is pending: every rank captures its graphs at start-up (a lazy capture would record one rank's
         collectives at a step the others replay)."""
         return 0

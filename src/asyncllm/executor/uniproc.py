@@ -47,5 +47,5 @@ class UniProcExecutor:
     def remove_lora(self, lora_id: int) -> None:
         self.worker.remove_lora(lora_id)
 
-    def capture_pending_graph(self) -> int:
-        return self.worker.capture_pending_graph()
+    def pending_graphs(self, capture_one: bool = False) -> int:
+        return self.worker.pending_graphs(capture_one)

@@ -182,10 +182,14 @@ class CudaGraphRunner:
         if not left:
             return 0
         key, lora, attn = left[0]
-        self._capture_staged(key, lora, attn, serving=True)
+        try:
+            self._capture_staged(key, lora, attn, serving=True)
+        except RuntimeError as exc:  # its eager run out of memory, most likely: an idle engine must not die of it
+            self._planned.discard((key, lora, attn))
+            logger.warning("capturing the CUDA graph of %s %d failed (%s): its steps run eagerly", *key, exc)
         if self.loras is not None:
             self.loras.stage_idle(0, active=False)
-        return len(left) - 1
+        return self.pending
 
     def _capture_staged(self, key: GraphKey, lora: bool, attn: int, serving: bool = False) -> None:
         """Stage the bucket's dummy inputs and attention plan, capture its graph and launch it once (a graph's

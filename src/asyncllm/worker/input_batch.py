@@ -263,5 +263,10 @@ class InputBuffers:
             self.block_tables.dirty(row)
             self._row_owner[row] = owner
             if owner is not None:
+                # One row per owner: the row it left (the batch shifts as requests ahead finish) is no longer
+                # its own, or a later step placing it there again would keep that row's older blocks.
+                left = self._row_of.get(owner)
+                if left is not None and left != row and self._row_owner[left] == owner:
+                    self._row_owner[left] = None
                 self._row_of[owner] = row
         self._row_blocks[row] = n

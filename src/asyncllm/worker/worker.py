@@ -59,11 +59,12 @@ class Worker:
         if self.runner is not None and self.runner.loras is not None:
             self.runner.loras.remove(lora_id)
 
-    def capture_pending_graph(self) -> int:
-        """Capture one graph lazy capture left for later (no step in flight); how many are still pending."""
+    def pending_graphs(self, capture_one: bool = False) -> int:
+        """How many graphs lazy capture left for later are pending; `capture_one` (no step in flight): after
+        capturing the next."""
         if self.runner is None or isinstance(self.runner, PoolingRunner):
             return 0
-        return self.runner.graphs.capture_next()
+        return self.runner.graphs.capture_next() if capture_one else self.runner.graphs.pending
 
     def shutdown(self) -> None:
         """Release the device: graphs, KV cache and model (idempotent), after the disk tier's last writes."""
