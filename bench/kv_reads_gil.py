@@ -44,7 +44,6 @@ def main() -> None:
         while len(store.on_disk()) < args.files:
             time.sleep(0.01)
         jobs = [(h, (h + 1) % args.files, h.to_bytes(16, "little")) for h in range(args.files)]
-        time.sleep(1.0)  # the reader process's page tables filled in the background (kv_reader._map_ahead)
         seconds, _ = _timed(store, jobs, False)  # the page cache warm, as after a restart's writes
         results[f"{way}_first"] = {
             "seconds": round(seconds, 4),

@@ -78,9 +78,8 @@ class DiskKVStore:
             size = pool.host.numel()
             try:
                 self._reader = ReaderProcess(
-                    pool.shared_fd, size, directory, fingerprint, pool.block_bytes, threads, self._loaded,
-                    map_ahead=pool.resident,
-                )  # fmt: skip
+                    pool.shared_fd, size, directory, fingerprint, pool.block_bytes, threads, self._loaded
+                )
             except OSError as exc:
                 logger.warning("the KV disk tier's reader process did not start (%s): reads run in this process", exc)
         self._writer = threading.Thread(target=self._run, name="asyncllm-kv-disk", daemon=True)

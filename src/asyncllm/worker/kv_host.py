@@ -75,12 +75,6 @@ class HostKVPool:
         self._restored: torch.cuda.Event | None = None  # fires once the restores issued and not joined have landed
 
     @property
-    def resident(self) -> bool:
-        """Whether every page of the slots is in memory already (pinned): another process mapping them may fill
-        its page tables ahead without committing memory."""
-        return self._registered
-
-    @property
     def num_slots(self) -> int:
         return self.host.shape[0]
 

@@ -12,13 +12,14 @@ a few threads (`kv_file.read_block`), and answers each job with its verdict. Job
 records on its stdin and stdout. If the child dies, its outstanding reads are misses (their blocks are
 recomputed) and the store reads on threads from then on. Torch-free: the child imports nothing heavy.
 
-Child: `python -c _BOOT WORKER_DIR FD SIZE DIRECTORY FINGERPRINT_HEX SLOT_BYTES THREADS MAP_AHEAD`; it answers one
+Child: `python -c _BOOT WORKER_DIR FD SIZE DIRECTORY FINGERPRINT_HEX SLOT_BYTES THREADS`; it answers one
 byte once it has mapped the slots, and the engine waits for that byte before it serves.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import itertools
 import logging
 import mmap
@@ -46,7 +47,6 @@ _ANSWER = struct.Struct("<QBH")  # job id, verdict, the problem's length in byte
 _INTACT, _MISSING, _PROBLEM = 0, 1, 2
 _READY = b"R"  # the child's first byte: the slots are mapped
 _MADV_POPULATE_WRITE = 23  # linux/mman.h; Python's mmap module names it only where its build saw it
-_MAP_AHEAD_BYTES = 1 << 25  # per madvise call: the child's GIL is held through each (~2 ms)
 _START_TIMEOUT_S = 30.0
 # The child's command: this folder last on its path (no module here shadows another), this file as a module.
 _BOOT = "import sys; sys.path.append(sys.argv[1]); import kv_reader; kv_reader.main(sys.argv[2:])"
@@ -67,12 +67,9 @@ class ReaderProcess:
         slot_bytes: int,
         threads: int,
         verdict: Verdict,
-        map_ahead: bool = False,
     ) -> None:
-        """`map_ahead`: the slots' pages are all in memory (pinned), so the child fills its page tables for
-        them in the background (`_map_ahead`); otherwise that would commit the whole pool's memory."""
         argv = [sys.executable, "-c", _BOOT, str(Path(__file__).parent), str(shared_fd), str(size), str(directory)]
-        argv += [fingerprint.hex(), str(slot_bytes), str(threads), str(int(map_ahead))]
+        argv += [fingerprint.hex(), str(slot_bytes), str(threads)]
         self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(shared_fd,))
         started = False
         try:
@@ -228,33 +225,46 @@ def _ready(proc: subprocess.Popen[bytes], timeout: float) -> bool:
 # ---------------------------------------------------------------------------------------------- the child
 
 
-def _map_ahead(mapping: mmap.mmap) -> None:
-    """Fill this process's page tables for the whole pool, in the background from the ready byte on (only where
-    the engine pinned the pool: its pages exist, and nothing is committed here). This mapping of them is new:
-    otherwise each read's first write into a slot faults once per 4 KiB page, which took the reads on a 2-core
-    VM from 0.12 to 0.40 s a GiB. MADV_POPULATE_WRITE (Linux 5.14 or newer) maps 1 GiB in ~0.06 s; on an older
-    kernel the pages fault in as before."""
-    option = getattr(mmap, "MADV_POPULATE_WRITE", _MADV_POPULATE_WRITE)
-    for start in range(0, len(mapping), _MAP_AHEAD_BYTES):
-        try:
-            mapping.madvise(option, start, min(_MAP_AHEAD_BYTES, len(mapping) - start))
-        except (OSError, ValueError):
+class _PageTables:
+    """Fills this process's page tables for a slot, once, before the first read that writes it (which commits
+    its pages anyway, pinned or not). This process's mapping of the slots is new: otherwise that read's first
+    write faults once per 4 KiB page, which took the reads on a 2-core VM from 0.12 to 0.40 s a GiB, while
+    MADV_POPULATE_WRITE (Linux 5.14 or newer; on an older kernel the pages fault in as before) maps 1 GiB in
+    ~0.06 s. Called through ctypes, which lets go of the GIL, not `mmap.madvise`, which holds it: the other
+    reading threads go on meanwhile. (Filling the whole pool from the start, on a thread of its own through
+    `mmap.madvise`, held the reads back on an H100 host: the first came in after 81 ms, not 8; and filling a
+    slot again costs as much as a quarter of a read: bench/RESULTS.md, twelfth session.)"""
+
+    def __init__(self, mapping: mmap.mmap, slot_bytes: int) -> None:
+        self._base = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+        self._size, self._step = len(mapping), slot_bytes
+        self._filled = bytearray(self._size // slot_bytes + 1)
+        self._madvise = ctypes.CDLL(None, use_errno=True).madvise
+        self._madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        self._madvise.restype = ctypes.c_int
+
+    def fill(self, slot: int) -> None:
+        if self._filled[slot]:
             return
+        self._filled[slot] = 1  # a failure (an older kernel's EINVAL) leaves the pages to fault in as before
+        start = slot * self._step
+        first = start - start % mmap.PAGESIZE
+        self._madvise(self._base + first, min(start + self._step, self._size) - first, _MADV_POPULATE_WRITE)
 
 
 def main(argv: list[str]) -> None:
-    fd, size, directory, fingerprint_hex, slot_bytes, threads, map_ahead = argv
+    fd, size, directory, fingerprint_hex, slot_bytes, threads = argv
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C stops the engine, which closes stdin
     mapping = mmap.mmap(int(fd), int(size), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     slots = memoryview(mapping)
     root, fingerprint, step = Path(directory), bytes.fromhex(fingerprint_hex), int(slot_bytes)
     lock = threading.Lock()
+    page_tables = _PageTables(mapping, step)
     os.write(1, _READY)
-    if map_ahead == "1":
-        threading.Thread(target=_map_ahead, args=(mapping,), name="asyncllm-kv-map", daemon=True).start()
 
     def read(job_id: int, block_hash: int, slot: int, digest: bytes) -> None:
         try:
+            page_tables.fill(slot)
             target = slots[slot * step : (slot + 1) * step]
             problem = kv_file.read_block(kv_file.path_of(root, block_hash), target, fingerprint, block_hash, digest)
         except Exception as exc:  # every job is answered: the engine waits for each
