@@ -381,3 +381,6 @@ def test_random_workloads_keep_invariants_and_outputs(
             assert h.reasons[rid] == ("stop" if expected[-1] in EOS else "length")
     # The runner dropped every finished request except those it hears of with the next executed step.
     assert h.executor.known_requests <= set(h.core.scheduler.pending_finished_ids)
+    # And heard of every preemption (a resumed request's block-table row is rewritten), those of steps that ran
+    # no model included: each was followed by its request's resumption.
+    assert sum(len(step.preempted_request_ids) for step in h.executor.steps) == stats.num_preemptions

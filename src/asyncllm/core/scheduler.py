@@ -80,7 +80,7 @@ class Scheduler(SampledTokens):
         self.requests: dict[str, Request] = {}
         self._seeds: dict[str, int] = {}
         self._sent_to_runner: set[str] = set()
-        self._finished_since_last_step: list[str] = []
+        self._unsent = SchedulerOutput()  # finished and preempted ids for the next step that runs the model
         self.num_preemptions = 0
         self.num_decodes_planned = 0  # sequences of the step last planned that decode (for the step's counts)
         self._num_added = 0
@@ -117,7 +117,7 @@ class Scheduler(SampledTokens):
             self.drafter.forget(request_id, request.output_token_ids)
         if request_id in self._sent_to_runner:
             self._sent_to_runner.discard(request_id)
-            self._finished_since_last_step.append(request_id)
+            self._unsent.finished_request_ids.append(request_id)
         return request
 
     def has_unfinished(self) -> bool:
@@ -130,13 +130,12 @@ class Scheduler(SampledTokens):
     @property
     def pending_finished_ids(self) -> list[str]:
         """Finished requests the runner still holds state for: it hears of them with the next executed step."""
-        return list(self._finished_since_last_step)
+        return list(self._unsent.finished_request_ids)
 
     # ------------------------------------------------------------------ the step
     def schedule(self) -> SchedulerOutput:
         self.num_decodes_planned = 0
-        out = SchedulerOutput(finished_request_ids=self._finished_since_last_step)
-        self._finished_since_last_step = []
+        out, self._unsent = self._unsent, SchedulerOutput()
         budget = self.limits.max_num_batched_tokens
         prefill_budget = self._prefill_budget(budget)
         capped = prefill_budget < budget  # else no check per sequence: the common case costs nothing
@@ -262,10 +261,11 @@ class Scheduler(SampledTokens):
             self.waiting.appendleft(request)
         out.kv = self.block_manager.take_transfers()
         if not out.seqs:
-            # A step without sequences runs no model (empty, or copies alone): keep the finished ids for the next
-            # real step, or the runner never learns of them and keeps their per-request state forever.
-            self._finished_since_last_step = out.finished_request_ids
-            out.finished_request_ids = []
+            # No model runs (empty, or copies alone): the next real step carries its ids (a finished request's
+            # state would stay in the runner forever, a resumed one's block-table row keep its old blocks).
+            self._unsent.finished_request_ids[:0] = out.finished_request_ids
+            self._unsent.preempted_request_ids[:0] = out.preempted_request_ids
+            out.finished_request_ids, out.preempted_request_ids = [], []
         return out
 
     def _add_running(self, request: Request) -> None:
