@@ -185,8 +185,7 @@ class CudaGraphRunner:
         try:
             self._capture_staged(key, lora, attn, serving=True)
         except RuntimeError as exc:  # its eager run out of memory, most likely: an idle engine must not die of it
-            self._planned.discard((key, lora, attn))
-            logger.warning("capturing the CUDA graph of %s %d failed (%s): its steps run eagerly", *key, exc)
+            self._leave_eager(key, lora, attn, exc)
         if self.loras is not None:
             self.loras.stage_idle(0, active=False)
         return self.pending
@@ -245,8 +244,7 @@ class CudaGraphRunner:
         except RuntimeError as exc:  # out of memory for the pool, most likely: the bucket stays eager
             if not mid_serving:
                 raise
-            self._planned.discard((key, lora, attn))
-            logger.warning("capturing the CUDA graph of %s %d failed (%s): its steps run eagerly", kind, size, exc)
+            self._leave_eager(key, lora, attn, exc)
             return
         t3 = time.perf_counter()
         self.capture_seconds["eager"] += t2 - t1
@@ -255,6 +253,11 @@ class CudaGraphRunner:
             "graph %s %d (LoRA %s, variant %d): eager %.1f ms, record %.1f ms",
             *(kind, size, lora, attn, (t2 - t1) * 1e3, (t3 - t2) * 1e3),
         )
+
+    def _leave_eager(self, key: GraphKey, lora: bool, attn: int, exc: BaseException) -> None:
+        """A capture mid-serving failed: its bucket runs eagerly from now on, with a warning."""
+        self._planned.discard((key, lora, attn))
+        logger.warning("capturing the CUDA graph of %s %d failed (%s): its steps run eagerly", *key, exc)
 
     def _capture_tails(self, tail: Callable[[torch.Tensor], None], sizes: list[int]) -> None:
         assert self._logits is not None
