@@ -2,7 +2,7 @@
 # Everything the device machine checks, in one call: GPU tests, kernel benchmarks, start-up, then the
 # side-by-side with nano-vllm (../shared/peers, copied to .peers and carried); ends with a short table.
 # Usage (device machine, repo root): bash bench/gpu_check.sh [STEPS]   STEPS: comma list of
-#   tests, kernels, startup, compare (default: all four); gguf (GGUF layouts, issue 26); COMPARE_STEPS overrides compare.sh's steps;
+#   tests, kernels, startup, compare (default: all four); decodelayer (issue 45's persistent layer); gguf (GGUF layouts, issue 26); COMPARE_STEPS overrides compare.sh's steps;
 #   also w6 (structured output's cost; carry .whl, filled by bench/device_wheels.sh: xgrammar and pydantic), w7 (n=8 samples per prompt against
 #   8 separate requests, prefix cache on and off, ~3 min), moe (Qwen3-30B-A3B shape, ~6 min), gemma3 (Gemma 3 4B shape, ~3 min), serve (issue 24, ~6 min), w8 (prompt logprobs), lora (~5 min), quant (~15 min), abpeers (W1+W5 of AB_BASE against this tree, then nano-vllm), enginetests, quicktests, attntests, w12var, w2var, sampling, ab (W1 of AB_BASE against this tree), decodesweep, w1big, gemm, pa, w2ab (W1/W2 under graph and scheduling variants), w1prof (W1 plain + under
 #   torch.profiler, ~2 min), w4 (long-context prefill and decode, 16K/32K, two token budgets, ~1 min), and
@@ -304,6 +304,14 @@ if has kvrestart; then  # issue 44's restart row per disk reader (KV_RESTART_REA
       rows+=("restart, reads by $reader ($threads threads): $(grep -o '"disk_ttft_over_cold": [0-9.]*' "$log")")
     done
   done
+fi
+if has decodelayer; then  # issue 45: the persistent decode layer's GPU tests, then its bench against the engine's chain
+  timeout 300 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider -o addopts='' tests/gpu/test_decode_layer.py 2>&1 \
+    | tee "$OUT/decode_layer_tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -12
+  rows+=("decode layer tests: $(grep -E 'passed|failed' "$OUT/decode_layer_tests.log" | tail -1)")
+  timeout 240 python3 bench/kernels/bench_decode_layer.py ${DECODE_LAYER_ARGS:-} 2>&1 | tee "$OUT/decode_layer.log" \
+    | grep -E '^\{|Error|error' | tail -20
+  while read -r line; do rows+=("decode layer: $line"); done < <(grep '^{' "$OUT/decode_layer.log")
 fi
 if has kvpace; then  # issue 44: W10 off and on, then on again per ASYNCLLM_KV_RESTORE_MIB_PER_STEP in KV_PACE_MIB (KV_PACE_ARGS: more flags)
   kinds=off,on; [ "${KV_PACE_OFF:-1}" = 0 ] && kinds=on  # KV_PACE_OFF=0: no "off" run (an earlier one stands)

@@ -1,0 +1,117 @@
+"""The persistent decode layer (kernels/decode_layer.py: a decoder layer in one launch) against the kernels the
+engine launches for the same layer today, over a whole model's layers (each with its own weights, as a model
+reads them) replayed from one CUDA graph, bf16. The engine's chain at one row: RMSNorm + qkv GEMV, q/k norm +
+rotary + KV store, decode attention with its folded reduce, o_proj GEMV, add + RMSNorm + gate/up GEMV,
+SiLU-and-mul + down GEMV, each a programmatic dependent launch (PDL); at more rows cuBLAS and the separate
+norm and activation kernels. The fused layer's output is first checked against decode_layer_ref.
+
+Prints one JSON line per (shape, rows, context): microseconds a layer for each, their ratio, and the limit:
+the layer's weight bytes at the card's peak bandwidth (H100 3.35 TB/s, H200 4.8 TB/s).
+Device machine: python3 bench/kernels/bench_decode_layer.py [--shapes qwen3-0.6b qwen3-8b] [--rows 1 4 8]
+[--context 512 2048] [--variants 4:1:32 8:3:16]   (~1 min)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from asyncllm.attention.triton_backend import load_paged_attention
+from asyncllm.kernels import decode_layer as dl
+from asyncllm.kernels import quant_matmul_gemv as gemv
+from asyncllm.kernels.paged_attention_plan import choose_num_splits
+from asyncllm.kernels.qk_norm_rope_kv import qk_norm_rope_kv
+from asyncllm.kernels.rms_norm import rms_norm
+from asyncllm.kernels.silu_mul import silu_and_mul
+from asyncllm.worker.gemm_layout import graph_time_us
+from tests.kernels.decode_layer_cases import LayerCase, make_case
+
+SHAPES = {"qwen3-0.6b": (1024, 16, 8, 128, 3072, 28), "qwen3-8b": (4096, 32, 8, 128, 12288, 36)}
+PEAK_TBS = {"H100": 3.35, "H200": 4.8}
+
+
+def chain(pa, case: LayerCase, seq_lens: torch.Tensor, scale: float, bufs: dict) -> None:
+    """One layer as the engine launches it today (the kernels of layers/ and attention/triton_backend.py)."""
+    w, rows = case.w, case.x.shape[0]
+    eps = w.eps
+    if rows == 1:
+        locks = bufs["locks"]  # zeroed split-K counters, shared (each GEMV leaves them zero)
+        qkv, h0 = gemv.rms_norm_gemv(case.x, w.input_norm, eps, w.qkv, residual=case.residual, locks=locks, pdl=True)
+    else:
+        h0 = case.residual.clone()
+        qkv = F.linear(rms_norm(case.x, w.input_norm, eps, residual=h0), w.qkv)
+    q = qk_norm_rope_kv(qkv, case.positions, case.cos, case.sin, case.k_cache, case.v_cache, case.slot_mapping,
+                        w.q_norm, w.k_norm, eps, q_out=bufs["q"], pdl=rows == 1)  # fmt: skip
+    attn = bufs["attn"]
+    pa.paged_decode_attention(q, case.k_cache, case.v_cache, case.block_tables, seq_lens, bufs["qsl"], bufs["seqs"],
+                              attn, scale, bufs["splits"], counters=bufs["counters"])  # fmt: skip
+    if rows == 1:
+        o = gemv.linear_gemv(attn.view(1, -1), w.o, locks=locks, pdl=True)
+        gate_up, _ = gemv.rms_norm_gemv(o, w.post_norm, eps, w.gate_up, residual=h0, locks=locks, pdl=True)
+        gemv.silu_mul_gemv(gate_up, w.down, locks=locks, pdl=True)
+    else:
+        o = F.linear(attn.view(rows, -1), w.o)
+        gate_up = F.linear(rms_norm(o, w.post_norm, eps, residual=h0), w.gate_up)
+        F.linear(silu_and_mul(gate_up), w.down)
+
+
+def run(shape: str, rows: int, context: int, variant: str) -> dict:
+    hidden, heads, kv_heads, dim, inter, layers = SHAPES[shape]
+    cases = [make_case([context] * rows, hidden, heads, kv_heads, dim, inter, dtype=torch.bfloat16, device="cuda",
+                       seed=i) for i in range(layers)]  # fmt: skip
+    scale = dim**-0.5
+    seq_lens = torch.full((rows,), context, dtype=torch.int32, device="cuda")
+    scratch = dl.DecodeLayerScratch(cases[0].w, rows, torch.device("cuda"))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    warps, stages, step_kib = (int(v) for v in variant.split(":"))
+    config = dl.plan_config(cases[0].w, rows, sms, step_kib << 10, warps, stages)
+    c = cases[0]
+    k_ref, v_ref = c.k_cache.clone(), c.v_cache.clone()
+    want, want_h1 = dl.decode_layer_ref(*c.with_caches(k_ref, v_ref).args()[:-1], c.seq_lens, scale)
+    got, got_h1 = dl.decode_layer(*c.with_caches(c.k_cache.clone(), c.v_cache.clone()).args(), scale, scratch,
+                                  config=config)  # fmt: skip
+    torch.testing.assert_close(got_h1, want_h1, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    fused = [partial(dl.decode_layer, *k.args(), scale, scratch, config=config) for k in cases]
+    pa = load_paged_attention()
+    bufs = {
+        "q": torch.empty(rows, heads, dim, dtype=torch.bfloat16, device="cuda"),
+        "attn": torch.empty(rows, heads, dim, dtype=torch.bfloat16, device="cuda"),
+        "qsl": torch.arange(rows + 1, dtype=torch.int32, device="cuda"),
+        "seqs": torch.arange(rows, dtype=torch.int32, device="cuda"),
+        "splits": choose_num_splits(context, rows, kv_heads, sms),
+        "counters": torch.zeros(rows * kv_heads, dtype=torch.int32, device="cuda"),
+        "locks": gemv.gemv_locks(2 * inter, 1, torch.device("cuda")),
+    }
+    engine = [partial(chain, pa, k, seq_lens, scale, bufs) for k in cases]
+    fused_us = graph_time_us(fused, calls=layers)
+    engine_us = graph_time_us(engine, calls=layers)
+    weight_bytes = sum(t.numel() * t.element_size() for t in (c.w.qkv, c.w.o, c.w.gate_up, c.w.down))
+    name = torch.cuda.get_device_name()
+    peak = next((v for k, v in PEAK_TBS.items() if k in name), 3.35)
+    return {"shape": shape, "rows": rows, "context": context, "device": name,
+            "fused_us_per_layer": round(fused_us, 2), "engine_us_per_layer": round(engine_us, 2),
+            "engine_over_fused": round(engine_us / fused_us, 3),
+            "limit_us": round(weight_bytes / (peak * 1e12) * 1e6, 2), "config": vars(config)}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--rows", nargs="+", type=int, default=[1, 4, 8])
+    parser.add_argument("--context", nargs="+", type=int, default=[512, 2048])
+    parser.add_argument("--variants", nargs="+", default=["4:1:32"], help="warps:stages:KiB of weights a K step, each")
+    args = parser.parse_args()
+    for shape in args.shapes:
+        for rows in args.rows:
+            for context in args.context:
+                for variant in args.variants:
+                    print(json.dumps(run(shape, rows, context, variant)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

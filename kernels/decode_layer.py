@@ -1,0 +1,211 @@
+"""The persistent decode layer's launcher: a Llama/Qwen3 decoder layer for 1-16 decode rows in one launch
+(decode_layer_kernels.py; `decode_layer_ref` is its specification). Checks the inputs, plans the tiles and the
+KV split, and owns the scratch a launch uses (`DecodeLayerScratch`: allocated once, shared by every layer, as
+the layers run one after another). Launch shapes depend only on the row count, so CUDA graphs replay it.
+Knows nothing of models: the weights come as a `DecodeLayerWeights`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from .decode_layer_kernels import LAST_PHASE, _decode_layer_kernel
+from .decode_layer_ref import DecodeLayerWeights, decode_layer_ref
+from .paged_attention_plan import MAX_SPLITS
+
+__all__ = ["DecodeLayerConfig", "DecodeLayerScratch", "DecodeLayerWeights", "decode_layer", "decode_layer_ref"]
+
+MAX_ROWS = 16  # rows share each weight tile through one 16-row tensor-core dot
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class DecodeLayerConfig:
+    """Each projection's tile: output columns (bn_*) and the K step (bk_*); attention's keys per tile; warps a
+    program; weight steps in flight (software pipelining)."""
+
+    bn_qkv: int
+    bk_qkv: int
+    bn_o: int
+    bk_o: int
+    bn_gate_up: int
+    bk_gate_up: int
+    bn_down: int
+    bk_down: int
+    block_n: int = 32
+    num_warps: int = 4
+    stages: int = 1
+
+
+def plan_config(
+    w: DecodeLayerWeights, rows: int, programs: int, step_bytes: int = 32 << 10, num_warps: int = 4, stages: int = 1
+) -> DecodeLayerConfig:
+    """Tiles that spread each projection over the programs with the least work on the busiest one (ties: the
+    larger tile, fewer loop trips), and K steps of about `step_bytes` of weights (all of them in flight at
+    once: a program's bandwidth is what it has in flight over the memory's latency), a power of two dividing K."""
+    hidden, inter = w.input_norm.shape[0], w.down.shape[1]
+    smallest = 8 if rows == 1 else 16  # the dot's tiles are 16 wide at least
+    itemsize = w.qkv.element_size()
+
+    def tile(n: int, k: int, pair: int = 1) -> tuple[int, int]:
+        fits = [bn for bn in (128, 64, 32, 16, 8) if bn >= smallest and n % bn == 0]
+        if not fits:
+            raise ValueError(f"a projection of {n} outputs is not a multiple of {smallest}")
+        bn = min(fits, key=lambda bn: (-(-(n // bn) // programs) * bn, -bn))
+        cap = max(16, step_bytes // (itemsize * bn * pair))
+        if rows > 1:
+            cap = min(cap, 256)  # the dot holds the rows' [16, BK] activations in registers too
+        bk = 1 << min(cap.bit_length() - 1, (k & -k).bit_length() - 1)  # the largest power of two dividing k
+        if bk < 16:
+            raise ValueError(f"K={k} needs a power-of-two factor of 16 or more")
+        return bn, bk
+
+    (bn_qkv, bk_qkv), (bn_o, bk_o) = tile(w.qkv.shape[0], hidden), tile(hidden, w.num_heads * w.head_dim)
+    (bn_gu, bk_gu), (bn_down, bk_down) = tile(inter, hidden, 2), tile(hidden, inter)
+    return DecodeLayerConfig(bn_qkv, bk_qkv, bn_o, bk_o, bn_gu, bk_gu, bn_down, bk_down, num_warps=num_warps,
+                             stages=stages)  # fmt: skip
+
+
+class DecodeLayerScratch:
+    """What one launch writes between its phases, for up to `max_rows` rows, plus the grid barrier and the
+    attention merge's tickets (zero between launches: each launch leaves them so)."""
+
+    def __init__(self, w: DecodeLayerWeights, max_rows: int, device: torch.device) -> None:
+        if not 1 <= max_rows <= MAX_ROWS:
+            raise ValueError(f"max_rows={max_rows} must be in [1, {MAX_ROWS}]")
+        dtype, heads, dim = w.qkv.dtype, w.num_heads, w.head_dim
+        self.max_rows = max_rows
+        self.qkv = torch.empty(max_rows, w.qkv.shape[0], dtype=dtype, device=device)
+        self.q = torch.empty(max_rows, heads, dim, dtype=dtype, device=device)
+        self.attn = torch.empty(max_rows, heads * dim, dtype=dtype, device=device)
+        self.act = torch.empty(max_rows, w.down.shape[1], dtype=dtype, device=device)
+        self.acc = torch.empty(max_rows, heads, MAX_SPLITS, dim, dtype=torch.float32, device=device)
+        self.m = torch.empty(max_rows, heads, MAX_SPLITS, dtype=torch.float32, device=device)
+        self.l_sum = torch.empty_like(self.m)
+        self.tickets = torch.zeros(max_rows, w.num_kv_heads, dtype=torch.int32, device=device)
+        self.barrier = torch.zeros(2, dtype=torch.int32, device=device)
+
+
+def launch_constants(
+    w: DecodeLayerWeights,
+    hidden: int,
+    rows: int,
+    config: DecodeLayerConfig,
+    dtype: torch.dtype,
+    block_size: int,
+    residual: bool,
+) -> dict[str, object]:
+    """The kernel's compile-time constants (and warps) for a launch of `rows` rows."""
+    block_r = 1 if rows == 1 else MAX_ROWS
+    group = w.num_heads // w.num_kv_heads
+    return dict(
+        HIDDEN=hidden, INTER=w.down.shape[1], NUM_HEADS=w.num_heads, NUM_KV_HEADS=w.num_kv_heads,
+        HEAD_DIM=w.head_dim, BLOCK_SIZE=block_size, HAS_RESIDUAL=residual, HAS_QK_NORM=w.q_norm is not None,
+        BLOCK_R=block_r, BN_QKV=config.bn_qkv, BN_O=config.bn_o, BN_GU=config.bn_gate_up, BN_DOWN=config.bn_down,
+        BK_QKV=config.bk_qkv, BK_O=config.bk_o, BK_GU=config.bk_gate_up, BK_DOWN=config.bk_down,
+        BLOCK_Q=_pow2(group + 1, 2), BLOCK_HALF=_pow2(w.head_dim // 2, 2), BLOCK_G=_pow2(group),
+        BLOCK_D=_pow2(w.head_dim), BLOCK_N=config.block_n, BLOCK_S=MAX_SPLITS,
+        RMS_CHUNK=math.gcd(hidden, max(16, 2048 // block_r)),
+        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32", STAGES=config.stages, num_warps=config.num_warps,
+    )  # fmt: skip
+
+
+def _num_sms(device: torch.device) -> int:
+    return int(torch.cuda.get_device_properties(device).multi_processor_count) if device.type == "cuda" else 1
+
+
+def _pow2(n: int, floor: int = 16) -> int:
+    return max(floor, triton.next_power_of_2(n))
+
+
+def _check(x: torch.Tensor, residual: torch.Tensor | None, w: DecodeLayerWeights, k_cache: torch.Tensor,
+           v_cache: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+           seq_lens: torch.Tensor, scratch: DecodeLayerScratch) -> None:  # fmt: skip
+    rows, hidden = x.shape
+    if x.dtype not in _DTYPES:
+        raise TypeError(f"x has dtype {x.dtype}; expected float32, float16 or bfloat16")
+    if not 1 <= rows <= scratch.max_rows:
+        raise ValueError(f"{rows} rows; the scratch holds 1 to {scratch.max_rows}")
+    heads, kv_heads, dim = w.num_heads, w.num_kv_heads, w.head_dim
+    shapes = {
+        "x": (x, (rows, hidden)), "input_norm": (w.input_norm, (hidden,)), "post_norm": (w.post_norm, (hidden,)),
+        "qkv": (w.qkv, ((heads + 2 * kv_heads) * dim, hidden)), "o": (w.o, (hidden, heads * dim)),
+        "gate_up": (w.gate_up, (2 * w.down.shape[1], hidden)), "down": (w.down, (hidden, w.down.shape[1])),
+        "k_cache": (k_cache, (k_cache.shape[0], k_cache.shape[1], kv_heads, dim)),
+    }  # fmt: skip
+    if residual is not None:
+        shapes["residual"] = (residual, (rows, hidden))
+    if w.q_norm is not None and w.k_norm is not None:
+        shapes |= {"q_norm": (w.q_norm, (dim,)), "k_norm": (w.k_norm, (dim,))}
+    elif w.q_norm is not None or w.k_norm is not None:
+        raise ValueError("q_norm and k_norm come together or not at all")
+    for name, (t, shape) in shapes.items():
+        if tuple(t.shape) != shape or t.dtype != x.dtype or not t.is_contiguous() or t.device != x.device:
+            raise ValueError(f"{name} must be a contiguous {shape} {x.dtype} on {x.device}; got "
+                             f"{tuple(t.shape)} {t.dtype} on {t.device}")  # fmt: skip
+    if v_cache.shape != k_cache.shape or v_cache.dtype != x.dtype or v_cache.stride() != k_cache.stride():
+        raise ValueError("v_cache must match k_cache's shape, strides and the activations' dtype (no FP8 cache)")
+    block_size = k_cache.shape[1]
+    if block_size & (block_size - 1) or heads % kv_heads or dim % 2:
+        raise ValueError(f"block_size {block_size} must be a power of two, heads {heads} a multiple of "
+                         f"{kv_heads} and head_dim {dim} even")  # fmt: skip
+    for name, t, dtype in (("positions", positions, torch.int64), ("slot_mapping", slot_mapping, torch.int64),
+                           ("seq_lens", seq_lens, torch.int32)):  # fmt: skip
+        if t.shape != (rows,) or t.dtype != dtype or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous [{rows}] {dtype}; got {tuple(t.shape)} {t.dtype}")
+    if block_tables.dim() != 2 or block_tables.shape[0] < rows or block_tables.dtype != torch.int32:
+        raise ValueError(f"block_tables must be int32 [>= {rows}, max_blocks]; got {tuple(block_tables.shape)} "
+                         f"{block_tables.dtype}")  # fmt: skip
+
+
+def decode_layer(
+    x: torch.Tensor,  # [R, hidden]
+    residual: torch.Tensor | None,  # [R, hidden]; None: layer 0
+    w: DecodeLayerWeights,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], x's dtype
+    v_cache: torch.Tensor,
+    positions: torch.Tensor,  # [R] int64
+    cos_cache: torch.Tensor,  # [max_positions, D / 2] (float32 or x's dtype), sin_cache alike
+    sin_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [R] int64; -1: no store (a graph's padding)
+    block_tables: torch.Tensor,  # [>= R, max_blocks] int32, row r the table of row r
+    seq_lens: torch.Tensor,  # [R] int32 with the new token; 0: a padding row
+    scale: float,
+    scratch: DecodeLayerScratch,
+    *,
+    programs: int | None = None,  # None: one per SM (at most: the barrier needs every program resident)
+    num_splits: int | None = None,  # KV splits a row and KV head; None: enough to give every program one
+    config: DecodeLayerConfig | None = None,
+    phases: bool = False,  # one launch a phase, no barrier (the interpreter's tests)
+) -> tuple[torch.Tensor, torch.Tensor]:  # (the MLP's output, the residual stream before it), each [R, hidden]
+    """decode_layer_ref's results in one launch; the caches get this step's keys and values."""
+    _check(x, residual, w, k_cache, v_cache, positions, slot_mapping, block_tables, seq_lens, scratch)
+    rows, hidden = x.shape
+    sms = _num_sms(x.device)
+    programs = sms if programs is None else programs
+    if not 1 <= programs <= sms and not phases:
+        raise ValueError(f"programs={programs} must be in [1, {sms}]: every program waits for the others")
+    if num_splits is None:
+        num_splits = max(1, min(MAX_SPLITS, programs // (rows * w.num_kv_heads)))
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits={num_splits} must be in [1, {MAX_SPLITS}]")
+    config = config or plan_config(w, rows, programs)
+    out, h1 = torch.empty_like(x), torch.empty_like(x)
+    s = scratch
+    q_norm = w.input_norm if w.q_norm is None else w.q_norm  # never read without norms
+    k_norm = w.input_norm if w.k_norm is None else w.k_norm
+    args = (
+        x, x if residual is None else residual, w.input_norm, w.qkv, q_norm, k_norm, w.o, w.post_norm, w.gate_up,
+        w.down, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
+        s.qkv, s.q, s.attn, s.act, s.acc, s.m, s.l_sum, s.tickets, s.barrier, out, h1,
+        rows, num_splits, w.eps, scale * math.log2(math.e), cos_cache.stride(0), block_tables.stride(0),
+        *k_cache.stride()[:3], *v_cache.stride()[:3],
+    )  # fmt: skip
+    consts = launch_constants(w, hidden, rows, config, x.dtype, k_cache.shape[1], residual is not None)
+    for phase in range(1, LAST_PHASE + 1) if phases else (0,):
+        _decode_layer_kernel[(programs,)](*args, PHASE=phase, **consts)
+    return out, h1

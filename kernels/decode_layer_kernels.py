@@ -1,0 +1,313 @@
+"""A whole Llama/Qwen3 decoder layer for a few decode rows in one persistent launch (`decode_layer.py` launches
+it; `decode_layer_ref.py` is its specification). One program per SM walks five phases, each a loop over its
+share of the phase's work, separated by grid-wide barriers instead of kernel boundaries:
+
+1. h0 = x + residual, RMSNorm, the qkv projection           (tiles of qkv's output columns)
+2. per-head q/k RMSNorm, rotary, the new key/value stored   (one item per row and KV head)
+3. paged attention, KV split; the last split merges          (row, KV head, split)
+4. o_proj, h1 = o + h0 (the returned residual)              (tiles of hidden columns)
+5. RMSNorm(h1), gate/up, silu(gate) * up                    (tiles of intermediate columns, gate and up paired)
+6. down_proj (the returned output)                          (tiles of hidden columns)
+
+Every intermediate is rounded to the activations' dtype where the model's separate kernels round it, so the
+layer computes what they compute (sums in float32, in another order). Device code only; knows the weights'
+[out, in] layout and the KV cache's [num_blocks, block_size, Hkv, D], nothing of models or the engine.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .paged_attention_fold import _fold_is_last, _fold_merge
+from .paged_attention_kernels import _attend_paged
+from .qk_norm_rope_kv import _norm_halves, _rotate
+
+ALL_PHASES = tl.constexpr(0)  # PHASE: every phase, barriers between them (the GPU's launch)
+# PHASE 1..6: that phase alone, no barrier: the interpreter runs programs one after another, so a barrier
+# that waits for the others would never return there; its tests launch the phases one by one instead.
+LAST_PHASE = 6
+
+
+@triton.jit
+def _grid_barrier(bar_ptr, PHASE: tl.constexpr):
+    """Waits until every program of the launch arrives. bar_ptr: int32 [2], the arrivals of the current round
+    and the round's number; the last to arrive puts the count back to 0 before it advances the round, so the
+    pair needs no reset between barriers, layers or graph replays.
+
+    Why the data is visible after it: each program's threads finish their stores before its one arrival (the
+    CTA barrier, then a release at GPU scope, cumulative over them); the waiting thread's acquire of the new
+    round orders its reads after every arrival, and the CTA barrier after it orders its siblings' reads after
+    that; the phases read each other's results with .cg loads (L2), never a line this SM's L1 kept. All
+    programs are resident at once (the launcher starts at most one per SM), so the wait cannot starve."""
+    if PHASE == ALL_PHASES:
+        tl.debug_barrier()
+        round_ = tl.atomic_add(bar_ptr + 1, 0, sem="acquire", scope="gpu")  # read before this arrival
+        if tl.atomic_add(bar_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+            tl.atomic_xchg(bar_ptr, 0, sem="relaxed", scope="gpu")
+            tl.atomic_add(bar_ptr + 1, 1, sem="release", scope="gpu")
+        else:
+            # Spin on plain loads from L2 (an atomic each time would queue behind the arrivals at the same
+            # address), then one acquire, which reads the new round and orders what follows after it.
+            while tl.load(bar_ptr + 1, volatile=True) == round_:
+                pass
+            tl.atomic_add(bar_ptr + 1, 0, sem="acquire", scope="gpu")
+        tl.debug_barrier()
+
+
+@triton.jit
+def _inv_rms(x_ptr, res_ptr, rows, offs_r, K, eps, ADD: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr):
+    """[BLOCK_R] 1 / sqrt(mean(h^2) + eps) of each row's h = x (+ residual, rounded to x's dtype), rows of K."""
+    acc = tl.zeros((BLOCK_R, CHUNK), dtype=tl.float32)
+    r_mask = (offs_r < rows)[:, None]
+    for start in range(0, K, CHUNK):
+        at = offs_r[:, None] * K + start + tl.arange(0, CHUNK)[None, :]
+        h = tl.load(x_ptr + at, mask=r_mask, other=0.0, cache_modifier=".cg")
+        if ADD:
+            res = tl.load(res_ptr + at, mask=r_mask, other=0.0, cache_modifier=".cg")
+            h = (h.to(tl.float32) + res.to(tl.float32)).to(h.dtype)
+        hf = h.to(tl.float32)
+        acc += hf * hf
+    return tl.math.rsqrt(tl.sum(acc, axis=1) / K + eps)
+
+
+@triton.jit
+def _acts(x_ptr, res_ptr, nw_ptr, rows, offs_r, offs_k, K, rms, ADD: tl.constexpr, NORM: tl.constexpr):
+    """[BLOCK_R, BK] activations in x's dtype: x (+ residual) at columns offs_k, RMSNormed with `rms` as
+    rms_norm_ref rounds (normed rounded, times the weight rounded) when NORM."""
+    at = offs_r[:, None] * K + offs_k[None, :]
+    r_mask = (offs_r < rows)[:, None]
+    x = tl.load(x_ptr + at, mask=r_mask, other=0.0, cache_modifier=".cg")
+    dtype = x.dtype
+    if ADD:
+        res = tl.load(res_ptr + at, mask=r_mask, other=0.0, cache_modifier=".cg")
+        x = (x.to(tl.float32) + res.to(tl.float32)).to(dtype)
+    if NORM:
+        w = tl.load(nw_ptr + offs_k)[None, :].to(tl.float32)
+        x = (w * (x.to(tl.float32) * rms[:, None]).to(dtype).to(tl.float32)).to(dtype)
+    return x
+
+
+@triton.jit
+def _dot_rows(acc, w, a, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc [BLOCK_R, BN] + a [BLOCK_R, BK] x w [BN, BK]^T: one row on the CUDA cores, more through one
+    tensor-core dot that shares the weight tile between them."""
+    if BLOCK_R == 1:
+        return acc + tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=1)[None, :]
+    return acc + tl.dot(a, tl.trans(w), input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _gemv_tile(
+    w_ptr, n0, n1, K, x_ptr, res_ptr, nw_ptr, rows, offs_r, rms,
+    ADD: tl.constexpr, NORM: tl.constexpr, BLOCK_R: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr, PAIR: tl.constexpr,
+):  # fmt: skip
+    """[BLOCK_R, BN] float32 twice: rows x W[n0 : n0 + BN]^T over K (a multiple of BK), W [N, K] row-major, and
+    with PAIR the same for W[n1 : n1 + BN] (gate and up: both tiles' loads in flight together; else the
+    second is the first). A K step of BK columns keeps many bytes in flight per program (the launcher sizes
+    it); STAGES > 1 pipelines the steps."""
+    w_rows = w_ptr + (n0 + tl.arange(0, BN)).to(tl.int64)[:, None] * K
+    w_rows2 = w_ptr + (n1 + tl.arange(0, BN)).to(tl.int64)[:, None] * K
+    acc = tl.zeros((BLOCK_R, BN), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_R, BN), dtype=tl.float32)
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
+        offs_k = k0 + tl.arange(0, BK)
+        w = tl.load(w_rows + offs_k[None, :])  # [BN, BK]
+        if PAIR:
+            w2 = tl.load(w_rows2 + offs_k[None, :])
+        a = _acts(x_ptr, res_ptr, nw_ptr, rows, offs_r, offs_k, K, rms, ADD, NORM)  # [BLOCK_R, BK]
+        acc = _dot_rows(acc, w, a, BLOCK_R, DOT_PRECISION)
+        if PAIR:
+            acc2 = _dot_rows(acc2, w2, a, BLOCK_R, DOT_PRECISION)
+    if PAIR:
+        return acc, acc2
+    return acc, acc
+
+
+@triton.jit
+def _store_rows(ptr, N, offs_r, rows, offs_n, value):
+    tl.store(ptr + offs_r[:, None] * N + offs_n[None, :], value.to(ptr.dtype.element_ty), mask=(offs_r < rows)[:, None])
+
+
+@triton.jit
+def _qk_item(
+    item, qkv_ptr, q_ptr, attn_ptr, pos_ptr, cos_ptr, sin_ptr, q_w_ptr, k_w_ptr, k_cache_ptr, v_cache_ptr,
+    slot_ptr, seq_lens_ptr, eps, stride_cos, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_QK_NORM: tl.constexpr,
+):  # fmt: skip
+    """Phase 2 for one (row, KV head): its query heads and key normed and rotated together (qk_norm_rope_kv.py's
+    arithmetic), the queries to q [R, H, D], key and value into the cache at the row's slot (-1: none). A padding
+    row (seq_len 0) zeroes its attention output instead, which no split writes."""
+    GROUP: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
+    QKV: tl.constexpr = (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
+    HALF: tl.constexpr = HEAD_DIM // 2
+    row, kv_head = item // NUM_KV_HEADS, item % NUM_KV_HEADS
+    rows = tl.arange(0, BLOCK_Q)
+    offs_d = tl.arange(0, BLOCK_HALF)[None, :]
+    d_mask = offs_d < HALF
+    is_q, is_k = (rows < GROUP)[:, None], (rows == GROUP)[:, None]
+    src_head = tl.where(rows < GROUP, kv_head * GROUP + rows, NUM_HEADS + kv_head)[:, None]
+    src = qkv_ptr + row * QKV + src_head * HEAD_DIM + offs_d
+    mask = (is_q | is_k) & d_mask
+    x1 = tl.load(src, mask=mask, other=0.0, cache_modifier=".cg")
+    x2 = tl.load(src + HALF, mask=mask, other=0.0, cache_modifier=".cg")
+    dtype = x1.dtype
+    if HAS_QK_NORM:
+        q_w1, q_w2 = tl.load(q_w_ptr + offs_d, mask=d_mask, other=0.0), tl.load(q_w_ptr + HALF + offs_d, mask=d_mask)
+        k_w1, k_w2 = tl.load(k_w_ptr + offs_d, mask=d_mask, other=0.0), tl.load(k_w_ptr + HALF + offs_d, mask=d_mask)
+        w1, w2 = tl.where(is_q, q_w1, k_w1).to(tl.float32), tl.where(is_q, q_w2, k_w2).to(tl.float32)
+        x1, x2 = _norm_halves(x1, x2, w1, w2, eps, HEAD_DIM, False)
+    pos = tl.load(pos_ptr + row)
+    cos = tl.load(cos_ptr + pos * stride_cos + offs_d, mask=d_mask, other=0.0).to(dtype).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * stride_cos + offs_d, mask=d_mask, other=0.0).to(dtype).to(tl.float32)
+    x1, x2 = _rotate(x1, x2, cos, sin)
+    q_dst = q_ptr + (row * NUM_HEADS + kv_head * GROUP + rows)[:, None] * HEAD_DIM + offs_d
+    tl.store(q_dst, x1, mask=is_q & d_mask)
+    tl.store(q_dst + HALF, x2, mask=is_q & d_mask)
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    keep = (offs_d * 0 + slot) >= 0
+    block, block_row = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+    k_dst = k_cache_ptr + block * stride_kb + block_row * stride_kt + kv_head * stride_kh + offs_d
+    k_dst = tl.broadcast_to(k_dst, (BLOCK_Q, BLOCK_HALF))
+    tl.store(k_dst, x1, mask=is_k & d_mask & keep)
+    tl.store(k_dst + HALF, x2, mask=is_k & d_mask & keep)
+    v_src = qkv_ptr + row * QKV + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM + offs_d
+    v_dst = v_cache_ptr + block * stride_vb + block_row * stride_vt + kv_head * stride_vh + offs_d
+    v1 = tl.load(v_src, mask=d_mask, other=0.0, cache_modifier=".cg")
+    v2 = tl.load(v_src + HALF, mask=d_mask, other=0.0, cache_modifier=".cg")
+    tl.store(v_dst, v1, mask=d_mask & keep)
+    tl.store(v_dst + HALF, v2, mask=d_mask & keep)
+    padding = (offs_d * 0 + tl.load(seq_lens_ptr + row)) <= 0
+    a_dst = attn_ptr + (row * NUM_HEADS + kv_head * GROUP + rows)[:, None] * HEAD_DIM + offs_d
+    zero = tl.zeros((BLOCK_Q, BLOCK_HALF), dtype=dtype)
+    tl.store(a_dst, zero, mask=is_q & d_mask & padding)
+    tl.store(a_dst + HALF, zero, mask=is_q & d_mask & padding)
+
+
+@triton.jit
+def _attention_item(
+    item, num_splits, q_ptr, attn_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, acc_ptr, m_ptr, l_ptr,
+    tickets_ptr, qk_scale, stride_bt, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Phase 3 for one (row, KV head, split): the decode split kernel's arithmetic with its folded reduce
+    (paged_attention_kernels.py, paged_attention_fold.py); partials [R, H, S(, D)], a ticket per (row, KV head)."""
+    GROUP: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
+    split = item % num_splits
+    kv_head = (item // num_splits) % NUM_KV_HEADS
+    row = item // (num_splits * NUM_KV_HEADS)
+    seq_len = tl.load(seq_lens_ptr + row)
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, seq_len)
+    if start < end:  # splits past the sequence's end (and padding rows) hold no keys: they take no part
+        live = tl.cdiv(seq_len, tokens_per_split)
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        g_mask = offs_g < GROUP
+        d_mask = offs_d < HEAD_DIM
+        heads = kv_head * GROUP + offs_g
+        qd = (row * NUM_HEADS + heads)[:, None] * HEAD_DIM + offs_d[None, :]
+        q = tl.load(q_ptr + qd, mask=g_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
+        m_i, l_i, acc = _attend_paged(
+            q, qk_scale, bt_ptr + row.to(tl.int64) * stride_bt, start, end, kv_head, k_cache_ptr, v_cache_ptr,
+            k_cache_ptr, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            BLOCK_G, HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, DOT_PRECISION, False,
+        )  # fmt: skip
+        dst = attn_ptr + qd
+        if live == 1:
+            tl.store(dst, (acc / l_i[:, None]).to(attn_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+        else:
+            part0 = (row * NUM_HEADS + heads) * num_splits
+            part = part0 + split
+            tl.store(m_ptr + part, m_i, mask=g_mask)
+            tl.store(l_ptr + part, l_i, mask=g_mask)
+            tl.store(acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :])
+            ticket = tickets_ptr + row * NUM_KV_HEADS + kv_head
+            if _fold_is_last(ticket, live):
+                _fold_merge(
+                    dst, ticket, acc_ptr, m_ptr, l_ptr, part0, live, offs_d, g_mask, d_mask,
+                    HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_S,
+                )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["rows", "num_splits", "eps", "qk_scale"])
+def _decode_layer_kernel(
+    x_ptr, res_ptr, in_norm_ptr, qkv_w_ptr, q_norm_ptr, k_norm_ptr, o_w_ptr, post_norm_ptr, gate_up_w_ptr,
+    down_w_ptr, pos_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, bt_ptr, seq_lens_ptr,
+    qkv_ptr, q_ptr, attn_ptr, act_ptr, acc_ptr, m_ptr, l_ptr, tickets_ptr, bar_ptr,  # scratch
+    out_ptr, h1_ptr,  # the layer's results: the MLP's output and the residual stream before it
+    rows, num_splits, eps, qk_scale, stride_cos, stride_bt,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    HIDDEN: tl.constexpr, INTER: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_QK_NORM: tl.constexpr,
+    BLOCK_R: tl.constexpr, BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_DOWN: tl.constexpr,
+    BK_QKV: tl.constexpr, BK_O: tl.constexpr, BK_GU: tl.constexpr, BK_DOWN: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, RMS_CHUNK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr, PHASE: tl.constexpr,
+):  # fmt: skip
+    QKV: tl.constexpr = (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
+    Q_SIZE: tl.constexpr = NUM_HEADS * HEAD_DIM
+    pid, programs = tl.program_id(0), tl.num_programs(0)
+    offs_r = tl.arange(0, BLOCK_R)
+    if PHASE == ALL_PHASES or PHASE == 1:
+        rms = _inv_rms(x_ptr, res_ptr, rows, offs_r, HIDDEN, eps, HAS_RESIDUAL, BLOCK_R, RMS_CHUNK)
+        for tile in range(pid, QKV // BN_QKV, programs):
+            acc, _ = _gemv_tile(
+                qkv_w_ptr, tile * BN_QKV, 0, HIDDEN, x_ptr, res_ptr, in_norm_ptr, rows, offs_r, rms,
+                HAS_RESIDUAL, True, BLOCK_R, BN_QKV, BK_QKV, DOT_PRECISION, STAGES, False,
+            )  # fmt: skip
+            _store_rows(qkv_ptr, QKV, offs_r, rows, tile * BN_QKV + tl.arange(0, BN_QKV), acc)
+    _grid_barrier(bar_ptr, PHASE)
+    if PHASE == ALL_PHASES or PHASE == 2:
+        for item in range(pid, rows * NUM_KV_HEADS, programs):
+            _qk_item(
+                item, qkv_ptr, q_ptr, attn_ptr, pos_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr,
+                v_cache_ptr, slot_ptr, seq_lens_ptr, eps, stride_cos, stride_kb, stride_kt, stride_kh, stride_vb,
+                stride_vt, stride_vh, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_Q, BLOCK_HALF, HAS_QK_NORM,
+            )  # fmt: skip
+    _grid_barrier(bar_ptr, PHASE)
+    if PHASE == ALL_PHASES or PHASE == 3:
+        for item in range(pid, rows * NUM_KV_HEADS * num_splits, programs):
+            _attention_item(
+                item, num_splits, q_ptr, attn_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, acc_ptr, m_ptr,
+                l_ptr, tickets_ptr, qk_scale, stride_bt, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                stride_vh, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_G, BLOCK_D, BLOCK_N, BLOCK_S,
+                DOT_PRECISION,
+            )  # fmt: skip
+    _grid_barrier(bar_ptr, PHASE)
+    if PHASE == ALL_PHASES or PHASE == 4:
+        for tile in range(pid, HIDDEN // BN_O, programs):
+            offs_n = tile * BN_O + tl.arange(0, BN_O)
+            o, _ = _gemv_tile(
+                o_w_ptr, tile * BN_O, 0, Q_SIZE, attn_ptr, attn_ptr, o_w_ptr, rows, offs_r, offs_r,
+                False, False, BLOCK_R, BN_O, BK_O, DOT_PRECISION, STAGES, False,
+            )  # fmt: skip
+            h0 = _acts(x_ptr, res_ptr, x_ptr, rows, offs_r, offs_n, HIDDEN, offs_r, HAS_RESIDUAL, False)
+            h1 = (o.to(h0.dtype).to(tl.float32) + h0.to(tl.float32)).to(h0.dtype)  # torch's `o + h0`
+            _store_rows(h1_ptr, HIDDEN, offs_r, rows, offs_n, h1)
+    _grid_barrier(bar_ptr, PHASE)
+    if PHASE == ALL_PHASES or PHASE == 5:
+        rms = _inv_rms(h1_ptr, h1_ptr, rows, offs_r, HIDDEN, eps, False, BLOCK_R, RMS_CHUNK)
+        for tile in range(pid, INTER // BN_GU, programs):
+            gate, up = _gemv_tile(
+                gate_up_w_ptr, tile * BN_GU, INTER + tile * BN_GU, HIDDEN, h1_ptr, h1_ptr, post_norm_ptr, rows,
+                offs_r, rms, False, True, BLOCK_R, BN_GU, BK_GU, DOT_PRECISION, STAGES, True,
+            )  # fmt: skip
+            dtype = act_ptr.dtype.element_ty
+            g = gate.to(dtype).to(tl.float32)  # silu_mul.py's roundings: silu in float32 rounded, the product rounded
+            act = (tl.math.div_rn(g, 1.0 + tl.exp(-g)).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)).to(dtype)
+            _store_rows(act_ptr, INTER, offs_r, rows, tile * BN_GU + tl.arange(0, BN_GU), act)
+    _grid_barrier(bar_ptr, PHASE)
+    if PHASE == ALL_PHASES or PHASE == 6:
+        for tile in range(pid, HIDDEN // BN_DOWN, programs):
+            out, _ = _gemv_tile(
+                down_w_ptr, tile * BN_DOWN, 0, INTER, act_ptr, act_ptr, down_w_ptr, rows, offs_r, offs_r,
+                False, False, BLOCK_R, BN_DOWN, BK_DOWN, DOT_PRECISION, STAGES, False,
+            )  # fmt: skip
+            _store_rows(out_ptr, HIDDEN, offs_r, rows, tile * BN_DOWN + tl.arange(0, BN_DOWN), out)

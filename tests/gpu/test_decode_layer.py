@@ -1,0 +1,98 @@
+"""The persistent decode layer (kernels/decode_layer.py) on the GPU, where its grid barriers run with a program on
+every SM (bench/gpu_check.sh runs it; skipped without CUDA): against decode_layer_ref in each dtype at every
+row count it takes, lengths from one key to thousands (one split or many merging), padding rows; a hundred
+launches back to back (the barrier and tickets reused); a CUDA graph replayed with other lengths. The
+interpreter's tests (tests/kernels/test_decode_layer.py) check each phase's arithmetic, not memory ordering."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tests.fixtures.triton_kernels import TOLERANCE
+from tests.kernels.decode_layer_cases import LayerCase, make_case
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+QWEN3_06B = dict(hidden=1024, heads=16, kv_heads=8, dim=128, inter=3072)
+
+
+@pytest.fixture(scope="module")
+def dl():
+    from asyncllm.kernels import decode_layer
+
+    return decode_layer
+
+
+def check(dl, case: LayerCase, scratch, dtype: torch.dtype, **launch) -> None:
+    ref_k, ref_v = case.k_cache.clone(), case.v_cache.clone()
+    want, want_h1 = dl.decode_layer_ref(*case.with_caches(ref_k, ref_v).args()[:-1], case.seq_lens, 0.088)
+    k, v = case.k_cache.clone(), case.v_cache.clone()
+    got, got_h1 = dl.decode_layer(*case.with_caches(k, v).args(), 0.088, scratch, **launch)
+    torch.cuda.synchronize()
+    live = [i for i, n in enumerate(case.seq_lens) if n > 0]
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got_h1[live], want_h1[live], atol=tol, rtol=tol)
+    torch.testing.assert_close(got[live], want[live], atol=tol, rtol=tol)
+    torch.testing.assert_close(k, ref_k, atol=tol, rtol=tol)
+    torch.testing.assert_close(v, ref_v, atol=tol, rtol=tol)
+    assert not scratch.tickets.any() and int(scratch.barrier[0]) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8, 16])
+def test_matches_ref(dl, dtype: torch.dtype, rows: int) -> None:
+    rng = random.Random(rows)
+    lens = [rng.choice([1, 2, 17, 128, 129, 700, 3000]) for _ in range(rows)]
+    case = make_case(lens, **QWEN3_06B, dtype=dtype, device="cuda", seed=rows)
+    check(dl, case, dl.DecodeLayerScratch(case.w, rows, torch.device("cuda")), dtype)
+
+
+@pytest.mark.parametrize("qk_norm,residual", [(False, True), (True, False)])
+def test_llama_form_and_first_layer(dl, qk_norm: bool, residual: bool) -> None:
+    case = make_case([300, 5], **QWEN3_06B, qk_norm=qk_norm, residual=residual, dtype=torch.bfloat16, device="cuda")
+    check(dl, case, dl.DecodeLayerScratch(case.w, 2, torch.device("cuda")), torch.bfloat16)
+
+
+def test_padding_rows(dl) -> None:
+    case = make_case([0, 900, 0, 3], **QWEN3_06B, dtype=torch.bfloat16, device="cuda", seed=5)
+    check(dl, case, dl.DecodeLayerScratch(case.w, 4, torch.device("cuda")), torch.bfloat16)
+
+
+def test_hundred_launches_back_to_back(dl) -> None:
+    """Every launch's barriers and merges reuse the same counters: a reset race would hang or mix rounds."""
+    case = make_case([2000], **QWEN3_06B, dtype=torch.bfloat16, device="cuda", seed=9)
+    scratch = dl.DecodeLayerScratch(case.w, 1, torch.device("cuda"))
+    first, _ = dl.decode_layer(*case.with_caches(case.k_cache.clone(), case.v_cache.clone()).args(), 0.088, scratch)
+    outs = [dl.decode_layer(*case.with_caches(case.k_cache.clone(), case.v_cache.clone()).args(), 0.088, scratch)[0]
+            for _ in range(100)]  # fmt: skip
+    torch.cuda.synchronize()
+    for out in outs:
+        torch.testing.assert_close(out, first, atol=0, rtol=0)  # one order of sums: the same bits every time
+    assert not scratch.tickets.any() and int(scratch.barrier[0]) == 0
+
+
+def test_cuda_graph_replays_other_lengths(dl) -> None:
+    case = make_case([3000, 3000, 3000], **QWEN3_06B, dtype=torch.bfloat16, device="cuda", seed=11)
+    scratch = dl.DecodeLayerScratch(case.w, 3, torch.device("cuda"))
+    args = list(case.args())
+    seq_lens = args[-1]
+    dl.decode_layer(*args, 0.088, scratch)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, _ = dl.decode_layer(*args, 0.088, scratch)
+    for lens in ([3000, 1, 640], [7, 2999, 128], [0, 3000, 1]):
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        case.positions.copy_(torch.tensor([max(n - 1, 0) for n in lens]))
+        table = case.block_tables.tolist()
+        slots = [table[r][(n - 1) // 16] * 16 + (n - 1) % 16 if n > 0 else -1 for r, n in enumerate(lens)]
+        case.slot_mapping.copy_(torch.tensor(slots))
+        k_before, v_before = case.k_cache.clone(), case.v_cache.clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        want, _ = dl.decode_layer_ref(*case.with_caches(k_before, v_before).args()[:-1], lens, 0.088)
+        live = [i for i, n in enumerate(lens) if n > 0]
+        torch.testing.assert_close(out[live], want[live], atol=2e-2, rtol=2e-2, msg=lambda m, lens=lens: f"{lens}: {m}")
+        torch.testing.assert_close(case.k_cache, k_before, atol=2e-2, rtol=2e-2)

@@ -1,0 +1,90 @@
+"""The persistent decode layer (`decode_layer`) against its specification, `decode_layer_ref`, in the CPU
+interpreter (float32): every phase's partition over several programs (one launch a phase: the interpreter runs
+programs one after another, so a grid barrier would wait forever), the one-launch form with its barriers at one
+program, rows with and without the residual and q/k norms, rows whose keys span one split or many (the merge),
+padding rows, and the caches' new keys. tests/gpu/test_decode_layer.py runs the barriers with every SM."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.fixtures.triton_kernels import TOLERANCE, import_kernel
+from tests.kernels.decode_layer_cases import LayerCase, make_case
+
+SHAPE = dict(hidden=64, heads=4, kv_heads=2, dim=16, inter=96)  # GQA 2, as Qwen3-0.6B
+
+
+@pytest.fixture(scope="module")
+def dl():
+    return import_kernel("decode_layer")
+
+
+def run_both(dl, case: LayerCase, **launch) -> None:
+    """decode_layer and the reference on their own copies of the caches; outputs, residual and caches agree."""
+    ref_k, ref_v = case.k_cache.clone(), case.v_cache.clone()
+    out_ref, h1_ref = dl.decode_layer_ref(*case.with_caches(ref_k, ref_v).args()[:-1], case.seq_lens, 0.25)
+    scratch = dl.DecodeLayerScratch(case.w, max(len(case.seq_lens), launch.pop("max_rows", 1)), case.x.device)
+    for call in range(2):  # twice: the tickets and the barrier are left ready for the next launch
+        k, v = case.k_cache.clone(), case.v_cache.clone()
+        out, h1 = dl.decode_layer(*case.with_caches(k, v).args(), 0.25, scratch, **launch)
+        live = [i for i, n in enumerate(case.seq_lens) if n > 0]
+        tol = TOLERANCE[case.x.dtype]
+        for name, got, want in (("h1", h1, h1_ref), ("out", out, out_ref)):
+            msg = f"call {call} {name}"
+            torch.testing.assert_close(got[live], want[live], atol=tol, rtol=tol, msg=lambda m, msg=msg: f"{msg}: {m}")
+        torch.testing.assert_close(k, ref_k, atol=tol, rtol=tol)
+        torch.testing.assert_close(v, ref_v, atol=tol, rtol=tol)
+        assert not scratch.tickets.any(), "a merge left its ticket counter set"
+        assert int(scratch.barrier[0]) == 0, "the barrier left arrivals counted"
+
+
+@pytest.mark.parametrize("seq_lens", [[1], [37], [5, 70, 1], [130, 3, 17, 64]])
+def test_phase_by_phase_over_programs_equals_ref(dl, seq_lens: list[int]) -> None:
+    """Three programs share every phase; 4 splits make rows of 37+ keys merge partials, short ones not."""
+    run_both(dl, make_case(seq_lens, **SHAPE, seed=len(seq_lens)), programs=3, num_splits=4, phases=True)
+
+
+@pytest.mark.parametrize("qk_norm,residual", [(True, True), (False, False), (True, False)])
+def test_one_launch_equals_ref(dl, qk_norm: bool, residual: bool) -> None:
+    """The GPU's form: every phase in one launch, the barriers between them (one program here)."""
+    case = make_case([45, 9], **SHAPE, qk_norm=qk_norm, residual=residual, seed=7)
+    run_both(dl, case, num_splits=3)
+
+
+def test_padding_rows_store_nothing(dl) -> None:
+    """A CUDA graph's padding rows (length 0, slot -1) write no key and leave the real rows exact."""
+    run_both(dl, make_case([0, 33, 0], **SHAPE, seed=3), programs=2, num_splits=2, phases=True, max_rows=4)
+
+
+def test_bad_inputs_are_refused(dl) -> None:
+    case = make_case([5, 6], **SHAPE)
+    scratch = dl.DecodeLayerScratch(case.w, 1, case.x.device)
+    with pytest.raises(ValueError, match="rows"):
+        dl.decode_layer(*case.args(), 0.25, scratch)
+    scratch = dl.DecodeLayerScratch(case.w, 2, case.x.device)
+    with pytest.raises(ValueError, match="num_splits"):
+        dl.decode_layer(*case.args(), 0.25, scratch, num_splits=0)
+    bad = make_case([5, 6], **SHAPE)
+    bad.positions = bad.positions.to(torch.int32)
+    with pytest.raises(ValueError, match="positions"):
+        dl.decode_layer(*bad.args(), 0.25, scratch)
+    with pytest.raises(ValueError, match="max_rows"):
+        dl.DecodeLayerScratch(case.w, 17, case.x.device)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA tests/gpu/test_decode_layer.py compiles and runs it")
+def test_kernel_compiles_for_hopper_without_a_gpu() -> None:
+    """Triton's compiler (not the interpreter) builds the one-launch form, barriers included, for sm_90 at the
+    tiles the launcher plans for Qwen3-0.6B and -8B (tests/kernels/hopper_compile_decode_layer.py)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("hopper_compile_decode_layer.py")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr[-2000:]
+    assert out.stdout.count("ok ") == 5, out.stdout
