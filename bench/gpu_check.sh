@@ -305,12 +305,15 @@ if has kvrestart; then  # issue 44's restart row per disk reader (KV_RESTART_REA
     done
   done
 fi
-if has decodelayer; then  # issue 45: the persistent decode layer's GPU tests, then its bench against the engine's chain
-  timeout 300 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider -o addopts='' tests/gpu/test_decode_layer.py 2>&1 \
+if has decodelayer; then  # issue 45: the persistent decode layer's GPU tests (DECODE_LAYER_TESTS=0: none), then its
+  # bench against the engine's chain (DECODE_LAYER_ARGS: the bench's flags; DECODE_LAYER_ARGS2: a second run's)
+  [ "${DECODE_LAYER_TESTS:-1}" != 0 ] && timeout 300 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider -o addopts='' tests/gpu/test_decode_layer.py 2>&1 \
     | tee "$OUT/decode_layer_tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -12
   rows+=("decode layer tests: $(grep -E 'passed|failed' "$OUT/decode_layer_tests.log" | tail -1)")
   timeout 240 python3 bench/kernels/bench_decode_layer.py ${DECODE_LAYER_ARGS:-} 2>&1 | tee "$OUT/decode_layer.log" \
     | grep -E '^\{|Error|error' | tail -20
+  [ -n "${DECODE_LAYER_ARGS2:-}" ] && timeout 240 python3 bench/kernels/bench_decode_layer.py $DECODE_LAYER_ARGS2 2>&1 \
+    | tee -a "$OUT/decode_layer.log" | grep -E '^\{|Error|error' | tail -20
   while read -r line; do rows+=("decode layer: $line"); done < <(grep '^{' "$OUT/decode_layer.log")
 fi
 if has kvpace; then  # issue 44: W10 off and on, then on again per ASYNCLLM_KV_RESTORE_MIB_PER_STEP in KV_PACE_MIB (KV_PACE_ARGS: more flags)
