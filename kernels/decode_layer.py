@@ -39,10 +39,17 @@ class DecodeLayerConfig:
     block_n: int = 32
     num_warps: int = 4
     stages: int = 1
+    prefetch: bool = False  # the layer's weights asked of L2 at the start (CUDA only)
 
 
 def plan_config(
-    w: DecodeLayerWeights, rows: int, programs: int, step_bytes: int = 32 << 10, num_warps: int = 4, stages: int = 1
+    w: DecodeLayerWeights,
+    rows: int,
+    programs: int,
+    step_bytes: int = 32 << 10,
+    num_warps: int = 4,
+    stages: int = 1,
+    prefetch: bool = False,
 ) -> DecodeLayerConfig:
     """Tiles that spread each projection over the programs with the least work on the busiest one (ties: the
     larger tile, fewer loop trips), and K steps of about `step_bytes` of weights (all of them in flight at
@@ -67,7 +74,7 @@ def plan_config(
     (bn_qkv, bk_qkv), (bn_o, bk_o) = tile(w.qkv.shape[0], hidden), tile(hidden, w.num_heads * w.head_dim)
     (bn_gu, bk_gu), (bn_down, bk_down) = tile(inter, hidden, 2), tile(hidden, inter)
     return DecodeLayerConfig(bn_qkv, bk_qkv, bn_o, bk_o, bn_gu, bk_gu, bn_down, bk_down, num_warps=num_warps,
-                             stages=stages)  # fmt: skip
+                             stages=stages, prefetch=prefetch)  # fmt: skip
 
 
 class DecodeLayerScratch:
@@ -110,7 +117,7 @@ def launch_constants(
         BLOCK_Q=_pow2(group + 1, 2), BLOCK_HALF=_pow2(w.head_dim // 2, 2), BLOCK_G=_pow2(group),
         BLOCK_D=_pow2(w.head_dim), BLOCK_N=config.block_n, BLOCK_S=MAX_SPLITS,
         RMS_CHUNK=math.gcd(hidden, max(16, 2048 // block_r)),
-        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32", STAGES=config.stages, num_warps=config.num_warps,
+        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32", STAGES=config.stages, PREFETCH=config.prefetch, num_warps=config.num_warps,
     )  # fmt: skip
 
 

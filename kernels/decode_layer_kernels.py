@@ -56,6 +56,21 @@ def _grid_barrier(bar_ptr, PHASE: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_l2(w_ptr, numel, LINES: tl.constexpr, ITEM: tl.constexpr):
+    """Asks L2 for this program's share of a weight (`numel` elements of ITEM bytes), one 128-byte line a
+    request, without waiting: the weights do not depend on the activations, so HBM can stream them while
+    the phases before their use wait on each other."""
+    per_line: tl.constexpr = 128 // ITEM
+    pid, programs = tl.program_id(0), tl.num_programs(0)
+    for start in range(pid * LINES, numel // per_line, programs * LINES):
+        lines = start + tl.arange(0, LINES)
+        ptrs = w_ptr + tl.minimum(lines, numel // per_line - 1).to(tl.int64) * per_line
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+        )
+
+
+@triton.jit
 def _inv_rms(x_ptr, res_ptr, rows, offs_r, K, eps, ADD: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr):
     """[BLOCK_R] 1 / sqrt(mean(h^2) + eps) of each row's h = x (+ residual, rounded to x's dtype), rows of K."""
     acc = tl.zeros((BLOCK_R, CHUNK), dtype=tl.float32)
@@ -249,12 +264,18 @@ def _decode_layer_kernel(
     BK_QKV: tl.constexpr, BK_O: tl.constexpr, BK_GU: tl.constexpr, BK_DOWN: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, RMS_CHUNK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr, PHASE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr, PHASE: tl.constexpr,
 ):  # fmt: skip
     QKV: tl.constexpr = (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
     Q_SIZE: tl.constexpr = NUM_HEADS * HEAD_DIM
     pid, programs = tl.program_id(0), tl.num_programs(0)
     offs_r = tl.arange(0, BLOCK_R)
+    if PREFETCH:  # the whole layer's weights into L2, in the order the phases read them (CUDA only: PTX)
+        ITEM: tl.constexpr = qkv_w_ptr.dtype.element_ty.primitive_bitwidth // 8
+        _prefetch_l2(qkv_w_ptr, QKV * HIDDEN, 256, ITEM)
+        _prefetch_l2(o_w_ptr, HIDDEN * Q_SIZE, 256, ITEM)
+        _prefetch_l2(gate_up_w_ptr, 2 * INTER * HIDDEN, 256, ITEM)
+        _prefetch_l2(down_w_ptr, HIDDEN * INTER, 256, ITEM)
     if PHASE == ALL_PHASES or PHASE == 1:
         rms = _inv_rms(x_ptr, res_ptr, rows, offs_r, HIDDEN, eps, HAS_RESIDUAL, BLOCK_R, RMS_CHUNK)
         for tile in range(pid, QKV // BN_QKV, programs):

@@ -71,8 +71,8 @@ def run(shape: str, rows: int, context: int, variant: str) -> dict:
     seq_lens = torch.full((rows,), context, dtype=torch.int32, device="cuda")
     scratch = dl.DecodeLayerScratch(cases[0].w, rows, torch.device("cuda"))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    warps, stages, step_kib = (int(v) for v in variant.split(":"))
-    config = dl.plan_config(cases[0].w, rows, sms, step_kib << 10, warps, stages)
+    warps, stages, step_kib, prefetch = (int(v) for v in (variant + ":0").split(":")[:4])
+    config = dl.plan_config(cases[0].w, rows, sms, step_kib << 10, warps, stages, bool(prefetch))
     c = cases[0]
     k_ref, v_ref = c.k_cache.clone(), c.v_cache.clone()
     want, want_h1 = dl.decode_layer_ref(*c.with_caches(k_ref, v_ref).args()[:-1], c.seq_lens, scale)
@@ -108,7 +108,7 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["qwen3-0.6b", "qwen3-8b"], choices=list(SHAPES))
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 4, 8])
     parser.add_argument("--context", nargs="+", type=int, default=[512, 2048])
-    parser.add_argument("--variants", nargs="+", default=["4:1:32"], help="warps:stages:KiB of weights a K step, each")
+    parser.add_argument("--variants", nargs="+", default=["4:1:32"], help="warps:stages:KiB of weights a K step[:1 to prefetch the layer into L2], each")
     args = parser.parse_args()
     for shape in args.shapes:
         for rows in args.rows:

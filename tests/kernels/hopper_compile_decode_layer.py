@@ -37,7 +37,7 @@ def variant(shape: str, rows: int, dtype: str, stages: int = 1) -> None:
         meta.new_empty(dim), meta.new_empty(hidden, heads * dim), meta.new_empty(hidden),
         meta.new_empty(2 * inter, hidden), meta.new_empty(hidden, inter), heads, kv_heads, dim, 1e-6,
     )  # fmt: skip
-    config = dl.plan_config(w, rows, 132, stages=stages)
+    config = dl.plan_config(w, rows, 132, stages=stages, prefetch=stages > 1)
     signature = {name: f"*{dtype}" for name in POINTERS}
     signature |= {"pos_ptr": "*i64", "slot_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "bt_ptr": "*i32",
                   "seq_lens_ptr": "*i32", "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32",
