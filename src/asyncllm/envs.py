@@ -152,6 +152,14 @@ DECODE_PDL: EnvVar[bool] = EnvVar(
     "KV write) as programmatic dependent launches, each overlapping the previous kernel's tail, CUDA graphs "
     "included; results unchanged. CUDA on Hopper or newer with the Triton backend only (refused otherwise)",
 )
+DECODE_LAYER: EnvVar[bool] = EnvVar(
+    "ASYNCLLM_DECODE_LAYER",
+    False,
+    flag,
+    "decode-only steps of 1-16 rows run each dense Llama/Qwen3 decoder layer as one persistent Triton launch "
+    "(kernels/decode_layer.py) instead of its chain of kernels; the Triton backend, layers without LoRA, "
+    "quantization, tensor parallelism, sliding windows or an FP8 cache. Off by default: not yet faster",
+)
 DECODE_FOLD_REDUCE: EnvVar[bool] = EnvVar(
     "ASYNCLLM_DECODE_FOLD_REDUCE",
     True,
@@ -340,6 +348,7 @@ ALL: tuple[EnvVar[Any], ...] = (  # every variable, for docs/tuning.md's table a
     CPU_KVCACHE_SPACE,
     DECODE_GEMV,
     DECODE_PDL,
+    DECODE_LAYER,
     DECODE_FOLD_REDUCE,
     CASCADE_ATTENTION,
     CPU_INT4,

@@ -219,6 +219,7 @@ class RuntimeInfo:
     max_loras: int = 0  # LoRA adapter slots (the most one batch mixes); 0: built without enable_lora
     gemv_layers: int = 0  # linear layers whose one-token-row steps take the one-launch GEMV (ASYNCLLM_DECODE_GEMV)
     prologue_layers: int = 0  # of those, the ones folding the norm or SiLU-and-mul before them into it
+    decode_layers: int = 0  # decoder layers whose small decode steps run as one launch (ASYNCLLM_DECODE_LAYER)
     # When every layer of the model slides over at most this many keys (Mistral's sliding_window): keys that
     # far behind a sequence's next token are never read again, and their blocks can be given back early.
     # None: some layer reads every key.

@@ -7,9 +7,12 @@ interpreter's tests (tests/kernels/test_decode_layer.py) check each phase's arit
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
+
+from asyncllm import LLM, SamplingParams
 
 from tests.fixtures.triton_kernels import TOLERANCE
 from tests.kernels.decode_layer_cases import LayerCase, make_case
@@ -96,3 +99,23 @@ def test_cuda_graph_replays_other_lengths(dl) -> None:
         live = [i for i, n in enumerate(lens) if n > 0]
         torch.testing.assert_close(out[live], want[live], atol=2e-2, rtol=2e-2, msg=lambda m, lens=lens: f"{lens}: {m}")
         torch.testing.assert_close(case.k_cache, k_before, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.usefixtures("exact_fp32")
+def test_engine_gives_the_chain_tokens(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ASYNCLLM_DECODE_LAYER=1 (float32, CUDA graphs): five requests finishing at different steps, so decode
+    steps of 5 down to 1 rows replay padded graph buckets through the one-launch layers; the chain's tokens."""
+    outputs, switched = [], []
+    for on in ("1", "0"):
+        monkeypatch.setenv("ASYNCLLM_DECODE_LAYER", on)
+        llm = LLM(str(tiny_model), device="cuda", dtype="float32", max_model_len=512)
+        try:
+            rng, vocab = random.Random(3), llm.runtime.vocab_size
+            prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(20, 300))] for _ in range(5)]
+            params = [SamplingParams(temperature=0, max_tokens=8 + 6 * i, ignore_eos=True) for i in range(5)]
+            outputs.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+            switched.append(llm.runtime.decode_layers)
+        finally:
+            llm.shutdown()
+    assert outputs[0] == outputs[1]
+    assert switched[0] > 0 and switched[1] == 0, switched

@@ -18,15 +18,19 @@ from torch import nn
 from asyncllm.attention.backend import AttentionBackend, AttentionMetadata
 from asyncllm.attention.layer import Attention, KVCache
 from asyncllm.errors import UnsupportedModelError
+from asyncllm.kernels.decode_layer_ref import DecodeLayerWeights
+from asyncllm.layers.activation import SiluAndMul
 from asyncllm.layers.embedding import LMHead, VocabEmbedding
 from asyncllm.layers.fusion import Fusable, LaunchesPdl
 from asyncllm.layers.linear import Linear, PackedLinear, gate_up_shards, qkv_shards
+from asyncllm.layers.norm import RMSNorm
 from asyncllm.layers.prologue import PrologueKind, ProloguePair, act_linear, norm_linear
 from asyncllm.layers.rotary import RotaryEmbedding, RotaryInputs, apply_rotary
 from asyncllm.models.aux_hidden import AuxHidden
 from asyncllm.models.base import CausalLM
 from asyncllm.models.config import ModelArchConfig
 from asyncllm.models.family import EmbeddingScale, FamilySpec, GGUFNames, Split, WeightPlan
+from asyncllm.models.one_launch import OneLaunchDecoder, OneLaunchLayer, OneLaunchSpec
 
 LLAMA_GGUF = GGUFNames(
     globals={"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"},
@@ -172,7 +176,7 @@ class LlamaAttention(nn.Module, Fusable, LaunchesPdl):
         return self.o_proj(self.attn(q, k, v, kv_cache, meta))
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(nn.Module, OneLaunchLayer):
     def __init__(
         self, arch: ModelArchConfig, self_attn: LlamaAttention, family: FamilySpec, mlp: nn.Module | None = None
     ) -> None:
@@ -181,6 +185,7 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = self_attn
         self.post_attention_layernorm = family.norm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = LlamaMLP(arch, family) if mlp is None else mlp  # [T, hidden] -> [T, hidden]
+        self._one_launch: OneLaunchDecoder | None = None  # small decode steps in one launch (models/one_launch.py)
 
     def forward(
         self,
@@ -192,7 +197,10 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, the residual stream before adding it). Each residual add happens
         inside the next norm (fused in one kernel when enabled); the sums are transformers' exactly. Each norm
-        feeds one projection (`norm_linear`: one launch at batch-1 decode where the pair is on)."""
+        feeds one projection (`norm_linear`: one launch at batch-1 decode where the pair is on); or the whole
+        layer is one launch, for the small decode steps its `OneLaunchDecoder` takes."""
+        if self._one_launch is not None and (out := self._one_launch(x, residual, rope, kv_cache, meta)) is not None:
+            return out
         qkv, residual = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, x, residual)
         x = self.self_attn.attend(qkv, rope, kv_cache, meta)
         if isinstance(self.mlp, LlamaMLP):
@@ -200,6 +208,37 @@ class LlamaDecoderLayer(nn.Module):
             return self.mlp.down(gate_up), residual
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
+
+    def use_one_launch(self, decoder: OneLaunchDecoder | None) -> None:
+        self._one_launch = decoder
+
+    def one_launch_spec(self) -> OneLaunchSpec | None:
+        """The kernel's maths is this layer's where every projection is a plain dense layer without bias in the
+        [out, in] layout, the norms transformers' RMSNorm (Qwen3's q/k norms too, or none), the activation
+        SiLU-and-mul, the attention global and on the Triton backend's fused q/k kernel."""
+        attn, mlp = self.self_attn, self.mlp
+        if not isinstance(mlp, LlamaMLP) or type(mlp.act) is not SiluAndMul or not attn.fused:
+            return None
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        kinds = (PackedLinear, Linear, PackedLinear, Linear)
+        if any(type(m) is not kind or m.bias is not None for m, kind in zip(linears, kinds)):
+            return None
+        weights = [m.weight for m in linears]
+        norms = [self.input_layernorm, self.post_attention_layernorm]
+        q_norm, k_norm = attn.qk_norm_weights()
+        if q_norm is not None:
+            norms += [attn.q_norm, attn.k_norm]  # type: ignore[list-item]  (Qwen3's, when it has them)
+        dtype = weights[0].dtype
+        if any(type(n) is not RMSNorm or n.weight.dtype != dtype for n in norms) or attn.qk_unit_offset:
+            return None
+        if attn.attn.window is not None or any(w.dtype != dtype or not w.is_contiguous() for w in weights):
+            return None
+        qkv, o, gate_up, down = weights
+        layer = DecodeLayerWeights(
+            self.input_layernorm.weight, qkv, q_norm, k_norm, o, self.post_attention_layernorm.weight, gate_up, down,
+            attn.num_heads, attn.num_kv_heads, attn.head_dim, self.input_layernorm.eps,
+        )  # fmt: skip
+        return OneLaunchSpec(layer, attn.attn.scale)
 
     def prologue_pairs(self) -> list[ProloguePair]:
         pairs = [ProloguePair(PrologueKind.RMS_NORM, self.input_layernorm, self.self_attn.qkv_proj)]

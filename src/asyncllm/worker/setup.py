@@ -28,6 +28,7 @@ from asyncllm.layers.parallel import TPGroup
 from asyncllm.model_loader.base import Checkpoint
 from asyncllm.model_loader.loader import load_model
 from asyncllm.models.base import CausalLM
+from asyncllm.models.one_launch import use_one_launch_layers
 from asyncllm.models.tensor_parallel import shard_arch
 from asyncllm.step import RuntimeInfo
 from asyncllm.structured_output.backend import GrammarBackend
@@ -113,6 +114,7 @@ class WorkerSetup:
             dtype=resolved.kv_cache_dtype,
         )
         self.timings: dict[str, float] = {}  # start-up seconds per step, reported in RuntimeInfo
+        self.decode_layers = 0  # decoder layers switched to one launch (ASYNCLLM_DECODE_LAYER)
         self.num_threads: int | None = None
 
     def apply_threads(self) -> None:
@@ -172,6 +174,8 @@ class WorkerSetup:
             )
             logger.debug("one token row through the GEMV for shapes %s", [s for s, c in choices.items() if c.gemv])
             logger.debug("the op before folded into the GEMV for %d layers", prologue_layers(module))
+        if fused and tuning.decode_layer and self.parallel is None:  # after the tuning: the weights' final layout
+            self.decode_layers = use_one_launch_layers(module, device, self.config.scheduler_config.max_num_seqs)
         return LoadedModel(module, backend, loras, load_draft(self.config, self.checkpoint, self.resolved, module))
 
     def _lora_manager(self, module: CausalLM) -> LoRAManager | None:
@@ -345,6 +349,7 @@ class WorkerSetup:
             max_loras=loaded.loras.num_slots if loaded.loras is not None else 0,
             gemv_layers=gemv_layers(loaded.model),
             prologue_layers=prologue_layers(loaded.model),
+            decode_layers=self.decode_layers,
             kv_window=arch.kv_window,
         )
 

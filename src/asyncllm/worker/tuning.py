@@ -19,6 +19,7 @@ class WorkerTuning:
     decode_gemv: DecodeGemv  # ASYNCLLM_DECODE_GEMV
     decode_pdl: bool  # ASYNCLLM_DECODE_PDL
     decode_fold_reduce: bool  # ASYNCLLM_DECODE_FOLD_REDUCE
+    decode_layer: bool  # ASYNCLLM_DECODE_LAYER
     cascade_attention: CascadeAttention  # ASYNCLLM_CASCADE_ATTENTION
     cuda_graph_sampling: bool  # ASYNCLLM_CUDA_GRAPH_SAMPLING
     cuda_graph_max_tokens: int  # ASYNCLLM_CUDA_GRAPH_MAX_TOKENS, "auto" settled for this engine's step budget
@@ -35,6 +36,7 @@ class WorkerTuning:
             decode_gemv=envs.DECODE_GEMV.get(),
             decode_pdl=envs.DECODE_PDL.get(),
             decode_fold_reduce=envs.DECODE_FOLD_REDUCE.get(),
+            decode_layer=envs.DECODE_LAYER.get(),
             cascade_attention=envs.CASCADE_ATTENTION.get(),
             cuda_graph_sampling=envs.CUDA_GRAPH_SAMPLING.get(),
             cuda_graph_max_tokens=config.graph_max_tokens(envs.CUDA_GRAPH_MAX_TOKENS.get()),

@@ -1,0 +1,90 @@
+"""The persistent decode layer's host-side plan (kernels/decode_layer.py launches it): each projection's tiles
+(`plan_config`) and the scratch a launch writes between its phases (`DecodeLayerScratch`: allocated once,
+shared by a model's layers, which run one after another). Imports no Triton, so a model can hold its scratch
+without compiling anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .decode_layer_ref import DecodeLayerWeights
+from .paged_attention_plan import MAX_SPLITS
+
+MAX_ROWS = 16  # rows share each weight tile through one 16-row tensor-core dot
+
+
+@dataclass(frozen=True)
+class DecodeLayerConfig:
+    """Each projection's tile: output columns (bn_*) and the K step (bk_*); attention's keys per tile; warps a
+    program; weight steps in flight (software pipelining)."""
+
+    bn_qkv: int
+    bk_qkv: int
+    bn_o: int
+    bk_o: int
+    bn_gate_up: int
+    bk_gate_up: int
+    bn_down: int
+    bk_down: int
+    block_n: int = 32
+    num_warps: int = 4
+    stages: int = 1
+    prefetch: bool = False  # the layer's weights asked of L2 at the start (CUDA only)
+
+
+def plan_config(
+    w: DecodeLayerWeights,
+    rows: int,
+    programs: int,
+    step_bytes: int = 32 << 10,
+    num_warps: int = 4,
+    stages: int = 1,
+    prefetch: bool = False,
+) -> DecodeLayerConfig:
+    """Tiles that spread each projection over the programs with the least work on the busiest one (ties: the
+    larger tile, fewer loop trips), and K steps of about `step_bytes` of weights (all of them in flight at
+    once: a program's bandwidth is what it has in flight over the memory's latency), a power of two dividing K."""
+    hidden, inter = w.input_norm.shape[0], w.down.shape[1]
+    smallest = 8 if rows == 1 else 16  # the dot's tiles are 16 wide at least
+    itemsize = w.qkv.element_size()
+
+    def tile(n: int, k: int, pair: int = 1) -> tuple[int, int]:
+        fits = [bn for bn in (128, 64, 32, 16, 8) if bn >= smallest and n % bn == 0]
+        if not fits:
+            raise ValueError(f"a projection of {n} outputs is not a multiple of {smallest}")
+        bn = min(fits, key=lambda bn: (-(-(n // bn) // programs) * bn, -bn))
+        cap = max(16, step_bytes // (itemsize * bn * pair))
+        if rows > 1:
+            cap = min(cap, 256)  # the dot holds the rows' [16, BK] activations in registers too
+        bk = 1 << min(cap.bit_length() - 1, (k & -k).bit_length() - 1)  # the largest power of two dividing k
+        if bk < 16:
+            raise ValueError(f"K={k} needs a power-of-two factor of 16 or more")
+        return bn, bk
+
+    (bn_qkv, bk_qkv), (bn_o, bk_o) = tile(w.qkv.shape[0], hidden), tile(hidden, w.num_heads * w.head_dim)
+    (bn_gu, bk_gu), (bn_down, bk_down) = tile(inter, hidden, 2), tile(hidden, inter)
+    return DecodeLayerConfig(bn_qkv, bk_qkv, bn_o, bk_o, bn_gu, bk_gu, bn_down, bk_down, num_warps=num_warps,
+                             stages=stages, prefetch=prefetch)  # fmt: skip
+
+
+class DecodeLayerScratch:
+    """What one launch writes between its phases, for up to `max_rows` rows, plus the grid barrier and the
+    attention merge's tickets (zero between launches: each launch leaves them so)."""
+
+    def __init__(self, w: DecodeLayerWeights, max_rows: int, device: torch.device) -> None:
+        if not 1 <= max_rows <= MAX_ROWS:
+            raise ValueError(f"max_rows={max_rows} must be in [1, {MAX_ROWS}]")
+        dtype, heads, dim = w.qkv.dtype, w.num_heads, w.head_dim
+        self.max_rows = max_rows
+        self.qkv = torch.empty(max_rows, w.qkv.shape[0], dtype=dtype, device=device)
+        self.q = torch.empty(max_rows, heads, dim, dtype=dtype, device=device)
+        self.attn = torch.empty(max_rows, heads * dim, dtype=dtype, device=device)
+        self.act = torch.empty(max_rows, w.down.shape[1], dtype=dtype, device=device)
+        self.acc = torch.empty(max_rows, heads, MAX_SPLITS, dim, dtype=torch.float32, device=device)
+        self.m = torch.empty(max_rows, heads, MAX_SPLITS, dtype=torch.float32, device=device)
+        self.l_sum = torch.empty_like(self.m)
+        self.tickets = torch.zeros(max_rows, w.num_kv_heads, dtype=torch.int32, device=device)
+        self.barrier = torch.zeros(2, dtype=torch.int32, device=device)

@@ -1,0 +1,111 @@
+"""A decoder layer's small decode steps in one persistent launch (kernels/decode_layer.py), switched on from
+outside like the other fused forms (ASYNCLLM_DECODE_LAYER). A layer opts in by deriving from `OneLaunchLayer`:
+it names its weights where its maths is the kernel's, and takes a `OneLaunchDecoder`, which decides per step
+whether the step is one the kernel runs (decode-only, at most `max_rows` rows, a cache in the activations'
+dtype) and otherwise returns None, so the layer runs its own chain. Knows nothing of which model uses it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from asyncllm.attention.backend import AttentionMetadata
+from asyncllm.attention.layer import KVCache
+from asyncllm.kernels.decode_layer_plan import MAX_ROWS, DecodeLayerScratch, plan_config
+from asyncllm.kernels.decode_layer_ref import DecodeLayerWeights
+from asyncllm.layers.rotary import RotaryInputs
+
+
+@dataclass(frozen=True)
+class OneLaunchSpec:
+    """What the kernel needs of a layer besides the step: its weights and the softmax scale."""
+
+    weights: DecodeLayerWeights
+    scale: float
+
+
+class OneLaunchLayer(ABC):
+    """A decoder layer the persistent decode kernel can run whole."""
+
+    @abstractmethod
+    def one_launch_spec(self) -> OneLaunchSpec | None:
+        """This layer's weights and scale, or None where its maths or weights are not the kernel's (LoRA,
+        quantized or row-parallel projections, biases, another norm, a sliding window, a transposed weight)."""
+
+    @abstractmethod
+    def use_one_launch(self, decoder: OneLaunchDecoder | None) -> None:
+        """Run small decode steps through `decoder` (None: never)."""
+
+
+class OneLaunchDecoder:
+    """One layer's persistent launch, for the steps it takes; the scratch is shared by the layers of a model
+    (they run one after another on one stream)."""
+
+    def __init__(self, spec: OneLaunchSpec, scratch: DecodeLayerScratch) -> None:
+        from asyncllm.kernels import decode_layer  # imports triton: only once a layer is switched on
+
+        self._kernel = decode_layer
+        self.spec = spec
+        self.scratch = scratch
+
+    def __call__(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        residual: torch.Tensor | None,
+        rope: RotaryInputs,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(the layer's output, the residual stream before it), or None where the step is not one it takes:
+        more rows than the scratch holds, a row of more than one query token (prefill, a draft's verify) or of
+        no sequence (a mixed graph's padding), or an FP8 cache. Host-side tests only: a CUDA graph's capture
+        decides for every replay of its bucket, and a decode bucket replays decode-only steps alone."""
+        rows = x.shape[0]
+        k_cache, v_cache = kv_cache
+        if rows > self.scratch.max_rows or meta.max_query_len != 1 or len(meta.seq_lens_cpu) != rows:
+            return None
+        if k_cache.dtype != x.dtype:
+            return None
+        return self._kernel.decode_layer(  # type: ignore[no-any-return]
+            x, residual, self.spec.weights, k_cache, v_cache, rope.positions, rope.cos_cache, rope.sin_cache,
+            meta.slot_mapping, meta.block_tables, meta.seq_lens[:rows], self.spec.scale, self.scratch,
+        )  # fmt: skip
+
+
+def use_one_launch_layers(model: nn.Module, device: torch.device, max_num_seqs: int) -> int:
+    """Switch every `OneLaunchLayer` of `model` whose spec the kernel takes to its one launch for steps of up to
+    min(max_num_seqs, MAX_ROWS) rows; returns how many did. Layers of one shape share one scratch."""
+    max_rows = min(max_num_seqs, MAX_ROWS)
+
+    scratches: dict[tuple[object, ...], DecodeLayerScratch] = {}
+    count = 0
+    for module in model.modules():
+        if not isinstance(module, OneLaunchLayer):
+            continue
+        spec = module.one_launch_spec()
+        if spec is not None and not _plans(spec.weights, max_rows):
+            spec = None
+        if spec is None:
+            module.use_one_launch(None)
+            continue
+        w = spec.weights
+        key = (tuple(w.qkv.shape), tuple(w.down.shape), w.qkv.dtype, w.num_heads, w.num_kv_heads, w.head_dim)
+        if key not in scratches:
+            scratches[key] = DecodeLayerScratch(w, max_rows, device)
+        module.use_one_launch(OneLaunchDecoder(spec, scratches[key]))
+        count += 1
+    return count
+
+
+def _plans(w: DecodeLayerWeights, max_rows: int) -> bool:
+    """Whether the kernel's tiles fit the layer's sizes at every row count it will see (one row and more)."""
+    try:
+        for rows in {1, max_rows}:
+            plan_config(w, rows, 1)
+    except ValueError:
+        return False
+    return True
