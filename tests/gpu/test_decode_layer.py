@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from asyncllm import LLM, SamplingParams
-
 from tests.fixtures.triton_kernels import TOLERANCE
 from tests.kernels.decode_layer_cases import LayerCase, make_case
 
