@@ -33,7 +33,7 @@ from tests.kernels.decode_layer_cases import LayerCase, make_case
 SHAPES = {  # hidden, heads, KV heads, head_dim, intermediate, layers
     "qwen3-0.6b": (1024, 16, 8, 128, 3072, 28),
     "qwen3-8b": (4096, 32, 8, 128, 12288, 36),
-    "tiny": (256, 2, 1, 128, 256, 28),  # weights of no account: what a layer costs beyond its bytes (barriers, launches)
+    "tiny": (256, 2, 1, 128, 256, 28),  # weights of no account: what a layer costs beyond its bytes
 }
 PEAK_TBS = {"H100": 3.35, "H200": 4.8}
 
@@ -108,7 +108,7 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["qwen3-0.6b", "qwen3-8b"], choices=list(SHAPES))
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 4, 8])
     parser.add_argument("--context", nargs="+", type=int, default=[512, 2048])
-    parser.add_argument("--variants", nargs="+", default=["4:1:32"], help="warps:stages:KiB of weights a K step[:1 to prefetch the layer into L2], each")
+    parser.add_argument("--variants", nargs="+", default=["4:1:32"], help="warps:stages:KiB a K step[:1: prefetch]")
     args = parser.parse_args()
     for shape in args.shapes:
         for rows in args.rows:
