@@ -13,7 +13,7 @@ import torch
 import triton
 
 from .decode_layer_kernels import LAST_PHASE, _decode_layer_kernel
-from .decode_layer_plan import MAX_ROWS, DecodeLayerConfig, DecodeLayerScratch, plan_config
+from .decode_layer_plan import MAX_ROWS, DecodeLayerConfig, DecodeLayerScratch, check_config, layout_of, plan_config
 from .decode_layer_ref import DecodeLayerWeights, decode_layer_ref
 from .paged_attention_plan import MAX_SPLITS
 
@@ -63,9 +63,15 @@ def _pow2(n: int, floor: int = 16) -> int:
 
 
 def _check(x: torch.Tensor, residual: torch.Tensor | None, w: DecodeLayerWeights, k_cache: torch.Tensor,
-           v_cache: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-           seq_lens: torch.Tensor, scratch: DecodeLayerScratch) -> None:  # fmt: skip
+           v_cache: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
+           slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+           scratch: DecodeLayerScratch) -> None:  # fmt: skip
+    if x.dim() != 2:
+        raise ValueError(f"x must be [rows, hidden]; got shape {tuple(x.shape)}")
     rows, hidden = x.shape
+    if scratch.layout != layout_of(w):
+        raise ValueError(f"the scratch was made for layers of (hidden, intermediate, heads, KV heads, head_dim, dtype, "
+                         f"device) {scratch.layout}; these weights are {layout_of(w)}")  # fmt: skip
     if x.dtype not in _DTYPES:
         raise TypeError(f"x has dtype {x.dtype}; expected float32, float16 or bfloat16")
     if not 1 <= rows <= scratch.max_rows:
@@ -90,16 +96,27 @@ def _check(x: torch.Tensor, residual: torch.Tensor | None, w: DecodeLayerWeights
     if v_cache.shape != k_cache.shape or v_cache.dtype != x.dtype or v_cache.stride() != k_cache.stride():
         raise ValueError("v_cache must match k_cache's shape, strides and the activations' dtype (no FP8 cache)")
     block_size = k_cache.shape[1]
-    if block_size & (block_size - 1) or heads % kv_heads or dim % 2:
-        raise ValueError(f"block_size {block_size} must be a power of two, heads {heads} a multiple of "
-                         f"{kv_heads} and head_dim {dim} even")  # fmt: skip
+    if block_size & (block_size - 1):
+        raise ValueError(f"the cache's block_size {block_size} must be a power of two")
+    if heads % kv_heads or dim % 2:
+        raise ValueError(f"num_heads {heads} must be a multiple of num_kv_heads {kv_heads}, head_dim {dim} even")
+    for name, table in (("cos_cache", cos_cache), ("sin_cache", sin_cache)):
+        if (table.dim() != 2 or table.shape[1] != dim // 2 or table.stride(1) != 1 or table.device != x.device
+                or table.dtype not in (torch.float32, x.dtype)):  # fmt: skip
+            raise ValueError(f"{name} must be [max_positions, head_dim / 2 = {dim // 2}] with contiguous rows, "
+                             f"float32 or {x.dtype}, on {x.device}; got {tuple(table.shape)} "
+                             f"{table.dtype}")  # fmt: skip
+    if sin_cache.shape != cos_cache.shape or sin_cache.dtype != cos_cache.dtype:
+        raise ValueError("sin_cache must match cos_cache's shape and dtype")
     for name, t, dtype in (("positions", positions, torch.int64), ("slot_mapping", slot_mapping, torch.int64),
                            ("seq_lens", seq_lens, torch.int32)):  # fmt: skip
         if t.shape != (rows,) or t.dtype != dtype or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous [{rows}] {dtype}; got {tuple(t.shape)} {t.dtype}")
-    if block_tables.dim() != 2 or block_tables.shape[0] < rows or block_tables.dtype != torch.int32:
-        raise ValueError(f"block_tables must be int32 [>= {rows}, max_blocks]; got {tuple(block_tables.shape)} "
-                         f"{block_tables.dtype}")  # fmt: skip
+    if (block_tables.dim() != 2 or block_tables.shape[0] < rows or block_tables.dtype != torch.int32
+            or block_tables.stride(1) != 1):  # fmt: skip
+        raise ValueError(f"block_tables must be int32 [>= {rows}, max_blocks] with contiguous rows; got "
+                         f"{tuple(block_tables.shape)} {block_tables.dtype}, strides "
+                         f"{block_tables.stride()}")  # fmt: skip
 
 
 def decode_layer(
@@ -122,18 +139,31 @@ def decode_layer(
     config: DecodeLayerConfig | None = None,
     phases: bool = False,  # one launch a phase, no barrier (the interpreter's tests)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (the MLP's output, the residual stream before it), each [R, hidden]
-    """decode_layer_ref's results in one launch; the caches get this step's keys and values."""
-    _check(x, residual, w, k_cache, v_cache, positions, slot_mapping, block_tables, seq_lens, scratch)
+    """decode_layer_ref's results in one launch; the caches get this step's keys and values.
+
+    Launches that share a scratch must run one after another (one stream): they share its barrier. The one
+    launch waits at its barriers for all its programs, which must all be resident at once: at most one per SM,
+    and no other kernel may hold SMs indefinitely meanwhile (no persistent kernel on another stream, no MPS
+    limit below the SM count). Values in device memory are not range-checked (a host sync would stall the
+    step): positions within the rotary tables, each row's seq_len within its block table's width, slots
+    within the cache; a padding row's position too (its rotary values are read, then unused)."""
+    _check(x, residual, w, k_cache, v_cache, positions, cos_cache, sin_cache, slot_mapping, block_tables, seq_lens,
+           scratch)  # fmt: skip
     rows, hidden = x.shape
     sms = _num_sms(x.device)
     programs = sms if programs is None else programs
-    if not 1 <= programs <= sms and not phases:
+    if not 1 <= programs <= (sms if not phases else 4 * sms):
         raise ValueError(f"programs={programs} must be in [1, {sms}]: every program waits for the others")
     if num_splits is None:
         num_splits = max(1, min(MAX_SPLITS, programs // (rows * w.num_kv_heads)))
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits={num_splits} must be in [1, {MAX_SPLITS}]")
-    config = config or plan_config(w, rows, programs)
+    if config is None:
+        config = plan_config(w, rows, programs)
+    else:
+        check_config(config, w, rows)
+    if config.prefetch and x.device.type != "cuda":
+        raise ValueError("config.prefetch asks L2 through PTX: CUDA only")
     out, h1 = torch.empty_like(x), torch.empty_like(x)
     s = scratch
     q_norm = w.input_norm if w.q_norm is None else w.q_norm  # never read without norms
@@ -142,7 +172,8 @@ def decode_layer(
         x, x if residual is None else residual, w.input_norm, w.qkv, q_norm, k_norm, w.o, w.post_norm, w.gate_up,
         w.down, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
         s.qkv, s.q, s.attn, s.act, s.acc, s.m, s.l_sum, s.tickets, s.barrier, out, h1,
-        rows, num_splits, w.eps, scale * math.log2(math.e), cos_cache.stride(0), block_tables.stride(0),
+        rows, num_splits, w.eps, scale * math.log2(math.e), cos_cache.stride(0), sin_cache.stride(0),
+        block_tables.stride(0),
         *k_cache.stride()[:3], *v_cache.stride()[:3],
     )  # fmt: skip
     consts = launch_constants(w, hidden, rows, config, x.dtype, k_cache.shape[1], residual is not None)

@@ -1,5 +1,5 @@
 """A whole Llama/Qwen3 decoder layer for a few decode rows in one persistent launch (`decode_layer.py` launches
-it; `decode_layer_ref.py` is its specification). One program per SM walks five phases, each a loop over its
+it; `decode_layer_ref.py` is its specification). One program per SM walks six phases, each a loop over its
 share of the phase's work, separated by grid-wide barriers instead of kernel boundaries:
 
 1. h0 = x + residual, RMSNorm, the qkv projection           (tiles of qkv's output columns)
@@ -38,8 +38,10 @@ def _grid_barrier(bar_ptr, PHASE: tl.constexpr):
     Why the data is visible after it: each program's threads finish their stores before its one arrival (the
     CTA barrier, then a release at GPU scope, cumulative over them); the waiting thread's acquire of the new
     round orders its reads after every arrival, and the CTA barrier after it orders its siblings' reads after
-    that; the phases read each other's results with .cg loads (L2), never a line this SM's L1 kept. All
-    programs are resident at once (the launcher starts at most one per SM), so the wait cannot starve."""
+    that. The phases read each other's scratch with .cg loads (L2); the keys phase 2 stored are read in phase 3
+    with plain loads, which is sound too: no program read those lines earlier in the launch, so no L1 holds
+    them stale. All programs are resident at once (the launcher starts at most one per SM), so the wait
+    cannot starve."""
     if PHASE == ALL_PHASES:
         tl.debug_barrier()
         round_ = tl.atomic_add(bar_ptr + 1, 0, sem="acquire", scope="gpu")  # read before this arrival
@@ -148,7 +150,8 @@ def _store_rows(ptr, N, offs_r, rows, offs_n, value):
 @triton.jit
 def _qk_item(
     item, qkv_ptr, q_ptr, attn_ptr, pos_ptr, cos_ptr, sin_ptr, q_w_ptr, k_w_ptr, k_cache_ptr, v_cache_ptr,
-    slot_ptr, seq_lens_ptr, eps, stride_cos, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    slot_ptr, seq_lens_ptr, eps, stride_cos, stride_sin, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+    stride_vh,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_QK_NORM: tl.constexpr,
 ):  # fmt: skip
@@ -176,7 +179,7 @@ def _qk_item(
         x1, x2 = _norm_halves(x1, x2, w1, w2, eps, HEAD_DIM, False)
     pos = tl.load(pos_ptr + row)
     cos = tl.load(cos_ptr + pos * stride_cos + offs_d, mask=d_mask, other=0.0).to(dtype).to(tl.float32)
-    sin = tl.load(sin_ptr + pos * stride_cos + offs_d, mask=d_mask, other=0.0).to(dtype).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * stride_sin + offs_d, mask=d_mask, other=0.0).to(dtype).to(tl.float32)
     x1, x2 = _rotate(x1, x2, cos, sin)
     q_dst = q_ptr + (row * NUM_HEADS + kv_head * GROUP + rows)[:, None] * HEAD_DIM + offs_d
     tl.store(q_dst, x1, mask=is_q & d_mask)
@@ -256,7 +259,7 @@ def _decode_layer_kernel(
     down_w_ptr, pos_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, bt_ptr, seq_lens_ptr,
     qkv_ptr, q_ptr, attn_ptr, act_ptr, acc_ptr, m_ptr, l_ptr, tickets_ptr, bar_ptr,  # scratch
     out_ptr, h1_ptr,  # the layer's results: the MLP's output and the residual stream before it
-    rows, num_splits, eps, qk_scale, stride_cos, stride_bt,
+    rows, num_splits, eps, qk_scale, stride_cos, stride_sin, stride_bt,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     HIDDEN: tl.constexpr, INTER: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_QK_NORM: tl.constexpr,
@@ -289,8 +292,9 @@ def _decode_layer_kernel(
         for item in range(pid, rows * NUM_KV_HEADS, programs):
             _qk_item(
                 item, qkv_ptr, q_ptr, attn_ptr, pos_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr,
-                v_cache_ptr, slot_ptr, seq_lens_ptr, eps, stride_cos, stride_kb, stride_kt, stride_kh, stride_vb,
-                stride_vt, stride_vh, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_Q, BLOCK_HALF, HAS_QK_NORM,
+                v_cache_ptr, slot_ptr, seq_lens_ptr, eps, stride_cos, stride_sin, stride_kb, stride_kt, stride_kh,
+                stride_vb, stride_vt, stride_vh, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_Q, BLOCK_HALF,
+                HAS_QK_NORM,
             )  # fmt: skip
     _grid_barrier(bar_ptr, PHASE)
     if PHASE == ALL_PHASES or PHASE == 3:

@@ -54,20 +54,45 @@ def plan_config(
     def tile(n: int, k: int, pair: int = 1) -> tuple[int, int]:
         fits = [bn for bn in (128, 64, 32, 16, 8) if bn >= smallest and n % bn == 0]
         if not fits:
-            raise ValueError(f"a projection of {n} outputs is not a multiple of {smallest}")
+            raise ValueError(f"a projection of {n} outputs (K={k}) is not a multiple of {smallest} at {rows} rows")
         bn = min(fits, key=lambda bn: (-(-(n // bn) // programs) * bn, -bn))
         cap = max(16, step_bytes // (itemsize * bn * pair))
         if rows > 1:
             cap = min(cap, 256)  # the dot holds the rows' [16, BK] activations in registers too
         bk = 1 << min(cap.bit_length() - 1, (k & -k).bit_length() - 1)  # the largest power of two dividing k
         if bk < 16:
-            raise ValueError(f"K={k} needs a power-of-two factor of 16 or more")
+            raise ValueError(f"a projection of K={k} ({n} outputs) needs a power-of-two factor of 16 or more")
         return bn, bk
 
     (bn_qkv, bk_qkv), (bn_o, bk_o) = tile(w.qkv.shape[0], hidden), tile(hidden, w.num_heads * w.head_dim)
     (bn_gu, bk_gu), (bn_down, bk_down) = tile(inter, hidden, 2), tile(hidden, inter)
     return DecodeLayerConfig(bn_qkv, bk_qkv, bn_o, bk_o, bn_gu, bk_gu, bn_down, bk_down, num_warps=num_warps,
                              stages=stages, prefetch=prefetch)  # fmt: skip
+
+
+def layout_of(w: DecodeLayerWeights) -> tuple[object, ...]:
+    """What a scratch's sizes depend on: hidden, intermediate, heads, KV heads, head_dim, dtype, device."""
+    return (w.input_norm.shape[0], w.down.shape[1], w.num_heads, w.num_kv_heads, w.head_dim, w.qkv.dtype,
+            w.qkv.device)  # fmt: skip
+
+
+def check_config(config: DecodeLayerConfig, w: DecodeLayerWeights, rows: int) -> None:
+    """Raises ValueError naming the projection whose tile does not fit: output columns dividing N (16 or more
+    with several rows: the dot's), a power-of-two K step of 16 or more dividing K."""
+    hidden, inter = w.input_norm.shape[0], w.down.shape[1]
+    tiles = {
+        "qkv": (config.bn_qkv, config.bk_qkv, w.qkv.shape[0], hidden),
+        "o": (config.bn_o, config.bk_o, hidden, w.num_heads * w.head_dim),
+        "gate_up": (config.bn_gate_up, config.bk_gate_up, inter, hidden),
+        "down": (config.bn_down, config.bk_down, hidden, inter),
+    }
+    for name, (bn, bk, n, k) in tiles.items():
+        pow2 = bn & (bn - 1) == 0 and bk & (bk - 1) == 0
+        if not pow2 or n % bn or k % bk or bk < 16 or bn < (16 if rows > 1 else 1):
+            raise ValueError(
+                f"config's {name} tile ({bn} outputs, K step {bk}) does not fit its {n} outputs of K={k} "
+                f"at {rows} rows (powers of two dividing them; K step >= 16; >= 16 outputs at 2+ rows)"
+            )
 
 
 class DecodeLayerScratch:
@@ -79,6 +104,7 @@ class DecodeLayerScratch:
             raise ValueError(f"max_rows={max_rows} must be in [1, {MAX_ROWS}]")
         dtype, heads, dim = w.qkv.dtype, w.num_heads, w.head_dim
         self.max_rows = max_rows
+        self.layout = layout_of(w)  # the layers it serves: their launches index these buffers by those sizes
         self.qkv = torch.empty(max_rows, w.qkv.shape[0], dtype=dtype, device=device)
         self.q = torch.empty(max_rows, heads, dim, dtype=dtype, device=device)
         self.attn = torch.empty(max_rows, heads * dim, dtype=dtype, device=device)

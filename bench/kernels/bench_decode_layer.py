@@ -71,7 +71,10 @@ def run(shape: str, rows: int, context: int, variant: str) -> dict:
     seq_lens = torch.full((rows,), context, dtype=torch.int32, device="cuda")
     scratch = dl.DecodeLayerScratch(cases[0].w, rows, torch.device("cuda"))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    warps, stages, step_kib, prefetch = (int(v) for v in (variant + ":0").split(":")[:4])
+    fields = [int(v) for v in variant.split(":")]
+    if len(fields) not in (3, 4):
+        raise SystemExit(f"--variants {variant!r}: expected warps:stages:KiB[:prefetch], e.g. 4:1:32 or 4:1:32:1")
+    warps, stages, step_kib, prefetch = (*fields, 0)[:4]
     config = dl.plan_config(cases[0].w, rows, sms, step_kib << 10, warps, stages, bool(prefetch))
     c = cases[0]
     k_ref, v_ref = c.k_cache.clone(), c.v_cache.clone()

@@ -20,21 +20,34 @@ def dl():
     return import_kernel("decode_layer")
 
 
-def run_both(dl, case: LayerCase, **launch) -> None:
-    """decode_layer and the reference on their own copies of the caches; outputs, residual and caches agree."""
+def guarded(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(buffer, view): the cache between a block of NaN on either side, which no store may touch."""
+    guard = torch.full_like(cache[:1], float("nan"))
+    buf = torch.cat([guard, cache, guard])
+    return buf, buf[1:-1]
+
+
+def run_both(dl, case: LayerCase, cache_tol: float | None = None, **launch) -> None:
+    """decode_layer and the reference on their own copies of the caches; outputs, residual and caches agree
+    (caches within `cache_tol`, default the dtype's tolerance), and nothing is stored outside the caches."""
     ref_k, ref_v = case.k_cache.clone(), case.v_cache.clone()
     out_ref, h1_ref = dl.decode_layer_ref(*case.with_caches(ref_k, ref_v).args()[:-1], case.seq_lens, 0.25)
     scratch = dl.DecodeLayerScratch(case.w, max(len(case.seq_lens), launch.pop("max_rows", 1)), case.x.device)
     for call in range(2):  # twice: the tickets and the barrier are left ready for the next launch
-        k, v = case.k_cache.clone(), case.v_cache.clone()
+        (k_buf, k), (v_buf, v) = guarded(case.k_cache), guarded(case.v_cache)
+        round_before = int(scratch.barrier[1])
         out, h1 = dl.decode_layer(*case.with_caches(k, v).args(), 0.25, scratch, **launch)
+        if not launch.get("phases"):  # five barriers, each one round
+            assert int(scratch.barrier[1]) == round_before + 5, "a barrier was skipped or passed twice"
+        assert k_buf[0].isnan().all() and k_buf[-1].isnan().all() and v_buf[0].isnan().all() and v_buf[-1].isnan().all()
         live = [i for i, n in enumerate(case.seq_lens) if n > 0]
         tol = TOLERANCE[case.x.dtype]
         for name, got, want in (("h1", h1, h1_ref), ("out", out, out_ref)):
             msg = f"call {call} {name}"
             torch.testing.assert_close(got[live], want[live], atol=tol, rtol=tol, msg=lambda m, msg=msg: f"{msg}: {m}")
-        torch.testing.assert_close(k, ref_k, atol=tol, rtol=tol)
-        torch.testing.assert_close(v, ref_v, atol=tol, rtol=tol)
+        ctol = tol if cache_tol is None else cache_tol
+        torch.testing.assert_close(k, ref_k, atol=ctol, rtol=ctol)
+        torch.testing.assert_close(v, ref_v, atol=ctol, rtol=ctol)
         assert not scratch.tickets.any(), "a merge left its ticket counter set"
         assert int(scratch.barrier[0]) == 0, "the barrier left arrivals counted"
 
@@ -57,6 +70,13 @@ def test_padding_rows_store_nothing(dl) -> None:
     run_both(dl, make_case([0, 33, 0], **SHAPE, seed=3), programs=2, num_splits=2, phases=True, max_rows=4)
 
 
+def test_float16_rounds_where_the_separate_kernels_do(dl) -> None:
+    """In float32 every rounding to the activations' dtype is a no-op; in float16 the new keys and values (norms,
+    rotary: each product rounded) must be the reference's to the bit."""
+    case = make_case([21, 40], **SHAPE, dtype=torch.float16, seed=4)
+    run_both(dl, case, cache_tol=0.0, programs=2, num_splits=2, phases=True)
+
+
 def test_bad_inputs_are_refused(dl) -> None:
     case = make_case([5, 6], **SHAPE)
     scratch = dl.DecodeLayerScratch(case.w, 1, case.x.device)
@@ -71,6 +91,22 @@ def test_bad_inputs_are_refused(dl) -> None:
         dl.decode_layer(*bad.args(), 0.25, scratch)
     with pytest.raises(ValueError, match="max_rows"):
         dl.DecodeLayerScratch(case.w, 17, case.x.device)
+    other = make_case([5, 6], **{**SHAPE, "inter": 32})
+    with pytest.raises(ValueError, match="scratch was made for"):
+        dl.decode_layer(*other.args(), 0.25, scratch)
+    args = list(case.args())
+    args[7] = args[7][:, :4]  # sin_cache of half the width
+    with pytest.raises(ValueError, match="sin_cache"):
+        dl.decode_layer(*args, 0.25, scratch)
+    args = list(case.args())
+    args[9] = torch.cat([args[9], args[9]], dim=1)[:, ::2]  # the same values, columns strided
+    with pytest.raises(ValueError, match="block_tables"):
+        dl.decode_layer(*args, 0.25, scratch)
+    config = dl.plan_config(case.w, 2, 1)
+    with pytest.raises(ValueError, match="config's o tile"):
+        dl.decode_layer(*case.args(), 0.25, scratch, config=dl.DecodeLayerConfig(**{**vars(config), "bn_o": 128}))
+    with pytest.raises(ValueError, match="CUDA only"):
+        dl.decode_layer(*case.args(), 0.25, scratch, config=dl.DecodeLayerConfig(**{**vars(config), "prefetch": True}))
 
 
 @pytest.mark.slow
