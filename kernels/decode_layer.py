@@ -46,7 +46,7 @@ def launch_constants(
         HEAD_DIM=w.head_dim, BLOCK_SIZE=block_size, HAS_RESIDUAL=residual, HAS_QK_NORM=w.q_norm is not None,
         BLOCK_R=block_r, BN_QKV=config.bn_qkv, BN_O=config.bn_o, BN_GU=config.bn_gate_up, BN_DOWN=config.bn_down,
         BK_QKV=config.bk_qkv, BK_O=config.bk_o, BK_GU=config.bk_gate_up, BK_DOWN=config.bk_down,
-        BLOCK_Q=_pow2(group + 1, 2), BLOCK_HALF=_pow2(w.head_dim // 2, 2), BLOCK_G=_pow2(group),
+        BLOCK_G=_pow2(group),
         BLOCK_D=_pow2(w.head_dim), BLOCK_N=config.block_n, BLOCK_S=MAX_SPLITS,
         RMS_CHUNK=math.gcd(hidden, max(16, 2048 // block_r)),
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32", STAGES=config.stages, PREFETCH=config.prefetch,
@@ -171,7 +171,7 @@ def decode_layer(
     args = (
         x, x if residual is None else residual, w.input_norm, w.qkv, q_norm, k_norm, w.o, w.post_norm, w.gate_up,
         w.down, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
-        s.qkv, s.q, s.attn, s.act, s.acc, s.m, s.l_sum, s.tickets, s.barrier, out, h1,
+        s.qkv, s.attn, s.act, s.acc, s.m, s.l_sum, s.tickets, s.barrier, out, h1,
         rows, num_splits, w.eps, scale * math.log2(math.e), cos_cache.stride(0), sin_cache.stride(0),
         block_tables.stride(0),
         *k_cache.stride()[:3], *v_cache.stride()[:3],

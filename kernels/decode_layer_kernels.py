@@ -1,13 +1,14 @@
 """A whole Llama/Qwen3 decoder layer for a few decode rows in one persistent launch (`decode_layer.py` launches
-it; `decode_layer_ref.py` is its specification). One program per SM walks six phases, each a loop over its
+it; `decode_layer_ref.py` is its specification). One program per SM walks five phases, each a loop over its
 share of the phase's work, separated by grid-wide barriers instead of kernel boundaries:
 
 1. h0 = x + residual, RMSNorm, the qkv projection           (tiles of qkv's output columns)
-2. per-head q/k RMSNorm, rotary, the new key/value stored   (one item per row and KV head)
-3. paged attention, KV split; the last split merges          (row, KV head, split)
-4. o_proj, h1 = o + h0 (the returned residual)              (tiles of hidden columns)
-5. RMSNorm(h1), gate/up, silu(gate) * up                    (tiles of intermediate columns, gate and up paired)
-6. down_proj (the returned output)                          (tiles of hidden columns)
+2. q/k RMSNorm, rotary, the new key and value stored by the
+   split holding the last key, paged attention; the last
+   split to finish merges                                    (row, KV head, split)
+3. o_proj, h1 = o + h0 (the returned residual)              (tiles of hidden columns)
+4. RMSNorm(h1), gate/up, silu(gate) * up                    (tiles of intermediate columns, gate and up paired)
+5. down_proj (the returned output)                          (tiles of hidden columns)
 
 Every intermediate is rounded to the activations' dtype where the model's separate kernels round it, so the
 layer computes what they compute (sums in float32, in another order). Device code only; knows the weights'
@@ -21,12 +22,11 @@ import triton.language as tl
 
 from .paged_attention_fold import _fold_is_last, _fold_merge
 from .paged_attention_kernels import _attend_paged
-from .qk_norm_rope_kv import _norm_halves, _rotate
 
 ALL_PHASES = tl.constexpr(0)  # PHASE: every phase, barriers between them (the GPU's launch)
-# PHASE 1..6: that phase alone, no barrier: the interpreter runs programs one after another, so a barrier
+# PHASE 1..5: that phase alone, no barrier: the interpreter runs programs one after another, so a barrier
 # that waits for the others would never return there; its tests launch the phases one by one instead.
-LAST_PHASE = 6
+LAST_PHASE = 5
 
 
 @triton.jit
@@ -38,10 +38,9 @@ def _grid_barrier(bar_ptr, PHASE: tl.constexpr):
     Why the data is visible after it: each program's threads finish their stores before its one arrival (the
     CTA barrier, then a release at GPU scope, cumulative over them); the waiting thread's acquire of the new
     round orders its reads after every arrival, and the CTA barrier after it orders its siblings' reads after
-    that. The phases read each other's scratch with .cg loads (L2); the keys phase 2 stored are read in phase 3
-    with plain loads, which is sound too: no program read those lines earlier in the launch, so no L1 holds
-    them stale. All programs are resident at once (the launcher starts at most one per SM), so the wait
-    cannot starve."""
+    that. The phases read each other's scratch with .cg loads (L2); a new key is stored and read back within
+    one program (a CTA barrier between). All programs are resident at once (the launcher starts at most one
+    per SM), so the wait cannot starve."""
     if PHASE == ALL_PHASES:
         tl.debug_barrier()
         round_ = tl.atomic_add(bar_ptr + 1, 0, sem="acquire", scope="gpu")  # read before this arrival
@@ -148,73 +147,56 @@ def _store_rows(ptr, N, offs_r, rows, offs_n, value):
 
 
 @triton.jit
-def _qk_item(
-    item, qkv_ptr, q_ptr, attn_ptr, pos_ptr, cos_ptr, sin_ptr, q_w_ptr, k_w_ptr, k_cache_ptr, v_cache_ptr,
-    slot_ptr, seq_lens_ptr, eps, stride_cos, stride_sin, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
-    stride_vh,
-    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_QK_NORM: tl.constexpr,
+def _head_rope(
+    src, heads, h_mask, w_ptr, cos_row, sin_row, eps,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr,
 ):  # fmt: skip
-    """Phase 2 for one (row, KV head): its query heads and key normed and rotated together (qk_norm_rope_kv.py's
-    arithmetic), the queries to q [R, H, D], key and value into the cache at the row's slot (-1: none). A padding
-    row (seq_len 0) zeroes its attention output instead, which no split writes."""
-    GROUP: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
-    QKV: tl.constexpr = (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
+    """[BH, BLOCK_D] in the activations' dtype: heads `heads` (masked by h_mask) of a packed qkv row at `src`,
+    each RMSNormed over D with `w_ptr` (HAS_NORM) and rotated rotate-half style, rounded as qk_norm_rope_kv.py
+    rounds (normed rounded, times the weight rounded; each rotary product rounded, then their sum). Whole-head
+    layout: column d pairs with its partner d +- D/2, loaded beside it, so the result feeds attention as is."""
     HALF: tl.constexpr = HEAD_DIM // 2
-    row, kv_head = item // NUM_KV_HEADS, item % NUM_KV_HEADS
-    rows = tl.arange(0, BLOCK_Q)
-    offs_d = tl.arange(0, BLOCK_HALF)[None, :]
-    d_mask = offs_d < HALF
-    is_q, is_k = (rows < GROUP)[:, None], (rows == GROUP)[:, None]
-    src_head = tl.where(rows < GROUP, kv_head * GROUP + rows, NUM_HEADS + kv_head)[:, None]
-    src = qkv_ptr + row * QKV + src_head * HEAD_DIM + offs_d
-    mask = (is_q | is_k) & d_mask
-    x1 = tl.load(src, mask=mask, other=0.0, cache_modifier=".cg")
-    x2 = tl.load(src + HALF, mask=mask, other=0.0, cache_modifier=".cg")
-    dtype = x1.dtype
-    if HAS_QK_NORM:
-        q_w1, q_w2 = tl.load(q_w_ptr + offs_d, mask=d_mask, other=0.0), tl.load(q_w_ptr + HALF + offs_d, mask=d_mask)
-        k_w1, k_w2 = tl.load(k_w_ptr + offs_d, mask=d_mask, other=0.0), tl.load(k_w_ptr + HALF + offs_d, mask=d_mask)
-        w1, w2 = tl.where(is_q, q_w1, k_w1).to(tl.float32), tl.where(is_q, q_w2, k_w2).to(tl.float32)
-        x1, x2 = _norm_halves(x1, x2, w1, w2, eps, HEAD_DIM, False)
-    pos = tl.load(pos_ptr + row)
-    cos = tl.load(cos_ptr + pos * stride_cos + offs_d, mask=d_mask, other=0.0).to(dtype).to(tl.float32)
-    sin = tl.load(sin_ptr + pos * stride_sin + offs_d, mask=d_mask, other=0.0).to(dtype).to(tl.float32)
-    x1, x2 = _rotate(x1, x2, cos, sin)
-    q_dst = q_ptr + (row * NUM_HEADS + kv_head * GROUP + rows)[:, None] * HEAD_DIM + offs_d
-    tl.store(q_dst, x1, mask=is_q & d_mask)
-    tl.store(q_dst + HALF, x2, mask=is_q & d_mask)
-    slot = tl.load(slot_ptr + row).to(tl.int64)
-    keep = (offs_d * 0 + slot) >= 0
-    block, block_row = slot // BLOCK_SIZE, slot % BLOCK_SIZE
-    k_dst = k_cache_ptr + block * stride_kb + block_row * stride_kt + kv_head * stride_kh + offs_d
-    k_dst = tl.broadcast_to(k_dst, (BLOCK_Q, BLOCK_HALF))
-    tl.store(k_dst, x1, mask=is_k & d_mask & keep)
-    tl.store(k_dst + HALF, x2, mask=is_k & d_mask & keep)
-    v_src = qkv_ptr + row * QKV + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM + offs_d
-    v_dst = v_cache_ptr + block * stride_vb + block_row * stride_vt + kv_head * stride_vh + offs_d
-    v1 = tl.load(v_src, mask=d_mask, other=0.0, cache_modifier=".cg")
-    v2 = tl.load(v_src + HALF, mask=d_mask, other=0.0, cache_modifier=".cg")
-    tl.store(v_dst, v1, mask=d_mask & keep)
-    tl.store(v_dst + HALF, v2, mask=d_mask & keep)
-    padding = (offs_d * 0 + tl.load(seq_lens_ptr + row)) <= 0
-    a_dst = attn_ptr + (row * NUM_HEADS + kv_head * GROUP + rows)[:, None] * HEAD_DIM + offs_d
-    zero = tl.zeros((BLOCK_Q, BLOCK_HALF), dtype=dtype)
-    tl.store(a_dst, zero, mask=is_q & d_mask & padding)
-    tl.store(a_dst + HALF, zero, mask=is_q & d_mask & padding)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    first = d < HALF
+    partner = tl.where(first, d + HALF, d - HALF)
+    mask = h_mask[:, None] & d_mask[None, :]
+    base = src + heads[:, None] * HEAD_DIM
+    xa = tl.load(base + d[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+    xb = tl.load(base + partner[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+    dtype = xa.dtype
+    if HAS_NORM:
+        fa, fb = xa.to(tl.float32), xb.to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(fa * fa, axis=1) / HEAD_DIM + eps)[:, None]
+        wa = tl.load(w_ptr + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        wb = tl.load(w_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        xa = (wa * (fa * rstd).to(dtype).to(tl.float32)).to(dtype)
+        xb = (wb * (fb * rstd).to(dtype).to(tl.float32)).to(dtype)
+    col = tl.where(first, d, d - HALF)  # the tables' column: [max_positions, D / 2]
+    cos = tl.load(cos_row + col, mask=d_mask, other=0.0).to(dtype).to(tl.float32)[None, :]
+    sin = tl.load(sin_row + col, mask=d_mask, other=0.0).to(dtype).to(tl.float32)[None, :]
+    a = (xa.to(tl.float32) * cos).to(dtype).to(tl.float32)
+    b = (xb.to(tl.float32) * sin).to(dtype).to(tl.float32)
+    return tl.where(first[None, :], a - b, a + b).to(dtype)  # x1 c - x2 s | x2 c + x1 s
 
 
 @triton.jit
 def _attention_item(
-    item, num_splits, q_ptr, attn_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, acc_ptr, m_ptr, l_ptr,
-    tickets_ptr, qk_scale, stride_bt, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    item, num_splits, qkv_ptr, attn_ptr, pos_ptr, cos_ptr, sin_ptr, q_w_ptr, k_w_ptr, k_cache_ptr, v_cache_ptr,
+    slot_ptr, bt_ptr, seq_lens_ptr, acc_ptr, m_ptr, l_ptr, tickets_ptr, eps, qk_scale, stride_cos, stride_sin,
+    stride_bt, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    HAS_QK_NORM: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Phase 3 for one (row, KV head, split): the decode split kernel's arithmetic with its folded reduce
-    (paged_attention_kernels.py, paged_attention_fold.py); partials [R, H, S(, D)], a ticket per (row, KV head)."""
+    """Phase 2 for one (row, KV head, split): its query heads normed and rotated from the packed qkv (each split
+    redoes it: a few hundred values), then the decode split kernel's arithmetic with its folded reduce
+    (paged_attention_kernels.py, paged_attention_fold.py); partials [R, H, S(, D)], a ticket per (row, KV head).
+    The split holding the row's last key is the one that stores the new key and value (slot -1: none), before
+    its own threads read them back (a CTA barrier between): no other split reads that key, so no other program
+    waits for it. A padding row (seq_len 0) has no split: its split 0 zeroes its heads' output."""
     GROUP: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
+    QKV: tl.constexpr = (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
     split = item % num_splits
     kv_head = (item // num_splits) % NUM_KV_HEADS
     row = item // (num_splits * NUM_KV_HEADS)
@@ -222,15 +204,32 @@ def _attention_item(
     tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
-    if start < end:  # splits past the sequence's end (and padding rows) hold no keys: they take no part
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_g
+    qd = (row * NUM_HEADS + heads)[:, None] * HEAD_DIM + offs_d[None, :]
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    if start < end:  # splits past the sequence's end hold no keys: they take no part
         live = tl.cdiv(seq_len, tokens_per_split)
-        offs_g = tl.arange(0, BLOCK_G)
-        offs_d = tl.arange(0, BLOCK_D)
-        g_mask = offs_g < GROUP
-        d_mask = offs_d < HEAD_DIM
-        heads = kv_head * GROUP + offs_g
-        qd = (row * NUM_HEADS + heads)[:, None] * HEAD_DIM + offs_d[None, :]
-        q = tl.load(q_ptr + qd, mask=g_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
+        src = qkv_ptr + row.to(tl.int64) * QKV
+        pos = tl.load(pos_ptr + row)
+        cos_row, sin_row = cos_ptr + pos * stride_cos, sin_ptr + pos * stride_sin
+        q = _head_rope(src, heads, g_mask, q_w_ptr, cos_row, sin_row, eps, HEAD_DIM, BLOCK_D, HAS_QK_NORM)
+        slot = tl.load(slot_ptr + row).to(tl.int64)
+        if split == live - 1 and slot >= 0:  # the new key and value, where this row has a slot
+            first = offs_g < 1
+            k = _head_rope(src, NUM_HEADS + kv_head + offs_g * 0, first, k_w_ptr, cos_row, sin_row, eps, HEAD_DIM,
+                           BLOCK_D, HAS_QK_NORM)  # fmt: skip  # row 0 only
+            block, block_row = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+            k_dst = k_cache_ptr + block * stride_kb + block_row * stride_kt + kv_head * stride_kh
+            tl.store(k_dst + offs_g[:, None] * 0 + offs_d[None, :], k, mask=first[:, None] & d_mask[None, :])
+            v_src = src + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM + offs_d
+            v = tl.load(v_src, mask=d_mask, other=0.0, cache_modifier=".cg")
+            v_dst = v_cache_ptr + block * stride_vb + block_row * stride_vt + kv_head * stride_vh + offs_d
+            tl.store(v_dst, v, mask=d_mask)
+        tl.debug_barrier()  # the new key and value stored before any thread of this program reads them
         m_i, l_i, acc = _attend_paged(
             q, qk_scale, bt_ptr + row.to(tl.int64) * stride_bt, start, end, kv_head, k_cache_ptr, v_cache_ptr,
             k_cache_ptr, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
@@ -238,34 +237,35 @@ def _attention_item(
         )  # fmt: skip
         dst = attn_ptr + qd
         if live == 1:
-            tl.store(dst, (acc / l_i[:, None]).to(attn_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+            tl.store(dst, (acc / l_i[:, None]).to(attn_ptr.dtype.element_ty), mask=out_mask)
         else:
             part0 = (row * NUM_HEADS + heads) * num_splits
             part = part0 + split
             tl.store(m_ptr + part, m_i, mask=g_mask)
             tl.store(l_ptr + part, l_i, mask=g_mask)
-            tl.store(acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :])
+            tl.store(acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
             ticket = tickets_ptr + row * NUM_KV_HEADS + kv_head
             if _fold_is_last(ticket, live):
                 _fold_merge(
                     dst, ticket, acc_ptr, m_ptr, l_ptr, part0, live, offs_d, g_mask, d_mask,
                     HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_S,
                 )  # fmt: skip
+    elif seq_len <= 0 and split == 0:  # a padding row: its output zeroed, as no split writes it
+        tl.store(attn_ptr + qd, tl.zeros((BLOCK_G, BLOCK_D), dtype=attn_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit(do_not_specialize=["rows", "num_splits", "eps", "qk_scale"])
 def _decode_layer_kernel(
     x_ptr, res_ptr, in_norm_ptr, qkv_w_ptr, q_norm_ptr, k_norm_ptr, o_w_ptr, post_norm_ptr, gate_up_w_ptr,
     down_w_ptr, pos_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, bt_ptr, seq_lens_ptr,
-    qkv_ptr, q_ptr, attn_ptr, act_ptr, acc_ptr, m_ptr, l_ptr, tickets_ptr, bar_ptr,  # scratch
+    qkv_ptr, attn_ptr, act_ptr, acc_ptr, m_ptr, l_ptr, tickets_ptr, bar_ptr,  # scratch
     out_ptr, h1_ptr,  # the layer's results: the MLP's output and the residual stream before it
     rows, num_splits, eps, qk_scale, stride_cos, stride_sin, stride_bt,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     HIDDEN: tl.constexpr, INTER: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_QK_NORM: tl.constexpr,
     BLOCK_R: tl.constexpr, BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_DOWN: tl.constexpr,
-    BK_QKV: tl.constexpr, BK_O: tl.constexpr, BK_GU: tl.constexpr, BK_DOWN: tl.constexpr, BLOCK_Q: tl.constexpr,
-    BLOCK_HALF: tl.constexpr, BLOCK_G: tl.constexpr,
+    BK_QKV: tl.constexpr, BK_O: tl.constexpr, BK_GU: tl.constexpr, BK_DOWN: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, RMS_CHUNK: tl.constexpr,
     DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr, PHASE: tl.constexpr,
 ):  # fmt: skip
@@ -289,24 +289,16 @@ def _decode_layer_kernel(
             _store_rows(qkv_ptr, QKV, offs_r, rows, tile * BN_QKV + tl.arange(0, BN_QKV), acc)
     _grid_barrier(bar_ptr, PHASE)
     if PHASE == ALL_PHASES or PHASE == 2:
-        for item in range(pid, rows * NUM_KV_HEADS, programs):
-            _qk_item(
-                item, qkv_ptr, q_ptr, attn_ptr, pos_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr,
-                v_cache_ptr, slot_ptr, seq_lens_ptr, eps, stride_cos, stride_sin, stride_kb, stride_kt, stride_kh,
-                stride_vb, stride_vt, stride_vh, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_Q, BLOCK_HALF,
-                HAS_QK_NORM,
-            )  # fmt: skip
-    _grid_barrier(bar_ptr, PHASE)
-    if PHASE == ALL_PHASES or PHASE == 3:
         for item in range(pid, rows * NUM_KV_HEADS * num_splits, programs):
             _attention_item(
-                item, num_splits, q_ptr, attn_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, acc_ptr, m_ptr,
-                l_ptr, tickets_ptr, qk_scale, stride_bt, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
-                stride_vh, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_G, BLOCK_D, BLOCK_N, BLOCK_S,
+                item, num_splits, qkv_ptr, attn_ptr, pos_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr,
+                v_cache_ptr, slot_ptr, bt_ptr, seq_lens_ptr, acc_ptr, m_ptr, l_ptr, tickets_ptr, eps, qk_scale,
+                stride_cos, stride_sin, stride_bt, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_G, BLOCK_D, BLOCK_N, BLOCK_S, HAS_QK_NORM,
                 DOT_PRECISION,
             )  # fmt: skip
     _grid_barrier(bar_ptr, PHASE)
-    if PHASE == ALL_PHASES or PHASE == 4:
+    if PHASE == ALL_PHASES or PHASE == 3:
         for tile in range(pid, HIDDEN // BN_O, programs):
             offs_n = tile * BN_O + tl.arange(0, BN_O)
             o, _ = _gemv_tile(
@@ -317,7 +309,7 @@ def _decode_layer_kernel(
             h1 = (o.to(h0.dtype).to(tl.float32) + h0.to(tl.float32)).to(h0.dtype)  # torch's `o + h0`
             _store_rows(h1_ptr, HIDDEN, offs_r, rows, offs_n, h1)
     _grid_barrier(bar_ptr, PHASE)
-    if PHASE == ALL_PHASES or PHASE == 5:
+    if PHASE == ALL_PHASES or PHASE == 4:
         rms = _inv_rms(h1_ptr, h1_ptr, rows, offs_r, HIDDEN, eps, False, BLOCK_R, RMS_CHUNK)
         for tile in range(pid, INTER // BN_GU, programs):
             gate, up = _gemv_tile(
@@ -329,7 +321,7 @@ def _decode_layer_kernel(
             act = (tl.math.div_rn(g, 1.0 + tl.exp(-g)).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)).to(dtype)
             _store_rows(act_ptr, INTER, offs_r, rows, tile * BN_GU + tl.arange(0, BN_GU), act)
     _grid_barrier(bar_ptr, PHASE)
-    if PHASE == ALL_PHASES or PHASE == 6:
+    if PHASE == ALL_PHASES or PHASE == 5:
         for tile in range(pid, HIDDEN // BN_DOWN, programs):
             out, _ = _gemv_tile(
                 down_w_ptr, tile * BN_DOWN, 0, INTER, act_ptr, act_ptr, down_w_ptr, rows, offs_r, offs_r,

@@ -106,7 +106,6 @@ class DecodeLayerScratch:
         self.max_rows = max_rows
         self.layout = layout_of(w)  # the layers it serves: their launches index these buffers by those sizes
         self.qkv = torch.empty(max_rows, w.qkv.shape[0], dtype=dtype, device=device)
-        self.q = torch.empty(max_rows, heads, dim, dtype=dtype, device=device)
         self.attn = torch.empty(max_rows, heads * dim, dtype=dtype, device=device)
         self.act = torch.empty(max_rows, w.down.shape[1], dtype=dtype, device=device)
         self.acc = torch.empty(max_rows, heads, MAX_SPLITS, dim, dtype=torch.float32, device=device)

@@ -22,7 +22,7 @@ SHAPES = {  # hidden, heads, kv heads, head_dim, intermediate
     "Qwen3-8B": (4096, 32, 8, 128, 12288),
 }
 POINTERS = ("x_ptr", "res_ptr", "in_norm_ptr", "qkv_w_ptr", "q_norm_ptr", "k_norm_ptr", "o_w_ptr", "post_norm_ptr",
-            "gate_up_w_ptr", "down_w_ptr", "k_cache_ptr", "v_cache_ptr", "qkv_ptr", "q_ptr", "attn_ptr", "act_ptr",
+            "gate_up_w_ptr", "down_w_ptr", "k_cache_ptr", "v_cache_ptr", "qkv_ptr", "attn_ptr", "act_ptr",
             "out_ptr", "h1_ptr")  # fmt: skip
 INTS = ("rows", "num_splits", "stride_cos", "stride_sin", "stride_bt", "stride_kb", "stride_kt", "stride_kh",
         "stride_vb", "stride_vt", "stride_vh")  # fmt: skip
