@@ -45,12 +45,18 @@ class OneLaunchDecoder:
     """One layer's persistent launch, for the steps it takes; the scratch is shared by the layers of a model
     (they run one after another on one stream)."""
 
-    def __init__(self, spec: OneLaunchSpec, scratch: DecodeLayerScratch) -> None:
+    def __init__(self, spec: OneLaunchSpec, scratch: DecodeLayerScratch, programs: int, prefetch: bool) -> None:
         from asyncllm.kernels import decode_layer  # imports triton: only once a layer is switched on
 
         self._kernel = decode_layer
         self.spec = spec
         self.scratch = scratch
+        self.programs = programs
+        # Each row count's tiles, planned once (a launch would otherwise plan them again on the host).
+        self._configs = {
+            rows: plan_config(spec.weights, rows, programs, prefetch=prefetch)
+            for rows in range(1, scratch.max_rows + 1)
+        }
 
     def __call__(
         self,
@@ -73,13 +79,20 @@ class OneLaunchDecoder:
         return self._kernel.decode_layer(  # type: ignore[no-any-return]
             x, residual, self.spec.weights, k_cache, v_cache, rope.positions, rope.cos_cache, rope.sin_cache,
             meta.slot_mapping, meta.block_tables, meta.seq_lens[:rows], self.spec.scale, self.scratch,
+            programs=self.programs, config=self._configs[rows],
         )  # fmt: skip
 
 
 def use_one_launch_layers(model: nn.Module, device: torch.device, max_num_seqs: int) -> int:
     """Switch every `OneLaunchLayer` of `model` whose spec the kernel takes to its one launch for steps of up to
-    min(max_num_seqs, MAX_ROWS) rows; returns how many did. Layers of one shape share one scratch."""
+    min(max_num_seqs, MAX_ROWS) rows; returns how many did. Layers of one shape share one scratch. On CUDA a
+    layer whose weights fit in half the L2 asks for them at its launch's start (`DecodeLayerConfig.prefetch`):
+    the HBM streams them while the phases wait on each other."""
     max_rows = min(max_num_seqs, MAX_ROWS)
+    programs, l2_bytes = 1, 0
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        programs, l2_bytes = props.multi_processor_count, props.L2_cache_size
 
     scratches: dict[tuple[object, ...], DecodeLayerScratch] = {}
     count = 0
@@ -96,9 +109,14 @@ def use_one_launch_layers(model: nn.Module, device: torch.device, max_num_seqs: 
         key = (tuple(w.qkv.shape), tuple(w.down.shape), w.qkv.dtype, w.num_heads, w.num_kv_heads, w.head_dim)
         if key not in scratches:
             scratches[key] = DecodeLayerScratch(w, max_rows, device)
-        module.use_one_launch(OneLaunchDecoder(spec, scratches[key]))
+        prefetch = 0 < _weight_bytes(w) <= l2_bytes // 2
+        module.use_one_launch(OneLaunchDecoder(spec, scratches[key], programs, prefetch))
         count += 1
     return count
+
+
+def _weight_bytes(w: DecodeLayerWeights) -> int:
+    return sum(t.numel() * t.element_size() for t in (w.qkv, w.o, w.gate_up, w.down))
 
 
 def _plans(w: DecodeLayerWeights, max_rows: int) -> bool:
