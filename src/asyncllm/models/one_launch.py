@@ -86,8 +86,8 @@ class OneLaunchDecoder:
 def use_one_launch_layers(model: nn.Module, device: torch.device, max_num_seqs: int) -> int:
     """Switch every `OneLaunchLayer` of `model` whose spec the kernel takes to its one launch for steps of up to
     min(max_num_seqs, MAX_ROWS) rows; returns how many did. Layers of one shape share one scratch. On CUDA a
-    layer whose weights fit in half the L2 asks for them at its launch's start (`DecodeLayerConfig.prefetch`):
-    the HBM streams them while the phases wait on each other."""
+    layer whose weights fit in three quarters of the L2 asks for them at its launch's start
+    (`DecodeLayerConfig.prefetch`): the HBM streams them while the phases wait on each other."""
     max_rows = min(max_num_seqs, MAX_ROWS)
     programs, l2_bytes = 1, 0
     if device.type == "cuda":
@@ -109,7 +109,7 @@ def use_one_launch_layers(model: nn.Module, device: torch.device, max_num_seqs: 
         key = (tuple(w.qkv.shape), tuple(w.down.shape), w.qkv.dtype, w.num_heads, w.num_kv_heads, w.head_dim)
         if key not in scratches:
             scratches[key] = DecodeLayerScratch(w, max_rows, device)
-        prefetch = 0 < _weight_bytes(w) <= l2_bytes // 2
+        prefetch = 0 < _weight_bytes(w) <= l2_bytes * 3 // 4  # room left for the keys and activations
         module.use_one_launch(OneLaunchDecoder(spec, scratches[key], programs, prefetch))
         count += 1
     return count
