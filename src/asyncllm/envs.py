@@ -156,7 +156,7 @@ DECODE_LAYER: EnvVar[bool] = EnvVar(
     "ASYNCLLM_DECODE_LAYER",
     False,
     flag,
-    "decode-only steps of 1-16 rows run each dense Llama/Qwen3 decoder layer as one persistent Triton launch "
+    "one-row decode steps run each dense Llama/Qwen3 decoder layer as one persistent Triton launch "
     "(kernels/decode_layer.py) instead of its chain of kernels; the Triton backend, layers without LoRA, "
     "quantization, tensor parallelism, sliding windows or an FP8 cache. Off by default: not yet faster",
 )

@@ -1,10 +1,11 @@
-"""ASYNCLLM_DECODE_LAYER: small decode steps running each decoder layer as one persistent launch give the chain's
-tokens.
+"""ASYNCLLM_DECODE_LAYER: one-row decode steps running each decoder layer as one persistent launch give the
+chain's tokens.
 
 CPU (Triton's interpreter, float32, the Triton backend): greedy tokens with the switch on equal those with it
-off, for one request alone and for three decoding together (every decode step through the kernel; prompts
-through the chain); `runtime.decode_layers` counts the layers switched. The torch backend, LoRA and the
-switch off never take it. On the GPU: tests/gpu/test_decode_layer.py (the kernel) and the bench.
+off, for one request alone (every decode step through the kernel) and for three decoding together, ending at
+different steps (steps of several rows through the chain, the last request's alone through the kernel);
+`runtime.decode_layers` counts the layers switched. The torch backend never takes it. On the GPU:
+tests/gpu/test_decode_layer.py (the kernel, and the engine with CUDA graphs) and the bench.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ pytestmark = [
 def _run(path: Path, prompts: list[list[int]], **engine_args) -> tuple[list[list[int]], int]:
     llm = LLM(str(path), **engine_args)
     try:
-        params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+        params = [SamplingParams(temperature=0, max_tokens=3 + 3 * i, ignore_eos=True) for i in range(len(prompts))]
         outs = llm.generate(prompts, params, use_tqdm=False)
         return [o.token_ids for o in outs], llm.runtime.decode_layers
     finally:

@@ -83,12 +83,18 @@ class OneLaunchDecoder:
         )  # fmt: skip
 
 
+# The most rows the engine sends to the kernel (which takes up to MAX_ROWS): one. Its several-row form lost
+# to cuBLAS in every measured shape (Qwen3-8B at 4 rows 384 against 164 us a layer; bench/RESULTS.md,
+# 2026-12-07); the kernel's tests cover 1-16 rows for when a faster form is measured.
+ENGINE_MAX_ROWS = 1
+
+
 def use_one_launch_layers(model: nn.Module, device: torch.device, max_num_seqs: int) -> int:
     """Switch every `OneLaunchLayer` of `model` whose spec the kernel takes to its one launch for steps of up to
-    min(max_num_seqs, MAX_ROWS) rows; returns how many did. Layers of one shape share one scratch. On CUDA a
+    min(max_num_seqs, ENGINE_MAX_ROWS) rows; returns how many did. Layers of one shape share one scratch. On CUDA a
     layer whose weights fit in three quarters of the L2 asks for them at its launch's start
     (`DecodeLayerConfig.prefetch`): the HBM streams them while the phases wait on each other."""
-    max_rows = min(max_num_seqs, MAX_ROWS)
+    max_rows = min(max_num_seqs, ENGINE_MAX_ROWS, MAX_ROWS)
     programs, l2_bytes = 1, 0
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
