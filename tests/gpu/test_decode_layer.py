@@ -106,7 +106,8 @@ def test_cuda_graph_replays_other_lengths(dl) -> None:
 @pytest.mark.usefixtures("exact_fp32")
 def test_engine_gives_the_chain_tokens(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """ASYNCLLM_DECODE_LAYER=1 (float32, CUDA graphs): five requests finishing at different steps, so decode
-    steps of 5 down to 1 rows replay padded graph buckets through the one-launch layers; the chain's tokens."""
+    steps of 5 down to 2 rows replay the chain's graphs and the last request's steps the one-launch graph of
+    size 1; the tokens of the chain alone."""
     outputs, switched = [], []
     for on in ("1", "0"):
         monkeypatch.setenv("ASYNCLLM_DECODE_LAYER", on)
