@@ -142,6 +142,22 @@ def _gemv_tile(
 
 
 @triton.jit
+def _project(
+    w_ptr, N, K, x_ptr, res_ptr, nw_ptr, out_ptr, rows, offs_r, rms,
+    ADD: tl.constexpr, NORM: tl.constexpr, BLOCK_R: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
+    """out [rows, N] = the rows' activations x W^T, this program's share of N's tiles (every program-th)."""
+    pid, programs = tl.program_id(0), tl.num_programs(0)
+    for tile in range(pid, N // BN, programs):
+        acc, _ = _gemv_tile(
+            w_ptr, tile * BN, 0, K, x_ptr, res_ptr, nw_ptr, rows, offs_r, rms,
+            ADD, NORM, BLOCK_R, BN, BK, DOT_PRECISION, STAGES, False,
+        )  # fmt: skip
+        _store_rows(out_ptr, N, offs_r, rows, tile * BN + tl.arange(0, BN), acc)
+
+
+@triton.jit
 def _store_rows(ptr, N, offs_r, rows, offs_n, value):
     tl.store(ptr + offs_r[:, None] * N + offs_n[None, :], value.to(ptr.dtype.element_ty), mask=(offs_r < rows)[:, None])
 
@@ -281,12 +297,10 @@ def _decode_layer_kernel(
         _prefetch_l2(down_w_ptr, HIDDEN * INTER, 256, ITEM)
     if PHASE == ALL_PHASES or PHASE == 1:
         rms = _inv_rms(x_ptr, res_ptr, rows, offs_r, HIDDEN, eps, HAS_RESIDUAL, BLOCK_R, RMS_CHUNK)
-        for tile in range(pid, QKV // BN_QKV, programs):
-            acc, _ = _gemv_tile(
-                qkv_w_ptr, tile * BN_QKV, 0, HIDDEN, x_ptr, res_ptr, in_norm_ptr, rows, offs_r, rms,
-                HAS_RESIDUAL, True, BLOCK_R, BN_QKV, BK_QKV, DOT_PRECISION, STAGES, False,
-            )  # fmt: skip
-            _store_rows(qkv_ptr, QKV, offs_r, rows, tile * BN_QKV + tl.arange(0, BN_QKV), acc)
+        _project(
+            qkv_w_ptr, QKV, HIDDEN, x_ptr, res_ptr, in_norm_ptr, qkv_ptr, rows, offs_r, rms,
+            HAS_RESIDUAL, True, BLOCK_R, BN_QKV, BK_QKV, DOT_PRECISION, STAGES,
+        )  # fmt: skip
     _grid_barrier(bar_ptr, PHASE)
     if PHASE == ALL_PHASES or PHASE == 2:
         for item in range(pid, rows * NUM_KV_HEADS * num_splits, programs):
@@ -322,9 +336,7 @@ def _decode_layer_kernel(
             _store_rows(act_ptr, INTER, offs_r, rows, tile * BN_GU + tl.arange(0, BN_GU), act)
     _grid_barrier(bar_ptr, PHASE)
     if PHASE == ALL_PHASES or PHASE == 5:
-        for tile in range(pid, HIDDEN // BN_DOWN, programs):
-            out, _ = _gemv_tile(
-                down_w_ptr, tile * BN_DOWN, 0, INTER, act_ptr, act_ptr, down_w_ptr, rows, offs_r, offs_r,
-                False, False, BLOCK_R, BN_DOWN, BK_DOWN, DOT_PRECISION, STAGES, False,
-            )  # fmt: skip
-            _store_rows(out_ptr, HIDDEN, offs_r, rows, tile * BN_DOWN + tl.arange(0, BN_DOWN), out)
+        _project(
+            down_w_ptr, HIDDEN, INTER, act_ptr, act_ptr, down_w_ptr, out_ptr, rows, offs_r, offs_r,
+            False, False, BLOCK_R, BN_DOWN, BK_DOWN, DOT_PRECISION, STAGES,
+        )  # fmt: skip

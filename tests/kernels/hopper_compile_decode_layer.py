@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import os
 import sys
+from functools import partial
 
 assert not os.environ.get("TRITON_INTERPRET"), "compiling needs the real Triton, not the interpreter"
 
 import torch  # noqa: E402
-from hopper_target import compile_for_hopper  # noqa: E402  (beside this script)
+from hopper_target import compile_for_hopper, report  # noqa: E402  (beside this script)
 from triton.compiler import ASTSource  # noqa: E402
 
 from asyncllm.kernels import decode_layer as dl  # noqa: E402
@@ -52,15 +53,8 @@ def variant(shape: str, rows: int, dtype: str, stages: int = 1) -> None:
 
 
 if __name__ == "__main__":
-    failed = 0
-    for shape, rows, dtype, stages in (("Qwen3-0.6B", 1, "bf16", 1), ("Qwen3-0.6B", 4, "bf16", 1),
-                                       ("Qwen3-8B", 1, "bf16", 3), ("Qwen3-8B", 8, "bf16", 3),
-                                       ("Qwen3-0.6B", 2, "fp32", 1)):  # fmt: skip
-        name = f"decode layer {shape} {rows} rows {dtype} {stages} stages"
-        try:
-            variant(shape, rows, dtype, stages)
-            print(f"ok {name}", flush=True)
-        except Exception as exc:  # report every variant, then fail
-            failed += 1
-            print(f"FAILED {name}: {type(exc).__name__}: {exc}", flush=True)
-    sys.exit(1 if failed else 0)
+    cases = (("Qwen3-0.6B", 1, "bf16", 1), ("Qwen3-0.6B", 4, "bf16", 1), ("Qwen3-8B", 1, "bf16", 3),
+             ("Qwen3-8B", 8, "bf16", 3), ("Qwen3-0.6B", 2, "fp32", 1))  # fmt: skip
+    sys.exit(report([(f"decode layer {shape} {rows} rows {dtype} {stages} stages", partial(variant, shape, rows, dtype,
+                                                                                              stages))
+                     for shape, rows, dtype, stages in cases]))  # fmt: skip

@@ -10,6 +10,7 @@ every kernel on each device call. Where this Triton has no stage hook, the whole
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import triton
@@ -35,3 +36,17 @@ def compile_for_hopper(source: Any, **options: Any) -> Any:
     if hasattr(knobs, "runtime") and hasattr(knobs.runtime, "add_stages_inspection_hook"):
         knobs.runtime.add_stages_inspection_hook = _without_ptxas
     return triton.compile(source, target=TARGET, options=options)
+
+
+def report(variants: list[tuple[str, Callable[[], object]]]) -> int:
+    """Compiles each (name, compile) variant, printing "ok NAME" or "FAILED NAME: error" for every one; returns
+    the exit status (1 when any failed)."""
+    failed = 0
+    for name, compile_variant in variants:
+        try:
+            compile_variant()
+            print(f"ok {name}", flush=True)
+        except Exception as exc:  # report every variant, then fail
+            failed += 1
+            print(f"FAILED {name}: {type(exc).__name__}: {exc}", flush=True)
+    return 1 if failed else 0
