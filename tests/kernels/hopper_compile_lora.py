@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import os
 import sys
+from functools import partial
 from typing import Any
 
 assert not os.environ.get("TRITON_INTERPRET"), "compiling needs the real Triton, not the interpreter"
 
-from hopper_target import compile_for_hopper  # noqa: E402  (beside this script)
+from hopper_target import compile_for_hopper, report  # noqa: E402  (beside this script)
 from triton.compiler import ASTSource  # noqa: E402
 
 from asyncllm.kernels import lora  # noqa: E402
@@ -83,12 +84,4 @@ def variants() -> list[tuple[str, str, int, LoRALaunch, int]]:
 
 
 if __name__ == "__main__":
-    failed = 0
-    for name, dtype, rank, launch, shards in variants():
-        try:
-            variant(dtype, rank, launch, shards)
-            print(f"ok {name}", flush=True)
-        except Exception as exc:  # report every variant, then fail
-            failed += 1
-            print(f"FAILED {name}: {type(exc).__name__}: {exc}", flush=True)
-    sys.exit(1 if failed else 0)
+    sys.exit(report([(name, partial(variant, *args)) for name, *args in variants()]))
