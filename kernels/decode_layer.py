@@ -12,7 +12,7 @@ import math
 import torch
 import triton
 
-from .decode_layer_kernels import LAST_PHASE, _decode_layer_kernel
+from .decode_layer_kernels import LAST_PHASE, STAMPS, _decode_layer_kernel
 from .decode_layer_plan import MAX_ROWS, DecodeLayerConfig, DecodeLayerScratch, check_config, layout_of, plan_config
 from .decode_layer_ref import DecodeLayerWeights, decode_layer_ref
 from .paged_attention_plan import MAX_SPLITS
@@ -138,6 +138,8 @@ def decode_layer(
     num_splits: int | None = None,  # KV splits a row and KV head; None: enough to give every program one
     config: DecodeLayerConfig | None = None,
     phases: bool = False,  # one launch a phase, no barrier (the interpreter's tests)
+    clock: torch.Tensor | None = None,  # int64 [programs, STAMPS]: each program's GPU clock (ns) at its start,
+    # each barrier's arrival and return, its end (the bench's phase breakdown; CUDA only)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (the MLP's output, the residual stream before it), each [R, hidden]
     """decode_layer_ref's results in one launch; the caches get this step's keys and values.
 
@@ -164,6 +166,9 @@ def decode_layer(
         check_config(config, w, rows)
     if config.prefetch and x.device.type != "cuda":
         raise ValueError("config.prefetch asks L2 through PTX: CUDA only")
+    if clock is not None and (clock.shape != (programs, STAMPS) or clock.dtype != torch.int64 or not clock.is_cuda
+                              or not clock.is_contiguous() or phases):  # fmt: skip
+        raise ValueError(f"clock must be a contiguous CUDA int64 [programs={programs}, {STAMPS}], one launch")
     out, h1 = torch.empty_like(x), torch.empty_like(x)
     s = scratch
     q_norm = w.input_norm if w.q_norm is None else w.q_norm  # never read without norms
@@ -171,12 +176,12 @@ def decode_layer(
     args = (
         x, x if residual is None else residual, w.input_norm, w.qkv, q_norm, k_norm, w.o, w.post_norm, w.gate_up,
         w.down, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
-        s.qkv, s.attn, s.act, s.acc, s.m, s.l_sum, s.tickets, s.barrier, out, h1,
+        s.qkv, s.attn, s.act, s.acc, s.m, s.l_sum, s.tickets, s.barrier, out, h1, x if clock is None else clock,
         rows, num_splits, w.eps, scale * math.log2(math.e), cos_cache.stride(0), sin_cache.stride(0),
         block_tables.stride(0),
         *k_cache.stride()[:3], *v_cache.stride()[:3],
     )  # fmt: skip
     consts = launch_constants(w, hidden, rows, config, x.dtype, k_cache.shape[1], residual is not None)
     for phase in range(1, LAST_PHASE + 1) if phases else (0,):
-        _decode_layer_kernel[(programs,)](*args, PHASE=phase, **consts)
+        _decode_layer_kernel[(programs,)](*args, PHASE=phase, TIMING=clock is not None, **consts)
     return out, h1

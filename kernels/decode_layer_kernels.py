@@ -71,6 +71,24 @@ def _prefetch_l2(w_ptr, numel, LINES: tl.constexpr, ITEM: tl.constexpr):
         )
 
 
+STAMPS = 10  # TIMING: a program's clock readings: start, each barrier's arrival and return (4 x 2), end
+
+
+@triton.jit
+def _stamp(clock_ptr, slot, TIMING: tl.constexpr):
+    """TIMING: this program's reading of the GPU's nanosecond clock into its row of clock_ptr [programs, STAMPS]."""
+    if TIMING:
+        tl.store(clock_ptr + tl.program_id(0) * 10 + slot, tl.extra.cuda.globaltimer())
+
+
+@triton.jit
+def _timed_barrier(bar_ptr, clock_ptr, k, PHASE: tl.constexpr, TIMING: tl.constexpr):
+    """Barrier k (1-4), its arrival and return stamped when TIMING."""
+    _stamp(clock_ptr, 2 * k - 1, TIMING)
+    _grid_barrier(bar_ptr, PHASE)
+    _stamp(clock_ptr, 2 * k, TIMING)
+
+
 @triton.jit
 def _inv_rms(x_ptr, res_ptr, rows, offs_r, K, eps, ADD: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr):
     """[BLOCK_R] 1 / sqrt(mean(h^2) + eps) of each row's h = x (+ residual, rounded to x's dtype), rows of K."""
@@ -276,6 +294,7 @@ def _decode_layer_kernel(
     down_w_ptr, pos_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, bt_ptr, seq_lens_ptr,
     qkv_ptr, attn_ptr, act_ptr, acc_ptr, m_ptr, l_ptr, tickets_ptr, bar_ptr,  # scratch
     out_ptr, h1_ptr,  # the layer's results: the MLP's output and the residual stream before it
+    clock_ptr,  # TIMING: int64 [programs, STAMPS] (unread otherwise)
     rows, num_splits, eps, qk_scale, stride_cos, stride_sin, stride_bt,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     HIDDEN: tl.constexpr, INTER: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
@@ -284,7 +303,9 @@ def _decode_layer_kernel(
     BK_QKV: tl.constexpr, BK_O: tl.constexpr, BK_GU: tl.constexpr, BK_DOWN: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, RMS_CHUNK: tl.constexpr,
     DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr, PHASE: tl.constexpr,
+    TIMING: tl.constexpr,
 ):  # fmt: skip
+    _stamp(clock_ptr, 0, TIMING)
     QKV: tl.constexpr = (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
     Q_SIZE: tl.constexpr = NUM_HEADS * HEAD_DIM
     pid, programs = tl.program_id(0), tl.num_programs(0)
@@ -301,7 +322,7 @@ def _decode_layer_kernel(
             qkv_w_ptr, QKV, HIDDEN, x_ptr, res_ptr, in_norm_ptr, qkv_ptr, rows, offs_r, rms,
             HAS_RESIDUAL, True, BLOCK_R, BN_QKV, BK_QKV, DOT_PRECISION, STAGES,
         )  # fmt: skip
-    _grid_barrier(bar_ptr, PHASE)
+    _timed_barrier(bar_ptr, clock_ptr, 1, PHASE, TIMING)
     if PHASE == ALL_PHASES or PHASE == 2:
         for item in range(pid, rows * NUM_KV_HEADS * num_splits, programs):
             _attention_item(
@@ -311,7 +332,7 @@ def _decode_layer_kernel(
                 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_G, BLOCK_D, BLOCK_N, BLOCK_S, HAS_QK_NORM,
                 DOT_PRECISION,
             )  # fmt: skip
-    _grid_barrier(bar_ptr, PHASE)
+    _timed_barrier(bar_ptr, clock_ptr, 2, PHASE, TIMING)
     if PHASE == ALL_PHASES or PHASE == 3:
         for tile in range(pid, HIDDEN // BN_O, programs):
             offs_n = tile * BN_O + tl.arange(0, BN_O)
@@ -322,7 +343,7 @@ def _decode_layer_kernel(
             h0 = _acts(x_ptr, res_ptr, x_ptr, rows, offs_r, offs_n, HIDDEN, offs_r, HAS_RESIDUAL, False)
             h1 = (o.to(h0.dtype).to(tl.float32) + h0.to(tl.float32)).to(h0.dtype)  # torch's `o + h0`
             _store_rows(h1_ptr, HIDDEN, offs_r, rows, offs_n, h1)
-    _grid_barrier(bar_ptr, PHASE)
+    _timed_barrier(bar_ptr, clock_ptr, 3, PHASE, TIMING)
     if PHASE == ALL_PHASES or PHASE == 4:
         rms = _inv_rms(h1_ptr, h1_ptr, rows, offs_r, HIDDEN, eps, False, BLOCK_R, RMS_CHUNK)
         for tile in range(pid, INTER // BN_GU, programs):
@@ -334,9 +355,10 @@ def _decode_layer_kernel(
             g = gate.to(dtype).to(tl.float32)  # silu_mul.py's roundings: silu in float32 rounded, the product rounded
             act = (tl.math.div_rn(g, 1.0 + tl.exp(-g)).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)).to(dtype)
             _store_rows(act_ptr, INTER, offs_r, rows, tile * BN_GU + tl.arange(0, BN_GU), act)
-    _grid_barrier(bar_ptr, PHASE)
+    _timed_barrier(bar_ptr, clock_ptr, 4, PHASE, TIMING)
     if PHASE == ALL_PHASES or PHASE == 5:
         _project(
             down_w_ptr, HIDDEN, INTER, act_ptr, act_ptr, down_w_ptr, out_ptr, rows, offs_r, offs_r,
             False, False, BLOCK_R, BN_DOWN, BK_DOWN, DOT_PRECISION, STAGES,
         )  # fmt: skip
+    _stamp(clock_ptr, 9, TIMING)

@@ -8,7 +8,8 @@ norm and activation kernels. The fused layer's output is first checked against d
 Prints one JSON line per (shape, rows, context): microseconds a layer for each, their ratio, and the limit:
 the layer's weight bytes at the card's peak bandwidth (H100 3.35 TB/s, H200 4.8 TB/s).
 Device machine: python3 bench/kernels/bench_decode_layer.py [--shapes qwen3-0.6b qwen3-8b] [--rows 1 4 8]
-[--context 512 2048] [--variants 4:1:32 8:3:16]   (~1 min)
+[--context 512 2048] [--variants 4:1:32 8:3:16] [--timing: each phase's and barrier's
+time in one launch, from the programs' clocks]   (~1 min)
 """
 
 from __future__ import annotations
@@ -106,13 +107,53 @@ def run(shape: str, rows: int, context: int, variant: str) -> dict:
             "limit_us": round(weight_bytes / (peak * 1e12) * 1e6, 2), "config": vars(config)}  # fmt: skip
 
 
+def phase_breakdown(shape: str, rows: int, context: int, variant: str) -> dict:
+    """Where one launch's time goes: every layer run once with each program's clock stamped at its start, at
+    each barrier's arrival and return, and at its end (`decode_layer(clock=...)`); medians over the layers but
+    the first, in us: each phase from the last program's return from the barrier before (or the first
+    program's start) to the last arrival at the barrier after (the end, for the last); each barrier from its
+    last arrival to its last return; the programs' start skew."""
+    hidden, heads, kv_heads, dim, inter, layers = SHAPES[shape]
+    cases = [make_case([context] * rows, hidden, heads, kv_heads, dim, inter, dtype=torch.bfloat16, device="cuda",
+                       seed=i) for i in range(layers)]  # fmt: skip
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    warps, stages, step_kib, prefetch = (*(int(v) for v in variant.split(":")), 0)[:4]
+    config = dl.plan_config(cases[0].w, rows, sms, step_kib << 10, warps, stages, bool(prefetch))
+    scratch = dl.DecodeLayerScratch(cases[0].w, rows, torch.device("cuda"))
+    clocks = [torch.zeros(sms, dl.STAMPS, dtype=torch.int64, device="cuda") for _ in cases]
+    for case, clock in zip(cases, clocks):  # the first pass compiles
+        dl.decode_layer(*case.args(), dim**-0.5, scratch, config=config, clock=clock)
+    for case, clock in zip(cases, clocks):
+        dl.decode_layer(*case.args(), dim**-0.5, scratch, config=config, clock=clock)
+    torch.cuda.synchronize()
+    per_layer = []
+    for clock in clocks[1:]:
+        t = clock.double().cpu() / 1e3  # us
+        arrive, leave = t[:, 1:9:2].max(0).values, t[:, 2:9:2].max(0).values  # [4]
+        begins = torch.cat([t[:, 0].min().view(1), leave])
+        ends = torch.cat([arrive, t[:, 9].max().view(1)])
+        per_layer.append(torch.cat([ends - begins, leave - arrive, (t[:, 9].max() - t[:, 0].min()).view(1),
+                                    (t[:, 0].max() - t[:, 0].min()).view(1)]))  # fmt: skip
+    med = torch.stack(per_layer).median(0).values.tolist()
+    return {"shape": shape, "rows": rows, "context": context, "variant": variant,
+            "phase_us": [round(v, 2) for v in med[:5]], "barrier_us": [round(v, 2) for v in med[5:9]],
+            "launch_us": round(med[9], 2), "start_skew_us": round(med[10], 2)}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["qwen3-0.6b", "qwen3-8b"], choices=list(SHAPES))
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 4, 8])
     parser.add_argument("--context", nargs="+", type=int, default=[512, 2048])
     parser.add_argument("--variants", nargs="+", default=["4:1:32"], help="warps:stages:KiB a K step[:1: prefetch]")
+    parser.add_argument("--timing", action="store_true", help="each phase's and barrier's time instead (clock stamps)")
     args = parser.parse_args()
+    if args.timing:
+        for shape in args.shapes:
+            for rows in args.rows:
+                for variant in args.variants:
+                    print(json.dumps(phase_breakdown(shape, rows, args.context[0], variant)), flush=True)
+        return
     for shape in args.shapes:
         for rows in args.rows:
             for context in args.context:

@@ -42,10 +42,12 @@ def variant(shape: str, rows: int, dtype: str, stages: int = 1) -> None:
     signature = {name: f"*{dtype}" for name in POINTERS}
     signature |= {"pos_ptr": "*i64", "slot_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "bt_ptr": "*i32",
                   "seq_lens_ptr": "*i32", "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32",
-                  "tickets_ptr": "*i32", "bar_ptr": "*i32", "eps": "fp32", "qk_scale": "fp32"}  # fmt: skip
+                  "tickets_ptr": "*i32", "bar_ptr": "*i32", "clock_ptr": "*i64", "eps": "fp32",
+                  "qk_scale": "fp32"}  # fmt: skip
     signature |= {name: "i32" for name in INTS}
     consts = dl.launch_constants(w, hidden, rows, config, torch_dtype, block_size=16, residual=True)
     consts["PHASE"] = 0
+    consts["TIMING"] = stages > 1  # the clock's stamps compiled in one variant
     warps = consts.pop("num_warps")
     signature |= {name: "constexpr" for name in consts}
     ordered = {name: signature[name] for name in dlk._decode_layer_kernel.arg_names}
