@@ -128,7 +128,7 @@ def decode_layer(
     positions: torch.Tensor,  # [R] int64
     cos_cache: torch.Tensor,  # [max_positions, D / 2] (float32 or x's dtype), sin_cache alike
     sin_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,  # [R] int64; -1: no store (a graph's padding)
+    slot_mapping: torch.Tensor,  # [R] int64; -1: no store (a graph's padding; a row of seq_len 0 must have it)
     block_tables: torch.Tensor,  # [>= R, max_blocks] int32, row r the table of row r
     seq_lens: torch.Tensor,  # [R] int32 with the new token; 0: a padding row
     scale: float,

@@ -83,7 +83,9 @@ def _stamp(clock_ptr, slot, TIMING: tl.constexpr):
 
 @triton.jit
 def _timed_barrier(bar_ptr, clock_ptr, k, PHASE: tl.constexpr, TIMING: tl.constexpr):
-    """Barrier k (1-4), its arrival and return stamped when TIMING."""
+    """Barrier k (1-4), its arrival (once every thread of the program is done) and return stamped when TIMING."""
+    if TIMING:
+        tl.debug_barrier()
     _stamp(clock_ptr, 2 * k - 1, TIMING)
     _grid_barrier(bar_ptr, PHASE)
     _stamp(clock_ptr, 2 * k, TIMING)

@@ -151,8 +151,9 @@ def main() -> None:
     if args.timing:
         for shape in args.shapes:
             for rows in args.rows:
-                for variant in args.variants:
-                    print(json.dumps(phase_breakdown(shape, rows, args.context[0], variant)), flush=True)
+                for context in args.context:
+                    for variant in args.variants:
+                        print(json.dumps(phase_breakdown(shape, rows, context, variant)), flush=True)
         return
     for shape in args.shapes:
         for rows in args.rows:

@@ -229,14 +229,15 @@ class LlamaDecoderLayer(nn.Module, OneLaunchLayer):
         if q_norm is not None:
             norms += [attn.q_norm, attn.k_norm]  # type: ignore[list-item]  (Qwen3's, when it has them)
         dtype = weights[0].dtype
-        if any(type(n) is not RMSNorm or n.weight.dtype != dtype for n in norms) or attn.qk_unit_offset:
+        eps = self.input_layernorm.eps  # the kernel's one epsilon, for every norm
+        if any(type(n) is not RMSNorm or n.weight.dtype != dtype or n.eps != eps for n in norms) or attn.qk_unit_offset:
             return None
         if attn.attn.window is not None or any(w.dtype != dtype or not w.is_contiguous() for w in weights):
             return None
         qkv, o, gate_up, down = weights
         layer = DecodeLayerWeights(
             self.input_layernorm.weight, qkv, q_norm, k_norm, o, self.post_attention_layernorm.weight, gate_up, down,
-            attn.num_heads, attn.num_kv_heads, attn.head_dim, self.input_layernorm.eps,
+            attn.num_heads, attn.num_kv_heads, attn.head_dim, eps,
         )  # fmt: skip
         return OneLaunchSpec(layer, attn.attn.scale)
 

@@ -106,7 +106,7 @@ def use_one_launch_layers(model: nn.Module, device: torch.device, max_num_seqs: 
         if not isinstance(module, OneLaunchLayer):
             continue
         spec = module.one_launch_spec()
-        if spec is not None and not _plans(spec.weights, max_rows):
+        if spec is not None and not _plans(spec.weights, max_rows, programs):
             spec = None
         if spec is None:
             module.use_one_launch(None)
@@ -125,11 +125,11 @@ def _weight_bytes(w: DecodeLayerWeights) -> int:
     return sum(t.numel() * t.element_size() for t in (w.qkv, w.o, w.gate_up, w.down))
 
 
-def _plans(w: DecodeLayerWeights, max_rows: int) -> bool:
+def _plans(w: DecodeLayerWeights, max_rows: int, programs: int) -> bool:
     """Whether the kernel's tiles fit the layer's sizes at every row count it will see (one row and more)."""
     try:
         for rows in {1, max_rows}:
-            plan_config(w, rows, 1)
+            plan_config(w, rows, programs)
     except ValueError:
         return False
     return True
