@@ -118,8 +118,8 @@ def test_q8_head(ops: native.CpuDecodeOps, rows: int, vocab: int, k: int) -> Non
     assert torch.equal(xq, want_q) and torch.equal(sx, want_s)  # the same roundings, bit for bit
     torch.testing.assert_close(ops.q8_head(codes, scales, x), q8_head_ref(codes, scales, x), rtol=1e-5, atol=1e-4)
     # x unquantized: each value within half its group's step (sx / 2) of its 8-bit code, so each logit within
-    # sum |w| * sx / 2 of the exact one. (A bound of 2 % of the largest logit failed one random draw in ~20 at
-    # 7 rows of one group: it was not a bound.)
+    # sum |w| * sx / 2 of the exact one. (A bound of 2 % of the largest logit was not one: a random draw broke
+    # it at 7 logits of one group.)
     weights = codes.float() * scales.repeat_interleave(32, dim=1)
     exact = x @ weights.T
     bound = (want_s.repeat_interleave(32, dim=1) / 2) @ weights.abs().T
