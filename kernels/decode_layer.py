@@ -10,12 +10,13 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
 
 from .decode_layer_kernels import LAST_PHASE, STAMPS, _decode_layer_kernel
 from .decode_layer_plan import MAX_ROWS, DecodeLayerConfig, DecodeLayerScratch, check_config, layout_of, plan_config
 from .decode_layer_ref import DecodeLayerWeights, decode_layer_ref
+from .paged_attention import _pow2
 from .paged_attention_plan import MAX_SPLITS
+from .quant_matmul import ACT_DTYPES, _num_sms
 
 __all__ = [
     "DecodeLayerConfig",
@@ -25,8 +26,6 @@ __all__ = [
     "decode_layer_ref",
     "plan_config",
 ]
-
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def launch_constants(
@@ -54,14 +53,6 @@ def launch_constants(
     )  # fmt: skip
 
 
-def _num_sms(device: torch.device) -> int:
-    return int(torch.cuda.get_device_properties(device).multi_processor_count) if device.type == "cuda" else 1
-
-
-def _pow2(n: int, floor: int = 16) -> int:
-    return max(floor, triton.next_power_of_2(n))
-
-
 def _check(x: torch.Tensor, residual: torch.Tensor | None, w: DecodeLayerWeights, k_cache: torch.Tensor,
            v_cache: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
            slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -72,7 +63,7 @@ def _check(x: torch.Tensor, residual: torch.Tensor | None, w: DecodeLayerWeights
     if scratch.layout != layout_of(w):
         raise ValueError(f"the scratch was made for layers of (hidden, intermediate, heads, KV heads, head_dim, dtype, "
                          f"device) {scratch.layout}; these weights are {layout_of(w)}")  # fmt: skip
-    if x.dtype not in _DTYPES:
+    if x.dtype not in ACT_DTYPES:
         raise TypeError(f"x has dtype {x.dtype}; expected float32, float16 or bfloat16")
     if not 1 <= rows <= scratch.max_rows:
         raise ValueError(f"{rows} rows; the scratch holds 1 to {scratch.max_rows}")

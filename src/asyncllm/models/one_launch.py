@@ -15,7 +15,7 @@ from torch import nn
 
 from asyncllm.attention.backend import AttentionMetadata
 from asyncllm.attention.layer import KVCache
-from asyncllm.kernels.decode_layer_plan import MAX_ROWS, DecodeLayerScratch, plan_config
+from asyncllm.kernels.decode_layer_plan import MAX_ROWS, DecodeLayerConfig, DecodeLayerScratch, layout_of, plan_config
 from asyncllm.kernels.decode_layer_ref import DecodeLayerWeights
 from asyncllm.layers.rotary import RotaryInputs
 
@@ -45,18 +45,16 @@ class OneLaunchDecoder:
     """One layer's persistent launch, for the steps it takes; the scratch is shared by the layers of a model
     (they run one after another on one stream)."""
 
-    def __init__(self, spec: OneLaunchSpec, scratch: DecodeLayerScratch, programs: int, prefetch: bool) -> None:
+    def __init__(
+        self, spec: OneLaunchSpec, scratch: DecodeLayerScratch, programs: int, configs: dict[int, DecodeLayerConfig]
+    ) -> None:
         from asyncllm.kernels import decode_layer  # imports triton: only once a layer is switched on
 
         self._kernel = decode_layer
         self.spec = spec
         self.scratch = scratch
         self.programs = programs
-        # Each row count's tiles, planned once (a launch would otherwise plan them again on the host).
-        self._configs = {
-            rows: plan_config(spec.weights, rows, programs, prefetch=prefetch)
-            for rows in range(1, scratch.max_rows + 1)
-        }
+        self._configs = configs  # each row count's tiles, planned once (a launch would plan them on the host)
 
     def __call__(
         self,
@@ -106,30 +104,24 @@ def use_one_launch_layers(model: nn.Module, device: torch.device, max_num_seqs: 
         if not isinstance(module, OneLaunchLayer):
             continue
         spec = module.one_launch_spec()
-        if spec is not None and not _plans(spec.weights, max_rows, programs):
-            spec = None
-        if spec is None:
+        configs = None if spec is None else _configs(spec.weights, max_rows, programs, l2_bytes)
+        if spec is None or configs is None:
             module.use_one_launch(None)
             continue
-        w = spec.weights
-        key = (tuple(w.qkv.shape), tuple(w.down.shape), w.qkv.dtype, w.num_heads, w.num_kv_heads, w.head_dim)
+        key = layout_of(spec.weights)
         if key not in scratches:
-            scratches[key] = DecodeLayerScratch(w, max_rows, device)
-        prefetch = 0 < _weight_bytes(w) <= l2_bytes * 3 // 4  # room left for the keys and activations
-        module.use_one_launch(OneLaunchDecoder(spec, scratches[key], programs, prefetch))
+            scratches[key] = DecodeLayerScratch(spec.weights, max_rows, device)
+        module.use_one_launch(OneLaunchDecoder(spec, scratches[key], programs, configs))
         count += 1
     return count
 
 
-def _weight_bytes(w: DecodeLayerWeights) -> int:
-    return sum(t.numel() * t.element_size() for t in (w.qkv, w.o, w.gate_up, w.down))
-
-
-def _plans(w: DecodeLayerWeights, max_rows: int, programs: int) -> bool:
-    """Whether the kernel's tiles fit the layer's sizes at every row count it will see (one row and more)."""
+def _configs(w: DecodeLayerWeights, max_rows: int, programs: int, l2_bytes: int) -> dict[int, DecodeLayerConfig] | None:
+    """The tiles of every row count up to `max_rows`, prefetching the weights where they fit three quarters of
+    the L2 (room left for the keys and activations); None where the kernel's tiles do not fit the layer."""
+    weight_bytes = sum(t.numel() * t.element_size() for t in (w.qkv, w.o, w.gate_up, w.down))
+    prefetch = 0 < weight_bytes <= l2_bytes * 3 // 4
     try:
-        for rows in {1, max_rows}:
-            plan_config(w, rows, programs)
+        return {rows: plan_config(w, rows, programs, prefetch=prefetch) for rows in range(1, max_rows + 1)}
     except ValueError:
-        return False
-    return True
+        return None
