@@ -305,11 +305,11 @@ if has kvrestart; then  # issue 44's restart row per disk reader (KV_RESTART_REA
     done
   done
 fi
-if has decodelayer; then  # issue 45: the persistent decode layer's GPU tests (DECODE_LAYER_TESTS=0: none), then its
+if has decodelayer; then  # issue 45: the persistent decode layer's and the PDL GEMVs' GPU tests (DECODE_LAYER_TESTS=0: none), then its
   # bench against the engine's chain (DECODE_LAYER_ARGS: the bench's flags; DECODE_LAYER_ARGS2: a second run's)
   if [ "${DECODE_LAYER_TESTS:-1}" != 0 ]; then
     timeout 300 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider -o addopts='' tests/gpu/test_decode_layer.py \
-      2>&1 | tee "$OUT/decode_layer_tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -12
+      tests/kernels/test_gemv_prologue.py -k gpu 2>&1 | tee "$OUT/decode_layer_tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -12
     rows+=("decode layer tests: $(grep -E 'passed|failed' "$OUT/decode_layer_tests.log" | tail -1)")
   fi
   timeout 240 python3 bench/kernels/bench_decode_layer.py ${DECODE_LAYER_ARGS:-} 2>&1 | tee "$OUT/decode_layer.log" \

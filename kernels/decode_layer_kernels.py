@@ -20,6 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .l2_prefetch import LINE_BYTES, prefetch_l2
 from .paged_attention_fold import _fold_is_last, _fold_merge
 from .paged_attention_kernels import _attend_paged
 
@@ -61,14 +62,11 @@ def _prefetch_l2(w_ptr, numel, LINES: tl.constexpr, ITEM: tl.constexpr):
     """Asks L2 for this program's share of a weight (`numel` elements of ITEM bytes), one 128-byte line a
     request, without waiting: the weights do not depend on the activations, so HBM can stream them while
     the phases before their use wait on each other."""
-    per_line: tl.constexpr = 128 // ITEM
+    per_line: tl.constexpr = LINE_BYTES // ITEM
     pid, programs = tl.program_id(0), tl.num_programs(0)
     for start in range(pid * LINES, numel // per_line, programs * LINES):
         lines = start + tl.arange(0, LINES)
-        ptrs = w_ptr + tl.minimum(lines, numel // per_line - 1).to(tl.int64) * per_line
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
-        )
+        prefetch_l2(w_ptr + tl.minimum(lines, numel // per_line - 1).to(tl.int64) * per_line)
 
 
 STAMPS = 10  # TIMING: a program's clock readings: start, each barrier's arrival and return (4 x 2), end

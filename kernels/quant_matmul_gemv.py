@@ -35,6 +35,7 @@ from .gemv_plan import (
     gemv_plan,
 )
 from .gemv_prologue import ADD_RMS_NORM, NONE, RMS_NORM, SILU_MUL, activations, inv_rms
+from .l2_prefetch import prefetch_rows_l2
 from .pdl import pdl_launch
 from .quant_matmul import ACT_DTYPES, _num_sms, check_weight
 from .quant_matmul_ref import quant_matmul_ref
@@ -152,12 +153,23 @@ def _gemv_kernel(
     BITS: tl.constexpr, CODES: tl.constexpr, GROUP: tl.constexpr, G: tl.constexpr, GW: tl.constexpr,
     HAS_SCALES: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_MINS: tl.constexpr, HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, FOLD: tl.constexpr, PROLOGUE: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):  # fmt: skip
-    if PDL:  # launched as a programmatic dependent (kernels/pdl.py): nothing read before the last kernel's writes land
-        tl.extra.cuda.gdc_wait()
     pid_n, pid_k, row = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
+    full_tiles = K // (G * GW * CODES)
+    t0 = pid_k * tiles_per_split
+    if PDL:  # launched as a programmatic dependent (kernels/pdl.py): nothing read before the last kernel's writes land
+        # The weights are no kernel's writes: L2 streams this program's while it waits (kernels/l2_prefetch.py).
+        if PREFETCH:  # noqa: SIM102 (a compile-time test around a run-time one)
+            if row == 0:  # the other token rows' programs read the same words
+                words_end = tl.minimum(t0 + tiles_per_split, full_tiles) * (G * GW)
+                words_end = tl.where(pid_k == split - 1, K // CODES, words_end)  # the partial tile is the last's
+                item: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
+                rows_at = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn
+                prefetch_rows_l2(rows_at, t0 * (G * GW), words_end - t0 * (G * GW), 16, item)
+        tl.extra.cuda.gdc_wait()
     rows = offs_n.to(tl.int64)[:, None]  # [BN, 1]
     w_rows, s_rows = w_ptr + rows * stride_wn, s_ptr + rows * stride_sn
     z_rows, m_rows = z_ptr + rows * stride_zn, m_ptr + rows * stride_mn
@@ -170,8 +182,6 @@ def _gemv_kernel(
         rms = inv_rms(x_row, a_row, h_ptr + row.to(tl.int64) * stride_hm, K, eps, h_limit, PROLOGUE)
     if PDL:  # the next kernel may start launching; it waits (gdc_wait) for this one to finish
         tl.extra.cuda.gdc_launch_dependents()
-    full_tiles = K // (G * GW * CODES)
-    t0 = pid_k * tiles_per_split
     acc = tl.zeros((BLOCK_N, G, GW), dtype=tl.float32)
     for t in range(t0, tl.minimum(t0 + tiles_per_split, full_tiles)):
         acc += _gemv_tile(
@@ -237,6 +247,7 @@ def linear_gemv(
     locks: torch.Tensor | None = None,
     config: GemvConfig | None = None,
     pdl: bool = False,  # a programmatic dependent launch (CUDA, Hopper or newer): kernels/pdl.py
+    prefetch: bool = True,  # with pdl: each program asks L2 for its weights before it waits on the kernel before
 ) -> torch.Tensor:  # [M, N] in x's dtype
     """F.linear(x, weight, bias) for small M over a plain float weight (bfloat16 or float16; float32 for the
     interpreter's tests): products and sums in float32, rounded once to x's dtype. Arguments as `quant_gemv`'s."""
@@ -244,7 +255,7 @@ def linear_gemv(
     out = _checked_output(x, n, k, bias)
     if x.shape[0]:
         _launch(x, weight, None, None, None, bias, out, float_kind(weight.dtype), k, split_k, locks, config,
-                pdl=pdl)  # fmt: skip
+                pdl=pdl, prefetch=prefetch)  # fmt: skip
     return out
 
 
@@ -260,6 +271,7 @@ def rms_norm_gemv(
     locks: torch.Tensor | None = None,
     config: GemvConfig | None = None,
     pdl: bool = False,
+    prefetch: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # ([M, N], the new residual [M, K] or None)
     """F.linear(rms_norm_ref(x, norm_weight, eps), weight, bias) in one launch (`rms_norm_gemv_ref`); with
     `residual`, h = x + residual is normed and returned as a new tensor (x and residual are left as they are:
@@ -278,7 +290,7 @@ def rms_norm_gemv(
     if x.shape[0]:
         prologue = _Prologue(RMS_NORM.value if h is None else ADD_RMS_NORM.value, residual, norm_weight, h, eps)
         _launch(x, weight, None, None, None, bias, out, float_kind(weight.dtype), k, split_k, locks, config,
-                prologue, pdl)  # fmt: skip
+                prologue, pdl, prefetch)  # fmt: skip
     return out, h
 
 
@@ -291,6 +303,7 @@ def silu_mul_gemv(
     locks: torch.Tensor | None = None,
     config: GemvConfig | None = None,
     pdl: bool = False,
+    prefetch: bool = True,
 ) -> torch.Tensor:  # [M, N]
     """F.linear(silu_and_mul_ref(x), weight, bias) in one launch (`silu_mul_gemv_ref`)."""
     if weight.dim() != 2 or x.dim() != 2 or x.shape[1] != 2 * weight.shape[1] or x.stride(1) != 1:
@@ -301,7 +314,7 @@ def silu_mul_gemv(
     if x.shape[0]:
         prologue = _Prologue(SILU_MUL.value, None, None, None, 0.0)
         _launch(x, weight, None, None, None, bias, out, float_kind(weight.dtype), k, split_k, locks, config,
-                prologue, pdl)  # fmt: skip
+                prologue, pdl, prefetch)  # fmt: skip
     return out
 
 
@@ -340,7 +353,7 @@ def _launch(
     x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None, qzeros: torch.Tensor | None,
     mins: torch.Tensor | None, bias: torch.Tensor | None, out: torch.Tensor, kind: int, group_size: int,
     split_k: int | None, locks: torch.Tensor | None, config: GemvConfig | None,
-    prologue: _Prologue = _NO_PROLOGUE, pdl: bool = False,
+    prologue: _Prologue = _NO_PROLOGUE, pdl: bool = False, prefetch: bool = True,
 ) -> None:  # fmt: skip
     m, n, k = x.shape[0], out.shape[1], x.shape[1] // (2 if prologue.mode == SILU_MUL.value else 1)
     if config is None:
@@ -374,5 +387,5 @@ def _launch(
         HAS_SCALES=scales is not None, HAS_ZEROS=qzeros is not None, HAS_MINS=mins is not None,
         HAS_BIAS=bias is not None, EVEN_K=k % (plan.groups * plan.group_words * codes) == 0,
         BLOCK_N=config.block_n, FOLD=config.fold_offsets and codes > 1, PROLOGUE=prologue.mode, PDL=pdl,
-        num_warps=config.num_warps, **pdl_launch(pdl),
+        PREFETCH=pdl and prefetch, num_warps=config.num_warps, **pdl_launch(pdl),
     )  # fmt: skip

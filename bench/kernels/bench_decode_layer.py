@@ -2,7 +2,8 @@
 engine launches for the same layer today, over a whole model's layers (each with its own weights, as a model
 reads them) replayed from one CUDA graph, bf16. The engine's chain at one row: RMSNorm + qkv GEMV, q/k norm +
 rotary + KV store, decode attention with its folded reduce, o_proj GEMV, add + RMSNorm + gate/up GEMV,
-SiLU-and-mul + down GEMV, each a programmatic dependent launch (PDL); at more rows cuBLAS and the separate
+SiLU-and-mul + down GEMV, each a programmatic dependent launch (PDL), timed with and without the GEMVs asking
+L2 for their weights before they wait on the kernel before (`prefetch`); at more rows cuBLAS and the separate
 norm and activation kernels. The fused layer's output is first checked against decode_layer_ref.
 
 Prints one JSON line per (shape, rows, context): microseconds a layer for each, their ratio, and the limit:
@@ -39,13 +40,16 @@ SHAPES = {  # hidden, heads, KV heads, head_dim, intermediate, layers
 PEAK_TBS = {"H100": 3.35, "H200": 4.8}
 
 
-def chain(pa, case: LayerCase, seq_lens: torch.Tensor, scale: float, bufs: dict) -> None:
-    """One layer as the engine launches it today (the kernels of layers/ and attention/triton_backend.py)."""
+def chain(pa, case: LayerCase, seq_lens: torch.Tensor, scale: float, bufs: dict, prefetch: bool) -> None:
+    """One layer as the engine launches it today (the kernels of layers/ and attention/triton_backend.py).
+    `prefetch`: each one-row GEMV asks L2 for its weights before it waits on the kernel before (`linear_gemv`)."""
     w, rows = case.w, case.x.shape[0]
     eps = w.eps
     if rows == 1:
         locks = bufs["locks"]  # zeroed split-K counters, shared (each GEMV leaves them zero)
-        qkv, h0 = gemv.rms_norm_gemv(case.x, w.input_norm, eps, w.qkv, residual=case.residual, locks=locks, pdl=True)
+        qkv, h0 = gemv.rms_norm_gemv(
+            case.x, w.input_norm, eps, w.qkv, residual=case.residual, locks=locks, pdl=True, prefetch=prefetch
+        )
     else:
         h0 = case.residual.clone()
         qkv = F.linear(rms_norm(case.x, w.input_norm, eps, residual=h0), w.qkv)
@@ -55,9 +59,10 @@ def chain(pa, case: LayerCase, seq_lens: torch.Tensor, scale: float, bufs: dict)
     pa.paged_decode_attention(q, case.k_cache, case.v_cache, case.block_tables, seq_lens, bufs["qsl"], bufs["seqs"],
                               attn, scale, bufs["splits"], counters=bufs["counters"])  # fmt: skip
     if rows == 1:
-        o = gemv.linear_gemv(attn.view(1, -1), w.o, locks=locks, pdl=True)
-        gate_up, _ = gemv.rms_norm_gemv(o, w.post_norm, eps, w.gate_up, residual=h0, locks=locks, pdl=True)
-        gemv.silu_mul_gemv(gate_up, w.down, locks=locks, pdl=True)
+        o = gemv.linear_gemv(attn.view(1, -1), w.o, locks=locks, pdl=True, prefetch=prefetch)
+        gate_up, _ = gemv.rms_norm_gemv(o, w.post_norm, eps, w.gate_up, residual=h0, locks=locks, pdl=True,
+                                        prefetch=prefetch)  # fmt: skip
+        gemv.silu_mul_gemv(gate_up, w.down, locks=locks, pdl=True, prefetch=prefetch)
     else:
         o = F.linear(attn.view(rows, -1), w.o)
         gate_up = F.linear(rms_norm(o, w.post_norm, eps, residual=h0), w.gate_up)
@@ -95,14 +100,17 @@ def run(shape: str, rows: int, context: int, variant: str) -> dict:
         "counters": torch.zeros(rows * kv_heads, dtype=torch.int32, device="cuda"),
         "locks": gemv.gemv_locks(2 * inter, 1, torch.device("cuda")),
     }
-    engine = [partial(chain, pa, k, seq_lens, scale, bufs) for k in cases]
+    engine = [partial(chain, pa, k, seq_lens, scale, bufs, False) for k in cases]
+    engine_prefetch = [partial(chain, pa, k, seq_lens, scale, bufs, True) for k in cases]
     fused_us = graph_time_us(fused, calls=layers)
     engine_us = graph_time_us(engine, calls=layers)
+    prefetch_us = graph_time_us(engine_prefetch, calls=layers)
     weight_bytes = sum(t.numel() * t.element_size() for t in (c.w.qkv, c.w.o, c.w.gate_up, c.w.down))
     name = torch.cuda.get_device_name()
     peak = next((v for k, v in PEAK_TBS.items() if k in name), 3.35)
     return {"shape": shape, "rows": rows, "context": context, "device": name,
             "fused_us_per_layer": round(fused_us, 2), "engine_us_per_layer": round(engine_us, 2),
+            "engine_prefetch_us_per_layer": round(prefetch_us, 2),
             "engine_over_fused": round(engine_us / fused_us, 3),
             "limit_us": round(weight_bytes / (peak * 1e12) * 1e6, 2), "config": vars(config)}  # fmt: skip
 

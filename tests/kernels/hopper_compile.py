@@ -100,7 +100,7 @@ def gemv_kernel(
     consts = dict(BITS=bits if per > 1 else 0, CODES=per, GROUP=row_group, G=plan.groups, GW=plan.group_words,
                   HAS_SCALES=not plain, HAS_ZEROS=zeros, HAS_MINS=mins, HAS_BIAS=True, EVEN_K=even_k,
                   BLOCK_N=config.block_n, FOLD=config.fold_offsets and per > 1, PROLOGUE=prologue,
-                  PDL=pdl)  # fmt: skip
+                  PDL=pdl, PREFETCH=pdl)  # fmt: skip
     signature |= {name: "constexpr" for name in consts}
     source = ASTSource(fn=gemv._gemv_kernel, signature=signature, constexprs=consts)
     compile_for_hopper(source, num_warps=config.num_warps, launch_pdl=pdl)

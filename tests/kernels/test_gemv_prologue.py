@@ -114,3 +114,36 @@ def test_gpu_model_pairs(gemv, dtype: torch.dtype) -> None:
     for prologue, n, k in _pairs():
         for m in (1, 2):
             check(gemv, prologue, m, n, k, dtype, seed=n + k + m, bias=m == 2)
+
+
+def _launch(gemv, prologue: str, x, weight, norm_weight, residual, **kwargs: bool) -> torch.Tensor:
+    if prologue == "silu_mul":
+        return gemv.silu_mul_gemv(x, weight, **kwargs)
+    if prologue == "none":
+        return gemv.linear_gemv(x, weight, **kwargs)
+    res = residual if prologue == "add_rms_norm" else None
+    return gemv.rms_norm_gemv(x, norm_weight, EPS, weight, residual=res, **kwargs)[0]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_pdl_and_its_prefetch_change_no_bit(gemv) -> None:
+    """Launched as a programmatic dependent, with and without each program asking L2 for its weights before it
+    waits (`prefetch`), every pair and o_proj gives the plain launch's bits at one and two rows: the wait and
+    the hint move no arithmetic."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs Hopper or newer")
+    gen = torch.Generator(device=DEVICE).manual_seed(7)
+    o_shapes = sorted({o for _qkv, o, _gate_up, _down in MODEL_SHAPES.values()})
+    for prologue, n, k in [*_pairs(), *(("none", n, k) for n, k in o_shapes)]:
+        weight = (torch.randn(n, k, generator=gen, device=DEVICE) * k**-0.5).bfloat16()
+        norm_weight = (torch.randn(k, generator=gen, device=DEVICE) + 1).bfloat16()
+        for m in (1, 2):
+            width = 2 * k if prologue == "silu_mul" else k
+            x = (torch.randn(m, width, generator=gen, device=DEVICE) * 2).bfloat16()
+            residual = torch.randn(m, k, generator=gen, device=DEVICE).bfloat16()
+            args = (gemv, prologue, x, weight, norm_weight, residual)
+            plain = _launch(*args)
+            for prefetch in (True, False):
+                got = _launch(*args, pdl=True, prefetch=prefetch)
+                assert torch.equal(got, plain), (prologue, n, k, m, prefetch)
