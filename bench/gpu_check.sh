@@ -10,7 +10,7 @@
 #   embed_throughput, kv_tiers; EMBED_ARGS / KV_TIERS_ARGS narrow them); spec (issue 41: spec_oracle, W1 with ngram off/on);
 #   spec8b (issue 41: EAGLE-3 draft and verify costs, Qwen3-8B shape); kvpace (issue 44: W10 per restore bound, KV_PACE_MIB);
 #   kvrestart (issue 44: the restart row with the disk reads in the reader process, then on threads);
-#   imports (issue 45: import and open phases under -X importtime).
+#   imports (issue 45: import and open phases under -X importtime); w5fused (issue 45: W5 per decode path, W5_FUSED_ARGS).
 # Tuning variables (ASYNCLLM_*, docs/tuning.md) pass through to every step: ASYNCLLM_DECODE_PDL=1 bash bench/gpu_check.sh
 #   w12var; a variant's bench flags take them as --engine-arg with the lower-case name (cuda_graph_max_tokens=0).
 # Set-up here first: rm -rf .peers && cp -r ../shared/peers .peers && cp -r ../shared/models/qwen3-tokenizer .peers/
@@ -317,6 +317,10 @@ if has decodelayer; then  # issue 45: the persistent decode layer's and the PDL 
   [ -n "${DECODE_LAYER_ARGS2:-}" ] && timeout 240 python3 bench/kernels/bench_decode_layer.py $DECODE_LAYER_ARGS2 2>&1 \
     | tee -a "$OUT/decode_layer.log" | grep -E '^\{|Error|error' | tail -20
   while read -r line; do rows+=("decode layer: $line"); done < <(grep '^{' "$OUT/decode_layer.log")
+fi
+if has w5fused; then  # issue 45: W5 per decode path in one process (W5_FUSED_ARGS: w5_fused.py's flags, e.g. --modes)
+  (cd bench && timeout 300 python3 w5_fused.py ${W5_FUSED_ARGS:-}) 2>&1 | tee "$OUT/w5_fused.log" | grep -E '^\{|Error|Traceback' | tail -12
+  while read -r line; do rows+=("w5 fused: $line"); done < <(grep '^{' "$OUT/w5_fused.log")
 fi
 if has kvpace; then  # issue 44: W10 off and on, then on again per ASYNCLLM_KV_RESTORE_MIB_PER_STEP in KV_PACE_MIB (KV_PACE_ARGS: more flags)
   kinds=off,on; [ "${KV_PACE_OFF:-1}" = 0 ] && kinds=on  # KV_PACE_OFF=0: no "off" run (an earlier one stands)

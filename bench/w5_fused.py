@@ -5,9 +5,11 @@ one process: an engine per ASYNCLLM_DECODE_GEMV mode, one after the other, each 
 Modes: "auto" (start-up timing: each layer shape and each norm/activation pair takes the fused GEMV only where
 it timed faster, the saved launch included), "off" (cuBLAS and separate norm/activation launches everywhere),
 "on" (every layer the GEMV, every fusable pair folded); "+pdl" adds ASYNCLLM_DECODE_PDL=1 (the chain's Triton kernels
-launched as programmatic dependents). Each row: ms per token, the start-up (the engine's construction, and its
-tune_gemm phase: the GEMM layouts and the GEMV/prologue timing), how many linear layers take a GEMV at one row
-and how many of them fold the op before them. "auto" runs first, so its start-up pays the Triton compiles of the
+launched as programmatic dependents, the GEMVs asking L2 for their weights before they wait); "+layer" adds
+ASYNCLLM_DECODE_LAYER=1 (each eligible decoder layer one persistent launch at one row). Each row: ms per token,
+the start-up (the engine's construction, and its tune_gemm phase: the GEMM layouts and the GEMV/prologue
+timing), how many linear layers take a GEMV at one row, how many of them fold the op before them, and how many
+decoder layers run as one launch. "auto" runs first, so its start-up pays the Triton compiles of the
 GEMV variants (the later modes reuse them from this process); compare tune_gemm across modes for the timing's
 own cost. A last line gives the ratios to "off".
 
@@ -32,7 +34,8 @@ from shapes import write_shape_dir
 
 from asyncllm import LLM, SamplingParams
 
-MODES = ("auto", "off", "on", "auto+pdl", "on+pdl")  # "+pdl": ASYNCLLM_DECODE_PDL=1 (Hopper or newer)
+# "+pdl": ASYNCLLM_DECODE_PDL=1 (Hopper or newer); "+layer": ASYNCLLM_DECODE_LAYER=1 (a layer a launch at one row)
+MODES = ("auto", "off", "on", "auto+pdl", "on+pdl", "on+layer", "on+pdl+layer")
 
 
 def measure(args: argparse.Namespace, model_dir: Path, mode: str) -> dict[str, Any]:
@@ -40,8 +43,8 @@ def measure(args: argparse.Namespace, model_dir: Path, mode: str) -> dict[str, A
     kwargs: dict[str, Any] = dict(max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks)
     kwargs |= dict(attention_backend=args.attention_backend) | engine_kwargs(args.engine_arg)
     start = time.perf_counter()
-    gemv, _, pdl = mode.partition("+")
-    with tuning_env(decode_gemv=gemv, decode_pdl=bool(pdl)):
+    gemv, *extra = mode.split("+")
+    with tuning_env(decode_gemv=gemv, decode_pdl="pdl" in extra, decode_layer="layer" in extra):
         llm = LLM(str(model_dir), device=args.device, load_format="dummy", **kwargs)
     startup = time.perf_counter() - start
     try:
@@ -55,6 +58,7 @@ def measure(args: argparse.Namespace, model_dir: Path, mode: str) -> dict[str, A
             "tune_gemm_s": round(dict(runtime.startup_seconds).get("tune_gemm", 0.0), 3),
             "gemv_layers": runtime.gemv_layers,
             "prologue_layers": runtime.prologue_layers,
+            "decode_layers": runtime.decode_layers,
         }
     finally:
         llm.shutdown()
