@@ -46,6 +46,7 @@ from .paged_attention_plan import (
     tile_buffer,
 )
 from .paged_attention_ref import paged_attention_ref
+from .pdl import pdl_launch
 
 __all__ = [
     "TILES_HEADER",
@@ -111,6 +112,7 @@ def paged_decode_attention(
     # The folded reduce's tickets: int32, contiguous, at least len(decode_seqs) x Hkv, zero (each launch leaves
     # them zero; launches that share them must run one after another, as a stream's do). None: a reduce launch.
     counters: torch.Tensor | None = None,
+    pdl: bool = False,  # the split kernel launched as a programmatic dependent (CUDA, Hopper or newer: kernels/pdl.py)
 ) -> None:
     group, head_dim, block_size = check_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out)
     check_window(window)
@@ -158,8 +160,8 @@ def paged_decode_attention(
         *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=_pow2(group),
         BLOCK_D=_pow2(head_dim), BLOCK_N=block_n, DOT_PRECISION=_precision(q.dtype), SLIDING=window is not None,
-        KV_FP8=kv_fp8, CASCADE=cascade is not None, FOLD=fold, BLOCK_S=MAX_SPLITS, num_warps=num_warps,
-        num_stages=num_stages,
+        KV_FP8=kv_fp8, CASCADE=cascade is not None, FOLD=fold, BLOCK_S=MAX_SPLITS, PDL=pdl, num_warps=num_warps,
+        num_stages=num_stages, **pdl_launch(pdl),
     )  # fmt: skip
     if parts == 1 or fold:
         return  # the split kernel wrote the output itself

@@ -94,7 +94,11 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SLIDING: tl.constexpr, KV_FP8: tl.constexpr, CASCADE: tl.constexpr, FOLD: tl.constexpr, BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    if PDL:  # a programmatic dependent (kernels/pdl.py): the query and the new key land before any read; the
+        tl.extra.cuda.gdc_wait()  # next launch (o_proj's GEMV) may then start and ask L2 for its weights
+        tl.extra.cuda.gdc_launch_dependents()
     # KV heads vary fastest: the programs of one sequence run together and read whole cache rows between
     # them ([block, slot, all heads, D] is contiguous), and the sequences go in work-list order (longest first).
     kv_head, pid_b, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)

@@ -26,7 +26,9 @@ TYPES = {"bf16": ("*bf16", "tf32"), "fp16": ("*fp16", "tf32"), "fp32": ("*fp32",
 FLOATS = ("qk_scale", "eps")
 
 
-def _compile(fn: Any, pointers: dict[str, str], consts: dict[str, object], warps: int, stages: int = 3) -> None:
+def _compile(
+    fn: Any, pointers: dict[str, str], consts: dict[str, object], warps: int, stages: int = 3, pdl: bool = False
+) -> None:
     """Every argument not named in `pointers` or `consts` is an int32 (a float32 for FLOATS); pointers and strides
     are specialized as a launch at these shapes specializes them: multiples of 16."""
     signature: dict[str, str] = {}
@@ -40,7 +42,7 @@ def _compile(fn: Any, pointers: dict[str, str], consts: dict[str, object], warps
     divisible = [name for name in fn.arg_names if name in pointers or name.startswith("stride")]
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
     source = ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
-    compile_for_hopper(source, num_warps=warps, num_stages=stages)
+    compile_for_hopper(source, num_warps=warps, num_stages=stages, launch_pdl=pdl)
 
 
 def _cache(act: str, fp8: bool) -> tuple[str, dict[str, str]]:
@@ -49,8 +51,11 @@ def _cache(act: str, fp8: bool) -> tuple[str, dict[str, str]]:
     return ptr, {"k_scale_ptr": scale, "v_scale_ptr": scale}
 
 
-def decode(act: str, fp8: bool, sliding: bool, cascade: bool = False, fold: bool = False, group: int = 2) -> None:
-    """FOLD: the split kernel's own merge (paged_attention_fold.py); group 7 pads the query heads (BLOCK_G 16)."""
+def decode(
+    act: str, fp8: bool, sliding: bool, cascade: bool = False, fold: bool = False, group: int = 2, pdl: bool = False
+) -> None:
+    """FOLD: the split kernel's own merge (paged_attention_fold.py); group 7 pads the query heads (BLOCK_G 16);
+    PDL: launched as a programmatic dependent (kernels/pdl.py)."""
     ptr, precision = TYPES[act]
     cache, scales = _cache(act, fp8)
     pointers = {"q_ptr": ptr, "k_ptr": cache, "v_ptr": cache, "out_ptr": ptr}
@@ -58,8 +63,8 @@ def decode(act: str, fp8: bool, sliding: bool, cascade: bool = False, fold: bool
     pointers |= {name: "*i32" for name in ("bt_ptr", "seq_lens_ptr", "qsl_ptr", "seqs_ptr", "skip_ptr", "counter_ptr")}
     consts = dict(GROUP=group, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_G=16, BLOCK_D=128, BLOCK_N=64,
                   DOT_PRECISION=precision, SLIDING=sliding, KV_FP8=fp8, CASCADE=cascade, FOLD=fold,
-                  BLOCK_S=32)  # fmt: skip
-    _compile(pak._decode_split_kernel, pointers | scales, consts, warps=4, stages=2)
+                  BLOCK_S=32, PDL=pdl)  # fmt: skip
+    _compile(pak._decode_split_kernel, pointers | scales, consts, warps=4, stages=2, pdl=pdl)
 
 
 def reduce(cascade: bool = False) -> None:
@@ -119,6 +124,7 @@ VARIANTS = [
     ("decode fp16 fold group 7", lambda: decode("fp16", False, False, fold=True, group=7)),
     ("decode fp32 fold sliding", lambda: decode("fp32", False, True, fold=True)),
     ("decode bf16 over e4m3 fold", lambda: decode("bf16", True, False, fold=True)),
+    ("decode bf16 fold pdl", lambda: decode("bf16", False, False, fold=True, pdl=True)),
     ("decode bf16 cascade", lambda: decode("bf16", False, False, cascade=True)),
     ("decode bf16 over e4m3 cascade", lambda: decode("bf16", True, False, cascade=True)),
     ("decode reduce cascade", lambda: reduce(cascade=True)),

@@ -21,8 +21,8 @@ from asyncllm.envs import CascadeAttention
 from asyncllm.errors import InvalidConfigError
 
 # (device, activations' dtype, num_kv_heads, the KV cache's dtype, cascade decode's settings or None, whether
-# the decode reduce folds into the split kernel)
-Factory = Callable[[torch.device, torch.dtype, int, torch.dtype, CascadeDecode | None, bool], AttentionBackend]
+# the decode reduce folds into the split kernel, whether decode launches are programmatic dependents)
+Factory = Callable[[torch.device, torch.dtype, int, torch.dtype, CascadeDecode | None, bool, bool], AttentionBackend]
 
 
 def _torch(
@@ -32,6 +32,7 @@ def _torch(
     kv_cache_dtype: torch.dtype,
     cascade: CascadeDecode | None,
     fold_reduce: bool,
+    pdl: bool,
 ) -> AttentionBackend:
     from asyncllm.attention.torch_ref import TorchAttentionBackend
 
@@ -45,10 +46,11 @@ def _triton(
     kv_cache_dtype: torch.dtype,
     cascade: CascadeDecode | None,
     fold_reduce: bool,
+    pdl: bool,
 ) -> AttentionBackend:
     from asyncllm.attention.triton_backend import TritonAttentionBackend
 
-    return TritonAttentionBackend(device, dtype, num_kv_heads, kv_cache_dtype, cascade, fold_reduce)
+    return TritonAttentionBackend(device, dtype, num_kv_heads, kv_cache_dtype, cascade, fold_reduce, pdl)
 
 
 BACKENDS: dict[AttentionBackendName, Factory] = {
@@ -74,6 +76,7 @@ def make_attention_backend(
     cascade: CascadeAttention = CascadeAttention.OFF,
     group: int = 1,  # query heads per KV head (cascade decode's unit rows)
     fold_reduce: bool = True,  # the Triton decode's reduce folded into its split kernel (ASYNCLLM_DECODE_FOLD_REDUCE)
+    pdl: bool = False,  # the Triton decode kernel launched as a programmatic dependent (ASYNCLLM_DECODE_PDL)
 ) -> AttentionBackend:
     name = resolve_backend_name(choice, device)
     factory = BACKENDS.get(name)
@@ -90,4 +93,4 @@ def make_attention_backend(
     on = cascade is CascadeAttention.ON or (cascade is CascadeAttention.AUTO and device.type == "cuda")
     settings = CascadeDecode(group) if on and name is AttentionBackendName.TRITON else None
     cache_dtype = dtype if kv_cache_dtype is None else kv_cache_dtype
-    return factory(device, dtype, num_kv_heads, cache_dtype, settings, fold_reduce)
+    return factory(device, dtype, num_kv_heads, cache_dtype, settings, fold_reduce, pdl)

@@ -108,6 +108,7 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache_dtype: torch.dtype | None = None,
         cascade: CascadeDecode | None = None,  # cascade decode attention's settings; None: off
         fold_reduce: bool = True,  # plans fold the decode reduce into the split kernel (`TritonPlan.fold_reduce`)
+        pdl: bool = False,  # the decode split kernel launched as a programmatic dependent (kernels/pdl.py)
     ) -> None:
         self._kernels = load_paged_attention()
         if device.type != "cuda" and not self._kernels.runs_in_interpreter():
@@ -129,6 +130,7 @@ class TritonAttentionBackend(AttentionBackend):
                 )
         self.device = device
         self.num_kv_heads = num_kv_heads
+        self.pdl = pdl
         self.block_m = self._kernels.prefill_block_m(dtype, device)
         props = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
         self.num_sms = props.multi_processor_count if props is not None else 1
@@ -308,7 +310,7 @@ class TritonAttentionBackend(AttentionBackend):
             counters = None if cascade is not None else self._fold_counters(plan)  # cascade merges in the reduce
             self._kernels.paged_decode_attention(
                 *args, plan.decode_seqs, out, scale, num_splits=splits, window=window, cascade=cascade,
-                counters=counters, **scales,
+                counters=counters, pdl=self.pdl, **scales,
             )  # fmt: skip
         if plan.prefill_tiles is not None:
             self._kernels.paged_prefill_attention(

@@ -139,6 +139,7 @@ class WorkerSetup:
             cascade,
             self.local_arch.num_heads // self.local_arch.num_kv_heads,
             tuning.decode_fold_reduce,
+            tuning.decode_pdl,  # checked below with the layers' kernels (check_pdl)
         )
         mc = self.config.model_config
         module = load_model(
@@ -186,8 +187,7 @@ class WorkerSetup:
         return LoRAManager(module, self.resolved.arch, lora.max_loras, lora.max_lora_rank, rank, world)
 
     def num_blocks(self, loaded: LoadedModel) -> int:
-        """The KV block count: the explicit `num_kv_blocks`, else what memory allows, capped at what
-        `max_num_seqs` full-length sequences could ever use."""
+        """The KV blocks: `num_kv_blocks`, else what memory allows, at most what max_num_seqs full sequences use."""
         cache, sched = self.config.cache_config, self.config.scheduler_config
         max_model_len = self.resolved.arch.max_model_len
         if cache.num_kv_blocks is not None:
