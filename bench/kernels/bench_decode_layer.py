@@ -2,9 +2,9 @@
 engine launches for the same layer today, over a whole model's layers (each with its own weights, as a model
 reads them) replayed from one CUDA graph, bf16. The engine's chain at one row: RMSNorm + qkv GEMV, q/k norm +
 rotary + KV store, decode attention with its folded reduce, o_proj GEMV, add + RMSNorm + gate/up GEMV,
-SiLU-and-mul + down GEMV, each a programmatic dependent launch (PDL), timed with and without the GEMVs asking
-L2 for their weights before they wait on the kernel before (`prefetch`); at more rows cuBLAS and the separate
-norm and activation kernels. The fused layer's output is first checked against decode_layer_ref.
+SiLU-and-mul + down GEMV, each a programmatic dependent launch (PDL) but the attention; then ("prefetch") the
+attention a programmatic dependent too and the GEMVs asking L2 for their weights before they wait; at more rows
+cuBLAS and the separate norm and activation kernels. The fused layer's output is first checked against decode_layer_ref.
 
 Prints one JSON line per (shape, rows, context): microseconds a layer for each, their ratio, and the limit:
 the layer's weight bytes at the card's peak bandwidth (H100 3.35 TB/s, H200 4.8 TB/s).
@@ -42,7 +42,8 @@ PEAK_TBS = {"H100": 3.35, "H200": 4.8}
 
 def chain(pa, case: LayerCase, seq_lens: torch.Tensor, scale: float, bufs: dict, prefetch: bool) -> None:
     """One layer as the engine launches it today (the kernels of layers/ and attention/triton_backend.py).
-    `prefetch`: each one-row GEMV asks L2 for its weights before it waits on the kernel before (`linear_gemv`)."""
+    `prefetch`: each one-row GEMV asks L2 for its weights before it waits on the kernel before (`linear_gemv`),
+    and the attention is a programmatic dependent too (o_proj's GEMV starting during it): ASYNCLLM_DECODE_PDL's."""
     w, rows = case.w, case.x.shape[0]
     eps = w.eps
     if rows == 1:
@@ -57,7 +58,8 @@ def chain(pa, case: LayerCase, seq_lens: torch.Tensor, scale: float, bufs: dict,
                         w.q_norm, w.k_norm, eps, q_out=bufs["q"], pdl=rows == 1)  # fmt: skip
     attn = bufs["attn"]
     pa.paged_decode_attention(q, case.k_cache, case.v_cache, case.block_tables, seq_lens, bufs["qsl"], bufs["seqs"],
-                              attn, scale, bufs["splits"], counters=bufs["counters"])  # fmt: skip
+                              attn, scale, bufs["splits"], counters=bufs["counters"],
+                              pdl=prefetch and rows == 1)  # fmt: skip
     if rows == 1:
         o = gemv.linear_gemv(attn.view(1, -1), w.o, locks=locks, pdl=True, prefetch=prefetch)
         gate_up, _ = gemv.rms_norm_gemv(o, w.post_norm, eps, w.gate_up, residual=h0, locks=locks, pdl=True,
