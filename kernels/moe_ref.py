@@ -31,10 +31,12 @@ def experts_ref(
     ids: torch.Tensor,  # [T, K] int64
 ) -> torch.Tensor:  # [T, H]
     """sum_k weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)) with e = ids[t, k]: transformers' loop, expert
-    by expert in ascending order, each one's rows added into a zero output in x's dtype (its roundings too)."""
+    by expert in ascending order, each one's rows added into a zero output in x's dtype (its roundings too).
+    An expert's rows go in transformers' order too, slot-major (all of slot 0's tokens, then slot 1's): a CPU
+    GEMM may round a row differently at another position in the batch (a tail of the kernel's row tile)."""
     out = torch.zeros_like(x)
     for expert in ids.unique().tolist():  # ascending; experts no token chose are skipped
-        token, slot = torch.where(ids == expert)
+        slot, token = torch.where(ids.T == expert)  # [K, T]: slot-major
         h = silu_and_mul_ref(F.linear(x[token], w13[expert]))  # [n, I]
         y = F.linear(h, w2[expert]) * weights[token, slot, None]  # [n, H]
         out.index_add_(0, token, y.to(out.dtype))
