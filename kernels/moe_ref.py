@@ -36,7 +36,8 @@ def experts_ref(
     GEMM may round a row differently at another position in the batch (a tail of the kernel's row tile)."""
     out = torch.zeros_like(x)
     for expert in ids.unique().tolist():  # ascending; experts no token chose are skipped
-        slot, token = torch.where(ids.T == expert)  # [K, T]: slot-major
+        by_slot = ids.t()  # [K, T]: where() walks it slot-major
+        slot, token = torch.where(by_slot == expert)
         h = silu_and_mul_ref(F.linear(x[token], w13[expert]))  # [n, I]
         y = F.linear(h, w2[expert]) * weights[token, slot, None]  # [n, H]
         out.index_add_(0, token, y.to(out.dtype))
