@@ -365,18 +365,18 @@ def _launch(
         raise ValueError(f"group_size={group_size} neither covers nor divides the GEMV's K tiles: use quant_matmul")
     n_tiles = triton.cdiv(n, config.block_n)
     part = out
+    if locks is None:  # unread at one split, but the compiler types the counters' atomics whatever the split
+        locks = torch.zeros(m * n_tiles if plan.split > 1 else 1, dtype=torch.int32, device=x.device)
     if plan.split > 1:
         part = torch.empty(m, plan.split, n, dtype=torch.float32, device=x.device)
-        if locks is None:
-            locks = torch.zeros(m * n_tiles, dtype=torch.int32, device=x.device)
-        elif locks.dtype != torch.int32 or locks.numel() < m * n_tiles:
+        if locks.dtype != torch.int32 or locks.numel() < m * n_tiles:
             raise ValueError(f"locks must be int32 with at least {m * n_tiles} counters (gemv_locks)")
     codes = codes_per_unit(kind)
-    dummy = w  # stands in for absent scales, zero points, mins, bias and counters: never read
+    dummy = w  # stands in for absent scales, zero points, mins and bias: never read
     res, nw, h = prologue.residual, prologue.norm_weight, prologue.h
     _gemv_kernel[(n_tiles, plan.split, m)](
         x, w, dummy if scales is None else scales, dummy if qzeros is None else qzeros,
-        dummy if mins is None else mins, dummy if bias is None else bias, part, dummy if locks is None else locks,
+        dummy if mins is None else mins, dummy if bias is None else bias, part, locks,
         out, x if res is None else res, x if nw is None else nw, x if h is None else h, prologue.eps,
         n, k, 1 if scales is None else scales.shape[1], plan.tiles_per_split, plan.split,
         x.stride(0), w.stride(0), 0 if scales is None else scales.stride(0), 0 if qzeros is None else qzeros.stride(0),

@@ -36,6 +36,7 @@ class Linear(nn.Module, LaunchesPdl):
         self._gemv_locks: torch.Tensor | None = None  # its split-K counters, allocated before any graph capture
         self._prologue: ModuleType | None = None  # the kernels' module, once use_prologue_gemv(True) ran
         self._pdl = False  # the GEMV's launches programmatic dependents (use_pdl)
+        self._prefetch = False  # with them, each program asks L2 for its weights before it waits (use_pdl)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.project(x, self.bias)
@@ -45,7 +46,7 @@ class Linear(nn.Module, LaunchesPdl):
         the row count, so CUDA graphs capture it."""
         if self._gemv is not None and x.dim() == 2 and x.shape[0] == 1:
             x = x if x.stride(1) == 1 else x.contiguous()
-            return self._gemv(x, self.weight, bias, locks=self._gemv_locks, pdl=self._pdl)
+            return self._gemv(x, self.weight, bias, locks=self._gemv_locks, pdl=self._pdl, prefetch=self._prefetch)
         return F.linear(x, self.weight, bias)
 
     @property
@@ -99,18 +100,35 @@ class Linear(nn.Module, LaunchesPdl):
         """One token row: rms_norm(x (+ residual)) W^T (+ b) in one launch (`prologue_gemv` on)."""
         assert self._prologue is not None and x.shape[0] == 1
         return self._prologue.rms_norm_gemv(  # type: ignore[no-any-return]
-            x, norm_weight, eps, self.weight, self.bias, residual=residual, locks=self._gemv_locks, pdl=self._pdl
+            x,
+            norm_weight,
+            eps,
+            self.weight,
+            self.bias,
+            residual=residual,
+            locks=self._gemv_locks,
+            pdl=self._pdl,
+            prefetch=self._prefetch,
         )
 
     def project_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """One token row: (silu(gate) * up) W^T (+ b) of x = [gate | up] in one launch (`prologue_gemv` on)."""
         assert self._prologue is not None and x.shape[0] == 1
         return self._prologue.silu_mul_gemv(  # type: ignore[no-any-return]
-            x, self.weight, self.bias, locks=self._gemv_locks, pdl=self._pdl
+            x, self.weight, self.bias, locks=self._gemv_locks, pdl=self._pdl, prefetch=self._prefetch
         )
 
     def use_pdl(self, on: bool) -> None:
         self._pdl = on
+        # The prefetch before the wait pays where the weight fits half the L2 beside the other kernels' traffic
+        # (Qwen3-0.6B's layers, 12.6 MB at most: 44.5 -> 42.7 us a layer) and costs where it streams past it
+        # (Qwen3-8B's, 32-200 MB: 195 -> 211 us; bench/RESULTS.md, 2026-12-07 fourteenth session).
+        weight = self.weight
+        if on and weight.device.type == "cuda":
+            l2_bytes = torch.cuda.get_device_properties(weight.device).L2_cache_size
+            self._prefetch = weight.numel() * weight.element_size() <= l2_bytes // 2
+        else:
+            self._prefetch = False
 
     def store_weight_transposed(self) -> None:
         """Keep the weight's memory [in, out] while it stays an [out, in] view: the same maths, but cuBLAS
