@@ -149,8 +149,9 @@ DECODE_PDL: EnvVar[bool] = EnvVar(
     False,
     flag,
     "launch the decode chain's Triton kernels (the GEMV and its folded ops, RMSNorm, the q/k norm + rotary + "
-    "KV write) as programmatic dependent launches, each overlapping the previous kernel's tail, CUDA graphs "
-    "included; results unchanged. CUDA on Hopper or newer with the Triton backend only (refused otherwise)",
+    "KV write, the decode attention) as programmatic dependent launches, each overlapping the previous "
+    "kernel's tail, CUDA graphs included; a GEMV whose weight fits half the L2 asks for it before it waits; "
+    "results unchanged. CUDA on Hopper or newer with the Triton backend only (refused otherwise)",
 )
 DECODE_LAYER: EnvVar[bool] = EnvVar(
     "ASYNCLLM_DECODE_LAYER",
