@@ -117,7 +117,7 @@ def run(shape: str, rows: int, context: int, variant: str) -> dict:
             "limit_us": round(weight_bytes / (peak * 1e12) * 1e6, 2), "config": vars(config)}  # fmt: skip
 
 
-def phase_breakdown(shape: str, rows: int, context: int, variant: str) -> dict:
+def phase_breakdown(shape: str, rows: int, context: int, variant: str, splits: int | None = None) -> dict:
     """Where one launch's time goes: every layer run once with each program's clock stamped at its start, at
     each barrier's arrival and return, and at its end (`decode_layer(clock=...)`); medians over the layers but
     the first, in us: each phase from the last program's return from the barrier before (or the first
@@ -131,10 +131,9 @@ def phase_breakdown(shape: str, rows: int, context: int, variant: str) -> dict:
     config = dl.plan_config(cases[0].w, rows, sms, step_kib << 10, warps, stages, bool(prefetch))
     scratch = dl.DecodeLayerScratch(cases[0].w, rows, torch.device("cuda"))
     clocks = [torch.zeros(sms, dl.STAMPS, dtype=torch.int64, device="cuda") for _ in cases]
-    for case, clock in zip(cases, clocks):  # the first pass compiles
-        dl.decode_layer(*case.args(), dim**-0.5, scratch, config=config, clock=clock)
-    for case, clock in zip(cases, clocks):
-        dl.decode_layer(*case.args(), dim**-0.5, scratch, config=config, clock=clock)
+    for _ in range(2):  # the first pass compiles
+        for case, clock in zip(cases, clocks):
+            dl.decode_layer(*case.args(), dim**-0.5, scratch, num_splits=splits, config=config, clock=clock)
     torch.cuda.synchronize()
     per_layer = []
     for clock in clocks[1:]:
@@ -145,7 +144,7 @@ def phase_breakdown(shape: str, rows: int, context: int, variant: str) -> dict:
         per_layer.append(torch.cat([ends - begins, leave - arrive, (t[:, 9].max() - t[:, 0].min()).view(1),
                                     (t[:, 0].max() - t[:, 0].min()).view(1)]))  # fmt: skip
     med = torch.stack(per_layer).median(0).values.tolist()
-    return {"shape": shape, "rows": rows, "context": context, "variant": variant,
+    return {"shape": shape, "rows": rows, "context": context, "variant": variant, "splits": splits or "auto",
             "phase_us": [round(v, 2) for v in med[:5]], "barrier_us": [round(v, 2) for v in med[5:9]],
             "launch_us": round(med[9], 2), "start_skew_us": round(med[10], 2)}  # fmt: skip
 
@@ -157,13 +156,17 @@ def main() -> None:
     parser.add_argument("--context", nargs="+", type=int, default=[512, 2048])
     parser.add_argument("--variants", nargs="+", default=["4:1:32"], help="warps:stages:KiB a K step[:1: prefetch]")
     parser.add_argument("--timing", action="store_true", help="each phase's and barrier's time instead (clock stamps)")
+    parser.add_argument("--splits", nargs="+", type=int, default=[0], help="--timing: KV splits a row and KV head "
+                        "(0: the launcher's, one item a program)")  # fmt: skip
     args = parser.parse_args()
     if args.timing:
         for shape in args.shapes:
             for rows in args.rows:
                 for context in args.context:
                     for variant in args.variants:
-                        print(json.dumps(phase_breakdown(shape, rows, context, variant)), flush=True)
+                        for splits in args.splits:
+                            row = phase_breakdown(shape, rows, context, variant, splits or None)
+                            print(json.dumps(row), flush=True)
         return
     for shape in args.shapes:
         for rows in args.rows:
