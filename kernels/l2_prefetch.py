@@ -1,10 +1,7 @@
-"""Asking L2 for memory a kernel will read later, without waiting for it (`prefetch.global.L2`, CUDA only).
-
-Weights do not depend on the activations: a kernel can ask for its share of them while it still waits on
-what runs before it (a programmatic dependent launch's `gdc_wait`, a grid barrier), so HBM streams them
-during the dependent steps instead of after. A prefetch is a hint: no result depends on it, and an address it
-names is never dereferenced by the thread (callers still keep every address inside the tensor).
-Device code only; Triton's interpreter has no PTX, so the callers take it behind a constexpr the CPU never sets.
+"""Asking L2 for memory a kernel reads later without waiting for it (`prefetch.global.L2`, CUDA only): weights
+do not depend on the activations, so a kernel may ask for its share while it still waits on the kernels before
+(a PDL `gdc_wait`, a grid barrier). A hint: no result depends on it; every address stays inside the tensor.
+Triton's interpreter has no PTX: callers take it behind a constexpr the CPU never sets.
 """
 
 from __future__ import annotations
@@ -28,7 +25,8 @@ def prefetch_rows_l2(row_ptrs, first, count, LINES: tl.constexpr, ITEM: tl.const
     """Asks L2 for elements [first, first + count) of each row in `row_ptrs` ([R, 1] pointers to the rows'
     element 0; ITEM bytes an element), one request a 128-byte line, LINES lines of every row at a time."""
     per_line: tl.constexpr = LINE_BYTES // ITEM
-    lines = tl.cdiv(count, per_line)
+    # Lines counted from the first one's start: a range that does not start on a line spills into one more.
+    lines = tl.cdiv(first % per_line + count, per_line)
     last = first + count - 1
     for start in range(0, lines, LINES):
         at = tl.minimum(first + (start + tl.arange(0, LINES)) * per_line, last)  # [LINES], inside the range

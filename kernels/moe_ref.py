@@ -35,8 +35,8 @@ def experts_ref(
     An expert's rows go in transformers' order too, slot-major (all of slot 0's tokens, then slot 1's): a CPU
     GEMM may round a row differently at another position in the batch (a tail of the kernel's row tile)."""
     out = torch.zeros_like(x)
+    by_slot = ids.t()  # [K, T]: where() walks it slot-major
     for expert in ids.unique().tolist():  # ascending; experts no token chose are skipped
-        by_slot = ids.t()  # [K, T]: where() walks it slot-major
         slot, token = torch.where(by_slot == expert)
         h = silu_and_mul_ref(F.linear(x[token], w13[expert]))  # [n, I]
         y = F.linear(h, w2[expert]) * weights[token, slot, None]  # [n, H]

@@ -247,7 +247,7 @@ def linear_gemv(
     locks: torch.Tensor | None = None,
     config: GemvConfig | None = None,
     pdl: bool = False,  # a programmatic dependent launch (CUDA, Hopper or newer): kernels/pdl.py
-    prefetch: bool = True,  # with pdl: each program asks L2 for its weights before it waits on the kernel before
+    prefetch: bool = False,  # with pdl: each program asks L2 for its weights before it waits on the kernel before
 ) -> torch.Tensor:  # [M, N] in x's dtype
     """F.linear(x, weight, bias) for small M over a plain float weight (bfloat16 or float16; float32 for the
     interpreter's tests): products and sums in float32, rounded once to x's dtype. Arguments as `quant_gemv`'s."""
@@ -271,7 +271,7 @@ def rms_norm_gemv(
     locks: torch.Tensor | None = None,
     config: GemvConfig | None = None,
     pdl: bool = False,
-    prefetch: bool = True,
+    prefetch: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # ([M, N], the new residual [M, K] or None)
     """F.linear(rms_norm_ref(x, norm_weight, eps), weight, bias) in one launch (`rms_norm_gemv_ref`); with
     `residual`, h = x + residual is normed and returned as a new tensor (x and residual are left as they are:
@@ -303,7 +303,7 @@ def silu_mul_gemv(
     locks: torch.Tensor | None = None,
     config: GemvConfig | None = None,
     pdl: bool = False,
-    prefetch: bool = True,
+    prefetch: bool = False,
 ) -> torch.Tensor:  # [M, N]
     """F.linear(silu_and_mul_ref(x), weight, bias) in one launch (`silu_mul_gemv_ref`)."""
     if weight.dim() != 2 or x.dim() != 2 or x.shape[1] != 2 * weight.shape[1] or x.stride(1) != 1:
@@ -353,7 +353,7 @@ def _launch(
     x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None, qzeros: torch.Tensor | None,
     mins: torch.Tensor | None, bias: torch.Tensor | None, out: torch.Tensor, kind: int, group_size: int,
     split_k: int | None, locks: torch.Tensor | None, config: GemvConfig | None,
-    prologue: _Prologue = _NO_PROLOGUE, pdl: bool = False, prefetch: bool = True,
+    prologue: _Prologue = _NO_PROLOGUE, pdl: bool = False, prefetch: bool = False,
 ) -> None:  # fmt: skip
     m, n, k = x.shape[0], out.shape[1], x.shape[1] // (2 if prologue.mode == SILU_MUL.value else 1)
     if config is None:
@@ -366,11 +366,13 @@ def _launch(
     n_tiles = triton.cdiv(n, config.block_n)
     part = out
     if locks is None:  # unread at one split, but the compiler types the counters' atomics whatever the split
-        locks = torch.zeros(m * n_tiles if plan.split > 1 else 1, dtype=torch.int32, device=x.device)
+        locks = (torch.zeros if plan.split > 1 else torch.empty)(
+            m * n_tiles if plan.split > 1 else 1, dtype=torch.int32, device=x.device
+        )
+    if locks.dtype != torch.int32 or (plan.split > 1 and locks.numel() < m * n_tiles):
+        raise ValueError(f"locks must be int32 with at least {m * n_tiles} counters (gemv_locks)")
     if plan.split > 1:
         part = torch.empty(m, plan.split, n, dtype=torch.float32, device=x.device)
-        if locks.dtype != torch.int32 or locks.numel() < m * n_tiles:
-            raise ValueError(f"locks must be int32 with at least {m * n_tiles} counters (gemv_locks)")
     codes = codes_per_unit(kind)
     dummy = w  # stands in for absent scales, zero points, mins and bias: never read
     res, nw, h = prologue.residual, prologue.norm_weight, prologue.h

@@ -40,8 +40,9 @@ def test_graphs_equal_eager_with_the_gemv_on(tiny_model: Path, dtype: str, monke
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="PDL needs Hopper or newer"
 )
 def test_pdl_launches_give_the_same_tokens(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """ASYNCLLM_DECODE_PDL: the GEMV (its folded norms and SiLU-and-mul too), RMSNorm and the q/k norm + rotary +
-    KV write launched as programmatic dependents, in captured graphs and eagerly: the tokens of plain launches."""
+    """ASYNCLLM_DECODE_PDL: the GEMV (its folded norms and SiLU-and-mul too, its weights asked of L2 before the
+    wait: the tiny model's fit), RMSNorm, the q/k norm + rotary + KV write and the decode attention launched as
+    programmatic dependents, in captured graphs and eagerly: the tokens of plain launches."""
     common = dict(device="cuda", dtype="bfloat16", block_size=4, num_kv_blocks=256)
     batches = [_prompts(300, (9,)), _prompts(300, (4, 13))]
     monkeypatch.setenv("ASYNCLLM_DECODE_GEMV", "on")

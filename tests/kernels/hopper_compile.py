@@ -81,6 +81,7 @@ def qk_norm_rope_kv_pdl() -> None:
 def gemv_kernel(
     bits: int, group: int, zeros: bool, mins: bool, split: int, act: str, even_k: bool = True, scales: str = "",
     config: gemv_plan.GemvConfig = gemv_plan.DEFAULT_CONFIG, prologue: int = 0, pdl: bool = False,
+    prefetch: bool = True,
 ) -> None:  # fmt: skip
     """The GEMV at the tile shape its launcher picks for `group` over K = 4096 (`gemv_plan`); bits 16: plain
     16-bit weights of the activations' type, no scales. `prologue`: gemv_prologue.py's mode."""
@@ -100,7 +101,7 @@ def gemv_kernel(
     consts = dict(BITS=bits if per > 1 else 0, CODES=per, GROUP=row_group, G=plan.groups, GW=plan.group_words,
                   HAS_SCALES=not plain, HAS_ZEROS=zeros, HAS_MINS=mins, HAS_BIAS=True, EVEN_K=even_k,
                   BLOCK_N=config.block_n, FOLD=config.fold_offsets and per > 1, PROLOGUE=prologue,
-                  PDL=pdl, PREFETCH=pdl)  # fmt: skip
+                  PDL=pdl, PREFETCH=pdl and prefetch)  # fmt: skip
     signature |= {name: "constexpr" for name in consts}
     source = ASTSource(fn=gemv._gemv_kernel, signature=signature, constexprs=consts)
     compile_for_hopper(source, num_warps=config.num_warps, launch_pdl=pdl)
@@ -185,6 +186,10 @@ VARIANTS = [
     ("rms_norm residual pdl", lambda: rms_norm_pdl(True)),
     ("qk_norm_rope_kv pdl", qk_norm_rope_kv_pdl),
     ("gemv bf16 pdl no prologue", lambda: gemv_kernel(gemv_plan.FLOAT16, 4096, False, False, 4, "*bf16", pdl=True)),
+    (
+        "gemv bf16 pdl no prefetch",  # the layers whose weight passes half the L2 (Linear.use_pdl)
+        lambda: gemv_kernel(gemv_plan.FLOAT16, 4096, False, False, 4, "*bf16", pdl=True, prefetch=False),
+    ),
     *SWEEP_VARIANTS,
 ]
 

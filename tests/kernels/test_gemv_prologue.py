@@ -5,7 +5,9 @@ the inputs untouched), and silu(gate) * up folded into the linear layer after th
 CPU (Triton's interpreter, float32): odd sizes (a partial row tile, a partial K tile, K split 1-3 ways, two
 rows, bias, strided rows); then every pair of the supported models (norm -> qkv, add + norm -> gate_up,
 silu_mul -> down) at the split the H200 runs that layer with, over its first output tile. GPU (bfloat16,
-float16): every pair at one and two rows with the launcher's own config. Tolerance: the shared table.
+float16): every pair at one and two rows with the launcher's own config; launched as programmatic dependents
+(PDL, Hopper), with and without the weights asked of L2 before the wait: the plain launches' bits, in a chain
+of dependent launches replayed from a CUDA graph too. Tolerance: the shared table.
 """
 
 from __future__ import annotations
@@ -116,21 +118,82 @@ def test_gpu_model_pairs(gemv, dtype: torch.dtype) -> None:
             check(gemv, prologue, m, n, k, dtype, seed=n + k + m, bias=m == 2)
 
 
-def _launch(gemv, prologue: str, x, weight, norm_weight, residual, **kwargs: bool) -> torch.Tensor:
-    if prologue == "silu_mul":
-        return gemv.silu_mul_gemv(x, weight, **kwargs)
-    if prologue == "none":
-        return gemv.linear_gemv(x, weight, **kwargs)
-    res = residual if prologue == "add_rms_norm" else None
-    return gemv.rms_norm_gemv(x, norm_weight, EPS, weight, residual=res, **kwargs)[0]
+def _chain(gemv, rms_norm, w: dict[str, torch.Tensor], x: torch.Tensor, pdl: bool, prefetch: bool) -> torch.Tensor:
+    """A decoder layer's one-row GEMVs as the engine launches them, each reading the one before's output:
+    RMSNorm -> o_proj (plain GEMV) -> add + RMSNorm + gate/up -> SiLU-and-mul + down, every launch a
+    programmatic dependent when `pdl` (the counters preallocated: no fill kernel between the launches)."""
+    locks = w["locks"]
+    normed = rms_norm(x, w["norm"], EPS, pdl=pdl)
+    o = gemv.linear_gemv(normed, w["o"], locks=locks, pdl=pdl, prefetch=prefetch)
+    gate_up, _ = gemv.rms_norm_gemv(o, w["norm"], EPS, w["gate_up"], residual=x, locks=locks, pdl=pdl,
+                                    prefetch=prefetch)  # fmt: skip
+    return gemv.silu_mul_gemv(gate_up, w["down"], locks=locks, pdl=pdl, prefetch=prefetch)
 
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_pdl_and_its_prefetch_change_no_bit(gemv) -> None:
-    """Launched as a programmatic dependent, with and without each program asking L2 for its weights before it
-    waits (`prefetch`), every pair and o_proj gives the plain launch's bits at one and two rows: the wait and
-    the hint move no arithmetic."""
+@pytest.mark.parametrize("hidden", [1024, 1000], ids=["0.6B", "odd"])
+def test_gpu_pdl_chain_and_its_prefetch_change_no_bit(gemv, hidden: int) -> None:
+    """Programmatic dependents that each read the previous kernel's output, eager and replayed from a CUDA
+    graph, with and without each GEMV asking L2 for its weights before it waits: the plain launches' bits. A
+    kernel that read before its wait would see the inputs of the replay before (the graph's inputs change
+    between replays). `hidden` 1000: partial row tiles and K tiles on every GEMV."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs Hopper or newer")
+    rms_norm = import_kernel("rms_norm").rms_norm
+    gen = torch.Generator(device=DEVICE).manual_seed(hidden)
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, device=DEVICE) * scale).bfloat16()
+
+    inter = 3 * hidden
+    w = {"norm": randn(hidden) + 1, "o": randn(hidden, hidden, scale=hidden**-0.5),
+         "gate_up": randn(2 * inter, hidden, scale=hidden**-0.5), "down": randn(hidden, inter, scale=inter**-0.5),
+         "locks": gemv.gemv_locks(2 * inter, 1, DEVICE)}  # fmt: skip
+    inputs = [randn(1, hidden, scale=2.0) for _ in range(4)]
+    want = [_chain(gemv, rms_norm, w, x, pdl=False, prefetch=False) for x in inputs]
+    for prefetch in (True, False):
+        got = [_chain(gemv, rms_norm, w, x, pdl=True, prefetch=prefetch) for x in inputs]
+        assert all(torch.equal(g, e) for g, e in zip(got, want)), f"eager, prefetch={prefetch}"
+        static = inputs[0].clone()
+        _chain(gemv, rms_norm, w, static, pdl=True, prefetch=prefetch)  # compiled before the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = _chain(gemv, rms_norm, w, static, pdl=True, prefetch=prefetch)
+        for x, expected in zip(inputs, want):
+            static.copy_(x)
+            graph.replay()
+            assert torch.equal(out, expected), f"graph replay, prefetch={prefetch}"
+    assert int(w["locks"].count_nonzero()) == 0
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_one_split_without_counters_compiles() -> None:
+    """A one-split launch given no `locks` (a caller outside the layers): the launcher passes an int32
+    placeholder. It once passed the weight, and the compiler, which types the counters' atomics whatever the
+    split, refused a bf16 weight (the interpreter does not type atomics)."""
+    gemv = import_kernel("quant_matmul_gemv")
+    x, weight = torch.randn(1, 256, device=DEVICE).bfloat16(), torch.randn(64, 256, device=DEVICE).bfloat16()
+    got = gemv.linear_gemv(x, weight, split_k=1)
+    torch.testing.assert_close(got.float(), x.float() @ weight.float().T, atol=2e-2, rtol=2e-2)
+
+
+def _launch(gemv, prologue: str, x, weight, norm_weight, residual, locks, **kwargs: bool) -> torch.Tensor:
+    if prologue == "silu_mul":
+        return gemv.silu_mul_gemv(x, weight, locks=locks, **kwargs)
+    if prologue == "none":
+        return gemv.linear_gemv(x, weight, locks=locks, **kwargs)
+    res = residual if prologue == "add_rms_norm" else None
+    return gemv.rms_norm_gemv(x, norm_weight, EPS, weight, residual=res, locks=locks, **kwargs)[0]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_pdl_and_its_prefetch_change_no_bit_at_any_model_shape(gemv) -> None:
+    """Every pair and o_proj of the supported models, at one and two rows, launched as a programmatic dependent
+    with and without the prefetch: the plain launch's bits (the wait and the hint move no arithmetic; the
+    chain above tests the ordering)."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("programmatic dependent launch needs Hopper or newer")
     gen = torch.Generator(device=DEVICE).manual_seed(7)
@@ -142,8 +205,7 @@ def test_gpu_pdl_and_its_prefetch_change_no_bit(gemv) -> None:
             width = 2 * k if prologue == "silu_mul" else k
             x = (torch.randn(m, width, generator=gen, device=DEVICE) * 2).bfloat16()
             residual = torch.randn(m, k, generator=gen, device=DEVICE).bfloat16()
-            args = (gemv, prologue, x, weight, norm_weight, residual)
+            args = (gemv, prologue, x, weight, norm_weight, residual, gemv.gemv_locks(n, m, DEVICE))
             plain = _launch(*args)
             for prefetch in (True, False):
-                got = _launch(*args, pdl=True, prefetch=prefetch)
-                assert torch.equal(got, plain), (prologue, n, k, m, prefetch)
+                assert torch.equal(_launch(*args, pdl=True, prefetch=prefetch), plain), (prologue, n, k, m, prefetch)

@@ -128,6 +128,8 @@ class TritonAttentionBackend(AttentionBackend):
                     f"kv_cache_dtype='fp8' with attention_backend='triton' needs a GPU of compute capability 8.9 or "
                     f"later; this one is {major}.{minor}: use attention_backend='torch', or kv_cache_dtype='auto'"
                 )
+        if pdl and device.type != "cuda":
+            raise InvalidConfigError(f"programmatic dependent launches (ASYNCLLM_DECODE_PDL) need CUDA, not {device}")
         self.device = device
         self.num_kv_heads = num_kv_heads
         self.pdl = pdl
