@@ -129,7 +129,10 @@ class TritonAttentionBackend(AttentionBackend):
                     f"later; this one is {major}.{minor}: use attention_backend='torch', or kv_cache_dtype='auto'"
                 )
         if pdl and device.type != "cuda":
-            raise InvalidConfigError(f"programmatic dependent launches (ASYNCLLM_DECODE_PDL) need CUDA, not {device}")
+            raise InvalidConfigError(  # worker/device.py's check_pdl words, before the weights load
+                f"ASYNCLLM_DECODE_PDL=1 launches the Triton backend's kernels on CUDA; this engine runs on {device}: "
+                "unset ASYNCLLM_DECODE_PDL"
+            )
         self.device = device
         self.num_kv_heads = num_kv_heads
         self.pdl = pdl
