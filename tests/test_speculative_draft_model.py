@@ -166,3 +166,19 @@ def test_a_paused_draft_proposes_nothing_and_resumes_exactly(tiny_model: Path) -
     paused, paused_stats = _run(tiny_model, GREEDY, {**_spec(tiny_model), "disable_by_batch_size": 2})
     assert paused == _run(tiny_model, GREEDY, None)[0]
     assert paused_stats["spec_draft_tokens"] == 0
+
+
+def test_a_draft_whose_tokenizer_differs_fails_at_construction(tiny_model: Path, tmp_path: Path) -> None:
+    """Same vocabulary size, two tokens' ids swapped: the draft would propose ids that mean other strings. The
+    check reads the target's tokenizer, which the engine loads in the background (it must wait for it, not
+    skip the check while it is still loading)."""
+    draft = _edited(tiny_model, tmp_path / "draft")
+    (draft / "tokenizer.json").unlink()
+    spec = json.loads((tiny_model / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[300:302]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (draft / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(InvalidConfigError, match=r"the draft's tokenizer differs from the target's \(token ") as info:
+        LLM(str(tiny_model), speculative_config=_spec(draft), **ENGINE)
+    assert "\n" not in str(info.value)

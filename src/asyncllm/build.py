@@ -59,13 +59,18 @@ def build_engine(config: EngineConfig, clock: Callable[[], float]) -> BuiltEngin
         from asyncllm.worker.device import resolve_device
 
     resolve_device(config.device_config.device)  # no such device: fail before reading anything
-    with phases("open"):  # config, tokenizer, and a GGUF file's checks
+    with phases("open"):  # config, and a GGUF file's checks; a directory's tokenizer loads beside the worker
         # Host-side weights in float32 (lossless for 16-bit checkpoints); the worker casts as it copies them in.
-        checkpoint = open_checkpoint(mc.model, torch.float32, mc.tokenizer)
+        checkpoint = open_checkpoint(mc.model, torch.float32, mc.tokenizer, background_tokenizer=True)
         pooler = engine_pooler(config, checkpoint)  # the task: None generates (docs/embeddings.md)
     executor = make_executor(config, checkpoint, pooler)
     phases.add(executor.runtime.startup_seconds)  # the worker's steps: load, profile, kv_cache, warm_up, capture
-    tokenizer = checkpoint.tokenizer
+    try:
+        with phases("tokenizer"):  # what the tokenizer's load took beyond the worker's set-up (0 where it overlapped)
+            tokenizer = checkpoint.loaded_tokenizer()
+    except BaseException:  # a tokenizer that cannot load: the worker (its device memory, its ranks) goes too
+        executor.shutdown()
+        raise
     sched = config.scheduler_config
     budget = sched.max_num_batched_tokens
     if pooler is not None:  # an input runs whole in one step, and no prefix is shared (core/pooling.py)

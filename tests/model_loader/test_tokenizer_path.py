@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncllm.errors import ModelNotFoundError
+from asyncllm.errors import ModelNotFoundError, UnsupportedModelError
 from asyncllm.model_loader.checkpoint import open_checkpoint, reopen_checkpoint
 from tests.fixtures.tiny_models import build_checkpoint, build_tokenizer
 
@@ -80,3 +80,38 @@ def test_a_reopened_checkpoint_loads_rank_0s_tokenizer_only_when_asked(checkpoin
         loaded = reopened.load_tokenizer()
         assert Path(loaded.name_or_path) == Path(opened.tokenizer.name_or_path) == (given or model)
         assert loaded.get_vocab() == opened.tokenizer.get_vocab()
+
+
+def test_a_background_tokenizer_is_the_same_one_and_its_failure_is_raised(checkpoint_dir: Path, tmp_path: Path) -> None:
+    """`background_tokenizer=True` (the engine's build: the tokenizer loads beside the weights): the same
+    tokenizer (the given one, else the checkpoint's own) once `loaded_tokenizer()` waits for it; a given path
+    is still checked at once; a tokenizer file that cannot load raises an error naming the directory from
+    `loaded_tokenizer()`; a directory without one has none."""
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    build_tokenizer(tok_dir)
+    text = "Paris is the capital of France."
+    for given in (None, str(tok_dir)):
+        eager = open_checkpoint(str(checkpoint_dir), torch.float32, given).tokenizer
+        background = open_checkpoint(str(checkpoint_dir), torch.float32, given, background_tokenizer=True)
+        assert background.tokenizer is None and background.load_tokenizer is not None
+        loaded = background.loaded_tokenizer()
+        assert loaded is background.tokenizer and background.load_tokenizer is None
+        assert loaded.name_or_path == eager.name_or_path and loaded(text).input_ids == eager(text).input_ids
+    with pytest.raises(ModelNotFoundError, match=r"tokenizer='/nonexistent' is not a directory"):
+        open_checkpoint(str(checkpoint_dir), torch.float32, "/nonexistent", background_tokenizer=True)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in checkpoint_dir.iterdir():
+        if f.name != "tokenizer.json":
+            (broken / f.name).symlink_to(f)
+    (broken / "tokenizer.json").write_text("{ not json")
+    opened = open_checkpoint(str(broken), torch.float32, background_tokenizer=True)
+    with pytest.raises(UnsupportedModelError, match=f"the tokenizer in {broken} could not be loaded: Expecting"):
+        opened.loaded_tokenizer()
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in checkpoint_dir.iterdir():
+        if not f.name.startswith("tokenizer"):
+            (bare / f.name).symlink_to(f)
+    assert open_checkpoint(str(bare), torch.float32, background_tokenizer=True).loaded_tokenizer() is None

@@ -37,5 +37,13 @@ class Checkpoint:
     # layout (model_loader/gguf/repack.py); None for formats whose quantized tensors come through `iter_weights`.
     iter_quantized_weights: Callable[[Mapping[str, QuantScheme]], Iterator[tuple[str, torch.Tensor]]] | None = None
     # The tokenizer, not loaded yet (`tokenizer` is None): a worker rank's reopened checkpoint, whose only reader
-    # of it is a constraint's grammar. None where `tokenizer` is loaded, or absent.
+    # of it is a constraint's grammar; or one loading on a thread of its own while the engine loads the weights
+    # (`open_checkpoint(background_tokenizer=True)`). None where `tokenizer` is loaded, or absent.
     load_tokenizer: Callable[[], Any] | None = None
+
+    def loaded_tokenizer(self) -> Any | None:
+        """The tokenizer, loaded now if it was deferred (or waited for, if loading in the background); None if
+        the checkpoint has none. A failure to load it is raised here."""
+        if self.tokenizer is None and self.load_tokenizer is not None:
+            self.tokenizer, self.load_tokenizer = self.load_tokenizer(), None
+        return self.tokenizer

@@ -18,7 +18,11 @@ from asyncllm.model_loader.hf import open_hf_checkpoint, reopen_hf_checkpoint
 __all__ = ["Checkpoint", "open_checkpoint", "reopen_checkpoint"]
 
 
-def open_checkpoint(model: str, dtype: torch.dtype, tokenizer_path: str | None = None) -> Checkpoint:
+def open_checkpoint(
+    model: str, dtype: torch.dtype, tokenizer_path: str | None = None, background_tokenizer: bool = False
+) -> Checkpoint:
+    """`background_tokenizer`: a directory's tokenizer loads on a thread of its own while the caller goes on
+    (`Checkpoint.loaded_tokenizer()` waits for it); a GGUF file's comes from its own metadata, at once."""
     path = Path(model).expanduser()
     given = Path(tokenizer_path).expanduser() if tokenizer_path else None
     if path.is_file() and path.suffix == ".gguf":
@@ -27,7 +31,7 @@ def open_checkpoint(model: str, dtype: torch.dtype, tokenizer_path: str | None =
         raise ModelNotFoundError(
             f"model {model!r} is neither a checkpoint directory nor a .gguf file (no network access is attempted)"
         )
-    return open_hf_checkpoint(path, dtype, given)
+    return open_hf_checkpoint(path, dtype, given, background_tokenizer)
 
 
 def reopen_checkpoint(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -19,17 +20,26 @@ from asyncllm.model_loader.safetensors import count_safetensors, iter_safetensor
 from asyncllm.models.registry import resolve_architecture
 
 
-def open_hf_checkpoint(path: Path, dtype: torch.dtype, tokenizer_path: Path | None) -> Checkpoint:
+def open_hf_checkpoint(
+    path: Path, dtype: torch.dtype, tokenizer_path: Path | None, background_tokenizer: bool = False
+) -> Checkpoint:
+    """`background_tokenizer`: the tokenizer loads on a thread of its own (`Checkpoint.load_tokenizer` waits for
+    it), beside the weights' load; a given tokenizer directory's presence is still checked here."""
     if not (path / "config.json").is_file():
         raise ModelNotFoundError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
     check_architecture(path / "config.json")
+    if tokenizer_path is not None:
+        check_given_tokenizer(tokenizer_path)
+    load = partial(load_tokenizer, path if tokenizer_path is None else tokenizer_path)
+    pending = in_background(load) if background_tokenizer else None
     from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
     return Checkpoint(
         path=path,
         hf_config=hf_config,
-        tokenizer=load_tokenizer(path) if tokenizer_path is None else load_given_tokenizer(tokenizer_path),
+        tokenizer=load() if pending is None else None,
+        load_tokenizer=pending,
         eos_token_ids=eos_ids(path, hf_config),
         iter_weights=lambda: iter_safetensors(path, dtype),
         iter_weight_shards=lambda select: iter_safetensors(path, dtype, select),
@@ -79,7 +89,10 @@ def load_tokenizer(path: Path) -> Any | None:
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as exc:  # transformers' and the Rust tokenizer's many kinds, none naming the directory
+        raise UnsupportedModelError(f"the tokenizer in {path} could not be loaded: {exc}") from exc
 
 
 def has_tokenizer(path: Path) -> bool:
@@ -89,14 +102,28 @@ def has_tokenizer(path: Path) -> bool:
 
 def load_given_tokenizer(path: Path) -> Any:
     """The tokenizer at a path the user named: unlike the checkpoint's own (optional), it must be there."""
+    check_given_tokenizer(path)
+    return load_tokenizer(path)
+
+
+def check_given_tokenizer(path: Path) -> None:
+    """ModelNotFoundError unless the directory the user named holds tokenizer files."""
     if not path.is_dir():
         raise ModelNotFoundError(f"tokenizer={str(path)!r} is not a directory: give a local tokenizer directory")
-    tokenizer = load_tokenizer(path)
-    if tokenizer is None:
+    if not has_tokenizer(path):
         raise ModelNotFoundError(
             f"tokenizer={str(path)!r} holds no tokenizer (no tokenizer.json or tokenizer_config.json)"
         )
-    return tokenizer
+
+
+def in_background(load: Callable[[], Any]) -> Callable[[], Any]:
+    """Starts `load` on a thread of its own; the returned call waits for its result (or raises its error).
+    Tokenizer loading is Python and JSON parsing, the weights' load mostly I/O and torch calls that release
+    the GIL: the two overlap (the engine's `open` phase, ~1-1.5 s of a GPU engine's start-up)."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncllm-tokenizer")
+    future = pool.submit(load)
+    pool.shutdown(wait=False)
+    return future.result
 
 
 def eos_ids(path: Path, hf_config: Any) -> frozenset[int]:

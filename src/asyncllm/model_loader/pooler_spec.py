@@ -93,12 +93,13 @@ def resolve_pooler(task: Task | None, checkpoint: Checkpoint, arch: ModelArchCon
             type_vocab_size=arch.encoder.type_vocab_size if arch.encoder is not None else None,
         )
     if name in YES_NO_RERANKERS:
+        tokenizer = checkpoint.loaded_tokenizer()  # the yes/no ids: waits for one loading in the background
         return PoolerSpec(
             Task.SCORE,
             PoolingMethod.LAST,
             arch.hidden_size,
             score=ScoreMethod.YES_NO,
-            yes_no_token_ids=(_token_id(checkpoint.tokenizer, "no"), _token_id(checkpoint.tokenizer, "yes")),
+            yes_no_token_ids=(_token_id(tokenizer, "no"), _token_id(tokenizer, "yes")),
         )
     raise InvalidConfigError(
         f"task='score' cannot be served by {name}: scores come from a cross-encoder (*ForSequenceClassification) "

@@ -98,7 +98,7 @@ def _resolve(config: EngineConfig, checkpoint: Checkpoint, target: ResolvedModel
 
 def _check_vocabulary(model: str, target: Checkpoint, draft: Checkpoint) -> None:
     """Where both checkpoints carry a tokenizer, the same token strings have the same ids."""
-    theirs, ours = _vocab(draft.tokenizer), _vocab(target.tokenizer)
+    theirs, ours = _vocab(draft.loaded_tokenizer()), _vocab(target.loaded_tokenizer())  # waits for a background one
     if theirs is not None and ours is not None and theirs != ours:
         differ = sorted(set(theirs.items()) ^ set(ours.items()))[0]
         raise InvalidConfigError(
