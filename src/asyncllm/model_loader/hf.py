@@ -30,11 +30,13 @@ def open_hf_checkpoint(
     check_architecture(path / "config.json")
     if tokenizer_path is not None:
         check_given_tokenizer(tokenizer_path)
-    load = partial(load_tokenizer, path if tokenizer_path is None else tokenizer_path)
-    pending = in_background(load) if background_tokenizer else None
-    from transformers import AutoConfig
+    # Both imported here, before any second thread: transformers imported on two threads at once can hand one
+    # of them a half-initialised module ("cannot import name 'AutoTokenizer'").
+    from transformers import AutoConfig, AutoTokenizer  # noqa: F401
 
     hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+    load = partial(load_tokenizer, path if tokenizer_path is None else tokenizer_path)
+    pending = in_background(load) if background_tokenizer else None
     return Checkpoint(
         path=path,
         hf_config=hf_config,
@@ -123,7 +125,14 @@ def in_background(load: Callable[[], Any]) -> Callable[[], Any]:
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncllm-tokenizer")
     future = pool.submit(load)
     pool.shutdown(wait=False)
-    return future.result
+
+    def result() -> Any:
+        try:
+            return future.result()
+        except ImportError:  # a lazy import of transformers' raced one on another thread: once more, here
+            return load()
+
+    return result
 
 
 def eos_ids(path: Path, hf_config: Any) -> frozenset[int]:

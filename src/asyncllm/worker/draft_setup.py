@@ -41,6 +41,8 @@ def load_draft(
     """The draft model (or "eagle3"'s head: worker/eagle3_setup.py), loaded; None unless `speculative_config`'s
     method runs one."""
     spec = config.scheduler_config.speculative
+    if spec is not None:  # a draft imports transformers (its config): not beside the tokenizer's own imports
+        target.loaded_tokenizer()
     if spec is not None and spec.method == "eagle3":
         return load_eagle3(config, module, resolved)
     if spec is None or spec.method != "draft_model":
