@@ -5,7 +5,6 @@ a banner of what it built (device, dtype, KV cache, limits, seconds per phase), 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -60,10 +59,13 @@ def test_weight_loading_logs_progress_only_when_it_takes_long(caplog: pytest.Log
     assert caplog.records[-1].getMessage().startswith("loading weights: 2 tensors after")
 
 
-def test_a_tokenizer_that_cannot_load_fails_the_build_naming_it(tiny_model: Path, tmp_path: Path) -> None:
+def test_a_tokenizer_that_cannot_load_fails_the_build_naming_it(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The tokenizer loads beside the worker's set-up (`open_checkpoint(background_tokenizer=True)`): one that
     cannot load still fails the build, naming its directory, and the worker built meanwhile is shut down."""
     from asyncllm.errors import UnsupportedModelError
+    from asyncllm.executor.uniproc import UniProcExecutor
 
     broken = tmp_path / "broken"
     broken.mkdir()
@@ -71,9 +73,10 @@ def test_a_tokenizer_that_cannot_load_fails_the_build_naming_it(tiny_model: Path
         if f.name != "tokenizer.json":
             (broken / f.name).symlink_to(f)
     (broken / "tokenizer.json").write_text("{ not json")
+    shut: list[UniProcExecutor] = []
+    shutdown = UniProcExecutor.shutdown
+    monkeypatch.setattr(UniProcExecutor, "shutdown", lambda self: (shut.append(self), shutdown(self))[1])
     config = EngineConfig.from_kwargs(str(broken), device="cpu", block_size=4, num_kv_blocks=64)
-    threads = set(threading.enumerate())
     with pytest.raises(UnsupportedModelError, match=f"the tokenizer in {broken} could not be loaded"):
         build_engine(config, time.monotonic)
-    left = [t for t in threading.enumerate() if t not in threads and t.is_alive()]
-    assert not [t.name for t in left if t.name.startswith("asyncllm")], left
+    assert len(shut) == 1, "the executor built beside the tokenizer must be shut down"

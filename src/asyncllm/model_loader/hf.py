@@ -36,7 +36,8 @@ def open_hf_checkpoint(
 
     hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
     load = partial(load_tokenizer, path if tokenizer_path is None else tokenizer_path)
-    pending = in_background(load) if background_tokenizer else None
+    background = background_tokenizer and (tokenizer_path is not None or has_tokenizer(path))  # else none to load
+    pending = in_background(load) if background else None
     return Checkpoint(
         path=path,
         hf_config=hf_config,

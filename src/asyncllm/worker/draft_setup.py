@@ -36,12 +36,14 @@ _KEY = "speculative_config['model']"
 
 
 def load_draft(
-    config: EngineConfig, target: Checkpoint, resolved: ResolvedModel, module: CausalLM
+    config: EngineConfig, target: Checkpoint, resolved: ResolvedModel, module: CausalLM, first_rank: bool = True
 ) -> LoadedDraft | LoadedEagle3 | None:
     """The draft model (or "eagle3"'s head: worker/eagle3_setup.py), loaded; None unless `speculative_config`'s
-    method runs one."""
+    method runs one. `first_rank`: this rank checks the draft's vocabulary against the target's tokenizer (the
+    others, whose tokenizer is not loaded, leave it to rank 0: the same files)."""
     spec = config.scheduler_config.speculative
-    if spec is not None:  # a draft imports transformers (its config): not beside the tokenizer's own imports
+    if first_rank and spec is not None and spec.method in ("draft_model", "eagle3"):
+        # Its set-up imports transformers: not while a background tokenizer load may import it too.
         target.loaded_tokenizer()
     if spec is not None and spec.method == "eagle3":
         return load_eagle3(config, module, resolved)
@@ -49,17 +51,20 @@ def load_draft(
         return None
     assert spec.model is not None  # SpeculativeConfig checked it
     try:
-        return _load(config, spec.model, spec.num_speculative_tokens, target, resolved)
+        return _load(config, spec.model, spec.num_speculative_tokens, target, resolved, first_rank)
     except InvalidConfigError:
         raise
     except AsyncLLMError as exc:  # not a model asyncllm runs: its loader says why
         raise InvalidConfigError(f"{_KEY}={spec.model!r} cannot be the draft: {exc}") from None
 
 
-def _load(config: EngineConfig, path: str, k: int, target: Checkpoint, resolved: ResolvedModel) -> LoadedDraft:
+def _load(
+    config: EngineConfig, path: str, k: int, target: Checkpoint, resolved: ResolvedModel, first_rank: bool
+) -> LoadedDraft:
     checkpoint = open_checkpoint(path, torch.float32)
     draft = _resolve(config, checkpoint, resolved)
-    _check_vocabulary(path, target, checkpoint)
+    if first_rank:
+        _check_vocabulary(path, target, checkpoint)
     device, dtype = resolved.device, resolved.dtype
     arch = draft.arch
     backend = draft_attention_backend(config, arch, resolved)
@@ -100,7 +105,7 @@ def _resolve(config: EngineConfig, checkpoint: Checkpoint, target: ResolvedModel
 
 def _check_vocabulary(model: str, target: Checkpoint, draft: Checkpoint) -> None:
     """Where both checkpoints carry a tokenizer, the same token strings have the same ids."""
-    theirs, ours = _vocab(draft.loaded_tokenizer()), _vocab(target.loaded_tokenizer())  # waits for a background one
+    theirs, ours = _vocab(draft.tokenizer), _vocab(target.loaded_tokenizer())
     if theirs is not None and ours is not None and theirs != ours:
         differ = sorted(set(theirs.items()) ^ set(ours.items()))[0]
         raise InvalidConfigError(

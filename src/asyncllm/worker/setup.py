@@ -62,8 +62,7 @@ def build_worker(
     parallel: TPGroup | None = None,
     agree: Callable[[int], int] = lambda num_blocks: num_blocks,
 ) -> Worker:
-    """A ready worker. `agree`: the KV block count every rank can hold, from this rank's (tensor parallelism:
-    the smallest of the ranks'; it is a collective)."""
+    """A ready worker. `agree`: every rank's KV block count from this rank's (the smallest: a collective)."""
     setup = WorkerSetup(config, checkpoint, resolved, parallel)
     setup.apply_threads()  # before loading: dequantizing and copying weights run on these threads too
     # On CUDA the vocabulary's grammar tables (1-2 s of host work for a 150k vocabulary, holding the GIL) are
@@ -177,7 +176,8 @@ class WorkerSetup:
             logger.debug("the op before folded into the GEMV for %d layers", prologue_layers(module))
         if fused and tuning.decode_layer and self.parallel is None:  # after the tuning: the weights' final layout
             self.decode_layers = use_one_launch_layers(module, device, self.config.scheduler_config.max_num_seqs)
-        return LoadedModel(module, backend, loras, load_draft(self.config, self.checkpoint, self.resolved, module))
+        draft = load_draft(self.config, self.checkpoint, self.resolved, module, first_rank=self._reports)
+        return LoadedModel(module, backend, loras, draft)
 
     def _lora_manager(self, module: CausalLM) -> LoRAManager | None:
         lora = self.config.lora_config
