@@ -121,19 +121,13 @@ def check_given_tokenizer(path: Path) -> None:
 
 def in_background(load: Callable[[], Any]) -> Callable[[], Any]:
     """Starts `load` on a thread of its own; the returned call waits for its result (or raises its error).
-    Tokenizer loading is Python and JSON parsing, the weights' load mostly I/O and torch calls that release
-    the GIL: the two overlap (the engine's `open` phase, ~1-1.5 s of a GPU engine's start-up)."""
+    A tokenizer's load (~0.7 s on a CPU host) is Python and JSON parsing; a worker's set-up waits on files and
+    the device in stretches that release the GIL, where the two can overlap. The caller imports transformers
+    first: the module imported on two threads at once can reach one of them half-initialised."""
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncllm-tokenizer")
     future = pool.submit(load)
     pool.shutdown(wait=False)
-
-    def result() -> Any:
-        try:
-            return future.result()
-        except ImportError:  # a lazy import of transformers' raced one on another thread: once more, here
-            return load()
-
-    return result
+    return future.result
 
 
 def eos_ids(path: Path, hf_config: Any) -> frozenset[int]:
