@@ -62,7 +62,8 @@ def test_serve_a_checkpoint_from_the_command_line(tiny_model: Path) -> None:
     assert "engine core: a process of its own" in err, err
     assert "engine ready in " in err and "(Qwen3ForCausalLM)" in err, err
     assert "cpu, float32, torch attention" in err and "KV cache 256 tokens (64 blocks of 4" in err, err
-    assert re.search(r"start-up: import [\d.]+ s, open [\d.]+ s, load [\d.]+ s, kv_cache [\d.]+ s, other", err), err
+    phases = r"start-up: import [\d.]+ s, open [\d.]+ s, load [\d.]+ s, kv_cache [\d.]+ s, tokenizer [\d.]+ s, other"
+    assert re.search(phases, err), err
     assert f'at http://127.0.0.1:{port}/v1: clients send "model": "{tiny_model.name}" (with the API key)' in err, err
     assert re.search(r"ready in [\d.]+ s \(engine [\d.]+ s", err), err
     # One line per finished request: id, tokens in and out, time to first token, duration, finish reason.
