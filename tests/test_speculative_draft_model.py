@@ -14,7 +14,7 @@ import pytest
 from asyncllm import LLM, AsyncLLMEngine, SamplingParams
 from asyncllm.errors import InvalidConfigError
 from tests.fixtures.spec_streams import cancel_and_break
-from tests.fixtures.tiny_models import build_checkpoint
+from tests.fixtures.tiny_models import build_checkpoint, linked_checkpoint
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7], [11, 12, 13, 14, 15, 16, 17], [3, 4, 3, 4, 3, 4, 3]]
 GREEDY = SamplingParams(max_tokens=40, temperature=0)
@@ -120,13 +120,8 @@ async def test_cancel_and_break_mid_speculation_free_every_block(tiny_model: Pat
 
 def _edited(src: Path, dst: Path, **changes: object) -> Path:
     """A copy of checkpoint `src` whose config.json has `changes` (the checks run before any weight is read)."""
-    dst.mkdir()
-    for f in src.iterdir():
-        (dst / f.name).symlink_to(f)
-    (dst / "config.json").unlink()
     config = json.loads((src / "config.json").read_text())
-    (dst / "config.json").write_text(json.dumps({**config, **changes}))
-    return dst
+    return linked_checkpoint(src, dst, config__json=json.dumps({**config, **changes}))
 
 
 @pytest.mark.parametrize(
@@ -172,13 +167,11 @@ def test_a_draft_whose_tokenizer_differs_fails_at_construction(tiny_model: Path,
     """Same vocabulary size, two tokens' ids swapped: the draft would propose ids that mean other strings. The
     check reads the target's tokenizer, which the engine loads in the background (it must wait for it, not
     skip the check while it is still loading)."""
-    draft = _edited(tiny_model, tmp_path / "draft")
-    (draft / "tokenizer.json").unlink()
     spec = json.loads((tiny_model / "tokenizer.json").read_text())
     vocab = spec["model"]["vocab"]
     a, b = sorted(vocab, key=vocab.get)[300:302]
     vocab[a], vocab[b] = vocab[b], vocab[a]
-    (draft / "tokenizer.json").write_text(json.dumps(spec))
+    draft = linked_checkpoint(tiny_model, tmp_path / "draft", tokenizer__json=json.dumps(spec))
     with pytest.raises(InvalidConfigError, match=r"the draft's tokenizer differs from the target's \(token ") as info:
         LLM(str(tiny_model), speculative_config=_spec(draft), **ENGINE)
     assert "\n" not in str(info.value)

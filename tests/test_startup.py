@@ -66,13 +66,9 @@ def test_a_tokenizer_that_cannot_load_fails_the_build_naming_it(
     cannot load still fails the build, naming its directory, and the worker built meanwhile is shut down."""
     from asyncllm.errors import UnsupportedModelError
     from asyncllm.executor.uniproc import UniProcExecutor
+    from tests.fixtures.tiny_models import linked_checkpoint
 
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    for f in tiny_model.iterdir():
-        if f.name != "tokenizer.json":
-            (broken / f.name).symlink_to(f)
-    (broken / "tokenizer.json").write_text("{ not json")
+    broken = linked_checkpoint(tiny_model, tmp_path / "broken", tokenizer__json="{ not json")
     shut: list[UniProcExecutor] = []
     shutdown = UniProcExecutor.shutdown
     monkeypatch.setattr(UniProcExecutor, "shutdown", lambda self: (shut.append(self), shutdown(self))[1])

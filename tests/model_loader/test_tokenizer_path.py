@@ -10,7 +10,7 @@ import torch
 
 from asyncllm.errors import ModelNotFoundError, UnsupportedModelError
 from asyncllm.model_loader.checkpoint import open_checkpoint, reopen_checkpoint
-from tests.fixtures.tiny_models import build_checkpoint, build_tokenizer
+from tests.fixtures.tiny_models import build_checkpoint, build_tokenizer, linked_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -59,11 +59,7 @@ def test_a_reopened_checkpoint_loads_rank_0s_tokenizer_only_when_asked(checkpoin
     tok_dir = tmp_path / "tok"
     tok_dir.mkdir()
     build_tokenizer(tok_dir)
-    bare = tmp_path / "bare"
-    bare.mkdir()
-    for f in checkpoint_dir.iterdir():
-        if not f.name.startswith("tokenizer"):
-            (bare / f.name).symlink_to(f)
+    bare = linked_checkpoint(checkpoint_dir, tmp_path / "bare", drop=("tokenizer",))
     gguf_path = write_gguf(tmp_path / "m.gguf", "llama", build_hf_model("llama"))
     for model, given in [(checkpoint_dir, None), (checkpoint_dir, tok_dir), (gguf_path, tok_dir), (bare, None)]:
         given_path = None if given is None else str(given)
@@ -100,19 +96,10 @@ def test_a_background_tokenizer_is_the_same_one_and_its_failure_is_raised(checkp
         assert loaded.name_or_path == eager.name_or_path and loaded(text).input_ids == eager(text).input_ids
     with pytest.raises(ModelNotFoundError, match=r"tokenizer='/nonexistent' is not a directory"):
         open_checkpoint(str(checkpoint_dir), torch.float32, "/nonexistent", background_tokenizer=True)
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    for f in checkpoint_dir.iterdir():
-        if f.name != "tokenizer.json":
-            (broken / f.name).symlink_to(f)
-    (broken / "tokenizer.json").write_text("{ not json")
+    broken = linked_checkpoint(checkpoint_dir, tmp_path / "broken", tokenizer__json="{ not json")
     opened = open_checkpoint(str(broken), torch.float32, background_tokenizer=True)
     with pytest.raises(UnsupportedModelError, match=f"the tokenizer in {broken} could not be loaded: Expecting"):
         opened.loaded_tokenizer()
-    bare = tmp_path / "bare"
-    bare.mkdir()
-    for f in checkpoint_dir.iterdir():
-        if not f.name.startswith("tokenizer"):
-            (bare / f.name).symlink_to(f)
+    bare = linked_checkpoint(checkpoint_dir, tmp_path / "bare", drop=("tokenizer",))
     none = open_checkpoint(str(bare), torch.float32, background_tokenizer=True)
     assert none.load_tokenizer is None and none.loaded_tokenizer() is None  # nothing deferred: no grammar backend
