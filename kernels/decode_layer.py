@@ -12,7 +12,16 @@ import math
 import torch
 
 from .decode_layer_kernels import LAST_PHASE, STAMPS, _decode_layer_kernel
-from .decode_layer_plan import MAX_ROWS, DecodeLayerConfig, DecodeLayerScratch, check_config, layout_of, plan_config
+from .decode_layer_plan import (
+    BULK_PREFETCH,
+    MAX_ROWS,
+    PREFETCH_MODES,
+    DecodeLayerConfig,
+    DecodeLayerScratch,
+    check_config,
+    layout_of,
+    plan_config,
+)
 from .decode_layer_ref import DecodeLayerWeights, decode_layer_ref
 from .paged_attention import _pow2
 from .paged_attention_plan import MAX_SPLITS
@@ -48,8 +57,8 @@ def launch_constants(
         BLOCK_G=_pow2(group),
         BLOCK_D=_pow2(w.head_dim), BLOCK_N=config.block_n, BLOCK_S=MAX_SPLITS,
         RMS_CHUNK=math.gcd(hidden, max(16, 2048 // block_r)),
-        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32", STAGES=config.stages, PREFETCH=config.prefetch,
-        num_warps=config.num_warps,
+        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32", STAGES=config.stages,
+        PREFETCH=PREFETCH_MODES.index(config.prefetch), THREADS=32 * config.num_warps, num_warps=config.num_warps,
     )  # fmt: skip
 
 
@@ -155,8 +164,11 @@ def decode_layer(
         config = plan_config(w, rows, programs)
     else:
         check_config(config, w, rows)
-    if config.prefetch and x.device.type != "cuda":
-        raise ValueError("config.prefetch asks L2 through PTX: CUDA only")
+    if config.prefetch != "off" and x.device.type != "cuda":
+        raise ValueError(f"config.prefetch={config.prefetch!r} asks L2 through PTX: CUDA only")
+    if config.prefetch in BULK_PREFETCH and torch.cuda.get_device_capability(x.device) < (9, 0):
+        raise ValueError(f"config.prefetch={config.prefetch!r} uses Hopper's copy engine (sm_90 or newer); this "
+                         f"card is sm_{''.join(map(str, torch.cuda.get_device_capability(x.device)))}")  # fmt: skip
     if clock is not None and (clock.shape != (programs, STAMPS) or clock.dtype != torch.int64 or not clock.is_cuda
                               or not clock.is_contiguous() or phases):  # fmt: skip
         raise ValueError(f"clock must be a contiguous CUDA int64 [programs={programs}, {STAMPS}], one launch")

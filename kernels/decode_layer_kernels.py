@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .l2_prefetch import LINE_BYTES, prefetch_l2
+from .l2_prefetch import LINE_BYTES, prefetch_l2, prefetch_span_l2
 from .paged_attention_fold import _fold_is_last, _fold_merge
 from .paged_attention_kernels import _attend_paged
 
@@ -28,6 +28,11 @@ ALL_PHASES = tl.constexpr(0)  # PHASE: every phase, barriers between them (the G
 # PHASE 1..5: that phase alone, no barrier: the interpreter runs programs one after another, so a barrier
 # that waits for the others would never return there; its tests launch the phases one by one instead.
 LAST_PHASE = 5
+# PREFETCH: how a launch asks L2 for its weights ahead of their phase, the index of its name in
+# decode_layer_plan.PREFETCH_MODES (CUDA only: PTX). 1, lines: the whole layer at the start, a 128-byte line a
+# request; 2, bulk: each program its own tiles of every projection at the start, one copy-engine request a
+# thread (sm_90); 3, ahead: bulk's qkv tiles at the start, the rest once the program's qkv tiles are done, so
+# they stream during the other programs' phase 1 and attention, not against phase 1's reads.
 
 
 @triton.jit
@@ -67,6 +72,30 @@ def _prefetch_l2(w_ptr, numel, LINES: tl.constexpr, ITEM: tl.constexpr):
     for start in range(pid * LINES, numel // per_line, programs * LINES):
         lines = start + tl.arange(0, LINES)
         prefetch_l2(w_ptr + tl.minimum(lines, numel // per_line - 1).to(tl.int64) * per_line)
+
+
+@triton.jit
+def _prefetch_tiles(w_ptr, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, PAIR: tl.constexpr,
+                    THREADS: tl.constexpr):  # fmt: skip
+    """Asks L2 for the rows of W [N (x2 with PAIR: gate, then up), K] this program's tiles of BN outputs read
+    (every program-th tile, as `_project` and phase 4 take them): contiguous ranges, one bulk request each."""
+    pid, programs = tl.program_id(0), tl.num_programs(0)
+    for tile in range(pid, N // BN, programs):
+        first = tile.to(tl.int64) * BN * K
+        prefetch_span_l2(w_ptr, first, BN * K, THREADS)
+        if PAIR:
+            prefetch_span_l2(w_ptr, first + N * K, BN * K, THREADS)
+
+
+@triton.jit
+def _prefetch_later_tiles(
+    o_w_ptr, gate_up_w_ptr, down_w_ptr, HIDDEN: tl.constexpr, INTER: tl.constexpr, Q_SIZE: tl.constexpr,
+    BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_DOWN: tl.constexpr, THREADS: tl.constexpr,
+):  # fmt: skip
+    """This program's tiles of phases 3-5 (o_proj, gate/up, down), in the order it reads them."""
+    _prefetch_tiles(o_w_ptr, HIDDEN, Q_SIZE, BN_O, False, THREADS)
+    _prefetch_tiles(gate_up_w_ptr, INTER, HIDDEN, BN_GU, True, THREADS)
+    _prefetch_tiles(down_w_ptr, HIDDEN, INTER, BN_DOWN, False, THREADS)
 
 
 STAMPS = 10  # TIMING: a program's clock readings: start, each barrier's arrival and return (4 x 2), end
@@ -302,26 +331,32 @@ def _decode_layer_kernel(
     BLOCK_R: tl.constexpr, BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_DOWN: tl.constexpr,
     BK_QKV: tl.constexpr, BK_O: tl.constexpr, BK_GU: tl.constexpr, BK_DOWN: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, RMS_CHUNK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr, PHASE: tl.constexpr,
-    TIMING: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr, THREADS: tl.constexpr,
+    PHASE: tl.constexpr, TIMING: tl.constexpr,
 ):  # fmt: skip
     _stamp(clock_ptr, 0, TIMING)
     QKV: tl.constexpr = (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
     Q_SIZE: tl.constexpr = NUM_HEADS * HEAD_DIM
     pid, programs = tl.program_id(0), tl.num_programs(0)
     offs_r = tl.arange(0, BLOCK_R)
-    if PREFETCH:  # the whole layer's weights into L2, in the order the phases read them (CUDA only: PTX)
+    if PREFETCH == 1:  # LINES: the whole layer's weights, in the order the phases read them
         ITEM: tl.constexpr = qkv_w_ptr.dtype.element_ty.primitive_bitwidth // 8
         _prefetch_l2(qkv_w_ptr, QKV * HIDDEN, 256, ITEM)
         _prefetch_l2(o_w_ptr, HIDDEN * Q_SIZE, 256, ITEM)
         _prefetch_l2(gate_up_w_ptr, 2 * INTER * HIDDEN, 256, ITEM)
         _prefetch_l2(down_w_ptr, HIDDEN * INTER, 256, ITEM)
+    if PREFETCH >= 2:  # BULK, AHEAD: this program's qkv tiles
+        _prefetch_tiles(qkv_w_ptr, QKV, HIDDEN, BN_QKV, False, THREADS)
+    if PREFETCH == 2:
+        _prefetch_later_tiles(o_w_ptr, gate_up_w_ptr, down_w_ptr, HIDDEN, INTER, Q_SIZE, BN_O, BN_GU, BN_DOWN, THREADS)
     if PHASE == ALL_PHASES or PHASE == 1:
         rms = _inv_rms(x_ptr, res_ptr, rows, offs_r, HIDDEN, eps, HAS_RESIDUAL, BLOCK_R, RMS_CHUNK)
         _project(
             qkv_w_ptr, QKV, HIDDEN, x_ptr, res_ptr, in_norm_ptr, qkv_ptr, rows, offs_r, rms,
             HAS_RESIDUAL, True, BLOCK_R, BN_QKV, BK_QKV, DOT_PRECISION, STAGES,
         )  # fmt: skip
+    if PREFETCH == 3:  # AHEAD: the rest once this program's phase-1 reads are done
+        _prefetch_later_tiles(o_w_ptr, gate_up_w_ptr, down_w_ptr, HIDDEN, INTER, Q_SIZE, BN_O, BN_GU, BN_DOWN, THREADS)
     _timed_barrier(bar_ptr, clock_ptr, 1, PHASE, TIMING)
     if PHASE == ALL_PHASES or PHASE == 2:
         for item in range(pid, rows * NUM_KV_HEADS * num_splits, programs):

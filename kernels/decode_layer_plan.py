@@ -14,6 +14,11 @@ from .decode_layer_ref import DecodeLayerWeights
 from .paged_attention_plan import MAX_SPLITS
 
 MAX_ROWS = 16  # rows share each weight tile through one 16-row tensor-core dot
+# How a launch asks L2 for its weights before its phases read them (decode_layer_kernels.py's PREFETCH says how
+# each does it): not at all; the whole layer at the start, line by line; each program's own tiles at the start
+# through the copy engine (Hopper); its qkv tiles at the start and the rest once they are read (Hopper).
+PREFETCH_MODES = ("off", "lines", "bulk", "ahead")
+BULK_PREFETCH = ("bulk", "ahead")  # cp.async.bulk: sm_90 or newer
 
 
 @dataclass(frozen=True)
@@ -32,7 +37,7 @@ class DecodeLayerConfig:
     block_n: int = 32
     num_warps: int = 4
     stages: int = 1
-    prefetch: bool = False  # the layer's weights asked of L2 at the start (CUDA only)
+    prefetch: str = "off"  # one of PREFETCH_MODES (CUDA only)
 
 
 def plan_config(
@@ -42,11 +47,13 @@ def plan_config(
     step_bytes: int = 32 << 10,
     num_warps: int = 4,
     stages: int = 1,
-    prefetch: bool = False,
+    prefetch: str = "off",
 ) -> DecodeLayerConfig:
     """Tiles that spread each projection over the programs with the least work on the busiest one (ties: the
     larger tile, fewer loop trips), and K steps of about `step_bytes` of weights (all of them in flight at
     once: a program's bandwidth is what it has in flight over the memory's latency), a power of two dividing K."""
+    if prefetch not in PREFETCH_MODES:
+        raise ValueError(f"prefetch={prefetch!r} is not one of {PREFETCH_MODES}")
     hidden, inter = w.input_norm.shape[0], w.down.shape[1]
     smallest = 8 if rows == 1 else 16  # the dot's tiles are 16 wide at least
     itemsize = w.qkv.element_size()
@@ -86,6 +93,8 @@ def check_config(config: DecodeLayerConfig, w: DecodeLayerWeights, rows: int) ->
         "gate_up": (config.bn_gate_up, config.bk_gate_up, inter, hidden),
         "down": (config.bn_down, config.bk_down, hidden, inter),
     }
+    if config.prefetch not in PREFETCH_MODES:
+        raise ValueError(f"config's prefetch {config.prefetch!r} is not one of {PREFETCH_MODES}")
     for name, (bn, bk, n, k) in tiles.items():
         pow2 = bn & (bn - 1) == 0 and bk & (bk - 1) == 0
         if not pow2 or n % bn or k % bk or bk < 16 or bn < (16 if rows > 1 else 1):

@@ -31,3 +31,28 @@ def prefetch_rows_l2(row_ptrs, first, count, LINES: tl.constexpr, ITEM: tl.const
     for start in range(0, lines, LINES):
         at = tl.minimum(first + (start + tl.arange(0, LINES)) * per_line, last)  # [LINES], inside the range
         prefetch_l2(row_ptrs + at[None, :])
+
+
+@triton.jit
+def prefetch_bulk_l2(byte_ptrs, nbytes):
+    """One `cp.async.bulk.prefetch.L2` (sm_90+) for each address in `byte_ptrs` with its size in `nbytes`
+    (int32, a multiple of 16 from a 16-byte-aligned address; 0: none): the SM's copy engine streams the range
+    into L2 while the threads go on, one instruction a range however long, so asking costs nothing."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [byte_ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1,
+    )  # fmt: skip
+
+
+@triton.jit
+def prefetch_span_l2(ptr, first, count, THREADS: tl.constexpr):
+    """Asks L2 for elements [first, first + count) of the tensor at `ptr`, split into THREADS bulk requests
+    (THREADS: the program's threads, so each issues one and none is issued twice); the range's start and
+    length in bytes multiples of 16."""
+    item: tl.constexpr = ptr.dtype.element_ty.primitive_bitwidth // 8
+    total = count * item
+    piece = tl.cdiv(tl.cdiv(total, THREADS), 16) * 16
+    offs = tl.arange(0, THREADS) * piece
+    size = tl.minimum(tl.maximum(total - offs, 0), piece).to(tl.int32)
+    base = (ptr + first.to(tl.int64)).to(tl.pointer_type(tl.int8))
+    prefetch_bulk_l2(base + offs, size)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from asyncllm.attention.triton_backend import load_paged_attention
 from asyncllm.kernels import decode_layer as dl
 from asyncllm.kernels import quant_matmul_gemv as gemv
+from asyncllm.kernels.decode_layer_plan import PREFETCH_MODES
 from asyncllm.kernels.paged_attention_plan import choose_num_splits
 from asyncllm.kernels.qk_norm_rope_kv import qk_norm_rope_kv
 from asyncllm.kernels.rms_norm import rms_norm
@@ -71,6 +72,17 @@ def chain(pa, case: LayerCase, seq_lens: torch.Tensor, scale: float, bufs: dict,
         F.linear(silu_and_mul(gate_up), w.down)
 
 
+def parse_variant(variant: str) -> tuple[int, int, int, str]:
+    """warps:stages:KiB[:prefetch] (one of PREFETCH_MODES; off when absent)."""
+    fields = variant.split(":")
+    well_formed = len(fields) in (3, 4) and all(v.isdigit() for v in fields[:3])
+    if not well_formed or fields[3:] and fields[3] not in PREFETCH_MODES:
+        raise SystemExit(f"--variants {variant!r}: expected warps:stages:KiB[:prefetch] (prefetch one of "
+                         f"{PREFETCH_MODES}), e.g. 4:1:32 or 4:1:32:ahead")  # fmt: skip
+    warps, stages, step_kib = (int(v) for v in fields[:3])
+    return warps, stages, step_kib, fields[3] if len(fields) == 4 else "off"
+
+
 def run(shape: str, rows: int, context: int, variant: str) -> dict:
     hidden, heads, kv_heads, dim, inter, layers = SHAPES[shape]
     cases = [make_case([context] * rows, hidden, heads, kv_heads, dim, inter, dtype=torch.bfloat16, device="cuda",
@@ -79,11 +91,8 @@ def run(shape: str, rows: int, context: int, variant: str) -> dict:
     seq_lens = torch.full((rows,), context, dtype=torch.int32, device="cuda")
     scratch = dl.DecodeLayerScratch(cases[0].w, rows, torch.device("cuda"))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    fields = [int(v) for v in variant.split(":")]
-    if len(fields) not in (3, 4):
-        raise SystemExit(f"--variants {variant!r}: expected warps:stages:KiB[:prefetch], e.g. 4:1:32 or 4:1:32:1")
-    warps, stages, step_kib, prefetch = (*fields, 0)[:4]
-    config = dl.plan_config(cases[0].w, rows, sms, step_kib << 10, warps, stages, bool(prefetch))
+    warps, stages, step_kib, prefetch = parse_variant(variant)
+    config = dl.plan_config(cases[0].w, rows, sms, step_kib << 10, warps, stages, prefetch)
     c = cases[0]
     k_ref, v_ref = c.k_cache.clone(), c.v_cache.clone()
     want, want_h1 = dl.decode_layer_ref(*c.with_caches(k_ref, v_ref).args()[:-1], c.seq_lens, scale)
@@ -127,8 +136,8 @@ def phase_breakdown(shape: str, rows: int, context: int, variant: str, splits: i
     cases = [make_case([context] * rows, hidden, heads, kv_heads, dim, inter, dtype=torch.bfloat16, device="cuda",
                        seed=i) for i in range(layers)]  # fmt: skip
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    warps, stages, step_kib, prefetch = (*(int(v) for v in variant.split(":")), 0)[:4]
-    config = dl.plan_config(cases[0].w, rows, sms, step_kib << 10, warps, stages, bool(prefetch))
+    warps, stages, step_kib, prefetch = parse_variant(variant)
+    config = dl.plan_config(cases[0].w, rows, sms, step_kib << 10, warps, stages, prefetch)
     scratch = dl.DecodeLayerScratch(cases[0].w, rows, torch.device("cuda"))
     clocks = [torch.zeros(sms, dl.STAMPS, dtype=torch.int64, device="cuda") for _ in cases]
     for _ in range(2):  # the first pass compiles
@@ -154,7 +163,7 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["qwen3-0.6b", "qwen3-8b"], choices=list(SHAPES))
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 4, 8])
     parser.add_argument("--context", nargs="+", type=int, default=[512, 2048])
-    parser.add_argument("--variants", nargs="+", default=["4:1:32"], help="warps:stages:KiB a K step[:1: prefetch]")
+    parser.add_argument("--variants", nargs="+", default=["4:1:32"], help="warps:stages:KiB a K step[:prefetch mode]")
     parser.add_argument("--timing", action="store_true", help="each phase's and barrier's time instead (clock stamps)")
     parser.add_argument("--splits", nargs="+", type=int, default=[0], help="--timing: KV splits a row and KV head "
                         "(0: the launcher's, one item a program)")  # fmt: skip

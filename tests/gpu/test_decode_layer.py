@@ -76,6 +76,27 @@ def test_hundred_launches_back_to_back(dl) -> None:
     assert not scratch.tickets.any() and int(scratch.barrier[0]) == 0
 
 
+@pytest.mark.parametrize("rows", [1, 4])
+def test_prefetch_modes_change_no_bit(dl, rows: int) -> None:
+    """Asking L2 for the weights (every PREFETCH_MODES way) is a hint: each gives the bits of none, at
+    lengths that take one split and many."""
+    from asyncllm.kernels.decode_layer_plan import PREFETCH_MODES
+
+    case = make_case([3000, 1, 129, 40][:rows], **QWEN3_06B, dtype=torch.bfloat16, device="cuda", seed=13)
+    scratch = dl.DecodeLayerScratch(case.w, rows, torch.device("cuda"))
+    programs = torch.cuda.get_device_properties(0).multi_processor_count
+    outs = {}
+    for mode in PREFETCH_MODES:
+        config = dl.plan_config(case.w, rows, programs, prefetch=mode)
+        k, v = case.k_cache.clone(), case.v_cache.clone()
+        outs[mode] = (*dl.decode_layer(*case.with_caches(k, v).args(), 0.088, scratch, config=config), k, v)
+    torch.cuda.synchronize()
+    for mode, got in outs.items():
+        for name, a, b in zip(("out", "h1", "k", "v"), got, outs["off"]):
+            torch.testing.assert_close(a, b, atol=0, rtol=0, msg=lambda m, mode=mode, name=name: f"{mode} {name}: {m}")
+    check(dl, case, scratch, torch.bfloat16, config=dl.plan_config(case.w, rows, programs, prefetch="ahead"))
+
+
 def test_cuda_graph_replays_other_lengths(dl) -> None:
     case = make_case([3000, 3000, 3000], **QWEN3_06B, dtype=torch.bfloat16, device="cuda", seed=11)
     scratch = dl.DecodeLayerScratch(case.w, 3, torch.device("cuda"))

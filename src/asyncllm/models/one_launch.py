@@ -120,7 +120,7 @@ def _configs(w: DecodeLayerWeights, max_rows: int, programs: int, l2_bytes: int)
     """The tiles of every row count up to `max_rows`, prefetching the weights where they fit three quarters of
     the L2 (room left for the keys and activations); None where the kernel's tiles do not fit the layer."""
     weight_bytes = sum(t.numel() * t.element_size() for t in (w.qkv, w.o, w.gate_up, w.down))
-    prefetch = 0 < weight_bytes <= l2_bytes * 3 // 4
+    prefetch = "lines" if 0 < weight_bytes <= l2_bytes * 3 // 4 else "off"
     try:
         return {rows: plan_config(w, rows, programs, prefetch=prefetch) for rows in range(1, max_rows + 1)}
     except ValueError:
