@@ -140,6 +140,8 @@ def decode_layer(
     phases: bool = False,  # one launch a phase, no barrier (the interpreter's tests)
     clock: torch.Tensor | None = None,  # int64 [programs, STAMPS]: each program's GPU clock (ns) at its start,
     # each barrier's arrival and return, its end (the bench's phase breakdown; CUDA only)
+    next_qkv: torch.Tensor | None = None,  # the next layer's qkv weight, asked of L2 during this launch's MLP
+    # (config.prefetch "ahead" only: the launch after this one then reads it from L2)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (the MLP's output, the residual stream before it), each [R, hidden]
     """decode_layer_ref's results in one launch; the caches get this step's keys and values.
 
@@ -172,6 +174,17 @@ def decode_layer(
     if clock is not None and (clock.shape != (programs, STAMPS) or clock.dtype != torch.int64 or not clock.is_cuda
                               or not clock.is_contiguous() or phases):  # fmt: skip
         raise ValueError(f"clock must be a contiguous CUDA int64 [programs={programs}, {STAMPS}], one launch")
+    if next_qkv is not None and (config.prefetch != "ahead" or next_qkv.shape != w.qkv.shape
+                                 or next_qkv.dtype != w.qkv.dtype or next_qkv.device != w.qkv.device
+                                 or not next_qkv.is_contiguous()):  # fmt: skip
+        raise ValueError(f"next_qkv must be a contiguous {tuple(w.qkv.shape)} {w.qkv.dtype} on {w.qkv.device} "
+                         f"(this layer's qkv's layout) with config.prefetch 'ahead'; got {tuple(next_qkv.shape)} "
+                         f"{next_qkv.dtype} on {next_qkv.device}, prefetch {config.prefetch!r}")  # fmt: skip
+    if config.prefetch in BULK_PREFETCH:
+        for name, t in (("qkv", w.qkv), ("o", w.o), ("gate_up", w.gate_up), ("down", w.down), ("next_qkv", next_qkv)):
+            if t is not None and t.data_ptr() % 16:
+                raise ValueError(f"{name} starts off a 16-byte boundary: config.prefetch={config.prefetch!r} asks "
+                                 "the copy engine, which takes 16-byte-aligned ranges")  # fmt: skip
     out, h1 = torch.empty_like(x), torch.empty_like(x)
     s = scratch
     q_norm = w.input_norm if w.q_norm is None else w.q_norm  # never read without norms
@@ -179,12 +192,14 @@ def decode_layer(
     args = (
         x, x if residual is None else residual, w.input_norm, w.qkv, q_norm, k_norm, w.o, w.post_norm, w.gate_up,
         w.down, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
-        s.qkv, s.attn, s.act, s.acc, s.m, s.l_sum, s.tickets, s.barrier, out, h1, x if clock is None else clock,
+        s.qkv, s.attn, s.act, s.acc, s.m, s.l_sum, s.tickets, s.barrier, out, h1,
+        w.qkv if next_qkv is None else next_qkv, x if clock is None else clock,
         rows, num_splits, w.eps, scale * math.log2(math.e), cos_cache.stride(0), sin_cache.stride(0),
         block_tables.stride(0),
         *k_cache.stride()[:3], *v_cache.stride()[:3],
     )  # fmt: skip
     consts = launch_constants(w, hidden, rows, config, x.dtype, k_cache.shape[1], residual is not None)
     for phase in range(1, LAST_PHASE + 1) if phases else (0,):
-        _decode_layer_kernel[(programs,)](*args, PHASE=phase, TIMING=clock is not None, **consts)
+        _decode_layer_kernel[(programs,)](*args, NEXT=next_qkv is not None, PHASE=phase, TIMING=clock is not None,
+                                          **consts)  # fmt: skip
     return out, h1

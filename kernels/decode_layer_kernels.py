@@ -323,6 +323,7 @@ def _decode_layer_kernel(
     down_w_ptr, pos_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, bt_ptr, seq_lens_ptr,
     qkv_ptr, attn_ptr, act_ptr, acc_ptr, m_ptr, l_ptr, tickets_ptr, bar_ptr,  # scratch
     out_ptr, h1_ptr,  # the layer's results: the MLP's output and the residual stream before it
+    next_qkv_w_ptr,  # NEXT: the next layer's qkv weight (unread otherwise)
     clock_ptr,  # TIMING: int64 [programs, STAMPS] (unread otherwise)
     rows, num_splits, eps, qk_scale, stride_cos, stride_sin, stride_bt,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
@@ -332,7 +333,7 @@ def _decode_layer_kernel(
     BK_QKV: tl.constexpr, BK_O: tl.constexpr, BK_GU: tl.constexpr, BK_DOWN: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, RMS_CHUNK: tl.constexpr,
     DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr, THREADS: tl.constexpr,
-    PHASE: tl.constexpr, TIMING: tl.constexpr,
+    NEXT: tl.constexpr, PHASE: tl.constexpr, TIMING: tl.constexpr,
 ):  # fmt: skip
     _stamp(clock_ptr, 0, TIMING)
     QKV: tl.constexpr = (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
@@ -378,6 +379,8 @@ def _decode_layer_kernel(
             h0 = _acts(x_ptr, res_ptr, x_ptr, rows, offs_r, offs_n, HIDDEN, offs_r, HAS_RESIDUAL, False)
             h1 = (o.to(h0.dtype).to(tl.float32) + h0.to(tl.float32)).to(h0.dtype)  # torch's `o + h0`
             _store_rows(h1_ptr, HIDDEN, offs_r, rows, offs_n, h1)
+    if NEXT:  # the next layer's phase-1 tiles, streaming during this one's MLP (it reads from L2 by then)
+        _prefetch_tiles(next_qkv_w_ptr, QKV, HIDDEN, BN_QKV, False, THREADS)
     _timed_barrier(bar_ptr, clock_ptr, 3, PHASE, TIMING)
     if PHASE == ALL_PHASES or PHASE == 4:
         rms = _inv_rms(h1_ptr, h1_ptr, rows, offs_r, HIDDEN, eps, False, BLOCK_R, RMS_CHUNK)

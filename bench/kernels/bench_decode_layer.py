@@ -72,15 +72,24 @@ def chain(pa, case: LayerCase, seq_lens: torch.Tensor, scale: float, bufs: dict,
         F.linear(silu_and_mul(gate_up), w.down)
 
 
-def parse_variant(variant: str) -> tuple[int, int, int, str]:
-    """warps:stages:KiB[:prefetch] (one of PREFETCH_MODES; off when absent)."""
+def parse_variant(variant: str) -> tuple[int, int, int, str, bool]:
+    """warps:stages:KiB[:prefetch] (one of PREFETCH_MODES, off when absent; "ahead+next": each launch also asks
+    for the next layer's qkv tiles) -> warps, stages, KiB, mode, next."""
     fields = variant.split(":")
+    nxt = variant.endswith(":ahead+next")
+    if nxt:
+        fields[3] = "ahead"
     well_formed = len(fields) in (3, 4) and all(v.isdigit() for v in fields[:3])
     if not well_formed or fields[3:] and fields[3] not in PREFETCH_MODES:
         raise SystemExit(f"--variants {variant!r}: expected warps:stages:KiB[:prefetch] (prefetch one of "
                          f"{PREFETCH_MODES}), e.g. 4:1:32 or 4:1:32:ahead")  # fmt: skip
     warps, stages, step_kib = (int(v) for v in fields[:3])
-    return warps, stages, step_kib, fields[3] if len(fields) == 4 else "off"
+    return warps, stages, step_kib, fields[3] if len(fields) == 4 else "off", nxt
+
+
+def next_qkv(cases: list[LayerCase], i: int, nxt: bool) -> torch.Tensor | None:
+    """The layer after layer i's qkv weight where the variant asks for it (the first layer's after the last)."""
+    return cases[(i + 1) % len(cases)].w.qkv if nxt else None
 
 
 def run(shape: str, rows: int, context: int, variant: str) -> dict:
@@ -91,7 +100,7 @@ def run(shape: str, rows: int, context: int, variant: str) -> dict:
     seq_lens = torch.full((rows,), context, dtype=torch.int32, device="cuda")
     scratch = dl.DecodeLayerScratch(cases[0].w, rows, torch.device("cuda"))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    warps, stages, step_kib, prefetch = parse_variant(variant)
+    warps, stages, step_kib, prefetch, nxt = parse_variant(variant)
     config = dl.plan_config(cases[0].w, rows, sms, step_kib << 10, warps, stages, prefetch)
     c = cases[0]
     k_ref, v_ref = c.k_cache.clone(), c.v_cache.clone()
@@ -100,7 +109,8 @@ def run(shape: str, rows: int, context: int, variant: str) -> dict:
                                   config=config)  # fmt: skip
     torch.testing.assert_close(got_h1, want_h1, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
-    fused = [partial(dl.decode_layer, *k.args(), scale, scratch, config=config) for k in cases]
+    fused = [partial(dl.decode_layer, *k.args(), scale, scratch, config=config, next_qkv=next_qkv(cases, i, nxt))
+             for i, k in enumerate(cases)]  # fmt: skip
     pa = load_paged_attention()
     bufs = {
         "q": torch.empty(rows, heads, dim, dtype=torch.bfloat16, device="cuda"),
@@ -136,13 +146,14 @@ def phase_breakdown(shape: str, rows: int, context: int, variant: str, splits: i
     cases = [make_case([context] * rows, hidden, heads, kv_heads, dim, inter, dtype=torch.bfloat16, device="cuda",
                        seed=i) for i in range(layers)]  # fmt: skip
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    warps, stages, step_kib, prefetch = parse_variant(variant)
+    warps, stages, step_kib, prefetch, nxt = parse_variant(variant)
     config = dl.plan_config(cases[0].w, rows, sms, step_kib << 10, warps, stages, prefetch)
     scratch = dl.DecodeLayerScratch(cases[0].w, rows, torch.device("cuda"))
     clocks = [torch.zeros(sms, dl.STAMPS, dtype=torch.int64, device="cuda") for _ in cases]
     for _ in range(2):  # the first pass compiles
-        for case, clock in zip(cases, clocks):
-            dl.decode_layer(*case.args(), dim**-0.5, scratch, num_splits=splits, config=config, clock=clock)
+        for i, (case, clock) in enumerate(zip(cases, clocks)):
+            dl.decode_layer(*case.args(), dim**-0.5, scratch, num_splits=splits, config=config, clock=clock,
+                            next_qkv=next_qkv(cases, i, nxt))  # fmt: skip
     torch.cuda.synchronize()
     per_layer = []
     for clock in clocks[1:]:

@@ -78,8 +78,8 @@ def test_hundred_launches_back_to_back(dl) -> None:
 
 @pytest.mark.parametrize("rows", [1, 4])
 def test_prefetch_modes_change_no_bit(dl, rows: int) -> None:
-    """Asking L2 for the weights (every PREFETCH_MODES way) is a hint: each gives the bits of none, at
-    lengths that take one split and many."""
+    """Asking L2 for the weights (every PREFETCH_MODES way, and the next layer's qkv) is a hint: each gives the
+    bits of none, at lengths that take one split and many."""
     from asyncllm.kernels.decode_layer_plan import PREFETCH_MODES
 
     case = make_case([3000, 1, 129, 40][:rows], **QWEN3_06B, dtype=torch.bfloat16, device="cuda", seed=13)
@@ -90,6 +90,12 @@ def test_prefetch_modes_change_no_bit(dl, rows: int) -> None:
         config = dl.plan_config(case.w, rows, programs, prefetch=mode)
         k, v = case.k_cache.clone(), case.v_cache.clone()
         outs[mode] = (*dl.decode_layer(*case.with_caches(k, v).args(), 0.088, scratch, config=config), k, v)
+    config = dl.plan_config(case.w, rows, programs, prefetch="ahead")
+    k, v = case.k_cache.clone(), case.v_cache.clone()
+    next_qkv = torch.randn_like(case.w.qkv)  # another layer's: asked for, never read
+    outs["ahead, next layer"] = (
+        *dl.decode_layer(*case.with_caches(k, v).args(), 0.088, scratch, config=config, next_qkv=next_qkv), k, v
+    )
     torch.cuda.synchronize()
     for mode, got in outs.items():
         for name, a, b in zip(("out", "h1", "k", "v"), got, outs["off"]):

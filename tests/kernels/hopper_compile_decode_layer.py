@@ -24,7 +24,7 @@ SHAPES = {  # hidden, heads, kv heads, head_dim, intermediate
 }
 POINTERS = ("x_ptr", "res_ptr", "in_norm_ptr", "qkv_w_ptr", "q_norm_ptr", "k_norm_ptr", "o_w_ptr", "post_norm_ptr",
             "gate_up_w_ptr", "down_w_ptr", "k_cache_ptr", "v_cache_ptr", "qkv_ptr", "attn_ptr", "act_ptr",
-            "out_ptr", "h1_ptr")  # fmt: skip
+            "out_ptr", "h1_ptr", "next_qkv_w_ptr")  # fmt: skip
 INTS = ("rows", "num_splits", "stride_cos", "stride_sin", "stride_bt", "stride_kb", "stride_kt", "stride_kh",
         "stride_vb", "stride_vt", "stride_vh")  # fmt: skip
 
@@ -47,6 +47,7 @@ def variant(shape: str, rows: int, dtype: str, stages: int = 1, prefetch: str = 
     signature |= {name: "i32" for name in INTS}
     consts = dl.launch_constants(w, hidden, rows, config, torch_dtype, block_size=16, residual=True)
     consts["PHASE"] = 0
+    consts["NEXT"] = prefetch == "ahead"
     consts["TIMING"] = stages > 1  # the clock's stamps compiled in one variant
     warps = consts.pop("num_warps")
     signature |= {name: "constexpr" for name in consts}
