@@ -45,6 +45,17 @@ class DecodeGemv(str, enum.Enum):
     OFF = "off"  # never, quantized layers' GEMV included: F.linear (and their split-K GEMM) everywhere
 
 
+class DecodeLayerPrefetch(str, enum.Enum):
+    """How the one-launch decode layer asks L2 for its weights (`DECODE_LAYER_PREFETCH`; the kernel's modes,
+    kernels/decode_layer_plan.py's PREFETCH_MODES)."""
+
+    AUTO = "auto"  # the measured default where the layer's weights fit three quarters of the L2, else off
+    OFF = "off"
+    LINES = "lines"  # the whole layer at the launch's start, a line a request
+    BULK = "bulk"  # each program's own tiles at the start, through the copy engine (Hopper)
+    AHEAD = "ahead"  # bulk's, the MLP's once qkv is read, and the next layer's qkv during the MLP (Hopper)
+
+
 class GrammarProcessChoice(str, enum.Enum):
     """Where structured output's matchers live (`GRAMMAR_PROCESS`)."""
 
@@ -160,6 +171,16 @@ DECODE_LAYER: EnvVar[bool] = EnvVar(
     "one-row decode steps run each dense Llama/Qwen3 decoder layer as one persistent Triton launch "
     "(kernels/decode_layer.py) instead of its chain of kernels; the Triton backend, layers without LoRA, "
     "quantization, tensor parallelism, sliding windows or an FP8 cache. Off by default: not yet faster",
+)
+DECODE_LAYER_PREFETCH: EnvVar[DecodeLayerPrefetch] = EnvVar(
+    "ASYNCLLM_DECODE_LAYER_PREFETCH",
+    DecodeLayerPrefetch.AUTO,
+    one_of(DecodeLayerPrefetch),
+    "with ASYNCLLM_DECODE_LAYER, how each launch asks L2 for its layer's weights before its phases read them: "
+    "auto (lines where the layer's weights fit three quarters of the L2, else off), off, lines (the whole "
+    "layer at the start, a 128-byte line a request), bulk (each program's own tiles at the start through the "
+    "copy engine; Hopper or newer), ahead (bulk's qkv tiles at the start, the rest once they are read, the "
+    "next layer's qkv during the MLP; Hopper or newer); results unchanged",
 )
 DECODE_FOLD_REDUCE: EnvVar[bool] = EnvVar(
     "ASYNCLLM_DECODE_FOLD_REDUCE",
@@ -350,6 +371,7 @@ ALL: tuple[EnvVar[Any], ...] = (  # every variable, for docs/tuning.md's table a
     DECODE_GEMV,
     DECODE_PDL,
     DECODE_LAYER,
+    DECODE_LAYER_PREFETCH,
     DECODE_FOLD_REDUCE,
     CASCADE_ATTENTION,
     CPU_INT4,

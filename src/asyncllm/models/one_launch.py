@@ -55,6 +55,10 @@ class OneLaunchDecoder:
         self.scratch = scratch
         self.programs = programs
         self._configs = configs  # each row count's tiles, planned once (a launch would plan them on the host)
+        self.next_qkv: torch.Tensor | None = None  # the next layer's qkv weight, asked for during this one's MLP
+
+    def prefetch_ahead(self) -> bool:
+        return all(config.prefetch == "ahead" for config in self._configs.values())
 
     def __call__(
         self,
@@ -77,7 +81,7 @@ class OneLaunchDecoder:
         return self._kernel.decode_layer(  # type: ignore[no-any-return]
             x, residual, self.spec.weights, k_cache, v_cache, rope.positions, rope.cos_cache, rope.sin_cache,
             meta.slot_mapping, meta.block_tables, meta.seq_lens[:rows], self.spec.scale, self.scratch,
-            programs=self.programs, config=self._configs[rows],
+            programs=self.programs, config=self._configs[rows], next_qkv=self.next_qkv,
         )  # fmt: skip
 
 
@@ -87,7 +91,7 @@ class OneLaunchDecoder:
 ENGINE_MAX_ROWS = 1
 
 
-def use_one_launch_layers(model: nn.Module, device: torch.device, max_num_seqs: int) -> int:
+def use_one_launch_layers(model: nn.Module, device: torch.device, max_num_seqs: int, prefetch: str = "auto") -> int:
     """Switch every `OneLaunchLayer` of `model` whose spec the kernel takes to its one launch for steps of up to
     min(max_num_seqs, ENGINE_MAX_ROWS) rows; returns how many did. Layers of one shape share one scratch. On CUDA a
     layer whose weights fit in three quarters of the L2 asks for them at its launch's start
@@ -99,28 +103,39 @@ def use_one_launch_layers(model: nn.Module, device: torch.device, max_num_seqs: 
         programs, l2_bytes = props.multi_processor_count, props.L2_cache_size
 
     scratches: dict[tuple[object, ...], DecodeLayerScratch] = {}
-    count = 0
+    decoders: list[OneLaunchDecoder | None] = []  # in the layers' order: None where one runs its chain
     for module in model.modules():
         if not isinstance(module, OneLaunchLayer):
             continue
         spec = module.one_launch_spec()
-        configs = None if spec is None else _configs(spec.weights, max_rows, programs, l2_bytes)
+        configs = None if spec is None else _configs(spec.weights, max_rows, programs, l2_bytes, prefetch)
         if spec is None or configs is None:
             module.use_one_launch(None)
+            decoders.append(None)
             continue
         key = layout_of(spec.weights)
         if key not in scratches:
             scratches[key] = DecodeLayerScratch(spec.weights, max_rows, device)
-        module.use_one_launch(OneLaunchDecoder(spec, scratches[key], programs, configs))
-        count += 1
-    return count
+        decoders.append(OneLaunchDecoder(spec, scratches[key], programs, configs))
+        module.use_one_launch(decoders[-1])
+    for decoder, after in zip(decoders, decoders[1:]):
+        # A layer prefetching ahead asks for the next one's qkv tiles too, where the next runs the same launch.
+        if decoder is not None and after is not None and decoder.prefetch_ahead() and (
+            layout_of(after.spec.weights) == layout_of(decoder.spec.weights)
+        ):
+            decoder.next_qkv = after.spec.weights.qkv
+    return sum(d is not None for d in decoders)
 
 
-def _configs(w: DecodeLayerWeights, max_rows: int, programs: int, l2_bytes: int) -> dict[int, DecodeLayerConfig] | None:
-    """The tiles of every row count up to `max_rows`, prefetching the weights where they fit three quarters of
-    the L2 (room left for the keys and activations); None where the kernel's tiles do not fit the layer."""
+def _configs(
+    w: DecodeLayerWeights, max_rows: int, programs: int, l2_bytes: int, prefetch: str
+) -> dict[int, DecodeLayerConfig] | None:
+    """The tiles of every row count up to `max_rows`, with `prefetch` (a PREFETCH_MODES name; "auto": "lines"
+    where the weights fit three quarters of the L2, room left for the keys and activations, else "off"); None
+    where the kernel's tiles do not fit the layer."""
     weight_bytes = sum(t.numel() * t.element_size() for t in (w.qkv, w.o, w.gate_up, w.down))
-    prefetch = "lines" if 0 < weight_bytes <= l2_bytes * 3 // 4 else "off"
+    if prefetch == "auto":
+        prefetch = "lines" if 0 < weight_bytes <= l2_bytes * 3 // 4 else "off"
     try:
         return {rows: plan_config(w, rows, programs, prefetch=prefetch) for rows in range(1, max_rows + 1)}
     except ValueError:

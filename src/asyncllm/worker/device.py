@@ -100,3 +100,19 @@ def check_pdl(device: torch.device, triton_backend: bool) -> None:
             f"{name}=1 needs compute capability 9.0 or newer (Hopper); {torch.cuda.get_device_name(device)} "
             f"has {major}.{minor}: unset {name}"
         )
+
+
+def check_layer_prefetch(device: torch.device, prefetch: envs.DecodeLayerPrefetch) -> None:
+    """ASYNCLLM_DECODE_LAYER_PREFETCH's explicit modes ask L2 through PTX: CUDA, and the copy engine's (bulk,
+    ahead) compute capability 9.0 or newer. Checked before the weights load."""
+    name, mode = envs.DECODE_LAYER_PREFETCH.name, prefetch.value
+    if prefetch in (envs.DecodeLayerPrefetch.AUTO, envs.DecodeLayerPrefetch.OFF):
+        return
+    if device.type != "cuda":
+        raise InvalidConfigError(f"{name}={mode} asks a CUDA device's L2; this engine runs on {device}: unset {name}")
+    major, minor = torch.cuda.get_device_capability(device)
+    if prefetch in (envs.DecodeLayerPrefetch.BULK, envs.DecodeLayerPrefetch.AHEAD) and major < 9:
+        raise InvalidConfigError(
+            f"{name}={mode} uses Hopper's copy engine (compute capability 9.0 or newer); "
+            f"{torch.cuda.get_device_name(device)} has {major}.{minor}: use lines or auto"
+        )

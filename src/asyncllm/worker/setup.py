@@ -36,7 +36,7 @@ from asyncllm.structured_output.grammar_table import GrammarProcessMode
 from asyncllm.structured_output.matcher_set import MAX_FILL_THREADS
 from asyncllm.worker.buckets import Buckets
 from asyncllm.worker.cuda_graph import CudaGraphRunner
-from asyncllm.worker.device import ResolvedModel, check_pdl
+from asyncllm.worker.device import ResolvedModel, check_layer_prefetch, check_pdl
 from asyncllm.worker.draft_setup import LoadedDraft, LoadedEagle3, draft_bytes, load_draft, make_draft_model
 from asyncllm.worker.gemm_layout import gemv_layers, prologue_layers, set_decode_gemv, tune_linear_layers
 from asyncllm.worker.input_batch import InputBuffers
@@ -140,6 +140,8 @@ class WorkerSetup:
             tuning.decode_fold_reduce,
             tuning.decode_pdl,  # checked below with the layers' kernels (check_pdl)
         )
+        if tuning.decode_layer:
+            check_layer_prefetch(device, tuning.decode_layer_prefetch)
         mc = self.config.model_config
         module = load_model(
             self.checkpoint,
@@ -175,7 +177,9 @@ class WorkerSetup:
             logger.debug("one token row through the GEMV for shapes %s", [s for s, c in choices.items() if c.gemv])
             logger.debug("the op before folded into the GEMV for %d layers", prologue_layers(module))
         if fused and tuning.decode_layer and self.parallel is None:  # after the tuning: the weights' final layout
-            self.decode_layers = use_one_launch_layers(module, device, self.config.scheduler_config.max_num_seqs)
+            self.decode_layers = use_one_launch_layers(
+                module, device, self.config.scheduler_config.max_num_seqs, tuning.decode_layer_prefetch.value
+            )
         draft = load_draft(self.config, self.checkpoint, self.resolved, module, first_rank=self._reports)
         return LoadedModel(module, backend, loras, draft)
 

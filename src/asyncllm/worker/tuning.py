@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from asyncllm import envs
 from asyncllm.config import EngineConfig
-from asyncllm.envs import CascadeAttention, CudaGraphCapture, DecodeGemv, GrammarProcessChoice
+from asyncllm.envs import CascadeAttention, CudaGraphCapture, DecodeGemv, DecodeLayerPrefetch, GrammarProcessChoice
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,7 @@ class WorkerTuning:
     decode_pdl: bool  # ASYNCLLM_DECODE_PDL
     decode_fold_reduce: bool  # ASYNCLLM_DECODE_FOLD_REDUCE
     decode_layer: bool  # ASYNCLLM_DECODE_LAYER
+    decode_layer_prefetch: DecodeLayerPrefetch  # ASYNCLLM_DECODE_LAYER_PREFETCH
     cascade_attention: CascadeAttention  # ASYNCLLM_CASCADE_ATTENTION
     cuda_graph_sampling: bool  # ASYNCLLM_CUDA_GRAPH_SAMPLING
     cuda_graph_max_tokens: int  # ASYNCLLM_CUDA_GRAPH_MAX_TOKENS, "auto" settled for this engine's step budget
@@ -37,6 +38,7 @@ class WorkerTuning:
             decode_pdl=envs.DECODE_PDL.get(),
             decode_fold_reduce=envs.DECODE_FOLD_REDUCE.get(),
             decode_layer=envs.DECODE_LAYER.get(),
+            decode_layer_prefetch=envs.DECODE_LAYER_PREFETCH.get(),
             cascade_attention=envs.CASCADE_ATTENTION.get(),
             cuda_graph_sampling=envs.CUDA_GRAPH_SAMPLING.get(),
             cuda_graph_max_tokens=config.graph_max_tokens(envs.CUDA_GRAPH_MAX_TOKENS.get()),
