@@ -57,3 +57,14 @@ def test_the_torch_backend_never_takes_it(tiny_model: Path, monkeypatch: pytest.
     monkeypatch.setenv("ASYNCLLM_DECODE_LAYER", "1")
     _, switched = _run(tiny_model, _prompts((4,)), attention_backend="torch", **ENGINE)
     assert switched == 0
+
+
+@pytest.mark.parametrize("mode", ["lines", "ahead"])
+def test_an_explicit_prefetch_is_refused_off_cuda(tiny_model: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    """ASYNCLLM_DECODE_LAYER_PREFETCH's modes ask a CUDA device's L2: refused before the weights load, naming it."""
+    from asyncllm.errors import InvalidConfigError
+
+    monkeypatch.setenv("ASYNCLLM_DECODE_LAYER", "1")
+    monkeypatch.setenv("ASYNCLLM_DECODE_LAYER_PREFETCH", mode)
+    with pytest.raises(InvalidConfigError, match=f"ASYNCLLM_DECODE_LAYER_PREFETCH={mode} asks a CUDA device's L2"):
+        LLM(str(tiny_model), attention_backend="triton", **ENGINE)
