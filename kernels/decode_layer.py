@@ -58,7 +58,8 @@ def launch_constants(
         BLOCK_D=_pow2(w.head_dim), BLOCK_N=config.block_n, BLOCK_S=MAX_SPLITS,
         RMS_CHUNK=math.gcd(hidden, max(16, 2048 // block_r)),
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32", STAGES=config.stages,
-        PREFETCH=PREFETCH_MODES.index(config.prefetch), THREADS=32 * config.num_warps, num_warps=config.num_warps,
+        PREFETCH=PREFETCH_MODES.index(config.prefetch), THREADS=32 * config.num_warps,
+        PIECES=config.prefetch_pieces, num_warps=config.num_warps,
     )  # fmt: skip
 
 

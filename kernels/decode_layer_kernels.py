@@ -76,26 +76,26 @@ def _prefetch_l2(w_ptr, numel, LINES: tl.constexpr, ITEM: tl.constexpr):
 
 @triton.jit
 def _prefetch_tiles(w_ptr, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, PAIR: tl.constexpr,
-                    THREADS: tl.constexpr):  # fmt: skip
+                    THREADS: tl.constexpr, PIECES: tl.constexpr):  # fmt: skip
     """Asks L2 for the rows of W [N (x2 with PAIR: gate, then up), K] this program's tiles of BN outputs read
     (every program-th tile, as `_project` and phase 4 take them): contiguous ranges, one bulk request each."""
     pid, programs = tl.program_id(0), tl.num_programs(0)
     for tile in range(pid, N // BN, programs):
         first = tile.to(tl.int64) * BN * K
-        prefetch_span_l2(w_ptr, first, BN * K, THREADS)
+        prefetch_span_l2(w_ptr, first, BN * K, THREADS, PIECES)
         if PAIR:
-            prefetch_span_l2(w_ptr, first + N * K, BN * K, THREADS)
+            prefetch_span_l2(w_ptr, first + N * K, BN * K, THREADS, PIECES)
 
 
 @triton.jit
 def _prefetch_later_tiles(
     o_w_ptr, gate_up_w_ptr, down_w_ptr, HIDDEN: tl.constexpr, INTER: tl.constexpr, Q_SIZE: tl.constexpr,
-    BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_DOWN: tl.constexpr, THREADS: tl.constexpr,
+    BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_DOWN: tl.constexpr, THREADS: tl.constexpr, PIECES: tl.constexpr,
 ):  # fmt: skip
     """This program's tiles of phases 3-5 (o_proj, gate/up, down), in the order it reads them."""
-    _prefetch_tiles(o_w_ptr, HIDDEN, Q_SIZE, BN_O, False, THREADS)
-    _prefetch_tiles(gate_up_w_ptr, INTER, HIDDEN, BN_GU, True, THREADS)
-    _prefetch_tiles(down_w_ptr, HIDDEN, INTER, BN_DOWN, False, THREADS)
+    _prefetch_tiles(o_w_ptr, HIDDEN, Q_SIZE, BN_O, False, THREADS, PIECES)
+    _prefetch_tiles(gate_up_w_ptr, INTER, HIDDEN, BN_GU, True, THREADS, PIECES)
+    _prefetch_tiles(down_w_ptr, HIDDEN, INTER, BN_DOWN, False, THREADS, PIECES)
 
 
 STAMPS = 10  # TIMING: a program's clock readings: start, each barrier's arrival and return (4 x 2), end
@@ -333,7 +333,7 @@ def _decode_layer_kernel(
     BK_QKV: tl.constexpr, BK_O: tl.constexpr, BK_GU: tl.constexpr, BK_DOWN: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, RMS_CHUNK: tl.constexpr,
     DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr, THREADS: tl.constexpr,
-    NEXT: tl.constexpr, PHASE: tl.constexpr, TIMING: tl.constexpr,
+    PIECES: tl.constexpr, NEXT: tl.constexpr, PHASE: tl.constexpr, TIMING: tl.constexpr,
 ):  # fmt: skip
     _stamp(clock_ptr, 0, TIMING)
     QKV: tl.constexpr = (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
@@ -347,9 +347,9 @@ def _decode_layer_kernel(
         _prefetch_l2(gate_up_w_ptr, 2 * INTER * HIDDEN, 256, ITEM)
         _prefetch_l2(down_w_ptr, HIDDEN * INTER, 256, ITEM)
     if PREFETCH >= 2:  # BULK, AHEAD: this program's qkv tiles
-        _prefetch_tiles(qkv_w_ptr, QKV, HIDDEN, BN_QKV, False, THREADS)
+        _prefetch_tiles(qkv_w_ptr, QKV, HIDDEN, BN_QKV, False, THREADS, PIECES)
     if PREFETCH == 2:
-        _prefetch_later_tiles(o_w_ptr, gate_up_w_ptr, down_w_ptr, HIDDEN, INTER, Q_SIZE, BN_O, BN_GU, BN_DOWN, THREADS)
+        _prefetch_later_tiles(o_w_ptr, gate_up_w_ptr, down_w_ptr, HIDDEN, INTER, Q_SIZE, BN_O, BN_GU, BN_DOWN, THREADS, PIECES)
     if PHASE == ALL_PHASES or PHASE == 1:
         rms = _inv_rms(x_ptr, res_ptr, rows, offs_r, HIDDEN, eps, HAS_RESIDUAL, BLOCK_R, RMS_CHUNK)
         _project(
@@ -357,7 +357,7 @@ def _decode_layer_kernel(
             HAS_RESIDUAL, True, BLOCK_R, BN_QKV, BK_QKV, DOT_PRECISION, STAGES,
         )  # fmt: skip
     if PREFETCH == 3:  # AHEAD: the rest once this program's phase-1 reads are done
-        _prefetch_later_tiles(o_w_ptr, gate_up_w_ptr, down_w_ptr, HIDDEN, INTER, Q_SIZE, BN_O, BN_GU, BN_DOWN, THREADS)
+        _prefetch_later_tiles(o_w_ptr, gate_up_w_ptr, down_w_ptr, HIDDEN, INTER, Q_SIZE, BN_O, BN_GU, BN_DOWN, THREADS, PIECES)
     _timed_barrier(bar_ptr, clock_ptr, 1, PHASE, TIMING)
     if PHASE == ALL_PHASES or PHASE == 2:
         for item in range(pid, rows * NUM_KV_HEADS * num_splits, programs):
@@ -380,7 +380,7 @@ def _decode_layer_kernel(
             h1 = (o.to(h0.dtype).to(tl.float32) + h0.to(tl.float32)).to(h0.dtype)  # torch's `o + h0`
             _store_rows(h1_ptr, HIDDEN, offs_r, rows, offs_n, h1)
     if NEXT:  # the next layer's phase-1 tiles, streaming during this one's MLP (it reads from L2 by then)
-        _prefetch_tiles(next_qkv_w_ptr, QKV, HIDDEN, BN_QKV, False, THREADS)
+        _prefetch_tiles(next_qkv_w_ptr, QKV, HIDDEN, BN_QKV, False, THREADS, PIECES)
     _timed_barrier(bar_ptr, clock_ptr, 3, PHASE, TIMING)
     if PHASE == ALL_PHASES or PHASE == 4:
         rms = _inv_rms(h1_ptr, h1_ptr, rows, offs_r, HIDDEN, eps, False, BLOCK_R, RMS_CHUNK)

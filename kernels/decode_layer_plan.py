@@ -38,6 +38,7 @@ class DecodeLayerConfig:
     num_warps: int = 4
     stages: int = 1
     prefetch: str = "off"  # one of PREFETCH_MODES (CUDA only)
+    prefetch_pieces: int = 1  # bulk, ahead: copy-engine requests a tile's range is split into
 
 
 def plan_config(

@@ -45,13 +45,13 @@ def prefetch_bulk_l2(byte_ptrs, nbytes):
 
 
 @triton.jit
-def prefetch_span_l2(ptr, first, count, THREADS: tl.constexpr):
-    """Asks L2 for elements [first, first + count) of the tensor at `ptr`, split into THREADS bulk requests
-    (THREADS: the program's threads, so each issues one and none is issued twice); the range's start and
-    length in bytes multiples of 16."""
+def prefetch_span_l2(ptr, first, count, THREADS: tl.constexpr, PIECES: tl.constexpr):
+    """Asks L2 for elements [first, first + count) of the tensor at `ptr` in PIECES bulk requests, one a thread
+    (THREADS: the program's threads, so the [THREADS] request tensor has one element a thread and none is
+    issued twice; PIECES <= THREADS); the range's start and length in bytes multiples of 16."""
     item: tl.constexpr = ptr.dtype.element_ty.primitive_bitwidth // 8
     total = count * item
-    piece = tl.cdiv(tl.cdiv(total, THREADS), 16) * 16
+    piece = tl.cdiv(tl.cdiv(total, PIECES), 16) * 16
     offs = tl.arange(0, THREADS) * piece
     size = tl.minimum(tl.maximum(total - offs, 0), piece).to(tl.int32)
     base = (ptr + first.to(tl.int64)).to(tl.pointer_type(tl.int8))

@@ -72,11 +72,12 @@ def chain(pa, case: LayerCase, seq_lens: torch.Tensor, scale: float, bufs: dict,
         F.linear(silu_and_mul(gate_up), w.down)
 
 
-def parse_variant(variant: str) -> tuple[int, int, int, str, bool]:
+def parse_variant(variant: str) -> tuple[int, int, int, str, bool, int]:
     """warps:stages:KiB[:prefetch] (one of PREFETCH_MODES, off when absent; "ahead+next": each launch also asks
     for the next layer's qkv tiles) -> warps, stages, KiB, mode, next."""
     fields = variant.split(":")
-    nxt = variant.endswith(":ahead+next")
+    pieces = int(fields.pop()) if len(fields) == 5 else 1  # a fifth field: copy-engine requests a tile
+    nxt = len(fields) == 4 and fields[3] == "ahead+next"
     if nxt:
         fields[3] = "ahead"
     well_formed = len(fields) in (3, 4) and all(v.isdigit() for v in fields[:3])
@@ -84,7 +85,7 @@ def parse_variant(variant: str) -> tuple[int, int, int, str, bool]:
         raise SystemExit(f"--variants {variant!r}: expected warps:stages:KiB[:prefetch] (prefetch one of "
                          f"{PREFETCH_MODES}), e.g. 4:1:32 or 4:1:32:ahead")  # fmt: skip
     warps, stages, step_kib = (int(v) for v in fields[:3])
-    return warps, stages, step_kib, fields[3] if len(fields) == 4 else "off", nxt
+    return warps, stages, step_kib, fields[3] if len(fields) == 4 else "off", nxt, pieces
 
 
 def next_qkv(cases: list[LayerCase], i: int, nxt: bool) -> torch.Tensor | None:
@@ -100,8 +101,9 @@ def run(shape: str, rows: int, context: int, variant: str) -> dict:
     seq_lens = torch.full((rows,), context, dtype=torch.int32, device="cuda")
     scratch = dl.DecodeLayerScratch(cases[0].w, rows, torch.device("cuda"))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    warps, stages, step_kib, prefetch, nxt = parse_variant(variant)
+    warps, stages, step_kib, prefetch, nxt, pieces = parse_variant(variant)
     config = dl.plan_config(cases[0].w, rows, sms, step_kib << 10, warps, stages, prefetch)
+    config = dl.DecodeLayerConfig(**{**vars(config), "prefetch_pieces": pieces})
     c = cases[0]
     k_ref, v_ref = c.k_cache.clone(), c.v_cache.clone()
     want, want_h1 = dl.decode_layer_ref(*c.with_caches(k_ref, v_ref).args()[:-1], c.seq_lens, scale)
@@ -146,8 +148,9 @@ def phase_breakdown(shape: str, rows: int, context: int, variant: str, splits: i
     cases = [make_case([context] * rows, hidden, heads, kv_heads, dim, inter, dtype=torch.bfloat16, device="cuda",
                        seed=i) for i in range(layers)]  # fmt: skip
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    warps, stages, step_kib, prefetch, nxt = parse_variant(variant)
+    warps, stages, step_kib, prefetch, nxt, pieces = parse_variant(variant)
     config = dl.plan_config(cases[0].w, rows, sms, step_kib << 10, warps, stages, prefetch)
+    config = dl.DecodeLayerConfig(**{**vars(config), "prefetch_pieces": pieces})
     scratch = dl.DecodeLayerScratch(cases[0].w, rows, torch.device("cuda"))
     clocks = [torch.zeros(sms, dl.STAMPS, dtype=torch.int64, device="cuda") for _ in cases]
     for _ in range(2):  # the first pass compiles
