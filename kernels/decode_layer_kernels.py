@@ -78,7 +78,7 @@ def _prefetch_l2(w_ptr, numel, LINES: tl.constexpr, ITEM: tl.constexpr):
 def _prefetch_tiles(w_ptr, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, PAIR: tl.constexpr,
                     THREADS: tl.constexpr, PIECES: tl.constexpr):  # fmt: skip
     """Asks L2 for the rows of W [N (x2 with PAIR: gate, then up), K] this program's tiles of BN outputs read
-    (every program-th tile, as `_project` and phase 4 take them): contiguous ranges, one bulk request each."""
+    (every program-th tile, as `_project` and phase 4 take them): contiguous ranges, PIECES bulk requests each."""
     pid, programs = tl.program_id(0), tl.num_programs(0)
     for tile in range(pid, N // BN, programs):
         first = tile.to(tl.int64) * BN * K

@@ -76,6 +76,8 @@ def parse_variant(variant: str) -> tuple[int, int, int, str, bool, int]:
     """warps:stages:KiB[:prefetch] (one of PREFETCH_MODES, off when absent; "ahead+next": each launch also asks
     for the next layer's qkv tiles) -> warps, stages, KiB, mode, next."""
     fields = variant.split(":")
+    if len(fields) >= 4 and fields[3] in ("0", "1"):  # the older spelling: 1, the whole layer at the start
+        fields[3] = ("off", "lines")[int(fields[3])]
     pieces = int(fields.pop()) if len(fields) == 5 else 1  # a fifth field: copy-engine requests a tile
     nxt = len(fields) == 4 and fields[3] == "ahead+next"
     if nxt:

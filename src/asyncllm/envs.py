@@ -49,7 +49,7 @@ class DecodeLayerPrefetch(str, enum.Enum):
     """How the one-launch decode layer asks L2 for its weights (`DECODE_LAYER_PREFETCH`; the kernel's modes,
     kernels/decode_layer_plan.py's PREFETCH_MODES)."""
 
-    AUTO = "auto"  # the measured default where the layer's weights fit three quarters of the L2, else off
+    AUTO = "auto"  # the measured default: off (no mode has won yet)
     OFF = "off"
     LINES = "lines"  # the whole layer at the launch's start, a line a request
     BULK = "bulk"  # each program's own tiles at the start, through the copy engine (Hopper)
@@ -177,7 +177,7 @@ DECODE_LAYER_PREFETCH: EnvVar[DecodeLayerPrefetch] = EnvVar(
     DecodeLayerPrefetch.AUTO,
     one_of(DecodeLayerPrefetch),
     "with ASYNCLLM_DECODE_LAYER, how each launch asks L2 for its layer's weights before its phases read them: "
-    "auto (lines where the layer's weights fit three quarters of the L2, else off), off, lines (the whole "
+    "auto (the measured default: off, as no mode has won on an H100 yet), off, lines (the whole "
     "layer at the start, a 128-byte line a request), bulk (each program's own tiles at the start through the "
     "copy engine; Hopper or newer), ahead (bulk's qkv tiles at the start, the rest once they are read, the "
     "next layer's qkv during the MLP; Hopper or newer); results unchanged",

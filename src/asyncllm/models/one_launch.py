@@ -15,7 +15,14 @@ from torch import nn
 
 from asyncllm.attention.backend import AttentionMetadata
 from asyncllm.attention.layer import KVCache
-from asyncllm.kernels.decode_layer_plan import MAX_ROWS, DecodeLayerConfig, DecodeLayerScratch, layout_of, plan_config
+from asyncllm.kernels.decode_layer_plan import (
+    BULK_PREFETCH,
+    MAX_ROWS,
+    DecodeLayerConfig,
+    DecodeLayerScratch,
+    layout_of,
+    plan_config,
+)
 from asyncllm.kernels.decode_layer_ref import DecodeLayerWeights
 from asyncllm.layers.rotary import RotaryInputs
 
@@ -93,14 +100,11 @@ ENGINE_MAX_ROWS = 1
 
 def use_one_launch_layers(model: nn.Module, device: torch.device, max_num_seqs: int, prefetch: str = "auto") -> int:
     """Switch every `OneLaunchLayer` of `model` whose spec the kernel takes to its one launch for steps of up to
-    min(max_num_seqs, ENGINE_MAX_ROWS) rows; returns how many did. Layers of one shape share one scratch. On CUDA a
-    layer whose weights fit in three quarters of the L2 asks for them at its launch's start
-    (`DecodeLayerConfig.prefetch`): the HBM streams them while the phases wait on each other."""
+    min(max_num_seqs, ENGINE_MAX_ROWS) rows; returns how many did. Layers of one shape share one scratch.
+    `prefetch` (ASYNCLLM_DECODE_LAYER_PREFETCH): how each launch asks L2 for its weights (`_configs`); with
+    "ahead" a launch also asks for the next layer's qkv where that layer runs the same launch."""
     max_rows = min(max_num_seqs, ENGINE_MAX_ROWS, MAX_ROWS)
-    programs, l2_bytes = 1, 0
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        programs, l2_bytes = props.multi_processor_count, props.L2_cache_size
+    programs = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
     scratches: dict[tuple[object, ...], DecodeLayerScratch] = {}
     decoders: list[OneLaunchDecoder | None] = []  # in the layers' order: None where one runs its chain
@@ -108,7 +112,7 @@ def use_one_launch_layers(model: nn.Module, device: torch.device, max_num_seqs: 
         if not isinstance(module, OneLaunchLayer):
             continue
         spec = module.one_launch_spec()
-        configs = None if spec is None else _configs(spec.weights, max_rows, programs, l2_bytes, prefetch)
+        configs = None if spec is None else _configs(spec.weights, max_rows, programs, prefetch)
         if spec is None or configs is None:
             module.use_one_launch(None)
             decoders.append(None)
@@ -127,15 +131,16 @@ def use_one_launch_layers(model: nn.Module, device: torch.device, max_num_seqs: 
     return sum(d is not None for d in decoders)
 
 
-def _configs(
-    w: DecodeLayerWeights, max_rows: int, programs: int, l2_bytes: int, prefetch: str
-) -> dict[int, DecodeLayerConfig] | None:
-    """The tiles of every row count up to `max_rows`, with `prefetch` (a PREFETCH_MODES name; "auto": "lines"
-    where the weights fit three quarters of the L2, room left for the keys and activations, else "off"); None
-    where the kernel's tiles do not fit the layer."""
-    weight_bytes = sum(t.numel() * t.element_size() for t in (w.qkv, w.o, w.gate_up, w.down))
+def _configs(w: DecodeLayerWeights, max_rows: int, programs: int, prefetch: str) -> dict[int, DecodeLayerConfig] | None:
+    """The tiles of every row count up to `max_rows`, with `prefetch` (a PREFETCH_MODES name, or "auto": "off",
+    measured fastest: bench/RESULTS.md, 2026-12-08); the copy engine's modes fall back to "off" for a weight
+    off a 16-byte boundary (it takes aligned ranges). None where the kernel's tiles do not fit the layer."""
+    weights = (w.qkv, w.o, w.gate_up, w.down)
     if prefetch == "auto":
-        prefetch = "lines" if 0 < weight_bytes <= l2_bytes * 3 // 4 else "off"
+        # On an H100 (Qwen3-0.6B, graphed) every mode lost to none: lines 43.4, ahead 44.6 against 40.3 us a layer.
+        prefetch = "off"
+    if prefetch in BULK_PREFETCH and any(t.data_ptr() % 16 for t in weights):
+        prefetch = "off"
     try:
         return {rows: plan_config(w, rows, programs, prefetch=prefetch) for rows in range(1, max_rows + 1)}
     except ValueError:
