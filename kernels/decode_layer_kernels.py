@@ -30,9 +30,10 @@ ALL_PHASES = tl.constexpr(0)  # PHASE: every phase, barriers between them (the G
 LAST_PHASE = 5
 # PREFETCH: how a launch asks L2 for its weights ahead of their phase, the index of its name in
 # decode_layer_plan.PREFETCH_MODES (CUDA only: PTX). 1, lines: the whole layer at the start, a 128-byte line a
-# request; 2, bulk: each program its own tiles of every projection at the start, one copy-engine request a
-# thread (sm_90); 3, ahead: bulk's qkv tiles at the start, the rest once the program's qkv tiles are done, so
-# they stream during the other programs' phase 1 and attention, not against phase 1's reads.
+# request; 2, bulk: each program its own tiles of every projection at the start, PIECES copy-engine requests a
+# tile (sm_90); 3, ahead: bulk's qkv tiles at the start, the rest (and the attention items' old keys and values,
+# line by line) once the program's qkv tiles are done, so they stream during the other programs' phase 1 and
+# attention, not against phase 1's reads; NEXT adds the next layer's qkv tiles during the MLP.
 
 
 @triton.jit
@@ -96,6 +97,41 @@ def _prefetch_later_tiles(
     _prefetch_tiles(o_w_ptr, HIDDEN, Q_SIZE, BN_O, False, THREADS, PIECES)
     _prefetch_tiles(gate_up_w_ptr, INTER, HIDDEN, BN_GU, True, THREADS, PIECES)
     _prefetch_tiles(down_w_ptr, HIDDEN, INTER, BN_DOWN, False, THREADS, PIECES)
+
+
+@triton.jit
+def _prefetch_attention_kv(
+    num_splits, rows, bt_ptr, seq_lens_ptr, k_cache_ptr, v_cache_ptr, stride_bt, stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Asks L2 for the keys and values this program's phase-2 items read (the split of `_attention_item`), a
+    128-byte line a request: the cache's old keys do not depend on this step, so they can stream before the
+    barrier that the items' queries wait for. The new key's slot is asked for too: its old contents, which the
+    item's store then replaces in L2."""
+    ITEM: tl.constexpr = k_cache_ptr.dtype.element_ty.primitive_bitwidth // 8
+    PER_LINE: tl.constexpr = LINE_BYTES // ITEM
+    ROW_LINES: tl.constexpr = (HEAD_DIM * ITEM + LINE_BYTES - 1) // LINE_BYTES
+    pid, programs = tl.program_id(0), tl.num_programs(0)
+    offs_n = tl.arange(0, BLOCK_N)
+    line = tl.minimum(tl.arange(0, ROW_LINES) * PER_LINE, HEAD_DIM - 1)  # each line's first element in a row
+    for item in range(pid, rows * NUM_KV_HEADS * num_splits, programs):
+        split = item % num_splits
+        kv_head = (item // num_splits) % NUM_KV_HEADS
+        row = item // (num_splits * NUM_KV_HEADS)
+        seq_len = tl.load(seq_lens_ptr + row)
+        tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+        start = split * tokens_per_split
+        end = tl.minimum(start + tokens_per_split, seq_len)
+        table = bt_ptr + row.to(tl.int64) * stride_bt
+        for n0 in range(start, end, BLOCK_N):
+            pos = tl.minimum(n0 + offs_n, end - 1)  # past the end: the last key again (inside the table)
+            block = tl.load(table + pos // BLOCK_SIZE).to(tl.int64)
+            slot = (pos % BLOCK_SIZE).to(tl.int64)
+            k_row = k_cache_ptr + block * stride_kb + slot * stride_kt + kv_head * stride_kh
+            v_row = v_cache_ptr + block * stride_vb + slot * stride_vt + kv_head * stride_vh
+            prefetch_l2(k_row[:, None] + line[None, :])
+            prefetch_l2(v_row[:, None] + line[None, :])
 
 
 STAMPS = 10  # TIMING: a program's clock readings: start, each barrier's arrival and return (4 x 2), end
@@ -349,15 +385,23 @@ def _decode_layer_kernel(
     if PREFETCH >= 2:  # BULK, AHEAD: this program's qkv tiles
         _prefetch_tiles(qkv_w_ptr, QKV, HIDDEN, BN_QKV, False, THREADS, PIECES)
     if PREFETCH == 2:
-        _prefetch_later_tiles(o_w_ptr, gate_up_w_ptr, down_w_ptr, HIDDEN, INTER, Q_SIZE, BN_O, BN_GU, BN_DOWN, THREADS, PIECES)
+        _prefetch_later_tiles(
+            o_w_ptr, gate_up_w_ptr, down_w_ptr, HIDDEN, INTER, Q_SIZE, BN_O, BN_GU, BN_DOWN, THREADS, PIECES
+        )
     if PHASE == ALL_PHASES or PHASE == 1:
         rms = _inv_rms(x_ptr, res_ptr, rows, offs_r, HIDDEN, eps, HAS_RESIDUAL, BLOCK_R, RMS_CHUNK)
         _project(
             qkv_w_ptr, QKV, HIDDEN, x_ptr, res_ptr, in_norm_ptr, qkv_ptr, rows, offs_r, rms,
             HAS_RESIDUAL, True, BLOCK_R, BN_QKV, BK_QKV, DOT_PRECISION, STAGES,
         )  # fmt: skip
-    if PREFETCH == 3:  # AHEAD: the rest once this program's phase-1 reads are done
-        _prefetch_later_tiles(o_w_ptr, gate_up_w_ptr, down_w_ptr, HIDDEN, INTER, Q_SIZE, BN_O, BN_GU, BN_DOWN, THREADS, PIECES)
+    if PREFETCH == 3:  # AHEAD: the rest once this program's phase-1 reads are done, and its attention's keys
+        _prefetch_later_tiles(
+            o_w_ptr, gate_up_w_ptr, down_w_ptr, HIDDEN, INTER, Q_SIZE, BN_O, BN_GU, BN_DOWN, THREADS, PIECES
+        )
+        _prefetch_attention_kv(
+            num_splits, rows, bt_ptr, seq_lens_ptr, k_cache_ptr, v_cache_ptr, stride_bt, stride_kb, stride_kt,
+            stride_kh, stride_vb, stride_vt, stride_vh, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+        )  # fmt: skip
     _timed_barrier(bar_ptr, clock_ptr, 1, PHASE, TIMING)
     if PHASE == ALL_PHASES or PHASE == 2:
         for item in range(pid, rows * NUM_KV_HEADS * num_splits, programs):

@@ -83,7 +83,7 @@ def parse_variant(variant: str) -> tuple[int, int, int, str, bool, int]:
     if nxt:
         fields[3] = "ahead"
     well_formed = len(fields) in (3, 4) and all(v.isdigit() for v in fields[:3])
-    if not well_formed or fields[3:] and fields[3] not in PREFETCH_MODES:
+    if not well_formed or (fields[3:] and fields[3] not in PREFETCH_MODES):
         raise SystemExit(f"--variants {variant!r}: expected warps:stages:KiB[:prefetch] (prefetch one of "
                          f"{PREFETCH_MODES}), e.g. 4:1:32 or 4:1:32:ahead")  # fmt: skip
     warps, stages, step_kib = (int(v) for v in fields[:3])

@@ -179,8 +179,8 @@ DECODE_LAYER_PREFETCH: EnvVar[DecodeLayerPrefetch] = EnvVar(
     "with ASYNCLLM_DECODE_LAYER, how each launch asks L2 for its layer's weights before its phases read them: "
     "auto (the measured default: off, as no mode has won on an H100 yet), off, lines (the whole "
     "layer at the start, a 128-byte line a request), bulk (each program's own tiles at the start through the "
-    "copy engine; Hopper or newer), ahead (bulk's qkv tiles at the start, the rest once they are read, the "
-    "next layer's qkv during the MLP; Hopper or newer); results unchanged",
+    "copy engine; Hopper or newer), ahead (bulk's qkv tiles at the start, the rest and the attention's keys "
+    "once they are read, the next layer's qkv during the MLP; Hopper or newer); results unchanged",
 )
 DECODE_FOLD_REDUCE: EnvVar[bool] = EnvVar(
     "ASYNCLLM_DECODE_FOLD_REDUCE",

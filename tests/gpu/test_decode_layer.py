@@ -94,7 +94,9 @@ def test_prefetch_modes_change_no_bit(dl, rows: int) -> None:
     k, v = case.k_cache.clone(), case.v_cache.clone()
     next_qkv = torch.randn_like(case.w.qkv)  # another layer's: asked for, never read
     outs["ahead, next layer"] = (
-        *dl.decode_layer(*case.with_caches(k, v).args(), 0.088, scratch, config=config, next_qkv=next_qkv), k, v
+        *dl.decode_layer(*case.with_caches(k, v).args(), 0.088, scratch, config=config, next_qkv=next_qkv),
+        k,
+        v,
     )
     torch.cuda.synchronize()
     for mode, got in outs.items():

@@ -106,7 +106,7 @@ def test_bad_inputs_are_refused(dl) -> None:
     with pytest.raises(ValueError, match="config's o tile"):
         dl.decode_layer(*case.args(), 0.25, scratch, config=dl.DecodeLayerConfig(**{**vars(config), "bn_o": 128}))
     with pytest.raises(ValueError, match="CUDA only"):
-        dl.decode_layer(*case.args(), 0.25, scratch, config=dl.DecodeLayerConfig(**{**vars(config), "prefetch": "lines"}))
+        dl.decode_layer(*case.args(), 0.25, scratch, config=dl.DecodeLayerConfig(**vars(config) | {"prefetch": "bulk"}))
     with pytest.raises(ValueError, match="next_qkv must be a contiguous"):
         dl.decode_layer(*case.args(), 0.25, scratch, next_qkv=case.w.qkv)  # prefetch off: nothing would ask for it
     with pytest.raises(ValueError, match="prefetch='early' is not one of"):

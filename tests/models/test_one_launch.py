@@ -35,7 +35,8 @@ def _next_qkv(layers: list[Layer]) -> list[object]:
             out.append(None)
             continue
         nxt = layer.decoder.next_qkv
-        out.append("-" if nxt is None else next(i for i, o in enumerate(layers) if o.spec and o.spec.weights.qkv is nxt))
+        asked = [i for i, other in enumerate(layers) if other.spec and other.spec.weights.qkv is nxt]
+        out.append("-" if nxt is None else asked[0])
     return out
 
 

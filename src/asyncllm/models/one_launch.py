@@ -7,6 +7,7 @@ dtype) and otherwise returns None, so the layer runs its own chain. Knows nothin
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -122,10 +123,13 @@ def use_one_launch_layers(model: nn.Module, device: torch.device, max_num_seqs: 
             scratches[key] = DecodeLayerScratch(spec.weights, max_rows, device)
         decoders.append(OneLaunchDecoder(spec, scratches[key], programs, configs))
         module.use_one_launch(decoders[-1])
-    for decoder, after in zip(decoders, decoders[1:]):
+    for decoder, after in itertools.pairwise(decoders):
         # A layer prefetching ahead asks for the next one's qkv tiles too, where the next runs the same launch.
-        if decoder is not None and after is not None and decoder.prefetch_ahead() and (
-            layout_of(after.spec.weights) == layout_of(decoder.spec.weights)
+        if (
+            decoder is not None
+            and after is not None
+            and decoder.prefetch_ahead()
+            and (layout_of(after.spec.weights) == layout_of(decoder.spec.weights))
         ):
             decoder.next_qkv = after.spec.weights.qkv
     return sum(d is not None for d in decoders)
