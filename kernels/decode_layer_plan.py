@@ -16,7 +16,8 @@ from .paged_attention_plan import MAX_SPLITS
 MAX_ROWS = 16  # rows share each weight tile through one 16-row tensor-core dot
 # How a launch asks L2 for its weights before its phases read them (decode_layer_kernels.py's PREFETCH says how
 # each does it): not at all; the whole layer at the start, line by line; each program's own tiles at the start
-# through the copy engine (Hopper); its qkv tiles at the start, the rest and its attention's keys once they are read (Hopper).
+# through the copy engine (Hopper); its qkv tiles at the start, the rest and its attention's keys once they are
+# read (Hopper).
 PREFETCH_MODES = ("off", "lines", "bulk", "ahead")
 BULK_PREFETCH = ("bulk", "ahead")  # cp.async.bulk: sm_90 or newer
 
