@@ -100,6 +100,20 @@ def _prefetch_later_tiles(
 
 
 @triton.jit
+def _item_keys(item, num_splits, seq_lens_ptr, NUM_KV_HEADS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Phase 2's item `item`: (row, KV head, split, the row's seq_len, keys a split, and the split's keys
+    [start, end)): splits of whole BLOCK_N tiles; splits past the sequence's end get none (start >= end)."""
+    split = item % num_splits
+    kv_head = (item // num_splits) % NUM_KV_HEADS
+    row = item // (num_splits * NUM_KV_HEADS)
+    seq_len = tl.load(seq_lens_ptr + row)
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, seq_len)
+    return row, kv_head, split, seq_len, tokens_per_split, start, end
+
+
+@triton.jit
 def _prefetch_attention_kv(
     num_splits, rows, bt_ptr, seq_lens_ptr, k_cache_ptr, v_cache_ptr, stride_bt, stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -116,13 +130,7 @@ def _prefetch_attention_kv(
     offs_n = tl.arange(0, BLOCK_N)
     line = tl.minimum(tl.arange(0, ROW_LINES) * PER_LINE, HEAD_DIM - 1)  # each line's first element in a row
     for item in range(pid, rows * NUM_KV_HEADS * num_splits, programs):
-        split = item % num_splits
-        kv_head = (item // num_splits) % NUM_KV_HEADS
-        row = item // (num_splits * NUM_KV_HEADS)
-        seq_len = tl.load(seq_lens_ptr + row)
-        tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-        start = split * tokens_per_split
-        end = tl.minimum(start + tokens_per_split, seq_len)
+        row, kv_head, _, _, _, start, end = _item_keys(item, num_splits, seq_lens_ptr, NUM_KV_HEADS, BLOCK_N)
         table = bt_ptr + row.to(tl.int64) * stride_bt
         for n0 in range(start, end, BLOCK_N):
             pos = tl.minimum(n0 + offs_n, end - 1)  # past the end: the last key again (inside the table)
@@ -296,13 +304,9 @@ def _attention_item(
     waits for it. A padding row (seq_len 0) has no split: its split 0 zeroes its heads' output."""
     GROUP: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
     QKV: tl.constexpr = (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
-    split = item % num_splits
-    kv_head = (item // num_splits) % NUM_KV_HEADS
-    row = item // (num_splits * NUM_KV_HEADS)
-    seq_len = tl.load(seq_lens_ptr + row)
-    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * tokens_per_split
-    end = tl.minimum(start + tokens_per_split, seq_len)
+    row, kv_head, split, seq_len, tokens_per_split, start, end = _item_keys(
+        item, num_splits, seq_lens_ptr, NUM_KV_HEADS, BLOCK_N
+    )
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     g_mask = offs_g < GROUP
