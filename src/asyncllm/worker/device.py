@@ -102,11 +102,11 @@ def check_pdl(device: torch.device, triton_backend: bool) -> None:
         )
 
 
-def check_layer_prefetch(device: torch.device, prefetch: envs.DecodeLayerPrefetch) -> None:
-    """ASYNCLLM_DECODE_LAYER_PREFETCH's explicit modes ask L2 through PTX: CUDA, and the copy engine's (bulk,
-    ahead) compute capability 9.0 or newer. Checked before the weights load."""
+def check_layer_prefetch(device: torch.device, decode_layer: bool, prefetch: envs.DecodeLayerPrefetch) -> None:
+    """With ASYNCLLM_DECODE_LAYER, ASYNCLLM_DECODE_LAYER_PREFETCH's explicit modes ask L2 through PTX: CUDA, and
+    the copy engine's (bulk, ahead) compute capability 9.0 or newer."""
     name, mode = envs.DECODE_LAYER_PREFETCH.name, prefetch.value
-    if prefetch in (envs.DecodeLayerPrefetch.AUTO, envs.DecodeLayerPrefetch.OFF):
+    if not decode_layer or prefetch in (envs.DecodeLayerPrefetch.AUTO, envs.DecodeLayerPrefetch.OFF):
         return
     if device.type != "cuda":
         raise InvalidConfigError(f"{name}={mode} asks a CUDA device's L2; this engine runs on {device}: unset {name}")

@@ -140,8 +140,7 @@ class WorkerSetup:
             tuning.decode_fold_reduce,
             tuning.decode_pdl,  # checked below with the layers' kernels (check_pdl)
         )
-        if tuning.decode_layer:
-            check_layer_prefetch(device, tuning.decode_layer_prefetch)
+        check_layer_prefetch(device, tuning.decode_layer, tuning.decode_layer_prefetch)  # before the weights load
         mc = self.config.model_config
         module = load_model(
             self.checkpoint,
@@ -156,20 +155,18 @@ class WorkerSetup:
         )
         # The adapter slots are allocated with the model, before memory is profiled for the KV cache.
         loras = self._lora_manager(module)
-        # Our Triton backend brings the fused kernels with it (norm + residual, q/k norm + rotary + KV write,
-        # SiLU-and-mul, batched LoRA); the torch backend keeps every layer in its pure-PyTorch form, the reference.
+        # The Triton backend brings the fused kernels; the torch backend keeps the pure-PyTorch forms, the reference.
         fused = backend.name == "triton"
-        mode = tuning.decode_gemv
         if fused:
             use_fused_kernels(module)
-            set_decode_gemv(module, mode)  # "on" or "off"; "auto" is timed below
+            set_decode_gemv(module, tuning.decode_gemv)  # "on" or "off"; "auto" is timed below
         if tuning.decode_pdl:
             check_pdl(device, fused)
             use_pdl(module, True)
         self.timings["load"] = time.perf_counter() - start
         if device.type == "cuda" and not self.config.device_config.enforce_eager:
             start = time.perf_counter()
-            choices = tune_linear_layers(module, device, gemv=fused and mode == DecodeGemv.AUTO)
+            choices = tune_linear_layers(module, device, gemv=fused and tuning.decode_gemv == DecodeGemv.AUTO)
             self.timings["tune_gemm"] = time.perf_counter() - start
             logger.debug(
                 "linear weights stored [in, out] for shapes %s", [s for s, c in choices.items() if c.transposed]
@@ -177,9 +174,8 @@ class WorkerSetup:
             logger.debug("one token row through the GEMV for shapes %s", [s for s, c in choices.items() if c.gemv])
             logger.debug("the op before folded into the GEMV for %d layers", prologue_layers(module))
         if fused and tuning.decode_layer and self.parallel is None:  # after the tuning: the weights' final layout
-            self.decode_layers = use_one_launch_layers(
-                module, device, self.config.scheduler_config.max_num_seqs, tuning.decode_layer_prefetch.value
-            )
+            seqs, prefetch = self.config.scheduler_config.max_num_seqs, tuning.decode_layer_prefetch.value
+            self.decode_layers = use_one_launch_layers(module, device, seqs, prefetch)
         draft = load_draft(self.config, self.checkpoint, self.resolved, module, first_rank=self._reports)
         return LoadedModel(module, backend, loras, draft)
 
