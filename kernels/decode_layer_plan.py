@@ -97,6 +97,9 @@ def check_config(config: DecodeLayerConfig, w: DecodeLayerWeights, rows: int) ->
     }
     if config.prefetch not in PREFETCH_MODES:
         raise ValueError(f"config's prefetch {config.prefetch!r} is not one of {PREFETCH_MODES}")
+    if not 1 <= config.prefetch_pieces <= 32 * config.num_warps:
+        raise ValueError(f"config's prefetch_pieces={config.prefetch_pieces} must be in [1, {32 * config.num_warps}] "
+                         f"(one request a thread of its {config.num_warps} warps)")  # fmt: skip
     for name, (bn, bk, n, k) in tiles.items():
         pow2 = bn & (bn - 1) == 0 and bk & (bk - 1) == 0
         if not pow2 or n % bn or k % bk or bk < 16 or bn < (16 if rows > 1 else 1):

@@ -109,6 +109,9 @@ def test_bad_inputs_are_refused(dl) -> None:
         dl.decode_layer(*case.args(), 0.25, scratch, config=dl.DecodeLayerConfig(**vars(config) | {"prefetch": "bulk"}))
     with pytest.raises(ValueError, match="next_qkv must be a contiguous"):
         dl.decode_layer(*case.args(), 0.25, scratch, next_qkv=case.w.qkv)  # prefetch off: nothing would ask for it
+    with pytest.raises(ValueError, match=r"prefetch_pieces=0 must be in \[1, 128\]"):
+        no_pieces = dl.DecodeLayerConfig(**vars(config) | {"prefetch_pieces": 0})
+        dl.decode_layer(*case.args(), 0.25, scratch, config=no_pieces)
     with pytest.raises(ValueError, match="prefetch='early' is not one of"):
         dl.plan_config(case.w, 2, 1, prefetch="early")
     with pytest.raises(ValueError, match="config's prefetch True is not one of"):
