@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from .decode_layer_kernels import LAST_PHASE, STAMPS, _decode_layer_kernel
+from .decode_layer_kernels import LAST_PHASE, _decode_layer_kernel
 from .decode_layer_plan import (
     BULK_PREFETCH,
     MAX_ROWS,
@@ -23,6 +23,7 @@ from .decode_layer_plan import (
     plan_config,
 )
 from .decode_layer_ref import DecodeLayerWeights, decode_layer_ref
+from .grid_barrier import STAMPS
 from .paged_attention import _pow2
 from .paged_attention_plan import MAX_SPLITS
 from .quant_matmul import ACT_DTYPES, _num_sms
@@ -59,7 +60,7 @@ def launch_constants(
         RMS_CHUNK=math.gcd(hidden, max(16, 2048 // block_r)),
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32", STAGES=config.stages,
         PREFETCH=PREFETCH_MODES.index(config.prefetch), THREADS=32 * config.num_warps,
-        PIECES=config.prefetch_pieces, num_warps=config.num_warps,
+        PIECES=config.prefetch_pieces, PRELOAD=config.preload, num_warps=config.num_warps,
     )  # fmt: skip
 
 

@@ -20,7 +20,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .decode_layer_gemv import EPI_RESIDUAL, EPI_SILU_MUL, EPI_STORE, _gemv_phase, _inv_rms, _load_step
 from .decode_layer_work import _item_keys, _prefetch_attention_kv, _prefetch_l2, _prefetch_later_tiles, _prefetch_tiles
+from .grid_barrier import STAMPS_C, barrier_round, stamp, timed_barrier
 from .paged_attention_fold import _fold_is_last, _fold_merge
 from .paged_attention_kernels import _attend_paged
 
@@ -34,144 +36,19 @@ LAST_PHASE = 5
 # tile (sm_90); 3, ahead: bulk's qkv tiles at the start, the rest (and the attention items' old keys and values,
 # line by line) once the program's qkv tiles are done, so they stream during the other programs' phase 1 and
 # attention, not against phase 1's reads; NEXT adds the next layer's qkv tiles during the MLP.
+# PRELOAD: each projection's first weight step loaded into registers before the barrier ahead of its phase,
+# every later step while the one before computes (decode_layer_gemv.py).
 
 
 @triton.jit
-def _grid_barrier(bar_ptr, PHASE: tl.constexpr):
-    """Waits until every program of the launch arrives. bar_ptr: int32 [2], the arrivals of the current round
-    and the round's number; the last to arrive puts the count back to 0 before it advances the round, so the
-    pair needs no reset between barriers, layers or graph replays.
-
-    Why the data is visible after it: each program's threads finish their stores before its one arrival (the
-    CTA barrier, then a release at GPU scope, cumulative over them); the waiting thread's acquire of the new
-    round orders its reads after every arrival, and the CTA barrier after it orders its siblings' reads after
-    that. The phases read each other's scratch with .cg loads (L2); a new key is stored and read back within
-    one program (a CTA barrier between). All programs are resident at once (the launcher starts at most one
-    per SM), so the wait cannot starve."""
-    if PHASE == ALL_PHASES:
-        tl.debug_barrier()
-        round_ = tl.atomic_add(bar_ptr + 1, 0, sem="acquire", scope="gpu")  # read before this arrival
-        if tl.atomic_add(bar_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
-            tl.atomic_xchg(bar_ptr, 0, sem="relaxed", scope="gpu")
-            tl.atomic_add(bar_ptr + 1, 1, sem="release", scope="gpu")
-        else:
-            # Spin on plain loads from L2 (an atomic each time would queue behind the arrivals at the same
-            # address), then one acquire, which reads the new round and orders what follows after it.
-            while tl.load(bar_ptr + 1, volatile=True) == round_:
-                pass
-            tl.atomic_add(bar_ptr + 1, 0, sem="acquire", scope="gpu")
-        tl.debug_barrier()
-
-
-STAMPS = 10  # TIMING: a program's clock readings: start, each barrier's arrival and return (4 x 2), end
-
-
-@triton.jit
-def _stamp(clock_ptr, slot, TIMING: tl.constexpr):
-    """TIMING: this program's reading of the GPU's nanosecond clock into its row of clock_ptr [programs, STAMPS]."""
-    if TIMING:
-        tl.store(clock_ptr + tl.program_id(0) * 10 + slot, tl.extra.cuda.globaltimer())
-
-
-@triton.jit
-def _timed_barrier(bar_ptr, clock_ptr, k, PHASE: tl.constexpr, TIMING: tl.constexpr):
-    """Barrier k (1-4), its arrival (once every thread of the program is done) and return stamped when TIMING."""
-    if TIMING:
-        tl.debug_barrier()
-    _stamp(clock_ptr, 2 * k - 1, TIMING)
-    _grid_barrier(bar_ptr, PHASE)
-    _stamp(clock_ptr, 2 * k, TIMING)
-
-
-@triton.jit
-def _inv_rms(x_ptr, res_ptr, rows, offs_r, K, eps, ADD: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr):
-    """[BLOCK_R] 1 / sqrt(mean(h^2) + eps) of each row's h = x (+ residual, rounded to x's dtype), rows of K."""
-    acc = tl.zeros((BLOCK_R, CHUNK), dtype=tl.float32)
-    r_mask = (offs_r < rows)[:, None]
-    for start in range(0, K, CHUNK):
-        at = offs_r[:, None] * K + start + tl.arange(0, CHUNK)[None, :]
-        h = tl.load(x_ptr + at, mask=r_mask, other=0.0, cache_modifier=".cg")
-        if ADD:
-            res = tl.load(res_ptr + at, mask=r_mask, other=0.0, cache_modifier=".cg")
-            h = (h.to(tl.float32) + res.to(tl.float32)).to(h.dtype)
-        hf = h.to(tl.float32)
-        acc += hf * hf
-    return tl.math.rsqrt(tl.sum(acc, axis=1) / K + eps)
-
-
-@triton.jit
-def _acts(x_ptr, res_ptr, nw_ptr, rows, offs_r, offs_k, K, rms, ADD: tl.constexpr, NORM: tl.constexpr):
-    """[BLOCK_R, BK] activations in x's dtype: x (+ residual) at columns offs_k, RMSNormed with `rms` as
-    rms_norm_ref rounds (normed rounded, times the weight rounded) when NORM."""
-    at = offs_r[:, None] * K + offs_k[None, :]
-    r_mask = (offs_r < rows)[:, None]
-    x = tl.load(x_ptr + at, mask=r_mask, other=0.0, cache_modifier=".cg")
-    dtype = x.dtype
-    if ADD:
-        res = tl.load(res_ptr + at, mask=r_mask, other=0.0, cache_modifier=".cg")
-        x = (x.to(tl.float32) + res.to(tl.float32)).to(dtype)
-    if NORM:
-        w = tl.load(nw_ptr + offs_k)[None, :].to(tl.float32)
-        x = (w * (x.to(tl.float32) * rms[:, None]).to(dtype).to(tl.float32)).to(dtype)
-    return x
-
-
-@triton.jit
-def _dot_rows(acc, w, a, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """acc [BLOCK_R, BN] + a [BLOCK_R, BK] x w [BN, BK]^T: one row on the CUDA cores, more through one
-    tensor-core dot that shares the weight tile between them."""
-    if BLOCK_R == 1:
-        return acc + tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=1)[None, :]
-    return acc + tl.dot(a, tl.trans(w), input_precision=DOT_PRECISION)
-
-
-@triton.jit
-def _gemv_tile(
-    w_ptr, n0, n1, K, x_ptr, res_ptr, nw_ptr, rows, offs_r, rms,
-    ADD: tl.constexpr, NORM: tl.constexpr, BLOCK_R: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr, PAIR: tl.constexpr,
-):  # fmt: skip
-    """[BLOCK_R, BN] float32 twice: rows x W[n0 : n0 + BN]^T over K (a multiple of BK), W [N, K] row-major, and
-    with PAIR the same for W[n1 : n1 + BN] (gate and up: both tiles' loads in flight together; else the
-    second is the first). A K step of BK columns keeps many bytes in flight per program (the launcher sizes
-    it); STAGES > 1 pipelines the steps."""
-    w_rows = w_ptr + (n0 + tl.arange(0, BN)).to(tl.int64)[:, None] * K
-    w_rows2 = w_ptr + (n1 + tl.arange(0, BN)).to(tl.int64)[:, None] * K
-    acc = tl.zeros((BLOCK_R, BN), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_R, BN), dtype=tl.float32)
-    for k0 in tl.range(0, K, BK, num_stages=STAGES):
-        offs_k = k0 + tl.arange(0, BK)
-        w = tl.load(w_rows + offs_k[None, :])  # [BN, BK]
-        if PAIR:
-            w2 = tl.load(w_rows2 + offs_k[None, :])
-        a = _acts(x_ptr, res_ptr, nw_ptr, rows, offs_r, offs_k, K, rms, ADD, NORM)  # [BLOCK_R, BK]
-        acc = _dot_rows(acc, w, a, BLOCK_R, DOT_PRECISION)
-        if PAIR:
-            acc2 = _dot_rows(acc2, w2, a, BLOCK_R, DOT_PRECISION)
-    if PAIR:
-        return acc, acc2
-    return acc, acc
-
-
-@triton.jit
-def _project(
-    w_ptr, N, K, x_ptr, res_ptr, nw_ptr, out_ptr, rows, offs_r, rms,
-    ADD: tl.constexpr, NORM: tl.constexpr, BLOCK_R: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr,
-):  # fmt: skip
-    """out [rows, N] = the rows' activations x W^T, this program's share of N's tiles (every program-th)."""
-    pid, programs = tl.program_id(0), tl.num_programs(0)
-    for tile in range(pid, N // BN, programs):
-        acc, _ = _gemv_tile(
-            w_ptr, tile * BN, 0, K, x_ptr, res_ptr, nw_ptr, rows, offs_r, rms,
-            ADD, NORM, BLOCK_R, BN, BK, DOT_PRECISION, STAGES, False,
-        )  # fmt: skip
-        _store_rows(out_ptr, N, offs_r, rows, tile * BN + tl.arange(0, BN), acc)
-
-
-@triton.jit
-def _store_rows(ptr, N, offs_r, rows, offs_n, value):
-    tl.store(ptr + offs_r[:, None] * N + offs_n[None, :], value.to(ptr.dtype.element_ty), mask=(offs_r < rows)[:, None])
+def _preload(w_ptr, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PAIR: tl.constexpr,
+             ON: tl.constexpr):  # fmt: skip
+    """ON: this program's first step of W (`_load_step`), asked for now; else placeholders (never read)."""
+    if ON:
+        w, w2 = _load_step(w_ptr, 0, N, K, BN, BK, PAIR)
+    else:  # one return: Triton types every return statement, even in a branch the constexpr prunes
+        w, w2 = w_ptr, w_ptr
+    return w, w2
 
 
 @triton.jit
@@ -294,13 +171,15 @@ def _decode_layer_kernel(
     BK_QKV: tl.constexpr, BK_O: tl.constexpr, BK_GU: tl.constexpr, BK_DOWN: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, RMS_CHUNK: tl.constexpr,
     DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr, THREADS: tl.constexpr,
-    PIECES: tl.constexpr, NEXT: tl.constexpr, PHASE: tl.constexpr, TIMING: tl.constexpr,
+    PIECES: tl.constexpr, NEXT: tl.constexpr, PRELOAD: tl.constexpr, PHASE: tl.constexpr, TIMING: tl.constexpr,
 ):  # fmt: skip
-    _stamp(clock_ptr, 0, TIMING)
+    stamp(clock_ptr, 0, TIMING)
     QKV: tl.constexpr = (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
     Q_SIZE: tl.constexpr = NUM_HEADS * HEAD_DIM
+    BARRIERS: tl.constexpr = PHASE == ALL_PHASES
     pid, programs = tl.program_id(0), tl.num_programs(0)
     offs_r = tl.arange(0, BLOCK_R)
+    round0 = barrier_round(bar_ptr, BARRIERS)
     if PREFETCH == 1:  # LINES: the whole layer's weights, in the order the phases read them
         ITEM: tl.constexpr = qkv_w_ptr.dtype.element_ty.primitive_bitwidth // 8
         _prefetch_l2(qkv_w_ptr, QKV * HIDDEN, 256, ITEM)
@@ -314,10 +193,12 @@ def _decode_layer_kernel(
             o_w_ptr, gate_up_w_ptr, down_w_ptr, HIDDEN, INTER, Q_SIZE, BN_O, BN_GU, BN_DOWN, THREADS, PIECES
         )
     if PHASE == ALL_PHASES or PHASE == 1:
+        w0, w20 = _preload(qkv_w_ptr, QKV, HIDDEN, BN_QKV, BK_QKV, False, PRELOAD)
         rms = _inv_rms(x_ptr, res_ptr, rows, offs_r, HIDDEN, eps, HAS_RESIDUAL, BLOCK_R, RMS_CHUNK)
-        _project(
-            qkv_w_ptr, QKV, HIDDEN, x_ptr, res_ptr, in_norm_ptr, qkv_ptr, rows, offs_r, rms,
-            HAS_RESIDUAL, True, BLOCK_R, BN_QKV, BK_QKV, DOT_PRECISION, STAGES,
+        _gemv_phase(
+            qkv_w_ptr, w0, w20, x_ptr, res_ptr, in_norm_ptr, rms, qkv_ptr, x_ptr, res_ptr, rows, offs_r,
+            QKV, HIDDEN, HAS_RESIDUAL, True, EPI_STORE, HAS_RESIDUAL, BLOCK_R, BN_QKV, BK_QKV, DOT_PRECISION, STAGES,
+            PRELOAD,
         )  # fmt: skip
     if PREFETCH == 3:  # AHEAD: the rest once this program's phase-1 reads are done, and its attention's keys
         _prefetch_later_tiles(
@@ -327,7 +208,7 @@ def _decode_layer_kernel(
             num_splits, rows, bt_ptr, seq_lens_ptr, k_cache_ptr, v_cache_ptr, stride_bt, stride_kb, stride_kt,
             stride_kh, stride_vb, stride_vt, stride_vh, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
         )  # fmt: skip
-    _timed_barrier(bar_ptr, clock_ptr, 1, PHASE, TIMING)
+    timed_barrier(bar_ptr, clock_ptr, 1, round0, BARRIERS, TIMING)
     if PHASE == ALL_PHASES or PHASE == 2:
         for item in range(pid, rows * NUM_KV_HEADS * num_splits, programs):
             _attention_item(
@@ -337,35 +218,34 @@ def _decode_layer_kernel(
                 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_G, BLOCK_D, BLOCK_N, BLOCK_S, HAS_QK_NORM,
                 DOT_PRECISION,
             )  # fmt: skip
-    _timed_barrier(bar_ptr, clock_ptr, 2, PHASE, TIMING)
     if PHASE == ALL_PHASES or PHASE == 3:
-        for tile in range(pid, HIDDEN // BN_O, programs):
-            offs_n = tile * BN_O + tl.arange(0, BN_O)
-            o, _ = _gemv_tile(
-                o_w_ptr, tile * BN_O, 0, Q_SIZE, attn_ptr, attn_ptr, o_w_ptr, rows, offs_r, offs_r,
-                False, False, BLOCK_R, BN_O, BK_O, DOT_PRECISION, STAGES, False,
-            )  # fmt: skip
-            h0 = _acts(x_ptr, res_ptr, x_ptr, rows, offs_r, offs_n, HIDDEN, offs_r, HAS_RESIDUAL, False)
-            h1 = (o.to(h0.dtype).to(tl.float32) + h0.to(tl.float32)).to(h0.dtype)  # torch's `o + h0`
-            _store_rows(h1_ptr, HIDDEN, offs_r, rows, offs_n, h1)
+        w0, w20 = _preload(o_w_ptr, HIDDEN, Q_SIZE, BN_O, BK_O, False, PRELOAD)  # streams during barrier 2
+    timed_barrier(bar_ptr, clock_ptr, 2, round0, BARRIERS, TIMING)
+    if PHASE == ALL_PHASES or PHASE == 3:
+        _gemv_phase(
+            o_w_ptr, w0, w20, attn_ptr, attn_ptr, o_w_ptr, offs_r, h1_ptr, x_ptr, res_ptr, rows, offs_r,
+            HIDDEN, Q_SIZE, False, False, EPI_RESIDUAL, HAS_RESIDUAL, BLOCK_R, BN_O, BK_O, DOT_PRECISION, STAGES,
+            PRELOAD,
+        )  # fmt: skip
     if NEXT:  # the next layer's phase-1 tiles, streaming during this one's MLP (it reads from L2 by then)
         _prefetch_tiles(next_qkv_w_ptr, QKV, HIDDEN, BN_QKV, False, THREADS, PIECES)
-    _timed_barrier(bar_ptr, clock_ptr, 3, PHASE, TIMING)
+    if PHASE == ALL_PHASES or PHASE == 4:
+        w0, w20 = _preload(gate_up_w_ptr, INTER, HIDDEN, BN_GU, BK_GU, True, PRELOAD)
+    timed_barrier(bar_ptr, clock_ptr, 3, round0, BARRIERS, TIMING)
     if PHASE == ALL_PHASES or PHASE == 4:
         rms = _inv_rms(h1_ptr, h1_ptr, rows, offs_r, HIDDEN, eps, False, BLOCK_R, RMS_CHUNK)
-        for tile in range(pid, INTER // BN_GU, programs):
-            gate, up = _gemv_tile(
-                gate_up_w_ptr, tile * BN_GU, INTER + tile * BN_GU, HIDDEN, h1_ptr, h1_ptr, post_norm_ptr, rows,
-                offs_r, rms, False, True, BLOCK_R, BN_GU, BK_GU, DOT_PRECISION, STAGES, True,
-            )  # fmt: skip
-            dtype = act_ptr.dtype.element_ty
-            g = gate.to(dtype).to(tl.float32)  # silu_mul.py's roundings: silu in float32 rounded, the product rounded
-            act = (tl.math.div_rn(g, 1.0 + tl.exp(-g)).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)).to(dtype)
-            _store_rows(act_ptr, INTER, offs_r, rows, tile * BN_GU + tl.arange(0, BN_GU), act)
-    _timed_barrier(bar_ptr, clock_ptr, 4, PHASE, TIMING)
-    if PHASE == ALL_PHASES or PHASE == 5:
-        _project(
-            down_w_ptr, HIDDEN, INTER, act_ptr, act_ptr, down_w_ptr, out_ptr, rows, offs_r, offs_r,
-            False, False, BLOCK_R, BN_DOWN, BK_DOWN, DOT_PRECISION, STAGES,
+        _gemv_phase(
+            gate_up_w_ptr, w0, w20, h1_ptr, h1_ptr, post_norm_ptr, rms, act_ptr, x_ptr, res_ptr, rows, offs_r,
+            INTER, HIDDEN, False, True, EPI_SILU_MUL, HAS_RESIDUAL, BLOCK_R, BN_GU, BK_GU, DOT_PRECISION, STAGES,
+            PRELOAD,
         )  # fmt: skip
-    _stamp(clock_ptr, 9, TIMING)
+    if PHASE == ALL_PHASES or PHASE == 5:
+        w0, w20 = _preload(down_w_ptr, HIDDEN, INTER, BN_DOWN, BK_DOWN, False, PRELOAD)
+    timed_barrier(bar_ptr, clock_ptr, 4, round0, BARRIERS, TIMING)
+    if PHASE == ALL_PHASES or PHASE == 5:
+        _gemv_phase(
+            down_w_ptr, w0, w20, act_ptr, act_ptr, down_w_ptr, offs_r, out_ptr, x_ptr, res_ptr, rows, offs_r,
+            HIDDEN, INTER, False, False, EPI_STORE, HAS_RESIDUAL, BLOCK_R, BN_DOWN, BK_DOWN, DOT_PRECISION, STAGES,
+            PRELOAD,
+        )  # fmt: skip
+    stamp(clock_ptr, STAMPS_C - 1, TIMING)

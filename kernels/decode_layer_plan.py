@@ -13,6 +13,7 @@ import torch
 from .decode_layer_ref import DecodeLayerWeights
 from .paged_attention_plan import MAX_SPLITS
 
+BARRIER_WORDS = 5  # grid_barrier.WORDS (not imported: that module imports Triton): the round, 4 arrival counts
 MAX_ROWS = 16  # rows share each weight tile through one 16-row tensor-core dot
 # How a launch asks L2 for its weights before its phases read them (decode_layer_kernels.py's PREFETCH says how
 # each does it): not at all; the whole layer at the start, line by line; each program's own tiles at the start
@@ -40,6 +41,7 @@ class DecodeLayerConfig:
     stages: int = 1
     prefetch: str = "off"  # one of PREFETCH_MODES (CUDA only)
     prefetch_pieces: int = 1  # bulk, ahead: copy-engine requests a tile's range is split into
+    preload: bool = False  # weights double-buffered in registers, a phase's first step asked before its barrier
 
 
 def plan_config(
@@ -50,6 +52,7 @@ def plan_config(
     num_warps: int = 4,
     stages: int = 1,
     prefetch: str = "off",
+    preload: bool = False,
 ) -> DecodeLayerConfig:
     """Tiles that spread each projection over the programs with the least work on the busiest one (ties: the
     larger tile, fewer loop trips), and K steps of about `step_bytes` of weights (all of them in flight at
@@ -76,7 +79,7 @@ def plan_config(
     (bn_qkv, bk_qkv), (bn_o, bk_o) = tile(w.qkv.shape[0], hidden), tile(hidden, w.num_heads * w.head_dim)
     (bn_gu, bk_gu), (bn_down, bk_down) = tile(inter, hidden, 2), tile(hidden, inter)
     return DecodeLayerConfig(bn_qkv, bk_qkv, bn_o, bk_o, bn_gu, bk_gu, bn_down, bk_down, num_warps=num_warps,
-                             stages=stages, prefetch=prefetch)  # fmt: skip
+                             stages=stages, prefetch=prefetch, preload=preload)  # fmt: skip
 
 
 def layout_of(w: DecodeLayerWeights) -> tuple[object, ...]:
@@ -126,4 +129,4 @@ class DecodeLayerScratch:
         self.m = torch.empty(max_rows, heads, MAX_SPLITS, dtype=torch.float32, device=device)
         self.l_sum = torch.empty_like(self.m)
         self.tickets = torch.zeros(max_rows, w.num_kv_heads, dtype=torch.int32, device=device)
-        self.barrier = torch.zeros(2, dtype=torch.int32, device=device)
+        self.barrier = torch.zeros(BARRIER_WORDS, dtype=torch.int32, device=device)

@@ -72,10 +72,12 @@ def chain(pa, case: LayerCase, seq_lens: torch.Tensor, scale: float, bufs: dict,
         F.linear(silu_and_mul(gate_up), w.down)
 
 
-def parse_variant(variant: str) -> tuple[int, int, int, str, bool, int]:
-    """warps:stages:KiB[:prefetch] (one of PREFETCH_MODES, off when absent; "ahead+next": each launch also asks
-    for the next layer's qkv tiles) -> warps, stages, KiB, mode, next."""
-    fields = variant.split(":")
+def parse_variant(variant: str) -> tuple[int, int, int, str, bool, int, bool]:
+    """warps:stages:KiB[:prefetch[:pieces]][+pre] (prefetch one of PREFETCH_MODES, off when absent; "ahead+next":
+    each launch also asks for the next layer's qkv tiles; "+pre": DecodeLayerConfig.preload) -> warps, stages,
+    KiB, mode, next, pieces, preload."""
+    preload = variant.endswith("+pre")
+    fields = variant.removesuffix("+pre").split(":")
     if len(fields) >= 4 and fields[3] in ("0", "1"):  # the older spelling: 1, the whole layer at the start
         fields[3] = ("off", "lines")[int(fields[3])]
     pieces = int(fields.pop()) if len(fields) == 5 else 1  # a fifth field: copy-engine requests a tile
@@ -87,7 +89,14 @@ def parse_variant(variant: str) -> tuple[int, int, int, str, bool, int]:
         raise SystemExit(f"--variants {variant!r}: expected warps:stages:KiB[:prefetch] (prefetch one of "
                          f"{PREFETCH_MODES}), e.g. 4:1:32 or 4:1:32:ahead")  # fmt: skip
     warps, stages, step_kib = (int(v) for v in fields[:3])
-    return warps, stages, step_kib, fields[3] if len(fields) == 4 else "off", nxt, pieces
+    return warps, stages, step_kib, fields[3] if len(fields) == 4 else "off", nxt, pieces, preload
+
+
+def variant_config(w: dl.DecodeLayerWeights, rows: int, sms: int, variant: str) -> tuple[dl.DecodeLayerConfig, bool]:
+    """The variant's config for these weights, and whether each launch asks for the next layer's qkv."""
+    warps, stages, step_kib, prefetch, nxt, pieces, preload = parse_variant(variant)
+    config = dl.plan_config(w, rows, sms, step_kib << 10, warps, stages, prefetch, preload)
+    return dl.DecodeLayerConfig(**{**vars(config), "prefetch_pieces": pieces}), nxt
 
 
 def next_qkv(cases: list[LayerCase], i: int, nxt: bool) -> torch.Tensor | None:
@@ -103,9 +112,7 @@ def run(shape: str, rows: int, context: int, variant: str) -> dict:
     seq_lens = torch.full((rows,), context, dtype=torch.int32, device="cuda")
     scratch = dl.DecodeLayerScratch(cases[0].w, rows, torch.device("cuda"))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    warps, stages, step_kib, prefetch, nxt, pieces = parse_variant(variant)
-    config = dl.plan_config(cases[0].w, rows, sms, step_kib << 10, warps, stages, prefetch)
-    config = dl.DecodeLayerConfig(**{**vars(config), "prefetch_pieces": pieces})
+    config, nxt = variant_config(cases[0].w, rows, sms, variant)
     c = cases[0]
     k_ref, v_ref = c.k_cache.clone(), c.v_cache.clone()
     want, want_h1 = dl.decode_layer_ref(*c.with_caches(k_ref, v_ref).args()[:-1], c.seq_lens, scale)
@@ -150,9 +157,7 @@ def phase_breakdown(shape: str, rows: int, context: int, variant: str, splits: i
     cases = [make_case([context] * rows, hidden, heads, kv_heads, dim, inter, dtype=torch.bfloat16, device="cuda",
                        seed=i) for i in range(layers)]  # fmt: skip
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    warps, stages, step_kib, prefetch, nxt, pieces = parse_variant(variant)
-    config = dl.plan_config(cases[0].w, rows, sms, step_kib << 10, warps, stages, prefetch)
-    config = dl.DecodeLayerConfig(**{**vars(config), "prefetch_pieces": pieces})
+    config, nxt = variant_config(cases[0].w, rows, sms, variant)
     scratch = dl.DecodeLayerScratch(cases[0].w, rows, torch.device("cuda"))
     clocks = [torch.zeros(sms, dl.STAMPS, dtype=torch.int64, device="cuda") for _ in cases]
     for _ in range(2):  # the first pass compiles
@@ -179,7 +184,8 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["qwen3-0.6b", "qwen3-8b"], choices=list(SHAPES))
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 4, 8])
     parser.add_argument("--context", nargs="+", type=int, default=[512, 2048])
-    parser.add_argument("--variants", nargs="+", default=["4:1:32"], help="warps:stages:KiB a K step[:prefetch mode]")
+    parser.add_argument("--variants", nargs="+", default=["4:1:32"],
+                        help="warps:stages:KiB a K step[:prefetch mode[:pieces]][+pre]")  # fmt: skip
     parser.add_argument("--timing", action="store_true", help="each phase's and barrier's time instead (clock stamps)")
     parser.add_argument("--splits", nargs="+", type=int, default=[0], help="--timing: KV splits a row and KV head "
                         "(0: the launcher's, one item a program)")  # fmt: skip

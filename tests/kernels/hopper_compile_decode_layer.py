@@ -29,7 +29,7 @@ INTS = ("rows", "num_splits", "stride_cos", "stride_sin", "stride_bt", "stride_k
         "stride_vb", "stride_vt", "stride_vh")  # fmt: skip
 
 
-def variant(shape: str, rows: int, dtype: str, stages: int = 1, prefetch: str = "off") -> None:
+def variant(shape: str, rows: int, dtype: str, stages: int = 1, prefetch: str = "off", preload: bool = False) -> None:
     hidden, heads, kv_heads, dim, inter = SHAPES[shape]
     torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
     meta = torch.empty(0, dtype=torch_dtype, device="meta")
@@ -38,7 +38,7 @@ def variant(shape: str, rows: int, dtype: str, stages: int = 1, prefetch: str = 
         meta.new_empty(dim), meta.new_empty(hidden, heads * dim), meta.new_empty(hidden),
         meta.new_empty(2 * inter, hidden), meta.new_empty(hidden, inter), heads, kv_heads, dim, 1e-6,
     )  # fmt: skip
-    config = dl.plan_config(w, rows, 132, stages=stages, prefetch=prefetch)
+    config = dl.plan_config(w, rows, 132, stages=stages, prefetch=prefetch, preload=preload)
     signature = {name: f"*{dtype}" for name in POINTERS}
     signature |= {"pos_ptr": "*i64", "slot_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "bt_ptr": "*i32",
                   "seq_lens_ptr": "*i32", "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32",
@@ -56,9 +56,10 @@ def variant(shape: str, rows: int, dtype: str, stages: int = 1, prefetch: str = 
 
 
 if __name__ == "__main__":
-    cases = (("Qwen3-0.6B", 1, "bf16", 1, "ahead"), ("Qwen3-0.6B", 4, "bf16", 1, "off"),
-             ("Qwen3-8B", 1, "bf16", 3, "lines"), ("Qwen3-8B", 8, "bf16", 3, "bulk"),
-             ("Qwen3-0.6B", 2, "fp32", 1, "off"))  # fmt: skip
-    sys.exit(report([(f"decode layer {shape} {rows} rows {dtype} {stages} stages prefetch {prefetch}",
-                      partial(variant, shape, rows, dtype, stages, prefetch))
-                     for shape, rows, dtype, stages, prefetch in cases]))  # fmt: skip
+    cases = (("Qwen3-0.6B", 1, "bf16", 1, "ahead", False), ("Qwen3-0.6B", 4, "bf16", 1, "off", False),
+             ("Qwen3-8B", 1, "bf16", 3, "lines", False), ("Qwen3-8B", 8, "bf16", 3, "bulk", False),
+             ("Qwen3-0.6B", 2, "fp32", 1, "off", False), ("Qwen3-0.6B", 1, "bf16", 1, "ahead", True),
+             ("Qwen3-8B", 4, "bf16", 1, "off", True))  # fmt: skip
+    names = [f"decode layer {shape} {rows} rows {dtype} {stages} stages prefetch {prefetch}"
+             f"{' preload' if preload else ''}" for shape, rows, dtype, stages, prefetch, preload in cases]  # fmt: skip
+    sys.exit(report([(name, partial(variant, *case)) for name, case in zip(names, cases)]))
