@@ -29,6 +29,41 @@ def _dim_mask(offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
+def _load_kv_tile(
+    table, n0, end, kv_head, k_ptr, v_ptr, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """(k, v, valid): keys and values [BLOCK_N, BLOCK_D] of positions n0 + [0, BLOCK_N) of one block table
+    (`table`: its row) and `kv_head`, those at `end` or past it zeros (valid [BLOCK_N] says which)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    pos = n0 + tl.arange(0, BLOCK_N)
+    valid = pos < end
+    block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    slot = pos % BLOCK_SIZE
+    if BLOCK_D == HEAD_DIM:
+        kv_mask = valid[:, None]  # no padded dims: a row-constant mask keeps the loads vectorised
+    else:
+        kv_mask = valid[:, None] & _dim_mask(offs_d, HEAD_DIM, BLOCK_D)[None, :]
+    k_at = k_ptr + block[:, None] * stride_kb + slot[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :]
+    v_at = v_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :]
+    return tl.load(k_at, mask=kv_mask, other=0.0), tl.load(v_at, mask=kv_mask, other=0.0), valid
+
+
+@triton.jit
+def _softmax_step(q, k, v, valid, qk_scale, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+    """One key tile of the online softmax: (m, l, acc) after q's rows see keys k and values v [N, D] (valid [N]
+    of them; a tile holds one valid key at least)."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [G, N], log2 domain
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile has a valid key
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _attend_paged(
     q, qk_scale, table, start, end, kv_head, k_ptr, v_ptr, v_scale_ptr,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
@@ -37,43 +72,20 @@ def _attend_paged(
 ):  # fmt: skip
     """The online softmax of `q`'s ROWS query rows ([ROWS, BLOCK_D]; scores times `qk_scale`, log2 domain)
     over the keys [start, end) of one block table (`table`: its row), BLOCK_N keys a tile, K and V of
-    `kv_head`: (m, l, acc) unnormalised, acc times an FP8 cache's v_scale. Shared by the decode split kernel
-    (a sequence's query heads of one KV head) and the cascade's prefix kernel (a unit's members' heads)."""
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
-    d_mask = _dim_mask(offs_d, HEAD_DIM, BLOCK_D)
+    `kv_head`: (m, l, acc) unnormalised, acc times an FP8 cache's v_scale; (-inf, 0, 0) for no keys. Shared by
+    the decode split kernel (a sequence's query heads of one KV head), the cascade's prefix kernel (a unit's
+    members' heads) and the persistent decode layer."""
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
     for n0 in range(start, end, BLOCK_N):
-        pos = n0 + offs_n
-        valid = pos < end
-        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        slot = pos % BLOCK_SIZE
-        if BLOCK_D == HEAD_DIM:
-            kv_mask = valid[:, None]  # no padded dims: a row-constant mask keeps the loads vectorised
-        else:
-            kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(
-            k_ptr + block[:, None] * stride_kb + slot[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )  # [N, D]
-        v = tl.load(
-            v_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
+        k, v, valid = _load_kv_tile(
+            table, n0, end, kv_head, k_ptr, v_ptr, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N,
+        )  # fmt: skip
         if KV_FP8:
             k, v = k.to(q.dtype), v.to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [G, N], log2 domain
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile has a valid key
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_step(q, k, v, valid, qk_scale, m_i, l_i, acc, DOT_PRECISION)
     if KV_FP8:
         acc = acc * tl.load(v_scale_ptr)
     return m_i, l_i, acc
