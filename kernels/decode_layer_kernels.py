@@ -20,11 +20,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .decode_layer_attention import _attention_item, _first_kv_tile
 from .decode_layer_gemv import EPI_RESIDUAL, EPI_SILU_MUL, EPI_STORE, _gemv_phase, _inv_rms, _load_step
-from .decode_layer_work import _item_keys, _prefetch_attention_kv, _prefetch_l2, _prefetch_later_tiles, _prefetch_tiles
+from .decode_layer_work import _prefetch_attention_kv, _prefetch_l2, _prefetch_later_tiles, _prefetch_tiles
 from .grid_barrier import STAMPS_C, barrier_round, stamp, timed_barrier
-from .paged_attention_fold import _fold_is_last, _fold_merge
-from .paged_attention_kernels import _attend_paged
 
 ALL_PHASES = tl.constexpr(0)  # PHASE: every phase, barriers between them (the GPU's launch)
 # PHASE 1..5: that phase alone, no barrier: the interpreter runs programs one after another, so a barrier
@@ -49,110 +48,6 @@ def _preload(w_ptr, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, BK: tl.c
     else:  # one return: Triton types every return statement, even in a branch the constexpr prunes
         w, w2 = w_ptr, w_ptr
     return w, w2
-
-
-@triton.jit
-def _head_rope(
-    src, heads, h_mask, w_ptr, cos_row, sin_row, eps,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr,
-):  # fmt: skip
-    """[BH, BLOCK_D] in the activations' dtype: heads `heads` (masked by h_mask) of a packed qkv row at `src`,
-    each RMSNormed over D with `w_ptr` (HAS_NORM) and rotated rotate-half style, rounded as qk_norm_rope_kv.py
-    rounds (normed rounded, times the weight rounded; each rotary product rounded, then their sum). Whole-head
-    layout: column d pairs with its partner d +- D/2, loaded beside it, so the result feeds attention as is."""
-    HALF: tl.constexpr = HEAD_DIM // 2
-    d = tl.arange(0, BLOCK_D)
-    d_mask = d < HEAD_DIM
-    first = d < HALF
-    partner = tl.where(first, d + HALF, d - HALF)
-    mask = h_mask[:, None] & d_mask[None, :]
-    base = src + heads[:, None] * HEAD_DIM
-    xa = tl.load(base + d[None, :], mask=mask, other=0.0, cache_modifier=".cg")
-    xb = tl.load(base + partner[None, :], mask=mask, other=0.0, cache_modifier=".cg")
-    dtype = xa.dtype
-    if HAS_NORM:
-        fa, fb = xa.to(tl.float32), xb.to(tl.float32)
-        rstd = tl.math.rsqrt(tl.sum(fa * fa, axis=1) / HEAD_DIM + eps)[:, None]
-        wa = tl.load(w_ptr + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-        wb = tl.load(w_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-        xa = (wa * (fa * rstd).to(dtype).to(tl.float32)).to(dtype)
-        xb = (wb * (fb * rstd).to(dtype).to(tl.float32)).to(dtype)
-    col = tl.where(first, d, d - HALF)  # the tables' column: [max_positions, D / 2]
-    cos = tl.load(cos_row + col, mask=d_mask, other=0.0).to(dtype).to(tl.float32)[None, :]
-    sin = tl.load(sin_row + col, mask=d_mask, other=0.0).to(dtype).to(tl.float32)[None, :]
-    a = (xa.to(tl.float32) * cos).to(dtype).to(tl.float32)
-    b = (xb.to(tl.float32) * sin).to(dtype).to(tl.float32)
-    return tl.where(first[None, :], a - b, a + b).to(dtype)  # x1 c - x2 s | x2 c + x1 s
-
-
-@triton.jit
-def _attention_item(
-    item, num_splits, qkv_ptr, attn_ptr, pos_ptr, cos_ptr, sin_ptr, q_w_ptr, k_w_ptr, k_cache_ptr, v_cache_ptr,
-    slot_ptr, bt_ptr, seq_lens_ptr, acc_ptr, m_ptr, l_ptr, tickets_ptr, eps, qk_scale, stride_cos, stride_sin,
-    stride_bt, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
-    HAS_QK_NORM: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
-    """Phase 2 for one (row, KV head, split): its query heads normed and rotated from the packed qkv (each split
-    redoes it: a few hundred values), then the decode split kernel's arithmetic with its folded reduce
-    (paged_attention_kernels.py, paged_attention_fold.py); partials [R, H, S(, D)], a ticket per (row, KV head).
-    The split holding the row's last key is the one that stores the new key and value (slot -1: none), before
-    its own threads read them back (a CTA barrier between): no other split reads that key, so no other program
-    waits for it. A padding row (seq_len 0) has no split: its split 0 zeroes its heads' output."""
-    GROUP: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
-    QKV: tl.constexpr = (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
-    row, kv_head, split, seq_len, tokens_per_split, start, end = _item_keys(
-        item, num_splits, seq_lens_ptr, NUM_KV_HEADS, BLOCK_N
-    )
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, BLOCK_D)
-    g_mask = offs_g < GROUP
-    d_mask = offs_d < HEAD_DIM
-    heads = kv_head * GROUP + offs_g
-    qd = (row * NUM_HEADS + heads)[:, None] * HEAD_DIM + offs_d[None, :]
-    out_mask = g_mask[:, None] & d_mask[None, :]
-    if start < end:  # splits past the sequence's end hold no keys: they take no part
-        live = tl.cdiv(seq_len, tokens_per_split)
-        src = qkv_ptr + row.to(tl.int64) * QKV
-        pos = tl.load(pos_ptr + row)
-        cos_row, sin_row = cos_ptr + pos * stride_cos, sin_ptr + pos * stride_sin
-        q = _head_rope(src, heads, g_mask, q_w_ptr, cos_row, sin_row, eps, HEAD_DIM, BLOCK_D, HAS_QK_NORM)
-        slot = tl.load(slot_ptr + row).to(tl.int64)
-        if split == live - 1 and slot >= 0:  # the new key and value, where this row has a slot
-            first = offs_g < 1
-            k = _head_rope(src, NUM_HEADS + kv_head + offs_g * 0, first, k_w_ptr, cos_row, sin_row, eps, HEAD_DIM,
-                           BLOCK_D, HAS_QK_NORM)  # fmt: skip  # row 0 only
-            block, block_row = slot // BLOCK_SIZE, slot % BLOCK_SIZE
-            k_dst = k_cache_ptr + block * stride_kb + block_row * stride_kt + kv_head * stride_kh
-            tl.store(k_dst + offs_g[:, None] * 0 + offs_d[None, :], k, mask=first[:, None] & d_mask[None, :])
-            v_src = src + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM + offs_d
-            v = tl.load(v_src, mask=d_mask, other=0.0, cache_modifier=".cg")
-            v_dst = v_cache_ptr + block * stride_vb + block_row * stride_vt + kv_head * stride_vh + offs_d
-            tl.store(v_dst, v, mask=d_mask)
-        tl.debug_barrier()  # the new key and value stored before any thread of this program reads them
-        m_i, l_i, acc = _attend_paged(
-            q, qk_scale, bt_ptr + row.to(tl.int64) * stride_bt, start, end, kv_head, k_cache_ptr, v_cache_ptr,
-            k_cache_ptr, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-            BLOCK_G, HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, DOT_PRECISION, False,
-        )  # fmt: skip
-        dst = attn_ptr + qd
-        if live == 1:
-            tl.store(dst, (acc / l_i[:, None]).to(attn_ptr.dtype.element_ty), mask=out_mask)
-        else:
-            part0 = (row * NUM_HEADS + heads) * num_splits
-            part = part0 + split
-            tl.store(m_ptr + part, m_i, mask=g_mask)
-            tl.store(l_ptr + part, l_i, mask=g_mask)
-            tl.store(acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
-            ticket = tickets_ptr + row * NUM_KV_HEADS + kv_head
-            if _fold_is_last(ticket, live):
-                _fold_merge(
-                    dst, ticket, acc_ptr, m_ptr, l_ptr, part0, live, offs_d, g_mask, d_mask,
-                    HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_S,
-                )  # fmt: skip
-    elif seq_len <= 0 and split == 0:  # a padding row: its output zeroed, as no split writes it
-        tl.store(attn_ptr + qd, tl.zeros((BLOCK_G, BLOCK_D), dtype=attn_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit(do_not_specialize=["rows", "num_splits", "eps", "qk_scale"])
@@ -208,15 +103,32 @@ def _decode_layer_kernel(
             num_splits, rows, bt_ptr, seq_lens_ptr, k_cache_ptr, v_cache_ptr, stride_bt, stride_kb, stride_kt,
             stride_kh, stride_vb, stride_vt, stride_vh, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
         )  # fmt: skip
+    if PHASE == ALL_PHASES or PHASE == 2:
+        k_pre, v_pre = _first_kv_tile(
+            pid, rows, num_splits, seq_lens_ptr, bt_ptr, k_cache_ptr, v_cache_ptr, stride_bt, stride_kb, stride_kt,
+            stride_kh, stride_vb, stride_vt, stride_vh, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, PRELOAD,
+        )  # fmt: skip
     timed_barrier(bar_ptr, clock_ptr, 1, round0, BARRIERS, TIMING)
     if PHASE == ALL_PHASES or PHASE == 2:
-        for item in range(pid, rows * NUM_KV_HEADS * num_splits, programs):
+        items = rows * NUM_KV_HEADS * num_splits
+        later = pid
+        if PRELOAD:  # the program's first item, its first key tile loaded before barrier 1
+            if pid < items:
+                _attention_item(
+                    pid, k_pre, v_pre, num_splits, qkv_ptr, attn_ptr, pos_ptr, cos_ptr, sin_ptr, q_norm_ptr,
+                    k_norm_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, bt_ptr, seq_lens_ptr, acc_ptr, m_ptr, l_ptr,
+                    tickets_ptr, eps, qk_scale, stride_cos, stride_sin, stride_bt, stride_kb, stride_kt, stride_kh,
+                    stride_vb, stride_vt, stride_vh, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_G, BLOCK_D,
+                    BLOCK_N, BLOCK_S, HAS_QK_NORM, DOT_PRECISION, True,
+                )  # fmt: skip
+            later = pid + programs
+        for item in range(later, items, programs):
             _attention_item(
-                item, num_splits, qkv_ptr, attn_ptr, pos_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr,
-                v_cache_ptr, slot_ptr, bt_ptr, seq_lens_ptr, acc_ptr, m_ptr, l_ptr, tickets_ptr, eps, qk_scale,
-                stride_cos, stride_sin, stride_bt, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_G, BLOCK_D, BLOCK_N, BLOCK_S, HAS_QK_NORM,
-                DOT_PRECISION,
+                item, k_cache_ptr, v_cache_ptr, num_splits, qkv_ptr, attn_ptr, pos_ptr, cos_ptr, sin_ptr, q_norm_ptr,
+                k_norm_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, bt_ptr, seq_lens_ptr, acc_ptr, m_ptr, l_ptr,
+                tickets_ptr, eps, qk_scale, stride_cos, stride_sin, stride_bt, stride_kb, stride_kt, stride_kh,
+                stride_vb, stride_vt, stride_vh, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_G, BLOCK_D,
+                BLOCK_N, BLOCK_S, HAS_QK_NORM, DOT_PRECISION, False,
             )  # fmt: skip
     if PHASE == ALL_PHASES or PHASE == 3:
         w0, w20 = _preload(o_w_ptr, HIDDEN, Q_SIZE, BN_O, BK_O, False, PRELOAD)  # streams during barrier 2
