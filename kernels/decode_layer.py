@@ -13,6 +13,7 @@ import torch
 
 from .decode_layer_kernels import LAST_PHASE, _decode_layer_kernel
 from .decode_layer_plan import (
+    BARRIER_WORDS,
     BULK_PREFETCH,
     MAX_ROWS,
     PREFETCH_MODES,
@@ -23,10 +24,12 @@ from .decode_layer_plan import (
     plan_config,
 )
 from .decode_layer_ref import DecodeLayerWeights, decode_layer_ref
-from .grid_barrier import STAMPS
+from .grid_barrier import STAMPS, WORDS
 from .paged_attention import _pow2
 from .paged_attention_plan import MAX_SPLITS
 from .quant_matmul import ACT_DTYPES, _num_sms
+
+assert BARRIER_WORDS == WORDS, "the scratch's barrier words must be grid_barrier's"  # the plan imports no Triton
 
 __all__ = [
     "DecodeLayerConfig",
@@ -60,7 +63,8 @@ def launch_constants(
         RMS_CHUNK=math.gcd(hidden, max(16, 2048 // block_r)),
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32", STAGES=config.stages,
         PREFETCH=PREFETCH_MODES.index(config.prefetch), THREADS=32 * config.num_warps,
-        PIECES=config.prefetch_pieces, PRELOAD=config.preload, num_warps=config.num_warps,
+        PIECES=config.prefetch_pieces, PRELOAD=config.preload, PTX=w.qkv.device.type == "cuda",
+        num_warps=config.num_warps,
     )  # fmt: skip
 
 

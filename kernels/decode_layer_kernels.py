@@ -23,7 +23,7 @@ import triton.language as tl
 from .decode_layer_attention import _attention_item, _first_kv_tile
 from .decode_layer_gemv import EPI_RESIDUAL, EPI_SILU_MUL, EPI_STORE, _gemv_phase, _inv_rms, _load_step
 from .decode_layer_work import _prefetch_attention_kv, _prefetch_l2, _prefetch_later_tiles, _prefetch_tiles
-from .grid_barrier import STAMPS_C, barrier_round, stamp, timed_barrier
+from .grid_barrier import STAMPS_C, barrier_round, stamp, timed_arrive, timed_wait
 
 ALL_PHASES = tl.constexpr(0)  # PHASE: every phase, barriers between them (the GPU's launch)
 # PHASE 1..5: that phase alone, no barrier: the interpreter runs programs one after another, so a barrier
@@ -35,8 +35,9 @@ LAST_PHASE = 5
 # tile (sm_90); 3, ahead: bulk's qkv tiles at the start, the rest (and the attention items' old keys and values,
 # line by line) once the program's qkv tiles are done, so they stream during the other programs' phase 1 and
 # attention, not against phase 1's reads; NEXT adds the next layer's qkv tiles during the MLP.
-# PRELOAD: each projection's first weight step loaded into registers before the barrier ahead of its phase,
-# every later step while the one before computes (decode_layer_gemv.py).
+# PRELOAD: each projection's first weight step loaded into registers between the arrival at the barrier ahead
+# of its phase and the wait there, every later step while the one before computes (decode_layer_gemv.py); the
+# first attention item's first key tile likewise at barrier 1 (decode_layer_attention.py).
 
 
 @triton.jit
@@ -67,6 +68,7 @@ def _decode_layer_kernel(
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, RMS_CHUNK: tl.constexpr,
     DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr, THREADS: tl.constexpr,
     PIECES: tl.constexpr, NEXT: tl.constexpr, PRELOAD: tl.constexpr, PHASE: tl.constexpr, TIMING: tl.constexpr,
+    PTX: tl.constexpr,
 ):  # fmt: skip
     stamp(clock_ptr, 0, TIMING)
     QKV: tl.constexpr = (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
@@ -103,12 +105,13 @@ def _decode_layer_kernel(
             num_splits, rows, bt_ptr, seq_lens_ptr, k_cache_ptr, v_cache_ptr, stride_bt, stride_kb, stride_kt,
             stride_kh, stride_vb, stride_vt, stride_vh, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
         )  # fmt: skip
-    if PHASE == ALL_PHASES or PHASE == 2:
+    timed_arrive(bar_ptr, clock_ptr, 1, BARRIERS, TIMING)
+    if PHASE == ALL_PHASES or PHASE == 2:  # after the arrival, which would wait for these loads
         k_pre, v_pre = _first_kv_tile(
             pid, rows, num_splits, seq_lens_ptr, bt_ptr, k_cache_ptr, v_cache_ptr, stride_bt, stride_kb, stride_kt,
             stride_kh, stride_vb, stride_vt, stride_vh, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, PRELOAD,
         )  # fmt: skip
-    timed_barrier(bar_ptr, clock_ptr, 1, round0, BARRIERS, TIMING)
+    timed_wait(bar_ptr, clock_ptr, 1, round0, BARRIERS, PTX, TIMING)
     if PHASE == ALL_PHASES or PHASE == 2:
         items = rows * NUM_KV_HEADS * num_splits
         later = pid
@@ -130,9 +133,10 @@ def _decode_layer_kernel(
                 stride_vb, stride_vt, stride_vh, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_G, BLOCK_D,
                 BLOCK_N, BLOCK_S, HAS_QK_NORM, DOT_PRECISION, False,
             )  # fmt: skip
+    timed_arrive(bar_ptr, clock_ptr, 2, BARRIERS, TIMING)
     if PHASE == ALL_PHASES or PHASE == 3:
-        w0, w20 = _preload(o_w_ptr, HIDDEN, Q_SIZE, BN_O, BK_O, False, PRELOAD)  # streams during barrier 2
-    timed_barrier(bar_ptr, clock_ptr, 2, round0, BARRIERS, TIMING)
+        w0, w20 = _preload(o_w_ptr, HIDDEN, Q_SIZE, BN_O, BK_O, False, PRELOAD)  # streams during the wait
+    timed_wait(bar_ptr, clock_ptr, 2, round0, BARRIERS, PTX, TIMING)
     if PHASE == ALL_PHASES or PHASE == 3:
         _gemv_phase(
             o_w_ptr, w0, w20, attn_ptr, attn_ptr, o_w_ptr, offs_r, h1_ptr, x_ptr, res_ptr, rows, offs_r,
@@ -141,9 +145,10 @@ def _decode_layer_kernel(
         )  # fmt: skip
     if NEXT:  # the next layer's phase-1 tiles, streaming during this one's MLP (it reads from L2 by then)
         _prefetch_tiles(next_qkv_w_ptr, QKV, HIDDEN, BN_QKV, False, THREADS, PIECES)
+    timed_arrive(bar_ptr, clock_ptr, 3, BARRIERS, TIMING)
     if PHASE == ALL_PHASES or PHASE == 4:
         w0, w20 = _preload(gate_up_w_ptr, INTER, HIDDEN, BN_GU, BK_GU, True, PRELOAD)
-    timed_barrier(bar_ptr, clock_ptr, 3, round0, BARRIERS, TIMING)
+    timed_wait(bar_ptr, clock_ptr, 3, round0, BARRIERS, PTX, TIMING)
     if PHASE == ALL_PHASES or PHASE == 4:
         rms = _inv_rms(h1_ptr, h1_ptr, rows, offs_r, HIDDEN, eps, False, BLOCK_R, RMS_CHUNK)
         _gemv_phase(
@@ -151,9 +156,10 @@ def _decode_layer_kernel(
             INTER, HIDDEN, False, True, EPI_SILU_MUL, HAS_RESIDUAL, BLOCK_R, BN_GU, BK_GU, DOT_PRECISION, STAGES,
             PRELOAD,
         )  # fmt: skip
+    timed_arrive(bar_ptr, clock_ptr, 4, BARRIERS, TIMING)
     if PHASE == ALL_PHASES or PHASE == 5:
         w0, w20 = _preload(down_w_ptr, HIDDEN, INTER, BN_DOWN, BK_DOWN, False, PRELOAD)
-    timed_barrier(bar_ptr, clock_ptr, 4, round0, BARRIERS, TIMING)
+    timed_wait(bar_ptr, clock_ptr, 4, round0, BARRIERS, PTX, TIMING)
     if PHASE == ALL_PHASES or PHASE == 5:
         _gemv_phase(
             down_w_ptr, w0, w20, act_ptr, act_ptr, down_w_ptr, offs_r, out_ptr, x_ptr, res_ptr, rows, offs_r,

@@ -48,7 +48,7 @@ def plan_config(
     w: DecodeLayerWeights,
     rows: int,
     programs: int,
-    step_bytes: int = 32 << 10,
+    step_bytes: int | None = None,
     num_warps: int = 4,
     stages: int = 1,
     prefetch: str = "off",
@@ -56,9 +56,12 @@ def plan_config(
 ) -> DecodeLayerConfig:
     """Tiles that spread each projection over the programs with the least work on the busiest one (ties: the
     larger tile, fewer loop trips), and K steps of about `step_bytes` of weights (all of them in flight at
-    once: a program's bandwidth is what it has in flight over the memory's latency), a power of two dividing K."""
+    once: a program's bandwidth is what it has in flight over the memory's latency), a power of two dividing K.
+    `step_bytes` None: 32 KiB, or 16 KiB with `preload` (two steps held in registers at once: 32 KiB spills)."""
     if prefetch not in PREFETCH_MODES:
         raise ValueError(f"prefetch={prefetch!r} is not one of {PREFETCH_MODES}")
+    if step_bytes is None:
+        step_bytes = (16 if preload else 32) << 10
     hidden, inter = w.input_norm.shape[0], w.down.shape[1]
     smallest = 8 if rows == 1 else 16  # the dot's tiles are 16 wide at least
     itemsize = w.qkv.element_size()

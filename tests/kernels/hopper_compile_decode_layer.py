@@ -47,6 +47,7 @@ def variant(shape: str, rows: int, dtype: str, stages: int = 1, prefetch: str = 
     signature |= {name: "i32" for name in INTS}
     consts = dl.launch_constants(w, hidden, rows, config, torch_dtype, block_size=16, residual=True)
     consts["PHASE"] = 0
+    consts["PTX"] = True  # the meta tensors' device is not CUDA; the kernel compiled here is the GPU's
     consts["NEXT"] = prefetch == "ahead"
     consts["TIMING"] = stages > 1  # the clock's stamps compiled in one variant
     warps = consts.pop("num_warps")

@@ -81,6 +81,23 @@ def test_preloaded_weights_and_keys_equal_ref(
     run_both(dl, case, programs=programs, num_splits=splits, phases=phases, config=config)
 
 
+@pytest.mark.parametrize("programs", [3, 4])
+def test_preload_keeps_the_cached_key_of_a_row_without_slot(dl, programs: int) -> None:
+    """A live row with slot -1 (nothing stored) whose last key falls in a preloaded tile: the cache's key stands
+    (the new one from registers only where the launch stores it)."""
+    case = make_case([37, 5], **SHAPE, seed=11)
+    case.slot_mapping[0] = -1
+    config = dl.plan_config(case.w, 2, programs, step_bytes=256, preload=True)
+    run_both(dl, case, programs=programs, num_splits=2, phases=True, config=config)
+
+
+def test_preload_with_programs_beyond_the_items_and_tiles(dl) -> None:
+    """More programs than attention items (1 row x 2 KV heads x 1 split) and than some phases' tiles: a program
+    with none preloads nothing it uses."""
+    case = make_case([37], **SHAPE, seed=12)
+    run_both(dl, case, programs=4, num_splits=1, phases=True, config=dl.plan_config(case.w, 1, 4, preload=True))
+
+
 def test_padding_rows_store_nothing(dl) -> None:
     """A CUDA graph's padding rows (length 0, slot -1) write no key and leave the real rows exact."""
     run_both(dl, make_case([0, 33, 0], **SHAPE, seed=3), programs=2, num_splits=2, phases=True, max_rows=4)
