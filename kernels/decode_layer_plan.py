@@ -41,27 +41,27 @@ class DecodeLayerConfig:
     stages: int = 1
     prefetch: str = "off"  # one of PREFETCH_MODES (CUDA only)
     prefetch_pieces: int = 1  # bulk, ahead: copy-engine requests a tile's range is split into
-    preload: bool = False  # weights double-buffered in registers, a phase's first step asked before its barrier
+    preload: bool = True  # weights double-buffered in registers, a phase's first step asked during its barrier
 
 
 def plan_config(
     w: DecodeLayerWeights,
     rows: int,
     programs: int,
-    step_bytes: int | None = None,
+    step_bytes: int = 32 << 10,
     num_warps: int = 4,
     stages: int = 1,
     prefetch: str = "off",
-    preload: bool = False,
+    preload: bool = True,
 ) -> DecodeLayerConfig:
     """Tiles that spread each projection over the programs with the least work on the busiest one (ties: the
     larger tile, fewer loop trips), and K steps of about `step_bytes` of weights (all of them in flight at
     once: a program's bandwidth is what it has in flight over the memory's latency), a power of two dividing K.
-    `step_bytes` None: 32 KiB, or 16 KiB with `preload` (two steps held in registers at once: 32 KiB spills)."""
+    `preload` (measured faster: 39.5 against 41.3 us a Qwen3-0.6B layer on an H100, bench/RESULTS.md 2026-12-08)
+    holds two steps in registers at once; at 32 KiB the compiler spills ~100 bytes a thread, yet 16 KiB steps
+    measured slower still (47.6 us: half the bytes in flight)."""
     if prefetch not in PREFETCH_MODES:
         raise ValueError(f"prefetch={prefetch!r} is not one of {PREFETCH_MODES}")
-    if step_bytes is None:
-        step_bytes = (16 if preload else 32) << 10
     hidden, inter = w.input_norm.shape[0], w.down.shape[1]
     smallest = 8 if rows == 1 else 16  # the dot's tiles are 16 wide at least
     itemsize = w.qkv.element_size()

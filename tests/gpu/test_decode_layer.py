@@ -106,17 +106,19 @@ def test_prefetch_modes_change_no_bit(dl, rows: int) -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 4])
-def test_preload_matches_ref(dl, rows: int) -> None:
-    """`preload` (weights double-buffered in registers, each phase's first step and the first attention item's
-    first key tile loaded before the barrier ahead of them), at the planned K steps and at small ones (tiles of
-    several steps), lengths of one key tile a split and of many (the preloaded tile merged with the rest)."""
+def test_with_and_without_preload_matches_ref(dl, rows: int) -> None:
+    """With `preload` (the default: weights double-buffered in registers, each phase's first step and the first
+    attention item's first key tile loaded during the barrier ahead of them) and without, at the planned K steps
+    and at small ones (tiles of several steps), lengths of one key tile a split and of many (the preloaded tile
+    merged with the rest)."""
     case = make_case([3000, 1, 129, 40][:rows], **QWEN3_06B, dtype=torch.bfloat16, device="cuda", seed=17)
     scratch = dl.DecodeLayerScratch(case.w, rows, torch.device("cuda"))
     programs = torch.cuda.get_device_properties(0).multi_processor_count
-    for step_bytes in (32 << 10, 2 << 10):
-        for splits in (None, 1):
-            config = dl.plan_config(case.w, rows, programs, step_bytes=step_bytes, preload=True)
-            check(dl, case, scratch, torch.bfloat16, config=config, num_splits=splits)
+    for preload in (True, False):
+        for step_bytes in (32 << 10, 2 << 10):
+            for splits in (None, 1):
+                config = dl.plan_config(case.w, rows, programs, step_bytes=step_bytes, preload=preload)
+                check(dl, case, scratch, torch.bfloat16, config=config, num_splits=splits)
 
 
 def test_cuda_graph_replays_other_lengths(dl) -> None:

@@ -65,18 +65,19 @@ def test_one_launch_equals_ref(dl, qk_norm: bool, residual: bool) -> None:
     run_both(dl, case, num_splits=3)
 
 
+@pytest.mark.parametrize("preload", [True, False])
 @pytest.mark.parametrize("seq_lens,splits", [([37, 5], 2), ([70, 100], 1)])
 @pytest.mark.parametrize("phases,programs", [(True, 3), (False, 1)])
-def test_preloaded_weights_and_keys_equal_ref(
-    dl, phases: bool, programs: int, seq_lens: list[int], splits: int
+def test_small_steps_equal_ref(
+    dl, phases: bool, programs: int, seq_lens: list[int], splits: int, preload: bool
 ) -> None:
-    """`preload`: a phase's first weight step loaded before the barrier ahead of it, every later one while the
-    step before computes; a program's first attention item's first key tile loaded before barrier 1. Small K
-    steps give each program several tiles of several steps, so a step's weights must cross from one tile to
-    the next (and from the last step of one phase's loop to nothing); the new key falls in a preloaded tile
-    (37 keys in splits of 32), or past it (70 and 100 keys, one split: the preloaded tile merged with the rest)."""
+    """Small K steps give each program several tiles of several steps: without `preload` each step loads its
+    own; with it (the default) a step's weights are asked for during the one before, and must cross from one
+    tile to the next (and from the last step of one phase's loop to nothing), the first step before the
+    phase's barrier; a program's first attention item's first key tile comes before barrier 1, and the new key
+    falls in it (37 keys in splits of 32) or past it (70 and 100 keys, one split: the tile merged with the rest)."""
     case = make_case(seq_lens, **SHAPE, seed=11)
-    config = dl.plan_config(case.w, 2, programs, step_bytes=256, preload=True)
+    config = dl.plan_config(case.w, 2, programs, step_bytes=256, preload=preload)
     assert config.bk_qkv < SHAPE["hidden"] and config.bk_down < SHAPE["inter"], "one K step a tile: nothing crosses"
     run_both(dl, case, programs=programs, num_splits=splits, phases=phases, config=config)
 
