@@ -34,9 +34,10 @@ def _load_acquire(ptr):
 @triton.jit
 def barrier_round(bar_ptr, ON: tl.constexpr):
     """The round at this launch's start (0 unless ON): read before the program's first arrival."""
+    round0 = 0
     if ON:
-        return tl.load(bar_ptr, volatile=True)
-    return 0
+        round0 = tl.load(bar_ptr, volatile=True)
+    return round0
 
 
 @triton.jit
