@@ -10,7 +10,8 @@
 #   embed_throughput, kv_tiers; EMBED_ARGS / KV_TIERS_ARGS narrow them); spec (issue 41: spec_oracle, W1 with ngram off/on);
 #   spec8b (issue 41: EAGLE-3 draft and verify costs, Qwen3-8B shape); kvpace (issue 44: W10 per restore bound, KV_PACE_MIB);
 #   kvrestart (issue 44: the restart row with the disk reads in the reader process, then on threads);
-#   imports (issue 45: import and open phases under -X importtime); w5fused (issue 45: W5 per decode path, W5_FUSED_ARGS).
+#   imports (issue 45: import and open phases under -X importtime); w5fused (issue 45: W5 per decode path, W5_FUSED_ARGS);
+#   memcheck (issue 45: the persistent decode layer's tests under compute-sanitizer, where the machine has it).
 # Tuning variables (ASYNCLLM_*, docs/tuning.md) pass through to every step: ASYNCLLM_DECODE_PDL=1 bash bench/gpu_check.sh
 #   w12var; a variant's bench flags take them as --engine-arg with the lower-case name (cuda_graph_max_tokens=0).
 # Set-up here first: rm -rf .peers && cp -r ../shared/peers .peers && cp -r ../shared/models/qwen3-tokenizer .peers/
@@ -47,6 +48,17 @@ if has pytests; then  # chosen GPU tests: PYTEST_SETS, ';'-separated pytest argu
   for set in "${sets[@]}"; do eval "python3 -m pytest -q -rfE --tb=short -p no:cacheprovider -o addopts='' $set" 2>&1 \
     | tee -a "$OUT/pytests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -25; done
   rows+=("gpu tests (chosen): $(grep -E 'passed|failed' "$OUT/pytests.log" | grep -E '^=' | tr '\n' ' ')")
+fi
+if has memcheck; then  # out-of-bounds reads and writes of the persistent decode layer (its preloads read ahead of
+  # their phase, masked: a wrong mask reads outside a tensor and changes no value) under compute-sanitizer
+  if command -v compute-sanitizer >/dev/null; then
+    timeout 400 compute-sanitizer --tool memcheck --error-exitcode 3 python3 -m pytest -q -p no:cacheprovider \
+      -o addopts="" tests/gpu/test_decode_layer.py -k "preload or graph" 2>&1 | tee "$OUT/memcheck.log" \
+      | grep -E "ERROR SUMMARY|Invalid|passed|failed" | tail -8
+    rows+=("memcheck (decode layer): $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1) $(grep -E 'passed|failed' "$OUT/memcheck.log" | tail -1)")
+  else
+    rows+=("memcheck: compute-sanitizer not on this machine")
+  fi
 fi
 if has graphtests; then  # the engine-level CUDA-graph tests alone (warm-up, compilation, graphs vs eager)
   python3 -m pytest -q -s -p no:cacheprovider -o addopts="" tests/gpu/test_cuda_graphs.py 2>&1 \

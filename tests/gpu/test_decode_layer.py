@@ -121,6 +121,24 @@ def test_with_and_without_preload_matches_ref(dl, rows: int) -> None:
                 check(dl, case, scratch, torch.bfloat16, config=config, num_splits=splits)
 
 
+@pytest.mark.parametrize("rows", [1, 4])
+def test_preload_equals_none_in_float32(dl, rows: int) -> None:
+    """bf16's tolerance would hide one stale key among 3,000; in float32 the two forms differ only by where the
+    preloaded key tile's softmax state merges with the rest (~1e-7), so one wrong key (~1e-4 here) shows."""
+    case = make_case([3000, 1, 129, 40][:rows], **QWEN3_06B, dtype=torch.float32, device="cuda", seed=19)
+    scratch = dl.DecodeLayerScratch(case.w, rows, torch.device("cuda"))
+    programs = torch.cuda.get_device_properties(0).multi_processor_count
+    got = {}
+    for preload in (True, False):
+        k, v = case.k_cache.clone(), case.v_cache.clone()
+        config = dl.plan_config(case.w, rows, programs, preload=preload)
+        got[preload] = (*dl.decode_layer(*case.with_caches(k, v).args(), 0.088, scratch, config=config), k, v)
+    torch.cuda.synchronize()
+    for name, a, b in zip(("out", "h1", "k", "v"), got[True], got[False]):
+        tol = 0.0 if name in ("k", "v") else 1e-5  # the new keys and values: the same arithmetic
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol, msg=lambda m, name=name: f"{name}: {m}")
+
+
 def test_cuda_graph_replays_other_lengths(dl) -> None:
     case = make_case([3000, 3000, 3000], **QWEN3_06B, dtype=torch.bfloat16, device="cuda", seed=11)
     scratch = dl.DecodeLayerScratch(case.w, 3, torch.device("cuda"))
