@@ -76,17 +76,19 @@ def _num_steps(N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, BK: tl.conste
 def _load_step(w_ptr, j, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PAIR: tl.constexpr):
     """([BN, BK], [BN, BK]): the weights of this program's step j (W [N (x2 with PAIR: gate, then up), K]
     row-major); with PAIR the up rows beside the gate rows, else the first again. Past its last step: nothing
-    read (zeros)."""
+    read (the values undefined: never used)."""
     S: tl.constexpr = K // BK
     pid, programs = tl.program_id(0), tl.num_programs(0)
     tile = pid + (j // S) * programs
     rows = (tile * BN + tl.arange(0, BN)).to(tl.int64)
     cols = (j % S) * BK + tl.arange(0, BK)
     mask = (cols[None, :] * 0 + j) < _num_steps(N, K, BN, BK)  # a block: the interpreter takes no scalar mask
-    w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0)
+    # No `other`: past the last step nothing is read, and a fill value would make the compiler copy the loaded
+    # registers (waiting for the loads) before the barrier's spin, where the preload should still be in flight.
+    w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=mask)
     w2 = w
     if PAIR:
-        w2 = tl.load(w_ptr + (rows + N)[:, None] * K + cols[None, :], mask=mask, other=0.0)
+        w2 = tl.load(w_ptr + (rows + N)[:, None] * K + cols[None, :], mask=mask)
     return w, w2
 
 

@@ -58,8 +58,8 @@ def plan_config(
     larger tile, fewer loop trips), and K steps of about `step_bytes` of weights (all of them in flight at
     once: a program's bandwidth is what it has in flight over the memory's latency), a power of two dividing K.
     `preload` (measured faster: 39.5 against 41.3 us a Qwen3-0.6B layer on an H100, bench/RESULTS.md 2026-12-08)
-    holds two steps in registers at once; at 32 KiB the compiler spills ~100 bytes a thread, yet 16 KiB steps
-    measured slower still (47.6 us: half the bytes in flight)."""
+    holds two steps in registers at once (202 registers a thread at one row, no spill, sm_90a); 16 KiB steps
+    measured slower (47.6 us: half the bytes in flight)."""
     if prefetch not in PREFETCH_MODES:
         raise ValueError(f"prefetch={prefetch!r} is not one of {PREFETCH_MODES}")
     hidden, inter = w.input_norm.shape[0], w.down.shape[1]
