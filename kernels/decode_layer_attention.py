@@ -1,8 +1,11 @@
 """The persistent decode layer's attention phase (decode_layer_kernels.py, phase 2): a program's (row, KV head,
 split) items, each its query heads normed and rotated from the packed qkv, the new key and value stored by the
 split that holds the row's last key, then the decode split kernel's arithmetic with its folded reduce. With
-the launch's PRELOAD, a program's first item reads its first key tile before barrier 1 (`_first_kv_tile`):
-the cache's old keys do not depend on the step, so their round trips leave the phase's dependent chain.
+the launch's PRELOAD, each item's first key tile is read ahead (`_first_kv_tile`): a program's first item's
+during barrier 1's wait, each later one's during the item before. The cache's old keys do not depend on the
+step, so their round trips leave the phase's dependent chain; the one key a launch writes into a tile read
+ahead is the new key of that tile's own item (only the last split of a row and KV head holds it), put in from
+registers.
 Device code only.
 """
 

@@ -37,7 +37,8 @@ LAST_PHASE = 5
 # attention, not against phase 1's reads; NEXT adds the next layer's qkv tiles during the MLP.
 # PRELOAD: each projection's first weight step loaded into registers between the arrival at the barrier ahead
 # of its phase and the wait there, every later step while the one before computes (decode_layer_gemv.py); the
-# first attention item's first key tile likewise at barrier 1 (decode_layer_attention.py).
+# first attention item's first key tile likewise at barrier 1, each later item's during the item before
+# (decode_layer_attention.py).
 
 
 @triton.jit
@@ -49,6 +50,30 @@ def _preload(w_ptr, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, BK: tl.c
     else:  # one return: Triton types every return statement, even in a branch the constexpr prunes
         w, w2 = w_ptr, w_ptr
     return w, w2
+
+
+@triton.jit
+def _projection_after_barrier(
+    bar_ptr, clock_ptr, k, round0, w_ptr, in_ptr, nw_ptr, out_ptr, x_ptr, res_ptr, rows, offs_r, eps,
+    N: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr, EPI: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    BLOCK_R: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, RMS_CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    STAGES: tl.constexpr, PRELOAD: tl.constexpr, ON: tl.constexpr, BARRIERS: tl.constexpr, PTX: tl.constexpr,
+    TIMING: tl.constexpr,
+):  # fmt: skip
+    """Barrier k, then (ON: this launch runs the phase) out = epilogue(in_ptr's rows, RMSNormed by nw_ptr with
+    NORM, x W^T): with PRELOAD its first weight step asked for between the arrival and the wait."""
+    timed_arrive(bar_ptr, clock_ptr, k, BARRIERS, TIMING)
+    if ON:
+        w0, w20 = _preload(w_ptr, N, K, BN, BK, EPI == EPI_SILU_MUL, PRELOAD)  # streams during the wait
+    timed_wait(bar_ptr, clock_ptr, k, round0, BARRIERS, PTX, TIMING)
+    if ON:
+        rms = offs_r  # unread without NORM
+        if NORM:
+            rms = _inv_rms(in_ptr, in_ptr, rows, offs_r, K, eps, False, BLOCK_R, RMS_CHUNK)
+        _gemv_phase(
+            w_ptr, w0, w20, in_ptr, in_ptr, nw_ptr, rms, out_ptr, x_ptr, res_ptr, rows, offs_r, N, K, False, NORM, EPI,
+            HAS_RESIDUAL, BLOCK_R, BN, BK, DOT_PRECISION, STAGES, PRELOAD,
+        )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["rows", "num_splits", "eps", "qk_scale"])
@@ -113,57 +138,37 @@ def _decode_layer_kernel(
         )  # fmt: skip
     timed_wait(bar_ptr, clock_ptr, 1, round0, BARRIERS, PTX, TIMING)
     if PHASE == ALL_PHASES or PHASE == 2:
-        items = rows * NUM_KV_HEADS * num_splits
-        later = pid
-        if PRELOAD:  # the program's first item, its first key tile loaded before barrier 1
-            if pid < items:
-                _attention_item(
-                    pid, k_pre, v_pre, num_splits, qkv_ptr, attn_ptr, pos_ptr, cos_ptr, sin_ptr, q_norm_ptr,
-                    k_norm_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, bt_ptr, seq_lens_ptr, acc_ptr, m_ptr, l_ptr,
-                    tickets_ptr, eps, qk_scale, stride_cos, stride_sin, stride_bt, stride_kb, stride_kt, stride_kh,
-                    stride_vb, stride_vt, stride_vh, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_G, BLOCK_D,
-                    BLOCK_N, BLOCK_S, HAS_QK_NORM, DOT_PRECISION, True,
-                )  # fmt: skip
-            later = pid + programs
-        for item in range(later, items, programs):
-            _attention_item(
-                item, k_cache_ptr, v_cache_ptr, num_splits, qkv_ptr, attn_ptr, pos_ptr, cos_ptr, sin_ptr, q_norm_ptr,
-                k_norm_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, bt_ptr, seq_lens_ptr, acc_ptr, m_ptr, l_ptr,
-                tickets_ptr, eps, qk_scale, stride_cos, stride_sin, stride_bt, stride_kb, stride_kt, stride_kh,
-                stride_vb, stride_vt, stride_vh, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_G, BLOCK_D,
-                BLOCK_N, BLOCK_S, HAS_QK_NORM, DOT_PRECISION, False,
+        for item in range(pid, rows * NUM_KV_HEADS * num_splits, programs):
+            # PRELOAD: the next item's first key tile asked for while this one computes (the first item's came
+            # during barrier 1's wait); else placeholders
+            k_next, v_next = _first_kv_tile(
+                item + programs, rows, num_splits, seq_lens_ptr, bt_ptr, k_cache_ptr, v_cache_ptr, stride_bt,
+                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
+                BLOCK_D, BLOCK_N, PRELOAD,
             )  # fmt: skip
-    timed_arrive(bar_ptr, clock_ptr, 2, BARRIERS, TIMING)
-    if PHASE == ALL_PHASES or PHASE == 3:
-        w0, w20 = _preload(o_w_ptr, HIDDEN, Q_SIZE, BN_O, BK_O, False, PRELOAD)  # streams during the wait
-    timed_wait(bar_ptr, clock_ptr, 2, round0, BARRIERS, PTX, TIMING)
-    if PHASE == ALL_PHASES or PHASE == 3:
-        _gemv_phase(
-            o_w_ptr, w0, w20, attn_ptr, attn_ptr, o_w_ptr, offs_r, h1_ptr, x_ptr, res_ptr, rows, offs_r,
-            HIDDEN, Q_SIZE, False, False, EPI_RESIDUAL, HAS_RESIDUAL, BLOCK_R, BN_O, BK_O, DOT_PRECISION, STAGES,
-            PRELOAD,
-        )  # fmt: skip
+            _attention_item(
+                item, k_pre, v_pre, num_splits, qkv_ptr, attn_ptr, pos_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr,
+                k_cache_ptr, v_cache_ptr, slot_ptr, bt_ptr, seq_lens_ptr, acc_ptr, m_ptr, l_ptr, tickets_ptr, eps,
+                qk_scale, stride_cos, stride_sin, stride_bt, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                stride_vh, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_G, BLOCK_D, BLOCK_N, BLOCK_S,
+                HAS_QK_NORM, DOT_PRECISION, PRELOAD,
+            )  # fmt: skip
+            k_pre, v_pre = k_next, v_next
+    _projection_after_barrier(
+        bar_ptr, clock_ptr, 2, round0, o_w_ptr, attn_ptr, o_w_ptr, h1_ptr, x_ptr, res_ptr, rows, offs_r, eps,
+        HIDDEN, Q_SIZE, False, EPI_RESIDUAL, HAS_RESIDUAL, BLOCK_R, BN_O, BK_O, RMS_CHUNK, DOT_PRECISION, STAGES,
+        PRELOAD, PHASE == ALL_PHASES or PHASE == 3, BARRIERS, PTX, TIMING,
+    )  # fmt: skip
     if NEXT:  # the next layer's phase-1 tiles, streaming during this one's MLP (it reads from L2 by then)
         _prefetch_tiles(next_qkv_w_ptr, QKV, HIDDEN, BN_QKV, False, THREADS, PIECES)
-    timed_arrive(bar_ptr, clock_ptr, 3, BARRIERS, TIMING)
-    if PHASE == ALL_PHASES or PHASE == 4:
-        w0, w20 = _preload(gate_up_w_ptr, INTER, HIDDEN, BN_GU, BK_GU, True, PRELOAD)
-    timed_wait(bar_ptr, clock_ptr, 3, round0, BARRIERS, PTX, TIMING)
-    if PHASE == ALL_PHASES or PHASE == 4:
-        rms = _inv_rms(h1_ptr, h1_ptr, rows, offs_r, HIDDEN, eps, False, BLOCK_R, RMS_CHUNK)
-        _gemv_phase(
-            gate_up_w_ptr, w0, w20, h1_ptr, h1_ptr, post_norm_ptr, rms, act_ptr, x_ptr, res_ptr, rows, offs_r,
-            INTER, HIDDEN, False, True, EPI_SILU_MUL, HAS_RESIDUAL, BLOCK_R, BN_GU, BK_GU, DOT_PRECISION, STAGES,
-            PRELOAD,
-        )  # fmt: skip
-    timed_arrive(bar_ptr, clock_ptr, 4, BARRIERS, TIMING)
-    if PHASE == ALL_PHASES or PHASE == 5:
-        w0, w20 = _preload(down_w_ptr, HIDDEN, INTER, BN_DOWN, BK_DOWN, False, PRELOAD)
-    timed_wait(bar_ptr, clock_ptr, 4, round0, BARRIERS, PTX, TIMING)
-    if PHASE == ALL_PHASES or PHASE == 5:
-        _gemv_phase(
-            down_w_ptr, w0, w20, act_ptr, act_ptr, down_w_ptr, offs_r, out_ptr, x_ptr, res_ptr, rows, offs_r,
-            HIDDEN, INTER, False, False, EPI_STORE, HAS_RESIDUAL, BLOCK_R, BN_DOWN, BK_DOWN, DOT_PRECISION, STAGES,
-            PRELOAD,
-        )  # fmt: skip
+    _projection_after_barrier(
+        bar_ptr, clock_ptr, 3, round0, gate_up_w_ptr, h1_ptr, post_norm_ptr, act_ptr, x_ptr, res_ptr, rows, offs_r,
+        eps, INTER, HIDDEN, True, EPI_SILU_MUL, HAS_RESIDUAL, BLOCK_R, BN_GU, BK_GU, RMS_CHUNK, DOT_PRECISION, STAGES,
+        PRELOAD, PHASE == ALL_PHASES or PHASE == 4, BARRIERS, PTX, TIMING,
+    )  # fmt: skip
+    _projection_after_barrier(
+        bar_ptr, clock_ptr, 4, round0, down_w_ptr, act_ptr, down_w_ptr, out_ptr, x_ptr, res_ptr, rows, offs_r, eps,
+        HIDDEN, INTER, False, EPI_STORE, HAS_RESIDUAL, BLOCK_R, BN_DOWN, BK_DOWN, RMS_CHUNK, DOT_PRECISION, STAGES,
+        PRELOAD, PHASE == ALL_PHASES or PHASE == 5, BARRIERS, PTX, TIMING,
+    )  # fmt: skip
     stamp(clock_ptr, STAMPS_C - 1, TIMING)
