@@ -127,14 +127,15 @@ def _gemv_phase(
     acc = tl.zeros((BLOCK_R, BN), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_R, BN), dtype=tl.float32)
     w, w2 = w0, w20  # loop-carried with PRELOAD only
-    a = _acts(in_ptr, in_res_ptr, nw_ptr, rows, offs_r, tl.arange(0, BK), K, rms, ADD, NORM)
+    if S == 1:  # one step a tile: every tile shares the activations, loaded once
+        a = _acts(in_ptr, in_res_ptr, nw_ptr, rows, offs_r, tl.arange(0, BK), K, rms, ADD, NORM)
     for j in tl.range(0, _num_steps(N, K, BN, BK), num_stages=STAGES):
         if PRELOAD:
             w_next, w2_next = _load_step(w_ptr, j + 1, N, K, BN, BK, PAIR)  # in flight during this step
             wj, w2j = w, w2
         else:
             wj, w2j = _load_step(w_ptr, j, N, K, BN, BK, PAIR)
-        if S > 1:  # a K step's activations (with one step a tile, every tile shares them: loaded once)
+        if S > 1:  # this K step's activations
             a = _acts(in_ptr, in_res_ptr, nw_ptr, rows, offs_r, (j % S) * BK + tl.arange(0, BK), K, rms, ADD, NORM)
         acc = _dot_rows(acc, wj, a, BLOCK_R, DOT_PRECISION)
         if PAIR:
