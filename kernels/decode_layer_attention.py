@@ -114,25 +114,27 @@ def _attention_item(
         q = _head_rope(src, heads, g_mask, q_w_ptr, cos_row, sin_row, eps, HEAD_DIM, BLOCK_D, HAS_QK_NORM)
         slot = tl.load(slot_ptr + row).to(tl.int64)
         store_new = (split == live - 1) & (slot >= 0)  # the new key and value, where this row has a slot
-        first = offs_g < 1
-        k = _head_rope(src, NUM_HEADS + kv_head + offs_g * 0, first, k_w_ptr, cos_row, sin_row, eps, HEAD_DIM,
-                       BLOCK_D, HAS_QK_NORM)  # fmt: skip  # row 0 only (read beside q's: a few hundred values)
-        v = tl.load(src + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM + offs_d, mask=d_mask, other=0.0,
-                    cache_modifier=".cg")  # fmt: skip
+        keys = start + tl.arange(0, BLOCK_N)
+        k_tile, v_tile = k_pre, v_pre  # PRE: the first key tile as the cache held it (else placeholders)
         if store_new:
+            first = offs_g < 1
+            k = _head_rope(src, NUM_HEADS + kv_head + offs_g * 0, first, k_w_ptr, cos_row, sin_row, eps, HEAD_DIM,
+                           BLOCK_D, HAS_QK_NORM)  # fmt: skip  # row 0 only
+            v = tl.load(src + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM + offs_d, mask=d_mask, other=0.0,
+                        cache_modifier=".cg")  # fmt: skip
             block, block_row = slot // BLOCK_SIZE, slot % BLOCK_SIZE
             k_dst = k_cache_ptr + block * stride_kb + block_row * stride_kt + kv_head * stride_kh
             tl.store(k_dst + offs_g[:, None] * 0 + offs_d[None, :], k, mask=first[:, None] & d_mask[None, :])
             v_dst = v_cache_ptr + block * stride_vb + block_row * stride_vt + kv_head * stride_vh + offs_d
             tl.store(v_dst, v, mask=d_mask)
+            if PRE:  # the tile was read before this store: the new key and value put in from registers
+                new = (keys == seq_len - 1)[:, None]
+                k_row = tl.sum(tl.where(first[:, None], k.to(tl.float32), 0.0), axis=0).to(k_pre.dtype)  # exact
+                k_tile = tl.where(new, k_row[None, :], k_tile)
+                v_tile = tl.where(new, v[None, :], v_tile)
         tl.debug_barrier()  # the new key and value stored before any thread of this program reads them
         table = bt_ptr + row.to(tl.int64) * stride_bt
         if PRE:
-            keys = start + tl.arange(0, BLOCK_N)
-            new = ((keys == seq_len - 1) & store_new)[:, None]  # the cache held the old key there when loaded
-            k_row = tl.sum(tl.where(first[:, None], k.to(tl.float32), 0.0), axis=0).to(k_pre.dtype)  # exact
-            k_tile = tl.where(new, k_row[None, :], k_pre)
-            v_tile = tl.where(new, v[None, :], v_pre)
             m_i, l_i, acc = _softmax_step(
                 q, k_tile, v_tile, keys < end, qk_scale, tl.full([BLOCK_G], float("-inf"), tl.float32),
                 tl.zeros([BLOCK_G], tl.float32), tl.zeros([BLOCK_G, BLOCK_D], tl.float32), DOT_PRECISION,
